@@ -1,0 +1,143 @@
+"""Run one reward server: ``python -m reward_server --scorers digit,brightness --port 8000``.
+
+On SIGTERM (or Ctrl-C) the server drains: ``/readyz`` and ``/score`` answer 503 for ``--drain-grace-s``
+seconds while in-flight requests finish, then the listener closes, uvicorn waits for open requests and
+the process exits with status 0. A second signal exits at once. If a scorer fails to load the process
+exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from reward_server.app import RewardService, create_app
+from reward_server.scorers import SCORERS, build_scorers
+from reward_server.settings import ServerSettings
+
+_DEFAULTS = ServerSettings(instance_id="defaults")
+
+
+def _scorer_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SCORERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown or empty scorer list {text!r}; available: {', '.join(SCORERS)}"
+        )
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (also used by tests to check deploy files against it)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m reward_server", description="Serve reward scorers over HTTP."
+    )
+    parser.add_argument(
+        "--scorers",
+        type=_scorer_list,
+        required=True,
+        help=f"comma-separated names from: {', '.join(SCORERS)}",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("REWARD_SERVER_TOKEN"),
+        help="require 'Authorization: Bearer TOKEN' (default: $REWARD_SERVER_TOKEN; prefer it to the flag, "
+        "which other users can see in the process list)",
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="directory that model-based scorers load from"
+    )
+    parser.add_argument(
+        "--instance-id", default=None, help="reported in responses (default: host-pid-random)"
+    )
+    parser.add_argument("--max-items", type=int, default=_DEFAULTS.max_items)
+    parser.add_argument("--max-image-side", type=int, default=_DEFAULTS.max_image_side)
+    parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
+    parser.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
+    parser.add_argument("--batch-wait-ms", type=float, default=_DEFAULTS.batch_wait_ms)
+    parser.add_argument("--max-queue-items", type=int, default=_DEFAULTS.max_queue_items)
+    parser.add_argument("--drain-grace-s", type=float, default=_DEFAULTS.drain_grace_s)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn server whose first SIGTERM/SIGINT starts a drain instead of closing the listener at once."""
+
+    def __init__(self, config: uvicorn.Config, service: RewardService, drain_grace_s: float) -> None:
+        super().__init__(config)
+        self.service = service
+        self.drain_grace_s = drain_grace_s
+        self.drain_deadline: float | None = None
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_deadline is not None:  # second signal: stop now
+            self.should_exit = True
+            self.force_exit = True
+            return
+        self.drain_deadline = time.monotonic() + self.drain_grace_s
+        self.service.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    def fail(self, exc: BaseException) -> None:
+        """Exit with status 1 (a scorer failed to load)."""
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = ServerSettings(
+            token=args.token or None,
+            max_items=args.max_items,
+            max_image_side=args.max_image_side,
+            max_body_bytes=args.max_body_bytes,
+            max_batch_size=args.max_batch_size,
+            batch_wait_ms=args.batch_wait_ms,
+            max_queue_items=args.max_queue_items,
+            drain_grace_s=args.drain_grace_s,
+            **({"instance_id": args.instance_id} if args.instance_id else {}),
+        )
+    except ValueError as exc:
+        build_parser().error(str(exc))
+    scorers = build_scorers(args.scorers, model_dir=args.model_dir)
+
+    def exit_on_load_failure(exc: BaseException) -> None:
+        server.fail(exc)  # bound below, before uvicorn starts the app
+
+    app = create_app(scorers, settings, on_load_failure=exit_on_load_failure)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=60,
+        access_log=args.log_level == "debug",
+    )
+    server = _DrainingServer(config, app.state.service, settings.drain_grace_s)
+    server.run()
+    return server.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

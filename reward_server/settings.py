@@ -1,0 +1,53 @@
+"""Behaviour settings of one reward server process (limits, batching, drain, auth)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a reward server accepts and how it batches.
+
+    Attributes:
+        token: if set, ``/score`` and ``/info`` require ``Authorization: Bearer <token>``.
+        max_items: items per request; more is a 413.
+        max_image_side: longest image side in pixels; more is a 422 (checked before decompressing).
+        max_body_bytes: request body size; more is a 413.
+        max_batch_size: items per call to a scorer; requests are split or merged into micro-batches.
+        batch_wait_ms: how long a scorer worker waits for more requests to fill a micro-batch.
+        max_queue_items: items waiting per scorer; a request that would exceed it gets a 429.
+        drain_grace_s: after SIGTERM, how long ``/readyz`` answers 503 while the port stays open, so that
+            clients and load balancers move away before the listener closes.
+        instance_id: reported in every response, to tell replicas apart.
+    """
+
+    token: str | None = None
+    max_items: int = 256
+    max_image_side: int = 4096
+    max_body_bytes: int = 256 * 1024 * 1024
+    max_batch_size: int = 32
+    batch_wait_ms: float = 5.0
+    max_queue_items: int = 4096
+    drain_grace_s: float = 2.0
+    instance_id: str = field(default_factory=_default_instance_id)
+
+    def __post_init__(self) -> None:
+        for name in ("max_items", "max_image_side", "max_body_bytes", "max_batch_size", "max_queue_items"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_items < self.max_items:
+            raise ValueError(
+                f"max_queue_items ({self.max_queue_items}) must be >= max_items ({self.max_items})"
+            )
+        if self.batch_wait_ms < 0 or self.drain_grace_s < 0:
+            raise ValueError("batch_wait_ms and drain_grace_s must be >= 0")
+        if self.token == "":
+            raise ValueError("token must be None or a non-empty string")

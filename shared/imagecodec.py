@@ -1,0 +1,139 @@
+"""Image codec for the reward protocol: uint8 ``[H, W, C]`` arrays (C = 1 or 3) to wire images and back.
+
+numpy and PIL only (no torch). Wire images are dicts shaped like :class:`shared.protocol.EncodedImage`
+so that the client can build JSON bodies without constructing pydantic models.
+
+``png`` and ``raw`` are lossless; ``jpeg`` and ``webp`` are lossy and meant for people and tools, not
+for training. Decoding checks the image size from the header before decompressing it, so an
+oversized image costs nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+class DecodeError(ValueError):
+    """The wire image cannot be turned into a uint8 ``[H, W, C]`` array."""
+
+
+class ImageTooLargeError(DecodeError):
+    """The image is valid but one side exceeds the allowed maximum."""
+
+
+def as_hwc_uint8(array: np.ndarray) -> np.ndarray:
+    """Return ``array`` as a contiguous uint8 ``[H, W, C]`` array, adding C = 1 to an ``[H, W]`` array.
+
+    Raises:
+        ValueError: if the dtype is not uint8 or the shape is not ``[H, W]`` / ``[H, W, 1|3]``.
+    """
+    if array.dtype != np.uint8:
+        raise ValueError(f"images must be uint8, got {array.dtype}")
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3 or array.shape[2] not in (1, 3) or array.shape[0] == 0 or array.shape[1] == 0:
+        raise ValueError(f"images must be [H, W], [H, W, 1] or [H, W, 3], got shape {list(array.shape)}")
+    return np.ascontiguousarray(array)
+
+
+def encode_image(array: np.ndarray, format: str = "png", *, quality: int = 95) -> dict[str, Any]:
+    """Encode one image into a wire dict ``{"format", "data"[, "shape"]}``.
+
+    Args:
+        array: uint8 ``[H, W]`` or ``[H, W, C]`` with C = 1 (sent as grayscale) or 3 (RGB).
+        format: ``png`` (default, lossless), ``raw`` (lossless, fastest, largest), ``jpeg`` or ``webp``.
+        quality: for the lossy formats only.
+    """
+    array = as_hwc_uint8(array)
+    if format == "raw":
+        return {
+            "format": "raw",
+            "data": base64.b64encode(array.tobytes()).decode("ascii"),
+            "shape": list(array.shape),
+        }
+    if format not in _PIL_FORMATS:
+        raise ValueError(f"unknown image format {format!r}; expected one of png, jpeg, webp, raw")
+    image = Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
+    buffer = io.BytesIO()
+    if format == "png":
+        # Level 1: the trainer encodes whole batches every step; higher levels cost CPU for a few % of size.
+        image.save(buffer, format="PNG", compress_level=1)
+    else:
+        image.save(buffer, format=_PIL_FORMATS[format], quality=quality)
+    return {"format": format, "data": base64.b64encode(buffer.getvalue()).decode("ascii")}
+
+
+def encode_batch(images: np.ndarray | Sequence[np.ndarray], format: str = "png") -> list[dict[str, Any]]:
+    """Encode a batch (uint8 ``[B, H, W, C]`` or a sequence of ``[H, W(, C)]`` arrays) into wire dicts."""
+    return [encode_image(image, format) for image in images]
+
+
+def decode_image(
+    format: str, data: str, shape: Sequence[int] | None = None, *, max_side: int | None = None
+) -> np.ndarray:
+    """Decode a wire image into a uint8 ``[H, W, C]`` array with C = 1 or 3.
+
+    Files with an alpha channel lose it; palette and other modes become RGB, 16-bit and binary
+    images become 8-bit grayscale.
+
+    Raises:
+        ImageTooLargeError: a side exceeds ``max_side`` (checked before decompressing).
+        DecodeError: anything else that prevents decoding (bad base64, corrupt file, format mismatch,
+            raw data whose length does not match ``shape``).
+    """
+    if format == "raw":
+        return _decode_raw(data, shape, max_side)
+    if format not in _PIL_FORMATS:
+        raise DecodeError(f"unknown image format {format!r}")
+    payload = _b64decode(data)
+    try:
+        image = Image.open(io.BytesIO(payload))
+    except UnidentifiedImageError:
+        raise DecodeError(f"data is not a readable {format} image (unrecognised file content)") from None
+    except Exception as exc:  # PIL raises several unrelated types for corrupt files
+        raise DecodeError(f"data is not a readable {format} image: {exc}") from exc
+    if image.format != _PIL_FORMATS[format]:
+        raise DecodeError(f"declared format {format!r} but the data is {image.format or 'unknown'}")
+    _check_side(image.height, image.width, max_side)
+    try:
+        if image.mode in ("P", "PA"):  # via RGBA so that palette transparency is resolved, then dropped
+            image = image.convert("RGBA")
+        if image.mode not in ("L", "RGB"):
+            image = image.convert("L" if image.mode in ("1", "LA", "I", "I;16", "F") else "RGB")
+        array = np.asarray(image, dtype=np.uint8)
+    except Exception as exc:
+        raise DecodeError(f"corrupt {format} image: {exc}") from exc
+    return as_hwc_uint8(array)
+
+
+def _decode_raw(data: str, shape: Sequence[int] | None, max_side: int | None) -> np.ndarray:
+    if shape is None or len(shape) != 3 or shape[2] not in (1, 3) or min(shape) <= 0:
+        raise DecodeError(f"raw images need shape [H, W, C] with C in (1, 3), got {shape}")
+    height, width, channels = (int(s) for s in shape)
+    _check_side(height, width, max_side)
+    payload = _b64decode(data)
+    expected = height * width * channels
+    if len(payload) != expected:
+        raise DecodeError(f"raw data has {len(payload)} bytes but shape {list(shape)} needs {expected}")
+    return np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels).copy()
+
+
+def _b64decode(data: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise DecodeError(f"data is not valid base64: {exc}") from exc
+
+
+def _check_side(height: int, width: int, max_side: int | None) -> None:
+    if max_side is not None and max(height, width) > max_side:
+        raise ImageTooLargeError(f"image is {height}x{width}, larger than the maximum side {max_side}")

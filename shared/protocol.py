@@ -1,0 +1,186 @@
+"""Wire schemas of the reward protocol, shared by the reward servers and the trainer's client.
+
+Requests are validated strictly (``extra="forbid"``) so that a misspelt field is a 422 with a message
+instead of a silently ignored option. Responses ignore unknown fields so that an older client keeps
+working against a newer server that adds fields.
+
+A failed score is never a number: it is ``ok: false, score: null`` with an :class:`ItemError`.
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = "1"
+
+ImageFormat = Literal["png", "jpeg", "webp", "raw"]
+
+
+class ErrorCode(str, Enum):
+    """Why one item could not be scored by one scorer."""
+
+    TIMEOUT = "TIMEOUT"  # the request deadline passed before the item was computed
+    DECODE = "DECODE"  # the image (or mask) could not be decoded
+    OOM = "OOM"  # the scorer ran out of memory
+    PARSE = "PARSE"  # the scorer could not parse its target (prompt, metadata) or its model's answer
+    INTERNAL = "INTERNAL"  # the scorer raised or returned a non-finite score
+    BAD_INPUT = "BAD_INPUT"  # the item is valid on the wire but unsuitable for this scorer (e.g. its size)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class EncodedImage(_Request):
+    """An image on the wire.
+
+    ``png``, ``jpeg`` and ``webp`` carry the base64 of the file; ``raw`` carries the base64 of the
+    uint8 pixels in row-major ``[H, W, C]`` order and requires ``shape`` (C is 1 or 3).
+    """
+
+    format: ImageFormat
+    data: str = Field(min_length=1, description="base64 (standard alphabet, with padding)")
+    shape: tuple[int, int, int] | None = Field(default=None, description="[H, W, C], raw format only")
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> EncodedImage:
+        if self.format == "raw":
+            if self.shape is None:
+                raise ValueError("format 'raw' requires shape [H, W, C]")
+            height, width, channels = self.shape
+            if height <= 0 or width <= 0:
+                raise ValueError(f"shape {list(self.shape)} must have positive height and width")
+            if channels not in (1, 3):
+                raise ValueError(f"shape {list(self.shape)} must have 1 (grayscale) or 3 (RGB) channels")
+        elif self.shape is not None:
+            raise ValueError(f"shape is only allowed with format 'raw', not {self.format!r}")
+        return self
+
+
+class ScoreItem(_Request):
+    """One image to score, with the prompt it was generated from."""
+
+    id: str = Field(min_length=1, max_length=256)
+    prompt: str
+    image: EncodedImage
+    mask: EncodedImage | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict, description="scorer-specific targets")
+
+    @model_validator(mode="after")
+    def _check_metadata(self) -> ScoreItem:
+        if "mask" in self.metadata:
+            raise ValueError(
+                "metadata key 'mask' is reserved (scorers find the decoded mask there); use the mask field"
+            )
+        return self
+
+
+class ScoreRequest(_Request):
+    """Body of ``POST /score``."""
+
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=256)
+    deadline_ms: int | None = Field(
+        default=None,
+        gt=0,
+        description="time budget in ms from the server's receipt; items not computed by then fail with TIMEOUT",
+    )
+    scorers: list[str] | None = Field(default=None, min_length=1, description="default: all scorers")
+    items: list[ScoreItem] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_unique(self) -> ScoreRequest:
+        ids = [item.id for item in self.items]
+        if len(set(ids)) != len(ids):
+            duplicates = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"item ids must be unique; repeated: {duplicates[:5]}")
+        if self.scorers is not None and len(set(self.scorers)) != len(self.scorers):
+            raise ValueError(f"scorers must be unique, got {self.scorers}")
+        return self
+
+
+class ItemError(_Response):
+    code: ErrorCode
+    message: str
+
+
+class ScorerResult(_Response):
+    """The outcome of one scorer on one item: a finite score, or an error, never both."""
+
+    ok: bool
+    score: float | None = Field(default=None, allow_inf_nan=False)
+    details: dict[str, Any] = Field(default_factory=dict)
+    error: ItemError | None = None
+
+    @model_validator(mode="after")
+    def _check_consistent(self) -> ScorerResult:
+        if self.ok and (self.score is None or self.error is not None):
+            raise ValueError("ok result needs a score and no error")
+        if not self.ok and (self.score is not None or self.error is None):
+            raise ValueError("failed result needs an error and no score")
+        return self
+
+
+class ItemResult(_Response):
+    id: str
+    scores: dict[str, ScorerResult]
+
+
+class ScorerTiming(_Response):
+    queue_ms: float = Field(description="from submission to the start of the first batch holding the items")
+    inference_ms: float = Field(description="time spent in the scorer on the batches holding the items")
+    batch_size: int = Field(description="largest micro-batch the items were scored in")
+
+
+class Timing(_Response):
+    total_ms: float
+    decode_ms: float
+    scorers: dict[str, ScorerTiming]
+
+
+class ScoreResponse(_Response):
+    """Body of a 200 answer to ``POST /score``; results are in request order."""
+
+    request_id: str
+    instance: str = Field(description="id of the server process that answered")
+    models: dict[str, str] = Field(description="scorer name -> model version / fingerprint")
+    results: list[ItemResult]
+    timing: Timing
+
+
+class ScorerInfo(_Response):
+    name: str
+    version: str
+    score_min: float | None = Field(description="None: unbounded below")
+    score_max: float | None = Field(description="None: unbounded above")
+    description: str
+
+
+class Limits(_Response):
+    max_items: int
+    max_image_side: int
+    max_body_bytes: int
+
+
+class InfoResponse(_Response):
+    """Body of ``GET /info``."""
+
+    protocol_version: str = PROTOCOL_VERSION
+    instance: str
+    ready: bool
+    scorers: list[ScorerInfo]
+    limits: Limits
+
+
+class ErrorResponse(_Response):
+    """Body of every 4xx/5xx answer: what is wrong, in words."""
+
+    detail: str

@@ -1,0 +1,18 @@
+"""Shared test setup: few threads (the machine is shared), and fixtures for tiny real models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("RF_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random tiny SD3 model saved with save_pretrained, loaded back by tests through the adapter."""
+    from trainer.models.tiny import build_tiny_sd3
+
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("models") / "tiny-sd3"))

@@ -1,0 +1,112 @@
+"""run_server.sh start/status/stop with two CPU replicas."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "run_server.sh"
+
+
+def _free_port_pair() -> int:
+    """A port P such that P and P + 1 are free on the loopback interface right now."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _run(
+    command: str, *args: str, run_dir: Path, gpus: str = "", timeout_s: float = 90
+) -> subprocess.CompletedProcess[str]:
+    """``run_server.sh COMMAND --run-dir RUN_DIR ARGS...`` with this interpreter; no GPUs unless ``gpus``."""
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": gpus}
+    return subprocess.run(
+        [str(SCRIPT), command, "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def _pid_running(pid: int) -> bool:
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True, check=False)
+    return state.returncode == 0 and not state.stdout.strip().startswith("Z")
+
+
+def test_start_status_stop_two_cpu_replicas(tmp_path: Path) -> None:
+    port = _free_port_pair()
+    run_dir = tmp_path / "reward"
+    started = _run("start", "--replicas", "2", "--base-port", str(port), "--scorers", "brightness", "--",
+                   "--drain-grace-s", "0.2", run_dir=run_dir)  # fmt: skip
+    pids = []
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+        assert started.stdout.strip().splitlines()[-3:] == ["ready:", *urls]
+        pids = [int((run_dir / f"replica-{i}.pid").read_text()) for i in range(2)]
+        instances = set()
+        for url in urls:
+            assert httpx.get(f"{url}/readyz", trust_env=False).status_code == 200
+            instances.add(httpx.get(f"{url}/info", trust_env=False).json()["instance"])
+        assert len(instances) == 2
+        assert (run_dir / "replica-1.log").exists()
+
+        status = _run("status", run_dir=run_dir)
+        assert status.returncode == 0 and status.stdout.count(", ready") == 2
+
+        again = _run("start", "--replicas", "2", "--base-port", str(port), run_dir=run_dir)
+        assert again.returncode == 1 and "already running" in again.stderr
+    finally:
+        stopped = _run("stop", run_dir=run_dir)
+    assert stopped.returncode == 0 and "stopped 2 replica(s)" in stopped.stdout
+    assert not any(_pid_running(pid) for pid in pids)
+    assert _run("status", run_dir=run_dir).returncode == 3
+
+
+def test_start_reports_a_replica_that_dies(tmp_path: Path) -> None:
+    failed = _run("start", "--replicas", "1", "--base-port", str(_free_port_pair()), "--scorers", "brightness",
+                  "--", "--bogus", run_dir=tmp_path)  # fmt: skip
+    assert failed.returncode == 1
+    assert "replica 0 exited" in failed.stderr and "unrecognized arguments: --bogus" in failed.stderr
+    assert not list(tmp_path.glob("*.pid"))
+
+
+def test_unknown_command_and_option() -> None:
+    assert subprocess.run([str(SCRIPT), "restart"], capture_output=True, check=False).returncode == 1
+    result = subprocess.run(
+        [str(SCRIPT), "start", "--gpus", "2"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1 and "unknown option --gpus" in result.stderr
+
+
+def test_one_replica_per_visible_gpu_pinned_by_cuda_visible_devices(tmp_path: Path) -> None:
+    """GPU ids are only passed on, so this runs on the CPU; the servers never touch CUDA."""
+    port = _free_port_pair()
+    started = _run("start", "--base-port", str(port), "--scorers", "brightness", run_dir=tmp_path, gpus="3,5")
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert "replica 0: pid" in started.stdout and "GPU 3," in started.stdout
+        assert "replica 1: pid" in started.stdout and "GPU 5," in started.stdout
+        for index, gpu in enumerate(["3", "5"]):
+            pid = (tmp_path / f"replica-{index}.pid").read_text().strip()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"CUDA_VISIBLE_DEVICES={gpu}".encode() in environ
+    finally:
+        assert _run("stop", run_dir=tmp_path).returncode == 0

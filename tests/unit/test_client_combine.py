@@ -1,0 +1,104 @@
+"""Reward combination and the in-process client (same contract as the HTTP client, no server)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from trainer.rewards import InProcessRewardClient, RewardResult, combine
+
+
+@pytest.fixture(scope="module")
+def client() -> InProcessRewardClient:
+    with InProcessRewardClient.from_names(
+        {"brightness": 2.0, "jpeg_compressibility": -0.5, "digit": 0.0}
+    ) as c:
+        yield c
+
+
+def _images(count: int, channels: int = 1) -> np.ndarray:
+    return np.random.default_rng(count).integers(0, 256, (count, 16, 16, channels), dtype=np.uint8)
+
+
+def test_combine_is_a_weighted_sum() -> None:
+    components = {"a": np.array([1.0, 2.0, 3.0]), "b": np.array([10.0, 0.0, -10.0])}
+    np.testing.assert_allclose(combine(components, {"a": 2.0, "b": -0.5}), [-3.0, 4.0, 11.0])
+
+
+def test_combine_propagates_nan_but_ignores_zero_weights() -> None:
+    components = {
+        "a": np.array([1.0, np.nan]),
+        "b": np.array([np.nan, 1.0]),
+        "log_only": np.array([np.nan, 5.0]),
+    }
+    combined = combine(components, {"a": 1.0, "b": 1.0, "log_only": 0.0})
+    assert np.isnan(combined).all()
+    np.testing.assert_allclose(combine(components, {"a": 1.0, "log_only": 0.0}), [1.0, np.nan])
+
+
+def test_in_process_client_matches_closed_forms(client: InProcessRewardClient) -> None:
+    images = _images(5, channels=3)
+    result = client.score(images, ["digit 1"] * 5)
+    brightness = images.reshape(5, -1).mean(axis=1) / 255
+    np.testing.assert_allclose(result.components["brightness"], brightness)
+    assert (result.components["jpeg_compressibility"] < 0).all()
+    np.testing.assert_allclose(
+        result.combined, 2.0 * brightness - 0.5 * result.components["jpeg_compressibility"]
+    )
+    assert set(result.components) == {"brightness", "jpeg_compressibility", "digit"}
+    assert all(array.dtype == np.float64 and array.shape == (5,) for array in result.components.values())
+
+
+def test_failed_items_are_nan_with_an_error(client: InProcessRewardClient) -> None:
+    result = client.score(_images(3), ["digit 4", "no target", "seven"])
+    digit = result.components["digit"]
+    assert np.isnan(digit[1]) and not np.isnan(digit[[0, 2]]).any()
+    assert result.errors["digit"][1].startswith("PARSE:")
+    assert result.num_failed == 0  # digit has weight 0: logged, not combined
+
+    strict = InProcessRewardClient(client.scorers, {"digit": 1.0, "brightness": 1.0})
+    result = strict.score(_images(3), ["digit 4", "no target", "seven"])
+    assert np.isnan(result.combined[1]) and result.num_failed == 1
+    strict.close()
+
+
+def test_submit_returns_a_future_and_copies_inputs(client: InProcessRewardClient) -> None:
+    images = np.full((2, 16, 16, 1), 255, np.uint8)
+    future = client.submit(images, ["1", "2"], [{"digit": 1}, {"digit": 2}])
+    images[:] = 0  # the caller reuses its buffer at once
+    assert isinstance(future, concurrent.futures.Future)
+    result = future.result(timeout=30)
+    assert isinstance(result, RewardResult)
+    np.testing.assert_allclose(result.components["brightness"], [1.0, 1.0])
+
+
+def test_score_async(client: InProcessRewardClient) -> None:
+    result = asyncio.run(client.score_async(_images(2), ["1", "2"]))
+    assert result.combined.shape == (2,)
+
+
+@pytest.mark.parametrize(
+    ("images", "prompts", "metadata", "message"),
+    [
+        (np.zeros((2, 16, 16, 1), np.float32), ["a", "b"], None, "uint8"),
+        (np.zeros((2, 16, 16), np.uint8), ["a", "b"], None, r"\[B, H, W, C\]"),
+        (np.zeros((2, 16, 16, 4), np.uint8), ["a", "b"], None, "C = 1 or 3"),
+        (np.zeros((2, 16, 16, 1), np.uint8), ["a"], None, "2 images but 1 prompts"),
+        (np.zeros((2, 16, 16, 1), np.uint8), ["a", "b"], [{}], "2 images but 1 metadata"),
+    ],
+)
+def test_inputs_are_validated(client: InProcessRewardClient, images, prompts, metadata, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        client.submit(images, prompts, metadata)
+
+
+def test_weights_must_name_given_scorers(client: InProcessRewardClient) -> None:
+    with pytest.raises(ValueError, match="not given"):
+        InProcessRewardClient(client.scorers, {"aesthetic": 1.0})
+    with pytest.raises(ValueError, match="at least one"):
+        InProcessRewardClient(client.scorers, {})
+    with pytest.raises(ValueError, match="finite"):
+        InProcessRewardClient(client.scorers, {"brightness": float("nan")})

@@ -1,0 +1,128 @@
+"""The flow SDE step against closed forms (ALGORITHMS.md section 1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from trainer.samplers.flow_sde import cps_step_with_logprob, eta_step_with_logprob, sde_step_with_logprob
+
+
+def _inputs(batch: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 2, 4, 4, generator=g)
+    v = torch.randn(batch, 2, 4, 4, generator=g)
+    sigma = torch.tensor([0.9, 0.5, 0.2])[:batch]
+    sigma_next = torch.tensor([0.8, 0.4, 0.1])[:batch]
+    return x, v, sigma, sigma_next
+
+
+def test_log_prob_is_the_averaged_closed_form_gaussian_density():
+    x, v, sigma, sigma_next = _inputs()
+    prev, log_prob, mean, std = sde_step_with_logprob(
+        v, x, sigma, sigma_next, noise_level=0.7, generator=torch.Generator().manual_seed(1)
+    )
+    dt = (sigma_next - sigma).view(-1, 1, 1, 1)
+    s = sigma.view(-1, 1, 1, 1)
+    expected_std = 0.7 * torch.sqrt(s / (1 - s))
+    expected_mean = (
+        x * (1 + expected_std**2 / (2 * s) * dt) + v * (1 + expected_std**2 * (1 - s) / (2 * s)) * dt
+    )
+    torch.testing.assert_close(std, expected_std)
+    torch.testing.assert_close(mean, expected_mean)
+    scale = expected_std * torch.sqrt(-dt)
+    closed = -((prev - expected_mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(log_prob, closed.mean(dim=(1, 2, 3)))
+    by_torch = torch.distributions.Normal(expected_mean, scale).log_prob(prev).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(log_prob, by_torch)
+
+
+def test_mean_equals_the_score_form_of_the_reverse_sde():
+    x, v, sigma, sigma_next = _inputs()
+    _, _, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, noise_level=0.5)
+    s = sigma.view(-1, 1, 1, 1)
+    dt = (sigma_next - sigma).view(-1, 1, 1, 1)
+    score = -(x + (1 - s) * v) / s
+    torch.testing.assert_close(mean, x + (v - std**2 / 2 * score) * dt)
+
+
+def test_reevaluating_the_drawn_sample_gives_ratio_exactly_one():
+    x, v, sigma, sigma_next = _inputs()
+    prev, log_prob, _, _ = sde_step_with_logprob(
+        v, x, sigma, sigma_next, generator=torch.Generator().manual_seed(3)
+    )
+    _, again, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, prev_sample=prev)
+    assert torch.equal(torch.exp(again - log_prob), torch.ones(3))
+
+
+def test_noise_level_zero_is_the_diffusers_euler_step():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    x, v, _, _ = _inputs(batch=2)
+    for i in (0, 4, 9):
+        expected = scheduler.step(v, scheduler.timesteps[i], x, return_dict=False)[0]
+        scheduler._step_index = None
+        sigma = scheduler.sigmas[i].expand(2)
+        sigma_next = scheduler.sigmas[i + 1].expand(2)
+        prev, _, _, std = sde_step_with_logprob(
+            v, x, sigma, sigma_next, noise_level=0.0, sigma_max=scheduler.sigmas[1]
+        )
+        assert torch.equal(std, torch.zeros_like(std))
+        torch.testing.assert_close(prev, expected, rtol=0, atol=1e-6)
+
+
+def test_first_step_uses_sigma_max_and_refuses_without_it():
+    x, v, _, _ = _inputs(batch=2)
+    one, nxt = torch.ones(2), torch.full((2,), 0.9)
+    with pytest.raises(ValueError, match="sigma_max"):
+        sde_step_with_logprob(v, x, one, nxt)
+    _, _, _, std = sde_step_with_logprob(v, x, one, nxt, noise_level=0.7, sigma_max=0.9)
+    torch.testing.assert_close(std.flatten(), torch.full((2,), 0.7 * math.sqrt(1 / (1 - 0.9))))
+
+
+def test_bf16_inputs_are_computed_in_float32():
+    x, v, sigma, sigma_next = _inputs()
+    prev16, logp16, mean16, _ = sde_step_with_logprob(
+        v.bfloat16(), x.bfloat16(), sigma, sigma_next, generator=torch.Generator().manual_seed(0)
+    )
+    assert prev16.dtype == torch.bfloat16 and logp16.dtype == torch.float32 and mean16.dtype == torch.float32
+    _, ref_logp, ref_mean, _ = sde_step_with_logprob(
+        v.bfloat16().float(), x.bfloat16().float(), sigma, sigma_next, prev_sample=prev16.float()
+    )
+    torch.testing.assert_close(mean16, ref_mean)
+    torch.testing.assert_close(logp16, ref_logp)
+
+
+@pytest.mark.parametrize("step", [cps_step_with_logprob, eta_step_with_logprob])
+def test_variants_reduce_to_euler_at_zero_noise_and_score_their_own_samples(step):
+    x, v, sigma, sigma_next = _inputs()
+    prev, _, _, _ = step(v, x, sigma, sigma_next, noise_level=0.0)
+    torch.testing.assert_close(prev, x + v * (sigma_next - sigma).view(-1, 1, 1, 1))
+    prev, log_prob, mean, std = step(
+        v, x, sigma, sigma_next, noise_level=0.5, generator=torch.Generator().manual_seed(0)
+    )
+    _, again, _, _ = step(v, x, sigma, sigma_next, noise_level=0.5, prev_sample=prev)
+    assert torch.equal(again, log_prob)
+    assert torch.all(log_prob < 10) and torch.all(std > 0)
+
+
+def test_cps_keeps_the_noise_coefficient():
+    x, v, sigma, sigma_next = _inputs()
+    _, _, mean, std = cps_step_with_logprob(v, x, sigma, sigma_next, noise_level=0.6)
+    sn = sigma_next.view(-1, 1, 1, 1)
+    torch.testing.assert_close(std, sn * math.sin(0.6 * math.pi / 2))
+    x0, x1 = x - sigma.view(-1, 1, 1, 1) * v, x + (1 - sigma.view(-1, 1, 1, 1)) * v
+    torch.testing.assert_close(mean, (1 - sn) * x0 + torch.sqrt(sn**2 - std**2) * x1)
+
+
+def test_eta_step_std_is_eta_sqrt_sigma_gap():
+    x, v, sigma, sigma_next = _inputs()
+    prev, log_prob, mean, std = eta_step_with_logprob(
+        v, x, sigma, sigma_next, noise_level=0.3, generator=torch.Generator().manual_seed(0)
+    )
+    scale = 0.3 * torch.sqrt(sigma - sigma_next).view(-1, 1, 1, 1)
+    expected = torch.distributions.Normal(mean, scale).log_prob(prev).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(log_prob, expected)

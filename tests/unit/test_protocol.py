@@ -1,0 +1,238 @@
+"""Wire schemas and image codec: round trips, decode errors and size limits."""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from shared.imagecodec import (
+    DecodeError,
+    ImageTooLargeError,
+    as_hwc_uint8,
+    decode_image,
+    encode_batch,
+    encode_image,
+)
+from shared.protocol import (
+    ErrorCode,
+    InfoResponse,
+    ScoreRequest,
+    ScoreResponse,
+    ScorerResult,
+)
+
+RNG = np.random.default_rng(0)
+GRAY = RNG.integers(0, 256, (24, 16, 1), dtype=np.uint8)
+RGB = RNG.integers(0, 256, (16, 24, 3), dtype=np.uint8)
+
+
+def _png_bytes(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("wire_format", ["png", "raw"])
+@pytest.mark.parametrize("array", [GRAY, RGB], ids=["gray", "rgb"])
+def test_lossless_round_trip(wire_format: str, array: np.ndarray) -> None:
+    encoded = encode_image(array, wire_format)
+    assert encoded["format"] == wire_format
+    decoded = decode_image(encoded["format"], encoded["data"], encoded.get("shape"))
+    assert decoded.dtype == np.uint8
+    np.testing.assert_array_equal(decoded, array)
+
+
+def test_two_dimensional_input_is_grayscale() -> None:
+    encoded = encode_image(GRAY[:, :, 0], "png")
+    assert decode_image("png", encoded["data"]).shape == (24, 16, 1)
+    assert encode_image(GRAY[:, :, 0], "raw")["shape"] == [24, 16, 1]
+
+
+@pytest.mark.parametrize("wire_format", ["jpeg", "webp"])
+def test_lossy_formats_decode_close(wire_format: str) -> None:
+    smooth = np.tile(np.linspace(0, 255, 32, dtype=np.uint8)[None, :, None], (32, 1, 3))
+    decoded = decode_image(wire_format, encode_image(smooth, wire_format)["data"])
+    assert decoded.shape == smooth.shape
+    assert np.abs(decoded.astype(int) - smooth).mean() < 3
+
+
+def test_encode_batch_accepts_a_bhwc_array() -> None:
+    batch = RNG.integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
+    encoded = encode_batch(batch, "raw")
+    assert len(encoded) == 3
+    for item, image in zip(encoded, batch, strict=True):
+        np.testing.assert_array_equal(decode_image("raw", item["data"], item["shape"]), image)
+
+
+@pytest.mark.parametrize(
+    ("array", "message"),
+    [
+        (np.zeros((4, 4, 3), np.float32), "uint8"),
+        (np.zeros((4, 4, 2), np.uint8), "shape"),
+        (np.zeros((2, 4, 4, 3), np.uint8), "shape"),
+        (np.zeros((0, 4, 3), np.uint8), "shape"),
+    ],
+)
+def test_encode_rejects_bad_arrays(array: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        encode_image(array)
+
+
+def test_encode_rejects_unknown_format() -> None:
+    with pytest.raises(ValueError, match="unknown image format"):
+        encode_image(GRAY, "gif")
+
+
+def test_alpha_palette_and_16_bit_images_are_converted() -> None:
+    rgba = Image.fromarray(RNG.integers(0, 256, (8, 8, 4), dtype=np.uint8), mode="RGBA")
+    np.testing.assert_array_equal(decode_image("png", _png_bytes(rgba)), np.asarray(rgba)[:, :, :3])
+    assert decode_image("png", _png_bytes(rgba.convert("P"))).shape == (8, 8, 3)
+    sixteen = Image.fromarray(np.full((8, 8), 100, dtype=np.uint16))
+    assert decode_image("png", _png_bytes(sixteen)).shape == (8, 8, 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("png", "not base64!!"), "not valid base64"),
+        (("png", base64.b64encode(b"garbage").decode()), "not a readable png"),
+        (("jpeg", encode_image(GRAY, "png")["data"]), "declared format 'jpeg' but the data is PNG"),
+        (("png", encode_image(GRAY, "png")["data"][:60]), "png"),
+        (("raw", encode_image(GRAY, "raw")["data"], [24, 16, 3]), "needs 1152"),
+        (("raw", encode_image(GRAY, "raw")["data"], None), "shape"),
+        (("raw", encode_image(GRAY, "raw")["data"], [24, 16, 2]), "shape"),
+        (("bmp", "AAAA"), "unknown image format"),
+    ],
+)
+def test_decode_errors_are_clear(args: tuple, message: str) -> None:
+    with pytest.raises(DecodeError, match=message):
+        decode_image(*args)
+
+
+@pytest.mark.parametrize("wire_format", ["png", "raw"])
+def test_max_side_is_checked(wire_format: str) -> None:
+    encoded = encode_image(GRAY, wire_format)
+    assert decode_image(wire_format, encoded["data"], encoded.get("shape"), max_side=24).shape == GRAY.shape
+    with pytest.raises(ImageTooLargeError, match="24x16, larger than the maximum side 23"):
+        decode_image(wire_format, encoded["data"], encoded.get("shape"), max_side=23)
+    assert issubclass(ImageTooLargeError, DecodeError)
+
+
+def test_as_hwc_uint8_makes_contiguous() -> None:
+    view = RGB[:, ::2]
+    assert not view.flags.c_contiguous
+    assert as_hwc_uint8(view).flags.c_contiguous
+
+
+def _request(**overrides: object) -> dict:
+    body = {
+        "request_id": "r1",
+        "items": [
+            {"id": "a", "prompt": "digit 3", "image": encode_image(GRAY, "png"), "metadata": {"digit": 3}}
+        ],
+    }
+    body.update(overrides)
+    return body
+
+
+def test_score_request_parses_and_defaults() -> None:
+    request = ScoreRequest.model_validate(_request())
+    assert request.scorers is None and request.deadline_ms is None
+    assert request.items[0].metadata == {"digit": 3}
+    assert ScoreRequest.model_validate({"items": _request()["items"]}).request_id  # generated
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"colour": "red"}, "Extra inputs are not permitted"),
+        ({"items": []}, "at least 1 item"),
+        ({"deadline_ms": 0}, "greater than 0"),
+        ({"scorers": ["digit", "digit"]}, "scorers must be unique"),
+        ({"items": [_request()["items"][0]] * 2}, "item ids must be unique"),
+        (
+            {"items": [{"id": "a", "prompt": "", "image": {"format": "gif", "data": "AA"}}]},
+            "'png', 'jpeg', 'webp'",
+        ),
+        ({"items": [{"id": "a", "prompt": "", "image": {"format": "raw", "data": "AA"}}]}, "requires shape"),
+        (
+            {
+                "items": [
+                    {"id": "a", "prompt": "", "image": {"format": "raw", "data": "AA", "shape": [1, 1, 4]}}
+                ]
+            },
+            "1 \\(grayscale\\) or 3",
+        ),
+        (
+            {
+                "items": [
+                    {"id": "a", "prompt": "", "image": {"format": "png", "data": "AA", "shape": [1, 1, 1]}}
+                ]
+            },
+            "only allowed with format 'raw'",
+        ),
+        (
+            {"items": [{"id": "a", "prompt": "", "image": encode_image(GRAY), "metadata": {"mask": 1}}]},
+            "reserved",
+        ),
+    ],
+)
+def test_score_request_rejects(change: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ScoreRequest.model_validate(_request(**change))
+
+
+def test_scorer_result_is_a_score_or_an_error() -> None:
+    ScorerResult(ok=True, score=0.5)
+    ScorerResult(ok=False, error={"code": "PARSE", "message": "no digit"})
+    with pytest.raises(ValidationError, match="ok result needs a score"):
+        ScorerResult(ok=True, score=None)
+    with pytest.raises(ValidationError, match="failed result needs an error and no score"):
+        ScorerResult(ok=False, score=0.0, error={"code": "INTERNAL", "message": "x"})
+    with pytest.raises(ValidationError, match="finite"):
+        ScorerResult(ok=True, score=float("nan"))
+    with pytest.raises(ValidationError):
+        ScorerResult(ok=False, error={"code": "ZERO", "message": "x"})
+    assert {code.value for code in ErrorCode} == {
+        "TIMEOUT",
+        "DECODE",
+        "OOM",
+        "PARSE",
+        "INTERNAL",
+        "BAD_INPUT",
+    }
+
+
+def test_responses_tolerate_new_fields() -> None:
+    response = ScoreResponse.model_validate(
+        {
+            "request_id": "r1",
+            "instance": "i",
+            "models": {"digit": "v1"},
+            "results": [{"id": "a", "scores": {"digit": {"ok": True, "score": 0.9, "new_field": 1}}}],
+            "timing": {"total_ms": 1, "decode_ms": 0, "scorers": {}},
+            "added_later": True,
+        }
+    )
+    assert response.results[0].scores["digit"].score == 0.9
+    info = InfoResponse.model_validate(
+        {
+            "instance": "i",
+            "ready": True,
+            "scorers": [{"name": "b", "version": "1", "score_min": 0, "score_max": None, "description": ""}],
+            "limits": {"max_items": 1, "max_image_side": 2, "max_body_bytes": 3},
+        }
+    )
+    assert info.protocol_version == "1"
+
+
+def test_shared_does_not_import_torch() -> None:
+    code = "import sys, shared.protocol, shared.imagecodec; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

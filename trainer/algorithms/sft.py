@@ -1,0 +1,83 @@
+"""Supervised fine-tuning with the denoising regression loss (the warm-up phase before RL).
+
+    x_sigma = adapter.training_target(x0, eps, sigma)   (flow: (1 - sigma) x0 + sigma eps, target eps - x0)
+    L = mean || model(x_sigma, sigma, c) - target ||^2,  sigma ~ logit-normal(m, s)
+A fraction ``cfg_dropout`` of prompts is replaced by the empty prompt so the model also learns the
+unconditional branch that CFG needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.algorithms.base import LossContext
+from trainer.models.base import Conditioning, ModelAdapter
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up settings."""
+
+    batch_size: int = 64
+    """Dataset samples per optimizer step (per rank)."""
+    micro_batch_size: int = 64
+    """Samples per forward/backward; gradients accumulate up to ``batch_size``."""
+    cfg_dropout: float = 0.1
+    """Probability of training a sample with the empty prompt (the unconditional branch for CFG)."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal density of training noise levels (SD3's default)."""
+    logit_std: float = 1.0
+    """Std of the logit-normal density of training noise levels."""
+
+
+@dataclass
+class SFTBatch:
+    x0: torch.Tensor          # [B, *latent_shape] targets in latent space
+    noise: torch.Tensor       # [B, *latent_shape]
+    sigma: torch.Tensor       # [B]
+    cond: Conditioning
+
+
+def logit_normal_sigmas(n: int, mean: float, std: float, generator: torch.Generator | None) -> torch.Tensor:
+    """sigma = sigmoid(m + s * z), z ~ N(0, 1): SD3's training density over noise levels."""
+    return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+
+
+def denoising_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """mean over samples (optionally weighted) of the per-sample mean squared error."""
+    per_sample = ((prediction.float() - target.float()) ** 2).mean(dim=tuple(range(1, prediction.ndim)))
+    if weights is None:
+        return per_sample.mean()
+    return (per_sample * weights).sum() / weights.sum()
+
+
+class SFT:
+    """Denoising regression on dataset images."""
+
+    config_class = SFTConfig
+
+    def __init__(self, config: SFTConfig):
+        self.config = config
+
+    def data_batch(self, adapter: ModelAdapter, images: torch.Tensor, prompts: list[str],
+                   generator: torch.Generator) -> SFTBatch:
+        """Images in [0, 1] [B, C, H, W] and their prompts -> one supervised batch."""
+        drop = torch.rand(len(prompts), generator=generator) < self.config.cfg_dropout
+        prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
+        x0 = adapter.encode_images(images)
+        noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+        sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator)
+        return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts))
+
+    def plan(self, batch: SFTBatch, generator: torch.Generator) -> list[list[tuple[SFTBatch, torch.Tensor]]]:
+        """One optimizer step over the batch, accumulated over micro-batches."""
+        return [[(batch, idx) for idx in torch.arange(len(batch.sigma)).split(self.config.micro_batch_size)]]
+
+    def loss(self, ctx: LossContext, unit: tuple[SFTBatch, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch, idx = unit
+        x_t, target = ctx.adapter.training_target(batch.x0[idx], batch.noise[idx], batch.sigma[idx])
+        pred = ctx.adapter.predict(ctx.policy, x_t, batch.sigma[idx], batch.cond.select(idx), 1.0)
+        loss = denoising_loss(pred, target)
+        return loss, {"sft_loss": loss.detach()}

@@ -1,0 +1,87 @@
+"""Build a run from its config: device, backend, model, algorithm, task, reward client, logger."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from trainer.algorithms import build_algorithm
+from trainer.algorithms.sft import SFT
+from trainer.config import Config, to_dict
+from trainer.data import build_task
+from trainer.distributed import detect_world, init_backend
+from trainer.logging import RunLogger
+from trainer.models import build_adapter
+from trainer.trainer import Trainer
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(name)
+
+
+def run(config: Config) -> dict[str, float]:
+    """Run the whole job described by ``config``; returns the final evaluation metrics."""
+    world = detect_world()
+    device = resolve_device(config.train.device, world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = config.train.num_threads or max(1, (os.cpu_count() or 1) // world.local_world_size)
+    torch.set_num_threads(threads)
+    backend = init_backend(config.parallel.backend, config.parallel.dist_backend, device)
+    main = backend.world.rank == 0
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(backend.close)
+        run_name = backend.broadcast(config.logging.run_name or time.strftime("%Y%m%d-%H%M%S"))
+        run_dir = Path(config.logging.output_dir) / run_name
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+        torch.manual_seed(config.train.seed)
+        if main:  # rank 0 first: it may build (tiny) or cache files the others then read
+            adapter = build_adapter(config.model, device)
+        backend.barrier()
+        if not main:
+            adapter = build_adapter(config.model, device)
+        task = build_task(config.data.name, config.data.image_size)
+
+        urls = list(config.reward.urls)
+        if not urls:
+            urls = backend.broadcast(_start_local_pool(config, run_dir, stack) if main else None)
+        from trainer.rewards.client import HttpRewardClient
+
+        client = HttpRewardClient(urls, config.reward.weights, token=config.reward.token,
+                                  timeout_s=config.reward.timeout_s, max_concurrency=config.reward.max_concurrency,
+                                  batch_size=config.reward.batch_size, wire_format=config.reward.wire_format)
+        stack.callback(client.close)
+        logger = RunLogger(run_dir, enabled=main, tensorboard=config.logging.tensorboard)
+        stack.callback(logger.close)
+
+        trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
+                          backend, logger)
+        if main:
+            print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
+        metrics = trainer.fit()
+        if main:
+            adapter.save_trainable(str(run_dir / "final"))
+            print(f"done: {run_dir}", flush=True)
+        backend.barrier()
+        return metrics
+
+
+def _start_local_pool(config: Config, run_dir: Path, stack: contextlib.ExitStack) -> list[str]:
+    """Start reward-server replicas on loopback for the configured scorers; stopped when the run ends."""
+    from trainer.rewards.launcher import LocalRewardPool
+
+    pool = LocalRewardPool(sorted(config.reward.weights), replicas=config.reward.replicas,
+                           log_dir=run_dir / "reward_servers")
+    stack.enter_context(pool)
+    return list(pool.urls)

@@ -1,0 +1,175 @@
+"""The trainer's typed configuration. ``Config()`` is the embedded default: the tiny SD3-architecture model
+on the digits task, supervised warm-up, then GRPO against the ``digit`` reward served by local replicas.
+
+Every field says why it exists. Files and ``key=value`` overrides go through ``load_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from trainer.algorithms.sft import SFTConfig
+from trainer.configuration import ConfigError, Selected, apply_override, build, load_yaml, to_dict
+
+
+def _models() -> dict[str, type]:
+    from trainer.models import MODELS
+
+    return {name: spec.config_class for name, spec in MODELS.items()}
+
+
+def _algorithms() -> dict[str, type]:
+    from trainer.algorithms import ALGORITHMS
+
+    return {name: spec.config_class for name, spec in ALGORITHMS.items()}
+
+
+def _default_model() -> Any:
+    return _models()["tiny"]()
+
+
+def _default_algorithm() -> Any:
+    return _algorithms()["grpo"]()
+
+
+@dataclass
+class DataConfig:
+    """Where prompts (for rollouts) and supervised examples (for warm-up) come from."""
+
+    name: str = "digits"
+    """Registered task/dataset name (``trainer.data.DATASETS``)."""
+    prompts_per_epoch: int = 10
+    """Distinct prompts per RL epoch over all ranks; each is sampled ``algorithm.group_size`` times."""
+    image_size: int = 16
+    """Side of supervised images, where the dataset resizes (digits: a multiple of 8)."""
+
+
+@dataclass
+class RewardConfig:
+    """How the trainer reaches the reward pool."""
+
+    urls: list[str] = field(default_factory=list)
+    """Replica base URLs (http://host:port). Empty: the job starts ``replicas`` local servers itself."""
+    weights: dict[str, float] = field(default_factory=lambda: {"digit": 1.0})
+    """Scorer name -> weight; the combined reward is the weighted sum; each component is logged."""
+    replicas: int = 2
+    """Local replicas started when ``urls`` is empty."""
+    token: str | None = None
+    """Bearer token sent to the servers, if they require one."""
+    timeout_s: float = 60.0
+    """Per-attempt HTTP timeout."""
+    max_concurrency: int = 8
+    """In-flight requests at most, over all replicas."""
+    batch_size: int = 32
+    """Items per /score request."""
+    wire_format: Literal["png", "raw"] = "png"
+    """Image encoding on the wire: PNG (lossless, JSON-friendly) or raw uint8."""
+
+
+@dataclass
+class ParallelConfig:
+    """How training is distributed (torchrun sets the world; this picks the engine)."""
+
+    backend: Literal["auto", "single", "ddp"] = "auto"
+    """auto: DDP under torchrun with more than one process, else a single process."""
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto picks nccl on CUDA, gloo on the CPU."""
+
+
+@dataclass
+class TrainConfig:
+    """The schedule and the optimizer."""
+
+    seed: int = 0
+    """Base seed; each rank derives its own streams from it."""
+    warmup_steps: int = 600
+    """Supervised steps before RL (0 skips the warm-up)."""
+    epochs: int = 40
+    """RL epochs (rollout, reward, update); 0 runs only the warm-up."""
+    learning_rate: float = 3e-4
+    """AdamW learning rate in the RL phase."""
+    warmup_learning_rate: float = 1e-3
+    """AdamW learning rate in the supervised warm-up."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables clipping."""
+    device: str = "auto"
+    """auto: cuda:<local rank> when CUDA is available, else cpu."""
+    num_threads: int = 0
+    """torch CPU threads per process; 0 divides the machine's cores among local ranks."""
+
+
+@dataclass
+class EvalConfig:
+    """Fixed-seed evaluation before and after training (and every ``every`` epochs)."""
+
+    samples_per_prompt: int = 10
+    """Images per evaluation prompt; the grids show one row per prompt."""
+    num_steps: int = 10
+    """Deterministic (ODE) steps for evaluation samples."""
+    guidance_scale: float = 1.0
+    """CFG scale for evaluation samples."""
+    seed: int = 1234
+    """Seed of the evaluation noise: the same images before and after, so they are comparable."""
+    every: int = 10
+    """Evaluate every N RL epochs (0: only before and after)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where results go."""
+
+    output_dir: str = "outputs"
+    """Runs are written to <output_dir>/<run_name>/."""
+    run_name: str = ""
+    """Empty: a timestamp."""
+    tensorboard: bool = True
+    """Write a TensorBoard event log."""
+    progress: bool = True
+    """Show progress bars (rank 0)."""
+
+
+@dataclass
+class Config:
+    """Everything a run needs. Sections: model, algorithm, warmup, data, reward, parallel, train, eval, logging."""
+
+    model: Annotated[Any, Selected(_models, "tiny")] = field(default_factory=_default_model)
+    """The model family (``name``: tiny, sd3, ...) and its settings."""
+    algorithm: Annotated[Any, Selected(_algorithms, "grpo")] = field(default_factory=_default_algorithm)
+    """The RL algorithm (``name``: grpo, ...) and its settings."""
+    warmup: SFTConfig = field(default_factory=SFTConfig)
+    """The supervised warm-up objective (runs ``train.warmup_steps`` steps)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The default config, updated by a YAML file and then by ``section.key=value`` overrides."""
+    raw: dict = to_dict(Config())
+    if path:
+        _merge(raw, load_yaml(path))
+    for override in overrides:
+        apply_override(raw, override)
+    return build(Config, raw, "")
+
+
+def _merge(base: dict, update: dict, prefix: str = "") -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            if key in ("model", "algorithm") and "name" in value and value["name"] != base[key].get("name"):
+                base[key] = dict(value)  # another class: its defaults, not the old one's fields
+                continue
+            _merge(base[key], value, f"{prefix}{key}.")
+        else:
+            base[key] = value
+
+
+__all__ = ["Config", "ConfigError", "load_config", "to_dict"]

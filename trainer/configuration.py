@@ -1,0 +1,168 @@
+"""Typed config plumbing: build nested dataclasses from plain dicts with errors that name the field.
+
+Sections whose class is chosen by name (``model``, ``algorithm``) are typed as ``Selected``: their ``name``
+key picks a class from a registry, and the rest of the section must match that class's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file, override or value that cannot be used; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """Marks a section whose dataclass is chosen by its ``name`` key from ``registry``."""
+
+    registry: Callable[[], Mapping[str, type]]
+    default: str
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def build(cls: type, raw: Any, path: str) -> Any:
+    """Instantiate dataclass ``cls`` from a mapping, checking every key and value against the annotations."""
+    if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of {cls.__name__} fields, got {raw!r}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}")
+    kwargs = {name: convert(hints[name], value, f"{path}.{name}" if path else name) for name, value in raw.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from exc
+
+
+def convert(tp: Any, value: Any, path: str) -> Any:
+    """Check and convert one value against type ``tp``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Annotated:
+        meta = [m for m in args[1:] if isinstance(m, Selected)]
+        if meta:
+            return build_selected(meta[0], value, path)
+        return convert(args[0], value, path)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return convert(option, value, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of "
+                          f"{', '.join(_type_name(o) for o in options)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+        item = args[0] if args else Any
+        out = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        key_t, val_t = args or (Any, Any)
+        return {convert(key_t, k, f"{path}") : convert(val_t, v, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported config annotation {tp!r} at {path}")
+
+
+def build_selected(selected: Selected, value: Any, path: str) -> Any:
+    registry = selected.registry()
+    if dataclasses.is_dataclass(value):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping with a 'name' key, got {value!r}")
+    name = value.get("name", selected.default)
+    if name not in registry:
+        raise ConfigError(f"{path}.name={name!r} is not registered; choose one of: {', '.join(sorted(registry))}")
+    return build(registry[name], {**value, "name": name}, path)
+
+
+def to_dict(config: Any) -> Any:
+    """A config dataclass as plain data (YAML-safe), the inverse of ``build``."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, list | tuple):
+        return [to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    return config
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Apply ``a.b.c=value`` to nested dict ``raw``; the value is parsed as YAML (``3``, ``true``, ``[1, 2]``)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    key, text = override.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({exc})") from exc
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+    return raw

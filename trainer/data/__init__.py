@@ -1,0 +1,60 @@
+"""Tasks and datasets, registered by name: where prompts, supervised examples and task metrics come from."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
+
+
+class Task(Protocol):
+    """What the trainer needs from a dataset."""
+
+    prompts: list[str]
+    """The pool RL epochs draw prompts from."""
+    eval_prompts: list[str]
+    """Evaluation prompts; sample grids show one row per prompt."""
+
+    def metadata(self, prompt: str) -> dict:
+        """Per-item metadata sent with the prompt to the reward servers."""
+        ...
+
+    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+        """Images in [0, 1] [B, C, H, W] and prompts for the supervised warm-up."""
+        ...
+
+    def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+        """Task metrics of generated images (e.g. accuracy by an independent classifier)."""
+        ...
+
+
+class DigitsTask:
+    """Generate the handwritten digit named in the prompt (scikit-learn's digits)."""
+
+    def __init__(self, image_size: int):
+        self.prompts = [digit_prompt(d) for d in range(10)]
+        self.eval_prompts = list(self.prompts)
+        self._images = DigitImages(image_size)
+        self._accuracy: DigitAccuracy | None = None
+
+    def metadata(self, prompt: str) -> dict:
+        return {"digit": int(prompt.strip()[-1])}
+
+    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+        return self._images.batch(batch_size, generator)
+
+    def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+        if self._accuracy is None:
+            self._accuracy = DigitAccuracy()
+        return {"digit_accuracy": self._accuracy(images, prompts)}
+
+
+DATASETS = {"digits": DigitsTask}
+
+
+def build_task(name: str, image_size: int) -> Task:
+    if name not in DATASETS:
+        raise ValueError(f"data.name={name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}")
+    return DATASETS[name](image_size)

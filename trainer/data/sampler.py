@@ -1,0 +1,39 @@
+"""The k-repeat prompt sampler: whole prompt groups in every gathered batch, deterministic per epoch."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GroupSampler:
+    """Each epoch draws ``prompts_per_epoch`` prompts from a pool of ``pool_size``, repeats each
+    ``group_size`` times, shuffles the global list and gives rank r the r-th equal slice.
+
+    Every rank computes the same global list from (seed, epoch), so no communication is needed and the
+    gathered batch always holds whole groups; the epoch number is the whole sampler state (resumable).
+    """
+
+    def __init__(self, pool_size: int, prompts_per_epoch: int, group_size: int, world_size: int, rank: int,
+                 seed: int):
+        total = prompts_per_epoch * group_size
+        if total % world_size:
+            raise ValueError(
+                f"data.prompts_per_epoch x algorithm.group_size = {prompts_per_epoch} x {group_size} = {total} "
+                f"samples per epoch do not divide over {world_size} ranks; choose values whose product is a "
+                f"multiple of {world_size}")
+        if pool_size < 1:
+            raise ValueError("the prompt pool is empty")
+        self.pool_size, self.prompts_per_epoch, self.group_size = pool_size, prompts_per_epoch, group_size
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.per_rank = total // world_size
+
+    def epoch(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool indices [per_rank], group ids [per_rank]) of this rank for ``epoch``."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        reps = -(-self.prompts_per_epoch // self.pool_size)
+        chosen = torch.cat([torch.randperm(self.pool_size, generator=g) for _ in range(reps)])[: self.prompts_per_epoch]
+        groups = torch.arange(self.prompts_per_epoch).repeat_interleave(self.group_size)
+        order = torch.randperm(len(groups), generator=g)
+        groups = groups[order]
+        mine = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+        return chosen[groups[mine]], groups[mine]

@@ -1,0 +1,176 @@
+"""Single-process and DDP backends (FSDP2 and DeepSpeed plug in here with the same contract)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def detect_world() -> World:
+    """The process's place in the job, from torchrun's environment (one process when absent)."""
+    env = os.environ
+    return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
+                 int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+
+class ParallelBackend(Protocol):
+    world: World
+    device: torch.device
+
+    def prepare(self, module: nn.Module, params: Iterable[nn.Parameter],
+                make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> nn.Module:
+        """Wrap ``module`` for training and build the optimizer over ``params``; returns the module to call."""
+        ...
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Context for one forward+backward: gradients are synchronised only when ``enabled``."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, max_grad_norm: float) -> float:
+        """Clip (when > 0), step the optimizer, zero gradients; returns the pre-clip gradient norm."""
+        ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` (same shape on each) along dim 0, rank-major."""
+        ...
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Average scalar metrics over ranks."""
+        ...
+
+    def broadcast(self, obj: object) -> object:
+        """Rank 0's ``obj`` on every rank (small picklable control data only, never network input)."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SingleProcess:
+    """One process, no collectives."""
+
+    def __init__(self, device: torch.device):
+        self.world = World(0, 1, 0, 1)
+        self.device = device
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.params: list[nn.Parameter] = []
+
+    def prepare(self, module, params, make_optimizer):
+        self.params = list(params)
+        self.optimizer = make_optimizer(self.params)
+        return module
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, max_grad_norm: float) -> float:
+        if max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        return dict(values)
+
+    def broadcast(self, obj: object) -> object:
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DDP(SingleProcess):
+    """torch DistributedDataParallel; gradients all-reduced in backward, skipped while accumulating."""
+
+    def __init__(self, device: torch.device, world: World, dist_backend: str):
+        super().__init__(device)
+        self.world = world
+        if not dist.is_initialized():
+            dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30),
+                                    device_id=device if device.type == "cuda" else None)
+        self.module: nn.parallel.DistributedDataParallel | None = None
+
+    def prepare(self, module, params, make_optimizer):
+        self.params = list(params)
+        self.module = nn.parallel.DistributedDataParallel(
+            module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizer = make_optimizer(self.params)
+        return self.module
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if enabled else self.module.no_sync()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.world.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return {k: float(v) / self.world.world_size for k, v in zip(keys, t.tolist(), strict=True)}
+
+    def broadcast(self, obj: object) -> object:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_backend(kind: str, dist_backend: str, device: torch.device) -> ParallelBackend:
+    """The backend ``kind`` names ("auto": DDP when torchrun started more than one process)."""
+    world = detect_world()
+    if kind == "auto":
+        kind = "ddp" if world.world_size > 1 else "single"
+    if kind == "single":
+        if world.world_size > 1:
+            raise ValueError("parallel.backend=single under torchrun with several processes; use ddp or auto")
+        return SingleProcess(device)
+    if dist_backend == "auto":
+        dist_backend = "nccl" if device.type == "cuda" else "gloo"
+    return DDP(device, world, dist_backend)
+

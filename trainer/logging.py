@@ -1,0 +1,98 @@
+"""Run outputs: JSONL metrics, TensorBoard, image grids and the reward curve (rank 0 writes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """[B, C, H, W] in [0, 1] -> [B, H, W, C] uint8, converted once for the whole batch."""
+    return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike, scale: int = 4) -> None:
+    """Save a grid of ``rows`` rows (one per prompt) with nearest-neighbour upscaling for small images."""
+    pixels = to_uint8(images)
+    n, h, w, c = pixels.shape
+    cols = math.ceil(n / rows)
+    grid = np.full((rows * (h + 1) + 1, cols * (w + 1) + 1, c), 64, dtype=np.uint8)
+    for i, img in enumerate(pixels):
+        r, col = divmod(i, cols)
+        grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + col * (w + 1) : 1 + col * (w + 1) + w] = img
+    mode = "L" if c == 1 else "RGB"
+    out = Image.fromarray(grid[..., 0] if c == 1 else grid, mode)
+    out.resize((out.width * scale, out.height * scale), Image.NEAREST).save(path)
+
+
+class RunLogger:
+    """Writes metrics to ``metrics.jsonl`` and TensorBoard under the run directory (no-op off rank 0)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.writer = None
+        self.history: list[dict] = []
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(run_dir / "metrics.jsonl", "a")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
+        record = {"phase": phase, "step": step, "time": time.time(), **metrics}
+        self.history.append(record)
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self.writer.add_scalar(f"{phase}/{key}", value, step)
+
+    def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int) -> None:
+        if not self.enabled:
+            return
+        save_grid(images, rows, self.run_dir / f"{name}.png")
+        if self.writer is not None:
+            self.writer.add_image(name, np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB")), step,
+                                  dataformats="HWC")
+
+    def reward_curve(self, key: str = "reward_mean", extra: str = "eval_accuracy") -> None:
+        """Plot the RL reward per epoch (and the evaluation metric where measured) to reward_curve.png."""
+        if not self.enabled:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rl = [r for r in self.history if r["phase"] == "rl" and key in r]
+        ev = [r for r in self.history if r["phase"] == "eval" and extra in r]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["step"] for r in rl], [r[key] for r in rl], label=key)
+        if ev:
+            ax.plot([r["step"] for r in ev], [r[extra] for r in ev], "o--", label=extra)
+        ax.set_xlabel("RL epoch")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.run_dir / "reward_curve.png", dpi=100)
+        plt.close(fig)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            if self.writer is not None:
+                self.writer.close()

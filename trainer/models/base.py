@@ -1,0 +1,118 @@
+"""The contract between the training loop and a model family.
+
+A ModelAdapter hides everything model-specific (text encoders, latent packing, CFG batching, VAE) behind a
+few calls, so the trainer and the algorithms never ask which model they run. Adapters never import
+``torch.distributed``: parallelism is applied from outside by a ParallelBackend, and the adapter is handed
+the (possibly wrapped) network to call in ``predict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Conditioning:
+    """Everything a denoiser is conditioned on, batch-first, as one typed value.
+
+    ``embeds`` holds the adapter's text tensors by name (e.g. ``prompt_embeds``, ``pooled``); the image
+    fields carry inpainting (``image``, ``mask``), editing (``reference``) and IP-Adapter (``style``)
+    inputs for the adapters that use them. All tensors share the batch dimension.
+    """
+
+    embeds: dict[str, torch.Tensor] = field(default_factory=dict)
+    image: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
+    style: torch.Tensor | None = None
+
+    def _map(self, fn) -> Conditioning:
+        changes = {k: fn(v) for k, v in self.embeds.items()}
+        images = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "embeds"
+                  and getattr(self, f.name) is not None}
+        return replace(self, embeds=changes, **images)
+
+    def select(self, index: torch.Tensor | slice) -> Conditioning:
+        """Rows ``index`` of every tensor."""
+        return self._map(lambda t: t[index])
+
+    def to(self, device: torch.device | str) -> Conditioning:
+        return self._map(lambda t: t.to(device))
+
+    @staticmethod
+    def cat(parts: list[Conditioning]) -> Conditioning:
+        """Concatenate along the batch dimension (all parts must carry the same fields)."""
+        first = parts[0]
+        embeds = {k: torch.cat([p.embeds[k] for p in parts]) for k in first.embeds}
+        images = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(first)
+                  if f.name != "embeds" and getattr(first, f.name) is not None}
+        return Conditioning(embeds=embeds, **images)
+
+    def __len__(self) -> int:
+        for t in self.embeds.values():
+            return t.shape[0]
+        raise ValueError("empty Conditioning has no batch size")
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    """What the trainer needs from a model family. One implementation per file in ``trainer/models``."""
+
+    sampler_kind: str
+    """Which step math this model's rollouts use: "flow" (velocity prediction) or "ddim" (epsilon)."""
+
+    denoiser: nn.Module
+    """The network that is trained (transformer or UNet, with LoRA layers when LoRA is on)."""
+
+    latent_shape: tuple[int, ...]
+    """Shape of one sample's latent, without the batch dimension."""
+
+    shard_units: tuple[type[nn.Module], ...]
+    """Block classes that FSDP shards one by one (declared as data, applied by the backend)."""
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Text conditioning for ``prompts`` (frozen encoders, no grad)."""
+        ...
+
+    def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Initial noise x at sigma = 1, float32, drawn like the model's diffusers pipeline draws it."""
+        ...
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """Decreasing noise levels sigmas[0..T] for T steps, sigmas[T] = 0, float32 on the device."""
+        ...
+
+    def predict(
+        self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> torch.Tensor:
+        """Model output (velocity for flow models) at per-sample noise level ``sigma`` [B].
+
+        With ``guidance_scale > 1`` CFG runs as one batched forward of [unconditional, conditional].
+        ``net`` is the module to call: the wrapped policy, or the reference network.
+        """
+        ...
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(noisy input x_sigma, regression target) for the supervised denoising loss."""
+        ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1], float32, [B, C, H, W]."""
+        ...
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters the optimizer updates (LoRA weights only when LoRA is on)."""
+        ...
+
+    def reference(self) -> nn.Module:
+        """A frozen network that computes the reference policy: the LoRA-disabled base, or a copy."""
+        ...
+
+    def save_trainable(self, directory: str) -> None:
+        """Write the trainable weights (safetensors; LoRA in peft format)."""
+        ...

@@ -1,0 +1,236 @@
+"""Stable Diffusion 3 / 3.5 (SD3Transformer2DModel, flow matching) from a local diffusers directory.
+
+The text path is diffusers' own ``StableDiffusion3Pipeline.encode_prompt`` (CLIP-L, CLIP-G, optional T5),
+so embeddings match the pipeline users know bit for bit. Without a ``vae`` subfolder the model works in
+pixel space (latents are images in [-1, 1]): that is how the tiny embedded model runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from diffusers.models.transformers.transformer_sd3 import JointTransformerBlock
+from torch import nn
+from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+from trainer.models.base import Conditioning
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoraSettings:
+    """LoRA on the attention projections (peft); the disabled adapter is the reference policy."""
+
+    rank: int = 32
+    """Adapter rank: capacity of the update; 32-64 is common for SD3/FLUX RL."""
+    alpha: int = 64
+    """Scale numerator: the update is scaled by alpha / rank."""
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    """Module names that get adapters; attention projections as in Flow-GRPO."""
+
+
+@dataclass
+class SD3Config:
+    """Where the SD3 weights are and how to run them."""
+
+    name: str = "sd3"
+    """Registry name of the adapter (``trainer.models.MODELS``)."""
+    path: str = ""
+    """Local diffusers-format directory (model_index.json, transformer/, scheduler/, text encoders)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and forward dtype of the denoiser and text encoders; sampler math is float32 regardless."""
+    resolution: int = 0
+    """Image side in pixels; 0 takes the transformer's sample_size times the VAE factor."""
+    max_sequence_length: int = 256
+    """T5 tokens (zeros of this length when the model has no T5, as the pipeline does)."""
+    lora: LoraSettings | None = None
+    """LoRA settings; None trains the full denoiser (and a frozen copy serves as reference)."""
+    gradient_checkpointing: bool = False
+    """Recompute block activations in backward: less memory, about 30% more compute."""
+
+
+class SD3Adapter:
+    """ModelAdapter for SD3-family checkpoints."""
+
+    sampler_kind = "flow"
+    shard_units = (JointTransformerBlock,)
+    config_class = SD3Config
+
+    def __init__(self, config: SD3Config, device: torch.device | str = "cpu"):
+        path = Path(config.path)
+        if not (path / "transformer" / "config.json").is_file():
+            raise ValueError(
+                f"model.path={config.path!r} is not a diffusers SD3 directory (no transformer/config.json); "
+                "point model.path at a local copy of the weights"
+            )
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.dtype]
+        load = {"torch_dtype": self.dtype}
+        self.denoiser = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load) if (path / "vae").is_dir() else None
+        optional = lambda sub, cls: cls.from_pretrained(path, subfolder=sub, **load) if (path / sub).is_dir() else None  # noqa: E731
+        self.pipeline = StableDiffusion3Pipeline(
+            transformer=self.denoiser,
+            scheduler=self.scheduler,
+            vae=self.vae,
+            text_encoder=CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder", **load),
+            tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            text_encoder_2=CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", **load),
+            tokenizer_2=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"),
+            text_encoder_3=optional("text_encoder_3", T5EncoderModel),
+            tokenizer_3=T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_3")
+            if (path / "tokenizer_3").is_dir() else None,
+        )
+        self.pipeline.to(self.device)
+        for module in (self.pipeline.text_encoder, self.pipeline.text_encoder_2, self.pipeline.text_encoder_3, self.vae):
+            if module is not None:
+                module.requires_grad_(False).eval()
+
+        vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
+        side = config.resolution or self.denoiser.config.sample_size * vae_factor
+        if side % (vae_factor * self.denoiser.config.patch_size):
+            raise ValueError(f"model.resolution={side} must be a multiple of {vae_factor * self.denoiser.config.patch_size}")
+        self.latent_shape = (self.denoiser.config.in_channels, side // vae_factor, side // vae_factor)
+
+        if config.lora is not None:
+            from peft import LoraConfig
+
+            self.denoiser.requires_grad_(False)
+            self.denoiser.add_adapter(LoraConfig(
+                r=config.lora.rank, lora_alpha=config.lora.alpha, init_lora_weights="gaussian",
+                target_modules=config.lora.target_modules,
+            ))
+        if config.gradient_checkpointing:
+            self.denoiser.enable_gradient_checkpointing()
+        self._prompt_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._reference: nn.Module | None = None
+
+    # --- conditioning -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Per-prompt embeddings via the pipeline's encode_prompt, cached by prompt text."""
+        missing = sorted({p for p in prompts if p not in self._prompt_cache})
+        if missing:
+            embeds, _, pooled, _ = self.pipeline.encode_prompt(
+                prompt=missing, prompt_2=None, prompt_3=None, device=self.device,
+                do_classifier_free_guidance=False, max_sequence_length=self.config.max_sequence_length,
+            )
+            for i, p in enumerate(missing):
+                self._prompt_cache[p] = (embeds[i : i + 1], pooled[i : i + 1])
+        return Conditioning(embeds={
+            "prompt_embeds": torch.cat([self._prompt_cache[p][0] for p in prompts]),
+            "pooled": torch.cat([self._prompt_cache[p][1] for p in prompts]),
+        })
+
+    def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
+        return torch.randn((batch_size, *self.latent_shape), generator=generator, device=self.device,
+                           dtype=torch.float32)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's sigmas (shifted as configured), as the pipeline sets them."""
+        self.scheduler.set_timesteps(num_steps, device=self.device)
+        return self.scheduler.sigmas.to(torch.float32)
+
+    # --- the network ---------------------------------------------------------------------------------
+    def predict(
+        self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> torch.Tensor:
+        """Velocity; CFG as one forward over [uncond; cond] like the pipeline, combined in float32."""
+        embeds, pooled = cond.embeds["prompt_embeds"], cond.embeds["pooled"]
+        timestep = sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps
+        x = latents.to(self.dtype)
+        cfg = guidance_scale > 1.0
+        if cfg:
+            neg = self.encode_prompts([""])
+            n = x.shape[0]
+            embeds = torch.cat([neg.embeds["prompt_embeds"].expand(n, -1, -1), embeds])
+            pooled = torch.cat([neg.embeds["pooled"].expand(n, -1), pooled])
+            x = torch.cat([x, x])
+            timestep = torch.cat([timestep, timestep])
+        out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
+                  pooled_projections=pooled, return_dict=False)[0]
+        if cfg:
+            uncond, text = out.chunk(2)
+            return uncond.float() + guidance_scale * (text.float() - uncond.float())
+        return out.float()
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
+        s = sigma.float().reshape(-1, *([1] * (x0.ndim - 1)))
+        return (1 - s) * x0 + s * noise, noise - x0
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] [B, C, H, W] -> latents (the inverse of ``decode``) for supervised targets."""
+        x = images.to(self.device, torch.float32) * 2 - 1
+        if self.vae is None:
+            return x
+        latents = self.vae.encode(x.to(self.dtype)).latent_dist.sample()
+        return ((latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = latents.float()
+        if self.vae is not None:
+            x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
+            x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
+        return (x / 2 + 0.5).clamp(0, 1)
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.denoiser.parameters() if p.requires_grad)
+
+    def reference(self) -> nn.Module:
+        """LoRA: the same network with the adapter disabled (no extra memory). Full fine-tuning: a frozen
+        copy of the weights as they were when this was first called (costs one more denoiser)."""
+        if self._reference is None:
+            if self.config.lora is not None:
+                self._reference = _AdapterDisabled(self.denoiser)
+            else:
+                self._reference = copy.deepcopy(self.denoiser).requires_grad_(False).eval()
+        return self._reference
+
+    def save_trainable(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        if self.config.lora is None:
+            self.denoiser.save_pretrained(directory)
+            return
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.denoiser).items()}
+        save_file(state, os.path.join(directory, "adapter_model.safetensors"))
+        peft_config = self.denoiser.peft_config["default"].to_dict()
+        peft_config["target_modules"] = sorted(peft_config["target_modules"])
+        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+            json.dump(peft_config, f, indent=2, default=str)
+
+
+class _AdapterDisabled(nn.Module):
+    """Calls a peft-adapted diffusers model with its adapters switched off."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, *args, **kwargs):
+        self.net.disable_adapters()
+        try:
+            return self.net(*args, **kwargs)
+        finally:
+            self.net.enable_adapters()

@@ -1,0 +1,116 @@
+"""The embedded default model: the real SD3 architecture at a size that trains on two CPU cores.
+
+``build_tiny_sd3`` creates random components from configs (as diffusers' own tests do), with CLIP BPE
+tokenizers trained locally with ``tokenizers``, and saves them with ``save_pretrained`` as a diffusers
+directory. ``TinyAdapter`` is the SD3 adapter loading that directory, building it first when it is missing,
+so the embedded job exercises exactly the loading and sampling code users run on real SD3 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.models.sd3 import SD3Adapter, SD3Config
+
+DEFAULT_TINY_PATH = os.path.join(".cache", "rewardflow", "tiny-sd3-digits")
+
+TINY_TRANSFORMER = dict(
+    sample_size=16, patch_size=2, in_channels=1, out_channels=1, num_layers=4, attention_head_dim=16,
+    num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=64,
+    pos_embed_max_size=16,
+)
+"""0.6 M parameters; 16x16 one-channel pixels in 2x2 patches = 64 image tokens."""
+
+TINY_CLIP = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+                 projection_dim=32, max_position_embeddings=77, hidden_act="gelu")
+
+_CORPUS = [
+    "a handwritten digit {d}", "a photo of the number {d}", "the digit {d} written by hand",
+    "a picture of a cat and a dog", "a black and white image of a number", "an image", "text on a sign",
+]
+_DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
+
+
+def _clip_tokenizer(directory: Path, max_length: int) -> None:
+    """Train a small byte-level BPE and save it as a CLIPTokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    special = ["<|startoftext|>", "<|endoftext|>"]
+    # CLIP's BPE marks word ends with "</w>"; a vocabulary without it tokenizes every word to <unk>.
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = [t.format(d=d) for t in _CORPUS for d in list("0123456789") + _DIGIT_WORDS]
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special, end_of_word_suffix="</w>", show_progress=False))
+    state = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    tok = CLIPTokenizer(vocab=state["vocab"], merges=merges, model_max_length=max_length)
+    tok.save_pretrained(directory)
+
+
+def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int = 16) -> Path:
+    """Write a random tiny SD3 model (pixel space, two CLIP encoders, no T5) to ``path``; atomic."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
+    torch.manual_seed(seed)
+    SD3Transformer2DModel(**TINY_TRANSFORMER).eval().save_pretrained(tmp / "transformer")
+    FlowMatchEulerDiscreteScheduler(shift=1.0).save_pretrained(tmp / "scheduler")
+    for suffix in ("", "_2"):
+        _clip_tokenizer(tmp / f"tokenizer{suffix}", text_max_length)
+        from transformers import CLIPTokenizer
+
+        tok = CLIPTokenizer.from_pretrained(tmp / f"tokenizer{suffix}")
+        config = CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, **TINY_CLIP)
+        CLIPTextModelWithProjection(config).eval().save_pretrained(tmp / f"text_encoder{suffix}")
+    (tmp / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModelWithProjection"], "tokenizer": ["transformers", "CLIPTokenizer"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
+        "text_encoder_3": [None, None], "tokenizer_3": [None, None], "vae": [None, None],
+    }, indent=2))
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if not (path / "transformer" / "config.json").is_file():
+            raise
+        # Another process (rank) finished building first; keep its copy.
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+@dataclass
+class TinyConfig(SD3Config):
+    """The embedded SD3-architecture model; built at ``path`` on first use."""
+
+    name: str = "tiny"
+    """Registry name of the adapter."""
+    path: str = DEFAULT_TINY_PATH
+    """Where the random tiny model lives; built there (atomically) if missing."""
+    max_sequence_length: int = 8
+    """Zero 'T5' tokens appended like the SD3 pipeline does without T5; kept short for speed."""
+
+
+class TinyAdapter(SD3Adapter):
+    """SD3Adapter over the tiny random model, building it when the directory does not exist yet."""
+
+    config_class = TinyConfig
+
+    def __init__(self, config: TinyConfig, device: torch.device | str = "cpu"):
+        if not (Path(config.path) / "transformer" / "config.json").is_file():
+            build_tiny_sd3(config.path)
+        super().__init__(config, device)

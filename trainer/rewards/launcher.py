@@ -1,0 +1,174 @@
+"""Start a local pool of reward server processes for a run that has no reward URLs configured.
+
+``LocalRewardPool`` runs ``python -m reward_server`` replicas on free loopback ports, waits until each
+answers ``/readyz``, and stops them (SIGTERM, then SIGKILL after a grace period) on exit::
+
+    with LocalRewardPool(["digit"], replicas=2) as pool:
+        client = HttpRewardClient(pool.urls, {"digit": 1.0})
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class RewardPoolError(RuntimeError):
+    """A replica of the local pool died or did not become ready in time."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, num_lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
+
+
+class LocalRewardPool:
+    """A context manager owning ``replicas`` reward server subprocesses.
+
+    Args:
+        scorers: scorer names passed to ``--scorers``.
+        replicas: number of server processes.
+        host: bind address of every replica.
+        python: interpreter that runs ``-m reward_server``.
+        log_dir: where ``replica-<i>.log`` files go (default: a fresh temporary directory); the paths
+            stay in ``log_paths`` after the pool stops.
+        extra_args: more command-line flags for every replica, e.g. ``["--max-batch-size", "64"]``.
+        env: environment of the replicas (default: this process's).
+        ready_timeout_s: how long to wait for all replicas to answer ``/readyz``.
+        stop_grace_s: how long a replica may drain after SIGTERM before it is killed.
+    """
+
+    def __init__(
+        self,
+        scorers: list[str],
+        replicas: int = 2,
+        host: str = "127.0.0.1",
+        python: str = sys.executable,
+        log_dir: Path | None = None,
+        *,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        ready_timeout_s: float = 120.0,
+        stop_grace_s: float = 15.0,
+    ) -> None:
+        if not scorers:
+            raise ValueError("scorers must name at least one scorer")
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.scorers = list(scorers)
+        self.replicas = replicas
+        self.host = host
+        self.python = python
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.extra_args = list(extra_args)
+        self.env = dict(env) if env is not None else None
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.urls: list[str] = []
+        self.log_paths: list[Path] = []
+        self._processes: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> LocalRewardPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every replica and wait until all are ready.
+
+        Raises:
+            RewardPoolError: a replica exited or was not ready within ``ready_timeout_s`` (the pool is
+                stopped and the message includes the end of that replica's log).
+        """
+        if self._processes:
+            raise RuntimeError("the pool is already started")
+        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="rewardflow-pool-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_paths = []
+        env = dict(self.env if self.env is not None else os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        # Importable from a source checkout too, whatever the working directory.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        try:
+            for index in range(self.replicas):
+                port = _free_port(self.host)
+                log_path = log_dir / f"replica-{index}.log"
+                command = [
+                    self.python, "-m", "reward_server",
+                    "--scorers", ",".join(self.scorers),
+                    "--host", self.host,
+                    "--port", str(port),
+                    "--instance-id", f"local-{index}-{port}",
+                    "--drain-grace-s", "0",  # only our own trainer talks to these replicas
+                    *self.extra_args,
+                ]  # fmt: skip
+                with open(log_path, "wb") as log:
+                    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                self._processes.append(process)
+                self.log_paths.append(log_path)
+                self.urls.append(f"http://{self.host}:{port}")
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        pending = set(range(self.replicas))
+        with httpx.Client(trust_env=False, timeout=2.0) as client:
+            while pending:
+                for index in sorted(pending):
+                    process = self._processes[index]
+                    if process.poll() is not None:
+                        raise RewardPoolError(
+                            f"reward replica {index} ({self.urls[index]}) exited with status {process.returncode}; "
+                            f"end of {self.log_paths[index]}:\n{_tail(self.log_paths[index])}"
+                        )
+                    try:
+                        if client.get(f"{self.urls[index]}/readyz").status_code == 200:
+                            pending.discard(index)
+                    except httpx.TransportError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    index = min(pending)
+                    raise RewardPoolError(
+                        f"reward replica {index} ({self.urls[index]}) not ready after {self.ready_timeout_s} s; "
+                        f"end of {self.log_paths[index]}:\n{_tail(self.log_paths[index])}"
+                    )
+                if pending:
+                    time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM every replica, wait ``stop_grace_s`` for them to drain, then SIGKILL the rest."""
+        for process in self._processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + self.stop_grace_s
+        for process in self._processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._processes.clear()
+        self.urls.clear()

@@ -1,0 +1,101 @@
+"""Rollouts: sample images while recording every latent and per-step log-probability."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.models.base import Conditioning, ModelAdapter
+from trainer.samplers import flow_step
+
+
+@dataclass
+class SamplerSettings:
+    """How rollouts are sampled; shared by every RL algorithm."""
+
+    num_steps: int = 10
+    """Denoising steps per rollout (T)."""
+    guidance_scale: float = 1.0
+    """CFG scale during rollouts and training forwards; 1 disables CFG (one forward per step)."""
+    kind: str = "sde"
+    """Step math for stochastic steps: "sde" (Flow-GRPO), "cps" (coefficient-preserving) or "eta"."""
+    noise_level: float = 0.7
+    """a in std_t = a sqrt(sigma / (1 - sigma)) (sde); sin(a pi/2) fraction (cps); eta (eta)."""
+    sde_window: int = 0
+    """Stochastic steps per rollout; 0: every step is stochastic. Otherwise a window of this many SDE
+    steps at a random start (ODE elsewhere), and only those are trained on (the Flow-GRPO-Fast variant)."""
+    window_range: tuple[int, int] = (0, 0)
+    """[lo, hi) of window starts; (0, 0) means anywhere in [0, T - 1 - sde_window]."""
+
+
+@dataclass
+class Rollout:
+    """One batch of trajectories, everything an algorithm may train on. Index 0 of ``latents`` is the
+    initial noise at sigmas[0]; index T is the final sample."""
+
+    prompts: list[str]
+    group_ids: torch.Tensor       # [B] long: which prompt group (GRPO) each sample belongs to
+    cond: Conditioning            # [B, ...]
+    latents: torch.Tensor         # [B, T+1, *latent_shape] float32
+    log_probs: torch.Tensor       # [B, T] float32 (0 at deterministic steps)
+    sigmas: torch.Tensor          # [T+1] float32
+    stochastic: torch.Tensor      # [T] bool: steps that were sampled with noise
+    images: torch.Tensor          # [B, C, H, W] float32 in [0, 1]
+    noise_level: float
+    kind: str
+    guidance_scale: float
+
+    def trainable_steps(self) -> torch.Tensor:
+        """Stochastic steps except the last denoising step (its variance is near zero)."""
+        steps = torch.nonzero(self.stochastic, as_tuple=False).flatten()
+        return steps[steps < len(self.stochastic) - 1]
+
+
+def window_mask(num_steps: int, settings: SamplerSettings, generator: torch.Generator | None) -> torch.Tensor:
+    """Which of the T steps are stochastic: all, or a window of ``sde_window`` steps at a random start."""
+    if settings.sde_window <= 0:
+        return torch.ones(num_steps, dtype=torch.bool)
+    lo, hi = settings.window_range
+    if (lo, hi) == (0, 0):
+        hi = num_steps - settings.sde_window
+    if not 0 <= lo < hi <= num_steps - settings.sde_window + 1:
+        raise ValueError(f"sampler.window_range={settings.window_range} does not fit {num_steps} steps with "
+                         f"sde_window={settings.sde_window}")
+    start = int(torch.randint(lo, hi, (1,), generator=generator))
+    mask = torch.zeros(num_steps, dtype=torch.bool)
+    mask[start : start + settings.sde_window] = True
+    return mask
+
+
+@torch.no_grad()
+def rollout(
+    adapter: ModelAdapter,
+    net: nn.Module,
+    prompts: list[str],
+    group_ids: torch.Tensor,
+    settings: SamplerSettings,
+    generator: torch.Generator | None,
+) -> Rollout:
+    """Sample ``len(prompts)`` images with ``net`` and record the trajectory (no gradients)."""
+    cond = adapter.encode_prompts(prompts)
+    sigmas = adapter.sigmas(settings.num_steps)
+    stochastic = window_mask(settings.num_steps, settings, generator)
+    x = adapter.prepare_latents(len(prompts), generator)
+    latents, log_probs = [x], []
+    batch = x.shape[0]
+    for i in range(settings.num_steps):
+        sigma, sigma_next = sigmas[i].expand(batch), sigmas[i + 1].expand(batch)
+        v = adapter.predict(net, x, sigma, cond, settings.guidance_scale)
+        level = settings.noise_level if stochastic[i] else 0.0
+        x, logp, _, _ = flow_step(settings.kind)(v, x, sigma, sigma_next, level, generator=generator,
+                                                 sigma_max=sigmas[1])
+        latents.append(x)
+        log_probs.append(logp)
+    return Rollout(
+        prompts=list(prompts), group_ids=group_ids, cond=cond, latents=torch.stack(latents, dim=1),
+        log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas, stochastic=stochastic,
+        images=adapter.decode(x), noise_level=settings.noise_level, kind=settings.kind,
+        guidance_scale=settings.guidance_scale,
+    )
