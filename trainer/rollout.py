@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.models.base import Conditioning, ModelAdapter
-from trainer.samplers import flow_step
+from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Rollout:
     cond: Conditioning            # [B, ...]
     latents: torch.Tensor         # [B, T+1, *latent_shape] float32
     log_probs: torch.Tensor       # [B, T] float32 (0 at deterministic steps)
-    sigmas: torch.Tensor          # [T+1] float32
+    sigmas: torch.Tensor          # [T+1] float32: the adapter's schedule (noise levels or timesteps)
     stochastic: torch.Tensor      # [T] bool: steps that were sampled with noise
     images: torch.Tensor          # [B, C, H, W] float32 in [0, 1]
     noise_level: float
@@ -77,10 +76,12 @@ def rollout(
     group_ids: torch.Tensor,
     settings: SamplerSettings,
     generator: torch.Generator | None,
+    inputs: ImageInputs | None = None,
 ) -> Rollout:
     """Sample ``len(prompts)`` images with ``net`` and record the trajectory (no gradients)."""
-    cond = adapter.encode_prompts(prompts)
+    cond = adapter.encode_prompts(prompts, inputs)
     sigmas = adapter.sigmas(settings.num_steps)
+    step = adapter.step_function(settings.kind, sigmas)
     stochastic = window_mask(settings.num_steps, settings, generator)
     x = adapter.prepare_latents(len(prompts), generator)
     latents, log_probs = [x], []
@@ -89,8 +90,7 @@ def rollout(
         sigma, sigma_next = sigmas[i].expand(batch), sigmas[i + 1].expand(batch)
         v = adapter.predict(net, x, sigma, cond, settings.guidance_scale)
         level = settings.noise_level if stochastic[i] else 0.0
-        x, logp, _, _ = flow_step(settings.kind)(v, x, sigma, sigma_next, level, generator=generator,
-                                                 sigma_max=sigmas[1])
+        x, logp, _, _ = step(v, x, sigma, sigma_next, level, generator=generator)
         latents.append(x)
         log_probs.append(logp)
     return Rollout(

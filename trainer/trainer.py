@@ -106,7 +106,8 @@ class Trainer:
 
         t0 = time.perf_counter()
         self.policy.eval()
-        ro = rollout(self.adapter, self.policy, prompts, group_ids, self.algorithm.sampler, g)
+        ro = rollout(self.adapter, self.policy, prompts, group_ids, self.algorithm.sampler, g,
+                     self.task.inputs(indices.tolist()))
         t1 = time.perf_counter()
         result = self.rewards.score(to_uint8(ro.images), prompts, [self.task.metadata(p) for p in prompts])
         t2 = time.perf_counter()

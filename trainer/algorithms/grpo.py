@@ -24,7 +24,6 @@ from trainer.algorithms.advantages import (
 )
 from trainer.algorithms.base import LossContext, Rewards, split_steps
 from trainer.rollout import Rollout, SamplerSettings
-from trainer.samplers import flow_step
 
 
 @dataclass
@@ -114,17 +113,15 @@ class GRPO:
         x_t, x_next = ro.latents[idx, step], ro.latents[idx, step + 1]
         sigma, sigma_next = ro.sigmas[step], ro.sigmas[step + 1]
         cond = ro.cond.select(idx)
-        step_fn = flow_step(ro.kind)
+        step_fn = ctx.adapter.step_function(ro.kind, ro.sigmas)
         v = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, ro.guidance_scale)
-        _, log_prob, mean, std = step_fn(v, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next,
-                                         sigma_max=ro.sigmas[1])
+        _, log_prob, mean, std = step_fn(v, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next)
         loss, stats = clipped_policy_loss(batch.advantages[idx], log_prob, ro.log_probs[idx, step],
                                           self.config.clip_range)
         if self.config.kl_beta > 0:
             with torch.no_grad():
                 v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, ro.guidance_scale)
-                _, _, ref_mean, _ = step_fn(v_ref, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next,
-                                            sigma_max=ro.sigmas[1])
+                _, _, ref_mean, _ = step_fn(v_ref, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next)
             kl = gaussian_mean_kl(mean, ref_mean, std).mean()
             loss = loss + self.config.kl_beta * kl
             stats["kl"] = kl.detach()

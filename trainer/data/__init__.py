@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
+from trainer.models.base import ImageInputs
 
 
 class Task(Protocol):
@@ -19,6 +20,10 @@ class Task(Protocol):
 
     def metadata(self, prompt: str) -> dict:
         """Per-item metadata sent with the prompt to the reward servers."""
+        ...
+
+    def inputs(self, indices: list[int]) -> ImageInputs | None:
+        """Image inputs (inpainting image and mask, edit reference, style) of pool items ``indices``."""
         ...
 
     def supervised_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
@@ -41,6 +46,9 @@ class DigitsTask:
 
     def metadata(self, prompt: str) -> dict:
         return {"digit": int(prompt.strip()[-1])}
+
+    def inputs(self, indices: list[int]) -> ImageInputs | None:
+        return None
 
     def supervised_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
         return self._images.batch(batch_size, generator)

@@ -59,6 +59,28 @@ class Conditioning:
         raise ValueError("empty Conditioning has no batch size")
 
 
+@dataclass
+class ImageInputs:
+    """Per-item pixel inputs a task provides, in [0, 1], [B, C, H, W]: the image and mask to inpaint
+    (mask 1 = repaint), the reference image to edit, the IP-Adapter style image. The adapter encodes them
+    into ``Conditioning``; an adapter that needs one that is missing raises a ValueError naming it."""
+
+    image: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
+    style: torch.Tensor | None = None
+
+
+class StepFunction(Protocol):
+    """One stochastic reverse step with log-probability, schedule constants already bound:
+    ``(model_output, sample, t, t_next, noise_level, prev_sample=None, generator=None)`` ->
+    ``(prev_sample, log_prob [B], prev_sample_mean, std)``."""
+
+    def __call__(self, model_output: torch.Tensor, sample: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor,
+                 noise_level: float, prev_sample: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]: ...
+
+
 @runtime_checkable
 class ModelAdapter(Protocol):
     """What the trainer needs from a model family. One implementation per file in ``trainer/models``."""
@@ -75,8 +97,8 @@ class ModelAdapter(Protocol):
     shard_units: tuple[type[nn.Module], ...]
     """Block classes that FSDP shards one by one (declared as data, applied by the backend)."""
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Text conditioning for ``prompts`` (frozen encoders, no grad)."""
+    def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
+        """Conditioning for ``prompts`` and optional per-item images (frozen encoders, no grad)."""
         ...
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -84,7 +106,13 @@ class ModelAdapter(Protocol):
         ...
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """Decreasing noise levels sigmas[0..T] for T steps, sigmas[T] = 0, float32 on the device."""
+        """The schedule t[0..T] for T steps, float32 on the device: decreasing noise levels with t[T] = 0
+        for flow models; the scheduler's timesteps (and the final one) for DDIM models."""
+        ...
+
+    def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
+        """The reverse step (``kind``: the sampler variant, e.g. "sde", "cps", "eta", "ddim") with this
+        model's schedule constants bound; a kind the model cannot use raises a ValueError."""
         ...
 
     def predict(

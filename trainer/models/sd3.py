@@ -8,6 +8,7 @@ pixel space (latents are images in [-1, 1]): that is how the tiny embedded model
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -26,7 +27,8 @@ from diffusers.models.transformers.transformer_sd3 import JointTransformerBlock
 from torch import nn
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from trainer.models.base import Conditioning
+from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.samplers import flow_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,8 +125,12 @@ class SD3Adapter:
 
     # --- conditioning -------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Per-prompt embeddings via the pipeline's encode_prompt, cached by prompt text."""
+    def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
+        """Per-prompt embeddings via the pipeline's encode_prompt, cached by prompt text. SD3 takes no
+        image inputs."""
+        if inputs is not None and any(v is not None for v in vars(inputs).values()):
+            raise ValueError("the sd3 adapter takes no image inputs (image/mask/reference/style); use an "
+                             "inpainting or editing model for such a dataset")
         missing = sorted({p for p in prompts if p not in self._prompt_cache})
         if missing:
             embeds, _, pooled, _ = self.pipeline.encode_prompt(
@@ -146,6 +152,10 @@ class SD3Adapter:
         """The scheduler's sigmas (shifted as configured), as the pipeline sets them."""
         self.scheduler.set_timesteps(num_steps, device=self.device)
         return self.scheduler.sigmas.to(torch.float32)
+
+    def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
+        """A flow step; sigma_max = schedule[1] replaces sigma where sigma == 1 (no division by zero)."""
+        return functools.partial(flow_step(kind), sigma_max=schedule[1])
 
     # --- the network ---------------------------------------------------------------------------------
     def predict(
