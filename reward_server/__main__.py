@@ -1,5 +1,8 @@
 """Run one reward server: ``python -m reward_server --scorers digit,brightness --port 8000``.
 
+Besides the registry's scorers, ``--scorers sleep --sleep-ms MS`` serves the benchmark stand-in
+:class:`reward_server.sleep_scorer.SleepScorer`.
+
 On SIGTERM (or Ctrl-C) the server drains: ``/readyz`` and ``/score`` answer 503 for ``--drain-grace-s``
 seconds while in-flight requests finish, then the listener closes, uvicorn waits for open requests and
 the process exits with status 0. A second signal exits at once. If a scorer fails to load the process
@@ -20,20 +23,31 @@ from types import FrameType
 import uvicorn
 
 from reward_server.app import RewardService, create_app
-from reward_server.scorers import SCORERS, build_scorers
+from reward_server.scorers import SCORERS, Scorer, build_scorers
 from reward_server.settings import ServerSettings
+from reward_server.sleep_scorer import SleepScorer
 
 _DEFAULTS = ServerSettings(instance_id="defaults")
+_SLEEP = "sleep"
+
+
+def _available() -> list[str]:
+    return [*SCORERS, _SLEEP]
 
 
 def _scorer_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in SCORERS]
+    unknown = [name for name in names if name not in _available()]
     if not names or unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown or empty scorer list {text!r}; available: {', '.join(SCORERS)}"
+            f"unknown or empty scorer list {text!r}; available: {', '.join(_available())}"
         )
     return names
+
+
+def _build(names: list[str], model_dir: Path | None, sleep_ms: float) -> dict[str, Scorer]:
+    registered = build_scorers([name for name in names if name != _SLEEP], model_dir=model_dir)
+    return {name: SleepScorer(sleep_ms) if name == _SLEEP else registered[name] for name in names}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--scorers",
         type=_scorer_list,
         required=True,
-        help=f"comma-separated names from: {', '.join(SCORERS)}",
+        help=f"comma-separated names from: {', '.join(_available())}",
+    )
+    parser.add_argument(
+        "--sleep-ms",
+        type=float,
+        default=0.0,
+        help="for the 'sleep' benchmark scorer: how long it holds each batch, in ms",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -120,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         build_parser().error(str(exc))
-    scorers = build_scorers(args.scorers, model_dir=args.model_dir)
+    scorers = _build(args.scorers, args.model_dir, args.sleep_ms)
 
     def exit_on_load_failure(exc: BaseException) -> None:
         server.fail(exc)  # bound below, before uvicorn starts the app

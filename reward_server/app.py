@@ -1,12 +1,19 @@
 """The reward server: ``create_app(scorers, settings)`` returns the FastAPI application.
 
-Endpoints: ``POST /score``, ``GET /livez``, ``GET /readyz``, ``GET /info``, ``GET /metrics``.
+Endpoints: ``POST /score``, ``GET /livez``, ``GET /readyz``, ``GET /info``, ``GET /metrics`` and a
+self-contained debug page at ``GET /``.
+
+``POST /score`` takes JSON (``application/json``, images as base64) or msgpack (``application/msgpack``,
+images as raw bytes; see :mod:`shared.protocol`), optionally compressed with a ``Content-Encoding``
+listed in ``/info``. Responses are JSON.
 
 HTTP status policy (the client's retry logic depends on it):
     200  scored, possibly with per-item failures (``ok: false`` plus an error code, never a fake score)
     401  missing or wrong bearer token
-    413  body larger than ``max_body_bytes`` or more than ``max_items`` items
-    422  malformed body (invalid JSON, schema violation, unknown scorer, image side over the limit)
+    413  body (as sent or decompressed) larger than ``max_body_bytes``, or more than ``max_items`` items
+    415  unsupported Content-Encoding (the ``Accept-Encoding`` header lists the supported ones)
+    422  malformed body (invalid JSON or msgpack, corrupt compression, schema violation, unknown scorer,
+         image side over the limit)
     429  a scorer queue is full (Retry-After)
     503  loading, load failed, or draining after SIGTERM (Retry-After)
 A corrupt image is a per-item DECODE error, so the other items of the request are still scored.
@@ -17,22 +24,44 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
+import threading
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reward_server.batching import JobResult, QueueFullError, ScorerWorker
 from reward_server.scorers import ScoreOutcome, Scorer
 from reward_server.settings import ServerSettings
 from shared.imagecodec import DecodeError, ImageTooLargeError, decode_image
 from shared.protocol import (
+    JSON_MEDIA_TYPE,
+    MSGPACK_MEDIA_TYPE,
+    MSGPACK_MEDIA_TYPES,
+    BinaryScoreItem,
+    BinaryScoreRequest,
+    BodyError,
+    BodyTooLargeError,
     ErrorCode,
     ErrorResponse,
     InfoResponse,
@@ -46,19 +75,181 @@ from shared.protocol import (
     ScorerResult,
     ScorerTiming,
     Timing,
+    decompress_body,
+    supported_encodings,
+    unpack_msgpack,
 )
 
 logger = logging.getLogger("reward_server")
 
 RETRY_AFTER_S = "1"
-_ROUTES = ("/score", "/livez", "/readyz", "/info", "/metrics")
+DEBUG_PAGE = Path(__file__).with_name("static") / "debug.html"
+_ROUTES = frozenset({"/", "/score", "/livez", "/readyz", "/info", "/metrics"})
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (401, 413, 422, 429, 503)
+    code: {"model": ErrorResponse} for code in (401, 413, 415, 422, 429, 503)
 }
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Scores of scorers unbounded on a side: a symmetric, roughly logarithmic scale.
+_UNBOUNDED_SCORE_BUCKETS = (-1000, -100, -30, -10, -3, -1, -0.3, -0.1, 0, 0.1, 0.3, 1, 3, 10, 30, 100, 1000)
+
+
+class _ScoreHistograms(Collector):
+    """``rewardflow_score{scorer}``: a histogram of each scorer's scores with buckets fit to its range.
+
+    A bounded scorer ``[lo, hi]`` gets 10 equal-width buckets; others share a symmetric log-like scale.
+    (A prometheus_client ``Histogram`` has one bucket layout for all labels, hence this collector.)
+    """
+
+    def __init__(self, scorers: dict[str, Scorer]) -> None:
+        self._lock = threading.Lock()
+        self._bounds: dict[str, tuple[float, ...]] = {}
+        for name, scorer in scorers.items():
+            low, high = scorer.score_range
+            if low is not None and high is not None and high > low:
+                self._bounds[name] = tuple(low + (high - low) * k / 10 for k in range(1, 11))
+            else:
+                self._bounds[name] = tuple(float(b) for b in _UNBOUNDED_SCORE_BUCKETS)
+        self._counts = {name: [0] * (len(bounds) + 1) for name, bounds in self._bounds.items()}
+        self._sums = dict.fromkeys(self._bounds, 0.0)
+
+    def observe(self, scorer: str, score: float) -> None:
+        bounds = self._bounds[scorer]
+        index = next((i for i, bound in enumerate(bounds) if score <= bound), len(bounds))
+        with self._lock:
+            self._counts[scorer][index] += 1
+            self._sums[scorer] += score
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "rewardflow_score", "Scores returned (ok items only), per scorer", labels=["scorer"]
+        )
+        with self._lock:
+            for name, bounds in self._bounds.items():
+                cumulative, buckets = 0, []
+                for bound, count in zip((*bounds, math.inf), self._counts[name], strict=True):
+                    cumulative += count
+                    buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
+                family.add_metric([name], buckets, self._sums[name])
+        yield family
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server, in a registry of its own (several apps may share a process).
+
+    Families: ``rewardflow_requests_total{path,status}``, ``rewardflow_request_duration_seconds{path}``,
+    ``rewardflow_request_body_bytes{media_type}``, ``rewardflow_queue_seconds{scorer}`` (submission to
+    the first micro-batch holding a request's items), ``rewardflow_inference_seconds{scorer}`` (one
+    scorer call), ``rewardflow_batch_size{scorer}``, ``rewardflow_queue_depth{scorer}`` (items queued
+    or in progress), ``rewardflow_items_total{scorer,outcome}`` (outcome ``OK`` or an error code: the
+    per-scorer error counts), ``rewardflow_score{scorer}`` and ``rewardflow_ready``.
+    """
+
+    def __init__(self, scorers: dict[str, Scorer]) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "rewardflow_requests", "HTTP requests by path and status", ["path", "status"], registry=registry
+        )
+        self.request_seconds = Histogram(
+            "rewardflow_request_duration_seconds",
+            "Time from the request's arrival to the end of its response",
+            ["path"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.body_bytes = Histogram(
+            "rewardflow_request_body_bytes",
+            "Size of POST /score bodies as sent",
+            ["media_type"],
+            buckets=tuple(4**k for k in range(5, 15)),
+            registry=registry,
+        )
+        self.queue_seconds = Histogram(
+            "rewardflow_queue_seconds",
+            "Time from submission to the start of the first micro-batch holding a request's items",
+            ["scorer"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.inference_seconds = Histogram(
+            "rewardflow_inference_seconds",
+            "Duration of one scorer call (one micro-batch)",
+            ["scorer"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "rewardflow_batch_size",
+            "Items per scorer call",
+            ["scorer"],
+            buckets=_BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.items = Counter(
+            "rewardflow_items",
+            "Items by scorer and outcome (OK or an error code)",
+            ["scorer", "outcome"],
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "rewardflow_queue_depth", "Items queued or in progress", ["scorer"], registry=registry
+        )
+        self.ready = Gauge("rewardflow_ready", "1 if /readyz answers 200", registry=registry)
+        self.scores = _ScoreHistograms(scorers)
+        registry.register(self.scores)
+
+    def on_batch(self, scorer: str) -> Callable[[int, float, list[ScoreOutcome]], None]:
+        """The worker callback recording one scorer call."""
+        inference = self.inference_seconds.labels(scorer)
+        batch_size = self.batch_size.labels(scorer)
+
+        def observe(size: int, seconds: float, outcomes: list[ScoreOutcome]) -> None:
+            inference.observe(seconds)
+            batch_size.observe(size)
+
+        return observe
+
+    def record_outcomes(self, scorer: str, outcomes: Sequence[ScoreOutcome]) -> None:
+        for outcome in outcomes:
+            self.items.labels(scorer, "OK" if outcome.error is None else outcome.error.value).inc()
+            if outcome.error is None and outcome.score is not None:
+                self.scores.observe(scorer, outcome.score)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RequestMetricsMiddleware:
+    """Counts every HTTP request by path and status and times it (a plain ASGI middleware: no body copies)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            path = scope["path"] if scope["path"] in _ROUTES else "other"
+            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.request_seconds.labels(path).observe(time.monotonic() - started)
 
 
 class RewardService:
-    """State of one server process: scorers, their workers, readiness and drain."""
+    """State of one server process: scorers, their workers, readiness, drain and metrics."""
 
     def __init__(self, scorers: dict[str, Scorer], settings: ServerSettings) -> None:
         if not scorers:
@@ -69,7 +260,12 @@ class RewardService:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
-        self.counters: Counter[tuple[str, ...]] = Counter()
+        self.metrics = ServerMetrics(scorers)
+        self.metrics.ready.set_function(lambda: float(self.not_ready_reason() is None))
+        for name in scorers:
+            self.metrics.queue_depth.labels(name).set_function(
+                lambda name=name: float(self.workers[name].queued_items if name in self.workers else 0)
+            )
 
     def load(self) -> None:
         """Load and warm every scorer, then start its worker (blocking: run it off the event loop)."""
@@ -82,6 +278,7 @@ class RewardService:
                 max_batch_size=self.settings.max_batch_size,
                 batch_wait_s=self.settings.batch_wait_ms / 1000.0,
                 max_queue_items=self.settings.max_queue_items,
+                on_batch=self.metrics.on_batch(name),
             )
             worker.start()
             self.workers[name] = worker
@@ -125,6 +322,7 @@ def create_app(
             uses it to exit instead of staying up unready.
     """
     service = RewardService(scorers, settings)
+    encodings = supported_encodings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -144,15 +342,8 @@ def create_app(
 
     app = FastAPI(title="rewardflow reward server", lifespan=lifespan)
     app.state.service = service
-
-    @app.middleware("http")
-    async def count_requests(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        response = await call_next(request)
-        path = request.url.path if request.url.path in _ROUTES else "other"
-        service.counters["requests_total", "path", path, "status", str(response.status_code)] += 1
-        return response
+    app.add_middleware(_RequestMetricsMiddleware, metrics=service.metrics)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     def check_token(request: Request) -> None:
         if settings.token is None:
@@ -163,6 +354,10 @@ def create_app(
             credentials.encode(), settings.token.encode()
         ):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/", include_in_schema=False)
+    async def debug_page() -> HTMLResponse:
+        return HTMLResponse(DEBUG_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/livez")
     async def livez() -> dict[str, str]:
@@ -195,19 +390,13 @@ def create_app(
                 max_image_side=settings.max_image_side,
                 max_body_bytes=settings.max_body_bytes,
             ),
+            media_types=[JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE],
+            encodings=encodings,
         )
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        lines = []
-        for key, value in sorted(service.counters.items()):
-            metric, *labels = key
-            label_text = ",".join(f'{k}="{v}"' for k, v in zip(labels[::2], labels[1::2], strict=True))
-            lines.append(f"rewardflow_{metric}{{{label_text}}} {value}")
-        for name, worker in service.workers.items():
-            lines.append(f'rewardflow_queued_items{{scorer="{name}"}} {worker.queued_items}')
-        lines.append(f"rewardflow_ready {int(service.not_ready_reason() is None)}")
-        return PlainTextResponse("\n".join(lines) + "\n")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post(
         "/score",
@@ -217,7 +406,10 @@ def create_app(
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": ScoreRequest.model_json_schema()}},
+                "content": {
+                    JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/ScoreRequest"}},
+                    MSGPACK_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/BinaryScoreRequest"}},
+                },
             }
         },
     )
@@ -227,11 +419,7 @@ def create_app(
         if reason is not None:
             status = 429 if reason.startswith("queue full") else 503
             raise HTTPException(status, f"not ready: {reason}", headers={"Retry-After": RETRY_AFTER_S})
-        body = await _read_body(request, settings.max_body_bytes)
-        try:  # off the event loop: bodies of many megabytes take a while to parse
-            score_request = await asyncio.to_thread(ScoreRequest.model_validate_json, body)
-        except ValidationError as exc:
-            raise HTTPException(422, _describe_validation_error(exc)) from None
+        score_request = await _parse_score_request(request, settings.max_body_bytes, encodings, service)
         if len(score_request.items) > settings.max_items:
             raise HTTPException(
                 413, f"{len(score_request.items)} items exceed the limit of {settings.max_items}"
@@ -263,12 +451,17 @@ def create_app(
                 return JobResult([], 0.0, 0.0, 0)
             job = service.workers[name].submit(images, prompts, metadata, deadline)
             if deadline is None:
-                return await job
-            try:
-                return await asyncio.wait_for(job, timeout=max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                failure = ScoreOutcome.failure(ErrorCode.TIMEOUT, "deadline passed before scoring finished")
-                return JobResult([failure] * len(ok_rows), (time.monotonic() - received) * 1000.0, 0.0, 0)
+                result = await job
+            else:
+                try:
+                    result = await asyncio.wait_for(job, timeout=max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    failure = ScoreOutcome.failure(
+                        ErrorCode.TIMEOUT, "deadline passed before scoring finished"
+                    )
+                    return JobResult([failure] * len(ok_rows), (time.monotonic() - received) * 1000.0, 0.0, 0)
+            service.metrics.queue_seconds.labels(name).observe(result.queue_ms / 1000.0)
+            return result
 
         tasks = [asyncio.ensure_future(run(name)) for name in names]
         try:
@@ -281,11 +474,12 @@ def create_app(
         per_item: list[dict[str, ScorerResult]] = [{} for _ in score_request.items]
         for name, job_result in zip(names, job_results, strict=True):
             scored = dict(zip(ok_rows, job_result.outcomes, strict=True))
-            for row, item in enumerate(decoded):
-                outcome = item if isinstance(item, ScoreOutcome) else scored[row]
+            outcomes = [
+                item if isinstance(item, ScoreOutcome) else scored[row] for row, item in enumerate(decoded)
+            ]
+            service.metrics.record_outcomes(name, outcomes)
+            for row, outcome in enumerate(outcomes):
                 per_item[row][name] = _to_result(outcome)
-                code = "OK" if outcome.error is None else outcome.error.value
-                service.counters["items_total", "scorer", name, "outcome", code] += 1
         response = ScoreResponse(
             request_id=score_request.request_id,
             instance=settings.instance_id,
@@ -310,6 +504,53 @@ def create_app(
     return app
 
 
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request body models, which ``/score`` parses itself (JSON or msgpack)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, definitions = models_json_schema(
+            [(ScoreRequest, "validation"), (BinaryScoreRequest, "validation")],
+            ref_template="#/components/schemas/{model}",
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, definition in definitions.get("$defs", {}).items():
+            components.setdefault(name, definition)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _parse_score_request(
+    request: Request, max_body_bytes: int, encodings: list[str], service: RewardService
+) -> ScoreRequest:
+    """Read, decompress and validate a ``POST /score`` body (JSON or msgpack); raise the HTTP error."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
+    if encoding != "identity" and encoding not in encodings:
+        raise HTTPException(
+            415,
+            f"unsupported Content-Encoding {encoding!r}; supported: identity, {', '.join(encodings)}",
+            headers={"Accept-Encoding": ", ".join(["identity", *encodings])},
+        )
+    media_type = request.headers.get("content-type", JSON_MEDIA_TYPE).split(";")[0].strip().lower()
+    binary = media_type in MSGPACK_MEDIA_TYPES
+    body = await _read_body(request, max_body_bytes)
+    service.metrics.body_bytes.labels(MSGPACK_MEDIA_TYPE if binary else JSON_MEDIA_TYPE).observe(len(body))
+
+    def parse() -> ScoreRequest:
+        data = body if encoding == "identity" else decompress_body(body, encoding, max_body_bytes)
+        if binary:
+            return BinaryScoreRequest.model_validate(unpack_msgpack(data))
+        return ScoreRequest.model_validate_json(data)
+
+    try:  # off the event loop: bodies of many megabytes take a while to decompress and parse
+        return await asyncio.to_thread(parse)
+    except BodyTooLargeError as exc:
+        raise HTTPException(413, str(exc)) from None
+    except BodyError as exc:
+        raise HTTPException(422, str(exc)) from None
+    except ValidationError as exc:
+        raise HTTPException(422, _describe_validation_error(exc)) from None
+
+
 async def _read_body(request: Request, max_bytes: int) -> bytes:
     """Read the body, refusing with 413 as soon as it exceeds ``max_bytes`` (declared or actual)."""
     declared = request.headers.get("content-length")
@@ -326,7 +567,7 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 def _describe_validation_error(exc: ValidationError) -> str:
     problems = []
-    for error in exc.errors()[:10]:
+    for error in exc.errors(include_input=False)[:10]:
         location = ".".join(str(part) for part in error["loc"]) or "body"
         problems.append(f"{location}: {error['msg']}")
     more = f" (and {exc.error_count() - 10} more)" if exc.error_count() > 10 else ""
@@ -334,7 +575,7 @@ def _describe_validation_error(exc: ValidationError) -> str:
 
 
 def _decode_items(
-    items: list[ScoreItem], max_side: int
+    items: Sequence[ScoreItem | BinaryScoreItem], max_side: int
 ) -> list[tuple[np.ndarray, dict[str, Any]] | ScoreOutcome] | str:
     """Decode each item's image (and mask) into ``(image, metadata)``.
 

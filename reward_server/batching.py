@@ -3,7 +3,10 @@
 The event loop only enqueues jobs and awaits futures: model work never runs on it. The worker takes a
 job, waits up to ``batch_wait_s`` for more jobs until ``max_batch_size`` items are gathered, and calls
 the scorer in chunks of at most ``max_batch_size`` items. Jobs whose deadline has passed, or whose
-request gave up waiting, are dropped before they are computed.
+request gave up waiting, are dropped before they are computed (TIMEOUT per item).
+
+The queue is bounded in items, not jobs: :meth:`ScorerWorker.submit` raises :class:`QueueFullError`
+(the server answers 429) when the items queued and in progress would exceed ``max_queue_items``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,16 +59,35 @@ class _Job:
         return self.deadline is not None and now >= self.deadline
 
 
+BatchObserver = Callable[[int, float, list[ScoreOutcome]], None]
+
+
 class ScorerWorker:
-    """Serialises calls to one scorer on a dedicated thread, merging concurrent requests into batches."""
+    """Serialises calls to one scorer on a dedicated thread, merging concurrent requests into batches.
+
+    Args:
+        scorer: a loaded scorer.
+        max_batch_size: items per call to ``scorer.score``.
+        batch_wait_s: how long to wait for more jobs once one has arrived.
+        max_queue_items: items queued or in progress at most.
+        on_batch: called on the worker thread after each scorer call with the batch size, the seconds
+            it took and its outcomes (for metrics).
+    """
 
     def __init__(
-        self, scorer: Scorer, *, max_batch_size: int, batch_wait_s: float, max_queue_items: int
+        self,
+        scorer: Scorer,
+        *,
+        max_batch_size: int,
+        batch_wait_s: float,
+        max_queue_items: int,
+        on_batch: BatchObserver | None = None,
     ) -> None:
         self.scorer = scorer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_queue_items = max_queue_items
+        self.on_batch = on_batch
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._queued_items = 0
@@ -156,6 +179,8 @@ class ScorerWorker:
                 [job.metadata[i] for job, i in chunk],
             )
             elapsed = time.monotonic() - now
+            if self.on_batch is not None:
+                self.on_batch(len(chunk), elapsed, outcomes)
             for job in {id(job): job for job, _ in chunk}.values():
                 job.inference_s += elapsed
                 job.batch_size = max(job.batch_size, len(chunk))

@@ -1,7 +1,8 @@
 """Image codec for the reward protocol: uint8 ``[H, W, C]`` arrays (C = 1 or 3) to wire images and back.
 
 numpy and PIL only (no torch). Wire images are dicts shaped like :class:`shared.protocol.EncodedImage`
-so that the client can build JSON bodies without constructing pydantic models.
+(base64 text, for JSON bodies) or, with ``binary=True``, like :class:`shared.protocol.BinaryImage`
+(bytes, for msgpack bodies), so that the client can build bodies without constructing pydantic models.
 
 ``png`` and ``raw`` are lossless; ``jpeg`` and ``webp`` are lossy and meant for people and tools, not
 for training. Decoding checks the image size from the header before decompressing it, so an
@@ -45,19 +46,23 @@ def as_hwc_uint8(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def encode_image(array: np.ndarray, format: str = "png", *, quality: int = 95) -> dict[str, Any]:
+def encode_image(
+    array: np.ndarray, format: str = "png", *, quality: int = 95, binary: bool = False
+) -> dict[str, Any]:
     """Encode one image into a wire dict ``{"format", "data"[, "shape"]}``.
 
     Args:
         array: uint8 ``[H, W]`` or ``[H, W, C]`` with C = 1 (sent as grayscale) or 3 (RGB).
         format: ``png`` (default, lossless), ``raw`` (lossless, fastest, largest), ``jpeg`` or ``webp``.
         quality: for the lossy formats only.
+        binary: ``data`` is bytes (for msgpack bodies) instead of base64 text; for ``raw`` it is the
+            contiguous array itself, which :func:`shared.protocol.pack_msgpack` writes without a copy.
     """
     array = as_hwc_uint8(array)
     if format == "raw":
         return {
             "format": "raw",
-            "data": base64.b64encode(array.tobytes()).decode("ascii"),
+            "data": array if binary else base64.b64encode(array.tobytes()).decode("ascii"),
             "shape": list(array.shape),
         }
     if format not in _PIL_FORMATS:
@@ -69,7 +74,8 @@ def encode_image(array: np.ndarray, format: str = "png", *, quality: int = 95) -
         image.save(buffer, format="PNG", compress_level=1)
     else:
         image.save(buffer, format=_PIL_FORMATS[format], quality=quality)
-    return {"format": format, "data": base64.b64encode(buffer.getvalue()).decode("ascii")}
+    payload = buffer.getvalue()
+    return {"format": format, "data": payload if binary else base64.b64encode(payload).decode("ascii")}
 
 
 def encode_batch(images: np.ndarray | Sequence[np.ndarray], format: str = "png") -> list[dict[str, Any]]:
@@ -78,9 +84,11 @@ def encode_batch(images: np.ndarray | Sequence[np.ndarray], format: str = "png")
 
 
 def decode_image(
-    format: str, data: str, shape: Sequence[int] | None = None, *, max_side: int | None = None
+    format: str, data: str | bytes, shape: Sequence[int] | None = None, *, max_side: int | None = None
 ) -> np.ndarray:
     """Decode a wire image into a uint8 ``[H, W, C]`` array with C = 1 or 3.
+
+    ``data`` is base64 text (JSON bodies) or the bytes themselves (msgpack bodies).
 
     Files with an alpha channel lose it; palette and other modes become RGB, 16-bit and binary
     images become 8-bit grayscale.
@@ -94,7 +102,7 @@ def decode_image(
         return _decode_raw(data, shape, max_side)
     if format not in _PIL_FORMATS:
         raise DecodeError(f"unknown image format {format!r}")
-    payload = _b64decode(data)
+    payload = _b64decode(data) if isinstance(data, str) else data
     try:
         image = Image.open(io.BytesIO(payload))
     except UnidentifiedImageError:
@@ -115,12 +123,12 @@ def decode_image(
     return as_hwc_uint8(array)
 
 
-def _decode_raw(data: str, shape: Sequence[int] | None, max_side: int | None) -> np.ndarray:
+def _decode_raw(data: str | bytes, shape: Sequence[int] | None, max_side: int | None) -> np.ndarray:
     if shape is None or len(shape) != 3 or shape[2] not in (1, 3) or min(shape) <= 0:
         raise DecodeError(f"raw images need shape [H, W, C] with C in (1, 3), got {shape}")
     height, width, channels = (int(s) for s in shape)
     _check_side(height, width, max_side)
-    payload = _b64decode(data)
+    payload = _b64decode(data) if isinstance(data, str) else data
     expected = height * width * channels
     if len(payload) != expected:
         raise DecodeError(f"raw data has {len(payload)} bytes but shape {list(shape)} needs {expected}")

@@ -51,7 +51,7 @@ def run(config: Config) -> dict[str, float]:
         backend.barrier()
         if not main:
             adapter = build_adapter(config.model, device)
-        task = build_task(config.data.name, config.data.image_size)
+        task = build_task(config.data)
 
         urls = list(config.reward.urls)
         if not urls:

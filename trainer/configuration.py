@@ -47,7 +47,7 @@ def build(cls: type, raw: Any, path: str) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{path or 'config'}: {exc}") from exc
+        raise ConfigError(str(exc) if str(exc).startswith(path or "config") else f"{path or 'config'}: {exc}") from exc
 
 
 def convert(tp: Any, value: Any, path: str) -> Any:

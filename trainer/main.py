@@ -13,8 +13,10 @@ import argparse
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):
+    # Run as a script: Python put trainer/ first on sys.path, where trainer/logging.py would shadow the
+    # standard library's logging. Put the repository root there instead.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -28,6 +28,12 @@ class SamplerSettings:
     window_range: tuple[int, int] = (0, 0)
     """[lo, hi) of window starts; (0, 0) means anywhere in [0, T - 1 - sde_window]."""
 
+    def __post_init__(self):
+        if self.num_steps < 1:
+            raise ValueError("algorithm.sampler.num_steps must be >= 1")
+        if self.noise_level < 0 or self.sde_window < 0:
+            raise ValueError("algorithm.sampler.noise_level and sde_window must be >= 0")
+
 
 @dataclass
 class Rollout:

@@ -90,11 +90,53 @@ def _jpeg_compressibility(model_dir: Path | None = None) -> Scorer:
     return JpegCompressibilityScorer()
 
 
+def _ocr(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.ocr import OcrScorer
+
+    return OcrScorer(backend="rapidocr", model_dir=model_dir)
+
+
+def _ocr_paddle(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.ocr import OcrScorer
+
+    return OcrScorer(backend="paddleocr", model_dir=model_dir)
+
+
+def _qwenvl(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.qwenvl import QwenVLScorer
+
+    return QwenVLScorer(backend="local", model_dir=model_dir)
+
+
+def _qwenvl_api(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.qwenvl import QwenVLScorer
+
+    return QwenVLScorer(backend="api", model_dir=model_dir)
+
+
+def _aesthetic(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.aesthetic import AestheticScorer
+
+    return AestheticScorer(model_dir=model_dir)
+
+
+def _colorfulness(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.colorfulness import ColorfulnessScorer
+
+    return ColorfulnessScorer()
+
+
 # name -> factory(model_dir: Path | None) -> Scorer. Factories of model-based scorers load from model_dir.
 SCORERS: dict[str, ScorerFactory] = {
     "digit": _digit,
     "brightness": _brightness,
     "jpeg_compressibility": _jpeg_compressibility,
+    "ocr": _ocr,
+    "ocr_paddle": _ocr_paddle,
+    "qwenvl": _qwenvl,
+    "qwenvl_api": _qwenvl_api,
+    "aesthetic": _aesthetic,
+    "colorfulness": _colorfulness,
 }
 
 

@@ -14,15 +14,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 from sklearn.datasets import load_digits
 
 from reward_server.__main__ import main as server_main
@@ -31,6 +33,7 @@ from reward_server.scorers import SCORERS as SCORER_REGISTRY
 from reward_server.scorers import build_scorers
 from reward_server.settings import ServerSettings
 from shared.imagecodec import encode_image
+from shared.protocol import MSGPACK_MEDIA_TYPE, compress_body, pack_msgpack, supported_encodings
 from trainer.rewards import (
     HttpRewardClient,
     InProcessRewardClient,
@@ -40,6 +43,7 @@ from trainer.rewards import (
     RewardRequestError,
     RewardUnavailableError,
 )
+from trainer.rewards.client import DEFAULT_WIRE_FORMAT, WIRE_FORMATS
 
 SCORERS = ["digit", "brightness", "jpeg_compressibility"]
 POOL_LIMITS = ["--max-items", "16", "--max-body-bytes", "300000", "--max-image-side", "64"]
@@ -67,6 +71,14 @@ def _wait_for(url: str, status: int = 200, timeout_s: float = 30.0) -> None:
                 pass
             time.sleep(0.05)
     raise TimeoutError(f"{url} did not answer {status} within {timeout_s} s")
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s} s")
+        time.sleep(0.02)
 
 
 @contextmanager
@@ -316,6 +328,35 @@ def test_deadline_turns_late_items_into_timeouts() -> None:
     assert response.json()["results"][0]["scores"]["slow"]["error"]["code"] == "TIMEOUT"
 
 
+class _CountingScorer(_TestScorer):
+    """Records the size of every batch it computes."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(delay_s=delay_s)
+        self.calls: list[int] = []
+
+    def score(
+        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> list[float]:
+        self.calls.append(len(images))
+        return super().score(images, prompts, metadata)
+
+
+def test_worker_drops_expired_items_before_computing_them() -> None:
+    scorer = _CountingScorer(delay_s=0.3)
+    app = create_app({"slow": scorer}, ServerSettings(max_batch_size=1, batch_wait_ms=0))
+    image = encode_image(np.zeros((4, 4, 1), np.uint8))
+    body = {"deadline_ms": 450, "items": [{"id": str(i), "prompt": "", "image": image} for i in range(4)]}
+    with _serve(app) as url:
+        response = httpx.post(f"{url}/score", json=body, trust_env=False)
+        time.sleep(0.5)  # let the worker reach the expired items
+        metrics = httpx.get(f"{url}/metrics", trust_env=False).text
+    codes = [r["scores"]["slow"]["error"] for r in response.json()["results"]]
+    assert all(code is not None and code["code"] == "TIMEOUT" for code in codes[2:])
+    assert scorer.calls == [1, 1]  # items 3 and 4 were past the deadline when their turn came: never computed
+    assert 'rewardflow_items_total{outcome="TIMEOUT",scorer="slow"}' in metrics
+
+
 def test_full_queue_is_429_and_drain_lets_in_flight_work_finish() -> None:
     app = create_app({"slow": _TestScorer(delay_s=0.6)}, ServerSettings(max_items=2, max_queue_items=2))
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
@@ -407,7 +448,7 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path) -> None:
 # Client ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("wire_format", ["png", "raw"])
+@pytest.mark.parametrize("wire_format", WIRE_FORMATS)
 def test_client_round_robins_and_matches_in_process_scores(
     pool: LocalRewardPool, in_process: InProcessRewardClient, wire_format: str
 ) -> None:
@@ -463,12 +504,40 @@ def test_client_retries_503_on_another_replica() -> None:
     )
     ready = create_app(build_scorers(["brightness"]), ServerSettings(instance_id="ready"))
     with _serve(loading, wait_ready=False) as loading_url, _serve(ready) as ready_url:
-        with HttpRewardClient([loading_url, ready_url], {"brightness": 1.0}, backoff_s=0.01) as client:
+        with HttpRewardClient(
+            [loading_url, ready_url],
+            {"brightness": 1.0},
+            backoff_s=0.01,
+            verify_replicas=False,
+            probe_interval_s=0.05,
+        ) as client:
             result = client.score(np.zeros((1, 4, 4, 1), np.uint8), [""])
-        assert result.instances == ["ready"]
-        metrics = httpx.get(f"{loading_url}/metrics", trust_env=False).text
-        assert 'rewardflow_requests_total{path="/score",status="503"} 1' in metrics
-        gate.set()
+            assert result.instances == ["ready"]
+            metrics = httpx.get(f"{loading_url}/metrics", trust_env=False).text
+            assert 'rewardflow_requests_total{path="/score",status="503"} 1.0' in metrics
+            assert client.replica_states()[loading_url]["available"] is False  # 503: out at once
+            gate.set()
+            _wait_until(lambda: client.replica_states()[loading_url]["available"])
+
+
+def test_client_skips_replicas_not_ready_at_start_up() -> None:
+    gate = threading.Event()
+    loading = create_app(
+        {"brightness": _TestScorer(name="brightness", gate=gate, version="brightness-v1")},
+        ServerSettings(instance_id="loading"),
+    )
+    ready = create_app(build_scorers(["brightness"]), ServerSettings(instance_id="ready"))
+    with _serve(loading, wait_ready=False) as loading_url, _serve(ready) as ready_url:
+        with HttpRewardClient(
+            [loading_url, ready_url], {"brightness": 1.0}, batch_size=1, probe_interval_s=0.05
+        ) as client:
+            assert client.score(np.zeros((2, 4, 4, 1), np.uint8), ["", ""]).instances == ["ready"] * 2
+            metrics = httpx.get(f"{loading_url}/metrics", trust_env=False).text
+            assert 'path="/score"' not in metrics  # never tried: out of rotation from the /info check
+            gate.set()
+            _wait_until(lambda: client.replica_states()[loading_url]["available"])
+            instances = client.score(np.zeros((8, 4, 4, 1), np.uint8), [""] * 8).instances
+        assert set(instances) == {"loading", "ready"}  # least-outstanding spreads concurrent chunks
 
 
 def test_client_raises_when_every_replica_is_down() -> None:
@@ -482,7 +551,7 @@ def test_client_raises_when_every_replica_is_down() -> None:
 
 
 def test_client_4xx_is_final(pool: LocalRewardPool) -> None:
-    with HttpRewardClient(pool.urls, {"aesthetic": 1.0}) as client:
+    with HttpRewardClient(pool.urls, {"aesthetic": 1.0}, verify_replicas=False) as client:
         with pytest.raises(RewardRequestError, match=r"HTTP 422: unknown scorer\(s\) \['aesthetic'\]"):
             client.score(np.zeros((1, 16, 16, 1), np.uint8), ["digit 1"])
 
@@ -516,3 +585,255 @@ def test_launcher_reports_a_replica_that_dies(tmp_path) -> None:
         with LocalRewardPool(["brightness"], replicas=1, log_dir=tmp_path, extra_args=["--bogus"]):
             pass
     assert (tmp_path / "replica-0.log").exists()
+
+
+# Binary wire format ----------------------------------------------------------------------------------
+
+
+def _post_msgpack(
+    client: httpx.Client, body: dict, encoding: str | None = None, content_type: str = MSGPACK_MEDIA_TYPE
+) -> httpx.Response:
+    payload = pack_msgpack(body)
+    headers = {"Content-Type": content_type}
+    if encoding is not None:
+        payload = compress_body(payload, encoding)
+        headers["Content-Encoding"] = encoding
+    return client.post("/score", content=payload, headers=headers)
+
+
+@pytest.mark.parametrize("encoding", [None, *supported_encodings()])
+@pytest.mark.parametrize("content_type", [MSGPACK_MEDIA_TYPE, "application/x-msgpack"])
+def test_msgpack_body_scores_like_json(http: httpx.Client, encoding: str | None, content_type: str) -> None:
+    images, labels = _digit_images(3)
+    rgb = np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+
+    def items(binary: bool) -> list[dict]:
+        digits = [
+            {"id": f"d{i}", "prompt": f"digit {label}", "image": encode_image(image, "raw", binary=binary)}
+            for i, (image, label) in enumerate(zip(images, labels, strict=True))
+        ]
+        png = {"id": "png", "prompt": "digit 1", "image": encode_image(rgb, "png", binary=binary)}
+        masked = {
+            "id": "masked",
+            "prompt": "digit 2",
+            "image": encode_image(rgb, "raw", binary=binary),
+            "mask": encode_image(rgb[:, :, :1], "png", binary=binary),
+            "metadata": {"note": [1, 2.5, None]},
+        }
+        return [*digits, png, masked]
+
+    binary = _post_msgpack(http, {"request_id": "bin", "items": items(True)}, encoding, content_type)
+    text = http.post("/score", json={"request_id": "bin", "items": items(False)})
+    assert binary.status_code == 200, binary.text
+    assert [r["scores"] for r in binary.json()["results"]] == [r["scores"] for r in text.json()["results"]]
+    assert binary.json()["results"][-1]["scores"]["brightness"]["score"] == pytest.approx(rgb.mean() / 255)
+
+
+@pytest.mark.parametrize(
+    ("payload", "headers", "status", "message"),
+    [
+        (b"\xc1", {}, 422, "invalid msgpack"),
+        (msgpack.packb({"items": [], "t": msgpack.Timestamp(1)}), {}, 422, "Timestamp is not accepted"),
+        (msgpack.packb({"itemz": []}), {}, 422, "itemz: Extra inputs are not permitted"),
+        (
+            msgpack.packb({"items": [{"id": "a", "prompt": "", "image": {"format": "raw", "data": b"x"}}]}),
+            {},
+            422,
+            "requires shape",
+        ),
+        (b"anything", {"Content-Encoding": "br"}, 415, "unsupported Content-Encoding 'br'"),
+        (b"not zstd", {"Content-Encoding": "zstd"}, 422, "corrupt zstd body"),
+        (compress_body(bytes(400_000), "zstd"), {"Content-Encoding": "zstd"}, 413, "300000 bytes"),
+        (compress_body(bytes(400_000), "lz4"), {"Content-Encoding": "lz4"}, 413, "300000 bytes"),
+    ],
+)
+def test_bad_binary_bodies(
+    http: httpx.Client, payload: bytes, headers: dict[str, str], status: int, message: str
+) -> None:
+    response = http.post("/score", content=payload, headers={"Content-Type": MSGPACK_MEDIA_TYPE, **headers})
+    assert response.status_code == status, response.text
+    assert message in response.json()["detail"]
+    if status == 415:
+        assert response.headers["accept-encoding"].startswith("identity")
+
+
+def test_msgpack_limits_match_json(http: httpx.Client) -> None:
+    image = encode_image(np.zeros((16, 16, 1), np.uint8), "raw", binary=True)
+    too_many = _post_msgpack(
+        http, {"items": [{"id": str(i), "prompt": "", "image": image} for i in range(17)]}
+    )
+    assert too_many.status_code == 413
+    wide = encode_image(np.zeros((8, 65, 1), np.uint8), "raw", binary=True)
+    response = _post_msgpack(http, {"items": [{"id": "wide", "prompt": "", "image": wide}]})
+    assert response.status_code == 422 and "larger than the maximum side 64" in response.json()["detail"]
+
+
+def test_info_lists_media_types_and_encodings(http: httpx.Client) -> None:
+    info = http.get("/info").json()
+    assert info["media_types"] == ["application/json", MSGPACK_MEDIA_TYPE]
+    assert info["encodings"] == supported_encodings()
+
+
+@pytest.mark.parametrize("wire_format", WIRE_FORMATS)
+def test_wire_formats_give_identical_scores(pool: LocalRewardPool, wire_format: str) -> None:
+    """Parity: every wire format delivers the same pixels, so every scorer gives the same scores."""
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
+    prompts = [f"digit {i}" for i in range(6)]
+    weights = {"digit": 1.0, "brightness": 0.5, "jpeg_compressibility": 0.1}
+    with HttpRewardClient(pool.urls, weights, batch_size=4, wire_format="png") as reference_client:
+        reference = reference_client.score(images, prompts)
+    with HttpRewardClient(pool.urls, weights, batch_size=4, wire_format=wire_format) as client:
+        result = client.score(images, prompts)
+    for name in weights:
+        np.testing.assert_array_equal(result.components[name], reference.components[name])
+    np.testing.assert_array_equal(result.combined, reference.combined)
+
+
+def test_default_wire_format_is_msgpack(pool: LocalRewardPool) -> None:
+    with HttpRewardClient(pool.urls, {"brightness": 1.0}) as client:
+        assert client.wire_format == DEFAULT_WIRE_FORMAT == "msgpack"
+        client.score(np.zeros((1, 16, 16, 1), np.uint8), [""])
+    metrics = (
+        httpx.get(f"{pool.urls[0]}/metrics", trust_env=False).text
+        + httpx.get(f"{pool.urls[1]}/metrics", trust_env=False).text
+    )
+    assert 'rewardflow_request_body_bytes_count{media_type="application/msgpack"}' in metrics
+
+
+# Metrics ---------------------------------------------------------------------------------------------
+
+
+def test_prometheus_metrics() -> None:
+    app = create_app(
+        {"slow": _TestScorer(delay_s=0.01), "brightness": build_scorers(["brightness"])["brightness"]},
+        ServerSettings(),
+    )
+    image = encode_image(np.full((4, 4, 1), 255, np.uint8))
+    items = [{"id": str(i), "prompt": "", "image": image} for i in range(3)]
+    items.append({"id": "bad", "prompt": "", "image": {"format": "png", "data": "aGVsbG8="}})
+    with _serve(app) as url, httpx.Client(base_url=url, trust_env=False) as client:
+        assert client.post("/score", json={"items": items}).status_code == 200
+        assert client.post("/score", content=b"{").status_code == 422
+        response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    families = {
+        family.name: family for family in text_string_to_metric_families(response.text)
+    }  # parses: valid Prometheus text format
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        return next(s.value for s in families[family].samples if s.name == sample and s.labels == labels)
+
+    assert value("rewardflow_requests", "rewardflow_requests_total", path="/score", status="200") == 1
+    assert value("rewardflow_requests", "rewardflow_requests_total", path="/score", status="422") == 1
+    assert value("rewardflow_items", "rewardflow_items_total", scorer="slow", outcome="OK") == 3
+    assert value("rewardflow_items", "rewardflow_items_total", scorer="slow", outcome="DECODE") == 1
+    assert value("rewardflow_batch_size", "rewardflow_batch_size_sum", scorer="slow") == 3
+    assert value("rewardflow_inference_seconds", "rewardflow_inference_seconds_sum", scorer="slow") >= 0.01
+    assert value("rewardflow_queue_seconds", "rewardflow_queue_seconds_count", scorer="slow") == 1
+    assert value("rewardflow_queue_depth", "rewardflow_queue_depth", scorer="slow") == 0
+    assert value("rewardflow_score", "rewardflow_score_bucket", scorer="brightness", le="0.9") == 0
+    assert value("rewardflow_score", "rewardflow_score_bucket", scorer="brightness", le="1.0") == 3
+    assert value("rewardflow_score", "rewardflow_score_sum", scorer="slow") == pytest.approx(1.5)
+    assert (
+        value(
+            "rewardflow_request_duration_seconds", "rewardflow_request_duration_seconds_count", path="/score"
+        )
+        == 2
+    )
+    assert value("rewardflow_ready", "rewardflow_ready") == 1
+
+
+# Client resilience -----------------------------------------------------------------------------------
+
+
+def test_hedged_request_beats_a_straggler() -> None:
+    fast = _TestScorer(name="slow", delay_s=0.0)
+    straggler = _TestScorer(name="slow", delay_s=0.0)
+    apps = [
+        create_app({"slow": s}, ServerSettings(instance_id=n))
+        for s, n in ((fast, "fast"), (straggler, "straggler"))
+    ]
+    with _serve(apps[0]) as fast_url, _serve(apps[1]) as straggler_url:
+        with HttpRewardClient([straggler_url, fast_url], {"slow": 1.0}, batch_size=1, hedge=True) as client:
+            client.score(np.zeros((24, 4, 4, 1), np.uint8), [""] * 24)  # latency observations for p95
+            straggler.delay_s = 1.5
+            started = time.monotonic()
+            results = [client.score(np.zeros((1, 4, 4, 1), np.uint8), [""]) for _ in range(4)]
+            elapsed = time.monotonic() - started
+        straggler.delay_s = 0.0
+    assert elapsed < 1.2, f"hedging did not cut the straggler short ({elapsed:.1f} s)"
+    assert all(r.instances == ["fast"] and r.combined.tolist() == [0.5] for r in results)
+
+
+def test_step_budget_bounds_a_score_call() -> None:
+    app = create_app({"slow": _TestScorer(delay_s=2.0)}, ServerSettings())
+    with _serve(app) as url:
+        with HttpRewardClient([url], {"slow": 1.0}, step_timeout_s=0.3) as client:
+            started = time.monotonic()
+            with pytest.raises(RewardUnavailableError, match="step budget of 0.3 s"):
+                client.score(np.zeros((1, 4, 4, 1), np.uint8), [""])
+            assert time.monotonic() - started < 1.5
+
+
+def test_per_attempt_timeout_retries_elsewhere() -> None:
+    quick = create_app({"slow": _TestScorer()}, ServerSettings(instance_id="quick"))
+    with socket.socket() as silent, _serve(quick) as quick_url:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connections complete in the backlog, but nothing ever answers
+        silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with HttpRewardClient(
+            [silent_url, quick_url],
+            {"slow": 1.0},
+            timeout_s=0.4,
+            backoff_s=0.01,
+            breaker_failures=1,
+            verify_replicas=False,
+        ) as client:
+            started = time.monotonic()
+            results = [client.score(np.zeros((1, 4, 4, 1), np.uint8), [""]) for _ in range(3)]
+            elapsed = time.monotonic() - started
+            states = client.replica_states()
+    assert all(r.instances == ["quick"] for r in results)
+    assert states[silent_url]["available"] is False  # one timeout with breaker_failures=1: out
+    assert elapsed < 2.0  # at most one 0.4 s timeout, then the silent replica is skipped
+
+
+def test_429_is_retried_on_another_replica_without_a_strike() -> None:
+    full = create_app(
+        {"slow": _TestScorer(delay_s=1.0)}, ServerSettings(max_items=1, max_queue_items=1, instance_id="full")
+    )
+    free = create_app({"slow": _TestScorer()}, ServerSettings(instance_id="free"))
+    with _serve(full) as full_url, _serve(free) as free_url:
+        blocker = threading.Thread(
+            target=httpx.post,
+            args=(f"{full_url}/score",),
+            kwargs={
+                "json": {
+                    "items": [{"id": "a", "prompt": "", "image": encode_image(np.zeros((4, 4, 1), np.uint8))}]
+                },
+                "trust_env": False,
+            },
+        )
+        blocker.start()
+        _wait_until(lambda: full.state.service.workers["slow"].queued_items == 1)
+        with HttpRewardClient(
+            [full_url, free_url], {"slow": 1.0}, backoff_s=0.01, verify_replicas=False
+        ) as client:
+            result = client.score(np.zeros((1, 4, 4, 1), np.uint8), [""])
+            states = client.replica_states()
+        blocker.join()
+    assert result.instances == ["free"]
+    assert states[full_url]["available"] is True  # busy is not broken
+
+
+def test_client_rejects_bad_options() -> None:
+    for kwargs, message in (
+        ({"wire_format": "pickle"}, "wire_format"),
+        ({"combine_mode": "max"}, "combine_mode"),
+        ({"step_timeout_s": 0}, "timeouts"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            HttpRewardClient(["http://127.0.0.1:1"], {"a": 1.0}, **kwargs)
+    with pytest.raises(ValueError, match="distinct"):
+        HttpRewardClient(["http://127.0.0.1:1", "http://127.0.0.1:1/"], {"a": 1.0})

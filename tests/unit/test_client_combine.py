@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from trainer.rewards import InProcessRewardClient, RewardResult, combine
+from trainer.rewards.client import COMBINE_MODES, standardise
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,54 @@ def test_weights_must_name_given_scorers(client: InProcessRewardClient) -> None:
         InProcessRewardClient(client.scorers, {})
     with pytest.raises(ValueError, match="finite"):
         InProcessRewardClient(client.scorers, {"brightness": float("nan")})
+
+
+def test_standardise_ignores_nan_and_uses_the_population_std() -> None:
+    values = np.array([1.0, np.nan, 3.0, 5.0])
+    z = standardise(values)
+    finite = values[~np.isnan(values)]
+    expected = (finite - finite.mean()) / (finite.std(ddof=0) + 1e-8)
+    np.testing.assert_allclose(z[~np.isnan(values)], expected)
+    assert np.isnan(z[1])
+    np.testing.assert_array_equal(standardise(np.array([2.0, 2.0])), [0.0, 0.0])  # no spread: all 0
+    assert np.isnan(standardise(np.array([np.nan, np.nan]))).all()
+
+
+def test_combine_modes() -> None:
+    components = {"a": np.array([1.0, 2.0, 3.0, np.nan]), "b": np.array([100.0, 300.0, 200.0, 5.0])}
+    weights = {"a": 1.0, "b": 0.5}
+    raw = components["a"] + 0.5 * components["b"]
+    np.testing.assert_allclose(combine(components, weights, "sum"), raw)
+    np.testing.assert_allclose(combine(components, weights, "sum-then-normalise"), standardise(raw))
+    # Each component standardised over its own finite entries (b's NaN-free 4 values), then weighted.
+    expected = standardise(components["a"]) + 0.5 * standardise(components["b"])
+    np.testing.assert_allclose(combine(components, weights, "normalise-then-sum"), expected)
+    for mode in COMBINE_MODES:
+        assert np.isnan(combine(components, weights, mode)[3])  # a missing component: NaN in every mode
+    with pytest.raises(ValueError, match="mode must be one of"):
+        combine(components, weights, "mean")
+
+
+def test_normalise_then_sum_weighs_components_on_different_scales_equally() -> None:
+    rng = np.random.default_rng(0)
+    components = {"small": rng.normal(0, 0.01, 64), "large": rng.normal(0, 100, 64)}
+    combined = combine(components, {"small": 1.0, "large": 1.0}, "normalise-then-sum")
+    assert (
+        abs(
+            np.corrcoef(combined, components["small"])[0, 1]
+            - np.corrcoef(combined, components["large"])[0, 1]
+        )
+        < 0.2
+    )
+    summed = combine(components, {"small": 1.0, "large": 1.0}, "sum-then-normalise")
+    assert np.corrcoef(summed, components["large"])[0, 1] > 0.999  # the large scale drowns the small one
+
+
+def test_in_process_client_combine_mode(client: InProcessRewardClient) -> None:
+    normalised = InProcessRewardClient(client.scorers, {"brightness": 1.0}, combine_mode="sum-then-normalise")
+    result = normalised.score(_images(6), ["1"] * 6)
+    np.testing.assert_allclose(result.combined, standardise(result.components["brightness"]))
+    assert abs(result.combined.mean()) < 1e-9
+    normalised.close()
+    with pytest.raises(ValueError, match="combine_mode"):
+        InProcessRewardClient(client.scorers, {"brightness": 1.0}, combine_mode="max")

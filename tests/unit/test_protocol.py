@@ -1,4 +1,4 @@
-"""Wire schemas and image codec: round trips, decode errors and size limits."""
+"""Wire schemas, image codec and binary bodies: round trips, decode errors and size limits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import io
 import subprocess
 import sys
 
+import msgpack
 import numpy as np
 import pytest
 from PIL import Image
@@ -21,11 +22,19 @@ from shared.imagecodec import (
     encode_image,
 )
 from shared.protocol import (
+    BinaryScoreRequest,
+    BodyError,
+    BodyTooLargeError,
     ErrorCode,
     InfoResponse,
     ScoreRequest,
     ScoreResponse,
     ScorerResult,
+    compress_body,
+    decompress_body,
+    pack_msgpack,
+    supported_encodings,
+    unpack_msgpack,
 )
 
 RNG = np.random.default_rng(0)
@@ -236,3 +245,120 @@ def test_responses_tolerate_new_fields() -> None:
 def test_shared_does_not_import_torch() -> None:
     code = "import sys, shared.protocol, shared.imagecodec; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# Binary (msgpack) bodies ---------------------------------------------------------------------------
+
+
+def _binary_request(**overrides: object) -> dict:
+    body = {
+        "request_id": "r1",
+        "items": [
+            {
+                "id": "a",
+                "prompt": "digit 3",
+                "image": encode_image(RGB, "raw", binary=True),
+                "mask": encode_image(GRAY, "png", binary=True),
+                "metadata": {"digit": 3, "nested": [1, 2.5, None, {"k": "v"}]},
+            }
+        ],
+    }
+    body.update(overrides)
+    return body
+
+
+def test_msgpack_round_trip_is_lossless() -> None:
+    packed = pack_msgpack(_binary_request())
+    plain = msgpack.unpackb(packed)  # standard msgpack, readable by any library
+    assert plain["items"][0]["image"] == {"format": "raw", "data": RGB.tobytes(), "shape": [16, 24, 3]}
+    request = BinaryScoreRequest.model_validate(unpack_msgpack(packed))
+    item = request.items[0]
+    assert item.metadata == {"digit": 3, "nested": [1, 2.5, None, {"k": "v"}]}
+    np.testing.assert_array_equal(decode_image("raw", item.image.data, item.image.shape), RGB)
+    np.testing.assert_array_equal(decode_image("png", item.mask.data), GRAY)
+
+
+def test_binary_raw_image_is_sent_without_base64() -> None:
+    encoded = encode_image(RGB, "raw", binary=True)
+    assert encoded["data"] is not None and encoded["shape"] == [16, 24, 3]
+    packed = pack_msgpack({"image": encoded})
+    assert len(packed) < RGB.nbytes + 64  # raw pixels plus a few header bytes
+
+
+@pytest.mark.parametrize("encoding", supported_encodings())
+def test_compression_round_trip(encoding: str) -> None:
+    body = pack_msgpack(_binary_request())
+    compressed = compress_body(body, encoding)
+    assert decompress_body(compressed, encoding, max_bytes=len(body)) == body
+    with pytest.raises(BodyTooLargeError):
+        decompress_body(compressed, encoding, max_bytes=len(body) - 1)
+
+
+@pytest.mark.parametrize("encoding", supported_encodings())
+def test_decompression_bombs_stop_at_the_limit(encoding: str) -> None:
+    bomb = compress_body(bytes(50_000_000), encoding)
+    assert len(bomb) < 1_000_000
+    with pytest.raises(BodyTooLargeError, match="more than 1000000 bytes"):
+        decompress_body(bomb, encoding, max_bytes=1_000_000)
+
+
+@pytest.mark.parametrize("encoding", supported_encodings())
+def test_corrupt_compressed_bodies_are_body_errors(encoding: str) -> None:
+    with pytest.raises(BodyError, match=f"corrupt {encoding}"):
+        decompress_body(b"not compressed at all", encoding, max_bytes=1000)
+    truncated = compress_body(pack_msgpack(_binary_request()), encoding)[:-10]
+    with pytest.raises(BodyError):
+        decompress_body(truncated, encoding, max_bytes=10_000_000)
+
+
+def test_unknown_encoding() -> None:
+    with pytest.raises(BodyError, match="unsupported Content-Encoding 'br'"):
+        decompress_body(b"x", "br", max_bytes=10)
+    with pytest.raises(ValueError, match="not available"):
+        compress_body(b"x", "br")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"\xc1", "invalid msgpack"),
+        (msgpack.packb({"a": 1}) + b"\x00", "invalid msgpack"),  # trailing data
+        (msgpack.packb({1: "a"}), "invalid msgpack"),  # non-string key
+        (msgpack.packb(msgpack.ExtType(5, b"x")), "extension type 5"),
+        (msgpack.packb({"t": msgpack.Timestamp(1)}), "Timestamp is not accepted"),
+        (b"\x91" * 100_000, "invalid msgpack"),  # nesting too deep
+        (b"\xa2\xff\xfe", "invalid msgpack"),  # invalid UTF-8
+    ],
+)
+def test_unpack_refuses_anything_but_plain_values(body: bytes, message: str) -> None:
+    with pytest.raises(BodyError, match=message):
+        unpack_msgpack(body)
+
+
+def test_pack_refuses_values_msgpack_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        pack_msgpack({"metadata": {"x": np.float32(1)}})
+    with pytest.raises(ValueError, match="keys must be strings"):
+        pack_msgpack({1: "a"})
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pack_msgpack({"data": RGB[:, ::2]})
+
+
+def test_binary_request_applies_the_same_rules() -> None:
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        BinaryScoreRequest.model_validate(_binary_request(colour="red"))
+    bad_shape = _binary_request()
+    bad_shape["items"][0]["image"] = {"format": "raw", "data": b"\x00" * 8, "shape": [2, 2, 2]}
+    with pytest.raises(ValidationError, match="1 \\(grayscale\\) or 3"):
+        BinaryScoreRequest.model_validate(bad_shape)
+    assert BinaryScoreRequest.model_fields.keys() == ScoreRequest.model_fields.keys()
+
+
+def test_decode_accepts_bytes_and_base64_alike() -> None:
+    for wire_format in ("png", "raw", "webp"):
+        text = encode_image(RGB, wire_format)
+        binary = encode_image(RGB, wire_format, binary=True)
+        np.testing.assert_array_equal(
+            decode_image(wire_format, text["data"], text.get("shape")),
+            decode_image(wire_format, bytes(binary["data"]), binary.get("shape")),
+        )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from fixtures_models import CONFORMANCE_METADATA, CONFORMANCE_SKIP
 from PIL import Image
 from sklearn.datasets import load_digits
 
@@ -178,9 +180,11 @@ def test_build_scorers_rejects_unknown_names() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCORERS))
-def test_every_registered_scorer_meets_the_contract(name: str) -> None:
+def test_every_registered_scorer_meets_the_contract(name: str, conformance_model_dir: Path) -> None:
     """Conformance suite run over every registered scorer."""
-    scorer = SCORERS[name]()
+    if name in CONFORMANCE_SKIP:
+        pytest.skip(CONFORMANCE_SKIP[name])
+    scorer = SCORERS[name](model_dir=conformance_model_dir)
     assert isinstance(scorer, Scorer)
     assert scorer.name == name and scorer.description
     scorer.load()
@@ -188,7 +192,8 @@ def test_every_registered_scorer_meets_the_contract(name: str) -> None:
     low, high = scorer.score_range
     rng = np.random.default_rng(1)
     images = [rng.integers(0, 256, (16, 16, channels), dtype=np.uint8) for channels in (1, 3, 1)]
-    outcomes = run_scorer(scorer, images, ["digit 1", "digit 2", "digit 3"], [{}, {}, {}])
+    metadata = [dict(CONFORMANCE_METADATA.get(name, {})) for _ in images]
+    outcomes = run_scorer(scorer, images, ["digit 1", "digit 2", "digit 3"], metadata)
     assert len(outcomes) == 3
     for outcome in outcomes:
         assert outcome.ok, outcome.message

@@ -53,6 +53,14 @@ class GRPOConfig:
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     """Rollout sampling (steps, CFG, SDE kind and noise level, SDE window)."""
 
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError("algorithm.group_size must be >= 2 for group-relative advantages")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"algorithm.timestep_fraction={self.timestep_fraction} must be in (0, 1]")
+        if self.inner_epochs < 1 or self.steps_per_epoch < 1 or self.micro_batch_size < 1:
+            raise ValueError("algorithm.inner_epochs, steps_per_epoch and micro_batch_size must be >= 1")
+
 
 @dataclass
 class GRPOBatch:
@@ -75,10 +83,6 @@ class GRPO:
     config_class = GRPOConfig
 
     def __init__(self, config: GRPOConfig):
-        if config.group_size < 2:
-            raise ValueError("algorithm.group_size must be >= 2 for group-relative advantages (use ppo for 1)")
-        if not 0 < config.timestep_fraction <= 1:
-            raise ValueError("algorithm.timestep_fraction must be in (0, 1]")
         self.config = config
         self.sampler = config.sampler
         self.group_size = config.group_size

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
+from trainer.data.prompt_file import PromptFileTask
 from trainer.models.base import ImageInputs
 
 
@@ -59,10 +60,14 @@ class DigitsTask:
         return {"digit_accuracy": self._accuracy(images, prompts)}
 
 
-DATASETS = {"digits": DigitsTask}
+DATASETS = {
+    "digits": lambda config: DigitsTask(config.image_size),
+    "prompt_file": lambda config: PromptFileTask(config.path),
+}
 
 
-def build_task(name: str, image_size: int) -> Task:
-    if name not in DATASETS:
-        raise ValueError(f"data.name={name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}")
-    return DATASETS[name](image_size)
+def build_task(config) -> Task:
+    """The task ``config.name`` (a DataConfig) names."""
+    if config.name not in DATASETS:
+        raise ValueError(f"data.name={config.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}")
+    return DATASETS[config.name](config)

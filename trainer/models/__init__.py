@@ -18,12 +18,22 @@ class ModelSpec:
 
 
 def _registry() -> dict[str, ModelSpec]:
+    from trainer.models.flux import FluxConfig
+    from trainer.models.flux_fill import FluxFillConfig
+    from trainer.models.flux_kontext import FluxKontextConfig
+    from trainer.models.qwen_image import QwenImageConfig
     from trainer.models.sd3 import SD3Config
+    from trainer.models.sd15_inpaint import SD15InpaintConfig
     from trainer.models.tiny import TinyConfig
 
     return {
         "tiny": ModelSpec("trainer.models.tiny:TinyAdapter", TinyConfig),
         "sd3": ModelSpec("trainer.models.sd3:SD3Adapter", SD3Config),
+        "flux": ModelSpec("trainer.models.flux:FluxAdapter", FluxConfig),
+        "flux_fill": ModelSpec("trainer.models.flux_fill:FluxFillAdapter", FluxFillConfig),
+        "flux_kontext": ModelSpec("trainer.models.flux_kontext:FluxKontextAdapter", FluxKontextConfig),
+        "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter", SD15InpaintConfig),
+        "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter", QwenImageConfig),
     }
 
 

@@ -107,7 +107,8 @@ class ModelAdapter(Protocol):
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The schedule t[0..T] for T steps, float32 on the device: decreasing noise levels with t[T] = 0
-        for flow models; the scheduler's timesteps (and the final one) for DDIM models."""
+        for flow models; for DDIM models the scheduler's timesteps and the final one (t - N // T, below 0),
+        divided by num_train_timesteps N, so that ``predict`` and ``training_target`` take one time unit."""
         ...
 
     def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
@@ -143,4 +144,8 @@ class ModelAdapter(Protocol):
 
     def save_trainable(self, directory: str) -> None:
         """Write the trainable weights (safetensors; LoRA in peft format)."""
+        ...
+
+    def load_trainable(self, directory: str) -> None:
+        """Load weights written by ``save_trainable`` into this adapter's denoiser (same LoRA settings)."""
         ...

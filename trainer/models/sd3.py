@@ -7,12 +7,9 @@ pixel space (latents are images in [-1, 1]): that is how the tiny embedded model
 
 from __future__ import annotations
 
-import copy
 import functools
-import json
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -28,21 +25,16 @@ from torch import nn
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.common import (
+    DTYPES,
+    LoraSettings,
+    freeze,
+    load_trainable,
+    prepare_denoiser,
+    reference_network,
+    save_trainable,
+)
 from trainer.samplers import flow_step
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoraSettings:
-    """LoRA on the attention projections (peft); the disabled adapter is the reference policy."""
-
-    rank: int = 32
-    """Adapter rank: capacity of the update; 32-64 is common for SD3/FLUX RL."""
-    alpha: int = 64
-    """Scale numerator: the update is scaled by alpha / rank."""
-    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
-    """Module names that get adapters; attention projections as in Flow-GRPO."""
 
 
 @dataclass
@@ -100,9 +92,7 @@ class SD3Adapter:
             if (path / "tokenizer_3").is_dir() else None,
         )
         self.pipeline.to(self.device)
-        for module in (self.pipeline.text_encoder, self.pipeline.text_encoder_2, self.pipeline.text_encoder_3, self.vae):
-            if module is not None:
-                module.requires_grad_(False).eval()
+        freeze(self.pipeline.text_encoder, self.pipeline.text_encoder_2, self.pipeline.text_encoder_3, self.vae)
 
         vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         side = config.resolution or self.denoiser.config.sample_size * vae_factor
@@ -110,16 +100,7 @@ class SD3Adapter:
             raise ValueError(f"model.resolution={side} must be a multiple of {vae_factor * self.denoiser.config.patch_size}")
         self.latent_shape = (self.denoiser.config.in_channels, side // vae_factor, side // vae_factor)
 
-        if config.lora is not None:
-            from peft import LoraConfig
-
-            self.denoiser.requires_grad_(False)
-            self.denoiser.add_adapter(LoraConfig(
-                r=config.lora.rank, lora_alpha=config.lora.alpha, init_lora_weights="gaussian",
-                target_modules=config.lora.target_modules,
-            ))
-        if config.gradient_checkpointing:
-            self.denoiser.enable_gradient_checkpointing()
+        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
         self._prompt_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._reference: nn.Module | None = None
 
@@ -209,38 +190,12 @@ class SD3Adapter:
         """LoRA: the same network with the adapter disabled (no extra memory). Full fine-tuning: a frozen
         copy of the weights as they were when this was first called (costs one more denoiser)."""
         if self._reference is None:
-            if self.config.lora is not None:
-                self._reference = _AdapterDisabled(self.denoiser)
-            else:
-                self._reference = copy.deepcopy(self.denoiser).requires_grad_(False).eval()
+            self._reference = reference_network(self.denoiser, self.config.lora)
         return self._reference
 
     def save_trainable(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        if self.config.lora is None:
-            self.denoiser.save_pretrained(directory)
-            return
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
+        save_trainable(self.denoiser, self.config.lora is not None, directory)
 
-        state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.denoiser).items()}
-        save_file(state, os.path.join(directory, "adapter_model.safetensors"))
-        peft_config = self.denoiser.peft_config["default"].to_dict()
-        peft_config["target_modules"] = sorted(peft_config["target_modules"])
-        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-            json.dump(peft_config, f, indent=2, default=str)
-
-
-class _AdapterDisabled(nn.Module):
-    """Calls a peft-adapted diffusers model with its adapters switched off."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, *args, **kwargs):
-        self.net.disable_adapters()
-        try:
-            return self.net(*args, **kwargs)
-        finally:
-            self.net.enable_adapters()
+    def load_trainable(self, directory: str) -> None:
+        """Load weights written by ``save_trainable`` (same LoRA settings) into this adapter's denoiser."""
+        load_trainable(self.denoiser, self.config.lora is not None, directory)

@@ -2,6 +2,9 @@
 local reward server pool for runs without configured reward URLs."""
 
 from trainer.rewards.client import (
+    COMBINE_MODES,
+    DEFAULT_WIRE_FORMAT,
+    WIRE_FORMATS,
     HttpRewardClient,
     InProcessRewardClient,
     RewardClient,
@@ -10,10 +13,14 @@ from trainer.rewards.client import (
     RewardResult,
     RewardUnavailableError,
     combine,
+    standardise,
 )
 from trainer.rewards.launcher import LocalRewardPool, RewardPoolError
 
 __all__ = [
+    "COMBINE_MODES",
+    "DEFAULT_WIRE_FORMAT",
+    "WIRE_FORMATS",
     "HttpRewardClient",
     "InProcessRewardClient",
     "LocalRewardPool",
@@ -24,4 +31,5 @@ __all__ = [
     "RewardResult",
     "RewardUnavailableError",
     "combine",
+    "standardise",
 ]

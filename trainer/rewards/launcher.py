@@ -5,17 +5,22 @@ answers ``/readyz``, and stops them (SIGTERM, then SIGKILL after a grace period)
 
     with LocalRewardPool(["digit"], replicas=2) as pool:
         client = HttpRewardClient(pool.urls, {"digit": 1.0})
+
+Failure drills (tests, benchmarks): ``pool.kill(i)`` sends a signal to replica ``i`` and
+``pool.restart(i)`` starts it again on the same port (instance id ``local-<i>-<port>-r<n>`` for the
+n-th restart).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -83,8 +88,11 @@ class LocalRewardPool:
         self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s
         self.urls: list[str] = []
+        self.ports: list[int] = []
         self.log_paths: list[Path] = []
         self._processes: list[subprocess.Popen[bytes]] = []
+        self._restarts: list[int] = []
+        self._env: dict[str, str] = {}
 
     def __enter__(self) -> LocalRewardPool:
         self.start()
@@ -104,37 +112,66 @@ class LocalRewardPool:
             raise RuntimeError("the pool is already started")
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="rewardflow-pool-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_paths = []
+        self.log_paths = [log_dir / f"replica-{index}.log" for index in range(self.replicas)]
         env = dict(self.env if self.env is not None else os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         # Importable from a source checkout too, whatever the working directory.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        self._env = env
         try:
             for index in range(self.replicas):
                 port = _free_port(self.host)
-                log_path = log_dir / f"replica-{index}.log"
-                command = [
-                    self.python, "-m", "reward_server",
-                    "--scorers", ",".join(self.scorers),
-                    "--host", self.host,
-                    "--port", str(port),
-                    "--instance-id", f"local-{index}-{port}",
-                    "--drain-grace-s", "0",  # only our own trainer talks to these replicas
-                    *self.extra_args,
-                ]  # fmt: skip
-                with open(log_path, "wb") as log:
-                    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-                self._processes.append(process)
-                self.log_paths.append(log_path)
+                self.ports.append(port)
                 self.urls.append(f"http://{self.host}:{port}")
-            self._wait_ready()
+                self._restarts.append(0)
+                self._processes.append(self._spawn(index))
+            self._wait_ready(range(self.replicas))
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self) -> None:
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (default SIGKILL: no drain) to replica ``index`` and wait for it to exit."""
+        process = self._processes[index]
+        if process.poll() is None:
+            process.send_signal(sig)
+        process.wait(timeout=self.stop_grace_s)
+
+    def restart(self, index: int) -> None:
+        """Start replica ``index`` again on its port (it must have exited) and wait until it is ready.
+
+        Raises:
+            RuntimeError: the replica is still running.
+            RewardPoolError: it exited or was not ready within ``ready_timeout_s``.
+        """
+        if self._processes[index].poll() is None:
+            raise RuntimeError(f"replica {index} is still running; kill it first")
+        self._restarts[index] += 1
+        self._processes[index] = self._spawn(index)
+        self._wait_ready([index])
+
+    def pid(self, index: int) -> int:
+        """Process id of replica ``index``."""
+        return self._processes[index].pid
+
+    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        port = self.ports[index]
+        instance = f"local-{index}-{port}" + (f"-r{self._restarts[index]}" if self._restarts[index] else "")
+        command = [
+            self.python, "-m", "reward_server",
+            "--scorers", ",".join(self.scorers),
+            "--host", self.host,
+            "--port", str(port),
+            "--instance-id", instance,
+            "--drain-grace-s", "0",  # only our own trainer talks to these replicas
+            *self.extra_args,
+        ]  # fmt: skip
+        with open(self.log_paths[index], "ab") as log:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env)
+
+    def _wait_ready(self, indices: Iterable[int]) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        pending = set(range(self.replicas))
+        pending = set(indices)
         with httpx.Client(trust_env=False, timeout=2.0) as client:
             while pending:
                 for index in sorted(pending):
@@ -171,4 +208,6 @@ class LocalRewardPool:
                 process.kill()
                 process.wait()
         self._processes.clear()
+        self._restarts.clear()
         self.urls.clear()
+        self.ports.clear()

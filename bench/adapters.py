@@ -1,0 +1,168 @@
+"""Overhead of the adapters over plain diffusers, per adapter, on tiny random models on the CPU.
+
+    .venv/bin/python bench/adapters.py [--names flux,sd15_inpaint] [--repeats 3] [--threads 2]
+
+Columns (best of ``--repeats`` interleaved runs each; ratio = ours / plain, lower is better):
+  rollout   ``trainer.rollout.rollout`` (SDE or DDIM steps with log-probs, text encoding with an emptied
+            prompt cache, image conditioning, VAE decode) / the model's diffusers pipeline on the same
+            components, prompts, image inputs, steps, batch and guidance (decoding to images as well).
+  train     one GRPO optimizer step's loss + backward over its units (LoRA rank 8) / replaying the very same
+            denoiser calls (same CFG batch) as forward + backward of a mean-square loss, plus the reference
+            network's forward when the KL is on. Optimizer steps are excluded from both.
+  sampler   the adapter's step function over T steps / the diffusers scheduler's ``step`` over T steps on
+            the same tensors (FlowMatchEulerDiscreteScheduler: the Euler step; DDIMScheduler with the same eta),
+            at production latent sizes (FLUX 1024 px packed: [B, 4096, 64]; SD1.5 512 px: [B, 4, 64, 64]):
+            step math is elementwise, and at tiny sizes it measures only per-op dispatch.
+Targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x. The machine is shared: expect a few % of noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainer.algorithms.base import LossContext, Rewards
+from trainer.algorithms.grpo import GRPO, GRPOConfig
+from trainer.models import MODELS, build_adapter, testing
+from trainer.models.common import LoraSettings
+from trainer.rollout import SamplerSettings, rollout
+
+BATCH = 4
+NUM_STEPS = 6
+RESOLUTION = {"sd3": 16, "flux": 32, "flux_fill": 32, "flux_kontext": 32, "sd15_inpaint": 32, "qwen_image": 128}
+"""256 image tokens (latent positions for the UNet) per sample; ``tiny`` is fixed at 64."""
+GUIDANCE = {"tiny": 4.5, "sd3": 4.5, "flux": 3.5, "flux_fill": 3.5, "flux_kontext": 3.5, "sd15_inpaint": 4.5,
+            "qwen_image": 4.5}
+"""CFG (batched) for sd3, sd15, qwen; the guidance embedding for the FLUX family."""
+
+
+def compare(ours: Callable[[], object], plain: Callable[[], object], repeats: int) -> float:
+    """min time of ``ours`` / min time of ``plain``, run alternately after one warm-up call each."""
+    ours(), plain()
+    best = [float("inf"), float("inf")]
+    for _ in range(repeats):
+        for i, fn in enumerate((ours, plain)):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] / best[1]
+
+
+class Recorder(nn.Module):
+    """Calls ``net`` and appends (net, args, kwargs) of every call to ``calls`` (for replay)."""
+
+    def __init__(self, net: nn.Module, calls: list):
+        super().__init__()
+        self.net, self.calls = net, calls
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((self.net, args, kwargs))
+        return self.net(*args, **kwargs)
+
+
+def bench_adapter(name: str, root: str, repeats: int) -> dict[str, float]:
+    overrides = {"resolution": RESOLUTION[name]} if name in RESOLUTION else {}
+    adapter = build_adapter(testing.tiny_config(name, root, dtype="float32", lora=LoraSettings(rank=8, alpha=8),
+                                                **overrides), "cpu")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    prompts = [p for p in ("a photo of a cat", "the digit five") for _ in range(BATCH // 2)]
+    group_ids = torch.arange(BATCH) // 2
+    inputs = testing.image_inputs(adapter, BATCH)
+    ddim = adapter.sampler_kind == "ddim"
+    settings = SamplerSettings(num_steps=NUM_STEPS, guidance_scale=GUIDANCE[name], kind="ddim" if ddim else "sde",
+                               noise_level=1.0 if ddim else 0.7)
+    row = {}
+
+    def ours_rollout():
+        adapter._prompt_cache.clear()
+        return rollout(adapter, adapter.denoiser, prompts, group_ids, settings, torch.Generator().manual_seed(0), inputs)
+
+    output_type = "latent" if adapter.vae is None else "pt"
+    row["rollout"] = compare(ours_rollout, lambda: testing.run_pipeline(
+        adapter, prompts, inputs, NUM_STEPS, GUIDANCE[name], torch.Generator().manual_seed(0), output_type), repeats)
+
+    ro = ours_rollout()
+    rewards = torch.arange(BATCH, dtype=torch.float32)
+    for kl in (0.0, 0.04):
+        algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=kl, sampler=settings, timestep_fraction=0.4))
+        batch = algorithm.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
+        (units,) = algorithm.plan(batch, torch.Generator().manual_seed(0))
+        calls: list = []
+        ctx = LossContext(adapter, Recorder(adapter.denoiser, calls),
+                          Recorder(adapter.reference(), calls) if kl else None)
+
+        def ours_train(ctx=ctx, algorithm=algorithm, units=units):
+            for unit in units:
+                algorithm.loss(ctx, unit)[0].backward()
+            adapter.denoiser.zero_grad(set_to_none=True)
+
+        ours_train()
+        replay = list(calls)
+
+        def plain_train(replay=replay):
+            for net, args, kwargs in replay:
+                if net is adapter.denoiser:
+                    net(*args, **kwargs)[0].float().square().mean().backward()
+                else:
+                    with torch.no_grad():
+                        net(*args, **kwargs)
+            adapter.denoiser.zero_grad(set_to_none=True)
+
+        row["train_kl_on" if kl else "train_kl_off"] = compare(ours_train, plain_train, repeats)
+
+    row["sampler"] = bench_sampler(adapter, settings, repeats)
+    return row
+
+
+def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int = 5) -> float:
+    """T steps of the adapter's step function vs T steps of its diffusers scheduler, on the same tensors."""
+    shape = (BATCH, 4, 64, 64) if adapter.sampler_kind == "ddim" else (BATCH, 4096, 64)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    out = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    schedule = adapter.sigmas(NUM_STEPS)
+    step = adapter.step_function(settings.kind, schedule)
+    scheduler = adapter.scheduler
+    timesteps = scheduler.timesteps
+    eta = {"eta": settings.noise_level} if adapter.sampler_kind == "ddim" else {}
+    g = torch.Generator().manual_seed(2)
+
+    def ours():
+        for _ in range(loops):
+            for i in range(NUM_STEPS):
+                step(out, x, schedule[i].expand(BATCH), schedule[i + 1].expand(BATCH), settings.noise_level, generator=g)
+
+    def plain():
+        for _ in range(loops):
+            if hasattr(scheduler, "set_begin_index"):
+                scheduler._step_index = None
+                scheduler.set_begin_index(0)
+            for t in timesteps:
+                scheduler.step(out, t, x, generator=g, **eta)
+
+    return compare(ours, plain, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--names", default=",".join(sorted(MODELS)), help="comma-separated adapter names")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler")
+    print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, float32, {args.threads} threads; ratio = ours / plain")
+    print(f"{'adapter':<14}" + "".join(f"{c:>14}" for c in columns))
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.names.split(","):
+            row = bench_adapter(name, root, args.repeats)
+            print(f"{name:<14}" + "".join(f"{row[c]:>13.3f}x" for c in columns), flush=True)
+    print("targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x")
+
+
+if __name__ == "__main__":
+    main()

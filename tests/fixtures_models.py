@@ -1,0 +1,158 @@
+"""Tiny random models for the model-based scorers, saved with ``save_pretrained`` into a ``--model-dir``
+layout and loaded back through the scorers' own loading code. Random weights: their scores mean nothing;
+tests check plumbing and math, never quality. Fixtures built from these live in tests/unit/conftest.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+QWEN_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def build_tiny_aesthetic(model_dir: Path, *, head_format: str = "pth") -> Path:
+    """``<model_dir>/aesthetic/{clip/, head.<format>}``: a full tiny CLIPModel (projection 768, as ViT-L/14's)
+    and a random LAION head saved under the original key names (``layers.N.*``)."""
+    from transformers import CLIPConfig, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from reward_server.scorers.aesthetic import AestheticHead
+
+    torch.manual_seed(0)
+    root = model_dir / "aesthetic"
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = CLIPConfig(
+        vision_config={**small, "image_size": 32, "patch_size": 8},
+        text_config={**small, "vocab_size": 64},
+        projection_dim=768,
+    )
+    CLIPModel(config).save_pretrained(root / "clip")
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        root / "clip"
+    )
+    # Weights x4 so that a unit-norm embedding gives scores of order 1, not 1e-3: tight math checks.
+    state = {
+        key: value * 4 if key.endswith("weight") else value
+        for key, value in AestheticHead(768).state_dict().items()
+    }
+    if head_format == "pth":
+        torch.save(state, root / "head.pth")
+    else:
+        from safetensors.torch import save_file
+
+        save_file(
+            {key.removeprefix("layers."): value for key, value in state.items()}, root / "head.safetensors"
+        )
+    return model_dir
+
+
+def build_tiny_qwen_vl(path: Path, *, variant: str = "qwen2_5_vl") -> Path:
+    """A random 1-layer Qwen2-VL or Qwen2.5-VL (hidden 32, 1-block vision tower) with a byte-level
+    Qwen2Tokenizer (256 byte tokens, no merges, Qwen's chat and vision special tokens) and a PIL image
+    processor config, all saved with ``save_pretrained`` into ``path``."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2Tokenizer,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vocab = {"<|endoftext|>": 0}
+    for char in bytes_to_unicode().values():
+        vocab[char] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=list(QWEN_SPECIAL_TOKENS))
+    ids = dict(
+        zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS)), strict=True)
+    )
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    }
+    vision = {"depth": 1, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    special = {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    torch.manual_seed(0)
+    if variant == "qwen2_5_vl":
+        vision.update(
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=32,
+            window_size=56,
+            fullatt_block_indexes=[0],
+        )
+        model = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
+        )
+    elif variant == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=32, mlp_ratio=2)
+        model = Qwen2VLForConditionalGeneration(
+            Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+        )
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    # At most 112x112 pixels: 16 image tokens per image after the 2x2 merge, so tests stay fast.
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}).save_pretrained(path)
+    return path
+
+
+def rig_digits(model_dir: Path, weights: dict[str, float]) -> Path:
+    """Rewrite the model so that the first answer token's logits are ``weight * c`` for the given digits
+    and 0 for every other token (c > 0 the same for all): every token embedding gets a large first
+    coordinate, which dominates the last hidden state, and the output head reads only that coordinate."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 40.0
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        for digit, weight in weights.items():
+            (token_id,) = tokenizer.encode(digit, add_special_tokens=False)
+            head[token_id, 0] = weight
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+# For the registry-wide conformance test: what each model-based scorer needs to score random images.
+CONFORMANCE_METADATA: dict[str, dict[str, str]] = {"ocr": {"text": "digit"}}
+CONFORMANCE_SKIP: dict[str, str] = {
+    "ocr_paddle": "needs paddleocr and PaddleOCR model directories",
+    "qwenvl_api": "needs a judge server (tested in test_scorer_qwenvl.py against a local one)",
+}
+
+
+def build_conformance_model_dir(model_dir: Path) -> Path:
+    """One ``--model-dir`` serving every model-based scorer that can run offline: a tiny aesthetic
+    predictor and a tiny Qwen2.5-VL rigged to answer "4" (a random judge's answers are PARSE errors)."""
+    build_tiny_aesthetic(model_dir)
+    rig_digits(build_tiny_qwen_vl(model_dir / "qwenvl"), {"4": 5.0})
+    return model_dir

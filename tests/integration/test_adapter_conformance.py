@@ -1,0 +1,227 @@
+"""One conformance suite over every registered ModelAdapter, on tiny random models loaded from disk.
+
+Each adapter's model is built by ``trainer.models.testing`` (random weights, local tokenizers), saved with
+``save_pretrained`` and loaded back through the adapter's own ``config.path`` code. Per adapter:
+  (a) a rollout at noise level 0 equals the adapter's diffusers pipeline (same components, seed, steps,
+      guidance) to ``PARITY_ATOL`` (bit-exact in practice except Qwen-Image, whose batched CFG pads text);
+  (b) log-probs re-evaluated with the step function equal the rollout's: the on-policy ratio is exactly 1;
+  (c) one GRPO step (KL on) and one SFT step change the trainable parameters and nothing else, with LoRA
+      (base frozen) and with full fine-tuning;
+  (d) save_trainable -> load_trainable into a fresh adapter reproduces the predictions exactly;
+  (e) wrong or missing image inputs raise ValueErrors that name the input.
+Image-conditioned pipelines sample the VAE posterior of their conditioning images where the adapters take
+its mean (deterministic conditioning); ``testing.run_pipeline`` replaces that draw by the mean, the only
+difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from trainer.algorithms.base import LossContext, Rewards
+from trainer.algorithms.grpo import GRPO, GRPOConfig
+from trainer.algorithms.sft import SFT, SFTBatch, SFTConfig
+from trainer.models import MODELS, build_adapter, testing
+from trainer.models.base import ImageInputs
+from trainer.models.common import LoraSettings
+from trainer.models.testing import TINY_NAMES, tiny_config
+from trainer.rollout import SamplerSettings, rollout
+
+NAMES = sorted(MODELS)
+PROMPTS = ["a photo of a cat", "the digit five"]
+NUM_STEPS = 3
+PARITY_ATOL = 1e-5
+GUIDANCE = {"tiny": 3.0, "sd3": 3.0, "flux": 3.5, "flux_fill": 3.5, "flux_kontext": 3.5, "sd15_inpaint": 3.0,
+            "qwen_image": 3.0}
+"""CFG scale (sd3, sd15, qwen: batched CFG) or guidance embedding (flux family) used in every test."""
+
+
+def test_every_registered_adapter_has_a_tiny_model():
+    assert sorted(TINY_NAMES) == NAMES
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("adapters")
+
+
+def make_adapter(name: str, root, **overrides):
+    adapter = build_adapter(tiny_config(name, root, **{"dtype": "float32", **overrides}), "cpu")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    return adapter
+
+
+@pytest.fixture(scope="module")
+def shared_adapters() -> dict[str, object]:
+    return {}
+
+
+@pytest.fixture
+def adapter(request, model_root, shared_adapters):
+    """A LoRA-free adapter, shared by the read-only tests (indirect parameter: the adapter name)."""
+    if request.param not in shared_adapters:
+        shared_adapters[request.param] = make_adapter(request.param, model_root)
+    return shared_adapters[request.param]
+
+
+def image_inputs(adapter, seed: int = 0) -> ImageInputs | None:
+    return testing.image_inputs(adapter, len(PROMPTS), seed)
+
+
+def settings(adapter, noise_level: float) -> SamplerSettings:
+    kind = "ddim" if adapter.sampler_kind == "ddim" else "sde"
+    return SamplerSettings(num_steps=NUM_STEPS, guidance_scale=GUIDANCE[adapter.config.name], kind=kind,
+                           noise_level=noise_level)
+
+
+# --- (a) parity with diffusers ------------------------------------------------------------------------
+@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+def test_rollout_at_noise_zero_equals_pipeline(adapter):
+    inputs = image_inputs(adapter)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
+                 torch.Generator().manual_seed(0), inputs)
+    expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, GUIDANCE[adapter.config.name],
+                                    torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ro.latents[:, -1], expected.float().reshape(ro.latents[:, -1].shape),
+                               rtol=0, atol=PARITY_ATOL)
+    assert ro.images.shape[0] == len(PROMPTS) and 0 <= float(ro.images.min()) <= float(ro.images.max()) <= 1
+
+
+# --- (b) on-policy ratio ------------------------------------------------------------------------------
+@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+def test_on_policy_ratio_is_exactly_one(adapter):
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 1.0),
+                 torch.Generator().manual_seed(1), image_inputs(adapter))
+    step = adapter.step_function(ro.kind, ro.sigmas)
+    batch = len(PROMPTS)
+    with torch.no_grad():
+        for i in ro.trainable_steps().tolist():
+            sigma, sigma_next = ro.sigmas[i].expand(batch), ro.sigmas[i + 1].expand(batch)
+            out = adapter.predict(adapter.denoiser, ro.latents[:, i], sigma, ro.cond, ro.guidance_scale)
+            _, log_prob, _, _ = step(out, ro.latents[:, i], sigma, sigma_next, ro.noise_level,
+                                     prev_sample=ro.latents[:, i + 1])
+            assert torch.equal(torch.exp(log_prob - ro.log_probs[:, i]), torch.ones(batch))
+
+
+# --- (c) training steps touch only the trainable parameters ------------------------------------------
+def _snapshot(adapter) -> dict[str, torch.Tensor]:
+    modules = {"denoiser": adapter.denoiser, "vae": adapter.vae, "text": adapter.pipeline.text_encoder}
+    return {f"{m}.{k}": v.detach().clone() for m, module in modules.items() if module is not None for k, v in module.state_dict().items()}
+
+
+def _check_only_trainable_changed(adapter, before: dict[str, torch.Tensor]) -> None:
+    trainable = {f"denoiser.{k}" for k, p in adapter.denoiser.named_parameters() if p.requires_grad}
+    after = _snapshot(adapter)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed, "the step changed no parameter"
+    assert changed <= trainable, f"frozen parameters changed: {sorted(changed - trainable)[:5]}"
+
+
+def _train_step(adapter, losses) -> None:
+    optimizer = torch.optim.SGD(adapter.trainable_parameters(), lr=1.0)
+    optimizer.zero_grad()
+    for loss in losses:
+        loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize(("name", "mode"), list(itertools.product(NAMES, ("lora", "full"))))
+def test_grpo_and_sft_steps_change_only_trainable_parameters(name, mode, model_root):
+    lora = LoraSettings(rank=4, alpha=4) if mode == "lora" else None
+    adapter = make_adapter(name, model_root, lora=lora)
+    inputs = image_inputs(adapter)
+    prompts = [PROMPTS[0]] * 2
+    ro = rollout(adapter, adapter.denoiser, prompts, torch.zeros(2, dtype=torch.long), settings(adapter, 1.0),
+                 torch.Generator().manual_seed(2), inputs)
+    algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=0.1, sampler=settings(adapter, 1.0)))
+    rewards = torch.tensor([0.0, 1.0])
+    batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
+    ctx = LossContext(adapter, adapter.denoiser, adapter.reference())
+    (units,) = algorithm.plan(batch, torch.Generator().manual_seed(0))
+
+    before = _snapshot(adapter)
+    results = [algorithm.loss(ctx, unit) for unit in units]
+    for _, stats in results:
+        torch.testing.assert_close(stats["ratio"], torch.tensor(1.0), rtol=0, atol=1e-6)
+        assert float(stats["kl"]) == 0.0  # policy == reference before the first update
+    _train_step(adapter, [loss for loss, _ in results])
+    _check_only_trainable_changed(adapter, before)
+
+    before = _snapshot(adapter)
+    x0 = adapter.encode_images(torch.rand(2, *ro.images.shape[1:], generator=torch.Generator().manual_seed(3)))
+    sft_batch = SFTBatch(x0, torch.randn(x0.shape, generator=torch.Generator().manual_seed(4)), torch.tensor([0.3, 0.8]),
+                         adapter.encode_prompts(prompts, inputs))
+    loss, _ = SFT(SFTConfig()).loss(LossContext(adapter, adapter.denoiser, None), (sft_batch, torch.arange(2)))
+    _train_step(adapter, [loss])
+    _check_only_trainable_changed(adapter, before)
+
+
+# --- (d) save / load round trip -----------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "mode"), list(itertools.product(NAMES, ("lora", "full"))))
+def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path):
+    lora = LoraSettings(rank=4, alpha=4) if mode == "lora" else None
+    trained = make_adapter(name, model_root, lora=lora)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for p in trained.trainable_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    trained.save_trainable(str(tmp_path / "ckpt"))
+    fresh = make_adapter(name, model_root, lora=lora)
+
+    cond = trained.encode_prompts(PROMPTS, image_inputs(trained))
+    x = trained.prepare_latents(len(PROMPTS), torch.Generator().manual_seed(6))
+    sigma = trained.sigmas(NUM_STEPS)[1].expand(len(PROMPTS))
+    with torch.no_grad():
+        expected = trained.predict(trained.denoiser, x, sigma, cond, GUIDANCE[name])
+        assert not torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, GUIDANCE[name]), expected)
+        fresh.load_trainable(str(tmp_path / "ckpt"))
+        assert torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, GUIDANCE[name]), expected)
+
+
+# --- (e) conditioning validation ----------------------------------------------------------------------
+@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+def test_image_inputs_are_validated(adapter):
+    side = getattr(adapter, "resolution", 16)
+    good = image_inputs(adapter)
+    if good is None:
+        with pytest.raises(ValueError, match="image"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(image=torch.rand(2, 3, side, side)))
+        return
+    with pytest.raises(ValueError, match="ImageInputs"):
+        adapter.encode_prompts(PROMPTS)
+    with pytest.raises(ValueError, match="ImageInputs.style"):
+        adapter.encode_prompts(PROMPTS, dataclasses.replace(good, style=torch.rand(2, 3, side, side)))
+    if good.reference is not None:
+        with pytest.raises(ValueError, match="ImageInputs.reference"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(reference=torch.rand(2, 1, side, side)))
+        with pytest.raises(ValueError, match="ImageInputs.reference"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(reference=good.reference[:1]))
+        return
+    with pytest.raises(ValueError, match="ImageInputs.mask"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image))
+    with pytest.raises(ValueError, match="ImageInputs.image"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image[..., :-2, :-2], mask=good.mask))
+    with pytest.raises(ValueError, match="ImageInputs.mask"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image, mask=good.mask[:1]))
+
+
+@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+def test_step_kind_is_checked(adapter):
+    other = "sde" if adapter.sampler_kind == "ddim" else "ddim"
+    with pytest.raises(ValueError, match="sampler.kind"):
+        adapter.step_function(other, adapter.sigmas(NUM_STEPS))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_weights_give_float32_predictions(name, model_root):
+    adapter = make_adapter(name, model_root, dtype="bfloat16")
+    assert adapter.denoiser.dtype == torch.bfloat16
+    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
+    x = adapter.prepare_latents(len(PROMPTS), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = adapter.predict(adapter.denoiser, x, adapter.sigmas(NUM_STEPS)[:1].expand(2), cond, GUIDANCE[name])
+    assert out.dtype == torch.float32 and out.shape == x.shape and torch.isfinite(out).all()

@@ -1,0 +1,35 @@
+"""The k-repeat sampler keeps whole groups in the gathered batch for any world size that divides it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from trainer.data.sampler import GroupSampler
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_gathered_batch_holds_whole_groups(world):
+    parts = [GroupSampler(10, 4, 8, world, rank, seed=3).epoch(5) for rank in range(world)]
+    indices = torch.cat([p[0] for p in parts])
+    groups = torch.cat([p[1] for p in parts])
+    assert len(indices) == 32 and all(len(p[0]) == 32 // world for p in parts)
+    assert Counter(groups.tolist()) == {g: 8 for g in range(4)}
+    for g in range(4):
+        assert len(set(indices[groups == g].tolist())) == 1  # one prompt per group
+    assert len(set(indices.tolist())) == 4  # distinct prompts when the pool allows
+
+
+def test_epochs_are_deterministic_and_differ():
+    a = GroupSampler(10, 5, 4, 1, 0, seed=0)
+    assert torch.equal(a.epoch(3)[0], GroupSampler(10, 5, 4, 1, 0, seed=0).epoch(3)[0])
+    assert not torch.equal(a.epoch(3)[0], a.epoch(4)[0])
+
+
+def test_small_pool_cycles_and_world_size_must_divide():
+    idx, groups = GroupSampler(3, 7, 2, 1, 0, seed=0).epoch(0)
+    assert len(idx) == 14 and set(idx.tolist()) == {0, 1, 2}
+    with pytest.raises(ValueError, match="do not divide over 4 ranks"):
+        GroupSampler(10, 3, 3, 4, 0, seed=0)

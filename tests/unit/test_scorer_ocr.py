@@ -1,0 +1,226 @@
+"""``ocr``: the real RapidOCR PP-OCR models on text rendered with a DejaVu TrueType font.
+
+Thresholds are what these models achieve here with margin; the hard cases (small text, rotation,
+clutter) are not required to be perfect.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+from reward_server.scorers import SCORERS, run_scorer
+from reward_server.scorers.ocr import (
+    OcrScorer,
+    crop_to_mask,
+    levenshtein,
+    normalise_text,
+    paddle_result_lines,
+    target_text,
+    text_similarity,
+)
+from shared.protocol import ErrorCode
+
+FONT_DIR = Path("/usr/share/fonts/truetype/dejavu")  # Debian package fonts-dejavu-core
+PROMPTS = Path(__file__).resolve().parents[3] / "shared/data/flow_grpo/ocr_test_prompts.txt"
+
+
+def render(
+    text: str,
+    *,
+    size: tuple[int, int] = (512, 512),
+    font_size: int = 40,
+    background: Image.Image | None = None,
+    angle: float = 0.0,
+    bold: bool = False,
+) -> np.ndarray:
+    """Dark text centred on a white (or given) background, optionally rotated, as uint8 RGB."""
+    font = ImageFont.truetype(
+        str(FONT_DIR / ("DejaVuSans-Bold.ttf" if bold else "DejaVuSans.ttf")), font_size
+    )
+    image = background.copy() if background is not None else Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    origin = ((image.width - (right - left)) // 2 - left, (image.height - (bottom - top)) // 2 - top)
+    draw.text(origin, text, font=font, fill=(20, 20, 60))
+    if angle:
+        image = image.rotate(angle, resample=Image.Resampling.BICUBIC, fillcolor="white")
+    return np.asarray(image)
+
+
+def fitting_font_size(text: str, width: int) -> int:
+    font = ImageFont.truetype(str(FONT_DIR / "DejaVuSans.ttf"), 100)
+    return min(40, int(100 * width / font.getlength(text)))
+
+
+@pytest.fixture(scope="module")
+def ocr() -> OcrScorer:
+    scorer = SCORERS["ocr"]()
+    scorer.load()
+    return scorer
+
+
+@pytest.fixture(scope="module")
+def real_prompts() -> list[str]:
+    if not PROMPTS.is_file():
+        pytest.skip(f"{PROMPTS} not found (shared/ sits beside the repository)")
+    return [line for line in PROMPTS.read_text().splitlines() if line.strip()]
+
+
+def test_ocr_reads_real_prompt_targets_exactly(ocr: OcrScorer, real_prompts: list[str]) -> None:
+    prompts = real_prompts[:4]
+    targets = [target_text(prompt, {}) for prompt in prompts]
+    images = [render(target, font_size=fitting_font_size(target, 460)) for target in targets]
+    outcomes = ocr.score(images, prompts, [{}] * len(prompts))
+    for outcome, target in zip(outcomes, targets, strict=True):
+        assert outcome.ok and outcome.score == pytest.approx(1.0), (target, outcome.details)
+        assert normalise_text(outcome.details["recognized"]) == normalise_text(target)
+        assert outcome.details["confidence"] > 0.9
+
+
+def test_ocr_scores_a_wrong_target_lower(ocr: OcrScorer) -> None:
+    image = render("Spring Collection 2024")
+    right, near, wrong = ocr.score(
+        [image] * 3,
+        ['a banner "Spring Collection 2024"', 'a banner "Spring Collection 2025"', 'a ring "Forever Yours"'],
+        [{}] * 3,
+    )
+    assert right.score == pytest.approx(1.0)
+    assert near.score == pytest.approx(1 - 1 / 20)  # one character of 20 (whitespace removed)
+    assert wrong.score < 0.3
+
+
+def test_ocr_small_text_stays_one_line(ocr: OcrScorer) -> None:
+    """Detection with limit type "max" does not upsample a small image and split its words."""
+    (outcome,) = ocr.score(
+        [render("Spring Collect", size=(256, 64), font_size=24)], ['"Spring Collect"'], [{}]
+    )
+    assert outcome.score == pytest.approx(1.0)
+    assert len(outcome.details["line_confidences"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("case", "threshold"),
+    [("small_14px_on_512", 0.9), ("rotated_5_degrees", 0.9), ("cluttered_background", 0.85)],
+)
+def test_ocr_hard_cases(ocr: OcrScorer, case: str, threshold: float) -> None:
+    text = "Step Goal Achieved"
+    if case == "small_14px_on_512":
+        image = render(text, font_size=14)
+    elif case == "rotated_5_degrees":
+        image = render(text, font_size=36, angle=5)
+    else:
+        noise = np.random.default_rng(0).integers(110, 256, (64, 64, 3), dtype=np.uint8)
+        background = Image.fromarray(noise).resize((512, 512), Image.Resampling.NEAREST)
+        image = render(text, font_size=40, background=background, bold=True)
+    (outcome,) = ocr.score([image], [f'a watch showing "{text}"'], [{}])
+    assert outcome.ok and outcome.score >= threshold, outcome.details
+
+
+def test_ocr_mask_restricts_reading_to_its_box(ocr: OcrScorer) -> None:
+    image = Image.new("RGB", (512, 256), "white")
+    font = ImageFont.truetype(str(FONT_DIR / "DejaVuSans.ttf"), 40)
+    ImageDraw.Draw(image).text((30, 100), "HELLO", font=font, fill="black")
+    ImageDraw.Draw(image).text((300, 100), "WORLD", font=font, fill="black")
+    mask = np.zeros((256, 512, 1), np.uint8)
+    mask[80:170, 280:500] = 255
+    masked, unmasked = ocr.score([np.asarray(image)] * 2, ['"WORLD"'] * 2, [{"mask": mask}, {}])
+    assert masked.details["recognized"] == "WORLD" and masked.score == pytest.approx(1.0)
+    assert normalise_text(unmasked.details["recognized"]) == "helloworld"
+    assert unmasked.score == pytest.approx(0.5)
+
+
+def test_ocr_failures_are_errors_not_zeros(ocr: OcrScorer) -> None:
+    image = render("HELLO", size=(128, 64), font_size=24)
+    outcomes = run_scorer(
+        ocr,
+        [image] * 3,
+        ["a sign without quotes", '"HELLO"', '"HELLO"'],
+        [{}, {"mask": np.zeros((64, 128, 1), np.uint8)}, {"mask": np.ones((10, 10, 1), np.uint8)}],
+    )
+    assert [o.error for o in outcomes] == [ErrorCode.PARSE, ErrorCode.BAD_INPUT, ErrorCode.BAD_INPUT]
+    assert all(o.score is None for o in outcomes)
+
+
+def test_ocr_blank_image_scores_zero_and_gray_images_work(ocr: OcrScorer) -> None:
+    gray = render("OPEN", size=(128, 64), font_size=30).mean(axis=2, keepdims=True).astype(np.uint8)
+    blank, read = ocr.score([np.full((64, 64, 3), 255, np.uint8), gray], ['"OPEN"'] * 2, [{}, {}])
+    assert blank.score == 0.0 and blank.details["recognized"] == "" and blank.details["confidence"] is None
+    assert read.score == pytest.approx(1.0)
+
+
+def test_ocr_version_names_engine_models_and_checksum(ocr: OcrScorer) -> None:
+    assert ocr.version.startswith("rapidocr-3.") and "PP-OCR" in ocr.version
+    assert ocr.name == "ocr" and ocr.score_range == (0.0, 1.0)
+
+
+def test_target_extraction_on_real_prompts(real_prompts: list[str]) -> None:
+    assert len(real_prompts) > 1000
+    for prompt in real_prompts:  # Flow-GRPO's rule: the text between the first two double quotes
+        assert target_text(prompt, {}) == prompt.split('"')[1]
+    assert target_text(real_prompts[0], {}) == "Spring Collection 2024"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "metadata", "expected"),
+    [
+        ('a sign "OPEN" and "CLOSED"', {}, "OPEN"),
+        ('a sign "OPEN"', {"text": "SALE"}, "SALE"),
+        ('a sign "OPEN"', {"target_text": "SALE"}, "SALE"),
+        ('a sign "OPEN"', {"text": "  "}, "OPEN"),
+        ("a sign", {}, None),
+        ('a sign ""', {}, None),
+        ('a sign "unclosed', {}, None),
+    ],
+)
+def test_target_text(prompt: str, metadata: dict[str, Any], expected: str | None) -> None:
+    assert target_text(prompt, metadata) == expected
+
+
+def test_text_similarity_math() -> None:
+    assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "abc") == 3
+    assert normalise_text(" Hello\n World\t") == "helloworld"
+    assert text_similarity("Hello World", "hello  world") == 1.0
+    assert text_similarity("helo", "hello") == pytest.approx(1 - 1 / 5)
+    assert text_similarity("hello extra text", "hello") == pytest.approx(1 - 9 / 14)
+    assert text_similarity("", "hello") == 0.0
+
+
+def test_crop_to_mask_uses_the_bounding_box_of_set_pixels() -> None:
+    image = np.arange(6 * 8 * 3, dtype=np.uint8).reshape(6, 8, 3)
+    mask = np.zeros((6, 8), np.uint8)
+    mask[1, 2] = mask[3, 5] = 1
+    np.testing.assert_array_equal(crop_to_mask(image, mask), image[1:4, 2:6])
+
+
+def test_paddle_result_lines_reads_the_documented_result_fields() -> None:
+    """Only the parsing of PaddleOCR 3.x's ``predict`` result; the pipeline itself is tested below."""
+    result = {"rec_texts": ["HELLO", " ", "WORLD"], "rec_scores": [0.99, 0.2, 0.97], "rec_polys": []}
+    assert [(line.text, line.confidence) for line in paddle_result_lines(result)] == [
+        ("HELLO", 0.99),
+        ("WORLD", 0.97),
+    ]
+
+
+def test_ocr_paddle_needs_its_model_dirs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--model-dir"):
+        SCORERS["ocr_paddle"]().load()
+    (tmp_path / "ocr_paddle" / "det").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="inference.yml"):
+        SCORERS["ocr_paddle"](model_dir=tmp_path).load()
+
+
+@pytest.mark.skipif(
+    "RF_PADDLEOCR_MODEL_DIR" not in os.environ,
+    reason="set RF_PADDLEOCR_MODEL_DIR to a dir with ocr_paddle/{det,rec} (needs paddleocr, paddlepaddle)",
+)
+def test_ocr_paddle_reads_rendered_text() -> None:
+    scorer = SCORERS["ocr_paddle"](model_dir=Path(os.environ["RF_PADDLEOCR_MODEL_DIR"]))
+    scorer.load()
+    (outcome,) = scorer.score([render("Spring Collection 2024")], ['"Spring Collection 2024"'], [{}])
+    assert outcome.score == pytest.approx(1.0), outcome.details

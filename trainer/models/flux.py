@@ -1,0 +1,220 @@
+"""FLUX.1-dev (FluxTransformer2DModel, flow matching, guidance embedding) from a local diffusers directory.
+
+Latents live packed, as FLUX's transformer sees them: [B, (h/2)(w/2), 4C] tokens of 2x2 latent patches, with
+txt/img position ids. Text (CLIP pooled + T5), packing, position ids and the shifted schedule all come from
+diffusers' ``FluxPipeline`` itself, so a rollout at noise level 0 reproduces the pipeline.
+
+Guidance: FLUX-dev is guidance-distilled, so ``guidance_scale`` is fed to the guidance embedding and there
+is one forward per step (no CFG). A checkpoint without guidance embedding (schnell-like) gets true CFG with
+the empty negative prompt instead, batched as one forward.
+
+The FLUX.1 Fill and Kontext adapters are this class with two hooks replaced: ``_image_conditioning``
+(what ImageInputs become) and ``_model_input`` (how they join the packed latents).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+from torch import nn
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.common import (
+    DTYPES,
+    LoraSettings,
+    cfg_combine,
+    freeze,
+    load_trainable,
+    prepare_denoiser,
+    rectified_flow_target,
+    reference_network,
+    reject_image_inputs,
+    save_trainable,
+    shifted_flow_sigmas,
+)
+from trainer.samplers import flow_step
+
+
+@dataclass
+class FluxConfig:
+    """Where the FLUX.1 weights are and how to run them."""
+
+    name: str = "flux"
+    """Registry name of the adapter (``trainer.models.MODELS``)."""
+    path: str = ""
+    """Local diffusers-format directory (transformer/, vae/, scheduler/, text_encoder(_2)/, tokenizer(_2)/)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Weights and forward dtype of the transformer, encoders and VAE; sampler math is float32 regardless."""
+    resolution: int = 1024
+    """Image side in pixels; a multiple of 2x the VAE factor (16 for the real VAE)."""
+    max_sequence_length: int = 512
+    """T5 tokens per prompt (the pipeline's default)."""
+    lora: LoraSettings | None = None
+    """LoRA settings; None trains the full transformer (and a frozen copy serves as reference)."""
+    gradient_checkpointing: bool = False
+    """Recompute block activations in backward: less memory, about 30% more compute."""
+
+
+class FluxAdapter:
+    """ModelAdapter for FLUX.1-dev checkpoints."""
+
+    sampler_kind = "flow"
+    shard_units = (FluxTransformerBlock, FluxSingleTransformerBlock)
+    config_class = FluxConfig
+    pipeline_class = FluxPipeline
+    model_name = "flux"
+
+    def __init__(self, config: FluxConfig, device: torch.device | str = "cpu"):
+        path = Path(config.path)
+        if not (path / "transformer" / "config.json").is_file():
+            raise ValueError(f"model.path={config.path!r} is not a diffusers FLUX directory (no transformer/config.json)")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.dtype]
+        load = {"torch_dtype": self.dtype}
+        self.denoiser = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
+        self.pipeline = self.pipeline_class(
+            scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+            text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **load),
+            tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            text_encoder_2=T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", **load),
+            tokenizer_2=T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
+        )
+        self.pipeline.to(self.device)
+        freeze(self.pipeline.text_encoder, self.pipeline.text_encoder_2, self.vae)
+
+        self.vae_factor = self.pipeline.vae_scale_factor
+        side = config.resolution
+        if side <= 0 or side % (2 * self.vae_factor):
+            raise ValueError(f"model.resolution={side} must be a positive multiple of {2 * self.vae_factor}")
+        self.resolution = side
+        self.latent_channels = self.vae.config.latent_channels
+        tokens_side = side // self.vae_factor // 2
+        self.latent_shape = (tokens_side * tokens_side, 4 * self.latent_channels)
+        self.img_ids = self.pipeline._prepare_latent_image_ids(1, tokens_side, tokens_side, self.device, self.dtype)
+        self.guidance_embeds = bool(self.denoiser.config.guidance_embeds)
+
+        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
+        self._prompt_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._reference: nn.Module | None = None
+
+    # --- conditioning -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
+        """T5 sequence + CLIP pooled embeddings via the pipeline's encode_prompt (cached per prompt), and
+        the image conditioning this variant takes."""
+        images = self._image_conditioning(len(prompts), inputs)
+        missing = sorted({p for p in prompts if p not in self._prompt_cache})
+        if missing:
+            embeds, pooled, _ = self.pipeline.encode_prompt(
+                prompt=missing, prompt_2=None, device=self.device, max_sequence_length=self.config.max_sequence_length)
+            for i, p in enumerate(missing):
+                self._prompt_cache[p] = (embeds[i : i + 1], pooled[i : i + 1])
+        return Conditioning(embeds={
+            "prompt_embeds": torch.cat([self._prompt_cache[p][0] for p in prompts]),
+            "pooled": torch.cat([self._prompt_cache[p][1] for p in prompts]),
+        }, **images)
+
+    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """Conditioning image fields from ``inputs``; text-to-image FLUX takes none."""
+        reject_image_inputs(self.model_name, inputs)
+        return {}
+
+    def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        """(transformer hidden_states, img_ids) for packed latents ``x`` in the model dtype."""
+        return x, self.img_ids
+
+    def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Noise [B, C, h, w] packed to tokens, drawn as ``FluxPipeline.prepare_latents`` draws it."""
+        h = self.resolution // self.vae_factor
+        noise = torch.randn((batch_size, self.latent_channels, h, h), generator=generator, device=self.device,
+                            dtype=torch.float32)
+        return self.pipeline._pack_latents(noise, batch_size, self.latent_channels, h, h)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The pipeline's schedule: linspace(1, 1/T) shifted for this image token count."""
+        return shifted_flow_sigmas(self.scheduler, num_steps, self.latent_shape[0], self.device)
+
+    def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
+        """A flow step; sigma_max = schedule[1] replaces sigma where sigma == 1 (no division by zero)."""
+        return functools.partial(flow_step(kind), sigma_max=schedule[1])
+
+    # --- the network ---------------------------------------------------------------------------------
+    def predict(
+        self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> torch.Tensor:
+        """Velocity for packed latents. Guidance-distilled models get ``guidance_scale`` as the guidance
+        embedding; others run CFG over [empty prompt; prompt] as one forward."""
+        embeds, pooled = cond.embeds["prompt_embeds"], cond.embeds["pooled"]
+        n = latents.shape[0]
+        # (sigma * 1000) / 1000 in the model dtype, exactly as the pipeline rounds its timestep.
+        timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
+        hidden, img_ids = self._model_input(latents.to(self.dtype), cond)
+        guidance = torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32) if self.guidance_embeds else None
+        cfg = not self.guidance_embeds and guidance_scale > 1.0
+        if cfg:
+            neg = self.encode_prompts([""])
+            embeds = torch.cat([neg.embeds["prompt_embeds"].expand(n, -1, -1), embeds])
+            pooled = torch.cat([neg.embeds["pooled"].expand(n, -1), pooled])
+            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        out = net(hidden_states=hidden, timestep=timestep, guidance=guidance, pooled_projections=pooled,
+                  encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        out = out[:, : latents.shape[1]]
+        if cfg:
+            return cfg_combine(*out.chunk(2), guidance_scale)
+        return out.float()
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
+        return rectified_flow_target(x0, noise, sigma)
+
+    @torch.no_grad()
+    def vae_encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] [B, 3, H, W] -> scaled, unpacked latents [B, C, H/f, W/f] (posterior mean)."""
+        x = images.to(self.device, self.dtype) * 2 - 1
+        latents = self.vae.encode(x).latent_dist.mode().float()
+        return (latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] -> [B, (h/2)(w/2), 4C] tokens."""
+        b, c, h, w = latents.shape
+        return self.pipeline._pack_latents(latents, b, c, h, w)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] -> packed latents (the inverse of ``decode``) for supervised targets."""
+        return self.pack(self.vae_encode(images))
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = self.pipeline._unpack_latents(latents.float(), self.resolution, self.resolution, self.vae_factor)
+        x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
+        return (x / 2 + 0.5).clamp(0, 1)
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.denoiser.parameters() if p.requires_grad)
+
+    def reference(self) -> nn.Module:
+        """LoRA: the transformer with the adapter disabled. Full fine-tuning: a frozen copy made on the first
+        call (one more transformer in memory)."""
+        if self._reference is None:
+            self._reference = reference_network(self.denoiser, self.config.lora)
+        return self._reference
+
+    def save_trainable(self, directory: str) -> None:
+        save_trainable(self.denoiser, self.config.lora is not None, directory)
+
+    def load_trainable(self, directory: str) -> None:
+        """Load weights written by ``save_trainable`` (same LoRA settings) into this adapter's transformer."""
+        load_trainable(self.denoiser, self.config.lora is not None, directory)

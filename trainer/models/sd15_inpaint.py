@@ -1,0 +1,229 @@
+"""Stable Diffusion 1.5 inpainting (9-channel UNet, epsilon prediction, DDIM) from a local diffusers directory.
+
+The UNet reads [noisy latents (4) | mask (1) | masked-image latents (4)]. The mask (1 = repaint, binarised
+at 0.5) is resized to the latent grid and the masked image (pixels to repaint zeroed) is VAE-encoded with
+the posterior mean, both as ``StableDiffusionInpaintPipeline`` prepares them (the pipeline samples the
+posterior instead of taking its mean). Text goes through the pipeline's own ``encode_prompt``.
+
+Time: rollouts use DDIM (``trainer.samplers.ddim``) with eta = the sampler's noise level. The adapter speaks
+one time unit everywhere, u = t / num_train_timesteps: ``sigmas`` returns the DDIM timesteps in that unit,
+and ``predict`` and ``training_target`` round u back to an integer training timestep, so rollouts and the
+supervised loss (which draws u in (0, 1)) share one convention.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionInpaintPipeline, UNet2DConditionModel
+from diffusers.models.unets.unet_2d_blocks import (
+    CrossAttnDownBlock2D,
+    CrossAttnUpBlock2D,
+    DownBlock2D,
+    UNetMidBlock2DCrossAttn,
+    UpBlock2D,
+)
+from torch import nn
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.common import (
+    DTYPES,
+    LoraSettings,
+    cfg_combine,
+    freeze,
+    load_trainable,
+    prepare_denoiser,
+    reference_network,
+    reject_image_inputs,
+    require_image_input,
+    save_trainable,
+)
+from trainer.samplers.ddim import ddim_step_with_logprob
+
+
+@dataclass
+class SD15InpaintConfig:
+    """Where the SD1.5 inpainting weights are and how to run them."""
+
+    name: str = "sd15_inpaint"
+    """Registry name of the adapter (``trainer.models.MODELS``)."""
+    path: str = ""
+    """Local diffusers-format directory (unet/, vae/, text_encoder/, tokenizer/, scheduler/)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and forward dtype of UNet, text encoder and VAE; sampler math is float32 regardless."""
+    resolution: int = 512
+    """Image side in pixels; a multiple of 2x the VAE factor (16 for the real VAE)."""
+    lora: LoraSettings | None = None
+    """LoRA settings; None trains the full UNet (and a frozen copy serves as reference)."""
+    gradient_checkpointing: bool = False
+    """Recompute block activations in backward: less memory, about 30% more compute."""
+
+
+def ddim_step_in_units(
+    eps: torch.Tensor, sample: torch.Tensor, u: torch.Tensor, u_prev: torch.Tensor, eta: float,
+    prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None, *,
+    alphas_cumprod: torch.Tensor, final_alpha_cumprod: torch.Tensor, num_train_timesteps: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ddim_step_with_logprob`` for times given as u = t / num_train_timesteps (the adapter's unit)."""
+    return ddim_step_with_logprob(
+        eps, sample, u * num_train_timesteps, u_prev * num_train_timesteps, eta, prev_sample, generator,
+        alphas_cumprod=alphas_cumprod, final_alpha_cumprod=final_alpha_cumprod)
+
+
+class SD15InpaintAdapter:
+    """ModelAdapter for SD1.5 inpainting: needs ``ImageInputs.image`` and ``.mask`` per prompt."""
+
+    sampler_kind = "ddim"
+    shard_units = (CrossAttnDownBlock2D, DownBlock2D, UNetMidBlock2DCrossAttn, CrossAttnUpBlock2D, UpBlock2D)
+    config_class = SD15InpaintConfig
+    model_name = "sd15_inpaint"
+
+    def __init__(self, config: SD15InpaintConfig, device: torch.device | str = "cpu"):
+        path = Path(config.path)
+        if not (path / "unet" / "config.json").is_file():
+            raise ValueError(f"model.path={config.path!r} is not a diffusers SD1.5 directory (no unet/config.json)")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.dtype]
+        load = {"torch_dtype": self.dtype}
+        self.denoiser = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **load)
+        if self.denoiser.config.in_channels != 9:
+            raise ValueError(f"{config.path!r} has a {self.denoiser.config.in_channels}-channel UNet; the "
+                             "sd15_inpaint adapter needs an inpainting UNet (9 channels)")
+        self.scheduler = DDIMScheduler.from_pretrained(path, subfolder="scheduler")
+        if self.scheduler.config.prediction_type != "epsilon":
+            raise ValueError(f"sd15_inpaint supports epsilon prediction, not {self.scheduler.config.prediction_type!r}")
+        self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
+        self.pipeline = StableDiffusionInpaintPipeline(
+            vae=self.vae, unet=self.denoiser, scheduler=self.scheduler,
+            text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **load),
+            tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+        self.pipeline.to(self.device)
+        freeze(self.pipeline.text_encoder, self.vae)
+
+        self.vae_factor = self.pipeline.vae_scale_factor
+        side = config.resolution
+        if side <= 0 or side % (2 * self.vae_factor):
+            raise ValueError(f"model.resolution={side} must be a positive multiple of {2 * self.vae_factor}")
+        self.resolution = side
+        self.latent_shape = (self.vae.config.latent_channels, side // self.vae_factor, side // self.vae_factor)
+        self.num_train_timesteps = self.scheduler.config.num_train_timesteps
+        self.alphas_cumprod = self.scheduler.alphas_cumprod.to(self.device, torch.float32)
+
+        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
+        self._prompt_cache: dict[str, torch.Tensor] = {}
+        self._reference: nn.Module | None = None
+
+    # --- conditioning -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
+        """CLIP embeddings (cached per prompt); ``image``: masked-image latents, ``mask``: the latent-size mask."""
+        reject_image_inputs(self.model_name, inputs, allowed=("image", "mask"))
+        size = (self.resolution, self.resolution)
+        image = require_image_input(self.model_name, inputs, "image", len(prompts), 3, size)
+        mask = require_image_input(self.model_name, inputs, "mask", len(prompts), 1, size)
+        mask = (mask.to(self.device, torch.float32) >= 0.5).float()
+        masked = (image.to(self.device, torch.float32) * 2 - 1) * (mask < 0.5)
+        masked_latents = self.vae.encode(masked.to(self.dtype)).latent_dist.mode() * self.vae.config.scaling_factor
+        latent_mask, masked_latents = self.pipeline.prepare_mask_latents(
+            mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False)
+        return Conditioning(embeds={"prompt_embeds": self._text_embeds(prompts)}, image=masked_latents,
+                            mask=latent_mask)
+
+    @torch.no_grad()
+    def _text_embeds(self, prompts: list[str]) -> torch.Tensor:
+        """CLIP embeddings via the pipeline's encode_prompt, cached per prompt."""
+        missing = sorted({p for p in prompts if p not in self._prompt_cache})
+        if missing:
+            embeds, _ = self.pipeline.encode_prompt(missing, self.device, 1, False)
+            for i, p in enumerate(missing):
+                self._prompt_cache[p] = embeds[i : i + 1]
+        return torch.cat([self._prompt_cache[p] for p in prompts])
+
+    def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Noise times the scheduler's init_noise_sigma, drawn as the pipeline draws it (strength 1)."""
+        noise = torch.randn((batch_size, *self.latent_shape), generator=generator, device=self.device,
+                            dtype=torch.float32)
+        return noise * self.scheduler.init_noise_sigma
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """DDIM timesteps and the final one (t - N // T), divided by N = num_train_timesteps."""
+        self.scheduler.set_timesteps(num_steps, device=self.device)
+        timesteps = self.scheduler.timesteps
+        final = timesteps[-1:] - self.num_train_timesteps // num_steps
+        return torch.cat([timesteps, final]).to(torch.float32) / self.num_train_timesteps
+
+    def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
+        """The DDIM step (noise level = eta) with this scheduler's alphas bound; only kind "ddim"."""
+        if kind != "ddim":
+            raise ValueError(f"sampler.kind={kind!r}: sd15_inpaint is an epsilon (DDIM) model; use sampler.kind=ddim")
+        return functools.partial(
+            ddim_step_in_units, alphas_cumprod=self.alphas_cumprod, num_train_timesteps=self.num_train_timesteps,
+            final_alpha_cumprod=torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32))
+
+    # --- the network ---------------------------------------------------------------------------------
+    def _timesteps(self, u: torch.Tensor) -> torch.Tensor:
+        return (u.to(self.device, torch.float32) * self.num_train_timesteps).round().long()
+
+    def predict(
+        self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> torch.Tensor:
+        """Noise prediction at u = ``sigma`` [B]; CFG as one forward over [empty prompt; prompt], both
+        with the same mask and masked image, like the pipeline."""
+        if cond.image is None or cond.mask is None:
+            raise ValueError("sd15_inpaint needs Conditioning.image and .mask: encode prompts with ImageInputs")
+        embeds = cond.embeds["prompt_embeds"]
+        timestep = self._timesteps(sigma)
+        x = torch.cat([latents.to(self.dtype), cond.mask.to(self.dtype), cond.image.to(self.dtype)], dim=1)
+        cfg = guidance_scale > 1.0
+        if cfg:
+            n = x.shape[0]
+            neg = self._text_embeds([""])
+            embeds = torch.cat([neg.expand(n, -1, -1), embeds])
+            x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        out = net(x, timestep, encoder_hidden_states=embeds, return_dict=False)[0]
+        if cfg:
+            return cfg_combine(*out.chunk(2), guidance_scale)
+        return out.float()
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DDPM forward process at t = round(u N): x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) noise; target noise."""
+        t = self._timesteps(sigma).clamp(0, self.num_train_timesteps - 1)
+        abar = self.alphas_cumprod[t].reshape(-1, *([1] * (x0.ndim - 1)))
+        return abar.sqrt() * x0.float() + (1 - abar).sqrt() * noise.float(), noise
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] -> scaled latents (posterior mean) for supervised targets."""
+        x = images.to(self.device, self.dtype) * 2 - 1
+        return self.vae.encode(x).latent_dist.mode().float() * self.vae.config.scaling_factor
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = (latents.float() / self.vae.config.scaling_factor).to(self.dtype)
+        x = self.vae.decode(x, return_dict=False)[0].float()
+        return (x / 2 + 0.5).clamp(0, 1)
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.denoiser.parameters() if p.requires_grad)
+
+    def reference(self) -> nn.Module:
+        """LoRA: the UNet with the adapter disabled. Full fine-tuning: a frozen copy made on the first call."""
+        if self._reference is None:
+            self._reference = reference_network(self.denoiser, self.config.lora)
+        return self._reference
+
+    def save_trainable(self, directory: str) -> None:
+        save_trainable(self.denoiser, self.config.lora is not None, directory)
+
+    def load_trainable(self, directory: str) -> None:
+        """Load weights written by ``save_trainable`` (same LoRA settings) into this adapter's UNet."""
+        load_trainable(self.denoiser, self.config.lora is not None, directory)
