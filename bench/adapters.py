@@ -33,7 +33,7 @@ from trainer.models.common import LoraSettings
 from trainer.rollout import SamplerSettings, rollout
 
 BATCH = 4
-NUM_STEPS = 6
+NUM_STEPS = 4
 RESOLUTION = {"sd3": 16, "flux": 32, "flux_fill": 32, "flux_kontext": 32, "sd15_inpaint": 32, "qwen_image": 128}
 """256 image tokens (latent positions for the UNet) per sample; ``tiny`` is fixed at 64."""
 GUIDANCE = {"tiny": 4.5, "sd3": 4.5, "flux": 3.5, "flux_fill": 3.5, "flux_kontext": 3.5, "sd15_inpaint": 4.5,
@@ -89,7 +89,7 @@ def bench_adapter(name: str, root: str, repeats: int) -> dict[str, float]:
     ro = ours_rollout()
     rewards = torch.arange(BATCH, dtype=torch.float32)
     for kl in (0.0, 0.04):
-        algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=kl, sampler=settings, timestep_fraction=0.4))
+        algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=kl, sampler=settings, timestep_fraction=0.5))
         batch = algorithm.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
         (units,) = algorithm.plan(batch, torch.Generator().manual_seed(0))
         calls: list = []

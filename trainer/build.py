@@ -60,7 +60,8 @@ def run(config: Config) -> dict[str, float]:
 
         client = HttpRewardClient(urls, config.reward.weights, token=config.reward.token,
                                   timeout_s=config.reward.timeout_s, max_concurrency=config.reward.max_concurrency,
-                                  batch_size=config.reward.batch_size, wire_format=config.reward.wire_format)
+                                  batch_size=config.reward.batch_size, wire_format=config.reward.wire_format,
+                                  combine_mode=config.reward.combine_mode)
         stack.callback(client.close)
         logger = RunLogger(run_dir, enabled=main, tensorboard=config.logging.tensorboard)
         stack.callback(logger.close)

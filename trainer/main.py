@@ -50,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.show_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
-    run(config)
+    try:
+        run(config)
+    except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
+        if os.environ.get("RF_TRACEBACK"):
+            raise
+        print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        return 2
     return 0
 
 

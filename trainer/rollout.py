@@ -52,6 +52,19 @@ class Rollout:
     kind: str
     guidance_scale: float
 
+    @staticmethod
+    def cat(parts: list[Rollout]) -> Rollout:
+        """Concatenate chunks sampled with the same schedule and stochastic steps along the batch."""
+        first = parts[0]
+        assert all(torch.equal(p.stochastic, first.stochastic) and torch.equal(p.sigmas, first.sigmas) for p in parts)
+        return Rollout(
+            prompts=[q for p in parts for q in p.prompts], group_ids=torch.cat([p.group_ids for p in parts]),
+            cond=Conditioning.cat([p.cond for p in parts]), latents=torch.cat([p.latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]), sigmas=first.sigmas, stochastic=first.stochastic,
+            images=torch.cat([p.images for p in parts]), noise_level=first.noise_level, kind=first.kind,
+            guidance_scale=first.guidance_scale,
+        )
+
     def trainable_steps(self) -> torch.Tensor:
         """Stochastic steps except the last denoising step (its variance is near zero)."""
         steps = torch.nonzero(self.stochastic, as_tuple=False).flatten()
@@ -83,12 +96,18 @@ def rollout(
     settings: SamplerSettings,
     generator: torch.Generator | None,
     inputs: ImageInputs | None = None,
+    stochastic: torch.Tensor | None = None,
 ) -> Rollout:
-    """Sample ``len(prompts)`` images with ``net`` and record the trajectory (no gradients)."""
+    """Sample ``len(prompts)`` images with ``net`` and record the trajectory (no gradients).
+
+    ``stochastic`` [T] bool fixes which steps use noise (chunks of one batch share it); by default it is
+    drawn with ``window_mask``.
+    """
     cond = adapter.encode_prompts(prompts, inputs)
     sigmas = adapter.sigmas(settings.num_steps)
     step = adapter.step_function(settings.kind, sigmas)
-    stochastic = window_mask(settings.num_steps, settings, generator)
+    if stochastic is None:
+        stochastic = window_mask(settings.num_steps, settings, generator)
     x = adapter.prepare_latents(len(prompts), generator)
     latents, log_probs = [x], []
     batch = x.shape[0]

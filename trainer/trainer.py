@@ -23,7 +23,7 @@ from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
-from trainer.rollout import SamplerSettings, rollout
+from trainer.rollout import Rollout, SamplerSettings, rollout, window_mask
 
 
 class RewardFailure(RuntimeError):
@@ -74,6 +74,9 @@ class Trainer:
                     self.logger.log(step, "warmup", metrics)
         before = self.evaluate(0, "samples_before")
         self._print(f"[eval] before RL: {_fmt(before)}")
+        # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up would
+        # shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
+        self.backend.reset_optimizer()
         self.backend.set_lr(train.learning_rate)
         bar = tqdm(range(train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
@@ -89,6 +92,8 @@ class Trainer:
                 self._print(f"[eval] epoch {epoch + 1}: {_fmt(self.evaluate(epoch + 1, None))}")
         after = self.evaluate(train.epochs, "samples_after") if train.epochs > 0 else before
         self._print(f"[eval] after RL: {_fmt(after)}")
+        spread = self.weights_rank_spread()
+        self.logger.log(train.epochs, "final", {**after, "weights_rank_spread": spread})
         self.logger.reward_curve()
         return after
 
@@ -105,12 +110,9 @@ class Trainer:
         prompts = [self.task.prompts[i] for i in indices.tolist()]
 
         t0 = time.perf_counter()
-        self.policy.eval()
-        ro = rollout(self.adapter, self.policy, prompts, group_ids, self.algorithm.sampler, g,
-                     self.task.inputs(indices.tolist()))
+        ro, result, t_wait = self._sample_and_score(prompts, indices, group_ids, g)
         t1 = time.perf_counter()
-        result = self.rewards.score(to_uint8(ro.images), prompts, [self.task.metadata(p) for p in prompts])
-        t2 = time.perf_counter()
+        t2 = t1
 
         local = torch.as_tensor(result.combined, dtype=torch.float32)
         gathered = self.backend.gather(torch.stack([local, group_ids.float()], dim=1))
@@ -139,11 +141,36 @@ class Trainer:
             "reward_mean": float(valid.mean()) if len(valid) else math.nan,
             "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
             "failed_share": failed,
-            "images_per_s": len(rewards.all) / (t1 - t0),
-            "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2,
+            "images_per_s": len(rewards.all) / (t1 - t0),  # sampling + the reward wait not hidden by it
+            "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t3 - t2,
             "lr": self.config.train.learning_rate,
         })
         return metrics
+
+    def _sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
+                          g: torch.Generator):
+        """Sample the epoch's batch in ``train.rollout_chunks`` chunks; each chunk's rewards are requested
+        as soon as it is sampled and are scored while the next chunk samples (all on the same policy).
+        Returns the whole rollout, its rewards and the seconds spent waiting for rewards after sampling."""
+        from trainer.rewards.client import RewardResult
+
+        chunks = min(self.config.train.rollout_chunks, len(prompts))
+        bounds = torch.linspace(0, len(prompts), chunks + 1).round().long().tolist()
+        settings = self.algorithm.sampler
+        stochastic = window_mask(settings.num_steps, settings, g)
+        parts, futures = [], []
+        self.policy.eval()
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, g,
+                           self.task.inputs(indices[lo:hi].tolist()), stochastic)
+            futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
+                                               [self.task.metadata(p) for p in prompts[lo:hi]]))
+            parts.append(part)
+        t_sampled = time.perf_counter()
+        results = [f.result() for f in futures]
+        t_wait = time.perf_counter() - t_sampled
+        reward = self.config.reward
+        return Rollout.cat(parts), RewardResult.cat(results, reward.weights, reward.combine_mode), t_wait
 
     def _update(self, objective, batch, g: torch.Generator) -> dict[str, float]:
         """Run the objective's optimizer steps over ``batch``; returns averaged loss statistics."""
@@ -181,6 +208,14 @@ class Trainer:
                 self.logger.image_grid(grid_name, ro.images, len(self.task.eval_prompts), step)
         self.backend.barrier()
         return metrics
+
+    @torch.no_grad()
+    def weights_rank_spread(self) -> float:
+        """Largest difference between ranks of a float64 checksum of the trainable weights (0 when every
+        rank holds the same weights, as data parallelism requires)."""
+        checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(self.adapter.trainable_parameters()))
+        every = self.backend.gather(torch.as_tensor(checksum, dtype=torch.float64).reshape(1))
+        return float(every.max() - every.min())
 
     def _task_keys(self, metrics: dict[str, float]) -> list[str]:
         return [k for k in metrics if k.endswith("accuracy")]

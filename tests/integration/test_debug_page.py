@@ -7,6 +7,7 @@ where playwright or /usr/bin/chromium is missing (``apt-get install -y chromium`
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -38,6 +39,8 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 
+if shutil.which(CHROMIUM) is None and os.environ.get("RF_REQUIRE_SYSTEM_DEPS"):
+    raise RuntimeError(f"{CHROMIUM} is required here (RF_REQUIRE_SYSTEM_DEPS is set): apt-get install -y chromium")
 pytestmark = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason=f"{CHROMIUM} is not installed")
 
 

@@ -767,7 +767,7 @@ def test_hedged_request_beats_a_straggler() -> None:
 
 
 def test_step_budget_bounds_a_score_call() -> None:
-    app = create_app({"slow": _TestScorer(delay_s=2.0)}, ServerSettings())
+    app = create_app({"slow": _TestScorer(delay_s=1.0)}, ServerSettings())
     with _serve(app) as url:
         with HttpRewardClient([url], {"slow": 1.0}, step_timeout_s=0.3) as client:
             started = time.monotonic()

@@ -50,6 +50,10 @@ class ParallelBackend(Protocol):
 
     def set_lr(self, lr: float) -> None: ...
 
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's moments (a new phase whose gradients have another scale)."""
+        ...
+
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on each) along dim 0, rank-major."""
         ...
@@ -99,6 +103,9 @@ class SingleProcess:
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def reset_optimizer(self) -> None:
+        self.optimizer.state.clear()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -102,6 +102,20 @@ class RewardResult:
         """Items without a combined reward."""
         return int(np.isnan(self.combined).sum())
 
+    @staticmethod
+    def cat(parts: Sequence[RewardResult], weights: Mapping[str, float], mode: str = "sum") -> RewardResult:
+        """Join the results of consecutive chunks of one batch. The combination is recomputed over the
+        whole batch, so the normalising modes standardise over the batch, not over each chunk."""
+        components = {name: np.concatenate([p.components[name] for p in parts]) for name in parts[0].components}
+        errors: dict[str, dict[int, str]] = {}
+        offset = 0
+        for part in parts:
+            for name, items in part.errors.items():
+                errors.setdefault(name, {}).update({offset + i: msg for i, msg in items.items()})
+            offset += len(part.combined)
+        return RewardResult(components, combine(components, weights, mode), errors,
+                            [i for p in parts for i in p.instances])
+
 
 class RewardClient(Protocol):
     """What the trainer needs from a reward client (HTTP pool or in-process)."""

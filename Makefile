@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` (the embedded end-to-end job) and `make test`.
+# Both create .venv and install with torch pinned to the CPU wheel (constraints.txt) before anything else.
+PYTHON ?= python3
+VENV ?= .venv
+PIP = $(VENV)/bin/pip install -q -c constraints.txt
+STAMP = $(VENV)/.installed
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev]"
+	@if $(VENV)/bin/pip list 2>/dev/null | grep -qi '^nvidia-'; then echo "CUDA packages were pulled in: check constraints.txt" >&2; exit 1; fi
+	touch $(STAMP)
+
+# The browser test drives Debian's chromium; OCR tests render text with DejaVu fonts. Installed when
+# missing and apt-get is usable (root on Debian/Ubuntu); otherwise those tests say what to install.
+SYSTEM_PACKAGES = chromium fonts-dejavu-core
+
+.PHONY: install system-deps demo test test-all lint
+install: $(STAMP)
+
+system-deps:
+	@if [ -x /usr/bin/chromium ] && [ -d /usr/share/fonts/truetype/dejavu ]; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing $(SYSTEM_PACKAGES) with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
+	else echo "note: install $(SYSTEM_PACKAGES) for the browser and OCR tests"; fi
+
+demo: $(STAMP)  ## the embedded default: SFT warm-up on digits, then GRPO against local reward servers
+	$(VENV)/bin/python trainer/main.py $(ARGS)
+
+test: $(STAMP) system-deps  ## the default test suite (slow and GPU tests excluded)
+	$(VENV)/bin/python -m pytest $(ARGS)
+
+test-all: $(STAMP) system-deps  ## everything, including tests marked slow
+	$(VENV)/bin/python -m pytest -m "not gpu" $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,70 @@
+"""The main job end to end through real reward-server processes: one process, and torchrun with DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(cmd: list[str], tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir):
+    """Warm-up then GRPO against two digit-reward replicas the job starts itself: the evaluation reward
+    (fixed prompts and noise) after RL beats the warmed-up model's."""
+    run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}",
+                f"logging.output_dir={tmp_path}", "logging.run_name=short", "logging.progress=false",
+                "train.warmup_steps=450", "train.epochs=10", "eval.every=0", "eval.samples_per_prompt=5"],
+               tmp_path, timeout=900)
+    run_dir = tmp_path / "short"
+    records = _records(run_dir)
+    evals = [r for r in records if r["phase"] == "eval"]
+    before, after = evals[0], evals[-1]
+    assert after["reward_mean"] > before["reward_mean"] + 0.05, (before, after)
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert len(rl) == 10 and all(r["failed_share"] == 0.0 for r in rl)
+    for name in ("samples_before.png", "samples_after.png", "reward_curve.png", "config.yaml"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "final" / "diffusion_pytorch_model.safetensors").is_file()
+    assert "epoch  10  reward" in run.stdout and "digit_accuracy" in run.stdout
+
+
+def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
+    """The same entry point under torchrun: gloo DDP, rank 0 starts the reward pool, groups span ranks,
+    and both ranks end with identical weights."""
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+          "trainer/main.py", f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}",
+          "logging.run_name=ddp", "logging.progress=false", "train.warmup_steps=4", "train.epochs=2",
+          "data.prompts_per_epoch=3", "algorithm.group_size=4", "eval.samples_per_prompt=1"],
+         tmp_path, timeout=600)
+    records = _records(tmp_path / "ddp")
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert len(rl) == 2 and all(0 <= r["reward_mean"] <= 1 for r in rl)
+    (final,) = [r for r in records if r["phase"] == "final"]
+    assert final["weights_rank_spread"] == 0.0
+
+
+def test_refuses_a_world_size_that_splits_groups(tmp_path, tiny_model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py",
+         f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "train.warmup_steps=0",
+         "data.prompts_per_epoch=3", "algorithm.group_size=3", "reward.urls=[http://127.0.0.1:9]"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0  # each rank exits 2; torchrun reports the failure
+    assert "error: data.prompts_per_epoch x algorithm.group_size = 3 x 3 = 9" in out.stderr
