@@ -39,6 +39,8 @@ def run(config: Config) -> dict[str, float]:
 
     with contextlib.ExitStack() as stack:
         stack.callback(backend.close)
+        if config.train.resume == "auto" and not config.logging.run_name:
+            raise ValueError("train.resume=auto needs logging.run_name: the run whose checkpoints to continue")
         run_name = backend.broadcast(config.logging.run_name or time.strftime("%Y%m%d-%H%M%S"))
         run_dir = Path(config.logging.output_dir) / run_name
         if main:
@@ -68,6 +70,13 @@ def run(config: Config) -> dict[str, float]:
 
         trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
                           backend, logger)
+        if config.train.resume:
+            checkpoint = (trainer.checkpoints.latest() if config.train.resume == "auto"
+                          else Path(config.train.resume))
+            if checkpoint is not None:
+                trainer.resume(checkpoint)
+            elif main:
+                print(f"train.resume=auto: no complete checkpoint in {trainer.checkpoints.directory}; starting fresh")
         if main:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
         metrics = trainer.fit()

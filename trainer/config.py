@@ -106,6 +106,15 @@ class TrainConfig:
     """AdamW betas."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables clipping."""
+    checkpoint_every: int = 5
+    """Write a checkpoint every N RL epochs (and at the end); 0 writes only the final one."""
+    warmup_checkpoint_every: int = 200
+    """Write a checkpoint every N warm-up steps (0: none during the warm-up)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (older ones are deleted once a newer one is complete); 0 keeps all."""
+    resume: str = ""
+    """"auto": continue from the newest complete checkpoint of this run (logging.run_name must be set),
+    a checkpoint directory, or "" to start fresh."""
     rollout_chunks: int = 2
     """Chunks each epoch's rollout is sampled in; a chunk's rewards are scored while the next one
     samples, so an epoch takes about max(sampling, scoring) rather than their sum."""

@@ -48,6 +48,22 @@ class RunLogger:
 
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
+    def truncate(self, warmup_steps_done: int, epochs_done: int) -> None:
+        """After a resume: keep only the records of work the checkpoint holds (later ones are redone)."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        kept = []
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            record = json.loads(line)
+            limit = warmup_steps_done - 1 if record["phase"] == "warmup" else epochs_done
+            if record["phase"] in ("warmup", "rl", "eval", "checkpoint") and record["step"] <= limit:
+                kept.append(record)
+        self._jsonl.close()
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._jsonl = open(path, "a")
+        self.history = kept
+
     def log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
         record = {"phase": phase, "step": step, "time": time.time(), **metrics}
         self.history.append(record)

@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--config", help="YAML file with any of the sections")
     parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--resume", metavar="auto|DIR",
+                        help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name "
+                             "(same as train.resume=...)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, load_config, to_dict
 
     try:
-        config = load_config(args.config, args.overrides)
+        overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
+        config = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

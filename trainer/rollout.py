@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
+from trainer.samplers import resolve_kind
 
 
 @dataclass
@@ -18,8 +19,9 @@ class SamplerSettings:
     """Denoising steps per rollout (T)."""
     guidance_scale: float = 1.0
     """CFG scale during rollouts and training forwards; 1 disables CFG (one forward per step)."""
-    kind: str = "sde"
-    """Step math for stochastic steps: "sde" (Flow-GRPO), "cps" (coefficient-preserving) or "eta"."""
+    kind: str = "auto"
+    """Step math: "auto" (the model's default: "sde" for flow models, "ddim" for epsilon models), or for
+    flow models "sde" (Flow-GRPO), "cps" (coefficient-preserving) or "eta" (constant eta)."""
     noise_level: float = 0.7
     """a in std_t = a sqrt(sigma / (1 - sigma)) (sde); sin(a pi/2) fraction (cps); eta (eta)."""
     sde_window: int = 0
@@ -105,7 +107,8 @@ def rollout(
     """
     cond = adapter.encode_prompts(prompts, inputs)
     sigmas = adapter.sigmas(settings.num_steps)
-    step = adapter.step_function(settings.kind, sigmas)
+    kind = resolve_kind(settings.kind, adapter.sampler_kind)
+    step = adapter.step_function(kind, sigmas)
     if stochastic is None:
         stochastic = window_mask(settings.num_steps, settings, generator)
     x = adapter.prepare_latents(len(prompts), generator)
@@ -121,6 +124,6 @@ def rollout(
     return Rollout(
         prompts=list(prompts), group_ids=group_ids, cond=cond, latents=torch.stack(latents, dim=1),
         log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas, stochastic=stochastic,
-        images=adapter.decode(x), noise_level=settings.noise_level, kind=settings.kind,
+        images=adapter.decode(x), noise_level=settings.noise_level, kind=kind,
         guidance_scale=settings.guidance_scale,
     )

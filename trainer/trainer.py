@@ -9,6 +9,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,8 @@ from tqdm.auto import tqdm
 
 from trainer.algorithms.base import Algorithm, LossContext, Rewards
 from trainer.algorithms.sft import SFT
-from trainer.config import Config
+from trainer.checkpoint import Checkpoints, Progress
+from trainer.config import Config, to_dict
 from trainer.data import Task
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend
@@ -55,7 +57,9 @@ class Trainer:
         )
         self.sampler = GroupSampler(len(task.prompts), config.data.prompts_per_epoch, algorithm.group_size,
                                     backend.world.world_size, backend.world.rank, train.seed)
-        self.ctx = LossContext(adapter, self.policy, adapter.reference() if algorithm.needs_reference else None)
+        self.ctx = LossContext(adapter, self.policy, None)  # the reference is taken when RL starts
+        self.progress = Progress()
+        self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", config.train.keep_checkpoints, self.is_main)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
 
@@ -64,21 +68,31 @@ class Trainer:
 
     # --- phases ---------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Run the whole schedule; returns the final evaluation metrics."""
+        """Run the whole schedule (continuing from ``progress`` after a resume); returns final metrics."""
         train = self.config.train
-        if train.warmup_steps > 0:
+        progress = self.progress
+        if progress.warmup_steps_done < train.warmup_steps:
             self.backend.set_lr(train.warmup_learning_rate)
-            for step in tqdm(range(train.warmup_steps), desc="warm-up (SFT)", disable=not self._bars()):
+            steps = range(progress.warmup_steps_done, train.warmup_steps)
+            for step in tqdm(steps, desc="warm-up (SFT)", disable=not self._bars()):
                 metrics = self.warmup_step(step)
                 if step % 25 == 0 or step == train.warmup_steps - 1:
                     self.logger.log(step, "warmup", metrics)
-        before = self.evaluate(0, "samples_before")
-        self._print(f"[eval] before RL: {_fmt(before)}")
-        # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up would
-        # shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
-        self.backend.reset_optimizer()
+                progress.warmup_steps_done = step + 1
+                every = train.warmup_checkpoint_every
+                if every and progress.warmup_steps_done % every == 0 and progress.warmup_steps_done < train.warmup_steps:
+                    self.save_checkpoint()
+        if not progress.rl_started:
+            before = self.evaluate(0, "samples_before")
+            self._print(f"[eval] before RL: {_fmt(before)}")
+            # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
+            # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
+            self.backend.reset_optimizer()
+            if self.algorithm.needs_reference:  # the policy as RL starts (LoRA: the base without adapter)
+                self.ctx.reference = self.adapter.reference()
+            progress.rl_started = True
         self.backend.set_lr(train.learning_rate)
-        bar = tqdm(range(train.epochs), desc="RL", disable=not self._bars())
+        bar = tqdm(range(progress.epochs_done, train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
             metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
@@ -87,15 +101,36 @@ class Trainer:
                     + f"  kl {metrics.get('approx_kl', 0.0):.2e}  clip {metrics.get('clip_frac', 0.0):.3f}"
                     + f"  img/s {metrics['images_per_s']:.1f}")
             bar.write(line) if self._bars() else self._print(line)
+            progress.epochs_done = epoch + 1
             every = self.config.eval.every
             if every and (epoch + 1) % every == 0 and epoch + 1 < train.epochs:
                 self._print(f"[eval] epoch {epoch + 1}: {_fmt(self.evaluate(epoch + 1, None))}")
-        after = self.evaluate(train.epochs, "samples_after") if train.epochs > 0 else before
+            if train.checkpoint_every and (epoch + 1) % train.checkpoint_every == 0 and epoch + 1 < train.epochs:
+                self.save_checkpoint()
+        self.save_checkpoint()
+        after = self.evaluate(train.epochs, "samples_after")
         self._print(f"[eval] after RL: {_fmt(after)}")
         spread = self.weights_rank_spread()
         self.logger.log(train.epochs, "final", {**after, "weights_rank_spread": spread})
         self.logger.reward_curve()
         return after
+
+    def save_checkpoint(self) -> None:
+        path = self.checkpoints.save(self.progress, self.adapter, self.backend, self.ctx.reference,
+                                     to_dict(self.config))
+        if path is not None:
+            self.logger.log(self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done})
+
+    def resume(self, path: Path) -> None:
+        """Continue from checkpoint ``path``: weights, optimizer, reference and progress."""
+        self.progress, reference = self.checkpoints.load(path, self.adapter, self.backend)
+        if self.progress.rl_started and self.algorithm.needs_reference:
+            self.ctx.reference = self.adapter.reference()
+            if reference is not None:
+                self.ctx.reference.load_state_dict(reference)
+        self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
+        self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
+                    f"RL epochs {self.progress.epochs_done})")
 
     def warmup_step(self, step: int) -> dict[str, float]:
         g = self._generator(0, step)

@@ -20,13 +20,14 @@ CLIP mean/std), the same steps as the ``clip`` package's preprocess that LAION u
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from reward_server.scorers.fingerprint import sha256_files
 
 HEAD_FILES = ("head.safetensors", "head.pth")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
@@ -63,16 +64,6 @@ def load_head_state(path: Path) -> dict[str, torch.Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     return {key if key.startswith("layers.") else f"layers.{key}": value for key, value in state.items()}
 
-
-def _sha256_files(paths: list[Path]) -> str:
-    """SHA-256 over the names and contents of ``paths`` (the weights' fingerprint for ``/info``)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode())
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 class AestheticScorer:
@@ -132,7 +123,7 @@ class AestheticScorer:
         )
         self._clip, self._head = clip, head.eval().to(self._device)
         weights = sorted(p for p in clip_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES) + [head_path]
-        self._version = f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{_sha256_files(weights)[:12]}"
+        self._version = f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{sha256_files(weights)[:12]}"
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [{}])
 
     @torch.no_grad()

@@ -26,7 +26,6 @@ Neither backend uses text-line orientation classification (Flow-GRPO reads with 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import re
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.fingerprint import sha256_files
 from shared.protocol import ErrorCode
 
 DET_LIMIT_TYPE = "max"
@@ -132,7 +132,7 @@ class RapidOcrBackend:
         self.version = (
             f"rapidocr-{importlib.metadata.version('rapidocr')}"
             f"+{cfg.Det.ocr_version.value}-{cfg.Det.model_type.value}"
-            f"+{_sha256_files(models)[:12]}"
+            f"+{sha256_files(models)[:12]}"
         )
 
     def read(self, image_rgb: np.ndarray) -> list[TextLine]:
@@ -166,7 +166,7 @@ class PaddleOcrBackend:
         files = sorted(p for d in (det_dir, rec_dir) for p in d.iterdir() if p.is_file())
         self.version = (
             f"paddleocr-{importlib.metadata.version('paddleocr')}+{det_name}+{rec_name}"
-            f"+{_sha256_files(files)[:12]}"
+            f"+{sha256_files(files)[:12]}"
         )
 
     def read(self, image_rgb: np.ndarray) -> list[TextLine]:
@@ -189,16 +189,6 @@ def _paddle_model_name(model_dir: Path) -> str:
         raise ValueError(f"{model_dir / 'inference.yml'} names no model (no 'model_name:' line)")
     return match.group(1).strip("'\"")
 
-
-def _sha256_files(paths: list[Path]) -> str:
-    """SHA-256 over the names and contents of ``paths`` (the weights' fingerprint for ``/info``)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode())
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 class OcrScorer:

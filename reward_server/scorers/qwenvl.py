@@ -32,13 +32,11 @@ Backends (one registry name each), with ``<model_dir>`` the server's ``--model-d
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import math
 import os
 import re
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +46,7 @@ import numpy as np
 from PIL import Image
 
 from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.fingerprint import sha256_files
 from reward_server.scorers.ocr import target_text
 from shared.imagecodec import DecodeError, decode_image
 from shared.protocol import ErrorCode
@@ -214,7 +213,7 @@ class LocalQwenVL:
             self.digit_token_ids.append(ids[0])
         self.max_new_tokens = max_new_tokens
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-        self.version = f"{config.model_type}+{_sha256_files(weights)[:12]}"
+        self.version = f"{config.model_type}+{sha256_files(weights)[:12]}"
 
     def encode(self, queries: list[JudgeQuery]) -> dict[str, Any]:
         """Model inputs for a batch: left-padded ids with each image's placeholder expanded to its tokens."""
@@ -457,13 +456,3 @@ def _png_data_uri(image: np.ndarray) -> str:
     Image.fromarray(image).save(buffer, format="PNG", compress_level=1)
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
-
-def _sha256_files(paths: Sequence[Path]) -> str:
-    """SHA-256 over the names and contents of ``paths`` (the weights' fingerprint for ``/info``)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode())
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()

@@ -54,6 +54,12 @@ class ParallelBackend(Protocol):
         """Forget the optimizer's moments (a new phase whose gradients have another scale)."""
         ...
 
+    def optimizer_state(self) -> dict:
+        """The optimizer's full state for a checkpoint (called on every rank)."""
+        ...
+
+    def load_optimizer_state(self, state: dict) -> None: ...
+
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on each) along dim 0, rank-major."""
         ...
@@ -106,6 +112,12 @@ class SingleProcess:
 
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()
+
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -11,4 +11,13 @@ def flow_step(kind: str):
         raise ValueError(f"sampler.kind={kind!r} is not one of {sorted(STEP_FUNCTIONS)}") from None
 
 
-__all__ = ["flow_step", "sde_step_with_logprob", "STEP_FUNCTIONS"]
+DEFAULT_KIND = {"flow": "sde", "ddim": "ddim"}
+"""The step used for ``sampler.kind=auto``, by the adapter's ``sampler_kind``."""
+
+
+def resolve_kind(kind: str, sampler_kind: str) -> str:
+    """``kind``, or the model family's default step when it is "auto"."""
+    return DEFAULT_KIND[sampler_kind] if kind == "auto" else kind
+
+
+__all__ = ["DEFAULT_KIND", "flow_step", "resolve_kind", "sde_step_with_logprob", "STEP_FUNCTIONS"]

@@ -1,0 +1,96 @@
+"""Kill -9 mid-run, resume with --resume auto: the run continues exactly as if never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import Checkpoints, Progress
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ("policy_loss", "grad_norm", "reward_mean", "approx_kl", "sft_loss")
+
+
+def _args(model_dir: str, out: Path, name: str) -> list[str]:
+    return [sys.executable, "trainer/main.py", f"model.path={model_dir}", f"logging.output_dir={out}",
+            f"logging.run_name={name}", "logging.progress=false", "logging.tensorboard=false",
+            "train.warmup_steps=6", "train.warmup_checkpoint_every=3", "train.epochs=6", "train.checkpoint_every=1",
+            "data.prompts_per_epoch=4", "algorithm.group_size=4", "algorithm.kl_beta=0.01",
+            "eval.samples_per_prompt=1", "eval.every=0", "reward.replicas=1"]
+
+
+def _records(run_dir: Path, phase: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["phase"] == phase]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_kill9_then_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_model_dir):
+    subprocess.run(_args(tiny_model_dir, tmp_path, "straight"), cwd=REPO, env=_env(), check=True,
+                   capture_output=True, timeout=600)
+    kill_after = random.Random(os.getpid()).randint(1, 4)
+    victim = subprocess.Popen(_args(tiny_model_dir, tmp_path, "killed"), cwd=REPO, env=_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if metrics.is_file() and any(json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= kill_after
+                                     for line in metrics.read_text().splitlines()):
+            break
+        assert victim.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)  # the trainer and the reward servers it started
+    victim.wait()
+
+    resumed = subprocess.run(_args(tiny_model_dir, tmp_path, "killed") + ["--resume", "auto"], cwd=REPO, env=_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    for phase in ("warmup", "rl"):
+        straight, killed = _records(tmp_path / "straight", phase), _records(tmp_path / "killed", phase)
+        assert [r["step"] for r in killed] == [r["step"] for r in straight], phase
+        for a, b in zip(straight, killed, strict=True):
+            for key in KEYS:
+                if key in a:
+                    assert a[key] == b[key], (phase, a["step"], key)  # bit-identical on the CPU
+    final = lambda name: _records(tmp_path / name, "final")[0]  # noqa: E731
+    assert final("straight")["reward_mean"] == final("killed")["reward_mean"]
+
+
+def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model_dir):
+    from trainer.distributed import SingleProcess
+    from trainer.models.tiny import TinyAdapter, TinyConfig
+
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    backend = SingleProcess(torch.device("cpu"))
+    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    checkpoints = Checkpoints(tmp_path, keep=2, is_main=True)
+    assert checkpoints.latest() is None
+    for epoch in (1, 2, 3):
+        checkpoints.save(Progress(10, epoch, True), adapter, backend, None, {})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-000010-000002", "step-000010-000003"]  # keep=2
+    # A write killed half-way leaves a temporary directory, and a directory with no progress file is not
+    # complete either: neither is ever chosen.
+    (tmp_path / ".incomplete-abc").mkdir()
+    (tmp_path / ".incomplete-abc" / "optimizer.pt").write_bytes(b"partial")
+    (tmp_path / "step-000010-000009").mkdir()
+    assert checkpoints.latest().name == "step-000010-000003"
+    with torch.no_grad():
+        before = [p.clone() for p in adapter.trainable_parameters()]
+        for p in adapter.trainable_parameters():
+            p.add_(1.0)
+    progress, reference = checkpoints.load(checkpoints.latest(), adapter, backend)
+    assert progress == Progress(10, 3, True) and reference is None
+    assert all(torch.equal(a, b) for a, b in zip(before, adapter.trainable_parameters(), strict=True))
