@@ -62,3 +62,7 @@ def test_cli_help_and_config_errors():
     out = subprocess.run([env_python, "trainer/main.py", "--show-config", "train.epochs=7"], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0 and "epochs: 7" in out.stdout
+
+
+def test_the_embedded_preset_is_the_default():
+    assert load_config(str(REPO / "configs" / "embedded_digits.yaml")) == load_config()
