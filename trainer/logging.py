@@ -84,8 +84,9 @@ class RunLogger:
             self.writer.add_image(name, np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB")), step,
                                   dataformats="HWC")
 
-    def reward_curve(self, key: str = "reward_mean", extra: str = "eval_accuracy") -> None:
-        """Plot the RL reward per epoch (and the evaluation metric where measured) to reward_curve.png."""
+    def reward_curve(self) -> None:
+        """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise) to
+        reward_curve.png."""
         if not self.enabled:
             return
         import matplotlib
@@ -93,14 +94,14 @@ class RunLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rl = [r for r in self.history if r["phase"] == "rl" and key in r]
-        ev = [r for r in self.history if r["phase"] == "eval" and extra in r]
+        rl = [r for r in self.history if r["phase"] == "rl"]
+        evals = [r for r in self.history if r["phase"] == "eval"]
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["step"] for r in rl], [r[key] for r in rl], label=key)
-        if ev:
-            ax.plot([r["step"] for r in ev], [r[extra] for r in ev], "o--", label=extra)
+        ax.plot([r["step"] for r in rl], [r["reward_mean"] for r in rl], label="reward (rollouts)")
+        for key in sorted({k for r in evals for k in r} - {"phase", "step", "time"}):
+            points = [(r["step"], r[key]) for r in evals if key in r]
+            ax.plot(*zip(*points, strict=True), "o--", label=f"eval {key}")
         ax.set_xlabel("RL epoch")
-        ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

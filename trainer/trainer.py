@@ -145,7 +145,7 @@ class Trainer:
         prompts = [self.task.prompts[i] for i in indices.tolist()]
 
         t0 = time.perf_counter()
-        ro, result, t_wait = self._sample_and_score(prompts, indices, group_ids, g)
+        ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g)
         t1 = time.perf_counter()
         t2 = t1
 
@@ -182,7 +182,7 @@ class Trainer:
         })
         return metrics
 
-    def _sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
+    def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
                           g: torch.Generator):
         """Sample the epoch's batch in ``train.rollout_chunks`` chunks; each chunk's rewards are requested
         as soon as it is sampled and are scored while the next chunk samples (all on the same policy).

@@ -1,0 +1,94 @@
+"""Rollout / reward overlap: with a reward that takes R seconds per epoch's batch, an RL epoch should take
+about max(rollout, R), not rollout + R.
+
+The reward is the ``sleep`` scorer (a stand-in for a GPU model: it holds each micro-batch of 8 images for a
+fixed time, so R grows with the batch) served by a real reward-server process. The epoch's sampling and
+scoring runs through ``Trainer.sample_and_score`` with ``train.rollout_chunks`` = 1 (no overlap) and more.
+The last chunk's scoring cannot overlap any sampling, so the floor is max(rollout, R) + R / chunks.
+
+    python bench/overlap.py [--images 160] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from trainer.algorithms import build_algorithm  # noqa: E402
+from trainer.algorithms.sft import SFT  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.data import build_task  # noqa: E402
+from trainer.distributed import SingleProcess  # noqa: E402
+from trainer.logging import RunLogger, to_uint8  # noqa: E402
+from trainer.models import build_adapter  # noqa: E402
+from trainer.rewards.client import HttpRewardClient  # noqa: E402
+from trainer.rewards.launcher import LocalRewardPool  # noqa: E402
+from trainer.rollout import rollout  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+MICRO_BATCH = 8
+
+
+def best_of(repeats: int, fn) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=160, help="images per epoch (multiple of 16)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    config = load_config(overrides=[f"data.prompts_per_epoch={args.images // 16}", "logging.progress=false"])
+    adapter = build_adapter(config.model, "cpu")
+    task = build_task(config.data)
+    algorithm = build_algorithm(config.algorithm)
+    prompts = [task.prompts[i % len(task.prompts)] for i in range(args.images)]
+    groups = torch.arange(args.images) // 16
+    indices = torch.arange(args.images) % len(task.prompts)
+
+    def sample_only():
+        rollout(adapter, adapter.denoiser, prompts, groups, algorithm.sampler, torch.Generator().manual_seed(0))
+
+    t_rollout = best_of(args.repeats, sample_only)
+    ms = 1000 * t_rollout / math.ceil(args.images / MICRO_BATCH)  # R = rollout time
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, LocalRewardPool(
+        ["sleep"], replicas=1, extra_args=["--sleep-ms", f"{ms:.1f}", "--max-batch-size", str(MICRO_BATCH)],
+    ) as pool:
+        client = HttpRewardClient(pool.urls, {"sleep": 1.0}, batch_size=MICRO_BATCH)
+        images = to_uint8(torch.rand(args.images, 1, 16, 16))
+        t_reward = best_of(args.repeats, lambda: client.score(images, prompts))
+        floor = max(t_rollout, t_reward)
+        for chunks in (1, 2, 4, 8):
+            config.train.rollout_chunks = chunks
+            trainer = Trainer(config, adapter, algorithm, SFT(config.warmup), task, client,
+                              SingleProcess(torch.device("cpu")), RunLogger(Path(tmp), False, False))
+            g = torch.Generator().manual_seed(0)
+            t = best_of(args.repeats, lambda t=trainer, g=g: t.sample_and_score(prompts, indices, groups, g))
+            rows.append((chunks, t, t / floor, (t_rollout + t_reward) / floor))
+        client.close()
+    print(f"\nimages/epoch {args.images}; rollout alone {t_rollout:.2f} s; reward alone R {t_reward:.2f} s "
+          f"(sleep scorer, {ms:.0f} ms per {MICRO_BATCH} images); best of {args.repeats}\n")
+    print("| rollout_chunks | epoch sample+score s | / max(rollout, R) | no-overlap bound (rollout+R)/max |")
+    print("|---|---|---|---|")
+    for chunks, t, ratio, serial in rows:
+        print(f"| {chunks} | {t:.2f} | {ratio:.2f}x | {serial:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
