@@ -111,7 +111,9 @@ class DigitScorer:
             rows.append(i)
             targets.append(target)
         if rows:
-            probabilities = self._classifier.predict_proba(np.stack(features))
+            # Row by row: a score must not depend on which items the server batched together (the
+            # rounding of a batched matmul can), so that reruns and resumed runs see identical rewards.
+            probabilities = [self._classifier.predict_proba(f[None])[0] for f in features]
             for row, target, probs in zip(rows, targets, probabilities, strict=True):
                 predicted = int(np.argmax(probs))
                 outcomes[row] = ScoreOutcome(

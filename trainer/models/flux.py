@@ -114,12 +114,10 @@ class FluxAdapter:
         """T5 sequence + CLIP pooled embeddings via the pipeline's encode_prompt (cached per prompt), and
         the image conditioning this variant takes."""
         images = self._image_conditioning(len(prompts), inputs)
-        missing = sorted({p for p in prompts if p not in self._prompt_cache})
-        if missing:
+        for p in sorted({p for p in prompts if p not in self._prompt_cache}):  # one per forward: batch-invariant
             embeds, pooled, _ = self.pipeline.encode_prompt(
-                prompt=missing, prompt_2=None, device=self.device, max_sequence_length=self.config.max_sequence_length)
-            for i, p in enumerate(missing):
-                self._prompt_cache[p] = (embeds[i : i + 1], pooled[i : i + 1])
+                prompt=[p], prompt_2=None, device=self.device, max_sequence_length=self.config.max_sequence_length)
+            self._prompt_cache[p] = (embeds, pooled)
         return Conditioning(embeds={
             "prompt_embeds": torch.cat([self._prompt_cache[p][0] for p in prompts]),
             "pooled": torch.cat([self._prompt_cache[p][1] for p in prompts]),

@@ -141,11 +141,8 @@ class SD15InpaintAdapter:
     @torch.no_grad()
     def _text_embeds(self, prompts: list[str]) -> torch.Tensor:
         """CLIP embeddings via the pipeline's encode_prompt, cached per prompt."""
-        missing = sorted({p for p in prompts if p not in self._prompt_cache})
-        if missing:
-            embeds, _ = self.pipeline.encode_prompt(missing, self.device, 1, False)
-            for i, p in enumerate(missing):
-                self._prompt_cache[p] = embeds[i : i + 1]
+        for p in sorted({p for p in prompts if p not in self._prompt_cache}):  # one per forward: batch-invariant
+            self._prompt_cache[p] = self.pipeline.encode_prompt([p], self.device, 1, False)[0]
         return torch.cat([self._prompt_cache[p] for p in prompts])
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:

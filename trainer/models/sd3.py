@@ -112,14 +112,14 @@ class SD3Adapter:
         if inputs is not None and any(v is not None for v in vars(inputs).values()):
             raise ValueError("the sd3 adapter takes no image inputs (image/mask/reference/style); use an "
                              "inpainting or editing model for such a dataset")
-        missing = sorted({p for p in prompts if p not in self._prompt_cache})
-        if missing:
+        # One prompt per forward: an embedding must not depend on which prompts it was batched with (the
+        # rounding of batched matmuls does), or a resumed run would drift from the uninterrupted one.
+        for p in sorted({p for p in prompts if p not in self._prompt_cache}):
             embeds, _, pooled, _ = self.pipeline.encode_prompt(
-                prompt=missing, prompt_2=None, prompt_3=None, device=self.device,
+                prompt=[p], prompt_2=None, prompt_3=None, device=self.device,
                 do_classifier_free_guidance=False, max_sequence_length=self.config.max_sequence_length,
             )
-            for i, p in enumerate(missing):
-                self._prompt_cache[p] = (embeds[i : i + 1], pooled[i : i + 1])
+            self._prompt_cache[p] = (embeds, pooled)
         return Conditioning(embeds={
             "prompt_embeds": torch.cat([self._prompt_cache[p][0] for p in prompts]),
             "pooled": torch.cat([self._prompt_cache[p][1] for p in prompts]),
