@@ -204,8 +204,8 @@ class Trainer:
         t_sampled = time.perf_counter()
         results = [f.result() for f in futures]
         t_wait = time.perf_counter() - t_sampled
-        reward = self.config.reward
-        return Rollout.cat(parts), RewardResult.cat(results, reward.weights, reward.combine_mode), t_wait
+        merged = RewardResult.cat(results, self.rewards.weights, self.rewards.combine_mode)
+        return Rollout.cat(parts), merged, t_wait
 
     def _update(self, objective, batch, g: torch.Generator) -> dict[str, float]:
         """Run the objective's optimizer steps over ``batch``; returns averaged loss statistics."""

@@ -120,6 +120,11 @@ class RewardResult:
 class RewardClient(Protocol):
     """What the trainer needs from a reward client (HTTP pool or in-process)."""
 
+    weights: dict[str, float]
+    """Scorer name -> weight of its component in the combined reward."""
+    combine_mode: str
+    """How components are combined (see :func:`combine`)."""
+
     async def score_async(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardResult: ...
