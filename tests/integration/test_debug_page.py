@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from PIL import Image
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
-import uvicorn  # noqa: E402
+from servers import serve  # noqa: E402
 
 from reward_server.app import create_app  # noqa: E402
 from reward_server.scorers import build_scorers  # noqa: E402
@@ -46,31 +44,12 @@ pytestmark = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason=f"{CHROMI
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     app = create_app(
         build_scorers(["brightness", "jpeg_compressibility", "digit"]),
         ServerSettings(instance_id="debug-page"),
     )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", trust_env=False).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become ready"
-        time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

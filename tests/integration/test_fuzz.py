@@ -7,8 +7,6 @@ error and must still be healthy and scoring afterwards.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +17,8 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 requests = pytest.importorskip("requests")
 
-import uvicorn  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from servers import serve  # noqa: E402
 
 from reward_server.app import create_app  # noqa: E402
 from reward_server.scorers import build_scorers  # noqa: E402
@@ -53,33 +51,10 @@ def _fit_msgpack(value: Any) -> Any:
     return value
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(APP, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", trust_env=False).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "fuzz server did not become ready"
-        time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve(APP) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

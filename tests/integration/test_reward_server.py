@@ -15,16 +15,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import msgpack
 import numpy as np
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from servers import free_port, serve, wait_for
 from sklearn.datasets import load_digits
 
 from reward_server.__main__ import main as server_main
@@ -49,28 +47,9 @@ SCORERS = ["digit", "brightness", "jpeg_compressibility"]
 POOL_LIMITS = ["--max-items", "16", "--max-body-bytes", "300000", "--max-image-side", "64"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _dead_url() -> str:
     """A loopback URL with nothing listening (connection refused)."""
-    return f"http://127.0.0.1:{_free_port()}"
-
-
-def _wait_for(url: str, status: int = 200, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False, timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            try:
-                if client.get(url).status_code == status:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer {status} within {timeout_s} s")
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -79,22 +58,6 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout_s} s")
         time.sleep(0.02)
-
-
-@contextmanager
-def _serve(app: FastAPI, *, wait_ready: bool = True) -> Iterator[str]:
-    """Run ``app`` under uvicorn on a free loopback port in a thread; yield its base URL."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(f"{url}/readyz" if wait_ready else f"{url}/livez")
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 class _TestScorer:
@@ -285,7 +248,7 @@ def test_limits(http: httpx.Client) -> None:
 def test_bearer_token() -> None:
     app = create_app(build_scorers(["brightness"]), ServerSettings(token="s3cret"))
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
-    with _serve(app) as url, httpx.Client(base_url=url, trust_env=False) as client:
+    with serve(app) as url, httpx.Client(base_url=url, trust_env=False) as client:
         body = {"items": [{"id": "a", "prompt": "", "image": image}]}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
             response = client.post("/score", json=body, headers=headers)
@@ -305,14 +268,14 @@ def test_bearer_token() -> None:
 def test_not_ready_until_loaded() -> None:
     gate = threading.Event()
     app = create_app({"slow": _TestScorer(gate=gate)}, ServerSettings())
-    with _serve(app, wait_ready=False) as url, httpx.Client(base_url=url, trust_env=False) as client:
+    with serve(app, wait_ready=False) as url, httpx.Client(base_url=url, trust_env=False) as client:
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["detail"] == "loading"
         body = {"items": [{"id": "a", "prompt": "", "image": encode_image(np.zeros((4, 4, 1), np.uint8))}]}
         busy = client.post("/score", json=body)
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
         gate.set()
-        _wait_for(f"{url}/readyz")
+        wait_for(f"{url}/readyz")
         assert client.post("/score", json=body).status_code == 200
 
 
@@ -322,7 +285,7 @@ def test_deadline_turns_late_items_into_timeouts() -> None:
         "deadline_ms": 100,
         "items": [{"id": "a", "prompt": "", "image": encode_image(np.zeros((4, 4, 1), np.uint8))}],
     }
-    with _serve(app) as url:
+    with serve(app) as url:
         response = httpx.post(f"{url}/score", json=body, trust_env=False)
     assert response.status_code == 200
     assert response.json()["results"][0]["scores"]["slow"]["error"]["code"] == "TIMEOUT"
@@ -347,7 +310,7 @@ def test_worker_drops_expired_items_before_computing_them() -> None:
     app = create_app({"slow": scorer}, ServerSettings(max_batch_size=1, batch_wait_ms=0))
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
     body = {"deadline_ms": 450, "items": [{"id": str(i), "prompt": "", "image": image} for i in range(4)]}
-    with _serve(app) as url:
+    with serve(app) as url:
         response = httpx.post(f"{url}/score", json=body, trust_env=False)
         time.sleep(0.5)  # let the worker reach the expired items
         metrics = httpx.get(f"{url}/metrics", trust_env=False).text
@@ -361,7 +324,7 @@ def test_full_queue_is_429_and_drain_lets_in_flight_work_finish() -> None:
     app = create_app({"slow": _TestScorer(delay_s=0.6)}, ServerSettings(max_items=2, max_queue_items=2))
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
     body = {"items": [{"id": str(i), "prompt": "", "image": image} for i in range(2)]}
-    with _serve(app) as url:
+    with serve(app) as url:
 
         async def scenario() -> None:
             async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as client:
@@ -383,7 +346,7 @@ def test_full_queue_is_429_and_drain_lets_in_flight_work_finish() -> None:
 def test_concurrent_requests_share_a_micro_batch() -> None:
     app = create_app({"slow": _TestScorer(delay_s=0.05)}, ServerSettings(batch_wait_ms=200))
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
-    with _serve(app) as url:
+    with serve(app) as url:
 
         async def both() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as client:
@@ -402,8 +365,8 @@ class _BrokenScorer(_TestScorer):
 def test_load_failure_is_reported() -> None:
     failures: list[BaseException] = []
     app = create_app({"broken": _BrokenScorer()}, ServerSettings(), on_load_failure=failures.append)
-    with _serve(app, wait_ready=False) as url:
-        _wait_for(f"{url}/readyz", status=503)
+    with serve(app, wait_ready=False) as url:
+        wait_for(f"{url}/readyz", status=503)
         deadline = time.monotonic() + 10
         while not failures and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -414,11 +377,11 @@ def test_load_failure_is_reported() -> None:
 
 def test_cli_exits_with_status_1_when_a_scorer_fails_to_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(SCORER_REGISTRY, "broken", lambda model_dir=None: _BrokenScorer(name="broken"))
-    assert server_main(["--scorers", "broken", "--port", str(_free_port()), "--log-level", "error"]) == 1
+    assert server_main(["--scorers", "broken", "--port", str(free_port()), "--log-level", "error"]) == 1
 
 
 def test_sigterm_drains_then_exits_cleanly(tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     command = [
         sys.executable,
@@ -434,9 +397,9 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path) -> None:
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_for(f"http://127.0.0.1:{port}/readyz")
+        wait_for(f"http://127.0.0.1:{port}/readyz")
         process.send_signal(signal.SIGTERM)
-        _wait_for(f"http://127.0.0.1:{port}/readyz", status=503, timeout_s=0.9)
+        wait_for(f"http://127.0.0.1:{port}/readyz", status=503, timeout_s=0.9)
         assert process.wait(timeout=15) == 0
     finally:
         if process.poll() is None:
@@ -503,7 +466,7 @@ def test_client_retries_503_on_another_replica() -> None:
         {"brightness": _TestScorer(name="brightness", gate=gate)}, ServerSettings(instance_id="loading")
     )
     ready = create_app(build_scorers(["brightness"]), ServerSettings(instance_id="ready"))
-    with _serve(loading, wait_ready=False) as loading_url, _serve(ready) as ready_url:
+    with serve(loading, wait_ready=False) as loading_url, serve(ready) as ready_url:
         with HttpRewardClient(
             [loading_url, ready_url],
             {"brightness": 1.0},
@@ -527,7 +490,7 @@ def test_client_skips_replicas_not_ready_at_start_up() -> None:
         ServerSettings(instance_id="loading"),
     )
     ready = create_app(build_scorers(["brightness"]), ServerSettings(instance_id="ready"))
-    with _serve(loading, wait_ready=False) as loading_url, _serve(ready) as ready_url:
+    with serve(loading, wait_ready=False) as loading_url, serve(ready) as ready_url:
         with HttpRewardClient(
             [loading_url, ready_url], {"brightness": 1.0}, batch_size=1, probe_interval_s=0.05
         ) as client:
@@ -571,7 +534,7 @@ def test_check_replicas(pool: LocalRewardPool) -> None:
         infos = client.check_replicas()
     assert set(infos) == set(pool.urls)
     impostor = create_app({"digit": _TestScorer(name="digit", version="digits-other")}, ServerSettings())
-    with _serve(impostor) as url:
+    with serve(impostor) as url:
         with HttpRewardClient([*pool.urls, url], {"digit": 1.0}) as client:
             with pytest.raises(RewardClientError, match="runs digit digits-other"):
                 client.check_replicas()
@@ -712,7 +675,7 @@ def test_prometheus_metrics() -> None:
     image = encode_image(np.full((4, 4, 1), 255, np.uint8))
     items = [{"id": str(i), "prompt": "", "image": image} for i in range(3)]
     items.append({"id": "bad", "prompt": "", "image": {"format": "png", "data": "aGVsbG8="}})
-    with _serve(app) as url, httpx.Client(base_url=url, trust_env=False) as client:
+    with serve(app) as url, httpx.Client(base_url=url, trust_env=False) as client:
         assert client.post("/score", json={"items": items}).status_code == 200
         assert client.post("/score", content=b"{").status_code == 422
         response = client.get("/metrics")
@@ -754,7 +717,7 @@ def test_hedged_request_beats_a_straggler() -> None:
         create_app({"slow": s}, ServerSettings(instance_id=n))
         for s, n in ((fast, "fast"), (straggler, "straggler"))
     ]
-    with _serve(apps[0]) as fast_url, _serve(apps[1]) as straggler_url:
+    with serve(apps[0]) as fast_url, serve(apps[1]) as straggler_url:
         with HttpRewardClient([straggler_url, fast_url], {"slow": 1.0}, batch_size=1, hedge=True) as client:
             client.score(np.zeros((24, 4, 4, 1), np.uint8), [""] * 24)  # latency observations for p95
             straggler.delay_s = 1.5
@@ -768,7 +731,7 @@ def test_hedged_request_beats_a_straggler() -> None:
 
 def test_step_budget_bounds_a_score_call() -> None:
     app = create_app({"slow": _TestScorer(delay_s=1.0)}, ServerSettings())
-    with _serve(app) as url:
+    with serve(app) as url:
         with HttpRewardClient([url], {"slow": 1.0}, step_timeout_s=0.3) as client:
             started = time.monotonic()
             with pytest.raises(RewardUnavailableError, match="step budget of 0.3 s"):
@@ -778,7 +741,7 @@ def test_step_budget_bounds_a_score_call() -> None:
 
 def test_per_attempt_timeout_retries_elsewhere() -> None:
     quick = create_app({"slow": _TestScorer()}, ServerSettings(instance_id="quick"))
-    with socket.socket() as silent, _serve(quick) as quick_url:
+    with socket.socket() as silent, serve(quick) as quick_url:
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)  # connections complete in the backlog, but nothing ever answers
         silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
@@ -804,7 +767,7 @@ def test_429_is_retried_on_another_replica_without_a_strike() -> None:
         {"slow": _TestScorer(delay_s=1.0)}, ServerSettings(max_items=1, max_queue_items=1, instance_id="full")
     )
     free = create_app({"slow": _TestScorer()}, ServerSettings(instance_id="free"))
-    with _serve(full) as full_url, _serve(free) as free_url:
+    with serve(full) as full_url, serve(free) as free_url:
         blocker = threading.Thread(
             target=httpx.post,
             args=(f"{full_url}/score",),
