@@ -179,6 +179,10 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     if path:
         _merge(raw, load_yaml(path))
     for override in overrides:
+        section, _, value = override.partition("=")
+        if section.strip() in ("model.name", "algorithm.name"):
+            # Another class: start from its defaults rather than the previous class's field values.
+            _merge(raw, {section.split(".")[0].strip(): {"name": value.strip()}})
         apply_override(raw, override)
     return build(Config, raw, "")
 

@@ -90,7 +90,7 @@ def test_save_pretrained_round_trip_reproduces_outputs(adapter, tmp_path):
 
 
 def test_lora_adapter_trains_only_lora_and_reference_is_the_base(tiny_model_dir):
-    from trainer.models.sd3 import LoraSettings
+    from trainer.models.common import LoraSettings
 
     lora = TinyAdapter(TinyConfig(path=tiny_model_dir, lora=LoraSettings(rank=4, alpha=4)))
     names = [n for n, p in lora.denoiser.named_parameters() if p.requires_grad]

@@ -64,5 +64,12 @@ def test_cli_help_and_config_errors():
     assert out.returncode == 0 and "epochs: 7" in out.stdout
 
 
+def test_switching_model_by_override_takes_the_new_model_defaults():
+    config = load_config(overrides=["model.name=qwen_image", "model.path=/w/qwen"])
+    assert config.model.name == "qwen_image" and config.model.path == "/w/qwen"
+    assert config.model.dtype == "bfloat16" and config.model.resolution == 1024
+    assert config.model.max_sequence_length == 512
+
+
 def test_the_embedded_preset_is_the_default():
     assert load_config(str(REPO / "configs" / "embedded_digits.yaml")) == load_config()

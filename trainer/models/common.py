@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import torch
 from torch import nn
@@ -34,6 +35,25 @@ class LoraSettings:
     """Scale numerator: the update is scaled by alpha / rank."""
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     """Module names that get adapters; attention projections as in Flow-GRPO."""
+
+
+@dataclass
+class DiffusersModelConfig:
+    """Fields every adapter's config has; each adapter's config subclasses it, setting its own ``name``
+    and defaults and adding its own fields."""
+
+    name: str = ""
+    """Registry name of the adapter (``trainer.models.MODELS``)."""
+    path: str = ""
+    """Local diffusers-format directory of the weights (model_index.json and one folder per component)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and forward dtype of the denoiser, encoders and VAE; sampler math is float32 regardless."""
+    resolution: int = 0
+    """Image side in pixels; 0 takes the model's default (its sample size times the VAE factor)."""
+    lora: LoraSettings | None = None
+    """LoRA settings; None trains the full denoiser (and a frozen copy serves as reference)."""
+    gradient_checkpointing: bool = False
+    """Recompute block activations in backward: less memory, about 30% more compute."""
 
 
 def freeze(*modules: nn.Module | None) -> None:

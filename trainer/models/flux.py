@@ -29,7 +29,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
-    LoraSettings,
+    DiffusersModelConfig,
     cfg_combine,
     freeze,
     load_trainable,
@@ -44,23 +44,15 @@ from trainer.samplers import flow_step
 
 
 @dataclass
-class FluxConfig:
-    """Where the FLUX.1 weights are and how to run them."""
+class FluxConfig(DiffusersModelConfig):
+    """Where the FLUX.1 weights are (transformer/, vae/, scheduler/, text_encoder(_2)/, tokenizer(_2)/) and
+    how to run them; resolution must be a multiple of 2x the VAE factor (16 for the real VAE)."""
 
     name: str = "flux"
-    """Registry name of the adapter (``trainer.models.MODELS``)."""
-    path: str = ""
-    """Local diffusers-format directory (transformer/, vae/, scheduler/, text_encoder(_2)/, tokenizer(_2)/)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Weights and forward dtype of the transformer, encoders and VAE; sampler math is float32 regardless."""
     resolution: int = 1024
-    """Image side in pixels; a multiple of 2x the VAE factor (16 for the real VAE)."""
     max_sequence_length: int = 512
     """T5 tokens per prompt (the pipeline's default)."""
-    lora: LoraSettings | None = None
-    """LoRA settings; None trains the full transformer (and a frozen copy serves as reference)."""
-    gradient_checkpointing: bool = False
-    """Recompute block activations in backward: less memory, about 30% more compute."""
 
 
 class FluxAdapter:

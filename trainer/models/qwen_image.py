@@ -30,7 +30,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
-    LoraSettings,
+    DiffusersModelConfig,
     cfg_combine,
     freeze,
     load_trainable,
@@ -45,25 +45,17 @@ from trainer.samplers import flow_step
 
 
 @dataclass
-class QwenImageConfig:
-    """Where the Qwen-Image weights are and how to run them."""
+class QwenImageConfig(DiffusersModelConfig):
+    """Where the Qwen-Image weights are (transformer/, vae/, text_encoder/, tokenizer/, scheduler/) and how
+    to run them."""
 
     name: str = "qwen_image"
-    """Registry name of the adapter (``trainer.models.MODELS``)."""
-    path: str = ""
-    """Local diffusers-format directory (transformer/, vae/, text_encoder/, tokenizer/, scheduler/)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Weights and forward dtype of transformer, text encoder and VAE; sampler math is float32 regardless."""
     resolution: int = 1024
-    """Image side in pixels; a multiple of 2x the VAE factor (16 for the real VAE)."""
     max_sequence_length: int = 512
     """Text tokens kept per prompt (the pipeline's default)."""
     negative_prompt: str = " "
     """The negative prompt of true CFG (the pipeline's examples use a single space)."""
-    lora: LoraSettings | None = None
-    """LoRA settings; None trains the full transformer (and a frozen copy serves as reference)."""
-    gradient_checkpointing: bool = False
-    """Recompute block activations in backward: less memory, about 30% more compute."""
 
 
 def pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:

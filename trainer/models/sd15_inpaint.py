@@ -17,7 +17,6 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionInpaintPipeline, UNet2DConditionModel
@@ -34,7 +33,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
-    LoraSettings,
+    DiffusersModelConfig,
     cfg_combine,
     freeze,
     load_trainable,
@@ -48,21 +47,12 @@ from trainer.samplers.ddim import ddim_step_with_logprob
 
 
 @dataclass
-class SD15InpaintConfig:
-    """Where the SD1.5 inpainting weights are and how to run them."""
+class SD15InpaintConfig(DiffusersModelConfig):
+    """Where the SD1.5 inpainting weights are (unet/, vae/, text_encoder/, tokenizer/, scheduler/) and how
+    to run them; the denoiser is the UNet."""
 
     name: str = "sd15_inpaint"
-    """Registry name of the adapter (``trainer.models.MODELS``)."""
-    path: str = ""
-    """Local diffusers-format directory (unet/, vae/, text_encoder/, tokenizer/, scheduler/)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and forward dtype of UNet, text encoder and VAE; sampler math is float32 regardless."""
     resolution: int = 512
-    """Image side in pixels; a multiple of 2x the VAE factor (16 for the real VAE)."""
-    lora: LoraSettings | None = None
-    """LoRA settings; None trains the full UNet (and a frozen copy serves as reference)."""
-    gradient_checkpointing: bool = False
-    """Recompute block activations in backward: less memory, about 30% more compute."""
 
 
 def ddim_step_in_units(

@@ -11,7 +11,6 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from diffusers import (
@@ -27,7 +26,7 @@ from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderMo
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
-    LoraSettings,
+    DiffusersModelConfig,
     freeze,
     load_trainable,
     prepare_denoiser,
@@ -38,23 +37,13 @@ from trainer.samplers import flow_step
 
 
 @dataclass
-class SD3Config:
-    """Where the SD3 weights are and how to run them."""
+class SD3Config(DiffusersModelConfig):
+    """Where the SD3 / SD3.5 weights are (transformer/, scheduler/, text encoders, optional vae/) and how
+    to run them."""
 
     name: str = "sd3"
-    """Registry name of the adapter (``trainer.models.MODELS``)."""
-    path: str = ""
-    """Local diffusers-format directory (model_index.json, transformer/, scheduler/, text encoders)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and forward dtype of the denoiser and text encoders; sampler math is float32 regardless."""
-    resolution: int = 0
-    """Image side in pixels; 0 takes the transformer's sample_size times the VAE factor."""
     max_sequence_length: int = 256
     """T5 tokens (zeros of this length when the model has no T5, as the pipeline does)."""
-    lora: LoraSettings | None = None
-    """LoRA settings; None trains the full denoiser (and a frozen copy serves as reference)."""
-    gradient_checkpointing: bool = False
-    """Recompute block activations in backward: less memory, about 30% more compute."""
 
 
 class SD3Adapter:
