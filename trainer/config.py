@@ -73,6 +73,9 @@ class RewardConfig:
     wire_format: Literal["msgpack", "msgpack+zstd", "msgpack+lz4", "png", "raw"] = "msgpack"
     """Image encoding on the wire: raw pixels in msgpack (lossless, ~4 ms per 512x512 image here), the
     same compressed for slow networks, or JSON with PNG / raw base64 (for debugging)."""
+    max_failed_share: float = 0.5
+    """An epoch aborts when more than this share of samples has no reward (failed scores are NaN, get
+    advantage 0 and are counted; past this share the update would be biased)."""
     combine_mode: Literal["sum", "sum-then-normalise", "normalise-then-sum"] = "sum"
     """How weighted components become one reward; the normalising modes standardise over the batch."""
 

@@ -147,15 +147,15 @@ class Trainer:
         t0 = time.perf_counter()
         ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g)
         t1 = time.perf_counter()
-        t2 = t1
 
         local = torch.as_tensor(result.combined, dtype=torch.float32)
         gathered = self.backend.gather(torch.stack([local, group_ids.float()], dim=1))
         rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
         failed = float(torch.isnan(rewards.all).float().mean())
-        if failed > 0.5:
-            raise RewardFailure(f"epoch {epoch + 1}: {failed:.0%} of samples have no reward (max 50%); "
-                                "check the reward servers' logs")
+        limit = self.config.reward.max_failed_share
+        if failed > limit:
+            raise RewardFailure(f"epoch {epoch + 1}: {failed:.0%} of samples have no reward (reward.max_failed_share "
+                                f"= {limit:.0%}); check the reward servers' logs")
 
         self.policy.train()
         batch = self.algorithm.make_batch(ro, rewards)
@@ -163,13 +163,13 @@ class Trainer:
         for _ in range(self.algorithm.inner_epochs):
             for k, v in self._update(self.algorithm, batch, g).items():
                 stats[k].append(v)
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
 
         metrics = {k: float(np.mean(v)) for k, v in stats.items()}
         metrics.update(self.algorithm.batch_metrics(batch))
         for name, values in result.components.items():
             metrics[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
-        metrics.update({f"{k}": v for k, v in self.task.metrics(ro.images, prompts).items()})
+        metrics.update(self.task.metrics(ro.images, prompts))
         metrics = self.backend.mean(metrics)
         valid = rewards.all[~torch.isnan(rewards.all)]
         metrics.update({
@@ -177,7 +177,7 @@ class Trainer:
             "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
             "failed_share": failed,
             "images_per_s": len(rewards.all) / (t1 - t0),  # sampling + the reward wait not hidden by it
-            "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t3 - t2,
+            "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,
             "lr": self.config.train.learning_rate,
         })
         return metrics

@@ -1,0 +1,56 @@
+"""The trainer never trains on missing rewards: NaN rewards get advantage 0, and too many abort the epoch."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.algorithms import build_algorithm
+from trainer.algorithms.sft import SFT
+from trainer.config import load_config
+from trainer.data import DigitsTask
+from trainer.distributed import SingleProcess
+from trainer.logging import RunLogger
+from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.rewards.client import InProcessRewardClient
+from trainer.trainer import RewardFailure, Trainer
+
+
+class _NoDigitTask(DigitsTask):
+    """Digits, except that half the prompts name no digit: the digit scorer answers PARSE errors."""
+
+    def __init__(self, failing: int):
+        super().__init__(16)
+        self.prompts = self.prompts[: 10 - failing] + ["a handwritten squiggle"] * failing
+
+    def metadata(self, prompt: str) -> dict:
+        return {}
+
+    def metrics(self, images, prompts):
+        return {}
+
+
+def _trainer(tmp_path: Path, tiny_model_dir: str, failing: int, limit: float) -> Trainer:
+    config = load_config(overrides=[f"model.path={tiny_model_dir}", "algorithm.group_size=2",
+                                    "data.prompts_per_epoch=10", f"reward.max_failed_share={limit}",
+                                    "algorithm.sampler.num_steps=4"])
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    return Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), _NoDigitTask(failing),
+                   InProcessRewardClient.from_names({"digit": 1.0}), SingleProcess(torch.device("cpu")),
+                   RunLogger(tmp_path, False, False))
+
+
+def test_failed_rewards_are_counted_and_get_no_advantage(tmp_path, tiny_model_dir):
+    trainer = _trainer(tmp_path, tiny_model_dir, failing=3, limit=0.5)
+    metrics = trainer.rl_epoch(0)
+    assert metrics["failed_share"] == pytest.approx(0.3)
+    assert math.isfinite(metrics["reward_mean"])  # NaNs are left out, never averaged in as 0
+
+
+def test_an_epoch_aborts_past_the_failed_share(tmp_path, tiny_model_dir):
+    trainer = _trainer(tmp_path, tiny_model_dir, failing=6, limit=0.5)
+    with pytest.raises(RewardFailure, match="60% of samples have no reward"):
+        trainer.rl_epoch(0)
