@@ -73,8 +73,12 @@ def test_sigkill_mid_run_then_restart(pool: LocalRewardPool) -> None:
             np.testing.assert_array_equal(result.combined, expected)  # each sample its own reward
             assert not np.isnan(result.combined).any() and result.num_failed == 0
             served.update((phase, instance) for instance in result.instances)
-            if phase == "down" and round_index >= killed_at_round + 5:
-                assert not client.replica_states()[pool.urls[victim]]["available"], "breaker did not open"
+            # A SIGKILL can surface as a connection refused (out at once) or as a dead keep-alive connection
+            # (one strike of breaker_failures): how many rounds the breaker needs depends on scheduling.
+            breaker_open = not client.replica_states()[pool.urls[victim]]["available"]
+            if phase == "down" and round_index >= killed_at_round + 30:
+                assert breaker_open, "breaker did not open within 30 rounds of the kill"
+            if phase == "down" and round_index >= killed_at_round + 5 and breaker_open:
                 restart = threading.Thread(target=pool.restart, args=(victim,))
                 restart.start()  # scoring goes on while the replica starts
                 phase, restarted_at_round = "restarting", round_index
