@@ -52,7 +52,7 @@ class Checkpoints:
             tmp = Path(tempfile.mkdtemp(prefix=".incomplete-", dir=self.directory))
             adapter.save_trainable(str(tmp / "trainable"))
             torch.save(optimizer_state, tmp / "optimizer.pt")
-            if reference is not None and reference is not adapter.denoiser and _is_copy(reference, adapter):
+            if reference is not None and _is_copy(reference, adapter):
                 save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, tmp / "reference.safetensors")
             (tmp / "progress.json").write_text(json.dumps(asdict(progress)))
             (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))

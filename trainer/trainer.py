@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +29,6 @@ from trainer.rollout import Rollout, SamplerSettings, rollout, window_mask
 
 class RewardFailure(RuntimeError):
     """Too many samples of an epoch have no reward; training on the rest would be biased."""
-
-
-@dataclass
-class EpochResult:
-    metrics: dict[str, float]
 
 
 class Trainer:

@@ -58,7 +58,7 @@ def _clip_tokenizer(directory: Path, max_length: int) -> None:
 def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int = 16) -> Path:
     """Write a random tiny SD3 model (pixel space, two CLIP encoders, no T5) to ``path``; atomic."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,8 +68,6 @@ def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int 
     FlowMatchEulerDiscreteScheduler(shift=1.0).save_pretrained(tmp / "scheduler")
     for suffix in ("", "_2"):
         _clip_tokenizer(tmp / f"tokenizer{suffix}", text_max_length)
-        from transformers import CLIPTokenizer
-
         tok = CLIPTokenizer.from_pretrained(tmp / f"tokenizer{suffix}")
         config = CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id, **TINY_CLIP)
