@@ -27,7 +27,7 @@ def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir):
     (fixed prompts and noise) after RL beats the warmed-up model's."""
     run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}",
                 f"logging.output_dir={tmp_path}", "logging.run_name=short", "logging.progress=false",
-                "train.warmup_steps=450", "train.epochs=10", "eval.every=0", "eval.samples_per_prompt=5"],
+                "train.warmup_steps=600", "train.epochs=8", "eval.every=0", "eval.samples_per_prompt=5"],
                tmp_path, timeout=900)
     run_dir = tmp_path / "short"
     records = _records(run_dir)
@@ -35,12 +35,12 @@ def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir):
     before, after = evals[0], evals[-1]
     assert after["reward_mean"] > before["reward_mean"] + 0.05, (before, after)
     rl = [r for r in records if r["phase"] == "rl"]
-    assert len(rl) == 10 and all(r["failed_share"] == 0.0 for r in rl)
+    assert len(rl) == 8 and all(r["failed_share"] == 0.0 for r in rl)
     for name in ("samples_before.png", "samples_after.png", "reward_curve.png", "config.yaml"):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "final" / "diffusion_pytorch_model.safetensors").is_file()
-    assert "epoch  10  reward" in run.stdout and "digit_accuracy" in run.stdout
+    assert "epoch   8  reward" in run.stdout and "digit_accuracy" in run.stdout
 
 
 def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
