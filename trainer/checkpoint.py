@@ -2,8 +2,9 @@
 
 A checkpoint is one directory ``<run>/checkpoints/step-<warmup>-<epoch>``, written under a temporary name
 and renamed when complete, so a crash or ``kill -9`` never leaves a half-written checkpoint that looks
-whole. It holds the trainable weights (safetensors; LoRA in peft format), the optimizer state, the frozen
-reference weights when the reference is a copy, the progress counters and the config.
+whole. It holds the trainable weights (safetensors; LoRA in peft format), the optimizer state, named
+tensor states of the loop's other parts (the frozen reference when it is a copy, the EMA, an algorithm's
+own networks such as a critic) as ``<name>.safetensors``, the progress counters and the config.
 
 No RNG state is stored because none is needed: every random stream of the loop (prompt choice, noise,
 SDE window, minibatch order) is drawn from a generator seeded by (seed, rank, phase, step), so a resumed
@@ -43,7 +44,8 @@ class Checkpoints:
         self.keep = keep
         self.is_main = is_main
 
-    def save(self, progress: Progress, adapter, backend, reference: torch.nn.Module | None, config: dict) -> Path | None:
+    def save(self, progress: Progress, adapter, backend, states: dict[str, dict[str, torch.Tensor]],
+             config: dict) -> Path | None:
         """Write a complete checkpoint atomically (main process), then drop all but the newest ``keep``."""
         final = self.directory / f"step-{progress.warmup_steps_done:06d}-{progress.epochs_done:06d}"
         optimizer_state = backend.optimizer_state()  # collective on sharded backends: every rank calls it
@@ -52,8 +54,8 @@ class Checkpoints:
             tmp = Path(tempfile.mkdtemp(prefix=".incomplete-", dir=self.directory))
             adapter.save_trainable(str(tmp / "trainable"))
             torch.save(optimizer_state, tmp / "optimizer.pt")
-            if reference is not None and _is_copy(reference, adapter):
-                save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, tmp / "reference.safetensors")
+            for name, tensors in states.items():
+                save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / f"{name}.safetensors")
             (tmp / "progress.json").write_text(json.dumps(asdict(progress)))
             (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
             _fsync_tree(tmp)
@@ -72,14 +74,12 @@ class Checkpoints:
         done = [p for p in self.directory.iterdir() if _NAME.match(p.name) and (p / "progress.json").is_file()]
         return max(done, key=lambda p: tuple(int(x) for x in _NAME.match(p.name).groups()), default=None)
 
-    def load(self, path: Path, adapter, backend) -> tuple[Progress, dict[str, torch.Tensor] | None]:
-        """Restore weights and optimizer from ``path``; returns the progress and the reference weights
-        (None when the reference is not a stored copy)."""
+    def load(self, path: Path, adapter, backend) -> tuple[Progress, dict[str, dict[str, torch.Tensor]]]:
+        """Restore weights and optimizer from ``path``; returns the progress and the named states."""
         adapter.load_trainable(str(path / "trainable"))
         backend.load_optimizer_state(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-        reference = path / "reference.safetensors"
         progress = Progress(**json.loads((path / "progress.json").read_text()))
-        return progress, (load_file(reference) if reference.is_file() else None)
+        return progress, {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")}
 
     def _prune(self) -> None:
         for stale in self.directory.glob(".incomplete-*"):
@@ -92,7 +92,7 @@ class Checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _is_copy(reference: torch.nn.Module, adapter) -> bool:
+def is_copy(reference: torch.nn.Module, adapter) -> bool:
     """True when the reference holds its own weights (a frozen copy), False when it wraps the policy."""
     policy = {p.data_ptr() for p in adapter.denoiser.parameters()}
     return not any(p.data_ptr() in policy for p in reference.parameters())

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from trainer.algorithms.base import Algorithm, LossContext, Rewards
 from trainer.algorithms.sft import SFT
-from trainer.checkpoint import Checkpoints, Progress
+from trainer.checkpoint import Checkpoints, Progress, is_copy
 from trainer.config import Config, to_dict
 from trainer.data import Task
 from trainer.data.sampler import GroupSampler
@@ -110,26 +110,28 @@ class Trainer:
         return after
 
     def save_checkpoint(self) -> None:
-        path = self.checkpoints.save(self.progress, self.adapter, self.backend, self.ctx.reference,
-                                     to_dict(self.config))
+        states = {}
+        if self.ctx.reference is not None and is_copy(self.ctx.reference, self.adapter):
+            states["reference"] = self.ctx.reference.state_dict()
+        path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, to_dict(self.config))
         if path is not None:
             self.logger.log(self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done})
 
     def resume(self, path: Path) -> None:
         """Continue from checkpoint ``path``: weights, optimizer, reference and progress."""
-        self.progress, reference = self.checkpoints.load(path, self.adapter, self.backend)
+        self.progress, states = self.checkpoints.load(path, self.adapter, self.backend)
         if self.progress.rl_started and self.algorithm.needs_reference:
             self.ctx.reference = self.adapter.reference()
-            if reference is not None:
-                self.ctx.reference.load_state_dict(reference)
+            if "reference" in states:
+                self.ctx.reference.load_state_dict(states["reference"])
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
                     f"RL epochs {self.progress.epochs_done})")
 
     def warmup_step(self, step: int) -> dict[str, float]:
         g = self._generator(0, step)
-        images, prompts = self.task.supervised_batch(self.config.warmup.batch_size, g)
-        batch = self.warmup.data_batch(self.adapter, images, prompts, g)
+        data = self.task.supervised_batch(self.config.warmup.batch_size, g)
+        batch = self.warmup.data_batch(self.adapter, data.images, data.prompts, g, data.inputs)
         stats = self._update(self.warmup, batch, g)
         return self.backend.mean(stats)
 

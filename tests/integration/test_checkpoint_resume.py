@@ -78,7 +78,7 @@ def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model
     checkpoints = Checkpoints(tmp_path, keep=2, is_main=True)
     assert checkpoints.latest() is None
     for epoch in (1, 2, 3):
-        checkpoints.save(Progress(10, epoch, True), adapter, backend, None, {})
+        checkpoints.save(Progress(10, epoch, True), adapter, backend, {"ema": {"w": torch.full((2,), float(epoch))}}, {})
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-000010-000002", "step-000010-000003"]  # keep=2
     # A write killed half-way leaves a temporary directory, and a directory with no progress file is not
@@ -91,6 +91,7 @@ def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model
         before = [p.clone() for p in adapter.trainable_parameters()]
         for p in adapter.trainable_parameters():
             p.add_(1.0)
-    progress, reference = checkpoints.load(checkpoints.latest(), adapter, backend)
-    assert progress == Progress(10, 3, True) and reference is None
+    progress, states = checkpoints.load(checkpoints.latest(), adapter, backend)
+    assert progress == Progress(10, 3, True) and list(states) == ["ema"]
+    assert torch.equal(states["ema"]["w"], torch.full((2,), 3.0))
     assert all(torch.equal(a, b) for a, b in zip(before, adapter.trainable_parameters(), strict=True))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.base import LossContext
-from trainer.models.base import Conditioning, ModelAdapter
+from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 
 
 @dataclass
@@ -62,14 +62,14 @@ class SFT:
         self.config = config
 
     def data_batch(self, adapter: ModelAdapter, images: torch.Tensor, prompts: list[str],
-                   generator: torch.Generator) -> SFTBatch:
-        """Images in [0, 1] [B, C, H, W] and their prompts -> one supervised batch."""
+                   generator: torch.Generator, inputs: ImageInputs | None = None) -> SFTBatch:
+        """Target images in [0, 1] [B, C, H, W], their prompts and image inputs -> one supervised batch."""
         drop = torch.rand(len(prompts), generator=generator) < self.config.cfg_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         x0 = adapter.encode_images(images)
         noise = torch.randn(x0.shape, generator=generator).to(x0.device)
         sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator)
-        return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts))
+        return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts, inputs))
 
     def plan(self, batch: SFTBatch, generator: torch.Generator) -> list[list[tuple[SFTBatch, torch.Tensor]]]:
         """One optimizer step over the batch, accumulated over micro-batches."""

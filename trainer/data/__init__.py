@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -9,6 +10,16 @@ import torch
 from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
 from trainer.data.prompt_file import PromptFileTask
 from trainer.models.base import ImageInputs
+
+
+@dataclass
+class SupervisedBatch:
+    """Supervised examples: target images in [0, 1] [B, C, H, W], their prompts, and the image inputs the
+    model is conditioned on (inpainting: the masked source and mask; editing: the reference), if any."""
+
+    images: torch.Tensor
+    prompts: list[str]
+    inputs: ImageInputs | None = None
 
 
 class Task(Protocol):
@@ -27,8 +38,8 @@ class Task(Protocol):
         """Image inputs (inpainting image and mask, edit reference, style) of pool items ``indices``."""
         ...
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
-        """Images in [0, 1] [B, C, H, W] and prompts for the supervised warm-up."""
+    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:
+        """Target images, prompts and image inputs for supervised training (warm-up, SFT)."""
         ...
 
     def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
@@ -51,8 +62,9 @@ class DigitsTask:
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
-        return self._images.batch(batch_size, generator)
+    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:
+        images, prompts = self._images.batch(batch_size, generator)
+        return SupervisedBatch(images, prompts)
 
     def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
         if self._accuracy is None:

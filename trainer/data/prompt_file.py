@@ -57,7 +57,7 @@ class PromptFileTask:
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    def supervised_batch(self, batch_size: int, generator: torch.Generator):
         raise ValueError("a prompt file has no images for supervised warm-up; set train.warmup_steps=0")
 
     def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:

@@ -38,6 +38,12 @@ class ParallelBackend(Protocol):
         """Wrap ``module`` for training and build the optimizer over ``params``; returns the module to call."""
         ...
 
+    def prepare_auxiliary(self, module: nn.Module,
+                          make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> nn.Module:
+        """Wrap an algorithm's own trainable network (e.g. a critic) with its own optimizer; it is
+        synchronised, stepped, reset and checkpointed together with the main one. Returns the module to call."""
+        ...
+
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Context for one forward+backward: gradients are synchronised only when ``enabled``."""
         ...
@@ -85,11 +91,23 @@ class SingleProcess:
         self.device = device
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[nn.Parameter] = []
+        self.auxiliary: list[tuple[list[nn.Parameter], torch.optim.Optimizer]] = []
 
     def prepare(self, module, params, make_optimizer):
         self.params = list(params)
         self.optimizer = make_optimizer(self.params)
         return module
+
+    def prepare_auxiliary(self, module, make_optimizer):
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.auxiliary.append((params, make_optimizer(params)))
+        return self._wrap_auxiliary(module)
+
+    def _wrap_auxiliary(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer] + [opt for _, opt in self.auxiliary]
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -98,26 +116,32 @@ class SingleProcess:
         loss.backward()
 
     def step(self, max_grad_norm: float) -> float:
-        if max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        norm = _clip(self.params, max_grad_norm)
+        for params, _ in self.auxiliary:
+            _clip(params, max_grad_norm)
+        for opt in self._optimizers():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return norm
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def reset_optimizer(self) -> None:
-        self.optimizer.state.clear()
+        for opt in self._optimizers():
+            opt.state.clear()
 
     def optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
+        return {"main": self.optimizer.state_dict(), "auxiliary": [opt.state_dict() for _, opt in self.auxiliary]}
 
     def load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+        self.optimizer.load_state_dict(state["main"])
+        if len(state["auxiliary"]) != len(self.auxiliary):
+            raise ValueError(f"the checkpoint holds {len(state['auxiliary'])} auxiliary optimizers, this run "
+                             f"has {len(self.auxiliary)}: resume with the algorithm the checkpoint was made with")
+        for (_, opt), saved in zip(self.auxiliary, state["auxiliary"], strict=True):
+            opt.load_state_dict(saved)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -135,6 +159,14 @@ class SingleProcess:
         pass
 
 
+def _clip(params: list[nn.Parameter], max_grad_norm: float) -> float:
+    """Clip gradients to ``max_grad_norm`` (when > 0); returns the norm before clipping (0 without grads)."""
+    if max_grad_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    grads = [p.grad.norm() for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+
+
 class DDP(SingleProcess):
     """torch DistributedDataParallel; gradients all-reduced in backward, skipped while accumulating."""
 
@@ -144,17 +176,26 @@ class DDP(SingleProcess):
         if not dist.is_initialized():
             dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30),
                                     device_id=device if device.type == "cuda" else None)
-        self.module: nn.parallel.DistributedDataParallel | None = None
+        self.modules: list[nn.parallel.DistributedDataParallel] = []
 
     def prepare(self, module, params, make_optimizer):
         self.params = list(params)
-        self.module = nn.parallel.DistributedDataParallel(
-            module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = make_optimizer(self.params)
-        return self.module
+        return self._wrap_auxiliary(module)
+
+    def _wrap_auxiliary(self, module: nn.Module) -> nn.Module:
+        wrapped = nn.parallel.DistributedDataParallel(
+            module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.modules.append(wrapped)
+        return wrapped
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if enabled else self.module.no_sync()
+        if enabled:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for module in self.modules:
+            stack.enter_context(module.no_sync())
+        return stack
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.world.world_size)]
