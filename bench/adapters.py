@@ -1,6 +1,9 @@
 """Overhead of the adapters over plain diffusers, per adapter, on tiny random models on the CPU.
 
-    .venv/bin/python bench/adapters.py [--names flux,sd15_inpaint] [--repeats 3] [--threads 2]
+    .venv/bin/python bench/adapters.py [--names flux,sd15_inpaint,flux+ip] [--repeats 3] [--threads 2]
+
+``flux+ip`` is FLUX with a trainable IP-Adapter (random weights, LoRA as well); the plain pipeline gets the
+same style embeddings (``ip_adapter_image_embeds``).
 
 Columns (best of ``--repeats`` interleaved runs each; ratio = ours / plain, lower is better):
   rollout   ``trainer.rollout.rollout`` (SDE or DDIM steps with log-probs, text encoding with an emptied
@@ -65,10 +68,15 @@ class Recorder(nn.Module):
         return self.net(*args, **kwargs)
 
 
-def bench_adapter(name: str, root: str, repeats: int) -> dict[str, float]:
+def bench_adapter(case: str, root: str, repeats: int) -> dict[str, float]:
+    name = case.removesuffix("+ip")
     overrides = {"resolution": RESOLUTION[name]} if name in RESOLUTION else {}
+    if case.endswith("+ip"):
+        overrides["ip_adapter"] = testing.tiny_ip_adapter(root)
     adapter = build_adapter(testing.tiny_config(name, root, dtype="float32", lora=LoraSettings(rank=8, alpha=8),
                                                 **overrides), "cpu")
+    if case.endswith("+ip"):
+        testing.randomize_ip_adapter(adapter)
     adapter.pipeline.set_progress_bar_config(disable=True)
     prompts = [p for p in ("a photo of a cat", "the digit five") for _ in range(BATCH // 2)]
     group_ids = torch.arange(BATCH) // 2
@@ -79,7 +87,7 @@ def bench_adapter(name: str, root: str, repeats: int) -> dict[str, float]:
     row = {}
 
     def ours_rollout():
-        adapter._prompt_cache.clear()
+        adapter.prompts.clear()
         return rollout(adapter, adapter.denoiser, prompts, group_ids, settings, torch.Generator().manual_seed(0), inputs)
 
     output_type = "latent" if adapter.vae is None else "pt"
@@ -149,7 +157,8 @@ def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--names", default=",".join(sorted(MODELS)), help="comma-separated adapter names")
+    parser.add_argument("--names", default=",".join(sorted(MODELS)),
+                        help="comma-separated adapter names, or flux+ip (FLUX with an IP-Adapter)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

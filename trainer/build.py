@@ -12,9 +12,11 @@ import yaml
 
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
+from trainer.checkpoint import Progress
 from trainer.config import Config, to_dict
 from trainer.data import build_task
 from trainer.distributed import detect_world, init_backend
+from trainer.export import export_denoiser
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
 from trainer.trainer import Trainer
@@ -34,7 +36,7 @@ def run(config: Config) -> dict[str, float]:
         torch.cuda.set_device(device)
     threads = config.train.num_threads or max(1, (os.cpu_count() or 1) // world.local_world_size)
     torch.set_num_threads(threads)
-    backend = init_backend(config.parallel.backend, config.parallel.dist_backend, device)
+    backend = init_backend(config.parallel, device, max_grad_norm=config.train.max_grad_norm)
     main = backend.world.rank == 0
 
     with contextlib.ExitStack() as stack:
@@ -77,11 +79,14 @@ def run(config: Config) -> dict[str, float]:
                 trainer.resume(checkpoint)
             elif main:
                 print(f"train.resume=auto: no complete checkpoint in {trainer.checkpoints.directory}; starting fresh")
+        if config.train.init_from and trainer.progress == Progress():
+            trainer.init_from(Path(config.train.init_from))
         if main:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
         metrics = trainer.fit()
+        final = backend.frozen_copy(adapter.denoiser)  # full weights on every rank, however sharded
         if main:
-            adapter.save_trainable(str(run_dir / "final"))
+            export_denoiser(final, run_dir / "final")
             print(f"done: {run_dir}", flush=True)
         backend.barrier()
         return metrics

@@ -1,26 +1,35 @@
-"""Atomic checkpoints and exact resume.
+"""Atomic checkpoints and exact resume, under every parallel backend.
 
 A checkpoint is one directory ``<run>/checkpoints/step-<warmup>-<epoch>``, written under a temporary name
-and renamed when complete, so a crash or ``kill -9`` never leaves a half-written checkpoint that looks
-whole. It holds the trainable weights (safetensors; LoRA in peft format), the optimizer state, named
-tensor states of the loop's other parts (the frozen reference when it is a copy, the EMA, an algorithm's
-own networks such as a critic) as ``<name>.safetensors``, the progress counters and the config.
+and renamed when complete (after every rank has written its part), so a crash or ``kill -9`` never leaves a
+half-written checkpoint that looks whole. It holds:
 
-No RNG state is stored because none is needed: every random stream of the loop (prompt choice, noise,
-SDE window, minibatch order) is drawn from a generator seeded by (seed, rank, phase, step), so a resumed
-run draws exactly the numbers the uninterrupted run would have.
+- ``trainable.safetensors``: the full trainable weights by parameter name (LoRA weights only, with LoRA),
+  gathered from every rank's shards under FSDP2 / ZeRO-3, so they do not depend on the backend or the world
+  size; ``python -m trainer.export`` turns them into a diffusers model;
+- the optimizer state: ``optimizer.pt`` (the full state, from rank 0), or one ``rank-<r>/optimizer.pt`` per
+  rank under DeepSpeed (its ZeRO partition; resume then needs the same world size);
+- named tensor states as ``<name>.safetensors`` (full tensors, e.g. a frozen reference copy) and per-rank
+  ones as ``rank-<r>/<name>.safetensors`` (per-shard state such as the EMA, an algorithm's networks);
+- ``rank-<r>/rng.pt``: every rank's global RNG states (torch, CUDA, numpy, python). The loop draws its own
+  streams from generators seeded per step, but dropout or library code may use the global ones;
+- the progress counters, the config and ``backend.json`` (which backend wrote it, on how many ranks).
+
+The run directory must be on a filesystem every rank sees (rank 0 renames what all ranks wrote).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -34,10 +43,11 @@ class Progress:
     warmup_steps_done: int = 0
     epochs_done: int = 0
     rl_started: bool = False
+    rl_steps: int = 0
 
 
 class Checkpoints:
-    """Saves to and finds checkpoints in ``directory``; only the main process writes."""
+    """Saves to and finds checkpoints in ``directory``; rank 0 writes the shared files, every rank its own."""
 
     def __init__(self, directory: Path, keep: int, is_main: bool):
         self.directory = directory
@@ -45,20 +55,35 @@ class Checkpoints:
         self.is_main = is_main
 
     def save(self, progress: Progress, adapter, backend, states: dict[str, dict[str, torch.Tensor]],
-             config: dict) -> Path | None:
-        """Write a complete checkpoint atomically (main process), then drop all but the newest ``keep``."""
+             config: dict, rank_states: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
+        """Write a complete checkpoint atomically, then drop all but the newest ``keep``. Every rank calls
+        it (gathering sharded weights is collective). ``states`` hold full tensors (rank 0's are written),
+        ``rank_states`` each rank's own; returns the directory on rank 0."""
         final = self.directory / f"step-{progress.warmup_steps_done:06d}-{progress.epochs_done:06d}"
-        optimizer_state = backend.optimizer_state()  # collective on sharded backends: every rank calls it
+        trainable = backend.trainable_state(adapter.denoiser)
+        optimizer_state = backend.optimizer_state()
         if self.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".incomplete-", dir=self.directory))
-            adapter.save_trainable(str(tmp / "trainable"))
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-            for name, tensors in states.items():
-                save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / f"{name}.safetensors")
+        tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=self.directory) if self.is_main
+                                     else None))
+        mine = tmp / _rank_dir(backend.world.rank)
+        mine.mkdir()
+        torch.save(_rng_state(), mine / "rng.pt")
+        if backend.sharded_optimizer_state:
+            torch.save(optimizer_state, mine / "optimizer.pt")
+        _save_states(rank_states or {}, mine)
+        _fsync_tree(mine)
+        if self.is_main:
+            save_file(trainable, tmp / "trainable.safetensors")
+            if not backend.sharded_optimizer_state:
+                torch.save(optimizer_state, tmp / "optimizer.pt")
+            _save_states(states, tmp)
+            (tmp / "backend.json").write_text(json.dumps(_backend_meta(backend)))
             (tmp / "progress.json").write_text(json.dumps(asdict(progress)))
             (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
             _fsync_tree(tmp)
+        backend.barrier()  # every rank's files are in ``tmp`` before it is renamed
+        if self.is_main:
             if final.exists():  # the same progress was saved before a resume: that copy is complete
                 shutil.rmtree(tmp)
             else:
@@ -75,11 +100,29 @@ class Checkpoints:
         return max(done, key=lambda p: tuple(int(x) for x in _NAME.match(p.name).groups()), default=None)
 
     def load(self, path: Path, adapter, backend) -> tuple[Progress, dict[str, dict[str, torch.Tensor]]]:
-        """Restore weights and optimizer from ``path``; returns the progress and the named states."""
-        adapter.load_trainable(str(path / "trainable"))
-        backend.load_optimizer_state(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+        """Restore weights, optimizer and this rank's RNG states from ``path`` (every rank calls it);
+        returns the progress and the named states (the shared ones and this rank's own)."""
+        saved = json.loads((path / "backend.json").read_text())
+        here = _backend_meta(backend)
+        if saved["optimizer"] != here["optimizer"] or (backend.sharded_optimizer_state
+                                                       and saved["world_size"] != here["world_size"]):
+            raise ValueError(f"{path} was written by {saved['backend']} on {saved['world_size']} ranks; its optimizer "
+                             f"state cannot be loaded by {here['backend']} on {here['world_size']} ranks: resume "
+                             "with the parallel.backend (and, for DeepSpeed, the number of ranks) it was written with")
+        load_weights(path, adapter.denoiser, backend)
+        mine = path / _rank_dir(backend.world.rank)
+        if backend.sharded_optimizer_state:
+            # Our own file; DeepSpeed's optimizer state holds Python objects (its loss scaler).
+            backend.load_optimizer_state(torch.load(mine / "optimizer.pt", map_location="cpu", weights_only=False))
+        else:
+            backend.load_optimizer_state(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
         progress = Progress(**json.loads((path / "progress.json").read_text()))
-        return progress, {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")}
+        states = {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")
+                  if f.name != "trainable.safetensors"}
+        states.update({f.name.removesuffix(".safetensors"): load_file(f) for f in mine.glob("*.safetensors")})
+        if (mine / "rng.pt").is_file():  # absent for ranks a run on fewer ranks did not have
+            _set_rng_state(torch.load(mine / "rng.pt", weights_only=True))
+        return progress, states
 
     def _prune(self) -> None:
         for stale in self.directory.glob(".incomplete-*"):
@@ -92,10 +135,44 @@ class Checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def is_copy(reference: torch.nn.Module, adapter) -> bool:
-    """True when the reference holds its own weights (a frozen copy), False when it wraps the policy."""
-    policy = {p.data_ptr() for p in adapter.denoiser.parameters()}
-    return not any(p.data_ptr() in policy for p in reference.parameters())
+def load_weights(path: Path, module: torch.nn.Module, backend) -> None:
+    """Load checkpoint ``path``'s trainable weights into ``module`` (every rank; each keeps its shard)."""
+    backend.load_trainable_state(module, load_file(path / "trainable.safetensors"))
+
+
+def _rank_dir(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _save_states(states: dict[str, dict[str, torch.Tensor]], directory: Path) -> None:
+    for name, tensors in states.items():
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, directory / f"{name}.safetensors")
+
+
+def _backend_meta(backend) -> dict:
+    name = type(backend).__name__
+    # Single-process and DDP optimizer states are the same torch state dict.
+    optimizer = "torch" if name in ("SingleProcess", "DDP") else name + str(getattr(backend, "stage", ""))
+    return {"backend": name, "optimizer": optimizer, "world_size": backend.world.world_size}
+
+
+def _rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                      "has_gauss": has_gauss, "gauss": gauss},
+            "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
 
 
 def _fsync_tree(root: Path) -> None:

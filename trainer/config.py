@@ -6,6 +6,7 @@ Every field says why it exists. Files and ``key=value`` overrides go through ``l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -43,13 +44,21 @@ class DataConfig:
     """Where prompts (for rollouts) and supervised examples (for warm-up) come from."""
 
     name: str = "digits"
-    """Registered task/dataset name (``trainer.data.DATASETS``): digits, prompt_file."""
+    """Registered task/dataset name (``trainer.data.DATASETS``): digits, prompt_file, inpaint_jsonl,
+    edit_jsonl, triplet_folder."""
     path: str = ""
-    """File for file-based tasks (prompt_file: .txt, one prompt per line, or GenEval-style .jsonl)."""
+    """File or folder of file-based tasks (prompt_file: .txt or GenEval-style .jsonl; inpaint_jsonl /
+    edit_jsonl: .jsonl rows; triplet_folder: the folder holding self_bench.txt)."""
     prompts_per_epoch: int = 10
     """Distinct prompts per RL epoch over all ranks; each is sampled ``algorithm.group_size`` times."""
     image_size: int = 16
-    """Side of supervised images, where the dataset resizes (digits: a multiple of 8)."""
+    """Side images are resized to (digits: a multiple of 8; image datasets: must equal model.resolution)."""
+    style_crop: float = 0.5
+    """Triplet folder: side fraction of the reference kept as the IP-Adapter style image (a centred crop,
+    resized to data.image_size)."""
+    image_inputs: list[str] = field(default_factory=list)
+    """Image inputs given to the model (image, mask, reference, style); empty: all the format provides.
+    Adapters reject inputs they do not use (e.g. text-to-image with an IP-Adapter takes only style)."""
 
 
 @dataclass
@@ -84,10 +93,24 @@ class RewardConfig:
 class ParallelConfig:
     """How training is distributed (torchrun sets the world; this picks the engine)."""
 
-    backend: Literal["auto", "single", "ddp"] = "auto"
-    """auto: DDP under torchrun with more than one process, else a single process."""
+    backend: Literal["auto", "single", "ddp", "fsdp2", "zero2", "zero3"] = "auto"
+    """auto: DDP under torchrun with more than one process, else a single process. ddp replicates the
+    model on every rank; fsdp2 (FSDP2) and zero3 (DeepSpeed) shard weights, gradients and optimizer state
+    (for models whose training state does not fit one device); zero2 shards gradients and optimizer state."""
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto picks nccl on CUDA, gloo on the CPU."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Mixed precision (fsdp2, zero2, zero3): the dtype forwards and backwards compute in, while the
+    optimizer keeps float32 master weights. DeepSpeed needs model.dtype to match."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Mixed precision (fsdp2, zero2, zero3): the dtype gradients are reduced in; float32 keeps the sum
+    exact at twice the traffic of bfloat16."""
+    cpu_offload: bool = False
+    """fsdp2: keep sharded parameters, gradients and optimizer state in CPU memory; zero2/zero3: the
+    optimizer state (and zero3 the parameters). Fits larger models at the cost of PCIe traffic."""
+    deepspeed_config: str = ""
+    """A DeepSpeed JSON config to use instead of deploy/deepspeed/zero{2,3}.json; its "auto" values are
+    filled from this config (clipping, dtypes, offload), explicit values are kept."""
 
 
 @dataclass
@@ -126,6 +149,13 @@ class TrainConfig:
     """auto: cuda:<local rank> when CUDA is available, else cpu."""
     num_threads: int = 0
     """torch CPU threads per process; 0 divides the machine's cores among local ranks."""
+    ema_decay: float = 0.0
+    """EMA of the trainable weights during RL (e.g. 0.9-0.999); 0 keeps no EMA."""
+    ema_every: int = 1
+    """Update the EMA every N RL optimizer steps."""
+    init_from: str = ""
+    """A checkpoint directory whose trainable weights the run starts from (its optimizer and progress are
+    not taken): e.g. RL with several algorithms from one warm-up run. Ignored when resuming."""
 
 
 @dataclass
@@ -142,6 +172,8 @@ class EvalConfig:
     """Seed of the evaluation noise: the same images before and after, so they are comparable."""
     every: int = 5
     """Evaluate every N RL epochs (0: only before and after)."""
+    use_ema: bool = True
+    """Evaluate with the EMA weights when ``train.ema_decay`` keeps an EMA."""
 
 
 @dataclass
@@ -180,23 +212,26 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """The default config, updated by a YAML file and then by ``section.key=value`` overrides."""
     raw: dict = to_dict(Config())
     if path:
-        _merge(raw, load_yaml(path))
+        _merge(raw, load_yaml(path), Config())
     for override in overrides:
         section, _, value = override.partition("=")
         if section.strip() in ("model.name", "algorithm.name"):
             # Another class: start from its defaults rather than the previous class's field values.
-            _merge(raw, {section.split(".")[0].strip(): {"name": value.strip()}})
+            _merge(raw, {section.split(".")[0].strip(): {"name": value.strip()}}, Config())
         apply_override(raw, override)
     return build(Config, raw, "")
 
 
-def _merge(base: dict, update: dict, prefix: str = "") -> None:
+def _merge(base: dict, update: dict, section: Any) -> None:
+    """Update ``base`` (the raw dict of dataclass ``section``) with ``update``: nested sections merge field by
+    field; any other value, dict-valued fields such as ``reward.weights`` included, replaces the old one."""
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
+        sub = getattr(section, key, None)
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and dataclasses.is_dataclass(sub):
             if key in ("model", "algorithm") and "name" in value and value["name"] != base[key].get("name"):
                 base[key] = dict(value)  # another class: its defaults, not the old one's fields
                 continue
-            _merge(base[key], value, f"{prefix}{key}.")
+            _merge(base[key], value, sub)
         else:
             base[key] = value
 

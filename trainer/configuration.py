@@ -101,6 +101,11 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{path}: expected a number, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -5,6 +5,7 @@ It holds a ModelAdapter, an Algorithm, a RewardClient and a ParallelBackend, and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -17,11 +18,12 @@ from tqdm.auto import tqdm
 
 from trainer.algorithms.base import Algorithm, LossContext, Rewards
 from trainer.algorithms.sft import SFT
-from trainer.checkpoint import Checkpoints, Progress, is_copy
+from trainer.checkpoint import Checkpoints, Progress, load_weights
 from trainer.config import Config, to_dict
 from trainer.data import Task
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend
+from trainer.ema import EMA
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.rollout import Rollout, SamplerSettings, rollout, window_mask
@@ -48,10 +50,14 @@ class Trainer:
             adapter.denoiser, adapter.trainable_parameters(),
             lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
                                              weight_decay=train.weight_decay),
+            shard_units=adapter.shard_units,
         )
         self.sampler = GroupSampler(len(task.prompts), config.data.prompts_per_epoch, algorithm.group_size,
-                                    backend.world.world_size, backend.world.rank, train.seed)
-        self.ctx = LossContext(adapter, self.policy, None)  # the reference is taken when RL starts
+                                    backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
+        self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
+        algorithm.setup(adapter, adapter.encode_prompts(task.prompts[:1], task.inputs([0])), backend)
+        self.ema = (EMA(backend.local_shards(adapter.trainable_parameters()), train.ema_decay, train.ema_every)
+                    if train.ema_decay > 0 else None)
         self.progress = Progress()
         self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", config.train.keep_checkpoints, self.is_main)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
@@ -83,17 +89,18 @@ class Trainer:
             # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
             self.backend.reset_optimizer()
             if self.algorithm.needs_reference:  # the policy as RL starts (LoRA: the base without adapter)
-                self.ctx.reference = self.adapter.reference()
+                self._new_reference()
+            if self.ema is not None:
+                self.ema.reset()
             progress.rl_started = True
         self.backend.set_lr(train.learning_rate)
         bar = tqdm(range(progress.epochs_done, train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
             metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
+            shown = [k for k in metrics if k.endswith("accuracy")] + [k for k in _SHOWN if k in metrics]
             line = (f"epoch {epoch + 1:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
-                    + "  ".join(f"{k} {metrics[k]:.3f}" for k in self._task_keys(metrics))
-                    + f"  kl {metrics.get('approx_kl', 0.0):.2e}  clip {metrics.get('clip_frac', 0.0):.3f}"
-                    + f"  img/s {metrics['images_per_s']:.1f}")
+                    + "  ".join(f"{k} {metrics[k]:.3g}" for k in shown) + f"  img/s {metrics['images_per_s']:.1f}")
             bar.write(line) if self._bars() else self._print(line)
             progress.epochs_done = epoch + 1
             every = self.config.eval.every
@@ -111,9 +118,15 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         states = {}
-        if self.ctx.reference is not None and is_copy(self.ctx.reference, self.adapter):
-            states["reference"] = self.ctx.reference.state_dict()
-        path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, to_dict(self.config))
+        if self.ctx.reference_owned:
+            states["reference"] = self.ctx.reference.state_dict()  # a plain full copy on every rank
+        # Per rank: the EMA and an algorithm's networks are kept over this rank's shards.
+        algorithm = self.algorithm.state()
+        rank_states = {"algorithm": dict(zip(algorithm, self.backend.local_shards(algorithm.values()), strict=True))}
+        if self.ema is not None:
+            rank_states["ema"] = self.ema.state()
+        path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, to_dict(self.config),
+                                     rank_states)
         if path is not None:
             self.logger.log(self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done})
 
@@ -121,12 +134,37 @@ class Trainer:
         """Continue from checkpoint ``path``: weights, optimizer, reference and progress."""
         self.progress, states = self.checkpoints.load(path, self.adapter, self.backend)
         if self.progress.rl_started and self.algorithm.needs_reference:
-            self.ctx.reference = self.adapter.reference()
-            if "reference" in states:
+            self._new_reference()
+            if "reference" in states:  # a copy with its own weights (full fine-tuning, or refreshed)
+                if not self.ctx.reference_owned:
+                    self.ctx.reference, self.ctx.reference_owned = self.backend.frozen_copy(self.policy), True
                 self.ctx.reference.load_state_dict(states["reference"])
+        self.algorithm.load_state(states.get("algorithm", {}))
+        if self.ema is not None:
+            if "ema" not in states:
+                raise ValueError(f"{path} holds no EMA weights but train.ema_decay > 0: resume with the EMA "
+                                 "settings the run started with")
+            self.ema.load_state(states["ema"])
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
                     f"RL epochs {self.progress.epochs_done})")
+
+    def _new_reference(self) -> None:
+        """The adapter's reference for the policy as it is now: a view of the policy's weights (LoRA
+        disabled) or a frozen copy, which the backend makes (it can gather sharded weights)."""
+        copies = []
+
+        def copy(net):
+            copies.append(net)
+            return self.backend.frozen_copy(net)
+
+        self.ctx.reference = self.adapter.reference(copy)
+        self.ctx.reference_owned = bool(copies)
+
+    def init_from(self, path: Path) -> None:
+        """Start from the trainable weights of checkpoint ``path`` (nothing else of it)."""
+        load_weights(path, self.adapter.denoiser, self.backend)
+        self._print(f"initialised the trainable weights from {path}")
 
     def warmup_step(self, step: int) -> dict[str, float]:
         g = self._generator(0, step)
@@ -137,6 +175,7 @@ class Trainer:
 
     def rl_epoch(self, epoch: int) -> dict[str, float]:
         g = self._generator(1, epoch)
+        self.algorithm.start_epoch(self.ctx, epoch)
         indices, group_ids = self.sampler.epoch(epoch)
         prompts = [self.task.prompts[i] for i in indices.tolist()]
 
@@ -157,7 +196,7 @@ class Trainer:
         batch = self.algorithm.make_batch(ro, rewards)
         stats: dict[str, list[float]] = defaultdict(list)
         for _ in range(self.algorithm.inner_epochs):
-            for k, v in self._update(self.algorithm, batch, g).items():
+            for k, v in self._update(self.algorithm, batch, g, self._after_rl_step).items():
                 stats[k].append(v)
         t2 = time.perf_counter()
 
@@ -195,7 +234,7 @@ class Trainer:
             part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, g,
                            self.task.inputs(indices[lo:hi].tolist()), stochastic)
             futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
-                                               [self.task.metadata(p) for p in prompts[lo:hi]]))
+                                               self.task.item_metadata(indices[lo:hi].tolist())))
             parts.append(part)
         t_sampled = time.perf_counter()
         results = [f.result() for f in futures]
@@ -203,8 +242,14 @@ class Trainer:
         merged = RewardResult.cat(results, self.rewards.weights, self.rewards.combine_mode)
         return Rollout.cat(parts), merged, t_wait
 
-    def _update(self, objective, batch, g: torch.Generator) -> dict[str, float]:
-        """Run the objective's optimizer steps over ``batch``; returns averaged loss statistics."""
+    def _after_rl_step(self) -> None:
+        self.progress.rl_steps += 1
+        if self.ema is not None:
+            self.ema.step(self.progress.rl_steps)
+
+    def _update(self, objective, batch, g: torch.Generator, after_step=None) -> dict[str, float]:
+        """Run the objective's optimizer steps over ``batch`` (calling ``after_step`` after each); returns
+        averaged loss statistics."""
         sums: dict[str, float] = defaultdict(float)
         count = 0
         for units in objective.plan(batch, g):
@@ -216,40 +261,60 @@ class Trainer:
                     sums[k] += float(v)
                 count += 1
             sums["grad_norm"] += self.backend.step(self.config.train.max_grad_norm) * len(units)
+            if after_step is not None:
+                after_step()
         return {k: v / max(count, 1) for k, v in sums.items()}
 
     @torch.no_grad()
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
-        """Deterministic samples of the evaluation prompts with fixed noise (rank 0; others wait)."""
+        """Deterministic samples of the evaluation prompts with fixed noise, with the EMA weights when
+        there is an EMA. Prompt i is sampled by rank i mod world size from noise seeded by (eval seed, i), so
+        the images do not depend on the world size; every rank runs the same number of forwards (sharded
+        backends need all ranks in each), rank 0 gathers the images, scores them and logs."""
+        ev = self.config.eval
+        prompts, world = self.task.eval_prompts, self.backend.world
+        settings = SamplerSettings(num_steps=ev.num_steps, guidance_scale=ev.guidance_scale, noise_level=0.0)
+        use_ema = self.ema is not None and ev.use_ema
+        was_training = self.adapter.denoiser.training
+        self.adapter.denoiser.eval()
+        images = []
+        with self.ema.swapped() if use_ema else contextlib.nullcontext():
+            for slot in range(-(-len(prompts) // world.world_size)):
+                i = slot * world.world_size + world.rank
+                real = i < len(prompts)  # ranks past the end sample the first prompt and drop it
+                k = i if real else 0
+                items = [self.task.eval_indices[k]] * ev.samples_per_prompt
+                ro = rollout(self.adapter, self.adapter.denoiser, [prompts[k]] * ev.samples_per_prompt,
+                             torch.arange(ev.samples_per_prompt), settings,
+                             torch.Generator().manual_seed(ev.seed * 1_000_003 + k), self.task.inputs(items))
+                images.append(ro.images)
+        self.adapter.denoiser.train(was_training)
+        # [slots * world, S, C, H, W]: rank-major, so prompt i sits at row (i mod world) * slots + i // world
+        gathered = self.backend.gather(torch.stack(images).contiguous())
         metrics: dict[str, float] = {}
         if self.is_main:
-            ev = self.config.eval
-            prompts = [p for p in self.task.eval_prompts for _ in range(ev.samples_per_prompt)]
-            settings = SamplerSettings(num_steps=ev.num_steps, guidance_scale=ev.guidance_scale, noise_level=0.0)
-            was_training = self.adapter.denoiser.training
-            self.adapter.denoiser.eval()
-            ro = rollout(self.adapter, self.adapter.denoiser, prompts, torch.arange(len(prompts)), settings,
-                         torch.Generator().manual_seed(ev.seed))
-            self.adapter.denoiser.train(was_training)
-            metrics = self.task.metrics(ro.images, prompts)
-            scored = self.rewards.score(to_uint8(ro.images), prompts, [self.task.metadata(p) for p in prompts])
+            slots = len(images)
+            order = [(i % world.world_size) * slots + i // world.world_size for i in range(len(prompts))]
+            ordered = gathered[order].flatten(0, 1)
+            repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
+            items = [i for i in self.task.eval_indices for _ in range(ev.samples_per_prompt)]
+            metrics = self.task.metrics(ordered, repeated)
+            scored = self.rewards.score(to_uint8(ordered), repeated, self.task.item_metadata(items))
             metrics["reward_mean"] = float(np.nanmean(scored.combined))
             self.logger.log(step, "eval", metrics)
-            if grid_name:
-                self.logger.image_grid(grid_name, ro.images, len(self.task.eval_prompts), step)
+            self.logger.image_grid(grid_name or f"samples_epoch{step:04d}", ordered, len(prompts), step)
         self.backend.barrier()
         return metrics
 
     @torch.no_grad()
     def weights_rank_spread(self) -> float:
         """Largest difference between ranks of a float64 checksum of the trainable weights (0 when every
-        rank holds the same weights, as data parallelism requires)."""
-        checksum = sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(self.adapter.trainable_parameters()))
+        rank holds the same weights, as data parallelism requires). Sharded backends compare the gathered
+        full weights."""
+        with self.backend.gathered(self.adapter.trainable_parameters()) as full:
+            checksum = sum(t.double().sum() * (i + 1) for i, t in enumerate(full))
         every = self.backend.gather(torch.as_tensor(checksum, dtype=torch.float64).reshape(1))
         return float(every.max() - every.min())
-
-    def _task_keys(self, metrics: dict[str, float]) -> list[str]:
-        return [k for k in metrics if k.endswith("accuracy")]
 
     def _bars(self) -> bool:
         return self.is_main and self.config.logging.progress
@@ -257,6 +322,10 @@ class Trainer:
     def _print(self, text: str) -> None:
         if self.is_main:
             print(text, flush=True)
+
+
+_SHOWN = ("approx_kl", "clip_frac", "value_loss", "dpo_margin", "sft_loss", "nft_loss")
+"""Algorithm statistics shown on the progress line when the algorithm reports them (all are logged)."""
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -12,26 +12,38 @@ Each adapter's model is built by ``trainer.models.testing`` (random weights, loc
 Image-conditioned pipelines sample the VAE posterior of their conditioning images where the adapters take
 its mean (deterministic conditioning); ``testing.run_pipeline`` replaces that draw by the mean, the only
 difference.
+
+The IP-Adapter configurations ``flux+ip`` and ``qwen_image+ip`` (``model.ip_adapter`` set and trainable,
+random weights loaded from a file, one style image per batch) run through the same suite; for them mode
+"full" is the IP-Adapter alone on a frozen base. Qwen-Image has no diffusers IP-Adapter, so (a) does not
+cover ``qwen_image+ip``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
 
 from trainer.algorithms.base import LossContext, Rewards
+from trainer.algorithms.dpo import DPO, DPOConfig
 from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.algorithms.sft import SFT, SFTBatch, SFTConfig
 from trainer.models import MODELS, build_adapter, testing
 from trainer.models.base import ImageInputs
 from trainer.models.common import LoraSettings
-from trainer.models.testing import TINY_NAMES, tiny_config
+from trainer.models.ip_adapter import IP_WEIGHTS
+from trainer.models.testing import TINY_NAMES, tiny_config, tiny_ip_adapter
 from trainer.rollout import SamplerSettings, rollout
 
 NAMES = sorted(MODELS)
+IP_CASES = {"flux+ip": "flux", "qwen_image+ip": "qwen_image"}
+"""IP-Adapter configurations: case -> adapter name."""
+CASES = NAMES + sorted(IP_CASES)
+PARITY_CASES = [c for c in CASES if c != "qwen_image+ip"]
 PROMPTS = ["a photo of a cat", "the digit five"]
 NUM_STEPS = 3
 PARITY_ATOL = 1e-5
@@ -49,8 +61,22 @@ def model_root(tmp_path_factory):
     return tmp_path_factory.mktemp("adapters")
 
 
-def make_adapter(name: str, root, **overrides):
-    adapter = build_adapter(tiny_config(name, root, **{"dtype": "float32", **overrides}), "cpu")
+def ip_weights(case: str, root) -> str:
+    """A file of random IP-Adapter weights for ``case``'s model, written once under ``root``."""
+    directory = root / f"{case}-weights"
+    if not (directory / IP_WEIGHTS).is_file():
+        adapter = build_adapter(tiny_config(IP_CASES[case], root, dtype="float32", ip_adapter=tiny_ip_adapter(root)),
+                                "cpu")
+        testing.randomize_ip_adapter(adapter, seed=7)
+        adapter.ip_adapter.save(str(directory))
+    return str(directory)
+
+
+def make_adapter(case: str, root, **overrides):
+    """The adapter of ``case`` (a registered name or an IP-Adapter case) on its tiny model, float32."""
+    if case in IP_CASES:
+        overrides = {"ip_adapter": tiny_ip_adapter(root, weights=ip_weights(case, root)), **overrides}
+    adapter = build_adapter(tiny_config(IP_CASES.get(case, case), root, **{"dtype": "float32", **overrides}), "cpu")
     adapter.pipeline.set_progress_bar_config(disable=True)
     return adapter
 
@@ -79,7 +105,7 @@ def settings(adapter, noise_level: float) -> SamplerSettings:
 
 
 # --- (a) parity with diffusers ------------------------------------------------------------------------
-@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+@pytest.mark.parametrize("adapter", PARITY_CASES, indirect=True)
 def test_rollout_at_noise_zero_equals_pipeline(adapter):
     inputs = image_inputs(adapter)
     ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
@@ -92,7 +118,7 @@ def test_rollout_at_noise_zero_equals_pipeline(adapter):
 
 
 # --- (b) on-policy ratio ------------------------------------------------------------------------------
-@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+@pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_on_policy_ratio_is_exactly_one(adapter):
     ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 1.0),
                  torch.Generator().manual_seed(1), image_inputs(adapter))
@@ -129,8 +155,8 @@ def _train_step(adapter, losses) -> None:
     optimizer.step()
 
 
-@pytest.mark.parametrize(("name", "mode"), list(itertools.product(NAMES, ("lora", "full"))))
-def test_grpo_and_sft_steps_change_only_trainable_parameters(name, mode, model_root):
+@pytest.mark.parametrize(("name", "mode"), list(itertools.product(CASES, ("lora", "full"))))
+def test_grpo_sft_and_dpo_steps_change_only_trainable_parameters(name, mode, model_root):
     lora = LoraSettings(rank=4, alpha=4) if mode == "lora" else None
     adapter = make_adapter(name, model_root, lora=lora)
     inputs = image_inputs(adapter)
@@ -159,9 +185,23 @@ def test_grpo_and_sft_steps_change_only_trainable_parameters(name, mode, model_r
     _train_step(adapter, [loss])
     _check_only_trainable_changed(adapter, before)
 
+    # online DPO on the rollout's pair (sample 1 preferred), against the policy before this step
+    before = _snapshot(adapter)
+    dpo = DPO(DPOConfig(group_size=2, noise_draws=1, sampler=settings(adapter, 1.0)))
+    dpo_ctx = LossContext(adapter, adapter.denoiser, None)
+    dpo.start_epoch(dpo_ctx, 0)  # the reference becomes a frozen snapshot of the current policy
+    dpo_batch = dpo.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
+    assert dpo_batch.pairs.tolist() == [[1, 0]]
+    (dpo_units,) = dpo.plan(dpo_batch, torch.Generator().manual_seed(5))
+    dpo_results = [dpo.loss(dpo_ctx, unit) for unit in dpo_units]
+    for loss, _ in dpo_results:  # policy == reference: -log sigmoid(0)
+        torch.testing.assert_close(loss, torch.tensor(math.log(2.0)), rtol=0, atol=1e-6)
+    _train_step(adapter, [loss for loss, _ in dpo_results])
+    _check_only_trainable_changed(adapter, before)
+
 
 # --- (d) save / load round trip -----------------------------------------------------------------------
-@pytest.mark.parametrize(("name", "mode"), list(itertools.product(NAMES, ("lora", "full"))))
+@pytest.mark.parametrize(("name", "mode"), list(itertools.product(CASES, ("lora", "full"))))
 def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path):
     lora = LoraSettings(rank=4, alpha=4) if mode == "lora" else None
     trained = make_adapter(name, model_root, lora=lora)
@@ -175,18 +215,27 @@ def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path):
     cond = trained.encode_prompts(PROMPTS, image_inputs(trained))
     x = trained.prepare_latents(len(PROMPTS), torch.Generator().manual_seed(6))
     sigma = trained.sigmas(NUM_STEPS)[1].expand(len(PROMPTS))
+    guidance = GUIDANCE[trained.config.name]
     with torch.no_grad():
-        expected = trained.predict(trained.denoiser, x, sigma, cond, GUIDANCE[name])
-        assert not torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, GUIDANCE[name]), expected)
+        expected = trained.predict(trained.denoiser, x, sigma, cond, guidance)
+        assert not torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, guidance), expected)
         fresh.load_trainable(str(tmp_path / "ckpt"))
-        assert torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, GUIDANCE[name]), expected)
+        assert torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, guidance), expected)
 
 
 # --- (e) conditioning validation ----------------------------------------------------------------------
-@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+@pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_image_inputs_are_validated(adapter):
     side = getattr(adapter, "resolution", 16)
     good = image_inputs(adapter)
+    if getattr(adapter, "ip_adapter", None) is not None:
+        with pytest.raises(ValueError, match=r"ImageInputs\.style .*model\.ip_adapter"):
+            adapter.encode_prompts(PROMPTS, dataclasses.replace(good, style=None))
+        with pytest.raises(ValueError, match=r"ImageInputs\.style"):
+            adapter.encode_prompts(PROMPTS, dataclasses.replace(good, style=good.style[:1]))
+        with pytest.raises(ValueError, match=r"ImageInputs\.reference"):
+            adapter.encode_prompts(PROMPTS, dataclasses.replace(good, reference=good.style))
+        return
     if good is None:
         with pytest.raises(ValueError, match="image"):
             adapter.encode_prompts(PROMPTS, ImageInputs(image=torch.rand(2, 3, side, side)))
@@ -209,19 +258,20 @@ def test_image_inputs_are_validated(adapter):
         adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image, mask=good.mask[:1]))
 
 
-@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+@pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_step_kind_is_checked(adapter):
     other = "sde" if adapter.sampler_kind == "ddim" else "ddim"
     with pytest.raises(ValueError, match="sampler.kind"):
         adapter.step_function(other, adapter.sigmas(NUM_STEPS))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CASES)
 def test_bfloat16_weights_give_float32_predictions(name, model_root):
     adapter = make_adapter(name, model_root, dtype="bfloat16")
     assert adapter.denoiser.dtype == torch.bfloat16
     cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
     x = adapter.prepare_latents(len(PROMPTS), torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = adapter.predict(adapter.denoiser, x, adapter.sigmas(NUM_STEPS)[:1].expand(2), cond, GUIDANCE[name])
+        out = adapter.predict(adapter.denoiser, x, adapter.sigmas(NUM_STEPS)[:1].expand(2), cond,
+                              GUIDANCE[adapter.config.name])
     assert out.dtype == torch.float32 and out.shape == x.shape and torch.isfinite(out).all()

@@ -33,3 +33,22 @@ def test_small_pool_cycles_and_world_size_must_divide():
     assert len(idx) == 14 and set(idx.tolist()) == {0, 1, 2}
     with pytest.raises(ValueError, match="do not divide over 4 ranks"):
         GroupSampler(10, 3, 3, 4, 0, seed=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_local_groups_keep_every_group_on_one_rank(world):
+    parts = [GroupSampler(10, 4, 6, world, rank, seed=1, local_groups=True).epoch(2) for rank in range(world)]
+    owners = {}
+    for rank, (_, groups) in enumerate(parts):
+        for g in groups.tolist():
+            owners.setdefault(g, set()).add(rank)
+    assert sorted(owners) == [0, 1, 2, 3] and all(len(r) == 1 for r in owners.values())
+    assert Counter(torch.cat([p[1] for p in parts]).tolist()) == {g: 6 for g in range(4)}
+    # within a rank the order is still shuffled (not sorted by group)
+    single = GroupSampler(10, 4, 6, 1, 0, seed=1, local_groups=True).epoch(2)[1]
+    assert not torch.equal(single, torch.sort(single).values)
+
+
+def test_local_groups_need_prompts_divisible_by_ranks():
+    with pytest.raises(ValueError, match="prompts_per_epoch=3 must be a multiple of the 2 ranks"):
+        GroupSampler(10, 3, 4, 2, 0, seed=0, local_groups=True)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.algorithms.dpo import DPO, DPOConfig
 from trainer.algorithms.grpo import GRPO, GRPOConfig
+from trainer.algorithms.nft import NFT, NFTConfig
+from trainer.algorithms.ppo import PPO, PPOConfig
+from trainer.algorithms.ppo_critic import PPOCritic, PPOCriticConfig
+from trainer.algorithms.sft_best import BestOfGroupConfig, BestOfGroupSFT
 
 
 @dataclass(frozen=True)
@@ -15,6 +20,11 @@ class AlgorithmSpec:
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "grpo": AlgorithmSpec(GRPO, GRPOConfig),
+    "ppo": AlgorithmSpec(PPO, PPOConfig),
+    "ppo_critic": AlgorithmSpec(PPOCritic, PPOCriticConfig),
+    "dpo": AlgorithmSpec(DPO, DPOConfig),
+    "sft_best": AlgorithmSpec(BestOfGroupSFT, BestOfGroupConfig),
+    "nft": AlgorithmSpec(NFT, NFTConfig),
 }
 
 

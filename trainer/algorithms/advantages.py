@@ -76,3 +76,83 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torc
     """
     sq = ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim)))
     return sq / (2 * std_dev_t.reshape(-1) ** 2)
+
+
+def gae(final_rewards: torch.Tensor, values: torch.Tensor, lam: float, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the T denoising steps of each sample.
+
+    The reward arrives only after the last step, so with V_t = V(x_t) [B, T] and r [B]:
+        delta_t = gamma V_{t+1} - V_t  (t < T-1),   delta_{T-1} = r - V_{T-1}
+        A_t = delta_t + gamma lam A_{t+1},           return_t = A_t + V_t
+    With gamma = lam = 1, A_t = r - V_t. Returns (advantages [B, T], returns [B, T]).
+    """
+    b, t = values.shape
+    adv = torch.zeros_like(values)
+    running = torch.zeros(b, dtype=values.dtype, device=values.device)
+    for i in reversed(range(t)):
+        next_value = final_rewards.to(values.dtype) if i == t - 1 else gamma * values[:, i + 1]
+        running = next_value - values[:, i] + gamma * lam * running
+        adv[:, i] = running
+    return adv, adv + values
+
+
+def diffusion_dpo_loss(
+    loss_win: torch.Tensor, loss_lose: torch.Tensor, ref_win: torch.Tensor, ref_lose: torch.Tensor, beta: float,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Diffusion-DPO on per-pair denoising losses l (each [P], at a shared noise level and noise):
+        L = mean(-log sigmoid(-beta/2 [(l_theta(w) - l_ref(w)) - (l_theta(l) - l_ref(l))]))
+    averaged with ``weights`` when given (0 = padding pair). Diagnostics: ``dpo_ranking_acc`` = share of pairs
+    where the policy improved more on the winner than on the loser (the implicit reward ranks them right),
+    ``dpo_margin`` = mean of the bracket.
+    """
+    margin = (loss_win - ref_win) - (loss_lose - ref_lose)
+    per_pair = -torch.nn.functional.logsigmoid(-0.5 * beta * margin)
+    w = torch.ones_like(per_pair) if weights is None else weights.to(per_pair)
+    loss = (per_pair * w).sum() / w.sum().clamp_min(1.0)
+    with torch.no_grad():
+        real = w > 0
+        stats = {"dpo_ranking_acc": (margin[real] < 0).float().mean() if real.any() else margin.new_tensor(0.0),
+                 "dpo_margin": margin[real].mean() if real.any() else margin.new_tensor(0.0)}
+    return loss, stats
+
+
+def best_and_worst(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group: index of the highest and of the lowest reward (first on ties; NaN rewards never chosen).
+
+    Returns (groups [G'], best [G'], worst [G']) for the G' groups with at least two valid samples whose
+    rewards differ: a group without spread gives no preference.
+    """
+    groups, best, worst = [], [], []
+    for g in torch.unique(group_ids).tolist():
+        members = torch.nonzero((group_ids == g) & ~torch.isnan(rewards), as_tuple=False).flatten()
+        if len(members) < 2:
+            continue
+        values = rewards[members]
+        if float(values.max() - values.min()) == 0.0:
+            continue
+        groups.append(g)
+        best.append(int(members[torch.argmax(values)]))
+        worst.append(int(members[torch.argmin(values)]))
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return as_long(groups), as_long(best), as_long(worst)
+
+
+def nft_loss(
+    v_theta: torch.Tensor, v_old: torch.Tensor, v_target: torch.Tensor, optimality: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """DiffusionNFT's forward-process objective, per sample [B]:
+        v+ = (1 - beta) v_old + beta v_theta        (implicit positive policy)
+        v- = (1 + beta) v_old - beta v_theta        (implicit negative policy)
+        L  = r~ ||v+ - v||^2 + (1 - r~) ||v- - v||^2      (means over elements)
+    with v the flow-matching target (eps - x0) and r~ in [0, 1] the optimality probability of the sample.
+    """
+    dims = tuple(range(1, v_theta.ndim))
+    positive = ((1 - beta) * v_old + beta * v_theta - v_target).pow(2).mean(dim=dims)
+    negative = ((1 + beta) * v_old - beta * v_theta - v_target).pow(2).mean(dim=dims)
+    return optimality * positive + (1 - optimality) * negative
+
+
+def optimality_probability(advantages: torch.Tensor, scale: float) -> torch.Tensor:
+    """r~ = 0.5 + 0.5 clip(A / scale, -1, 1): advantages mapped to [0, 1] (0.5 = no preference)."""
+    return 0.5 + 0.5 * (advantages / scale).clamp(-1.0, 1.0)

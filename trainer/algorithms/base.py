@@ -7,13 +7,15 @@ The trainer only runs backward and steps; it never asks which algorithm it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from trainer.models.base import ModelAdapter
+from trainer.models import common as models_common
+from trainer.models.base import Conditioning, ModelAdapter
 from trainer.rollout import Rollout, SamplerSettings
 
 
@@ -35,6 +37,15 @@ class LossContext:
     adapter: ModelAdapter
     policy: nn.Module
     reference: nn.Module | None
+    reference_owned: bool = False
+    """Whether the reference holds its own weights (a copy, stored in checkpoints) rather than viewing
+    the policy's (the LoRA-disabled base)."""
+    snapshot: Callable[[nn.Module], nn.Module] = field(default=None)
+    """Frozen full copy of a (possibly wrapped or sharded) network: the backend's ``frozen_copy``."""
+
+    def __post_init__(self):
+        if self.snapshot is None:
+            self.snapshot = frozen_copy
 
 
 class Algorithm(Protocol):
@@ -48,6 +59,18 @@ class Algorithm(Protocol):
     """Passes over one rollout batch."""
     needs_reference: bool
     """Whether ``LossContext.reference`` must be provided."""
+    local_groups: bool
+    """Whether each prompt group must be sampled whole on one rank (pairs and best-of-group pick among
+    a group's own latents); otherwise groups may span ranks and only rewards are gathered."""
+
+    def setup(self, adapter: ModelAdapter, example: Conditioning, backend: Any) -> None:
+        """Build the algorithm's own networks (e.g. a critic) once the policy is prepared; ``example`` is
+        one item's conditioning (its shapes), ``backend`` offers ``prepare_auxiliary``."""
+        ...
+
+    def start_epoch(self, ctx: LossContext, epoch: int) -> None:
+        """Called before each RL epoch's rollout (e.g. to refresh a reference from the policy)."""
+        ...
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> Any: ...
 
@@ -61,6 +84,59 @@ class Algorithm(Protocol):
         """Per-epoch statistics of the batch (advantages, zero-std share, ...)."""
         ...
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Tensors of the algorithm's own networks for a checkpoint (empty when it has none)."""
+        ...
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class NoExtras:
+    """The hooks of an algorithm without networks of its own or per-epoch work; an algorithm that needs
+    them defines its own."""
+
+    local_groups = False
+
+    def setup(self, adapter: ModelAdapter, example: Conditioning, backend: Any) -> None:
+        pass
+
+    def start_epoch(self, ctx: LossContext, epoch: int) -> None:
+        pass
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"the checkpoint holds algorithm state ({', '.join(sorted(state))}) this algorithm "
+                             "does not have: resume with the algorithm the checkpoint was made with")
+
+
+def frozen_copy(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` (unwrapped from DDP) with its own weights, frozen and in eval mode (one process;
+    the trainer passes its backend's ``frozen_copy`` instead)."""
+    return models_common.frozen_copy(getattr(net, "module", net))
+
+
+@torch.no_grad()
+def refresh_reference(ctx: LossContext, decay: float = 0.0) -> None:
+    """Move the reference towards the policy: ref <- decay ref + (1 - decay) policy (decay 0 copies).
+
+    A reference that views the policy's weights (the LoRA-disabled base) is replaced by a snapshot of the
+    policy first: from then on it holds its own weights, and checkpoints store them."""
+    current = ctx.snapshot(ctx.policy)
+    if not ctx.reference_owned or decay == 0.0:
+        ctx.reference, ctx.reference_owned = current, True
+        return
+    for ref, new in zip(ctx.reference.parameters(), current.parameters(), strict=True):
+        ref.lerp_(new, 1.0 - decay)
+
+
+def shares_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Whether any parameter of ``a`` is stored in the same memory as one of ``b`` (a wrapper, not a copy)."""
+    ptrs = {p.data_ptr() for p in b.parameters()}
+    return any(p.data_ptr() in ptrs for p in a.parameters())
+
 
 def split_steps(num_samples: int, num_steps: int, micro_batch_size: int,
                 generator: torch.Generator) -> list[list[torch.Tensor]]:
@@ -71,3 +147,22 @@ def split_steps(num_samples: int, num_steps: int, micro_batch_size: int,
     perm = torch.randperm(num_samples, generator=generator)
     per_step = num_samples // num_steps
     return [list(chunk.split(micro_batch_size)) for chunk in perm.split(per_step)]
+
+
+def balanced_local(selected: torch.Tensor, rewards: Rewards) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of ``selected`` (rows of gathered-batch indices, [S, k]), as local indices, padded
+    to the largest share of any rank so that every rank runs the same number of forwards and backwards
+    (data parallelism requires it). Returns (local rows [M, k], weights [M]: 1 real, 0 padding).
+
+    Every rank computes the same selection from the gathered rewards, so no collective is needed.
+    """
+    per_rank = len(rewards.local)
+    owner = selected[:, 0] // per_rank
+    ranks = len(rewards.all) // per_rank
+    counts = torch.bincount(owner, minlength=ranks)
+    mine = selected[owner == rewards.offset // per_rank] - rewards.offset
+    assert bool((mine >= 0).all()) and bool((mine < per_rank).all()), "a selected row spans ranks"
+    pad = int(counts.max()) - len(mine)
+    rows = torch.cat([mine, torch.zeros(pad, selected.shape[1], dtype=torch.long)])
+    weights = torch.cat([torch.ones(len(mine)), torch.zeros(pad)])
+    return rows, weights

@@ -45,12 +45,32 @@ def logit_normal_sigmas(n: int, mean: float, std: float, generator: torch.Genera
     return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
 
 
+@dataclass
+class NoiseDraws:
+    """Noise levels and noises for denoising losses on given clean latents: [D, N] sigmas and
+    [D, N, *latent_shape] noises for D draws of N samples (drawn in ``plan`` so a resumed run repeats them)."""
+
+    sigma: torch.Tensor
+    noise: torch.Tensor
+
+    @staticmethod
+    def draw(draws: int, x0: torch.Tensor, mean: float, std: float, generator: torch.Generator) -> NoiseDraws:
+        sigma = logit_normal_sigmas(draws * len(x0), mean, std, generator).reshape(draws, len(x0))
+        noise = torch.randn((draws, *x0.shape), generator=generator)
+        return NoiseDraws(sigma.to(x0.device), noise.to(x0.device))
+
+
+def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[B]: mean over every non-batch element of (prediction - target)^2, in float32."""
+    return ((prediction.float() - target.float()) ** 2).mean(dim=tuple(range(1, prediction.ndim)))
+
+
 def denoising_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """mean over samples (optionally weighted) of the per-sample mean squared error."""
-    per_sample = ((prediction.float() - target.float()) ** 2).mean(dim=tuple(range(1, prediction.ndim)))
+    per_sample = per_sample_mse(prediction, target)
     if weights is None:
         return per_sample.mean()
-    return (per_sample * weights).sum() / weights.sum()
+    return (per_sample * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
 class SFT:

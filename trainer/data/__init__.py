@@ -1,50 +1,22 @@
-"""Tasks and datasets, registered by name: where prompts, supervised examples and task metrics come from."""
+"""Tasks and datasets, registered by name: where prompts, supervised examples and task metrics come from.
+
+Formats (``data.name``): ``digits`` (the embedded task), ``prompt_file`` (.txt prompts or GenEval-style
+.jsonl), ``inpaint_jsonl`` (image, mask, prompt rows), ``edit_jsonl`` (image to edit, instruction rows),
+``triplet_folder`` (IP-Adapter source / mask / reference triplets). A bad row fails when the task is built,
+before training, naming its file and line.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
+from trainer.data.edit_jsonl import read_edit_jsonl
+from trainer.data.inpaint_jsonl import read_inpaint_jsonl
 from trainer.data.prompt_file import PromptFileTask
+from trainer.data.task import SupervisedBatch, Task
+from trainer.data.triplet_folder import read_triplet_folder
 from trainer.models.base import ImageInputs
-
-
-@dataclass
-class SupervisedBatch:
-    """Supervised examples: target images in [0, 1] [B, C, H, W], their prompts, and the image inputs the
-    model is conditioned on (inpainting: the masked source and mask; editing: the reference), if any."""
-
-    images: torch.Tensor
-    prompts: list[str]
-    inputs: ImageInputs | None = None
-
-
-class Task(Protocol):
-    """What the trainer needs from a dataset."""
-
-    prompts: list[str]
-    """The pool RL epochs draw prompts from."""
-    eval_prompts: list[str]
-    """Evaluation prompts; sample grids show one row per prompt."""
-
-    def metadata(self, prompt: str) -> dict:
-        """Per-item metadata sent with the prompt to the reward servers."""
-        ...
-
-    def inputs(self, indices: list[int]) -> ImageInputs | None:
-        """Image inputs (inpainting image and mask, edit reference, style) of pool items ``indices``."""
-        ...
-
-    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:
-        """Target images, prompts and image inputs for supervised training (warm-up, SFT)."""
-        ...
-
-    def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-        """Task metrics of generated images (e.g. accuracy by an independent classifier)."""
-        ...
 
 
 class DigitsTask:
@@ -52,12 +24,16 @@ class DigitsTask:
 
     def __init__(self, image_size: int):
         self.prompts = [digit_prompt(d) for d in range(10)]
+        self.eval_indices = list(range(10))
         self.eval_prompts = list(self.prompts)
         self._images = DigitImages(image_size)
         self._accuracy: DigitAccuracy | None = None
 
     def metadata(self, prompt: str) -> dict:
         return {"digit": int(prompt.strip()[-1])}
+
+    def item_metadata(self, indices: list[int]) -> list[dict]:
+        return [self.metadata(self.prompts[i]) for i in indices]
 
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None
@@ -75,6 +51,11 @@ class DigitsTask:
 DATASETS = {
     "digits": lambda config: DigitsTask(config.image_size),
     "prompt_file": lambda config: PromptFileTask(config.path),
+    "inpaint_jsonl": lambda config: read_inpaint_jsonl(config.path, config.image_size, list(config.image_inputs)),
+    "edit_jsonl": lambda config: read_edit_jsonl(config.path, config.image_size, list(config.image_inputs)),
+    "triplet_folder": lambda config: read_triplet_folder(config.path, config.image_size,
+                                                         config.style_crop,
+                                                         list(config.image_inputs)),
 }
 
 
@@ -83,3 +64,6 @@ def build_task(config) -> Task:
     if config.name not in DATASETS:
         raise ValueError(f"data.name={config.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}")
     return DATASETS[config.name](config)
+
+
+__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "build_task"]

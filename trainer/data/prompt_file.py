@@ -1,11 +1,15 @@
 """Prompt files in the formats users already have: one prompt per line (.txt), or GenEval-style
 metadata (.jsonl with a ``prompt`` key and any other fields). RL-only: no supervised images, and the task
-metric is left to the reward servers."""
+metric is left to the reward servers.
+
+The jsonl record reader and the quoted-span rule live here and are shared by the image datasets, whose
+rows are such records with image paths added."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -14,12 +18,36 @@ from trainer.models.base import ImageInputs
 
 _QUOTED = re.compile(r'"([^"]+)"')
 
+EVAL_COUNT = 8
+"""Items evaluated before and after training: the first ones of the file."""
+
+
+def quoted_text(prompt: str) -> str | None:
+    """The first double-quoted span of ``prompt`` (the text a text-rendering prompt asks for), or None."""
+    match = _QUOTED.search(prompt)
+    return match.group(1) if match else None
+
+
+def read_jsonl(file: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of every non-blank line; a record must be a JSON object with a non-empty
+    ``prompt``, else a ValueError names the file and line."""
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+            raise ValueError(f"{file}:{number}: a record needs a non-empty \"prompt\"")
+        yield number, record
+
 
 class PromptFileTask:
-    """Prompts from ``path``; metadata carries the record's fields and, for text-rendering prompts, the
-    quoted span as ``text`` (the OCR target)."""
+    """Prompts from ``path``; metadata carries the record's fields (GenEval: ``tag``, ``include``,
+    ``exclude``, ...) and, for text-rendering prompts, the quoted span as ``text`` (the OCR target)."""
 
-    def __init__(self, path: str, eval_count: int = 8):
+    def __init__(self, path: str, eval_count: int = EVAL_COUNT):
         file = Path(path)
         if not file.is_file():
             raise ValueError(f"data.path={path!r}: no such file (a .txt with one prompt per line or a .jsonl)")
@@ -27,32 +55,28 @@ class PromptFileTask:
         if not self.records:
             raise ValueError(f"data.path={path!r} holds no prompts")
         self.prompts = [r["prompt"] for r in self.records]
-        self.eval_prompts = self.prompts[:eval_count]
+        self.eval_indices = list(range(min(eval_count, len(self.prompts))))
+        self.eval_prompts = [self.prompts[i] for i in self.eval_indices]
         self._meta = {r["prompt"]: r for r in self.records}
 
     @staticmethod
     def _read(file: Path) -> list[dict]:
-        records = []
-        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            if file.suffix == ".jsonl":
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{file}:{number}: not valid JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or not str(record.get("prompt", "")).strip():
-                    raise ValueError(f"{file}:{number}: a record needs a non-empty \"prompt\"")
-            else:
-                record = {"prompt": line.strip()}
-            quoted = _QUOTED.search(record["prompt"])
-            if quoted and "text" not in record:
-                record["text"] = quoted.group(1)
-            records.append(record)
+        if file.suffix == ".jsonl":
+            records = [record for _, record in read_jsonl(file)]
+        else:
+            lines = file.read_text(encoding="utf-8").splitlines()
+            records = [{"prompt": line.strip()} for line in lines if line.strip()]
+        for record in records:
+            text = quoted_text(record["prompt"])
+            if text and "text" not in record:
+                record["text"] = text
         return records
 
     def metadata(self, prompt: str) -> dict:
         return {k: v for k, v in self._meta[prompt].items() if k != "prompt"}
+
+    def item_metadata(self, indices: list[int]) -> list[dict]:
+        return [self.metadata(self.prompts[i]) for i in indices]
 
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None

@@ -14,8 +14,12 @@ class GroupSampler:
     """
 
     def __init__(self, pool_size: int, prompts_per_epoch: int, group_size: int, world_size: int, rank: int,
-                 seed: int):
+                 seed: int, local_groups: bool = False):
         total = prompts_per_epoch * group_size
+        if local_groups and prompts_per_epoch % world_size:
+            raise ValueError(
+                f"this algorithm keeps each prompt group on one rank, so data.prompts_per_epoch="
+                f"{prompts_per_epoch} must be a multiple of the {world_size} ranks")
         if total % world_size:
             raise ValueError(
                 f"data.prompts_per_epoch x algorithm.group_size = {prompts_per_epoch} x {group_size} = {total} "
@@ -26,6 +30,7 @@ class GroupSampler:
         self.pool_size, self.prompts_per_epoch, self.group_size = pool_size, prompts_per_epoch, group_size
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.per_rank = total // world_size
+        self.local_groups = local_groups
 
     def epoch(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pool indices [per_rank], group ids [per_rank]) of this rank for ``epoch``."""
@@ -34,6 +39,9 @@ class GroupSampler:
         chosen = torch.cat([torch.randperm(self.pool_size, generator=g) for _ in range(reps)])[: self.prompts_per_epoch]
         groups = torch.arange(self.prompts_per_epoch).repeat_interleave(self.group_size)
         order = torch.randperm(len(groups), generator=g)
+        if self.local_groups:  # a stable sort by owning rank keeps the shuffle inside each rank's slice
+            owner = groups[order] // (self.prompts_per_epoch // self.world_size)
+            order = order[torch.sort(owner, stable=True).indices]
         groups = groups[order]
         mine = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
         return chosen[groups[mine]], groups[mine]

@@ -1,11 +1,62 @@
-"""Parallel backends: the only package that imports ``torch.distributed``.
+"""Parallel backends: the only package that imports ``torch.distributed`` (and DeepSpeed).
 
-A ParallelBackend owns process-group setup, module wrapping, gradient synchronisation, the optimizer step
-and collectives. The trainer calls it the same way in one CPU process or under torchrun on many nodes.
+A ParallelBackend owns process-group setup, module wrapping or sharding, gradient synchronisation, the
+optimizer step and collectives. The trainer calls it the same way in one CPU process or under torchrun on
+many nodes; ``parallel.backend`` picks the engine by name from ``BACKENDS``.
 """
 
 from __future__ import annotations
 
-from trainer.distributed.backend import ParallelBackend, SingleProcess, detect_world, init_backend
+import os
+from typing import Any
 
-__all__ = ["ParallelBackend", "SingleProcess", "detect_world", "init_backend"]
+import torch
+
+from trainer.distributed.backend import DDP, ParallelBackend, SingleProcess, World, detect_world
+
+BACKENDS = ("single", "ddp", "fsdp2", "zero2", "zero3")
+"""Registered backend names; ``auto`` is ddp under torchrun with more than one process, else single."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> ParallelBackend:
+    """The backend ``parallel.backend`` names, set up from the ``parallel`` config section (a
+    ``ParallelConfig``); ``max_grad_norm`` is handed to engines that clip themselves (DeepSpeed)."""
+    world = detect_world()
+    kind = parallel.backend
+    if kind == "auto":
+        kind = "ddp" if world.world_size > 1 else "single"
+    if kind not in BACKENDS:
+        raise ValueError(f"parallel.backend={kind!r} is not one of auto, {', '.join(BACKENDS)}")
+    param_dtype, reduce_dtype = _DTYPES[parallel.param_dtype], _DTYPES[parallel.reduce_dtype]
+    if kind in ("single", "ddp") and (param_dtype != torch.float32 or reduce_dtype != torch.float32
+                                      or parallel.cpu_offload):
+        raise ValueError(f"parallel.backend={kind} trains the model in model.dtype without offloading; "
+                         "parallel.param_dtype / reduce_dtype / cpu_offload need fsdp2, zero2 or zero3")
+    if kind == "single":
+        if world.world_size > 1:
+            raise ValueError("parallel.backend=single under torchrun with several processes; use ddp or auto")
+        return SingleProcess(device)
+    if world.world_size == 1 and "RANK" not in os.environ:
+        raise ValueError(f"parallel.backend={kind} needs the torch.distributed environment; start the job with "
+                         f"torchrun (e.g. `torchrun --nproc_per_node=2 trainer/main.py parallel.backend={kind} ...`),"
+                         " or use parallel.backend=single for one process")
+    dist_backend = parallel.dist_backend
+    if dist_backend == "auto":
+        dist_backend = "nccl" if device.type == "cuda" else "gloo"
+    if kind == "ddp":
+        return DDP(device, world, dist_backend)
+    if kind == "fsdp2":
+        from trainer.distributed.fsdp import FSDP2
+
+        return FSDP2(device, world, dist_backend, param_dtype, reduce_dtype, parallel.cpu_offload)
+    from trainer.distributed.zero import DeepSpeedZeRO, deepspeed_config
+
+    stage = int(kind[-1])
+    config = deepspeed_config(stage, parallel.deepspeed_config, max_grad_norm=max_grad_norm,
+                              param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=parallel.cpu_offload)
+    return DeepSpeedZeRO(device, world, dist_backend, stage, config)
+
+
+__all__ = ["BACKENDS", "ParallelBackend", "SingleProcess", "World", "detect_world", "init_backend"]

@@ -1,11 +1,13 @@
-"""Single-process and DDP backends (FSDP2 and DeepSpeed plug in here with the same contract)."""
+"""The ParallelBackend contract, and its single-process and DDP implementations (FSDP2 in ``fsdp.py``,
+DeepSpeed ZeRO in ``zero.py``)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,10 +34,15 @@ def detect_world() -> World:
 class ParallelBackend(Protocol):
     world: World
     device: torch.device
+    sharded_optimizer_state: bool
+    """True when ``optimizer_state()`` holds only this rank's partition: checkpoints then keep one optimizer
+    file per rank and resume needs the same world size. False: rank 0's state is the whole state."""
 
     def prepare(self, module: nn.Module, params: Iterable[nn.Parameter],
-                make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> nn.Module:
-        """Wrap ``module`` for training and build the optimizer over ``params``; returns the module to call."""
+                make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                shard_units: tuple[type[nn.Module], ...] = ()) -> nn.Module:
+        """Wrap ``module`` for training and build the optimizer over ``params``; returns the module to call.
+        ``shard_units`` are the block classes a sharding backend shards one by one (the adapter's)."""
         ...
 
     def prepare_auxiliary(self, module: nn.Module,
@@ -61,10 +68,40 @@ class ParallelBackend(Protocol):
         ...
 
     def optimizer_state(self) -> dict:
-        """The optimizer's full state for a checkpoint (called on every rank)."""
+        """The optimizer state for a checkpoint, {"main": ..., "auxiliary": [...]} (collective: every rank
+        calls it). See ``sharded_optimizer_state`` for whose part it holds."""
         ...
 
-    def load_optimizer_state(self, state: dict) -> None: ...
+    def load_optimizer_state(self, state: dict) -> None:
+        """Restore what ``optimizer_state`` returned (rank 0's, or this rank's when sharded); call it after
+        the weights are loaded (DeepSpeed re-derives its master weights)."""
+        ...
+
+    def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        """The tensors holding this rank's part of each parameter (the whole parameter when unsharded),
+        detached and writable in place: what EMA and other per-element state is kept over."""
+        ...
+
+    def gathered(self, params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Context (collective) giving the full value of each parameter on every rank, in order. Read-only:
+        write through ``local_shards`` or ``load_trainable_state``."""
+        ...
+
+    def trainable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full values of ``module``'s trainable parameters by name, on the CPU, for a checkpoint
+        (collective; rank 0 gets them, other ranks an empty dict)."""
+        ...
+
+    def load_trainable_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load full values (every rank passes the same ``state``) into ``module``'s trainable parameters,
+        each rank keeping its own part; a missing or unexpected name raises a ValueError."""
+        ...
+
+    def frozen_copy(self, module: nn.Module) -> nn.Module:
+        """A plain (unwrapped, unsharded) copy of prepared ``module`` with its current full weights on every
+        rank, frozen and in eval mode: a reference network (collective). A sharded network cannot be
+        deep-copied, so this is how a full-fine-tuning reference is made under every backend."""
+        ...
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on each) along dim 0, rank-major."""
@@ -86,14 +123,18 @@ class ParallelBackend(Protocol):
 class SingleProcess:
     """One process, no collectives."""
 
+    sharded_optimizer_state = False
+
     def __init__(self, device: torch.device):
         self.world = World(0, 1, 0, 1)
         self.device = device
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[nn.Parameter] = []
         self.auxiliary: list[tuple[list[nn.Parameter], torch.optim.Optimizer]] = []
+        self.skeletons: dict[int, nn.Module] = {}
 
-    def prepare(self, module, params, make_optimizer):
+    def prepare(self, module, params, make_optimizer, shard_units=()):
+        self.skeletons[id(module)] = skeleton(module)
         self.params = list(params)
         self.optimizer = make_optimizer(self.params)
         return module
@@ -137,11 +178,32 @@ class SingleProcess:
 
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["main"])
-        if len(state["auxiliary"]) != len(self.auxiliary):
-            raise ValueError(f"the checkpoint holds {len(state['auxiliary'])} auxiliary optimizers, this run "
-                             f"has {len(self.auxiliary)}: resume with the algorithm the checkpoint was made with")
+        check_auxiliary_count(state, len(self.auxiliary))
         for (_, opt), saved in zip(self.auxiliary, state["auxiliary"], strict=True):
             opt.load_state_dict(saved)
+
+    def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        return [p.detach() for p in params]
+
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+        yield [p.detach() for p in params]
+
+    def trainable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        if self.world.rank != 0:
+            return {}
+        return {name: p.detach().cpu().clone() for name, p in trainable(module)}
+
+    @torch.no_grad()
+    def load_trainable_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        for name, p in checked_trainable(module, state):
+            p.copy_(state[name])
+
+    @torch.no_grad()
+    def frozen_copy(self, module: nn.Module) -> nn.Module:
+        module = getattr(module, "module", module)  # DDP's wrapper
+        return materialize(self.skeletons[id(module)], {n: p.detach().clone() for n, p in module.named_parameters()},
+                           dict(module.named_buffers()))
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -167,18 +229,56 @@ def _clip(params: list[nn.Parameter], max_grad_norm: float) -> float:
     return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
 
 
+def check_auxiliary_count(state: dict, expected: int) -> None:
+    if len(state["auxiliary"]) != expected:
+        raise ValueError(f"the checkpoint holds {len(state['auxiliary'])} auxiliary optimizers, this run "
+                         f"has {expected}: resume with the algorithm the checkpoint was made with")
+
+
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s parameters that train, by name."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def checked_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
+    """``trainable(module)``, after checking that ``state`` holds exactly those names (ValueError if not)."""
+    named = trainable(module)
+    names = {name for name, _ in named}
+    if names != set(state):
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+        raise ValueError(f"the saved trainable weights do not match this model (missing: {missing[:5]}, "
+                         f"unexpected: {unexpected[:5]}); resume with the model and LoRA settings they were "
+                         "saved with")
+    return named
+
+
+def skeleton(module: nn.Module) -> nn.Module:
+    """A structural copy of ``module`` whose parameters live on the meta device (no memory), taken before
+    a backend shards or wraps it: ``materialize`` later fills it with full weights."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
+def materialize(template: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> nn.Module:
+    """A frozen eval-mode copy of ``template`` holding ``params`` (full values, by name) and ``buffers``."""
+    memo: dict[int, object] = {id(p): nn.Parameter(params[name], requires_grad=False)
+                               for name, p in template.named_parameters()}
+    memo.update({id(b): buffers[name].detach().clone() for name, b in template.named_buffers()})
+    return copy.deepcopy(template, memo).requires_grad_(False).eval()
+
+
 class DDP(SingleProcess):
     """torch DistributedDataParallel; gradients all-reduced in backward, skipped while accumulating."""
 
     def __init__(self, device: torch.device, world: World, dist_backend: str):
         super().__init__(device)
         self.world = world
-        if not dist.is_initialized():
-            dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30),
-                                    device_id=device if device.type == "cuda" else None)
-        self.modules: list[nn.parallel.DistributedDataParallel] = []
+        init_process_group(device, dist_backend)
+        self.modules: list[nn.Module] = []
 
-    def prepare(self, module, params, make_optimizer):
+    def prepare(self, module, params, make_optimizer, shard_units=()):
+        self.skeletons[id(module)] = skeleton(module)
         self.params = list(params)
         self.optimizer = make_optimizer(self.params)
         return self._wrap_auxiliary(module)
@@ -221,16 +321,8 @@ class DDP(SingleProcess):
             dist.destroy_process_group()
 
 
-def init_backend(kind: str, dist_backend: str, device: torch.device) -> ParallelBackend:
-    """The backend ``kind`` names ("auto": DDP when torchrun started more than one process)."""
-    world = detect_world()
-    if kind == "auto":
-        kind = "ddp" if world.world_size > 1 else "single"
-    if kind == "single":
-        if world.world_size > 1:
-            raise ValueError("parallel.backend=single under torchrun with several processes; use ddp or auto")
-        return SingleProcess(device)
-    if dist_backend == "auto":
-        dist_backend = "nccl" if device.type == "cuda" else "gloo"
-    return DDP(device, world, dist_backend)
-
+def init_process_group(device: torch.device, dist_backend: str) -> None:
+    """Join torchrun's process group (once per process)."""
+    if not dist.is_initialized():
+        dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)

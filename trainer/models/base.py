@@ -8,7 +8,7 @@ the (possibly wrapped) network to call in ``predict``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, runtime_checkable
 
@@ -83,7 +83,13 @@ class StepFunction(Protocol):
 
 @runtime_checkable
 class ModelAdapter(Protocol):
-    """What the trainer needs from a model family. One implementation per file in ``trainer/models``."""
+    """What the trainer needs from a model family. One implementation per file in ``trainer/models``.
+
+    The text path is data on the class, shared by ``encode_prompts`` and ``trainer.precompute``:
+    ``text_components`` (subfolder -> class), ``optional_text``, ``text_settings`` (config fields that change
+    embeddings), ``encode_text(pipeline, config, device, prompt)`` -> the tensors cached per prompt, and
+    ``prompt_encoder(config, device)``, that path alone without denoiser or VAE (``common.prompt_encoder``).
+    """
 
     sampler_kind: str
     """Which step math this model's rollouts use: "flow" (velocity prediction) or "ddim" (epsilon)."""
@@ -138,8 +144,10 @@ class ModelAdapter(Protocol):
         """Parameters the optimizer updates (LoRA weights only when LoRA is on)."""
         ...
 
-    def reference(self) -> nn.Module:
-        """A frozen network that computes the reference policy: the LoRA-disabled base, or a copy."""
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = ...) -> nn.Module:
+        """A frozen network that computes the reference policy as the policy is at the first call: a view of
+        the policy's weights (LoRA disabled, IP-Adapter weights swapped), or ``copy(denoiser)`` for full
+        fine-tuning (the trainer passes the backend's ``frozen_copy``)."""
         ...
 
     def save_trainable(self, directory: str) -> None:

@@ -1,5 +1,6 @@
-"""Functions every adapter shares: dtypes, LoRA / full fine-tuning set-up, the reference network, saving and
-loading trainable weights, CFG arithmetic and the validation of per-item image inputs.
+"""Functions every adapter shares: dtypes, LoRA / full / IP-Adapter fine-tuning set-up, the reference
+network, saving and loading trainable weights, the text path (per-prompt embeddings, computed or read from a
+precomputed store), CFG arithmetic and the validation of per-item image inputs.
 
 Adapters compose these functions instead of inheriting from a base class, so each adapter file still reads
 top to bottom as one model family's story.
@@ -8,16 +9,23 @@ top to bottom as one model family's story.
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
+import inspect
 import json
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
-from typing import Literal
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from trainer.models.base import ImageInputs
+
+if TYPE_CHECKING:
+    from trainer.models.ip_adapter import IPAdapter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,9 +59,16 @@ class DiffusersModelConfig:
     resolution: int = 0
     """Image side in pixels; 0 takes the model's default (its sample size times the VAE factor)."""
     lora: LoraSettings | None = None
-    """LoRA settings; None trains the full denoiser (and a frozen copy serves as reference)."""
+    """LoRA settings; None trains the full denoiser (and a frozen copy serves as reference), or nothing of it
+    when a trainable IP-Adapter (``ip_adapter.trainable``) is the policy."""
     gradient_checkpointing: bool = False
     """Recompute block activations in backward: less memory, about 30% more compute."""
+    negative_prompt: str = ""
+    """The prompt of CFG's unconditional branch (the pipelines' default: the empty prompt)."""
+    text_embeddings: str = ""
+    """Directory written by ``python -m trainer.precompute``: prompt embeddings are read from it and the text
+    encoders and tokenizers are not loaded at all (FLUX's T5 and Qwen-Image's Qwen2.5-VL take 9-16 GB).
+    "" encodes prompts with the model's own text encoders."""
 
 
 def freeze(*modules: nn.Module | None) -> None:
@@ -63,48 +78,77 @@ def freeze(*modules: nn.Module | None) -> None:
             module.requires_grad_(False).eval()
 
 
-def prepare_denoiser(denoiser: nn.Module, lora: LoraSettings | None, gradient_checkpointing: bool) -> None:
-    """Make ``denoiser`` trainable as configured: LoRA adapters on a frozen base, or every weight."""
+def _trains_ip(ip_adapter: IPAdapter | None) -> bool:
+    return ip_adapter is not None and ip_adapter.settings.trainable
+
+
+def prepare_denoiser(denoiser: nn.Module, lora: LoraSettings | None, gradient_checkpointing: bool,
+                     ip_adapter: IPAdapter | None = None) -> None:
+    """Make ``denoiser`` trainable as configured: LoRA adapters on a frozen base, or every weight (full
+    fine-tuning), or no base weight when a trainable IP-Adapter is the policy. The IP-Adapter's own weights
+    train exactly when its settings say so."""
+    denoiser.requires_grad_(lora is None and not _trains_ip(ip_adapter))
     if lora is not None:
         from peft import LoraConfig
 
-        denoiser.requires_grad_(False)
         denoiser.add_adapter(LoraConfig(
             r=lora.rank, lora_alpha=lora.alpha, init_lora_weights="gaussian", target_modules=lora.target_modules,
         ))
+    if ip_adapter is not None:
+        for p in ip_adapter.parameters():
+            p.requires_grad_(ip_adapter.settings.trainable)
     if gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
 
 
-def reference_network(denoiser: nn.Module, lora: LoraSettings | None) -> nn.Module:
-    """LoRA: the same network with its adapter disabled (no extra memory). Full fine-tuning: a frozen copy
-    of the weights as they are now (costs one more denoiser)."""
-    if lora is not None:
-        return AdapterDisabled(denoiser)
+def frozen_copy(denoiser: nn.Module) -> nn.Module:
+    """A frozen, eval-mode deep copy (one process; a parallel backend passes its own ``frozen_copy``, which
+    can gather sharded weights)."""
     return copy.deepcopy(denoiser).requires_grad_(False).eval()
 
 
-class AdapterDisabled(nn.Module):
-    """Calls a peft-adapted diffusers model with its adapters switched off."""
+def reference_network(denoiser: nn.Module, lora: LoraSettings | None, ip_adapter: IPAdapter | None = None,
+                      copy_fn: Callable[[nn.Module], nn.Module] = frozen_copy) -> nn.Module:
+    """The policy as it is now, frozen. LoRA: the same network with its adapter disabled (no extra memory).
+    A trainable IP-Adapter: its weights copied now and swapped in at every call (costs only their memory).
+    Full fine-tuning: ``copy_fn(denoiser)``, a frozen copy of the weights (costs one more denoiser)."""
+    if lora is None and not _trains_ip(ip_adapter):
+        return copy_fn(denoiser)
+    names = set(ip_adapter.parameter_names) if _trains_ip(ip_adapter) else set()
+    frozen = {name: p.detach().clone() for name, p in denoiser.named_parameters() if name in names}
+    return FrozenView(denoiser, lora is not None, frozen)
 
-    def __init__(self, net: nn.Module):
+
+class FrozenView(nn.Module):
+    """Calls ``net`` with its LoRA adapters switched off (``lora``) and the parameters named in ``frozen``
+    replaced by those tensors (``torch.func.functional_call``)."""
+
+    def __init__(self, net: nn.Module, lora: bool, frozen: dict[str, torch.Tensor]):
         super().__init__()
-        self.net = net
+        self.net, self.lora, self.frozen = net, lora, frozen
 
     def forward(self, *args, **kwargs):
-        self.net.disable_adapters()
+        if self.lora:
+            self.net.disable_adapters()
         try:
+            if self.frozen:
+                return torch.func.functional_call(self.net, self.frozen, args, kwargs, strict=False)
             return self.net(*args, **kwargs)
         finally:
-            self.net.enable_adapters()
+            if self.lora:
+                self.net.enable_adapters()
 
 
-def save_trainable(denoiser: nn.Module, lora: bool, directory: str) -> None:
-    """LoRA: ``adapter_model.safetensors`` + ``adapter_config.json`` (peft format); otherwise the whole
-    denoiser with ``save_pretrained``."""
+def save_trainable(denoiser: nn.Module, lora: bool, directory: str, ip_adapter: IPAdapter | None = None) -> None:
+    """LoRA: ``adapter_model.safetensors`` + ``adapter_config.json`` (peft format); a trainable IP-Adapter:
+    ``ip_adapter.safetensors`` (see ``trainer.models.ip_adapter``); otherwise the whole denoiser with
+    ``save_pretrained``."""
     os.makedirs(directory, exist_ok=True)
+    if _trains_ip(ip_adapter):
+        ip_adapter.save(directory)
     if not lora:
-        denoiser.save_pretrained(directory)
+        if not _trains_ip(ip_adapter):
+            denoiser.save_pretrained(directory)
         return
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -117,11 +161,13 @@ def save_trainable(denoiser: nn.Module, lora: bool, directory: str) -> None:
         json.dump(peft_config, f, indent=2, default=str)
 
 
-def load_trainable(denoiser: nn.Module, lora: bool, directory: str) -> None:
+def load_trainable(denoiser: nn.Module, lora: bool, directory: str, ip_adapter: IPAdapter | None = None) -> None:
     """Load what ``save_trainable`` wrote into ``denoiser`` in place; a mismatch raises a ValueError."""
+    if _trains_ip(ip_adapter):
+        ip_adapter.load(directory)
     if not lora:
-        loaded = type(denoiser).from_pretrained(directory, torch_dtype=denoiser.dtype)
-        denoiser.load_state_dict(loaded.state_dict())
+        if not _trains_ip(ip_adapter):
+            _load_full(denoiser, directory, ip_adapter)
         return
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -135,6 +181,170 @@ def load_trainable(denoiser: nn.Module, lora: bool, directory: str) -> None:
         raise ValueError(f"LoRA weights in {directory!r} do not match this model's adapter (different "
                          "target_modules or rank than model.lora)")
     set_peft_model_state_dict(denoiser, state)
+
+
+def _load_full(denoiser: nn.Module, directory: str, ip_adapter: IPAdapter | None) -> None:
+    """The whole denoiser from ``save_pretrained`` output; a frozen IP-Adapter keeps its loaded weights."""
+    loaded = type(denoiser).from_pretrained(directory, torch_dtype=denoiser.dtype)
+    missing, unexpected = denoiser.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or set(missing) != set(ip_adapter.parameter_names if ip_adapter else ()):
+        raise ValueError(f"the denoiser saved in {directory!r} is another architecture than model.path's")
+
+
+# --- the text path ---------------------------------------------------------------------------------------
+TEXT_INDEX = "index.json"
+PRECOMPUTE = "python -m trainer.precompute --config CONFIG.yaml --out DIR"
+
+
+def load_text_components(adapter_class: type, config: DiffusersModelConfig, device: torch.device) -> dict[str, Any]:
+    """The adapter's text encoders and tokenizers (``adapter_class.text_components``: subfolder -> class)
+    from ``config.path``, encoders frozen on ``device``; all None when ``config.text_embeddings`` is set.
+    Subfolders in ``adapter_class.optional_text`` may be absent (None)."""
+    if config.text_embeddings:
+        return dict.fromkeys(adapter_class.text_components)
+    path = Path(config.path)
+    components: dict[str, Any] = {}
+    for sub, cls in adapter_class.text_components.items():
+        if not (path / sub).is_dir():
+            if sub in adapter_class.optional_text:
+                components[sub] = None
+                continue
+            raise ValueError(f"model.path={config.path!r} has no {sub}/ (a diffusers directory of this model)")
+        if issubclass(cls, nn.Module):
+            components[sub] = cls.from_pretrained(path, subfolder=sub, torch_dtype=DTYPES[config.dtype]).to(device)
+            freeze(components[sub])
+        else:
+            components[sub] = cls.from_pretrained(path, subfolder=sub)
+    return components
+
+
+def text_pipeline(adapter_class: type, config: DiffusersModelConfig, device: torch.device, **extra: Any):
+    """``adapter_class.pipeline_class`` holding only the text encoders, tokenizers and ``extra``; every other
+    component None (``encode_prompt`` needs no more). What ``trainer.precompute`` encodes with."""
+    params = inspect.signature(adapter_class.pipeline_class.__init__).parameters
+    required = [n for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty]
+    text = load_text_components(adapter_class, config, device)
+    return adapter_class.pipeline_class(**{**dict.fromkeys(required), **text, **extra})
+
+
+def prompt_encoder(adapter_class: type, config: DiffusersModelConfig, device: torch.device | str,
+                   **extra: Any) -> Callable[[str], dict[str, torch.Tensor]]:
+    """The adapter's text path alone (text encoders and tokenizers; no denoiser or VAE is loaded) as a
+    function: prompt -> the tensors its ``encode_prompts`` caches for that prompt. Adapters expose it as the
+    classmethod ``prompt_encoder(config, device)``; ``trainer.precompute`` runs it."""
+    device = torch.device(device)
+    pipeline = text_pipeline(adapter_class, replace(config, text_embeddings=""), device, **extra)
+    return functools.partial(adapter_class.encode_text, pipeline, config, device)
+
+
+def text_fingerprint(adapter_class: type, config: DiffusersModelConfig) -> str:
+    """sha256 over what decides the text embeddings without loading a text encoder: the text component
+    classes, the config fields ``adapter_class.text_settings`` (dtype, max_sequence_length), and per file of
+    the text subfolders its name, size and the sha256 of its last MiB (whole configs and tokenizers; weight
+    files by a tail of their tensor data, cheap for a 9 GB T5)."""
+    digest = hashlib.sha256(json.dumps({
+        "components": {sub: cls.__name__ for sub, cls in adapter_class.text_components.items()},
+        "settings": {name: getattr(config, name) for name in adapter_class.text_settings},
+    }, sort_keys=True).encode())
+    root = Path(config.path)
+    for sub in sorted(adapter_class.text_components):
+        for file in sorted(p for p in (root / sub).rglob("*") if p.is_file()):
+            size = file.stat().st_size
+            with open(file, "rb") as f:
+                f.seek(max(0, size - 2**20))
+                tail = hashlib.sha256(f.read()).hexdigest()
+            digest.update(f"{file.relative_to(root)}:{size}:{tail}".encode())
+    return digest.hexdigest()
+
+
+class TextEmbeddingStore:
+    """Precomputed text embeddings (``python -m trainer.precompute``) in one directory: ``index.json``
+    = {"fingerprint": ``text_fingerprint`` of the model, "prompts": {prompt: file}}, and per prompt a
+    safetensors file named by the sha256 of the prompt, holding the tensors the adapter caches for it by name."""
+
+    def __init__(self, directory: str, fingerprint: str):
+        index_file = Path(directory) / TEXT_INDEX
+        if not index_file.is_file():
+            raise ValueError(f"model.text_embeddings={directory!r} holds no {TEXT_INDEX}; write it with {PRECOMPUTE}")
+        index = json.loads(index_file.read_text())
+        if index["fingerprint"] != fingerprint:
+            raise ValueError(
+                f"model.text_embeddings={directory!r} was computed for other text encoders or settings (its "
+                f"fingerprint {index['fingerprint'][:12]}, this model's {fingerprint[:12]}: text encoder files, "
+                f"dtype, max_sequence_length); recompute it for this model.path with {PRECOMPUTE}")
+        self.directory = Path(directory)
+        self.files: dict[str, str] = index["prompts"]
+
+    def load(self, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        if prompt not in self.files:
+            raise ValueError(f"prompt {prompt!r} is not in model.text_embeddings={str(self.directory)!r} "
+                             f"({len(self.files)} prompts); add it to the dataset and rerun {PRECOMPUTE}")
+        return load_file(self.directory / self.files[prompt], device=str(device))
+
+    @staticmethod
+    def write(directory: str, fingerprint: str, embeddings: Iterable[tuple[str, dict[str, torch.Tensor]]]) -> int:
+        """Write (prompt, tensors) pairs as they come, then the index (atomically); prompts already in a store
+        of the same fingerprint are kept. Returns the number of prompts written."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        files: dict[str, str] = {}
+        if (out / TEXT_INDEX).is_file():
+            index = json.loads((out / TEXT_INDEX).read_text())
+            if index["fingerprint"] != fingerprint:
+                raise ValueError(f"--out {directory!r} holds embeddings of other text encoders or settings; "
+                                 "choose another directory")
+            files = index["prompts"]
+        count = 0
+        for prompt, tensors in embeddings:
+            name = hashlib.sha256(prompt.encode()).hexdigest() + ".safetensors"
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, out / name)
+            files[prompt] = name
+            count += 1
+        tmp = out / f".{TEXT_INDEX}.tmp"
+        tmp.write_text(json.dumps({"fingerprint": fingerprint, "prompts": files}, indent=1, ensure_ascii=False))
+        os.replace(tmp, out / TEXT_INDEX)
+        return count
+
+
+class PromptEmbeddings:
+    """Text embeddings per prompt (tensor name -> tensor), cached by prompt text: computed by ``encode`` one
+    prompt per forward (an embedding must not depend on which prompts it was batched with: the rounding of
+    batched matmuls does, and a resumed run would drift from the uninterrupted one), or read from a
+    ``TextEmbeddingStore`` when the adapter runs without text encoders."""
+
+    def __init__(self, encode: Callable[[str], dict[str, torch.Tensor]] | None, store: TextEmbeddingStore | None,
+                 device: torch.device):
+        assert (encode is None) != (store is None)
+        self.encode, self.store, self.device = encode, store, device
+        self.cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, adapter, config: DiffusersModelConfig) -> PromptEmbeddings:
+        """From ``config.text_embeddings`` when set (checked against the model's fingerprint), else encoded with
+        ``type(adapter).encode_text`` on the adapter's pipeline."""
+        if config.text_embeddings:
+            store = TextEmbeddingStore(config.text_embeddings, text_fingerprint(type(adapter), config))
+            return cls(None, store, adapter.device)
+        return cls(lambda p: type(adapter).encode_text(adapter.pipeline, config, adapter.device, p), None,
+                   adapter.device)
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+        for p in sorted({p for p in prompts if p not in self.cache}):
+            self.cache[p] = self.store.load(p, self.device) if self.store is not None else self.encode(p)
+        return [self.cache[p] for p in prompts]
+
+    def cat(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Every tensor of ``prompts`` concatenated along the batch dimension."""
+        embeds = self(prompts)
+        return {name: torch.cat([e[name] for e in embeds]) for name in embeds[0]}
+
+    def clear(self) -> None:
+        self.cache.clear()
 
 
 def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -155,14 +365,15 @@ def reject_image_inputs(model: str, inputs: ImageInputs | None, allowed: Sequenc
 
 def require_image_input(
     model: str, inputs: ImageInputs | None, name: str, batch_size: int, channels: int,
-    size: tuple[int, int] | None = None, multiple_of: int = 1,
+    size: tuple[int, int] | None = None, multiple_of: int = 1, because: str = "",
 ) -> torch.Tensor:
     """``inputs.<name>`` checked to be [batch_size, channels, H, W] (H, W = ``size`` if given, else
-    multiples of ``multiple_of``), or a ValueError that names the input and what was expected."""
+    multiples of ``multiple_of``), or a ValueError that names the input, what was expected and ``because``."""
     value = None if inputs is None else getattr(inputs, name)
     what = f"ImageInputs.{name}"
     if value is None:
-        raise ValueError(f"the {model} adapter needs {what} ([B, {channels}, H, W] in [0, 1]); none was given")
+        raise ValueError(f"the {model} adapter needs {what} ([B, {channels}, H, W] in [0, 1])"
+                         f"{' because ' + because if because else ''}; none was given")
     if value.ndim != 4 or value.shape[0] != batch_size or value.shape[1] != channels:
         raise ValueError(f"{what} has shape {tuple(value.shape)}; the {model} adapter expects "
                          f"[{batch_size}, {channels}, H, W] (one per prompt)")

@@ -9,13 +9,15 @@ is one forward per step (no CFG). A checkpoint without guidance embedding (schne
 the empty negative prompt instead, batched as one forward.
 
 The FLUX.1 Fill and Kontext adapters are this class with two hooks replaced: ``_image_conditioning``
-(what ImageInputs become) and ``_model_input`` (how they join the packed latents).
+(what ImageInputs become) and ``_model_input`` (how they join the packed latents). All of them take an
+optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``) conditioned on
+``ImageInputs.style`` through diffusers' own FLUX IP-Adapter classes.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,16 +32,21 @@ from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
+    PromptEmbeddings,
     cfg_combine,
     freeze,
+    frozen_copy,
+    load_text_components,
     load_trainable,
     prepare_denoiser,
+    prompt_encoder,
     rectified_flow_target,
     reference_network,
     reject_image_inputs,
     save_trainable,
     shifted_flow_sigmas,
 )
+from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
 from trainer.samplers import flow_step
 
 
@@ -53,6 +60,8 @@ class FluxConfig(DiffusersModelConfig):
     resolution: int = 1024
     max_sequence_length: int = 512
     """T5 tokens per prompt (the pipeline's default)."""
+    ip_adapter: IPAdapterSettings | None = None
+    """An IP-Adapter conditioned on ``ImageInputs.style``; None: the model takes no style image."""
 
 
 class FluxAdapter:
@@ -63,6 +72,11 @@ class FluxAdapter:
     config_class = FluxConfig
     pipeline_class = FluxPipeline
     model_name = "flux"
+    text_components = {"text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer, "text_encoder_2": T5EncoderModel,
+                       "tokenizer_2": T5TokenizerFast}
+    optional_text: tuple[str, ...] = ()
+    text_settings = ("dtype", "max_sequence_length")
+    prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: FluxConfig, device: torch.device | str = "cpu"):
         path = Path(config.path)
@@ -75,15 +89,10 @@ class FluxAdapter:
         self.denoiser = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = self.pipeline_class(
-            scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-            text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **load),
-            tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            text_encoder_2=T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", **load),
-            tokenizer_2=T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
-        )
+        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                            **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
-        freeze(self.pipeline.text_encoder, self.pipeline.text_encoder_2, self.vae)
+        freeze(self.vae)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -96,24 +105,26 @@ class FluxAdapter:
         self.img_ids = self.pipeline._prepare_latent_image_ids(1, tokens_side, tokens_side, self.device, self.dtype)
         self.guidance_embeds = bool(self.denoiser.config.guidance_embeds)
 
-        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
-        self._prompt_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ip_adapter = IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
+        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
+        self.prompts = PromptEmbeddings.of(self, config)
         self._reference: nn.Module | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
+    @staticmethod
+    def encode_text(pipeline: FluxPipeline, config: FluxConfig, device: torch.device, prompt: str) -> dict[str, torch.Tensor]:
+        """T5 sequence + CLIP pooled embeddings of one prompt via the pipeline's encode_prompt."""
+        embeds, pooled, _ = pipeline.encode_prompt(prompt=[prompt], prompt_2=None, device=device,
+                                                   max_sequence_length=config.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """T5 sequence + CLIP pooled embeddings via the pipeline's encode_prompt (cached per prompt), and
-        the image conditioning this variant takes."""
+        """Text embeddings (cached per prompt), the style image's embeddings when there is an IP-Adapter,
+        and the image conditioning this variant takes."""
+        style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
         images = self._image_conditioning(len(prompts), inputs)
-        for p in sorted({p for p in prompts if p not in self._prompt_cache}):  # one per forward: batch-invariant
-            embeds, pooled, _ = self.pipeline.encode_prompt(
-                prompt=[p], prompt_2=None, device=self.device, max_sequence_length=self.config.max_sequence_length)
-            self._prompt_cache[p] = (embeds, pooled)
-        return Conditioning(embeds={
-            "prompt_embeds": torch.cat([self._prompt_cache[p][0] for p in prompts]),
-            "pooled": torch.cat([self._prompt_cache[p][1] for p in prompts]),
-        }, **images)
+        return Conditioning(embeds=self.prompts.cat(prompts), style=style, **images)
 
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
         """Conditioning image fields from ``inputs``; text-to-image FLUX takes none."""
@@ -144,7 +155,8 @@ class FluxAdapter:
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity for packed latents. Guidance-distilled models get ``guidance_scale`` as the guidance
-        embedding; others run CFG over [empty prompt; prompt] as one forward."""
+        embedding; others run CFG over [negative prompt; prompt] as one forward (zero image embeddings in the
+        unconditional half when there is an IP-Adapter)."""
         embeds, pooled = cond.embeds["prompt_embeds"], cond.embeds["pooled"]
         n = latents.shape[0]
         # (sigma * 1000) / 1000 in the model dtype, exactly as the pipeline rounds its timestep.
@@ -153,13 +165,19 @@ class FluxAdapter:
         guidance = torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32) if self.guidance_embeds else None
         cfg = not self.guidance_embeds and guidance_scale > 1.0
         if cfg:
-            neg = self.encode_prompts([""])
-            embeds = torch.cat([neg.embeds["prompt_embeds"].expand(n, -1, -1), embeds])
-            pooled = torch.cat([neg.embeds["pooled"].expand(n, -1), pooled])
+            neg = self.prompts.cat([self.config.negative_prompt])
+            embeds = torch.cat([neg["prompt_embeds"].expand(n, -1, -1), embeds])
+            pooled = torch.cat([neg["pooled"].expand(n, -1), pooled])
             hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
+        extra = {}
+        if self.ip_adapter is not None:
+            if cond.style is None:
+                raise ValueError(f"{self.model_name} has model.ip_adapter and needs Conditioning.style: encode "
+                                 "prompts with ImageInputs.style")
+            extra["joint_attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
         out = net(hidden_states=hidden, timestep=timestep, guidance=guidance, pooled_projections=pooled,
-                  encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+                  encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False, **extra)[0]
         out = out[:, : latents.shape[1]]
         if cfg:
             return cfg_combine(*out.chunk(2), guidance_scale)
@@ -195,16 +213,17 @@ class FluxAdapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self) -> nn.Module:
-        """LoRA: the transformer with the adapter disabled. Full fine-tuning: a frozen copy made on the first
-        call (one more transformer in memory)."""
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy) -> nn.Module:
+        """The policy as it is at the first call: LoRA disabled and / or the IP-Adapter weights copied; full
+        fine-tuning: a frozen copy (one more transformer in memory)."""
         if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora)
+            self._reference = reference_network(self.denoiser, self.config.lora, self.ip_adapter, copy)
         return self._reference
 
     def save_trainable(self, directory: str) -> None:
-        save_trainable(self.denoiser, self.config.lora is not None, directory)
+        save_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)
 
     def load_trainable(self, directory: str) -> None:
-        """Load weights written by ``save_trainable`` (same LoRA settings) into this adapter's transformer."""
-        load_trainable(self.denoiser, self.config.lora is not None, directory)
+        """Load weights written by ``save_trainable`` (same LoRA and IP-Adapter settings) into this adapter's
+        transformer."""
+        load_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)

@@ -6,12 +6,15 @@ the transformer turns into its joint attention mask (padding changes nothing els
 from the start). CFG is Qwen-Image's "true CFG" against ``negative_prompt`` with the pipeline's norm
 rescaling, batched as one forward over [negative; prompt] (the pipeline runs two), so the rollout equals
 the pipeline up to float rounding of the masked padding.
+
+An optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``; diffusers has none for
+Qwen-Image) conditions the image stream on ``ImageInputs.style``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,16 +34,21 @@ from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
+    PromptEmbeddings,
     cfg_combine,
     freeze,
+    frozen_copy,
+    load_text_components,
     load_trainable,
     prepare_denoiser,
+    prompt_encoder,
     rectified_flow_target,
     reference_network,
     reject_image_inputs,
     save_trainable,
     shifted_flow_sigmas,
 )
+from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
 from trainer.samplers import flow_step
 
 
@@ -56,6 +64,8 @@ class QwenImageConfig(DiffusersModelConfig):
     """Text tokens kept per prompt (the pipeline's default)."""
     negative_prompt: str = " "
     """The negative prompt of true CFG (the pipeline's examples use a single space)."""
+    ip_adapter: IPAdapterSettings | None = None
+    """An IP-Adapter conditioned on ``ImageInputs.style``; None: the model takes no style image."""
 
 
 def pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +92,11 @@ class QwenImageAdapter:
     shard_units = (QwenImageTransformerBlock,)
     config_class = QwenImageConfig
     model_name = "qwen_image"
+    pipeline_class = QwenImagePipeline
+    text_components = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer}
+    optional_text: tuple[str, ...] = ()
+    text_settings = ("dtype", "max_sequence_length")
+    prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: QwenImageConfig, device: torch.device | str = "cpu"):
         path = Path(config.path)
@@ -95,13 +110,10 @@ class QwenImageAdapter:
         self.denoiser = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = QwenImagePipeline(
-            scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-            text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", **load),
-            tokenizer=Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer"),
-        )
+        self.pipeline = QwenImagePipeline(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                          **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
-        freeze(self.pipeline.text_encoder, self.vae)
+        freeze(self.vae)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -115,26 +127,30 @@ class QwenImageAdapter:
         self.latents_mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
         self.latents_std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
 
-        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
-        self._prompt_cache: dict[str, torch.Tensor] = {}
+        self.ip_adapter = IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
+        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
+        self.prompts = PromptEmbeddings.of(self, config)
         self._reference: nn.Module | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
-    @torch.no_grad()
+    @staticmethod
+    def encode_text(pipeline: QwenImagePipeline, config: QwenImageConfig, device: torch.device,
+                    prompt: str) -> dict[str, torch.Tensor]:
+        """Unpadded [L, D] embeddings of one prompt via the pipeline's encode_prompt."""
+        embeds, _ = pipeline.encode_prompt([prompt], device=device, max_sequence_length=config.max_sequence_length)
+        return {"prompt_embeds": embeds[0]}
+
     def _text(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Unpadded [L_i, D] embeddings per prompt via the pipeline's encode_prompt, cached."""
-        for p in sorted({p for p in prompts if p not in self._prompt_cache}):
-            embeds, _ = self.pipeline.encode_prompt(
-                [p], device=self.device, max_sequence_length=self.config.max_sequence_length)
-            self._prompt_cache[p] = embeds[0]
-        return [self._prompt_cache[p] for p in prompts]
+        return [e["prompt_embeds"] for e in self.prompts(prompts)]
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``."""
+        """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``; the style image's
+        embeddings when there is an IP-Adapter."""
+        style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
         reject_image_inputs(self.model_name, inputs)
         text = self._text(prompts)
         embeds, mask = pad_text(text, max(len(t) for t in text))
-        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask})
+        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style)
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, 1, C, h, w] packed to tokens, drawn as ``QwenImagePipeline.prepare_latents`` draws it."""
@@ -155,7 +171,8 @@ class QwenImageAdapter:
     def predict(
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
-        """Velocity; with ``guidance_scale > 1`` true CFG against ``negative_prompt`` in one forward."""
+        """Velocity; with ``guidance_scale > 1`` true CFG against ``negative_prompt`` in one forward (zero
+        image embeddings in the unconditional half when there is an IP-Adapter)."""
         embeds, mask = cond.embeds["prompt_embeds"], cond.embeds["prompt_mask"]
         n = latents.shape[0]
         x = latents.to(self.dtype)
@@ -168,10 +185,16 @@ class QwenImageAdapter:
             embeds = torch.cat([neg_embeds.expand(n, -1, -1), nn.functional.pad(embeds, (0, 0, 0, length - embeds.shape[1]))])
             mask = torch.cat([neg_mask.expand(n, -1), nn.functional.pad(mask, (0, length - mask.shape[1]))])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        extra = {}
+        if self.ip_adapter is not None:
+            if cond.style is None:
+                raise ValueError("qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts "
+                                 "with ImageInputs.style")
+            extra["attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
         img_shapes = [[(1, self.tokens_side, self.tokens_side)]] * x.shape[0]
         out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                   encoder_hidden_states_mask=None if bool(mask.all()) else mask, img_shapes=img_shapes,
-                  return_dict=False)[0]
+                  return_dict=False, **extra)[0]
         if cfg:
             return true_cfg(*out.chunk(2), guidance_scale)
         return out.float()
@@ -198,16 +221,17 @@ class QwenImageAdapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self) -> nn.Module:
-        """LoRA: the transformer with the adapter disabled. Full fine-tuning: a frozen copy made on the first
-        call (one more transformer in memory)."""
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy) -> nn.Module:
+        """The policy as it is at the first call: LoRA disabled and / or the IP-Adapter weights copied; full
+        fine-tuning: a frozen copy (one more transformer in memory)."""
         if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora)
+            self._reference = reference_network(self.denoiser, self.config.lora, self.ip_adapter, copy)
         return self._reference
 
     def save_trainable(self, directory: str) -> None:
-        save_trainable(self.denoiser, self.config.lora is not None, directory)
+        save_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)
 
     def load_trainable(self, directory: str) -> None:
-        """Load weights written by ``save_trainable`` (same LoRA settings) into this adapter's transformer."""
-        load_trainable(self.denoiser, self.config.lora is not None, directory)
+        """Load weights written by ``save_trainable`` (same LoRA and IP-Adapter settings) into this adapter's
+        transformer."""
+        load_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)

@@ -14,7 +14,7 @@ supervised loss (which draws u in (0, 1)) share one convention.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +34,14 @@ from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
+    PromptEmbeddings,
     cfg_combine,
     freeze,
+    frozen_copy,
+    load_text_components,
     load_trainable,
     prepare_denoiser,
+    prompt_encoder,
     reference_network,
     reject_image_inputs,
     require_image_input,
@@ -73,6 +77,11 @@ class SD15InpaintAdapter:
     shard_units = (CrossAttnDownBlock2D, DownBlock2D, UNetMidBlock2DCrossAttn, CrossAttnUpBlock2D, UpBlock2D)
     config_class = SD15InpaintConfig
     model_name = "sd15_inpaint"
+    pipeline_class = StableDiffusionInpaintPipeline
+    text_components = {"text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer}
+    optional_text: tuple[str, ...] = ()
+    text_settings = ("dtype",)
+    prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: SD15InpaintConfig, device: torch.device | str = "cpu"):
         path = Path(config.path)
@@ -91,13 +100,10 @@ class SD15InpaintAdapter:
             raise ValueError(f"sd15_inpaint supports epsilon prediction, not {self.scheduler.config.prediction_type!r}")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
         self.pipeline = StableDiffusionInpaintPipeline(
-            vae=self.vae, unet=self.denoiser, scheduler=self.scheduler,
-            text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **load),
-            tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-        )
+            vae=self.vae, unet=self.denoiser, scheduler=self.scheduler, safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False, **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
-        freeze(self.pipeline.text_encoder, self.vae)
+        freeze(self.vae)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -109,7 +115,7 @@ class SD15InpaintAdapter:
         self.alphas_cumprod = self.scheduler.alphas_cumprod.to(self.device, torch.float32)
 
         prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
-        self._prompt_cache: dict[str, torch.Tensor] = {}
+        self.prompts = PromptEmbeddings.of(self, config)
         self._reference: nn.Module | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
@@ -125,15 +131,13 @@ class SD15InpaintAdapter:
         masked_latents = self.vae.encode(masked.to(self.dtype)).latent_dist.mode() * self.vae.config.scaling_factor
         latent_mask, masked_latents = self.pipeline.prepare_mask_latents(
             mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False)
-        return Conditioning(embeds={"prompt_embeds": self._text_embeds(prompts)}, image=masked_latents,
-                            mask=latent_mask)
+        return Conditioning(embeds=self.prompts.cat(prompts), image=masked_latents, mask=latent_mask)
 
-    @torch.no_grad()
-    def _text_embeds(self, prompts: list[str]) -> torch.Tensor:
-        """CLIP embeddings via the pipeline's encode_prompt, cached per prompt."""
-        for p in sorted({p for p in prompts if p not in self._prompt_cache}):  # one per forward: batch-invariant
-            self._prompt_cache[p] = self.pipeline.encode_prompt([p], self.device, 1, False)[0]
-        return torch.cat([self._prompt_cache[p] for p in prompts])
+    @staticmethod
+    def encode_text(pipeline: StableDiffusionInpaintPipeline, config: SD15InpaintConfig, device: torch.device,
+                    prompt: str) -> dict[str, torch.Tensor]:
+        """CLIP embeddings of one prompt via the pipeline's encode_prompt."""
+        return {"prompt_embeds": pipeline.encode_prompt([prompt], device, 1, False)[0]}
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise times the scheduler's init_noise_sigma, drawn as the pipeline draws it (strength 1)."""
@@ -173,7 +177,7 @@ class SD15InpaintAdapter:
         cfg = guidance_scale > 1.0
         if cfg:
             n = x.shape[0]
-            neg = self._text_embeds([""])
+            neg = self.prompts.cat([self.config.negative_prompt])["prompt_embeds"]
             embeds = torch.cat([neg.expand(n, -1, -1), embeds])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
         out = net(x, timestep, encoder_hidden_states=embeds, return_dict=False)[0]
@@ -202,10 +206,10 @@ class SD15InpaintAdapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self) -> nn.Module:
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy) -> nn.Module:
         """LoRA: the UNet with the adapter disabled. Full fine-tuning: a frozen copy made on the first call."""
         if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora)
+            self._reference = reference_network(self.denoiser, self.config.lora, copy_fn=copy)
         return self._reference
 
     def save_trainable(self, directory: str) -> None:

@@ -8,7 +8,7 @@ pixel space (latents are images in [-1, 1]): that is how the tiny embedded model
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +27,13 @@ from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
+    PromptEmbeddings,
     freeze,
+    frozen_copy,
+    load_text_components,
     load_trainable,
     prepare_denoiser,
+    prompt_encoder,
     reference_network,
     save_trainable,
 )
@@ -52,6 +56,12 @@ class SD3Adapter:
     sampler_kind = "flow"
     shard_units = (JointTransformerBlock,)
     config_class = SD3Config
+    pipeline_class = StableDiffusion3Pipeline
+    text_components = {"text_encoder": CLIPTextModelWithProjection, "tokenizer": CLIPTokenizer,
+                       "text_encoder_2": CLIPTextModelWithProjection, "tokenizer_2": CLIPTokenizer,
+                       "text_encoder_3": T5EncoderModel, "tokenizer_3": T5TokenizerFast}
+    optional_text = ("text_encoder_3", "tokenizer_3")
+    text_settings = ("dtype", "max_sequence_length")
 
     def __init__(self, config: SD3Config, device: torch.device | str = "cpu"):
         path = Path(config.path)
@@ -67,21 +77,10 @@ class SD3Adapter:
         self.denoiser = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load) if (path / "vae").is_dir() else None
-        optional = lambda sub, cls: cls.from_pretrained(path, subfolder=sub, **load) if (path / sub).is_dir() else None  # noqa: E731
-        self.pipeline = StableDiffusion3Pipeline(
-            transformer=self.denoiser,
-            scheduler=self.scheduler,
-            vae=self.vae,
-            text_encoder=CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder", **load),
-            tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            text_encoder_2=CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", **load),
-            tokenizer_2=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"),
-            text_encoder_3=optional("text_encoder_3", T5EncoderModel),
-            tokenizer_3=T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_3")
-            if (path / "tokenizer_3").is_dir() else None,
-        )
+        self.pipeline = StableDiffusion3Pipeline(transformer=self.denoiser, scheduler=self.scheduler, vae=self.vae,
+                                                 **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
-        freeze(self.pipeline.text_encoder, self.pipeline.text_encoder_2, self.pipeline.text_encoder_3, self.vae)
+        freeze(self.vae)
 
         vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         side = config.resolution or self.denoiser.config.sample_size * vae_factor
@@ -90,29 +89,36 @@ class SD3Adapter:
         self.latent_shape = (self.denoiser.config.in_channels, side // vae_factor, side // vae_factor)
 
         prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
-        self._prompt_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prompts = PromptEmbeddings.of(self, config)
         self._reference: nn.Module | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
-    @torch.no_grad()
+    @classmethod
+    def prompt_encoder(cls, config: SD3Config, device: torch.device | str):
+        """``common.prompt_encoder``; without T5 the pipeline reads the transformer's config for its zero T5
+        tokens, which a weightless (meta-device) transformer provides."""
+        extra = {}
+        if not (Path(config.path) / "text_encoder_3").is_dir():
+            with torch.device("meta"):
+                extra["transformer"] = SD3Transformer2DModel.from_config(
+                    SD3Transformer2DModel.load_config(config.path, subfolder="transformer"))
+        return prompt_encoder(cls, config, device, **extra)
+
+    @staticmethod
+    def encode_text(pipeline: StableDiffusion3Pipeline, config: SD3Config, device: torch.device,
+                    prompt: str) -> dict[str, torch.Tensor]:
+        """CLIP-L/G (+ T5) sequence and pooled embeddings of one prompt via the pipeline's encode_prompt."""
+        embeds, _, pooled, _ = pipeline.encode_prompt(
+            prompt=[prompt], prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False,
+            max_sequence_length=config.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Per-prompt embeddings via the pipeline's encode_prompt, cached by prompt text. SD3 takes no
-        image inputs."""
+        """Per-prompt embeddings, cached by prompt text. SD3 takes no image inputs."""
         if inputs is not None and any(v is not None for v in vars(inputs).values()):
             raise ValueError("the sd3 adapter takes no image inputs (image/mask/reference/style); use an "
                              "inpainting or editing model for such a dataset")
-        # One prompt per forward: an embedding must not depend on which prompts it was batched with (the
-        # rounding of batched matmuls does), or a resumed run would drift from the uninterrupted one.
-        for p in sorted({p for p in prompts if p not in self._prompt_cache}):
-            embeds, _, pooled, _ = self.pipeline.encode_prompt(
-                prompt=[p], prompt_2=None, prompt_3=None, device=self.device,
-                do_classifier_free_guidance=False, max_sequence_length=self.config.max_sequence_length,
-            )
-            self._prompt_cache[p] = (embeds, pooled)
-        return Conditioning(embeds={
-            "prompt_embeds": torch.cat([self._prompt_cache[p][0] for p in prompts]),
-            "pooled": torch.cat([self._prompt_cache[p][1] for p in prompts]),
-        })
+        return Conditioning(embeds=self.prompts.cat(prompts))
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         return torch.randn((batch_size, *self.latent_shape), generator=generator, device=self.device,
@@ -137,10 +143,10 @@ class SD3Adapter:
         x = latents.to(self.dtype)
         cfg = guidance_scale > 1.0
         if cfg:
-            neg = self.encode_prompts([""])
+            neg = self.prompts.cat([self.config.negative_prompt])
             n = x.shape[0]
-            embeds = torch.cat([neg.embeds["prompt_embeds"].expand(n, -1, -1), embeds])
-            pooled = torch.cat([neg.embeds["pooled"].expand(n, -1), pooled])
+            embeds = torch.cat([neg["prompt_embeds"].expand(n, -1, -1), embeds])
+            pooled = torch.cat([neg["pooled"].expand(n, -1), pooled])
             x = torch.cat([x, x])
             timestep = torch.cat([timestep, timestep])
         out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
@@ -175,11 +181,11 @@ class SD3Adapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self) -> nn.Module:
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy) -> nn.Module:
         """LoRA: the same network with the adapter disabled (no extra memory). Full fine-tuning: a frozen
         copy of the weights as they were when this was first called (costs one more denoiser)."""
         if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora)
+            self._reference = reference_network(self.denoiser, self.config.lora, copy_fn=copy)
         return self._reference
 
     def save_trainable(self, directory: str) -> None:

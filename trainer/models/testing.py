@@ -4,7 +4,8 @@ Each ``build_*`` function creates components from configs (the sizes of ``docs/T
 diffusers' own ``get_dummy_components`` do), with tokenizers trained locally, assembles them into the
 model's diffusers pipeline and writes it with ``save_pretrained``. ``tiny_config(name, root)`` builds the
 model for adapter ``name`` under ``root`` and returns that adapter's config pointing at it, so the adapter
-loads it through the same ``config.path`` code it runs on real weights. Nothing here needs a network.
+loads it through the same ``config.path`` code it runs on real weights; ``tiny_ip_adapter(root)`` does the
+same for an IP-Adapter's image encoder (a CLIP vision tower). Nothing here needs a network.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ FLUX_TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_la
                         axes_dims_rope=[4, 4, 8], guidance_embeds=True)
 FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                       max_image_seq_len=4096)
+CLIP_VISION = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, image_size=32,
+                   patch_size=8, projection_dim=24, hidden_act="gelu")
+"""16 patches of 8x8 pixels; 24-dim image embeddings (unlike every text width, so a mix-up fails)."""
 TEXT_LENGTH = 16
 """Tokens per prompt for every tiny text encoder (CLIP model_max_length, T5 max_sequence_length)."""
 
@@ -221,6 +225,37 @@ def build_tiny_qwen_image(path: str | Path, seed: int = 0, num_layers: int = 2) 
     ), path)
 
 
+def build_tiny_image_encoder(path: str | Path, seed: int = 0) -> Path:
+    """A CLIPVisionModelWithProjection and its CLIP image processor config, as IP-Adapters load them."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    CLIPVisionModelWithProjection(CLIPVisionConfig(**CLIP_VISION)).eval().save_pretrained(path)
+    side = CLIP_VISION["image_size"]
+    CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side}).save_pretrained(path)
+    return path
+
+
+def tiny_ip_adapter(root: str | Path, **overrides: Any):
+    """IPAdapterSettings whose image encoder is a tiny CLIP vision tower built (once) under ``root``."""
+    from trainer.models.ip_adapter import IPAdapterSettings
+
+    path = Path(root) / "image_encoder"
+    if not (path / "config.json").is_file():
+        build_tiny_image_encoder(path)
+    return IPAdapterSettings(**{"image_encoder": str(path), **overrides})
+
+
+def randomize_ip_adapter(adapter, seed: int = 0, std: float = 0.5) -> None:
+    """Replace every IP-Adapter weight of ``adapter`` by N(0, std^2) draws: a trained IP-Adapter's stand-in
+    (fresh weights leave the output unchanged, so they cannot show that the IP path is used)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter.ip_adapter.parameters():
+            p.copy_(std * torch.randn(p.shape, generator=g))
+
+
 def _configs() -> dict[str, tuple[Callable[[Path], Path], Callable[[str], Any]]]:
     """Adapter name -> (builder, config for the built directory at test resolution: 64 latent tokens)."""
     from trainer.models.flux import FluxConfig
@@ -281,6 +316,8 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
     name = adapter.config.name
     kwargs: dict[str, Any] = dict(prompt=prompts, num_inference_steps=num_steps, generator=generator,
                                   output_type=output_type)
+    if getattr(adapter, "ip_adapter", None) is not None:
+        kwargs.update(ip_pipeline_kwargs(adapter, inputs))
     if name in ("tiny", "sd3"):
         side = adapter.latent_shape[-1] * adapter.pipeline.vae_scale_factor
         kwargs.update(height=side, width=side, guidance_scale=guidance_scale,
@@ -306,17 +343,32 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
         return adapter.pipeline(**kwargs).images
 
 
+def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:
+    """``ip_adapter_image_embeds`` for a FLUX-family pipeline: the style embedding of the first item (the
+    pipeline repeats one image per IP-Adapter over the batch), and zero embeddings for the negative branch as
+    the adapter uses (the pipeline would encode a black image)."""
+    if adapter.config.name == "qwen_image":
+        raise ValueError("QwenImagePipeline has no IP-Adapter: there is no diffusers reference to compare with")
+    if not all(torch.equal(s, inputs.style[0]) for s in inputs.style):
+        raise ValueError("the FLUX pipelines take one style image for the whole batch")
+    embeds = adapter.ip_adapter.encoder(inputs.style[:1])[None]  # [1 image, 1 item, D]
+    return {"ip_adapter_image_embeds": [embeds], "negative_ip_adapter_image_embeds": [torch.zeros_like(embeds)]}
+
+
 def image_inputs(adapter, batch_size: int, seed: int = 0):
-    """Random ImageInputs of the kind ``adapter`` needs (image + binary mask, or a reference), else None."""
+    """Random ImageInputs of the kind ``adapter`` needs (image + binary mask, or a reference; with an
+    IP-Adapter a style image, the same for every item as the pipelines take one), else None."""
     from trainer.models.base import ImageInputs
 
     g = torch.Generator().manual_seed(seed)
     name = adapter.config.name
+    side = getattr(adapter, "resolution", 16)
+    inputs = ImageInputs()
     if name in ("flux_fill", "sd15_inpaint"):
-        side = adapter.resolution
-        return ImageInputs(image=torch.rand(batch_size, 3, side, side, generator=g),
-                           mask=(torch.rand(batch_size, 1, side, side, generator=g) > 0.5).float())
+        inputs = ImageInputs(image=torch.rand(batch_size, 3, side, side, generator=g),
+                             mask=(torch.rand(batch_size, 1, side, side, generator=g) > 0.5).float())
     if name == "flux_kontext":
-        side = adapter.resolution
-        return ImageInputs(reference=torch.rand(batch_size, 3, side, side, generator=g))
-    return None
+        inputs = ImageInputs(reference=torch.rand(batch_size, 3, side, side, generator=g))
+    if getattr(adapter, "ip_adapter", None) is not None:
+        inputs.style = torch.rand(1, 3, side, side, generator=g).expand(batch_size, -1, -1, -1)
+    return inputs if any(v is not None for v in vars(inputs).values()) else None

@@ -691,12 +691,7 @@ class HttpRewardClient:
             "deadline_ms": max(1, int(self.timeout_s * 800)),
             "scorers": list(self.weights),
             "items": [
-                {
-                    "id": str(start + i),
-                    "prompt": prompt,
-                    "image": encode_image(image, image_format, binary=binary),
-                    "metadata": meta,
-                }
+                _item(str(start + i), image, prompt, meta, image_format, binary)
                 for i, (image, prompt, meta) in enumerate(zip(images, prompts, metadata, strict=True))
             ],
         }
@@ -866,3 +861,16 @@ class InProcessRewardClient:
                         errors[name][index] = f"{outcome.error.value}: {outcome.message}"
         combined = combine(components, self.weights, self.combine_mode)
         return RewardResult(components, combined, errors, ["in-process"])
+
+
+def _item(item_id: str, image: np.ndarray, prompt: str, meta: dict[str, Any], image_format: str,
+          binary: bool) -> dict[str, Any]:
+    """One ``/score`` item. A task's mask (``meta["mask"]``, uint8 [H, W, 1], where in-process scorers read
+    it) travels in the item's ``mask`` field: the protocol reserves that metadata key for the decoded mask."""
+    meta = dict(meta)
+    mask = meta.pop("mask", None)
+    item = {"id": item_id, "prompt": prompt, "image": encode_image(image, image_format, binary=binary),
+            "metadata": meta}
+    if mask is not None:
+        item["mask"] = encode_image(np.asarray(mask, dtype=np.uint8), image_format, binary=binary)
+    return item

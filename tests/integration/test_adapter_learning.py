@@ -1,0 +1,109 @@
+"""Every registered adapter learns: a short GRPO run on its tiny model raises a weight-free reward.
+
+The run is the real thing at toy size: the Trainer's RL epochs (GroupSampler, ``rollout`` with log-probs,
+the in-process reward client, the GRPO algorithm's make_batch / plan / loss, AdamW through the
+single-process backend) on the tiny random model of each adapter (``trainer.models.testing``), fully
+fine-tuned with a high learning rate; image-conditioned adapters get their inputs from tiny datasets of
+the matching format (inpainting rows, edit rows). Before and after, ``Trainer.evaluate`` samples the same
+prompts from the same noise with the deterministic sampler, and the reward must rise by ``MARGIN``.
+
+The reward is the real ``brightness`` scorer applied to the top half of each image. The tiny models'
+random VAE decoders normalise each image's features (GroupNorm), which pins the global brightness to
+within about 0.01 whatever the latents (so whole-image brightness is barely learnable through them), but
+leaves free where the brightness sits: the top half's brightness moves, and every adapter can learn it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reward_server.scorers.brightness import BrightnessScorer
+from trainer.algorithms import build_algorithm
+from trainer.algorithms.sft import SFT
+from trainer.config import load_config
+from trainer.data import build_task
+from trainer.data.testing import tiny_dataset
+from trainer.distributed import SingleProcess
+from trainer.logging import RunLogger
+from trainer.models import MODELS, build_adapter
+from trainer.models.testing import TINY_NAMES, tiny_config
+from trainer.rewards.client import InProcessRewardClient
+from trainer.trainer import Trainer
+
+DATA = {"flux_fill": "inpaint_jsonl", "sd15_inpaint": "inpaint_jsonl", "flux_kontext": "edit_jsonl"}
+"""Data format of the adapters that need image inputs; the others sample from a prompt file."""
+MODEL_OVERRIDES = {"qwen_image": {"resolution": 32}}
+"""Qwen-Image at 32 pixels (16 latent tokens): its 3D VAE dominates the run time at the default 64."""
+MARGIN = 0.01
+"""Rise of the evaluation reward (mean brightness of the top half, in [0, 1]) that counts as learning.
+Measured over seeds 0, 1, 2 with these settings: tiny +0.40, sd3 +0.018..+0.033, flux +0.030..+0.041,
+flux_fill +0.022..+0.026, flux_kontext +0.037..+0.051, sd15_inpaint +0.018..+0.052, qwen_image
++0.12..+0.14 (seed 0 is the one run here)."""
+SETTINGS = [
+    "data.prompts_per_epoch=1", "algorithm.group_size=8", "train.rollout_chunks=1",
+    "algorithm.sampler.num_steps=3", "algorithm.sampler.noise_level=1.0",
+    "algorithm.sampler.sde_window=1", "algorithm.sampler.window_range=[0,1]",
+    "train.learning_rate=0.01", "train.max_grad_norm=0", "train.seed=0",
+    "eval.samples_per_prompt=4", "eval.num_steps=3",
+]
+"""One prompt per epoch in groups of 8, 3 steps of which only the first is stochastic and trained: the
+window puts the exploration where the credit is assigned. With every step stochastic, SD1.5's DDIM steps
+after the first have a noise std of 0.04 against 0.65 (so their log-prob gradients, ~1/std^2, drown the
+first step's) and it does not learn; FLUX Fill's gains drop to +0.008 for some seeds."""
+ADAPTER_SETTINGS = {
+    "sd3": ["algorithm.sampler.sde_window=0"],
+    "sd15_inpaint": ["train.learning_rate=0.003", "algorithm.group_size=16"],
+}
+"""Where an adapter learns differently: the tiny SD3 (8-pixel images) gains twice as much with every step
+stochastic; SD1.5's UNet rises and then collapses at 1e-2, and needs bigger groups for a steady signal."""
+EPOCHS = {"sd15_inpaint": 20}
+DEFAULT_EPOCHS = 12
+
+
+class TopHalfBrightness:
+    """The ``brightness`` scorer on the top half of each image (a reward server scorer object)."""
+
+    name = "top_brightness"
+    description = "mean pixel value / 255 of the top half of the image"
+    score_range = (0.0, 1.0)
+    version = "top-half-" + BrightnessScorer.version
+
+    def __init__(self):
+        self.brightness = BrightnessScorer()
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def score(self, images, prompts, metadata):
+        return self.brightness.score([image[: image.shape[0] // 2] for image in images], prompts, metadata)
+
+
+def test_every_registered_adapter_is_covered():
+    assert sorted(MODELS) == sorted(TINY_NAMES)
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("learning-models")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_grpo_raises_the_reward(name, model_root, tmp_path):
+    torch.manual_seed(0)
+    adapter = build_adapter(tiny_config(name, model_root, dtype="float32", **MODEL_OVERRIDES.get(name, {})), "cpu")
+    side = getattr(adapter, "resolution", 16)
+    data = DATA.get(name, "prompt_file")
+    config = load_config(overrides=[*SETTINGS, *ADAPTER_SETTINGS.get(name, []), f"data.name={data}",
+                                    f"data.image_size={side}", f"data.path={tiny_dataset(data, tmp_path, side)}"])
+    epochs = EPOCHS.get(name, DEFAULT_EPOCHS)
+    client = InProcessRewardClient({TopHalfBrightness.name: TopHalfBrightness()}, {TopHalfBrightness.name: 1.0})
+    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
+                      client, SingleProcess(torch.device("cpu")), RunLogger(tmp_path / "run", False, False))
+    try:
+        before = trainer.evaluate(0, None)["reward_mean"]
+        rewards = [round(trainer.rl_epoch(epoch)["reward_mean"], 3) for epoch in range(epochs)]
+        after = trainer.evaluate(epochs, None)["reward_mean"]
+    finally:
+        client.close()
+    assert after > before + MARGIN, f"{name}: evaluation reward {before:.3f} -> {after:.3f}; epochs {rewards}"

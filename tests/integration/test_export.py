@@ -1,0 +1,68 @@
+"""``python -m trainer.export``: a checkpoint becomes a diffusers model that ``from_pretrained`` loads and that
+computes what the trained denoiser computes (full fine-tuning, and LoRA merged into the base)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import SD3Transformer2DModel
+
+from trainer.checkpoint import Checkpoints, Progress
+from trainer.config import Config, to_dict
+from trainer.distributed import SingleProcess
+from trainer.export import main
+from trainer.models.common import LoraSettings
+from trainer.models.tiny import TinyAdapter, TinyConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _forward(net: torch.nn.Module) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        return net(hidden_states=torch.randn(2, 1, 16, 16, generator=g), timestep=torch.tensor([300.0, 800.0]),
+                   encoder_hidden_states=torch.randn(2, 8, 64, generator=g),
+                   pooled_projections=torch.randn(2, 64, generator=g), return_dict=False)[0]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_path, tiny_model_dir, lora):
+    model = TinyConfig(path=tiny_model_dir, lora=LoraSettings(rank=4, alpha=8) if lora else None)
+    adapter = TinyAdapter(model)
+    backend = SingleProcess(torch.device("cpu"))
+    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # stands for training: every trainable weight moves (LoRA B starts at zero)
+        for p in adapter.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    base = _forward(SD3Transformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer"))
+    trained = _forward(adapter.denoiser)
+    assert (trained - base).abs().max() > 1e-3  # the export below must carry the training
+
+    config = Config(model=model)
+    Checkpoints(tmp_path / "checkpoints", keep=1, is_main=True).save(
+        Progress(4, 2, True), adapter, backend, {}, to_dict(config))
+    checkpoint = next((tmp_path / "checkpoints").glob("step-*"))
+    assert main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
+
+    exported = SD3Transformer2DModel.from_pretrained(tmp_path / "exported")
+    assert not getattr(exported, "peft_config", None)  # LoRA merged: a plain diffusers model
+    torch.testing.assert_close(_forward(exported), trained, atol=1e-5, rtol=1e-5)
+    assert (tmp_path / "exported" / "lora").is_dir() == lora
+    if lora:  # the adapter alone, on the base model
+        with_adapter = SD3Transformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+        with_adapter.load_lora_adapter(str(tmp_path / "exported" / "lora"), weight_name="pytorch_lora_weights.safetensors",
+                                       prefix=None)
+        torch.testing.assert_close(_forward(with_adapter), trained, atol=1e-5, rtol=1e-5)
+
+
+def test_cli_names_what_is_wrong(tmp_path):
+    (tmp_path / "not-a-checkpoint").mkdir()
+    out = subprocess.run([sys.executable, "-m", "trainer.export", "--checkpoint", str(tmp_path / "not-a-checkpoint"),
+                          "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "is not a complete checkpoint (no trainable.safetensors)" in out.stderr

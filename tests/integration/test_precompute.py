@@ -1,0 +1,100 @@
+"""Precomputed text embeddings (``python -m trainer.precompute`` -> ``model.text_embeddings``) on every
+adapter's tiny model: the adapter then loads no text encoder or tokenizer, and its conditioning (and CFG
+prediction, which reads the negative prompt from the store) is bit-identical to the adapter that encodes;
+a prompt missing from the store and a store of other text encoders or settings raise errors naming the
+precompute command. The CLI runs as a subprocess on a YAML config with a prompt-file dataset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from trainer import precompute
+from trainer.config import to_dict
+from trainer.models import MODELS, build_adapter, testing
+from trainer.models.common import TEXT_INDEX, TextEmbeddingStore, text_fingerprint
+from trainer.models.testing import TINY_NAMES, tiny_config
+
+PROMPTS = ["a photo of a cat", "the digit five"]
+GUIDANCE = 3.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("precompute")
+
+
+def write_store(config, directory, prompts) -> None:
+    """What ``trainer.precompute`` does for ``prompts``: the adapter class's text path alone, one prompt at a time."""
+    adapter_class = MODELS[config.name].load()
+    encode = adapter_class.prompt_encoder(config, "cpu")
+    TextEmbeddingStore.write(str(directory), text_fingerprint(adapter_class, config), ((p, encode(p)) for p in prompts))
+
+
+def assert_same_conditioning(encoding, reading, prompts) -> None:
+    inputs = testing.image_inputs(encoding, len(prompts))
+    a, b = encoding.encode_prompts(prompts, inputs), reading.encode_prompts(prompts, inputs)
+    assert a.embeds.keys() == b.embeds.keys()
+    assert all(torch.equal(a.embeds[k], b.embeds[k]) for k in a.embeds)
+    x = encoding.prepare_latents(len(prompts), torch.Generator().manual_seed(0))
+    sigma = encoding.sigmas(3)[1].expand(len(prompts))
+    with torch.no_grad():
+        assert torch.equal(encoding.predict(encoding.denoiser, x, sigma, a, GUIDANCE),
+                           reading.predict(reading.denoiser, x, sigma, b, GUIDANCE))
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_precomputed_embeddings_replace_the_text_encoders(name, root, tmp_path):
+    config = tiny_config(name, root, dtype="float32")
+    write_store(config, tmp_path, [*PROMPTS, "", config.negative_prompt])
+    reading = build_adapter(dataclasses.replace(config, text_embeddings=str(tmp_path)), "cpu")
+    assert all(getattr(reading.pipeline, sub) is None for sub in type(reading).text_components)
+    assert_same_conditioning(build_adapter(config, "cpu"), reading, PROMPTS)
+    with pytest.raises(ValueError, match=r"'a red sign' is not in model\.text_embeddings.*trainer\.precompute"):
+        reading.encode_prompts(["a red sign"], testing.image_inputs(reading, 1))
+
+
+def test_a_store_of_other_text_encoders_or_settings_is_refused(root, tmp_path):
+    flux = tiny_config("flux", root, dtype="float32")
+    write_store(flux, tmp_path, PROMPTS)
+    for other in (dataclasses.replace(flux, max_sequence_length=8), dataclasses.replace(flux, dtype="bfloat16"),
+                  tiny_config("flux_fill", root, dtype="float32"), tiny_config("sd3", root, dtype="float32")):
+        with pytest.raises(ValueError, match=r"computed for other text encoders.*trainer\.precompute"):
+            build_adapter(dataclasses.replace(other, text_embeddings=str(tmp_path)), "cpu")
+    with pytest.raises(ValueError, match="holds embeddings of other text encoders"):
+        write_store(tiny_config("sd3", root, dtype="float32"), tmp_path, PROMPTS)
+    with pytest.raises(ValueError, match=f"holds no {TEXT_INDEX}"):
+        build_adapter(dataclasses.replace(flux, text_embeddings=str(tmp_path / "empty")), "cpu")
+
+
+def test_precompute_cli_encodes_the_configured_dataset(root, tmp_path, capsys):
+    config = tiny_config("qwen_image", root, dtype="float32")
+    prompts = ["a photo of a red cat", "a sign that says \"hello\"", "the digit five"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model": to_dict(config), "data": {"name": "prompt_file", "path": str(tmp_path / "prompts.txt")},
+        "train": {"device": "cpu"}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-m", "trainer.precompute", "--config", str(tmp_path / "run.yaml"),
+                           "--out", str(tmp_path / "text")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "5 prompts of qwen_image" in done.stdout
+    index = json.loads((tmp_path / "text" / TEXT_INDEX).read_text())
+    assert sorted(index["prompts"]) == sorted([*prompts, "", " "])
+    reading = build_adapter(dataclasses.replace(config, text_embeddings=str(tmp_path / "text")), "cpu")
+    assert reading.pipeline.text_encoder is None and reading.pipeline.tokenizer is None
+    assert_same_conditioning(build_adapter(config, "cpu"), reading, prompts)
+
+    assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
+                            "model.max_sequence_length=8"]) == 2
+    assert "holds embeddings of other text encoders" in capsys.readouterr().err

@@ -1,0 +1,118 @@
+"""Every shipped config (configs/**/*.yaml, presets added later included) builds and samples.
+
+Each YAML is loaded through ``load_config`` with overrides that swap in a tiny model of the same adapter
+(``trainer.models.testing.tiny_config``: built once per session) and a tiny dataset in the config's data
+format (``trainer.data.testing.tiny_dataset``); the rest of the file (algorithm, sampler, LoRA, dtype,
+rewards) is used as written. The adapter, algorithm and task are built with the functions the job uses,
+and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
+task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
+test checks the presets' headers (including that they start every weighted reward scorer) and that their
+repository-relative data paths exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from trainer.algorithms import build_algorithm
+from trainer.config import load_config
+from trainer.data import build_task
+from trainer.data.testing import tiny_dataset
+from trainer.models import MODELS, build_adapter
+from trainer.models.testing import tiny_config, tiny_ip_adapter
+from trainer.rollout import rollout
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("**/*.yaml"))
+PRESETS = [p for p in CONFIGS if p.parent.name == "presets"]
+MAX_GROUP = 4
+"""Samples of the one prompt group drawn per config (fewer than large groups: the batch size is not what
+differs between configs, the sampler, guidance and image inputs are)."""
+KEPT_MODEL_FIELDS = ("name", "dtype", "lora", "gradient_checkpointing", "ip_adapter")
+"""Model fields taken from the file; the others come from the tiny model's config where it sets them."""
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(REPO / "configs"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> tuple[Path, dict]:
+    """(root, adapter name -> tiny config): each tiny model is built on first use, once per session."""
+    return tmp_path_factory.mktemp("preset-models"), {}
+
+
+def _model_overrides(model: dict, tiny_models) -> list[str]:
+    """The tiny model's path and sizes; with an IP-Adapter, a tiny image encoder and fresh IP weights."""
+    root, configs = tiny_models
+    name = model["name"]
+    if name not in configs:
+        configs[name] = tiny_config(name, root)
+    tiny = configs[name]
+    defaults = type(tiny)()
+    overrides = [f"model.{f.name}={getattr(tiny, f.name)}" for f in dataclasses.fields(tiny)
+                 if f.name not in KEPT_MODEL_FIELDS
+                 and (f.name == "resolution" or getattr(tiny, f.name) != getattr(defaults, f.name))]
+    if model.get("ip_adapter"):
+        encoder = tiny_ip_adapter(root).image_encoder
+        overrides += [f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.weights=null"]
+    return overrides
+
+
+def test_configs_are_found():
+    assert len(PRESETS) >= 7 and REPO / "configs" / "embedded_digits.yaml" in CONFIGS
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_id)
+def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
+    raw = yaml.safe_load(path.read_text())
+    model = {"name": "tiny", **raw.get("model", {})}
+    data = raw.get("data", {})
+    overrides = _model_overrides(model, tiny_models) if model["name"] in MODELS else []
+    config = load_config(str(path), overrides)  # an unregistered algorithm or model fails here
+    side = config.model.resolution or 16
+    data_path = tiny_dataset(config.data.name, tmp_path, side, Path(data.get("path", "")).suffix)
+    config = load_config(str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}"])
+
+    adapter = build_adapter(config.model, torch.device("cpu"))
+    algorithm = build_algorithm(config.algorithm)
+    task = build_task(config.data)
+    group = min(algorithm.group_size, MAX_GROUP)
+    items = [0] * group
+    inputs = task.inputs(items)
+    ro = rollout(adapter, adapter.denoiser, [task.prompts[0]] * group, torch.zeros(group, dtype=torch.long),
+                 algorithm.sampler, torch.Generator().manual_seed(0), inputs)
+
+    steps = algorithm.sampler.num_steps
+    assert ro.log_probs.shape == (group, steps) and torch.isfinite(ro.log_probs).all()
+    one_image = adapter.decode(torch.zeros(1, *adapter.latent_shape)).shape[1:]  # the model's image size
+    assert ro.images.shape == (group, *one_image) and torch.isfinite(ro.images).all()
+    assert ro.images.min() >= 0 and ro.images.max() <= 1
+    if inputs is not None:  # generated at the size of the task's image inputs
+        assert all(t.shape[-2:] == one_image[-2:] for t in vars(inputs).values() if t is not None)
+    assert len(task.item_metadata(items)) == group
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=_id)
+def test_preset_header_says_what_to_set_and_which_servers_to_start(path):
+    """The leading comment names what it trains, the paths to set and a start command serving every
+    weighted scorer; data paths relative to the repository root (where the job is started) exist."""
+    lines = path.read_text().splitlines()
+    header = "\n".join(line for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+    assert "Set:" in header and "Reward servers:" in header and "trainer/main.py --config configs/presets/" \
+        f"{path.name}" in header, header
+    config = load_config(str(path))
+    served = {name for names in re.findall(r"--scorers ([a-z0-9_,]+)", header) for name in names.split(",")}
+    weighted = {name for name, weight in config.reward.weights.items() if weight != 0}
+    assert weighted <= served, (f"{path.name}: reward.weights resolve to {config.reward.weights}, but the header "
+                                f"starts {sorted(served)}")
+    data_path = Path(config.data.path)
+    if config.data.path and not data_path.is_absolute():  # absolute paths are placeholders for the user's data
+        assert (REPO / data_path).exists(), f"{path.name}: data.path {data_path} is not there from the repo root"
+        build_task(dataclasses.replace(config.data, path=str(REPO / data_path)))

@@ -1,0 +1,125 @@
+"""The estimators and losses of PPO-with-critic, online DPO, best-of-group SFT and DiffusionNFT, and the
+EMA and reference refresh, on fixed tensors with hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.algorithms.advantages import (
+    best_and_worst,
+    diffusion_dpo_loss,
+    gae,
+    nft_loss,
+    optimality_probability,
+)
+from trainer.algorithms.base import LossContext, Rewards, balanced_local, refresh_reference, shares_weights
+from trainer.algorithms.ppo_critic import ValueNetwork, condition_vector
+from trainer.ema import EMA
+from trainer.models.base import Conditioning
+
+
+def test_gae_with_lambda_one_is_reward_minus_value():
+    values = torch.tensor([[0.2, 0.5], [0.0, -1.0]])
+    adv, returns = gae(torch.tensor([1.0, 2.0]), values, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.8, 0.5], [2.0, 3.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+
+
+def test_gae_with_lambda_half():
+    # delta_1 = r - V_1 = 0.5; delta_0 = V_1 - V_0 = 0.3; A_0 = 0.3 + 0.5 * 0.5 = 0.55
+    adv, returns = gae(torch.tensor([1.0]), torch.tensor([[0.2, 0.5]]), lam=0.5)
+    torch.testing.assert_close(adv, torch.tensor([[0.55, 0.5]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.75, 1.0]]))
+
+
+def test_diffusion_dpo_loss_hand_value_and_weights():
+    # margin = (0.1 - 0.2) - (0.3 - 0.2) = -0.2; loss = -log sigmoid(-0.5 * 10 * -0.2) = log(1 + e^-1)
+    loss, stats = diffusion_dpo_loss(torch.tensor([0.1]), torch.tensor([0.3]), torch.tensor([0.2]),
+                                     torch.tensor([0.2]), beta=10.0)
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-1)), rel=1e-6)
+    assert stats["dpo_ranking_acc"].item() == 1.0 and stats["dpo_margin"].item() == pytest.approx(-0.2)
+    # a padding pair (weight 0) changes nothing
+    padded, _ = diffusion_dpo_loss(torch.tensor([0.1, 5.0]), torch.tensor([0.3, 0.0]), torch.tensor([0.2, 0.0]),
+                                   torch.tensor([0.2, 0.0]), beta=10.0, weights=torch.tensor([1.0, 0.0]))
+    assert padded.item() == pytest.approx(loss.item(), rel=1e-6)
+    # with the policy equal to the reference the loss is log 2 whatever the losses are
+    same, _ = diffusion_dpo_loss(torch.tensor([0.4]), torch.tensor([0.9]), torch.tensor([0.4]), torch.tensor([0.9]), 1e3)
+    assert same.item() == pytest.approx(math.log(2))
+
+
+def test_best_and_worst_skips_failed_and_flat_groups():
+    r = torch.tensor([0.1, 0.9, 0.5, float("nan"), 0.3, 0.3, 0.7, float("nan")])
+    g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    groups, best, worst = best_and_worst(r, g)
+    assert groups.tolist() == [0] and best.tolist() == [1] and worst.tolist() == [0]
+
+
+def test_nft_loss_hand_values_and_no_gradient_at_the_old_policy_for_neutral_samples():
+    v_theta, v_old, v = torch.ones(1, 2), torch.zeros(1, 2), torch.full((1, 2), 2.0)
+    # beta 0.5: v+ = 0.5 -> (0.5 - 2)^2 = 2.25; v- = -0.5 -> (-0.5 - 2)^2 = 6.25
+    assert nft_loss(v_theta, v_old, v, torch.tensor([1.0]), 0.5).item() == pytest.approx(2.25)
+    assert nft_loss(v_theta, v_old, v, torch.tensor([0.0]), 0.5).item() == pytest.approx(6.25)
+    assert nft_loss(v_theta, v_old, v, torch.tensor([0.5]), 0.5).item() == pytest.approx(4.25)
+    theta = torch.full((1, 2), 0.3, requires_grad=True)
+    nft_loss(theta, theta.detach(), v, torch.tensor([0.5]), 1.0).sum().backward()
+    assert theta.grad.abs().max().item() == pytest.approx(0.0, abs=1e-7)
+    theta.grad = None  # a good sample pulls towards the target
+    nft_loss(theta, theta.detach(), v, torch.tensor([1.0]), 1.0).sum().backward()
+    assert (theta.grad < 0).all()
+
+
+def test_optimality_probability():
+    r = optimality_probability(torch.tensor([-2.0, -0.5, 0.0, 0.5, 2.0]), scale=1.0)
+    torch.testing.assert_close(r, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]))
+
+
+def test_balanced_local_pads_every_rank_to_the_largest_share():
+    rewards = lambda rank: Rewards(torch.zeros(4), torch.zeros(8), torch.zeros(8, dtype=torch.long), 4 * rank)  # noqa: E731
+    selected = torch.tensor([[1, 0], [2, 3], [6, 5]])
+    rows0, w0 = balanced_local(selected, rewards(0))
+    rows1, w1 = balanced_local(selected, rewards(1))
+    assert rows0.tolist() == [[1, 0], [2, 3]] and w0.tolist() == [1.0, 1.0]
+    assert rows1.tolist() == [[2, 1], [0, 0]] and w1.tolist() == [1.0, 0.0]
+
+
+def test_refresh_reference_copies_then_averages():
+    policy = nn.Linear(2, 1)
+    ctx = LossContext(None, policy, policy)  # a reference that shares the policy's weights (LoRA-disabled)
+    refresh_reference(ctx)
+    assert ctx.reference is not policy and not shares_weights(ctx.reference, policy)
+    assert torch.equal(ctx.reference.weight, policy.weight) and not ctx.reference.weight.requires_grad
+    old = ctx.reference.weight.clone()
+    with torch.no_grad():
+        policy.weight.add_(1.0)
+    refresh_reference(ctx, decay=0.75)
+    torch.testing.assert_close(ctx.reference.weight, 0.75 * old + 0.25 * policy.weight.detach())
+
+
+def test_ema_updates_every_k_steps_and_swaps_in_for_evaluation():
+    w = torch.tensor([1.0, 2.0])
+    ema = EMA([w], decay=0.5, every=2)
+    w.add_(2.0)
+    ema.step(1)
+    torch.testing.assert_close(ema.shadow[0], torch.tensor([1.0, 2.0]))  # not an update step
+    ema.step(2)
+    torch.testing.assert_close(ema.shadow[0], torch.tensor([2.0, 3.0]))
+    with ema.swapped():
+        torch.testing.assert_close(w, torch.tensor([2.0, 3.0]))
+    torch.testing.assert_close(w, torch.tensor([3.0, 4.0]))
+    restored = EMA([torch.zeros(2)], decay=0.5, every=1)
+    restored.load_state(ema.state())
+    torch.testing.assert_close(restored.shadow[0], ema.shadow[0])
+    with pytest.raises(ValueError, match="ema_decay"):
+        EMA([w], decay=1.0, every=1)
+
+
+def test_value_network_input_shapes():
+    cond = Conditioning(embeds={"prompt_embeds": torch.ones(3, 7, 5), "pooled": torch.full((3, 4), 2.0)})
+    vec = condition_vector(cond)
+    assert vec.shape == (3, 9) and vec[0, :4].eq(2.0).all() and vec[0, 4:].eq(1.0).all()  # sorted by name
+    net = ValueNetwork(latent_numel=3 * 16 * 16, cond_dim=9, hidden=8, latent_features=64)
+    assert net(torch.randn(3, 3, 16, 16), torch.rand(3), vec).shape == (3,)

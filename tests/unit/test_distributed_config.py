@@ -1,0 +1,70 @@
+"""Backend selection and DeepSpeed config filling: user mistakes are ValueErrors that say what to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer.config import ParallelConfig
+from trainer.distributed import SingleProcess, init_backend
+from trainer.distributed.zero import deepspeed_config
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_auto_and_single_give_one_process():
+    assert isinstance(init_backend(ParallelConfig(), CPU, 1.0), SingleProcess)
+    assert isinstance(init_backend(ParallelConfig(backend="single"), CPU, 1.0), SingleProcess)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_distributed_backends_without_torchrun_say_what_to_run(backend):
+    with pytest.raises(ValueError, match=f"torchrun --nproc_per_node=2 trainer/main.py parallel.backend={backend}"):
+        init_backend(ParallelConfig(backend=backend), CPU, 1.0)
+
+
+def test_mixed_precision_needs_a_sharding_backend():
+    with pytest.raises(ValueError, match="need fsdp2, zero2 or zero3"):
+        init_backend(ParallelConfig(backend="single", param_dtype="bfloat16"), CPU, 1.0)
+
+
+def test_auto_values_are_filled_from_our_config_and_explicit_ones_kept(tmp_path):
+    config = deepspeed_config(3, "", max_grad_norm=0.5, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                              cpu_offload=True)
+    assert config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+    assert config["communication_data_type"] == "fp32"
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    own = tmp_path / "ds.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}},
+                               "communication_data_type": "bf16"}))
+    config = deepspeed_config(2, str(own), max_grad_norm=1.0, param_dtype=torch.float32,
+                              reduce_dtype=torch.float32, cpu_offload=True)
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "none"  # the file's choice
+    assert config["communication_data_type"] == "bf16" and config["gradient_clipping"] == 1.0
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ({"zero_optimization": {"stage": 2}}, "but parallel.backend=zero3"),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+      "gradient_clipping": 2.0}, "set it to \"auto\""),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000,
+                            "stage3_prefetch_bucket_size": 0}}, "stage3_param_persistence_threshold"),
+])
+def test_bad_deepspeed_configs_are_refused(tmp_path, content, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        deepspeed_config(3, str(path), max_grad_norm=1.0, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                         cpu_offload=False)
+    with pytest.raises(ValueError, match="not found; set parallel.deepspeed_config"):
+        deepspeed_config(3, str(tmp_path / "missing.json"), max_grad_norm=1.0, param_dtype=torch.float32,
+                         reduce_dtype=torch.float32, cpu_offload=False)

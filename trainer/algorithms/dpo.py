@@ -1,0 +1,130 @@
+"""Online DPO: Diffusion-DPO on preference pairs from the policy's own samples, against a reference that
+is refreshed from the policy every ``ref_refresh_every`` RL epochs.
+
+From each group of ``group_size`` samples of one prompt the best and the worst (by reward) form a pair
+(w, l). With the denoising loss l(theta, x) = ||model_theta(x_sigma, sigma, c) - target||^2 (mean over
+elements) at a noise level and noise shared by the two samples of a pair:
+    L = -log sigmoid(-beta/2 [(l_theta(w) - l_ref(w)) - (l_theta(l) - l_ref(l))])
+The clean sample x of a rollout is its final latent. Departures from Diffusion-DPO (offline, fixed
+reference): pairs are on-policy and the reference moves ("online"); groups whose rewards do not differ
+give no pair; noise levels are logit-normal like the supervised loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.algorithms.advantages import best_and_worst, diffusion_dpo_loss
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local, refresh_reference
+from trainer.algorithms.sft import NoiseDraws, per_sample_mse
+from trainer.rollout import Rollout, SamplerSettings
+
+
+@dataclass
+class DPOConfig:
+    """Online DPO hyper-parameters."""
+
+    name: str = "dpo"
+    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
+    group_size: int = 8
+    """Samples per prompt; each group's best and worst form one preference pair."""
+    beta: float = 500.0
+    """Strength of the preference (inverse temperature); large because denoising-loss differences are small."""
+    ref_refresh_every: int = 1
+    """Copy the policy into the reference every N RL epochs (1: the reference is last epoch's policy)."""
+    noise_draws: int = 2
+    """(noise level, noise) draws per pair per inner epoch."""
+    inner_epochs: int = 1
+    """Passes over each epoch's pairs."""
+    steps_per_epoch: int = 1
+    """Optimizer steps per inner epoch (the draws are split into this many)."""
+    micro_batch_size: int = 16
+    """Pairs per forward/backward (each runs 2x this many samples through policy and reference)."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal density of noise levels."""
+    logit_std: float = 1.0
+    """Std of the logit-normal density of noise levels."""
+    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
+    """Rollout sampling; no log-probs are needed, so the deterministic sampler users deploy is the default."""
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError("algorithm.group_size must be >= 2: pairs come from within a group")
+        if min(self.ref_refresh_every, self.noise_draws, self.inner_epochs, self.steps_per_epoch,
+               self.micro_batch_size) < 1:
+            raise ValueError("algorithm.ref_refresh_every, noise_draws, inner_epochs, steps_per_epoch and "
+                             "micro_batch_size must be >= 1")
+
+
+@dataclass
+class DPOBatch:
+    rollout: Rollout
+    pairs: torch.Tensor     # [P, 2] local (winner, loser) sample indices
+    weights: torch.Tensor   # [P] 1 real pair, 0 padding (equal pair counts on every rank)
+    rewards: Rewards
+
+
+@dataclass
+class DPOUnit:
+    batch: DPOBatch
+    pairs: torch.Tensor     # [m] rows of batch.pairs
+    sigma: torch.Tensor     # [m]
+    noise: torch.Tensor     # [m, *latent_shape]
+
+
+class DPO(NoExtras):
+    """Online Diffusion-DPO on best-vs-worst pairs of each group."""
+
+    config_class = DPOConfig
+    local_groups = True
+
+    def __init__(self, config: DPOConfig):
+        self.config = config
+        self.sampler = config.sampler
+        self.group_size = config.group_size
+        self.inner_epochs = config.inner_epochs
+        self.needs_reference = True
+
+    def start_epoch(self, ctx: LossContext, epoch: int) -> None:
+        # Epoch 0 too: after a LoRA warm-up the LoRA-disabled base is not the policy RL starts from.
+        if epoch % self.config.ref_refresh_every == 0:
+            refresh_reference(ctx)
+
+    def make_batch(self, rollout: Rollout, rewards: Rewards) -> DPOBatch:
+        _, best, worst = best_and_worst(rewards.all, rewards.group_ids_all)
+        pairs, weights = balanced_local(torch.stack([best, worst], dim=1).reshape(-1, 2), rewards)
+        return DPOBatch(rollout, pairs, weights, rewards)
+
+    def plan(self, batch: DPOBatch, generator: torch.Generator) -> list[list[DPOUnit]]:
+        x0 = batch.rollout.latents[:, -1]
+        draws = NoiseDraws.draw(self.config.noise_draws, x0[batch.pairs[:, 0]], self.config.logit_mean,
+                                self.config.logit_std, generator)
+        units = [DPOUnit(batch, rows, draws.sigma[d, rows], draws.noise[d, rows])
+                 for d in range(self.config.noise_draws)
+                 for rows in torch.randperm(len(batch.pairs), generator=generator).split(self.config.micro_batch_size)]
+        per_step = -(-len(units) // self.config.steps_per_epoch)
+        return [units[i : i + per_step] for i in range(0, len(units), per_step)]
+
+    def loss(self, ctx: LossContext, unit: DPOUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ro = unit.batch.rollout
+        samples = unit.batch.pairs[unit.pairs].T.reshape(-1)  # winners then losers
+        sigma, noise = unit.sigma.repeat(2), torch.cat([unit.noise, unit.noise])
+        x_t, target = ctx.adapter.training_target(ro.latents[samples, -1], noise, sigma)
+        cond = ro.cond.select(samples)
+        policy = per_sample_mse(ctx.adapter.predict(ctx.policy, x_t, sigma, cond, 1.0), target)
+        with torch.no_grad():
+            ref = per_sample_mse(ctx.adapter.predict(ctx.reference, x_t, sigma, cond, 1.0), target)
+        m = len(unit.pairs)
+        loss, stats = diffusion_dpo_loss(policy[:m], policy[m:], ref[:m], ref[m:], self.config.beta,
+                                         unit.batch.weights[unit.pairs])
+        stats["dpo_loss"] = loss.detach()
+        stats["denoise_loss"] = policy.mean().detach()
+        return loss, stats
+
+    def batch_metrics(self, batch: DPOBatch) -> dict[str, float]:
+        real = batch.pairs[batch.weights > 0]
+        gap = batch.rewards.local[real[:, 0]] - batch.rewards.local[real[:, 1]] if len(real) else torch.zeros(1)
+        return {"pairs": float(len(real)), "pair_reward_gap": float(gap.mean()),
+                "failed_share": float(torch.isnan(batch.rewards.all).float().mean())}

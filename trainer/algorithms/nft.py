@@ -1,0 +1,122 @@
+"""DiffusionNFT: policy optimisation on the forward (noising) process of the policy's clean samples.
+
+No log-probabilities, so any sampler (the ODE one by default) and no CFG. Each clean sample x0 with
+reward r gets an optimality probability from its group-relative advantage,
+    r~ = 0.5 + 0.5 clip(A / s, -1, 1),
+and at a random noise level sigma, x_sigma and the flow-matching target v come from the forward process:
+    v+ = (1 - beta) v_old + beta v_theta,   v- = (1 + beta) v_old - beta v_theta
+    L  = r~ ||v+ - v||^2 + (1 - r~) ||v- - v||^2
+Good samples pull the policy towards their target, bad ones push it away, both relative to v_old, the
+velocity of the old (sampling) policy: the reference, which follows the policy before every epoch's
+rollout: old <- decay old + (1 - decay) policy (decay 0 copies it). Departures from the paper: noise
+levels are logit-normal like the supervised loss; samples with a failed reward get weight 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, split_steps
+from trainer.algorithms.sft import NoiseDraws
+from trainer.rollout import Rollout, SamplerSettings
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT hyper-parameters."""
+
+    name: str = "nft"
+    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
+    group_size: int = 8
+    """Samples per prompt; advantages are group-relative."""
+    beta: float = 1.0
+    """Mixing strength of the implicit positive / negative policies (the paper's beta)."""
+    optimality_scale: float = 1.0
+    """s in r~ = 0.5 + 0.5 clip(A / s, -1, 1): advantages (in group stds) that count as fully good/bad."""
+    global_std: bool = True
+    """Normalise advantages by the std of the whole gathered batch instead of each group's."""
+    old_decay: float = 0.0
+    """The old policy's update before each epoch: old <- decay old + (1 - decay) policy."""
+    noise_draws: int = 2
+    """(noise level, noise) draws per sample per inner epoch."""
+    inner_epochs: int = 1
+    """Passes over each rollout batch."""
+    steps_per_epoch: int = 1
+    """Optimizer steps per inner epoch."""
+    micro_batch_size: int = 32
+    """Samples per forward/backward."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal density of noise levels."""
+    logit_std: float = 1.0
+    """Std of the logit-normal density of noise levels."""
+    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
+    """Rollout sampling: any solver works; the deterministic one is the default."""
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError("algorithm.group_size must be >= 2 for group-relative advantages")
+        if not 0 <= self.old_decay < 1:
+            raise ValueError(f"algorithm.old_decay={self.old_decay} must be in [0, 1)")
+        if min(self.noise_draws, self.inner_epochs, self.steps_per_epoch, self.micro_batch_size) < 1:
+            raise ValueError("algorithm.noise_draws, inner_epochs, steps_per_epoch and micro_batch_size must be >= 1")
+
+
+@dataclass
+class NFTBatch:
+    rollout: Rollout
+    optimality: torch.Tensor  # [B] r~ of this rank's samples
+    weights: torch.Tensor     # [B] 0 where the reward failed
+    rewards: Rewards
+
+
+class NFT(NoExtras):
+    """DiffusionNFT on clean rollout samples."""
+
+    config_class = NFTConfig
+
+    def __init__(self, config: NFTConfig):
+        self.config = config
+        self.sampler = config.sampler
+        self.group_size = config.group_size
+        self.inner_epochs = config.inner_epochs
+        self.needs_reference = True
+
+    def start_epoch(self, ctx: LossContext, epoch: int) -> None:
+        refresh_reference(ctx, self.config.old_decay)
+
+    def make_batch(self, rollout: Rollout, rewards: Rewards) -> NFTBatch:
+        adv = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std)
+        mine = slice(rewards.offset, rewards.offset + len(rewards.local))
+        return NFTBatch(rollout, optimality_probability(adv[mine], self.config.optimality_scale),
+                        (~torch.isnan(rewards.local)).float(), rewards)
+
+    def plan(self, batch: NFTBatch, generator: torch.Generator) -> list[list[tuple[NFTBatch, torch.Tensor, NoiseDraws]]]:
+        x0 = batch.rollout.latents[:, -1]
+        steps = []
+        for _ in range(self.config.noise_draws):
+            draw = NoiseDraws.draw(1, x0, self.config.logit_mean, self.config.logit_std, generator)
+            for micro_batches in split_steps(len(x0), self.config.steps_per_epoch, self.config.micro_batch_size,
+                                             generator):
+                steps.append([(batch, idx, NoiseDraws(draw.sigma[0, idx], draw.noise[0, idx])) for idx in micro_batches])
+        return steps
+
+    def loss(self, ctx: LossContext, unit: tuple[NFTBatch, torch.Tensor, NoiseDraws]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch, idx, draw = unit
+        ro = batch.rollout
+        x_t, target = ctx.adapter.training_target(ro.latents[idx, -1], draw.noise, draw.sigma)
+        cond = ro.cond.select(idx)
+        v_theta = ctx.adapter.predict(ctx.policy, x_t, draw.sigma, cond, 1.0)
+        with torch.no_grad():
+            v_old = ctx.adapter.predict(ctx.reference, x_t, draw.sigma, cond, 1.0)
+        per_sample = nft_loss(v_theta.float(), v_old.float(), target.float(), batch.optimality[idx], self.config.beta)
+        w = batch.weights[idx]
+        loss = (per_sample * w).sum() / w.sum().clamp_min(1.0)
+        return loss, {"nft_loss": loss.detach()}
+
+    def batch_metrics(self, batch: NFTBatch) -> dict[str, float]:
+        return {"optimality_mean": float(batch.optimality.mean()),
+                "optimality_extreme_share": float(((batch.optimality - 0.5).abs() == 0.5).float().mean()),
+                "failed_share": float(torch.isnan(batch.rewards.all).float().mean())}

@@ -1,0 +1,157 @@
+"""The clipped policy-gradient machinery GRPO, PPO and PPO-with-critic share: their configs' common fields,
+the batch of per-(sample, step) advantages, the plan of (micro-batch, timestep) units and the per-step loss.
+
+Each algorithm differs only in how it estimates advantages (group-relative, batch-normalised, or GAE on a
+learned value); everything here is the same Flow-GRPO step loss:
+    ratio = exp(log p_theta(x_{t+1} | x_t) - log p_old(x_{t+1} | x_t))
+    L     = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps))) + beta KL(pi_theta || pi_ref)
+with the KL in the latent-mean form without the dt factor (``gaussian_mean_kl``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, split_steps
+from trainer.rollout import Rollout, SamplerSettings
+
+
+@dataclass
+class PolicyGradientConfig:
+    """Fields every clipped policy-gradient algorithm has; each algorithm's config adds its own."""
+
+    name: str = ""
+    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
+    group_size: int = 8
+    """Images per prompt in each rollout batch."""
+    adv_clip: float = 5.0
+    """Advantages are clipped to [-adv_clip, adv_clip]."""
+    clip_range: float = 1e-4
+    """PPO ratio clip eps; small because the log-prob is averaged over elements."""
+    kl_beta: float = 0.0
+    """Weight of the KL to the reference policy; 0 skips the reference forward entirely."""
+    timestep_fraction: float = 1.0
+    """Fraction of the trainable (stochastic, non-final) steps trained per sample."""
+    inner_epochs: int = 1
+    """Passes over each rollout batch; the ratio and clip keep reuse safe."""
+    steps_per_epoch: int = 1
+    """Optimizer steps per inner epoch (the per-rank batch is split into this many)."""
+    micro_batch_size: int = 32
+    """Samples per forward/backward; gradients accumulate over micro-batches and timesteps."""
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    """Rollout sampling (steps, CFG, SDE kind and noise level, SDE window)."""
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ValueError("algorithm.group_size must be >= 1")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"algorithm.timestep_fraction={self.timestep_fraction} must be in (0, 1]")
+        if self.inner_epochs < 1 or self.steps_per_epoch < 1 or self.micro_batch_size < 1:
+            raise ValueError("algorithm.inner_epochs, steps_per_epoch and micro_batch_size must be >= 1")
+
+
+@dataclass
+class PolicyGradientBatch:
+    rollout: Rollout
+    advantages: torch.Tensor   # [B, T] this rank's samples, per denoising step
+    train_steps: torch.Tensor  # [K] denoising step indices eligible for training
+    rewards: Rewards
+    returns: torch.Tensor | None = None  # [B, T] value targets (critic algorithms)
+
+
+@dataclass
+class StepUnit:
+    batch: PolicyGradientBatch
+    indices: torch.Tensor      # [m] samples of this micro-batch
+    steps: torch.Tensor        # [m] denoising step trained for each sample
+
+
+def trainable_steps(rollout: Rollout) -> torch.Tensor:
+    steps = rollout.trainable_steps()
+    if len(steps) == 0:
+        raise ValueError("no trainable denoising steps: raise sampler.num_steps or sampler.sde_window")
+    return steps
+
+
+def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
+               generator: torch.Generator) -> list[list[StepUnit]]:
+    """Each sample trains on its own random subset of ``ceil(timestep_fraction * K)`` steps; a unit is one
+    micro-batch at one step position; the per-rank batch splits into ``steps_per_epoch`` optimizer steps."""
+    n = batch.advantages.shape[0]
+    k = len(batch.train_steps)
+    per_sample = max(1, math.ceil(config.timestep_fraction * k))
+    order = torch.stack([batch.train_steps[torch.randperm(k, generator=generator)[:per_sample]] for _ in range(n)])
+    steps = []
+    for micro_batches in split_steps(n, config.steps_per_epoch, config.micro_batch_size, generator):
+        steps.append([StepUnit(batch, idx, order[idx, j]) for idx in micro_batches for j in range(per_sample)])
+    return steps
+
+
+def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped policy loss (plus beta KL) of one unit: re-evaluates log p(x_{t+1} | x_t) under the policy."""
+    batch, idx, step = unit.batch, unit.indices, unit.steps
+    ro = batch.rollout
+    x_t, x_next = ro.latents[idx, step], ro.latents[idx, step + 1]
+    sigma, sigma_next = ro.sigmas[step], ro.sigmas[step + 1]
+    cond = ro.cond.select(idx)
+    step_fn = ctx.adapter.step_function(ro.kind, ro.sigmas)
+    v = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, ro.guidance_scale)
+    _, log_prob, mean, std = step_fn(v, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next)
+    loss, stats = clipped_policy_loss(batch.advantages[idx, step], log_prob, ro.log_probs[idx, step],
+                                      config.clip_range)
+    if config.kl_beta > 0:
+        with torch.no_grad():
+            v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, ro.guidance_scale)
+            _, _, ref_mean, _ = step_fn(v_ref, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next)
+        kl = gaussian_mean_kl(mean, ref_mean, std).mean()
+        loss = loss + config.kl_beta * kl
+        stats["kl"] = kl.detach()
+    stats["policy_loss"] = loss.detach()
+    return loss, stats
+
+
+def advantage_metrics(batch: PolicyGradientBatch) -> dict[str, float]:
+    """Statistics of the advantages at the trained steps, and the failed share of the gathered rewards."""
+    adv = batch.advantages[:, batch.train_steps]
+    return {
+        "adv_mean": float(adv.mean()), "adv_std": float(adv.std(unbiased=False)),
+        "adv_abs_mean": float(adv.abs().mean()), "adv_max": float(adv.abs().max()),
+        "failed_share": float(torch.isnan(batch.rewards.all).float().mean()),
+    }
+
+
+def per_step(advantages: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """Per-sample advantages [B] broadcast to every denoising step [B, T]."""
+    return advantages[:, None].expand(-1, rollout.log_probs.shape[1])
+
+
+class ClippedPolicyGradient(NoExtras):
+    """The shared loop of the clipped policy-gradient algorithms; a subclass supplies ``advantages``
+    (per sample, this rank's slice of the gathered batch) and may add to ``batch_metrics``."""
+
+    def __init__(self, config: PolicyGradientConfig):
+        self.config = config
+        self.sampler = config.sampler
+        self.group_size = config.group_size
+        self.inner_epochs = config.inner_epochs
+        self.needs_reference = config.kl_beta > 0
+
+    def advantages(self, rewards: Rewards) -> torch.Tensor:
+        raise NotImplementedError
+
+    def make_batch(self, rollout: Rollout, rewards: Rewards) -> PolicyGradientBatch:
+        return PolicyGradientBatch(rollout, per_step(self.advantages(rewards), rollout), trainable_steps(rollout),
+                                   rewards)
+
+    def plan(self, batch: PolicyGradientBatch, generator: torch.Generator) -> list[list[StepUnit]]:
+        return plan_units(batch, self.config, generator)
+
+    def loss(self, ctx: LossContext, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return step_loss(ctx, unit, self.config)
+
+    def batch_metrics(self, batch: PolicyGradientBatch) -> dict[str, float]:
+        return advantage_metrics(batch)

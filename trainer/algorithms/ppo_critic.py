@@ -1,0 +1,149 @@
+"""PPO with a learned critic: advantages from a value network instead of a group or batch baseline.
+
+A value network V(x_t, t, c) predicts the final reward from an intermediate latent. The reward arrives
+after the last denoising step, so generalised advantage estimation over the T steps (``gae``) gives
+    delta_t = V_{t+1} - V_t,   delta_{T-1} = r - V_{T-1},   A_t = delta_t + lam A_{t+1}   (gamma = 1)
+(lam = 1: A_t = r - V(x_t)), normalised over this rank's trained steps, and the loss is
+    L = clipped policy loss(A) + c_v mean((V(x_t) - R_t)^2),   R_t = A_t + V_t (before normalising)
+Departures from Flow-GRPO's PPO baseline: advantages are per step (the critic sees x_t), and the critic
+sees the conditioning through its text embeddings mean-pooled over tokens (image conditioning is not
+an input). The critic is trained with its own AdamW (``critic_learning_rate``) in the same backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.algorithms.advantages import gae
+from trainer.algorithms.base import LossContext, Rewards
+from trainer.algorithms.policy_gradient import (
+    ClippedPolicyGradient,
+    PolicyGradientBatch,
+    PolicyGradientConfig,
+    StepUnit,
+    step_loss,
+    trainable_steps,
+)
+from trainer.models.base import Conditioning, ModelAdapter
+from trainer.rollout import Rollout
+
+
+@dataclass
+class PPOCriticConfig(PolicyGradientConfig):
+    """PPO-with-critic hyper-parameters (policy fields as in GRPO)."""
+
+    name: str = "ppo_critic"
+    group_size: int = 1
+    gae_lambda: float = 1.0
+    """GAE lambda over denoising steps: 1 uses r - V(x_t); lower trusts the critic's later values more."""
+    value_coef: float = 0.5
+    """Weight of the value loss in the summed loss."""
+    critic_learning_rate: float = 1e-3
+    """AdamW learning rate of the value network (it must track the policy, so faster than the policy's)."""
+    critic_hidden: int = 256
+    """Width of the value network's two hidden layers."""
+    critic_latent_features: int = 1024
+    """Latent elements the value network sees after average pooling (fewer when the latent is smaller)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.gae_lambda <= 1:
+            raise ValueError(f"algorithm.gae_lambda={self.gae_lambda} must be in [0, 1]")
+
+
+def condition_vector(cond: Conditioning) -> torch.Tensor:
+    """[B, D]: every text embedding mean-pooled over its token dimensions, concatenated (sorted by name)."""
+    parts = []
+    for name in sorted(cond.embeds):
+        e = cond.embeds[name].float()
+        parts.append(e.mean(dim=tuple(range(1, e.ndim - 1))) if e.ndim > 2 else e.reshape(len(e), -1))
+    return torch.cat(parts, dim=1)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = 64) -> torch.Tensor:
+    """Sinusoidal features of t in [0, 1] (scaled to [0, 1000] as diffusion models do): [B, dim]."""
+    freqs = torch.exp(-math.log(10_000) * torch.arange(dim // 2, device=t.device) / (dim // 2))
+    angles = 1000 * t.float()[:, None] * freqs[None]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+class ValueNetwork(nn.Module):
+    """V(x_t, t, c) -> [B]: average-pooled latent, timestep features and pooled text embeddings into an MLP."""
+
+    def __init__(self, latent_numel: int, cond_dim: int, hidden: int, latent_features: int):
+        super().__init__()
+        self.latent_features = min(latent_numel, latent_features)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.latent_features + 64 + cond_dim, hidden), nn.SiLU(),
+            nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 1),
+        )
+
+    def forward(self, latents: torch.Tensor, t: torch.Tensor, cond_vec: torch.Tensor) -> torch.Tensor:
+        flat = latents.float().reshape(len(latents), 1, -1)
+        pooled = F.adaptive_avg_pool1d(flat, self.latent_features).flatten(1)
+        return self.mlp(torch.cat([pooled, timestep_embedding(t), cond_vec.float()], dim=1)).squeeze(1)
+
+
+class PPOCritic(ClippedPolicyGradient):
+    """Clipped policy optimisation with GAE advantages from a learned value network."""
+
+    config_class = PPOCriticConfig
+
+    def __init__(self, config: PPOCriticConfig):
+        super().__init__(config)
+        self.critic: ValueNetwork | None = None
+        self.critic_train: nn.Module | None = None
+
+    def setup(self, adapter: ModelAdapter, example: Conditioning, backend) -> None:
+        latent_numel = math.prod(adapter.latent_shape)
+        device = next(adapter.denoiser.parameters()).device
+        self.critic = ValueNetwork(latent_numel, condition_vector(example).shape[1], self.config.critic_hidden,
+                                   self.config.critic_latent_features).to(device)
+        self.critic_train = backend.prepare_auxiliary(
+            self.critic, lambda params: torch.optim.AdamW(params, lr=self.config.critic_learning_rate))
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        """V(x_t) [B, T] of every recorded latent before each step."""
+        cond = condition_vector(rollout.cond)
+        b, t = rollout.log_probs.shape
+        rows = [self.critic(rollout.latents[:, i], rollout.sigmas[i].expand(b), cond) for i in range(t)]
+        return torch.stack(rows, dim=1)
+
+    def make_batch(self, rollout: Rollout, rewards: Rewards) -> PolicyGradientBatch:
+        if self.critic is None:
+            raise RuntimeError("PPOCritic.setup must run before training (the Trainer calls it)")
+        values = self.values(rollout)
+        local = rewards.local.to(values.device)
+        valid = ~torch.isnan(local)
+        adv, returns = gae(torch.where(valid, local, 0.0), values, self.config.gae_lambda)
+        steps = trainable_steps(rollout)
+        trained = adv[valid][:, steps]
+        adv = torch.where(valid[:, None], (adv - trained.mean()) / (trained.std(unbiased=False) + 1e-4), 0.0)
+        return PolicyGradientBatch(rollout, adv.clamp(-self.config.adv_clip, self.config.adv_clip), steps,
+                                   rewards, torch.where(valid[:, None], returns, values))
+
+    def loss(self, ctx: LossContext, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = step_loss(ctx, unit, self.config)
+        ro = unit.batch.rollout
+        predicted = self.critic_train(ro.latents[unit.indices, unit.steps], ro.sigmas[unit.steps],
+                                      condition_vector(ro.cond.select(unit.indices)))
+        value_loss = F.mse_loss(predicted, unit.batch.returns[unit.indices, unit.steps])
+        stats["value_loss"] = value_loss.detach()
+        return loss + self.config.value_coef * value_loss, stats
+
+    def batch_metrics(self, batch: PolicyGradientBatch) -> dict[str, float]:
+        steps = batch.train_steps
+        return {**super().batch_metrics(batch),
+                "value_target_mean": float(batch.returns[:, steps].mean())}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items()})

@@ -1,0 +1,109 @@
+"""Best-of-group SFT (rejection sampling fine-tuning): the denoising regression loss on the policy's own
+best sample of each group, optionally weighted by how much better than its group it is.
+
+Per group g, b = argmax_i r_i; with the weight w_g = 1 ("uniform") or w_g = max(A_b, 0) where A is the
+group-relative advantage ("advantage"; a group without spread then gives no update):
+    L = sum_g w_g ||model(x_sigma(b), sigma, c) - target||^2 / sum_g w_g,   sigma ~ logit-normal
+The clean sample is the rollout's final latent. Departures from RAFT: one best per group rather than a
+top fraction of the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from trainer.algorithms.advantages import best_and_worst, group_advantages
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local
+from trainer.algorithms.sft import NoiseDraws, denoising_loss
+from trainer.rollout import Rollout, SamplerSettings
+
+
+@dataclass
+class BestOfGroupConfig:
+    """Best-of-group SFT hyper-parameters."""
+
+    name: str = "sft_best"
+    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
+    group_size: int = 8
+    """Samples per prompt; the best of each group is the training target."""
+    weighting: Literal["uniform", "advantage"] = "advantage"
+    """Weight of each group's best sample: 1, or its (positive) group-relative advantage."""
+    noise_draws: int = 2
+    """(noise level, noise) draws per chosen sample per inner epoch."""
+    inner_epochs: int = 1
+    """Passes over each epoch's chosen samples."""
+    micro_batch_size: int = 32
+    """Samples per forward/backward."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal density of noise levels."""
+    logit_std: float = 1.0
+    """Std of the logit-normal density of noise levels."""
+    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
+    """Rollout sampling; no log-probs are needed, so the deterministic sampler is the default."""
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError("algorithm.group_size must be >= 2: the best is chosen within a group")
+        if min(self.noise_draws, self.inner_epochs, self.micro_batch_size) < 1:
+            raise ValueError("algorithm.noise_draws, inner_epochs and micro_batch_size must be >= 1")
+
+
+@dataclass
+class BestBatch:
+    rollout: Rollout
+    samples: torch.Tensor   # [M] local indices of the chosen samples (padded)
+    weights: torch.Tensor   # [M] loss weights, 0 for padding
+    rewards: Rewards
+
+
+class BestOfGroupSFT(NoExtras):
+    """Supervised fine-tuning on each group's best sample."""
+
+    config_class = BestOfGroupConfig
+    local_groups = True
+
+    def __init__(self, config: BestOfGroupConfig):
+        self.config = config
+        self.sampler = config.sampler
+        self.group_size = config.group_size
+        self.inner_epochs = config.inner_epochs
+        self.needs_reference = False
+
+    def make_batch(self, rollout: Rollout, rewards: Rewards) -> BestBatch:
+        groups, best, _ = best_and_worst(rewards.all, rewards.group_ids_all)
+        if self.config.weighting == "advantage":
+            adv = group_advantages(rewards.all, rewards.group_ids_all, global_std=False)
+            gathered_weights = adv[best].clamp_min(0.0)
+        else:
+            gathered_weights = torch.ones(len(best))
+        rows, real = balanced_local(best[:, None], rewards)
+        mine = (best // len(rewards.local)) == rewards.offset // len(rewards.local)
+        weights = torch.cat([gathered_weights[mine], torch.zeros(len(rows) - int(mine.sum()))]) * real
+        return BestBatch(rollout, rows[:, 0], weights, rewards)
+
+    def plan(self, batch: BestBatch, generator: torch.Generator) -> list[list[tuple[BestBatch, torch.Tensor, NoiseDraws]]]:
+        x0 = batch.rollout.latents[batch.samples, -1]
+        draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
+        return [[(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
+                 for d in range(self.config.noise_draws)
+                 for rows in torch.arange(len(batch.samples)).split(self.config.micro_batch_size)]]
+
+    def loss(self, ctx: LossContext, unit: tuple[BestBatch, torch.Tensor, NoiseDraws]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch, rows, draw = unit
+        samples = batch.samples[rows]
+        ro = batch.rollout
+        x_t, target = ctx.adapter.training_target(ro.latents[samples, -1], draw.noise, draw.sigma)
+        pred = ctx.adapter.predict(ctx.policy, x_t, draw.sigma, ro.cond.select(samples), 1.0)
+        weights = batch.weights[rows]
+        # A micro-batch of only zero weights still runs its backward (every rank runs the same count).
+        loss = denoising_loss(pred, target, weights) if float(weights.sum()) > 0 else 0.0 * pred.sum()
+        return loss, {"sft_loss": loss.detach()}
+
+    def batch_metrics(self, batch: BestBatch) -> dict[str, float]:
+        real = batch.weights > 0
+        chosen = batch.rewards.local[batch.samples[real]]
+        return {"chosen": float(real.sum()), "chosen_reward": float(chosen.mean()) if len(chosen) else 0.0,
+                "failed_share": float(torch.isnan(batch.rewards.all).float().mean())}

@@ -1,0 +1,163 @@
+"""FSDP2: ``torch.distributed.fsdp.fully_shard`` over the adapter's block classes, then the root.
+
+Each rank holds a 1/world slice of every parameter, gradient and optimizer moment (DTensors sharded on
+dim 0); a block's full parameters exist only during its forward and backward. Checkpoints store full
+(gathered) tensors: the trainable weights by name and the optimizer state from
+``torch.distributed.checkpoint.state_dict`` with ``full_state_dict=True`` (offloaded to the CPU, written by
+rank 0), so a checkpoint does not depend on the world size or the backend it was written under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from trainer.distributed.backend import (
+    DDP,
+    World,
+    check_auxiliary_count,
+    checked_trainable,
+    materialize,
+    skeleton,
+    trainable,
+)
+
+
+class FSDP2(DDP):
+    """Fully sharded data parallelism (per-parameter sharding, FSDP2)."""
+
+    def __init__(self, device: torch.device, world: World, dist_backend: str, param_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, cpu_offload: bool):
+        super().__init__(device, world, dist_backend)
+        self.shard_options = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+        if cpu_offload:
+            self.shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        self.aux_modules: list[nn.Module] = []
+
+    def prepare(self, module, params, make_optimizer, shard_units=()):
+        self.params = self._shard(module, params, shard_units)
+        self.optimizer = make_optimizer(self.params)
+        return module
+
+    def prepare_auxiliary(self, module, make_optimizer):
+        params = self._shard(module, [p for p in module.parameters() if p.requires_grad], ())
+        self.auxiliary.append((params, make_optimizer(params)))
+        self.aux_modules.append(module)
+        return module
+
+    def _shard(self, module: nn.Module, params: Iterable[nn.Parameter],
+               shard_units: tuple[type[nn.Module], ...]) -> list[nn.Parameter]:
+        """Shard ``module`` in place (each ``shard_units`` block, then the root); returns the sharded
+        parameters that replace ``params`` (fully_shard registers new DTensor parameters)."""
+        wanted = {id(p) for p in params}
+        names = [name for name, p in module.named_parameters() if id(p) in wanted]
+        assert len(names) == len(wanted), "params must belong to the module"
+        self.skeletons[id(module)] = skeleton(module)
+        for block in module.modules():
+            if shard_units and isinstance(block, shard_units) and block is not module:
+                fully_shard(block, **self.shard_options)
+        # Explicit for the root too (FSDP2 otherwise keeps the root's gathered parameters after a forward):
+        # writes into the shards (EMA swap, loading) must be seen by the next forward.
+        fully_shard(module, reshard_after_forward=True, **self.shard_options)
+        self.modules.append(module)
+        sharded = dict(module.named_parameters())
+        return [sharded[name] for name in names]
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        return self._gradient_sync(enabled)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Without sync, gradients accumulate unsharded on each rank and are reduce-scattered in the next
+        synchronised backward."""
+        for module in self.modules:
+            module.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            for module in self.modules:
+                module.set_requires_gradient_sync(True)
+
+    def step(self, max_grad_norm: float) -> float:
+        norm = _clip_sharded(self.params, max_grad_norm)
+        for params, _ in self.auxiliary:
+            _clip_sharded(params, max_grad_norm)
+        for opt in self._optimizers():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return norm
+
+    def optimizer_state(self) -> dict:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"main": get_optimizer_state_dict(self.modules[0], self.optimizer, options=options),
+                "auxiliary": [get_optimizer_state_dict(m, opt, options=options)
+                              for m, (_, opt) in zip(self.aux_modules, self.auxiliary, strict=True)]}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(self.modules[0], self.optimizer, state["main"], options=options)
+        check_auxiliary_count(state, len(self.auxiliary))
+        for m, (_, opt), saved in zip(self.aux_modules, self.auxiliary, state["auxiliary"], strict=True):
+            set_optimizer_state_dict(m, opt, saved, options=options)
+
+    @torch.no_grad()
+    def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        return [p.to_local() if isinstance(p, DTensor) else p.detach() for p in params]
+
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+        with torch.no_grad():
+            yield [_full(p) for p in params]
+
+    @torch.no_grad()
+    def trainable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        state = {}
+        for name, p in trainable(module):  # one parameter at a time: never the whole model at once
+            full = _full(p).cpu()
+            if self.world.rank == 0:
+                state[name] = full
+        return state
+
+    @torch.no_grad()
+    def load_trainable_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        for name, p in checked_trainable(module, state):
+            if isinstance(p, DTensor):
+                full = state[name].to(p.device, p.dtype)
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+            else:
+                p.copy_(state[name])
+
+    @torch.no_grad()
+    def frozen_copy(self, module: nn.Module) -> nn.Module:
+        """Unsharded on every rank (not sharded again): its forwards then need no collective, so ranks may
+        call it different numbers of times; it costs one full denoiser per rank."""
+        params = {name: _full(p).to(self.device) for name, p in module.named_parameters()}
+        return materialize(self.skeletons[id(module)], params, dict(module.named_buffers()))
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``p`` (collective for a DTensor; on the device the shard lives on)."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def _clip_sharded(params: list[nn.Parameter], max_grad_norm: float) -> float:
+    """``clip_grad_norm_`` over DTensor gradients: the norm is reduced over the shards of every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+

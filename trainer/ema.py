@@ -1,0 +1,59 @@
+"""Exponential moving average of the trainable weights, kept per shard so it works under every backend.
+
+    ema <- decay ema + (1 - decay) theta      every ``every`` optimizer steps
+Evaluation (and sampling) can run with the EMA weights swapped in; checkpoints store them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class EMA:
+    """Shadow copies of ``tensors`` (the backend's local shards of the trainable parameters)."""
+
+    def __init__(self, tensors: list[torch.Tensor], decay: float, every: int):
+        if not 0 < decay < 1 or every < 1:
+            raise ValueError(f"train.ema_decay={decay} must be in (0, 1) and train.ema_every={every} >= 1")
+        self.tensors = tensors
+        self.decay, self.every = decay, every
+        self.shadow = [t.detach().clone().float() for t in tensors]
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Restart the average at the current weights (e.g. when RL begins after the warm-up)."""
+        for s, t in zip(self.shadow, self.tensors, strict=True):
+            s.copy_(t)
+
+    @torch.no_grad()
+    def step(self, optimizer_step: int) -> None:
+        """Called after optimizer step ``optimizer_step`` (counted from 1); updates every ``every`` steps."""
+        if optimizer_step % self.every:
+            return
+        torch._foreach_lerp_(self.shadow, [t.float() for t in self.tensors], 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped(self) -> Iterator[None]:
+        """The EMA weights in place of the trained ones inside the block; the trained ones after it."""
+        saved = [t.detach().clone() for t in self.tensors]
+        for t, s in zip(self.tensors, self.shadow, strict=True):
+            t.copy_(s)
+        try:
+            yield
+        finally:
+            for t, s in zip(self.tensors, saved, strict=True):
+                t.copy_(s)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"{i:05d}": s for i, s in enumerate(self.shadow)}
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        if len(state) != len(self.shadow):
+            raise ValueError(f"the checkpoint's EMA has {len(state)} tensors, this model {len(self.shadow)}")
+        for i, s in enumerate(self.shadow):
+            s.copy_(state[f"{i:05d}"])

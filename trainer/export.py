@@ -1,0 +1,80 @@
+"""Export trained weights as a diffusers model directory.
+
+    python -m trainer.export --checkpoint outputs/RUN/checkpoints/step-000600-000030 --out exported/
+    python -m trainer.export --checkpoint ... --out ... --model-path /weights/sd3   # the base moved
+
+The checkpoint's config names the model; its base weights are loaded from ``model.path`` (or
+``--model-path``), the checkpoint's trainable weights are loaded on top, LoRA is merged into the base, and
+the denoiser is written with ``save_pretrained``: ``<Class>.from_pretrained(out)`` loads it. With LoRA the
+adapter alone is also written under ``out/lora`` (diffusers' LoRA format: ``load_lora_adapter`` takes it).
+Runs in one CPU process; no GPU or torchrun needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: see trainer/main.py
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from torch import nn
+
+
+def export_denoiser(denoiser: nn.Module, out: Path) -> None:
+    """Write ``denoiser`` (a plain, unsharded module, e.g. ``backend.frozen_copy``) to ``out`` as a diffusers
+    model, LoRA merged; with LoRA, also the adapter alone under ``out/lora``. Changes ``denoiser``
+    (the LoRA is fused into it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if getattr(denoiser, "peft_config", None):
+        denoiser.save_lora_adapter(str(out / "lora"))
+        denoiser.fuse_lora()
+        denoiser.unload_lora()
+    denoiser.save_pretrained(str(out))
+
+
+def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None) -> Path:
+    """Build the checkpoint's model on the CPU, load its trainable weights and export the denoiser to ``out``."""
+    from trainer.checkpoint import load_weights
+    from trainer.config import Config
+    from trainer.configuration import build
+    from trainer.distributed import SingleProcess
+    from trainer.models import build_adapter
+
+    if not (checkpoint / "trainable.safetensors").is_file():
+        raise ValueError(f"{checkpoint} is not a complete checkpoint (no trainable.safetensors); pass a "
+                         "<run>/checkpoints/step-* directory")
+    raw = json.loads((checkpoint / "config.json").read_text())
+    if model_path:
+        raw.setdefault("model", {})["path"] = model_path
+    model = build(Config, raw, "").model
+    if not Path(model.path).exists():
+        raise ValueError(f"the base model {model.path!r} named by the checkpoint's config does not exist here; "
+                         "pass --model-path")
+    adapter = build_adapter(model, torch.device("cpu"))
+    load_weights(checkpoint, adapter.denoiser, SingleProcess(torch.device("cpu")))
+    export_denoiser(adapter.denoiser, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, type=Path, help="a <run>/checkpoints/step-* directory")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write the diffusers model to")
+    parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
+    args = parser.parse_args(argv)
+    try:
+        export_checkpoint(args.checkpoint, args.out, args.model_path)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
