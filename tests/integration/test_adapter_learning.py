@@ -57,7 +57,7 @@ ADAPTER_SETTINGS = {
 }
 """Where an adapter learns differently: the tiny SD3 (8-pixel images) gains twice as much with every step
 stochastic; SD1.5's UNet rises and then collapses at 1e-2, and needs bigger groups for a steady signal."""
-EPOCHS = {"sd15_inpaint": 20}
+EPOCHS = {"sd15_inpaint": 15}
 DEFAULT_EPOCHS = 12
 
 

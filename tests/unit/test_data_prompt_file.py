@@ -51,3 +51,25 @@ def test_text_rendering_prompts_carry_their_quoted_target():
     first = metadata[0]
     assert first == {"text": "Spring Collection 2024"} and task.prompts[0].count(f'"{first["text"]}"') == 1
     assert _wire_metadata(task.prompts[:50], metadata[:50]) == metadata[:50]
+
+
+@pytest.mark.parametrize("wire_format", ["png", "msgpack"])
+def test_a_task_mask_travels_in_the_item_mask_field(wire_format):
+    """Inpainting tasks put the mask in metadata (where in-process scorers read it); on the wire it must go in
+    the item's ``mask`` field, which the protocol reserves, and decode back to the same pixels."""
+    from shared.imagecodec import decode_image
+    from shared.protocol import BinaryScoreRequest, unpack_msgpack
+
+    mask = np.zeros((4, 4, 1), np.uint8)
+    mask[:2] = 255
+    client = HttpRewardClient(["http://127.0.0.1:9"], {"ocr": 1.0}, wire_format=wire_format, verify_replicas=False)
+    try:
+        body = client.encode_body(np.zeros((1, 4, 4, 3), np.uint8), ['a sign "OPEN"'], [{"text": "OPEN", "mask": mask}])
+    finally:
+        client.close()
+    if wire_format == "msgpack":
+        (item,) = BinaryScoreRequest.model_validate(unpack_msgpack(body)).items
+    else:
+        (item,) = ScoreRequest.model_validate_json(body).items
+    assert item.metadata == {"text": "OPEN"} and item.mask is not None
+    np.testing.assert_array_equal(decode_image(item.mask.format, item.mask.data, item.mask.shape).reshape(4, 4, -1)[..., :1], mask)

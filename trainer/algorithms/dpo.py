@@ -12,50 +12,31 @@ give no pair; noise levels are logit-normal like the supervised loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from trainer.algorithms.advantages import best_and_worst, diffusion_dpo_loss
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local, refresh_reference
-from trainer.algorithms.sft import NoiseDraws, per_sample_mse
-from trainer.rollout import Rollout, SamplerSettings
+from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
+from trainer.rollout import Rollout
 
 
 @dataclass
-class DPOConfig:
-    """Online DPO hyper-parameters."""
+class DPOConfig(CleanSampleConfig):
+    """Online DPO hyper-parameters (the shared fields: ``CleanSampleConfig``)."""
 
     name: str = "dpo"
-    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
-    group_size: int = 8
-    """Samples per prompt; each group's best and worst form one preference pair."""
+    micro_batch_size: int = 16
     beta: float = 500.0
     """Strength of the preference (inverse temperature); large because denoising-loss differences are small."""
     ref_refresh_every: int = 1
     """Copy the policy into the reference every N RL epochs (1: the reference is last epoch's policy)."""
-    noise_draws: int = 2
-    """(noise level, noise) draws per pair per inner epoch."""
-    inner_epochs: int = 1
-    """Passes over each epoch's pairs."""
-    steps_per_epoch: int = 1
-    """Optimizer steps per inner epoch (the draws are split into this many)."""
-    micro_batch_size: int = 16
-    """Pairs per forward/backward (each runs 2x this many samples through policy and reference)."""
-    logit_mean: float = 0.0
-    """Mean of the logit-normal density of noise levels."""
-    logit_std: float = 1.0
-    """Std of the logit-normal density of noise levels."""
-    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
-    """Rollout sampling; no log-probs are needed, so the deterministic sampler users deploy is the default."""
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError("algorithm.group_size must be >= 2: pairs come from within a group")
-        if min(self.ref_refresh_every, self.noise_draws, self.inner_epochs, self.steps_per_epoch,
-               self.micro_batch_size) < 1:
-            raise ValueError("algorithm.ref_refresh_every, noise_draws, inner_epochs, steps_per_epoch and "
-                             "micro_batch_size must be >= 1")
+        super().__post_init__()
+        if self.ref_refresh_every < 1:
+            raise ValueError("algorithm.ref_refresh_every must be >= 1")
 
 
 @dataclass
@@ -104,8 +85,7 @@ class DPO(NoExtras):
         units = [DPOUnit(batch, rows, draws.sigma[d, rows], draws.noise[d, rows])
                  for d in range(self.config.noise_draws)
                  for rows in torch.randperm(len(batch.pairs), generator=generator).split(self.config.micro_batch_size)]
-        per_step = -(-len(units) // self.config.steps_per_epoch)
-        return [units[i : i + per_step] for i in range(0, len(units), per_step)]
+        return split_units(units, self.config.steps_per_epoch)
 
     def loss(self, ctx: LossContext, unit: DPOUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ro = unit.batch.rollout

@@ -14,24 +14,21 @@ levels are logit-normal like the supervised loss; samples with a failed reward g
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, split_steps
-from trainer.algorithms.sft import NoiseDraws
-from trainer.rollout import Rollout, SamplerSettings
+from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws
+from trainer.rollout import Rollout
 
 
 @dataclass
-class NFTConfig:
-    """DiffusionNFT hyper-parameters."""
+class NFTConfig(CleanSampleConfig):
+    """DiffusionNFT hyper-parameters (the shared fields: ``CleanSampleConfig``)."""
 
     name: str = "nft"
-    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
-    group_size: int = 8
-    """Samples per prompt; advantages are group-relative."""
     beta: float = 1.0
     """Mixing strength of the implicit positive / negative policies (the paper's beta)."""
     optimality_scale: float = 1.0
@@ -40,28 +37,11 @@ class NFTConfig:
     """Normalise advantages by the std of the whole gathered batch instead of each group's."""
     old_decay: float = 0.0
     """The old policy's update before each epoch: old <- decay old + (1 - decay) policy."""
-    noise_draws: int = 2
-    """(noise level, noise) draws per sample per inner epoch."""
-    inner_epochs: int = 1
-    """Passes over each rollout batch."""
-    steps_per_epoch: int = 1
-    """Optimizer steps per inner epoch."""
-    micro_batch_size: int = 32
-    """Samples per forward/backward."""
-    logit_mean: float = 0.0
-    """Mean of the logit-normal density of noise levels."""
-    logit_std: float = 1.0
-    """Std of the logit-normal density of noise levels."""
-    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
-    """Rollout sampling: any solver works; the deterministic one is the default."""
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError("algorithm.group_size must be >= 2 for group-relative advantages")
+        super().__post_init__()
         if not 0 <= self.old_decay < 1:
             raise ValueError(f"algorithm.old_decay={self.old_decay} must be in [0, 1)")
-        if min(self.noise_draws, self.inner_epochs, self.steps_per_epoch, self.micro_batch_size) < 1:
-            raise ValueError("algorithm.noise_draws, inner_epochs, steps_per_epoch and micro_batch_size must be >= 1")
 
 
 @dataclass

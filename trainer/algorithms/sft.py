@@ -8,12 +8,13 @@ unconditional branch that CFG needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from trainer.algorithms.base import LossContext
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
+from trainer.rollout import SamplerSettings
 
 
 @dataclass
@@ -43,6 +44,43 @@ class SFTBatch:
 def logit_normal_sigmas(n: int, mean: float, std: float, generator: torch.Generator | None) -> torch.Tensor:
     """sigma = sigmoid(m + s * z), z ~ N(0, 1): SD3's training density over noise levels."""
     return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+
+
+@dataclass
+class CleanSampleConfig:
+    """Fields every algorithm that trains on the clean samples of its rollouts with a denoising-type loss
+    has (dpo, sft_best, nft); each algorithm's config adds its own."""
+
+    name: str = ""
+    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
+    group_size: int = 8
+    """Samples per prompt (a group); the algorithm compares samples within a group."""
+    noise_draws: int = 2
+    """(noise level, noise) draws per trained sample per inner epoch."""
+    inner_epochs: int = 1
+    """Passes over each epoch's samples."""
+    steps_per_epoch: int = 1
+    """Optimizer steps per inner epoch (the draws are split into this many)."""
+    micro_batch_size: int = 32
+    """Samples (DPO: pairs) per forward/backward."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal density of noise levels."""
+    logit_std: float = 1.0
+    """Std of the logit-normal density of noise levels."""
+    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
+    """Rollout sampling; no log-probs are needed, so the deterministic sampler users deploy is the default."""
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError("algorithm.group_size must be >= 2: samples are compared within a group")
+        if min(self.noise_draws, self.inner_epochs, self.steps_per_epoch, self.micro_batch_size) < 1:
+            raise ValueError("algorithm.noise_draws, inner_epochs, steps_per_epoch and micro_batch_size must be >= 1")
+
+
+def split_units(units: list, steps: int) -> list[list]:
+    """Loss units cut into ``steps`` optimizer steps of (nearly) equal size."""
+    per_step = -(-len(units) // steps)
+    return [units[i : i + per_step] for i in range(0, len(units), per_step)]
 
 
 @dataclass

@@ -10,45 +10,24 @@ top fraction of the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from trainer.algorithms.advantages import best_and_worst, group_advantages
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local
-from trainer.algorithms.sft import NoiseDraws, denoising_loss
-from trainer.rollout import Rollout, SamplerSettings
+from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, denoising_loss, split_units
+from trainer.rollout import Rollout
 
 
 @dataclass
-class BestOfGroupConfig:
-    """Best-of-group SFT hyper-parameters."""
+class BestOfGroupConfig(CleanSampleConfig):
+    """Best-of-group SFT hyper-parameters (the shared fields: ``CleanSampleConfig``)."""
 
     name: str = "sft_best"
-    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
-    group_size: int = 8
-    """Samples per prompt; the best of each group is the training target."""
     weighting: Literal["uniform", "advantage"] = "advantage"
     """Weight of each group's best sample: 1, or its (positive) group-relative advantage."""
-    noise_draws: int = 2
-    """(noise level, noise) draws per chosen sample per inner epoch."""
-    inner_epochs: int = 1
-    """Passes over each epoch's chosen samples."""
-    micro_batch_size: int = 32
-    """Samples per forward/backward."""
-    logit_mean: float = 0.0
-    """Mean of the logit-normal density of noise levels."""
-    logit_std: float = 1.0
-    """Std of the logit-normal density of noise levels."""
-    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
-    """Rollout sampling; no log-probs are needed, so the deterministic sampler is the default."""
-
-    def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError("algorithm.group_size must be >= 2: the best is chosen within a group")
-        if min(self.noise_draws, self.inner_epochs, self.micro_batch_size) < 1:
-            raise ValueError("algorithm.noise_draws, inner_epochs and micro_batch_size must be >= 1")
 
 
 @dataclass
@@ -87,9 +66,10 @@ class BestOfGroupSFT(NoExtras):
     def plan(self, batch: BestBatch, generator: torch.Generator) -> list[list[tuple[BestBatch, torch.Tensor, NoiseDraws]]]:
         x0 = batch.rollout.latents[batch.samples, -1]
         draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
-        return [[(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
+        units = [(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
                  for d in range(self.config.noise_draws)
-                 for rows in torch.arange(len(batch.samples)).split(self.config.micro_batch_size)]]
+                 for rows in torch.arange(len(batch.samples)).split(self.config.micro_batch_size)]
+        return split_units(units, self.config.steps_per_epoch)
 
     def loss(self, ctx: LossContext, unit: tuple[BestBatch, torch.Tensor, NoiseDraws]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch, rows, draw = unit
