@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -22,13 +24,14 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.timeout(1500)  # a 600-step warm-up and 8 epochs: ~3 min alone on 2 cores, far more when shared
 def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir):
     """Warm-up then GRPO against two digit-reward replicas the job starts itself: the evaluation reward
     (fixed prompts and noise) after RL beats the warmed-up model's."""
     run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}",
                 f"logging.output_dir={tmp_path}", "logging.run_name=short", "logging.progress=false",
                 "train.warmup_steps=600", "train.epochs=8", "eval.every=0", "eval.samples_per_prompt=5"],
-               tmp_path, timeout=900)
+               tmp_path, timeout=1400)
     run_dir = tmp_path / "short"
     records = _records(run_dir)
     evals = [r for r in records if r["phase"] == "eval"]
