@@ -92,10 +92,16 @@ class Algorithm(Protocol):
 
 
 class NoExtras:
-    """The hooks of an algorithm without networks of its own or per-epoch work; an algorithm that needs
-    them defines its own."""
+    """What every algorithm shares: the protocol fields read from its config, and the hooks of an algorithm
+    without networks of its own or per-epoch work (an algorithm that needs them defines its own)."""
 
     local_groups = False
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.sampler = config.sampler
+        self.group_size = config.group_size
+        self.inner_epochs = config.inner_epochs
 
     def setup(self, adapter: ModelAdapter, example: Conditioning, backend: Any) -> None:
         pass

@@ -59,14 +59,9 @@ class DPO(NoExtras):
     """Online Diffusion-DPO on best-vs-worst pairs of each group."""
 
     config_class = DPOConfig
+    needs_reference = True
     local_groups = True
 
-    def __init__(self, config: DPOConfig):
-        self.config = config
-        self.sampler = config.sampler
-        self.group_size = config.group_size
-        self.inner_epochs = config.inner_epochs
-        self.needs_reference = True
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
         # Epoch 0 too: after a LoRA warm-up the LoRA-disabled base is not the policy RL starts from.

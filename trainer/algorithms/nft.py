@@ -56,13 +56,8 @@ class NFT(NoExtras):
     """DiffusionNFT on clean rollout samples."""
 
     config_class = NFTConfig
+    needs_reference = True
 
-    def __init__(self, config: NFTConfig):
-        self.config = config
-        self.sampler = config.sampler
-        self.group_size = config.group_size
-        self.inner_epochs = config.inner_epochs
-        self.needs_reference = True
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
         refresh_reference(ctx, self.config.old_decay)

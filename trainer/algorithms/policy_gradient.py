@@ -134,10 +134,7 @@ class ClippedPolicyGradient(NoExtras):
     (per sample, this rank's slice of the gathered batch) and may add to ``batch_metrics``."""
 
     def __init__(self, config: PolicyGradientConfig):
-        self.config = config
-        self.sampler = config.sampler
-        self.group_size = config.group_size
-        self.inner_epochs = config.inner_epochs
+        super().__init__(config)
         self.needs_reference = config.kl_beta > 0
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:

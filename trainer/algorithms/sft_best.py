@@ -42,14 +42,9 @@ class BestOfGroupSFT(NoExtras):
     """Supervised fine-tuning on each group's best sample."""
 
     config_class = BestOfGroupConfig
+    needs_reference = False
     local_groups = True
 
-    def __init__(self, config: BestOfGroupConfig):
-        self.config = config
-        self.sampler = config.sampler
-        self.group_size = config.group_size
-        self.inner_epochs = config.inner_epochs
-        self.needs_reference = False
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> BestBatch:
         groups, best, _ = best_and_worst(rewards.all, rewards.group_ids_all)
