@@ -26,6 +26,9 @@ KEYS = ("sft_loss", "policy_loss", "grad_norm", "reward_mean")
 TOL = 1e-5
 """Relative: DDP all-reduces whole gradients, FSDP2 and ZeRO reduce-scatter them in buckets, so float32
 sums may differ in the last bits (observed: 6e-8)."""
+ATOL = 1e-7
+"""Absolute floor: the on-policy GRPO loss is a mean of zero-mean advantages, so it is 0 up to cancellation
+(observed: 7e-9 under FSDP2 against exactly 0 under DDP); a relative bound alone cannot hold there."""
 
 
 def _args(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -> list[str]:
@@ -75,7 +78,7 @@ def test_every_backend_gives_the_same_losses_and_equal_weights_on_every_rank(str
             for a, b in zip(expected, got, strict=True):
                 for key in KEYS:
                     if key in a:
-                        assert abs(b[key] - a[key]) <= TOL * max(abs(a[key]), 1e-6), (backend, phase, a["step"], key)
+                        assert abs(b[key] - a[key]) <= TOL * abs(a[key]) + ATOL, (backend, phase, a["step"], key)
         (final,) = _records(run_dir, "final")
         assert final["weights_rank_spread"] == 0.0, backend
         assert (run_dir / "final" / "diffusion_pytorch_model.safetensors").is_file(), backend

@@ -45,7 +45,7 @@ def _corpus() -> list[str]:
 
 
 def clip_tokenizer(directory: Path, max_length: int = TEXT_LENGTH):
-    """A CLIPTokenizer over a byte-level BPE trained on a small local corpus, saved to ``directory``."""
+    """A CLIPTokenizer over a small local corpus (built deterministically), saved to ``directory``."""
     from transformers import CLIPTokenizer
 
     from trainer.models.tiny import _clip_tokenizer

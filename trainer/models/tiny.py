@@ -37,21 +37,46 @@ _CORPUS = [
 _DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
 
 
+def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """CLIP's BPE on one word: repeatedly join every occurrence of the lowest-ranked adjacent pair."""
+    while len(symbols) > 1:
+        pairs = [(ranks[p], p) for p in zip(symbols, symbols[1:], strict=False) if p in ranks]
+        if not pairs:
+            break
+        first, second = min(pairs)[1]
+        out, i = [], 0
+        while i < len(symbols):
+            if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == (first, second):
+                out.append(first + second)
+                i += 2
+            else:
+                out.append(symbols[i])
+                i += 1
+        symbols = out
+    return symbols
+
+
 def _clip_tokenizer(directory: Path, max_length: int) -> None:
-    """Train a small byte-level BPE and save it as a CLIPTokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    """A BPE in which every word of the corpus is one token, saved as a CLIPTokenizer. Built by hand rather
+    than trained: the ``tokenizers`` trainer numbers symbols and orders equal-count merges in hash order,
+    which differs between processes, so two builds would give two models. Words are taken in sorted order;
+    each gets merges of its leftmost pair until it is one token (a new merge ranks after all earlier ones,
+    so it never splits an earlier word). CLIP's BPE marks word ends with "</w>"."""
     from transformers import CLIPTokenizer
 
     special = ["<|startoftext|>", "<|endoftext|>"]
-    # CLIP's BPE marks word ends with "</w>"; a vocabulary without it tokenizes every word to <unk>.
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
     texts = [t.format(d=d) for t in _CORPUS for d in list("0123456789") + _DIGIT_WORDS]
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=special, end_of_word_suffix="</w>", show_progress=False))
-    state = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    tok = CLIPTokenizer(vocab=state["vocab"], merges=merges, model_max_length=max_length)
+    words = sorted({w for text in texts for w in text.lower().split()})
+    chars = sorted({c for w in words for c in w})
+    ranks: dict[tuple[str, str], int] = {}
+    for word in words:
+        symbols = _bpe(list(word[:-1]) + [word[-1] + "</w>"], ranks)
+        while len(symbols) > 1:
+            ranks[(symbols[0], symbols[1])] = len(ranks)
+            symbols = _bpe(symbols, ranks)
+    merged = [a + b for a, b in ranks]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(special + chars + [c + "</w>" for c in chars] + merged))}
+    tok = CLIPTokenizer(vocab=vocab, merges=list(ranks), model_max_length=max_length)
     tok.save_pretrained(directory)
 
 
