@@ -5,6 +5,8 @@ The reward is the ``sleep`` scorer (a stand-in for a GPU model: it holds each mi
 fixed time, so R grows with the batch) served by a real reward-server process. The epoch's sampling and
 scoring runs through ``Trainer.sample_and_score`` with ``train.rollout_chunks`` = 1 (no overlap) and more.
 The last chunk's scoring cannot overlap any sampling, so the floor is max(rollout, R) + R / chunks.
+Chunks end at whole requests of 8 (``trainer.rollout.chunk_bounds``), so chunking adds no partly filled
+micro-batches; counts that do not divide the 20 requests evenly give unequal chunks.
 
     python bench/overlap.py [--images 160] [--repeats 3]
 """
@@ -32,7 +34,7 @@ from trainer.logging import RunLogger, to_uint8  # noqa: E402
 from trainer.models import build_adapter  # noqa: E402
 from trainer.rewards.client import HttpRewardClient  # noqa: E402
 from trainer.rewards.launcher import LocalRewardPool  # noqa: E402
-from trainer.rollout import rollout  # noqa: E402
+from trainer.rollout import chunk_bounds, rollout  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 MICRO_BATCH = 8
@@ -61,8 +63,11 @@ def main() -> None:
     groups = torch.arange(args.images) // 16
     indices = torch.arange(args.images) % len(task.prompts)
 
-    def sample_only():
-        rollout(adapter, adapter.denoiser, prompts, groups, algorithm.sampler, torch.Generator().manual_seed(0))
+    def sample_only(chunks: int = 1):
+        g = torch.Generator().manual_seed(0)
+        bounds = chunk_bounds(args.images, chunks, MICRO_BATCH)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            rollout(adapter, adapter.denoiser, prompts[lo:hi], groups[lo:hi], algorithm.sampler, g)
 
     t_rollout = best_of(args.repeats, sample_only)
     ms = 1000 * t_rollout / math.ceil(args.images / MICRO_BATCH)  # R = rollout time
@@ -74,20 +79,22 @@ def main() -> None:
         images = to_uint8(torch.rand(args.images, 1, 16, 16))
         t_reward = best_of(args.repeats, lambda: client.score(images, prompts))
         floor = max(t_rollout, t_reward)
-        for chunks in (1, 2, 4, 8):
+        for chunks in (1, 2, 4, 5, 10, 20):
             config.train.rollout_chunks = chunks
             trainer = Trainer(config, adapter, algorithm, SFT(config.warmup), task, client,
                               SingleProcess(torch.device("cpu")), RunLogger(Path(tmp), False, False))
             g = torch.Generator().manual_seed(0)
             t = best_of(args.repeats, lambda t=trainer, g=g: t.sample_and_score(prompts, indices, groups, g))
-            rows.append((chunks, t, t / floor, (t_rollout + t_reward) / floor))
+            t_chunked = best_of(args.repeats, lambda c=chunks: sample_only(c))
+            rows.append((chunks, t, t / floor, t_chunked / t_rollout, (t_rollout + t_reward) / floor))
         client.close()
     print(f"\nimages/epoch {args.images}; rollout alone {t_rollout:.2f} s; reward alone R {t_reward:.2f} s "
           f"(sleep scorer, {ms:.0f} ms per {MICRO_BATCH} images); best of {args.repeats}\n")
-    print("| rollout_chunks | epoch sample+score s | / max(rollout, R) | no-overlap bound (rollout+R)/max |")
-    print("|---|---|---|---|")
-    for chunks, t, ratio, serial in rows:
-        print(f"| {chunks} | {t:.2f} | {ratio:.2f}x | {serial:.2f}x |")
+    print("| rollout_chunks | epoch sample+score s | / max(rollout, R) | floor 1 + 1/chunks | "
+          "chunked sampling alone / rollout | no overlap (rollout+R)/max |")
+    print("|---|---|---|---|---|---|")
+    for chunks, t, ratio, chunked, serial in rows:
+        print(f"| {chunks} | {t:.2f} | {ratio:.2f}x | {1 + 1 / chunks:.2f}x | {chunked:.2f}x | {serial:.2f}x |")
 
 
 if __name__ == "__main__":

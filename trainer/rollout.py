@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,16 @@ def window_mask(num_steps: int, settings: SamplerSettings, generator: torch.Gene
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[start : start + settings.sde_window] = True
     return mask
+
+
+def chunk_bounds(n: int, chunks: int, unit: int) -> list[int]:
+    """Cut ``n`` items into at most ``chunks`` contiguous chunks whose boundaries are multiples of ``unit``
+    (whole reward requests; only the last chunk may end in a partial one): boundary i is the multiple of
+    ``unit`` nearest to i n / chunks, and boundaries that coincide merge their chunks. Returns
+    ``[0, ..., n]``. E.g. n=20, chunks=2, unit=8 -> [0, 8, 20]: 3 requests, as unchunked."""
+    assert n > 0 and chunks > 0 and unit > 0
+    bounds = [min(n, math.floor(i * n / (chunks * unit) + 0.5) * unit) for i in range(chunks)] + [n]
+    return sorted(set(bounds))
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ from trainer.distributed import ParallelBackend
 from trainer.ema import EMA
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
-from trainer.rollout import Rollout, SamplerSettings, rollout, window_mask
+from trainer.rollout import Rollout, SamplerSettings, chunk_bounds, rollout, window_mask
 
 
 class RewardFailure(RuntimeError):
@@ -224,8 +224,7 @@ class Trainer:
         Returns the whole rollout, its rewards and the seconds spent waiting for rewards after sampling."""
         from trainer.rewards.client import RewardResult
 
-        chunks = min(self.config.train.rollout_chunks, len(prompts))
-        bounds = torch.linspace(0, len(prompts), chunks + 1).round().long().tolist()
+        bounds = chunk_bounds(len(prompts), self.config.train.rollout_chunks, self.rewards.batch_size)
         settings = self.algorithm.sampler
         stochastic = window_mask(settings.num_steps, settings, g)
         parts, futures = [], []

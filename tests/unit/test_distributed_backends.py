@@ -5,7 +5,8 @@ world-size-invariant batch (each rank takes its half of one global batch; the re
 the backend must reproduce the replica's gradient norms and weights. It also checks ``local_shards``
 (what the EMA keeps and swaps), ``gathered``, ``frozen_copy``, loading full trainable weights, the optimizer
 state round trip and a checkpoint written and read through ``trainer.checkpoint`` (each rank's global RNG
-streams are restored).
+streams are restored). An auxiliary network (a critic: ``prepare_auxiliary``) trains in the same backward with
+its own optimizer and must match its replica too.
 """
 
 from __future__ import annotations
@@ -92,23 +93,35 @@ def _worker(kind: str, tmp: Path) -> None:
     policy = backend.prepare(net, [p for p in net.parameters() if p.requires_grad], make, shard_units=(Block,))
     ref_opt = make([p for p in replica.parameters() if p.requires_grad])
     params = [dict(net.named_parameters())[n] for n in names]
+    critic = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1))
+    replica_critic = copy.deepcopy(critic)
+    make_critic = lambda ps: torch.optim.AdamW(ps, lr=3e-2)  # noqa: E731
+    critic_train = backend.prepare_auxiliary(critic, make_critic)
+    critic_names = [n for n, _ in critic.named_parameters()]
+    critic_params = list(critic.parameters())
+    ref_critic_opt = make_critic(list(replica_critic.parameters()))
     g = torch.Generator().manual_seed(1)
     x_all, y_all = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+
+    def losses(net: nn.Module, value: nn.Module, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """The policy's loss plus a critic's value loss (its target depends on the policy's output, detached)."""
+        out = net(x_all[rows] + step)
+        return (out - y_all[rows]).pow(2).mean() + (value(x_all[rows]) - out.detach()[:, :1]).pow(2).mean()
 
     def train_step(step: int) -> None:
         """Two accumulated micro-batches; rank r holds rows r::world of each."""
         ref_opt.zero_grad()
+        ref_critic_opt.zero_grad()
         for unit in range(2):
             rows = torch.arange(4) + 4 * unit
             with backend.sync(unit == 1):
-                mine = rows[rank::world]
-                loss = (policy(x_all[mine] + step) - y_all[mine]).pow(2).mean()
-                backend.backward(loss / 2)
-            ref_loss = (replica(x_all[rows] + step) - y_all[rows]).pow(2).mean()
-            (ref_loss / 2).backward()
+                backend.backward(losses(policy, critic_train, rows[rank::world], step) / 2)
+            (losses(replica, replica_critic, rows, step) / 2).backward()
         ref_params = [p for p in replica.parameters() if p.requires_grad]
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_params, 0.05))
+        torch.nn.utils.clip_grad_norm_(replica_critic.parameters(), 0.05)
         ref_opt.step()
+        ref_critic_opt.step()
         norm = backend.step(0.05)
         assert abs(norm - ref_norm) <= TOL * ref_norm, (kind, step, norm, ref_norm)
 
@@ -116,6 +129,9 @@ def _worker(kind: str, tmp: Path) -> None:
         with backend.gathered(params) as full:
             for name, value in zip(names, full, strict=True):
                 _close(value, dict(replica.named_parameters())[name].detach(), f"{kind} {what} {name}")
+        with backend.gathered(critic_params) as full:
+            for name, value in zip(critic_names, full, strict=True):
+                _close(value, dict(replica_critic.named_parameters())[name].detach(), f"{kind} {what} critic {name}")
 
     check_weights("initial")
     for step in range(3):
@@ -164,7 +180,9 @@ def _worker(kind: str, tmp: Path) -> None:
     # A checkpoint through trainer.checkpoint, then a different step, then back: the step repeats exactly.
     checkpoints = Checkpoints(tmp / kind, keep=1, is_main=rank == 0)
     ema_like = {"shard": shards[0].clone()}
-    checkpoints.save(Progress(1, 2, True), Adapter(net), backend, {}, {}, rank_states={"ema": ema_like})
+    critic_state = dict(zip(critic_names, (t.clone() for t in backend.local_shards(critic_params)), strict=True))
+    checkpoints.save(Progress(1, 2, True), Adapter(net), backend, {}, {},
+                     rank_states={"ema": ema_like, "critic": critic_state})
     drawn = (torch.rand(3), np.random.rand(3), random.random())  # the global streams as saved
     trainable = backend.trainable_state(net)
     if rank == 0:
@@ -173,8 +191,8 @@ def _worker(kind: str, tmp: Path) -> None:
             _close(trainable[name], dict(replica.named_parameters())[name].detach(), f"{kind} state {name}")
     else:
         assert trainable == {}
-    saved_replica = copy.deepcopy(replica.state_dict())
-    saved_ref_opt = copy.deepcopy(ref_opt.state_dict())
+    saved_replica = copy.deepcopy((replica.state_dict(), replica_critic.state_dict()))
+    saved_ref_opt = copy.deepcopy((ref_opt.state_dict(), ref_critic_opt.state_dict()))
     train_step(10)
     path = backend.broadcast(str(checkpoints.latest()) if rank == 0 else None)
     torch.manual_seed(1234 + rank)
@@ -182,10 +200,15 @@ def _worker(kind: str, tmp: Path) -> None:
     random.seed(1234)
     progress, states = checkpoints.load(Path(path), Adapter(net), backend)
     assert progress == Progress(1, 2, True) and torch.equal(states["ema"]["shard"], ema_like["shard"])
+    with torch.no_grad():
+        for shard, name in zip(backend.local_shards(critic_params), critic_names, strict=True):
+            shard.copy_(states["critic"][name])
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(again[0], drawn[0]) and (again[1] == drawn[1]).all() and again[2] == drawn[2], kind
-    replica.load_state_dict(saved_replica)
-    ref_opt.load_state_dict(saved_ref_opt)
+    replica.load_state_dict(saved_replica[0])
+    replica_critic.load_state_dict(saved_replica[1])
+    ref_opt.load_state_dict(saved_ref_opt[0])
+    ref_critic_opt.load_state_dict(saved_ref_opt[1])
     check_weights("after loading the checkpoint")
     train_step(11)
     check_weights("after a step from the checkpoint")

@@ -157,9 +157,9 @@ class SingleProcess:
         loss.backward()
 
     def step(self, max_grad_norm: float) -> float:
-        norm = _clip(self.params, max_grad_norm)
+        norm = clip_gradients(self.params, max_grad_norm)
         for params, _ in self.auxiliary:
-            _clip(params, max_grad_norm)
+            clip_gradients(params, max_grad_norm)
         for opt in self._optimizers():
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -221,7 +221,7 @@ class SingleProcess:
         pass
 
 
-def _clip(params: list[nn.Parameter], max_grad_norm: float) -> float:
+def clip_gradients(params: list[nn.Parameter], max_grad_norm: float) -> float:
     """Clip gradients to ``max_grad_norm`` (when > 0); returns the norm before clipping (0 without grads)."""
     if max_grad_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))

@@ -21,7 +21,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.distributed.backend import DDP, World, checked_trainable, materialize, skeleton, trainable
+from trainer.distributed.backend import (
+    DDP,
+    World,
+    check_auxiliary_count,
+    checked_trainable,
+    clip_gradients,
+    materialize,
+    skeleton,
+    trainable,
+)
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 
@@ -106,18 +115,23 @@ class DeepSpeedZeRO(DDP):
         self.params = list(params)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=make_optimizer(self.params),
                                                     config=self.config, dist_init_required=False)
-        self.modules = [self.engine]
         return self.engine
 
     def prepare_auxiliary(self, module, make_optimizer):
-        raise ValueError("parallel.backend=zero2/zero3 does not train an algorithm's own network (a critic): "
-                         "one DeepSpeed engine owns the backward; use parallel.backend=ddp or fsdp2")
+        # An algorithm's own network (a critic) stays outside the engine, replicated and wrapped in torch's
+        # DDP (inherited): the engine's backward is an autograd backward of the whole loss, so the network's
+        # gradients land in its .grad and DDP all-reduces them; its optimizer steps after the engine's.
+        if self.config["fp16"]["enabled"]:
+            raise ValueError("parallel.backend=zero2/zero3 with fp16 does not train an algorithm's own network (a "
+                             "critic): DeepSpeed's loss scale would reach its gradients unscaled; use bf16 "
+                             "(parallel.param_dtype=bfloat16) or parallel.backend=ddp/fsdp2")
+        return super().prepare_auxiliary(module, make_optimizer)
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         # ZeRO reduces (and partitions) gradients in every backward; the boundary tells it which backward
-        # completes the accumulation.
+        # completes the accumulation. The auxiliary networks' DDP wrappers skip their all-reduce until then.
         self.engine.set_gradient_accumulation_boundary(enabled)
-        return contextlib.nullcontext()
+        return super().sync(enabled)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
@@ -127,6 +141,10 @@ class DeepSpeedZeRO(DDP):
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        for params, opt in self.auxiliary:
+            clip_gradients(params, max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return float(norm) if norm is not None else 0.0
 
     def set_lr(self, lr: float) -> None:
@@ -135,15 +153,20 @@ class DeepSpeedZeRO(DDP):
 
     def reset_optimizer(self) -> None:
         self.engine.optimizer.optimizer.state.clear()
+        for _, opt in self.auxiliary:
+            opt.state.clear()
 
     def optimizer_state(self) -> dict:
-        return {"main": self.engine.optimizer.state_dict(), "auxiliary": []}
+        return {"main": self.engine.optimizer.state_dict(), "auxiliary": [opt.state_dict() for _, opt in self.auxiliary]}
 
     def load_optimizer_state(self, state: dict) -> None:
         # ZeRO takes one state per data-parallel rank and picks its own; the fp32 master partition comes
         # from the saved state (exact also when the module trains in bf16).
         self.engine.optimizer.load_state_dict([state["main"]] * self.world.world_size, load_optimizer_states=True,
                                               load_from_fp32_weights=True)
+        check_auxiliary_count(state, len(self.auxiliary))
+        for (_, opt), saved in zip(self.auxiliary, state["auxiliary"], strict=True):
+            opt.load_state_dict(saved)
 
     def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         if self.stage != 3:

@@ -124,6 +124,9 @@ class RewardClient(Protocol):
     """Scorer name -> weight of its component in the combined reward."""
     combine_mode: str
     """How components are combined (see :func:`combine`)."""
+    batch_size: int
+    """Items per request: the trainer cuts its rollout chunks at multiples of it, so that no chunk ends in a
+    partial request (a server's batch costs about as much partly filled as full)."""
 
     async def score_async(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
