@@ -13,9 +13,13 @@ Columns (best of ``--repeats`` interleaved runs each; ratio = ours / plain, lowe
             denoiser calls (same CFG batch) as forward + backward of a mean-square loss, plus the reference
             network's forward when the KL is on. Optimizer steps are excluded from both.
   sampler   the adapter's step function over T steps / the diffusers scheduler's ``step`` over T steps on
-            the same tensors (FlowMatchEulerDiscreteScheduler: the Euler step; DDIMScheduler with the same eta),
-            at production latent sizes (FLUX 1024 px packed: [B, 4096, 64]; SD1.5 512 px: [B, 4, 64, 64]):
-            step math is elementwise, and at tiny sizes it measures only per-op dispatch.
+            the same tensors (FlowMatchEulerDiscreteScheduler: the deterministic Euler step; DDIMScheduler with
+            the same eta, which draws noise too), at production latent sizes (FLUX 1024 px packed:
+            [B, 4096, 64]; SD1.5 512 px: [B, 4, 64, 64]): step math is elementwise, and at tiny sizes it
+            measures only per-op dispatch.
+  noisy     the same against the scheduler's own stochastic step (FlowMatchEulerDiscreteScheduler with
+            ``stochastic_sampling=True``; DDIM as above): on the CPU, drawing the Gaussian noise alone costs
+            several deterministic Euler steps, so this is the like-for-like cost of the log-probability.
 Targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x. The machine is shared: expect a few % of noise.
 """
 
@@ -124,11 +128,14 @@ def bench_adapter(case: str, root: str, repeats: int) -> dict[str, float]:
         row["train_kl_on" if kl else "train_kl_off"] = compare(ours_train, plain_train, repeats)
 
     row["sampler"] = bench_sampler(adapter, settings, repeats)
+    row["noisy"] = bench_sampler(adapter, settings, repeats, stochastic_baseline=True)
     return row
 
 
-def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int = 5) -> float:
-    """T steps of the adapter's step function vs T steps of its diffusers scheduler, on the same tensors."""
+def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int = 5,
+                  stochastic_baseline: bool = False) -> float:
+    """T steps of the adapter's step function vs T steps of its diffusers scheduler, on the same tensors
+    (with the flow scheduler's ``stochastic_sampling`` when ``stochastic_baseline``)."""
     shape = (BATCH, 4, 64, 64) if adapter.sampler_kind == "ddim" else (BATCH, 4096, 64)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     out = torch.randn(shape, generator=torch.Generator().manual_seed(1))
@@ -152,7 +159,14 @@ def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int =
             for t in timesteps:
                 scheduler.step(out, t, x, generator=g, **eta)
 
-    return compare(ours, plain, repeats)
+    flow = adapter.sampler_kind != "ddim"
+    if stochastic_baseline and flow:
+        scheduler.register_to_config(stochastic_sampling=True)
+    try:
+        return compare(ours, plain, repeats)
+    finally:
+        if stochastic_baseline and flow:
+            scheduler.register_to_config(stochastic_sampling=False)
 
 
 def main() -> None:
@@ -163,7 +177,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler")
+    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "noisy")
     print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, float32, {args.threads} threads; ratio = ours / plain")
     print(f"{'adapter':<14}" + "".join(f"{c:>14}" for c in columns))
     with tempfile.TemporaryDirectory() as root:

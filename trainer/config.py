@@ -143,8 +143,10 @@ class TrainConfig:
     """"auto": continue from the newest complete checkpoint of this run (logging.run_name must be set),
     a checkpoint directory, or "" to start fresh."""
     rollout_chunks: int = 2
-    """Chunks each epoch's rollout is sampled in; a chunk's rewards are scored while the next one
-    samples, so an epoch takes about max(sampling, scoring) rather than their sum."""
+    """Chunks each epoch's rollout is sampled in (cut at whole reward requests, ``reward.batch_size``); a
+    chunk's rewards are scored while the next one samples, so an epoch takes about max(S, R) + min(S, R) /
+    chunks for sampling time S and scoring time R, rather than S + R. More chunks hide more but sample in
+    smaller batches (bench/overlap.py)."""
     device: str = "auto"
     """auto: cuda:<local rank> when CUDA is available, else cpu."""
     num_threads: int = 0

@@ -28,16 +28,24 @@ def _per_sample(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Mean over non-batch dims of log N(x; mean, std^2), elementwise density; returns [B] float32.
+    """Mean over non-batch dims of log N(x; mean, std^2), elementwise density, for a per-sample ``std``
+    ([B, 1, ...] or a scalar); returns [B] float32. With n elements per sample and d = x - mean:
 
+        log_prob = -(d . d) / (n 2 std^2) - log std - log sqrt(2 pi)
+
+    the average of the elementwise log-densities with the per-sample terms taken out of the mean, so that
+    the elements are read twice (difference, dot product) rather than once per term.
     Where ``std`` is 0 (a deterministic step) the density is a point mass and no log-prob exists: 0 is
     returned for those samples, and such steps must not be trained on (the trainers never select them).
     """
-    std = std.expand_as(mean)
+    b = x.shape[0]
+    std = torch.broadcast_to(torch.as_tensor(std, device=x.device, dtype=torch.float32),
+                             (b,) + (1,) * (x.ndim - 1)).reshape(b)
+    d = (x.float() - mean).reshape(b, 1, -1)
+    squares = torch.bmm(d, d.transpose(1, 2)).reshape(b) / d.shape[-1]
     safe_std = torch.where(std > 0, std, torch.ones_like(std))
-    elem = -((x.float() - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
-    elem = torch.where(std > 0, elem, torch.zeros_like(elem))
-    return elem.mean(dim=tuple(range(1, x.ndim)))
+    log_prob = -squares / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    return torch.where(std > 0, log_prob, torch.zeros_like(log_prob))
 
 
 def _finish_step(
@@ -50,8 +58,15 @@ def _finish_step(
     """Draw ``prev_sample`` ~ N(mean, scale^2) unless given, and return it with its log-prob."""
     if prev_sample is None:
         noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
-        prev_sample = (mean + scale * noise).to(sample.dtype)
+        prev_sample = noise.mul_(scale).add_(mean).to(sample.dtype)  # in place: no second full-size buffer
     return prev_sample, gaussian_log_prob(prev_sample, mean, scale)
+
+
+def _drift(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Tensor,
+           std_dev_t: torch.Tensor) -> torch.Tensor:
+    """x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt, with the
+    per-sample coefficients formed first (at std_dev_t = 0 this is x + v dt, bit for bit diffusers' Euler step)."""
+    return (x * (1 + std_dev_t**2 / (2 * sigma) * dt)).addcmul_(v, (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt)
 
 
 def sde_step_with_logprob(
@@ -102,7 +117,7 @@ def sde_step_with_logprob(
         s = torch.where(sigma == 1, _per_sample(sigma_max, x), sigma)
     std_dev_t = noise_level * torch.sqrt(sigma / (1 - s))
 
-    mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    mean = _drift(x, v, sigma, dt, std_dev_t)
     prev_sample, log_prob = _finish_step(mean, std_dev_t * torch.sqrt(-dt), sample, prev_sample, generator)
     return prev_sample, log_prob, mean, std_dev_t
 
@@ -159,7 +174,7 @@ def eta_step_with_logprob(
     sigma_next = _per_sample(sigma_next, x)
     dt = sigma_next - sigma
     std_dev_t = torch.full_like(sigma, noise_level)
-    mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    mean = _drift(x, v, sigma, dt, std_dev_t)
     prev_sample, log_prob = _finish_step(mean, std_dev_t * torch.sqrt(-dt), sample, prev_sample, generator)
     return prev_sample, log_prob, mean, std_dev_t
 
