@@ -83,6 +83,8 @@ class Trainer:
                 if every and progress.warmup_steps_done % every == 0 and progress.warmup_steps_done < train.warmup_steps:
                     self.save_checkpoint()
         if not progress.rl_started:
+            if self.ema is not None:  # before the evaluation, which reads the EMA weights
+                self.ema.reset()
             before = self.evaluate(0, "samples_before")
             self._print(f"[eval] before RL: {_fmt(before)}")
             # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
@@ -90,8 +92,6 @@ class Trainer:
             self.backend.reset_optimizer()
             if self.algorithm.needs_reference:  # the policy as RL starts (LoRA: the base without adapter)
                 self._new_reference()
-            if self.ema is not None:
-                self.ema.reset()
             progress.rl_started = True
         self.backend.set_lr(train.learning_rate)
         bar = tqdm(range(progress.epochs_done, train.epochs), desc="RL", disable=not self._bars())
@@ -229,12 +229,13 @@ class Trainer:
         stochastic = window_mask(settings.num_steps, settings, g)
         parts, futures = [], []
         self.policy.eval()
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, g,
-                           self.task.inputs(indices[lo:hi].tolist()), stochastic)
-            futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
-                                               self.task.item_metadata(indices[lo:hi].tolist())))
-            parts.append(part)
+        with self.backend.sampling():
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, g,
+                               self.task.inputs(indices[lo:hi].tolist()), stochastic)
+                futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
+                                                   self.task.item_metadata(indices[lo:hi].tolist())))
+                parts.append(part)
         t_sampled = time.perf_counter()
         results = [f.result() for f in futures]
         t_wait = time.perf_counter() - t_sampled
@@ -277,7 +278,8 @@ class Trainer:
         was_training = self.adapter.denoiser.training
         self.adapter.denoiser.eval()
         images = []
-        with self.ema.swapped() if use_ema else contextlib.nullcontext():
+        # The EMA weights are swapped in before the sampling context gathers them, and back after it reshards.
+        with self.ema.swapped() if use_ema else contextlib.nullcontext(), self.backend.sampling():
             for slot in range(-(-len(prompts) // world.world_size)):
                 i = slot * world.world_size + world.rank
                 real = i < len(prompts)  # ranks past the end sample the first prompt and drop it

@@ -78,3 +78,18 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     assert started.progress.epochs_done == 0
     for a, b in zip(trainer.adapter.trainable_parameters(), started.adapter.trainable_parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_evaluation_before_rl_reads_the_warmed_up_weights_with_an_ema(tmp_path, tiny_model_dir):
+    """The EMA restarts at the warmed-up weights before the first evaluation swaps it in: that evaluation
+    must equal one without an EMA (it once evaluated the untrained initial weights)."""
+    evals = {}
+    for decay in ("0.5", "0"):
+        trainer = _trainer(tmp_path / decay, tiny_model_dir, "grpo", "train.warmup_steps=20", "train.epochs=0",
+                           f"train.ema_decay={decay}")
+        trainer.fit()
+        trainer.logger.close()
+        lines = (tmp_path / decay / "metrics.jsonl").read_text().splitlines()
+        evals[decay] = [r for r in map(json.loads, lines) if r["phase"] == "eval"][0]
+    drop = {"time"}
+    assert {k: v for k, v in evals["0.5"].items() if k not in drop} == {k: v for k, v in evals["0"].items() if k not in drop}

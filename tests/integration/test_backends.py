@@ -36,7 +36,8 @@ def _args(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -
             f"model.path={model_dir}", f"logging.output_dir={out}", f"logging.run_name={name}",
             "logging.progress=false", "logging.tensorboard=false", f"parallel.backend={backend}",
             "train.warmup_steps=4", "train.warmup_checkpoint_every=2", "train.epochs=2", "train.checkpoint_every=1",
-            "data.prompts_per_epoch=4", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.every=0",
+            "data.prompts_per_epoch=4", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.every=1",
+            "train.ema_decay=0.5",
             f"reward.urls=[{reward_url}]"]
 
 
@@ -72,7 +73,7 @@ def straight_runs(tmp_path_factory, tiny_model_dir, reward_url) -> dict[str, Pat
 def test_every_backend_gives_the_same_losses_and_equal_weights_on_every_rank(straight_runs):
     reference = straight_runs["ddp"]
     for backend, run_dir in straight_runs.items():
-        for phase in ("warmup", "rl"):
+        for phase in ("warmup", "rl", "eval"):  # evaluations read the EMA weights, swapped into the shards
             expected, got = _records(reference, phase), _records(run_dir, phase)
             assert [r["step"] for r in got] == [r["step"] for r in expected] and got, (backend, phase)
             for a, b in zip(expected, got, strict=True):

@@ -155,6 +155,10 @@ def _worker(kind: str, tmp: Path) -> None:
         else:
             assert torch.equal(shard, whole), name
     x = x_all[:2]
+    with backend.sampling(), torch.no_grad():  # FSDP2 keeps blocks gathered from the first forward on
+        _close(policy(x), replica(x), f"{kind} first forward while sampling")
+        _close(policy(x + 1), replica(x + 1), f"{kind} second forward while sampling")
+    # After the sampling context, writes into the shards reach the next forward (it resharded).
     with torch.no_grad():
         saved = [s.clone() for s in shards]
         for s in shards:

@@ -50,7 +50,8 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
     if kind == "fsdp2":
         from trainer.distributed.fsdp import FSDP2
 
-        return FSDP2(device, world, dist_backend, param_dtype, reduce_dtype, parallel.cpu_offload)
+        return FSDP2(device, world, dist_backend, param_dtype, reduce_dtype, parallel.cpu_offload,
+                     parallel.gather_for_sampling)
     from trainer.distributed.zero import DeepSpeedZeRO, deepspeed_config
 
     stage = int(kind[-1])

@@ -55,6 +55,12 @@ class ParallelBackend(Protocol):
         """Context for one forward+backward: gradients are synchronised only when ``enabled``."""
         ...
 
+    def sampling(self) -> contextlib.AbstractContextManager:
+        """Context for a run of no-grad forwards (a rollout, an evaluation): a sharding backend may keep the
+        parameters gathered across them rather than gathering them in every forward. Nothing may write the
+        parameters inside it."""
+        ...
+
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def step(self, max_grad_norm: float) -> float:
@@ -151,6 +157,9 @@ class SingleProcess:
         return [self.optimizer] + [opt for _, opt in self.auxiliary]
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def sampling(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:

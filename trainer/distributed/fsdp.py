@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.distributed.backend import (
@@ -37,8 +37,9 @@ class FSDP2(DDP):
     """Fully sharded data parallelism (per-parameter sharding, FSDP2)."""
 
     def __init__(self, device: torch.device, world: World, dist_backend: str, param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, cpu_offload: bool):
+                 reduce_dtype: torch.dtype, cpu_offload: bool, gather_for_sampling: bool = True):
         super().__init__(device, world, dist_backend)
+        self.gather_for_sampling = gather_for_sampling
         self.shard_options = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
         if cpu_offload:
             self.shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -75,6 +76,25 @@ class FSDP2(DDP):
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         return self._gradient_sync(enabled)
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """With ``gather_for_sampling``, each block stays unsharded after its first forward until the context
+        ends (one all-gather per block per rollout instead of one per denoising step), then every block
+        reshards, so the next forward gathers the weights the optimizer (or an EMA swap) wrote."""
+        if not self.gather_for_sampling:
+            yield
+            return
+        for module in self.modules:
+            module.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            for module in self.modules:
+                module.set_reshard_after_forward(True)
+                for block in module.modules():
+                    if isinstance(block, FSDPModule):
+                        block.reshard()
 
     @contextlib.contextmanager
     def _gradient_sync(self, enabled: bool) -> Iterator[None]:
