@@ -1,14 +1,26 @@
-"""Precompute text embeddings, so that training runs without the text encoders (FLUX's T5, Qwen-Image's
-Qwen2.5-VL: 9-16 GB that only ever see the same few thousand prompts).
+"""Precompute what training would recompute from the same data at every step: text embeddings, so that
+training runs without the text encoders (FLUX's T5, Qwen-Image's Qwen2.5-VL: 9-16 GB that only ever see the
+same few thousand prompts), and the VAE latents of the dataset's image inputs (re-encoded at every rollout).
 
-    python -m trainer.precompute --config CONFIG.yaml --out DIR [section.key=value ...]
+    python -m trainer.precompute --config CONFIG.yaml [--out DIR] [--latents LATENTS_DIR] [section.key=value ...]
 
-loads only the configured model's text encoders and tokenizers (no denoiser, no VAE), encodes every prompt of
-the configured dataset (its ``prompts`` and ``eval_prompts``), the empty prompt and ``model.negative_prompt``,
-one prompt per forward as the adapters encode them, and writes them to DIR with an index (see
-``trainer.models.common.TextEmbeddingStore``; a DIR of the same model gains the new prompts). Then train with
-``model.text_embeddings=DIR``: the adapter loads no text encoder and reads the very tensors its encoders
-would give (computed on this run's ``train.device``), refusing a DIR made for other text encoders or settings.
+``--out DIR`` loads only the configured model's text encoders and tokenizers (no denoiser, no VAE), encodes
+every prompt of the configured dataset (its ``prompts`` and ``eval_prompts``), the empty prompt and
+``model.negative_prompt``, one prompt per forward as the adapters encode them, and writes them to DIR with an
+index (see ``trainer.models.common.TextEmbeddingStore``; a DIR of the same model gains the new prompts). Then
+train with ``model.text_embeddings=DIR``: the adapter loads no text encoder and reads the very tensors its
+encoders would give (computed on this run's ``train.device``), refusing a DIR made for other text encoders or
+settings.
+
+``--latents LATENTS_DIR`` loads the model as training does (with the text embeddings of ``--out`` or
+``model.text_embeddings`` when given, and then no text encoder), hands it the image inputs of every dataset
+item as a rollout does, and writes the VAE posterior of each distinct VAE input to LATENTS_DIR, keyed by the
+input's sha256 (see ``trainer.models.common.LatentStore``; a LATENTS_DIR of the same VAE gains the new
+inputs). Then train with ``model.image_latents=LATENTS_DIR``: flux_fill and sd15_inpaint read their masked
+images' posteriors and flux_kontext its references' from it, bit-identical to encoding them on this run's
+``train.device``; a changed image is not found and is encoded, and a LATENTS_DIR of another VAE, dtype or
+resolution is refused. Supervised targets (``encode_images``: warm-up and SFT) are not stored: the dataset
+hands them out only as random batches, and a few warm-up steps are cheap to encode.
 """
 
 from __future__ import annotations
@@ -17,6 +29,10 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
+
+ITEMS_PER_BATCH = 8
+"""Dataset items handed to the model at once while precomputing latents (only the pixels' memory grows)."""
 
 
 def precompute(config, out: str) -> int:
@@ -37,13 +53,50 @@ def precompute(config, out: str) -> int:
                                         ((p, encode(p)) for p in prompts))
 
 
+def precompute_latents(config, directory: str) -> tuple[int, int]:
+    """VAE-encode the image inputs of every item of ``config``'s dataset into the latent store ``directory``;
+    returns (inputs encoded, inputs the store already held)."""
+    from trainer.build import resolve_device
+    from trainer.data import build_task
+    from trainer.models import build_adapter
+    from trainer.models.common import LatentStore, vae_fingerprint
+
+    task = build_task(config.data)
+    store = LatentStore.create(directory, vae_fingerprint(config.model))
+    adapter = build_adapter(replace(config.model, image_latents=""), resolve_device(config.train.device, 0))
+    count = len(task.prompts)
+    chunks = [list(range(k, min(k + ITEMS_PER_BATCH, count))) for k in range(0, count, ITEMS_PER_BATCH)]
+    latents = write_latents(adapter, store, (([task.prompts[i] for i in c], task.inputs(c)) for c in chunks))
+    if latents.hits + latents.misses == 0:
+        raise ValueError(f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name="
+                         f"{config.data.name!r}: nothing to store with --latents (flux_fill, sd15_inpaint and "
+                         "flux_kontext with an inpainting or editing dataset encode some)")
+    return latents.misses, latents.hits
+
+
+def write_latents(adapter, store, batches):
+    """Run ``adapter.encode_prompts`` on each (prompts, ImageInputs) of ``batches`` with its VAE posteriors
+    recorded into ``store`` (a ``LatentStore``), then write the store's index; returns the recording
+    ``ImageLatents`` (its ``misses`` were encoded and added, its ``hits`` were in the store already)."""
+    from trainer.models.common import ImageLatents
+
+    adapter.image_latents = ImageLatents(adapter.vae, store, record=True)
+    for prompts, inputs in batches:
+        adapter.encode_prompts(prompts, inputs)
+    store.save()
+    return adapter.image_latents
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.precompute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the training config (YAML): its model and data sections")
-    parser.add_argument("--out", required=True, help="directory of the embeddings (model.text_embeddings)")
+    parser.add_argument("--out", help="directory of the text embeddings (model.text_embeddings)")
+    parser.add_argument("--latents", help="directory of the image inputs' VAE latents (model.image_latents)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
+    if not args.out and not args.latents:
+        parser.error("give --out DIR (text embeddings), --latents DIR (VAE latents of image inputs) or both")
 
     from trainer.config import ConfigError, load_config
 
@@ -52,16 +105,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
     try:
-        count = precompute(config, args.out)
+        if args.out:
+            start = time.perf_counter()
+            count = precompute(config, args.out)
+            print(f"{count} prompts of {config.model.name} ({config.model.path}) encoded into {args.out} in "
+                  f"{time.perf_counter() - start:.1f} s; train with model.text_embeddings={args.out}")
+            config = replace(config, model=replace(config.model, text_embeddings=args.out))
+        if args.latents:
+            start = time.perf_counter()
+            encoded, present = precompute_latents(config, args.latents)
+            print(f"{encoded} image inputs of {config.model.name} ({config.model.path}) VAE-encoded into "
+                  f"{args.latents} ({present} were there) in {time.perf_counter() - start:.1f} s; train with "
+                  f"model.image_latents={args.latents}")
     except ValueError as exc:
         if os.environ.get("RF_TRACEBACK"):
             raise
         print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
         return 2
-    print(f"{count} prompts of {config.model.name} ({config.model.path}) encoded into {args.out} in "
-          f"{time.perf_counter() - start:.1f} s; train with model.text_embeddings={args.out}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Functions every adapter shares: dtypes, LoRA / full / IP-Adapter fine-tuning set-up, the reference
 network, saving and loading trainable weights, the text path (per-prompt embeddings, computed or read from a
+precomputed store), the VAE posteriors of image inputs (per distinct input, computed or read from a
 precomputed store), CFG arithmetic and the validation of per-item image inputs.
 
 Adapters compose these functions instead of inheriting from a base class, so each adapter file still reads
@@ -13,6 +14,7 @@ import functools
 import hashlib
 import inspect
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -69,6 +71,11 @@ class DiffusersModelConfig:
     """Directory written by ``python -m trainer.precompute``: prompt embeddings are read from it and the text
     encoders and tokenizers are not loaded at all (FLUX's T5 and Qwen-Image's Qwen2.5-VL take 9-16 GB).
     "" encodes prompts with the model's own text encoders."""
+    image_latents: str = ""
+    """Directory written by ``python -m trainer.precompute --latents DIR``: the VAE posteriors of the dataset's
+    image inputs (flux_fill's and sd15_inpaint's masked image, flux_kontext's reference), read instead of
+    VAE-encoding the same images at every rollout; an input not in it is encoded (the VAE stays loaded:
+    rollouts decode with it). Adapters that VAE-encode no image input refuse it. "" encodes every input."""
 
 
 def freeze(*modules: nn.Module | None) -> None:
@@ -246,15 +253,19 @@ def text_fingerprint(adapter_class: type, config: DiffusersModelConfig) -> str:
         "components": {sub: cls.__name__ for sub, cls in adapter_class.text_components.items()},
         "settings": {name: getattr(config, name) for name in adapter_class.text_settings},
     }, sort_keys=True).encode())
-    root = Path(config.path)
-    for sub in sorted(adapter_class.text_components):
+    _hash_files(digest, Path(config.path), adapter_class.text_components)
+    return digest.hexdigest()
+
+
+def _hash_files(digest, root: Path, subfolders: Iterable[str]) -> None:
+    """Add each file of ``root / sub`` to ``digest``: its name, size and the sha256 of its last MiB."""
+    for sub in sorted(subfolders):
         for file in sorted(p for p in (root / sub).rglob("*") if p.is_file()):
             size = file.stat().st_size
             with open(file, "rb") as f:
                 f.seek(max(0, size - 2**20))
                 tail = hashlib.sha256(f.read()).hexdigest()
             digest.update(f"{file.relative_to(root)}:{size}:{tail}".encode())
-    return digest.hexdigest()
 
 
 class TextEmbeddingStore:
@@ -345,6 +356,146 @@ class PromptEmbeddings:
 
     def clear(self) -> None:
         self.cache.clear()
+
+
+# --- VAE latents of image inputs ---------------------------------------------------------------------
+LATENT_INDEX = "index.json"
+PRECOMPUTE_LATENTS = "python -m trainer.precompute --config CONFIG.yaml --latents DIR"
+logger = logging.getLogger("rewardflow.latents")
+
+
+def vae_fingerprint(config: DiffusersModelConfig) -> str:
+    """sha256 over what decides a VAE posterior besides the VAE input itself (which keys the store): the
+    files of ``vae/`` (its class and config included; hashed as ``text_fingerprint`` hashes files), ``dtype``
+    and ``resolution``. The resolution changes only the inputs, so a store of another resolution would just
+    miss every input; it is in the fingerprint to refuse such a store instead."""
+    digest = hashlib.sha256(json.dumps({"dtype": config.dtype, "resolution": config.resolution}).encode())
+    _hash_files(digest, Path(config.path), ["vae"])
+    return digest.hexdigest()
+
+
+def vae_input_key(x: torch.Tensor) -> str:
+    """sha256 of one VAE input (a CPU tensor): its dtype, shape and bytes."""
+    digest = hashlib.sha256(f"{x.dtype}{tuple(x.shape)}".encode())
+    digest.update(x.contiguous().flatten().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+class LatentStore:
+    """Precomputed VAE posteriors (``python -m trainer.precompute --latents DIR``) in one directory:
+    ``index.json`` = {"fingerprint": ``vae_fingerprint`` of the model, "keys": [...]}, and per VAE input a
+    safetensors file named by its ``vae_input_key``, holding ``parameters``: the posterior's mean and
+    log-variance as the VAE returns them, so that its mode and a sample of it both equal the live ones.
+    ``open`` reads a store for training; ``create`` starts or extends one for ``trainer.precompute``."""
+
+    def __init__(self, directory: str, fingerprint: str, keys: Iterable[str] = ()):
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.keys = set(keys)
+
+    @classmethod
+    def open(cls, directory: str, fingerprint: str) -> LatentStore:
+        """The store in ``directory`` for training; a missing index or another fingerprint is refused."""
+        index_file = Path(directory) / LATENT_INDEX
+        if not index_file.is_file():
+            raise ValueError(f"model.image_latents={directory!r} holds no {LATENT_INDEX}; write it with "
+                             f"{PRECOMPUTE_LATENTS}")
+        index = json.loads(index_file.read_text())
+        if index["fingerprint"] != fingerprint:
+            raise ValueError(
+                f"model.image_latents={directory!r} was computed for another VAE or settings (its fingerprint "
+                f"{index['fingerprint'][:12]}, this model's {fingerprint[:12]}: VAE files, dtype, resolution); "
+                f"recompute it for this model.path with {PRECOMPUTE_LATENTS}")
+        return cls(directory, fingerprint, index["keys"])
+
+    @classmethod
+    def create(cls, directory: str, fingerprint: str) -> LatentStore:
+        """The store in ``directory`` (created when missing); one of another fingerprint is refused."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / LATENT_INDEX).is_file():
+            return cls(directory, fingerprint)
+        index = json.loads((out / LATENT_INDEX).read_text())
+        if index["fingerprint"] != fingerprint:
+            raise ValueError(f"--latents {directory!r} holds latents of another VAE or settings; choose another "
+                             "directory")
+        return cls(directory, fingerprint, index["keys"])
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
+
+    def load(self, key: str, device: torch.device) -> torch.Tensor:
+        """The parameters of input ``key``, [1, 2C, ...] on ``device``."""
+        from safetensors.torch import load_file
+
+        return load_file(self.directory / f"{key}.safetensors", device=str(device))["parameters"][None]
+
+    def add(self, key: str, parameters: torch.Tensor) -> None:
+        """Write the parameters [1, 2C, ...] of input ``key``; it is in the store once ``save`` has run."""
+        from safetensors.torch import save_file
+
+        save_file({"parameters": parameters[0].detach().cpu().contiguous()}, self.directory / f"{key}.safetensors")
+        self.keys.add(key)
+
+    def save(self) -> None:
+        """Write the index (atomically)."""
+        tmp = self.directory / f".{LATENT_INDEX}.tmp"
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "keys": sorted(self.keys)}, indent=0))
+        os.replace(tmp, self.directory / LATENT_INDEX)
+
+
+def refuse_image_latents(model: str, config: DiffusersModelConfig) -> None:
+    """ValueError when ``model.image_latents`` is set for an adapter that VAE-encodes no image input."""
+    if config.image_latents:
+        raise ValueError(f"model.image_latents is set, but the {model} adapter VAE-encodes no image input "
+                         "(flux_fill, flux_kontext and sd15_inpaint do); unset it")
+
+
+class ImageLatents:
+    """VAE posteriors of image inputs: for a batch ``x`` of VAE inputs, what ``vae.encode(x).latent_dist``
+    gives, but computed per distinct input, each in its own forward. A group's repeats of an item are
+    encoded once, and an input's latents do not depend on its batch-mates (the rounding of batched
+    convolutions can), so a store hit equals the live encode bit for bit and a resumed run the uninterrupted
+    one. Inputs in ``store`` are read from it, the others encoded, and with ``record`` added to it (what
+    ``trainer.precompute`` does). ``hits`` and ``misses`` count the inputs read and encoded (a repeat
+    within a call counts once); a training run's first miss logs a warning."""
+
+    def __init__(self, vae: nn.Module, store: LatentStore | None, record: bool = False):
+        assert store is not None or not record
+        self.vae, self.store, self.record = vae, store, record
+        self.hits = self.misses = 0
+
+    @classmethod
+    def of(cls, vae: nn.Module, config: DiffusersModelConfig) -> ImageLatents:
+        """Reading ``config.image_latents`` when set (checked against the model's ``vae_fingerprint``)."""
+        if not config.image_latents:
+            return cls(vae, None)
+        return cls(vae, LatentStore.open(config.image_latents, vae_fingerprint(config)))
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor):
+        """The posterior (a diffusers ``DiagonalGaussianDistribution``) of VAE inputs ``x`` [B, ...] (on the
+        VAE's device, in its dtype)."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        keys = [vae_input_key(row) for row in x.detach().cpu()]
+        parameters: dict[str, torch.Tensor] = {}
+        for key, row in zip(keys, x, strict=True):
+            if key in parameters:
+                continue
+            if self.store is not None and key in self.store:
+                parameters[key] = self.store.load(key, x.device)
+                self.hits += 1
+                continue
+            parameters[key] = self.vae.encode(row[None]).latent_dist.parameters
+            self.misses += 1
+            if self.record:
+                self.store.add(key, parameters[key])
+            elif self.store is not None and self.misses == 1:
+                logger.warning("an image input is not in model.image_latents=%s: VAE-encoding it (and any other "
+                               "missing one); rerun %s to include the dataset's current images",
+                               self.store.directory, PRECOMPUTE_LATENTS)
+        return DiagonalGaussianDistribution(torch.cat([parameters[key] for key in keys]))
 
 
 def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:

@@ -32,6 +32,7 @@ from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
+    ImageLatents,
     PromptEmbeddings,
     cfg_combine,
     freeze,
@@ -42,6 +43,7 @@ from trainer.models.common import (
     prompt_encoder,
     rectified_flow_target,
     reference_network,
+    refuse_image_latents,
     reject_image_inputs,
     save_trainable,
     shifted_flow_sigmas,
@@ -72,6 +74,8 @@ class FluxAdapter:
     config_class = FluxConfig
     pipeline_class = FluxPipeline
     model_name = "flux"
+    encodes_image_inputs = False
+    """Whether ``_image_conditioning`` VAE-encodes per-item inputs (Fill, Kontext): ``model.image_latents``."""
     text_components = {"text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer, "text_encoder_2": T5EncoderModel,
                        "tokenizer_2": T5TokenizerFast}
     optional_text: tuple[str, ...] = ()
@@ -93,6 +97,9 @@ class FluxAdapter:
                                             **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         freeze(self.vae)
+        if not self.encodes_image_inputs:
+            refuse_image_latents(self.model_name, config)
+        self.image_latents = ImageLatents.of(self.vae, config)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -191,8 +198,11 @@ class FluxAdapter:
     def vae_encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1] [B, 3, H, W] -> scaled, unpacked latents [B, C, H/f, W/f] (posterior mean)."""
         x = images.to(self.device, self.dtype) * 2 - 1
-        latents = self.vae.encode(x).latent_dist.mode().float()
-        return (latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+        return self.scale_latents(self.vae.encode(x).latent_dist.mode())
+
+    def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents -> the shifted and scaled ones the transformer works in, float32."""
+        return (latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, C, h, w] -> [B, (h/2)(w/2), 4C] tokens."""

@@ -33,17 +33,19 @@ class FluxFillAdapter(FluxAdapter):
     config_class = FluxFillConfig
     pipeline_class = FluxFillPipeline
     model_name = "flux_fill"
+    encodes_image_inputs = True
 
     @torch.no_grad()
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """``image``: packed masked-image latents; ``mask``: the packed mask, as the pipeline makes them."""
+        """``image``: packed masked-image latents; ``mask``: the packed mask, as the pipeline makes them. The
+        masked image's posterior is read from ``model.image_latents`` when it holds it."""
         reject_image_inputs(self.model_name, inputs, allowed=("image", "mask"))
         size = (self.resolution, self.resolution)
         image = require_image_input(self.model_name, inputs, "image", batch_size, 3, size)
         mask = require_image_input(self.model_name, inputs, "mask", batch_size, 1, size)
         mask = (mask.to(self.device, torch.float32) >= 0.5).float()
         masked = (image.to(self.device, torch.float32) * 2 - 1) * (1 - mask)
-        latents = self.vae.encode(masked.to(self.dtype)).latent_dist.mode()
+        latents = self.image_latents(masked.to(self.dtype)).mode()
         mask_tokens, image_tokens = self.pipeline.prepare_mask_latents(
             mask, latents, batch_size, self.latent_channels, 1, self.resolution, self.resolution, self.dtype,
             self.device, None)

@@ -33,13 +33,16 @@ class FluxKontextAdapter(FluxAdapter):
     config_class = FluxKontextConfig
     pipeline_class = FluxKontextPipeline
     model_name = "flux_kontext"
+    encodes_image_inputs = True
 
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """``reference``: the scaled reference latents [B, C, h, w] (packed at each forward)."""
+        """``reference``: the scaled reference latents [B, C, h, w] (packed at each forward); the posterior is
+        read from ``model.image_latents`` when it holds it."""
         reject_image_inputs(self.model_name, inputs, allowed=("reference",))
         reference = require_image_input(self.model_name, inputs, "reference", batch_size, 3,
                                         multiple_of=2 * self.vae_factor)
-        return {"reference": self.vae_encode(reference)}
+        posterior = self.image_latents(reference.to(self.device, self.dtype) * 2 - 1)
+        return {"reference": self.scale_latents(posterior.mode())}
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
         if cond.reference is None:

@@ -44,6 +44,7 @@ from trainer.models.common import (
     prompt_encoder,
     rectified_flow_target,
     reference_network,
+    refuse_image_latents,
     reject_image_inputs,
     save_trainable,
     shifted_flow_sigmas,
@@ -114,6 +115,7 @@ class QwenImageAdapter:
                                           **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         freeze(self.vae)
+        refuse_image_latents(self.model_name, config)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution

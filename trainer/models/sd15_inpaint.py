@@ -34,6 +34,7 @@ from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
+    ImageLatents,
     PromptEmbeddings,
     cfg_combine,
     freeze,
@@ -104,6 +105,7 @@ class SD15InpaintAdapter:
             requires_safety_checker=False, **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         freeze(self.vae)
+        self.image_latents = ImageLatents.of(self.vae, config)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -121,14 +123,15 @@ class SD15InpaintAdapter:
     # --- conditioning -------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """CLIP embeddings (cached per prompt); ``image``: masked-image latents, ``mask``: the latent-size mask."""
+        """CLIP embeddings (cached per prompt); ``image``: masked-image latents (the posterior read from
+        ``model.image_latents`` when it holds it), ``mask``: the latent-size mask."""
         reject_image_inputs(self.model_name, inputs, allowed=("image", "mask"))
         size = (self.resolution, self.resolution)
         image = require_image_input(self.model_name, inputs, "image", len(prompts), 3, size)
         mask = require_image_input(self.model_name, inputs, "mask", len(prompts), 1, size)
         mask = (mask.to(self.device, torch.float32) >= 0.5).float()
         masked = (image.to(self.device, torch.float32) * 2 - 1) * (mask < 0.5)
-        masked_latents = self.vae.encode(masked.to(self.dtype)).latent_dist.mode() * self.vae.config.scaling_factor
+        masked_latents = self.image_latents(masked.to(self.dtype)).mode() * self.vae.config.scaling_factor
         latent_mask, masked_latents = self.pipeline.prepare_mask_latents(
             mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False)
         return Conditioning(embeds=self.prompts.cat(prompts), image=masked_latents, mask=latent_mask)

@@ -35,6 +35,7 @@ from trainer.models.common import (
     prepare_denoiser,
     prompt_encoder,
     reference_network,
+    refuse_image_latents,
     save_trainable,
 )
 from trainer.samplers import flow_step
@@ -81,6 +82,7 @@ class SD3Adapter:
                                                  **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         freeze(self.vae)
+        refuse_image_latents("sd3", config)
 
         vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         side = config.resolution or self.denoiser.config.sample_size * vae_factor
