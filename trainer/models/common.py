@@ -268,21 +268,26 @@ def _hash_files(digest, root: Path, subfolders: Iterable[str]) -> None:
             digest.update(f"{file.relative_to(root)}:{size}:{tail}".encode())
 
 
+def read_index(setting: str, index_file: Path, fingerprint: str, other: str, covers: str, command: str) -> dict:
+    """A precomputed store's index, or a ValueError naming ``setting`` and the ``command`` that writes it when
+    the index is missing or was made for ``other`` (a fingerprint over ``covers``) than this model."""
+    if not index_file.is_file():
+        raise ValueError(f"{setting} holds no {index_file.name}; write it with {command}")
+    index = json.loads(index_file.read_text())
+    if index["fingerprint"] != fingerprint:
+        raise ValueError(f"{setting} was computed for {other} or settings (its fingerprint {index['fingerprint'][:12]}, "
+                         f"this model's {fingerprint[:12]}: {covers}); recompute it for this model.path with {command}")
+    return index
+
+
 class TextEmbeddingStore:
     """Precomputed text embeddings (``python -m trainer.precompute``) in one directory: ``index.json``
     = {"fingerprint": ``text_fingerprint`` of the model, "prompts": {prompt: file}}, and per prompt a
     safetensors file named by the sha256 of the prompt, holding the tensors the adapter caches for it by name."""
 
     def __init__(self, directory: str, fingerprint: str):
-        index_file = Path(directory) / TEXT_INDEX
-        if not index_file.is_file():
-            raise ValueError(f"model.text_embeddings={directory!r} holds no {TEXT_INDEX}; write it with {PRECOMPUTE}")
-        index = json.loads(index_file.read_text())
-        if index["fingerprint"] != fingerprint:
-            raise ValueError(
-                f"model.text_embeddings={directory!r} was computed for other text encoders or settings (its "
-                f"fingerprint {index['fingerprint'][:12]}, this model's {fingerprint[:12]}: text encoder files, "
-                f"dtype, max_sequence_length); recompute it for this model.path with {PRECOMPUTE}")
+        index = read_index(f"model.text_embeddings={directory!r}", Path(directory) / TEXT_INDEX, fingerprint,
+                           "other text encoders", "text encoder files, dtype, max_sequence_length", PRECOMPUTE)
         self.directory = Path(directory)
         self.files: dict[str, str] = index["prompts"]
 
@@ -396,16 +401,8 @@ class LatentStore:
     @classmethod
     def open(cls, directory: str, fingerprint: str) -> LatentStore:
         """The store in ``directory`` for training; a missing index or another fingerprint is refused."""
-        index_file = Path(directory) / LATENT_INDEX
-        if not index_file.is_file():
-            raise ValueError(f"model.image_latents={directory!r} holds no {LATENT_INDEX}; write it with "
-                             f"{PRECOMPUTE_LATENTS}")
-        index = json.loads(index_file.read_text())
-        if index["fingerprint"] != fingerprint:
-            raise ValueError(
-                f"model.image_latents={directory!r} was computed for another VAE or settings (its fingerprint "
-                f"{index['fingerprint'][:12]}, this model's {fingerprint[:12]}: VAE files, dtype, resolution); "
-                f"recompute it for this model.path with {PRECOMPUTE_LATENTS}")
+        index = read_index(f"model.image_latents={directory!r}", Path(directory) / LATENT_INDEX, fingerprint,
+                           "another VAE", "VAE files, dtype, resolution", PRECOMPUTE_LATENTS)
         return cls(directory, fingerprint, index["keys"])
 
     @classmethod
