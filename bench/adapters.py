@@ -72,9 +72,9 @@ class Recorder(nn.Module):
         return self.net(*args, **kwargs)
 
 
-def bench_adapter(case: str, root: str, repeats: int) -> dict[str, float]:
+def bench_adapter(case: str, root: str, repeats: int, scale: int = 1) -> dict[str, float]:
     name = case.removesuffix("+ip")
-    overrides = {"resolution": RESOLUTION[name]} if name in RESOLUTION else {}
+    overrides = {"resolution": RESOLUTION[name] * scale} if name in RESOLUTION else {}
     if case.endswith("+ip"):
         overrides["ip_adapter"] = testing.tiny_ip_adapter(root)
     adapter = build_adapter(testing.tiny_config(name, root, dtype="float32", lora=LoraSettings(rank=8, alpha=8),
@@ -175,14 +175,17 @@ def main() -> None:
                         help="comma-separated adapter names, or flux+ip (FLUX with an IP-Adapter)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scale", type=int, default=1,
+                        help="image side x scale (scale^2 x the tokens): how the overheads shrink with the work")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "noisy")
-    print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, float32, {args.threads} threads; ratio = ours / plain")
+    print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, float32, {args.threads} threads, image side x{args.scale}; "
+          "ratio = ours / plain")
     print(f"{'adapter':<14}" + "".join(f"{c:>14}" for c in columns))
     with tempfile.TemporaryDirectory() as root:
         for name in args.names.split(","):
-            row = bench_adapter(name, root, args.repeats)
+            row = bench_adapter(name, root, args.repeats, args.scale)
             print(f"{name:<14}" + "".join(f"{row[c]:>13.3f}x" for c in columns), flush=True)
     print("targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x")
 
