@@ -158,7 +158,8 @@ class TrainConfig:
     ema_decay: float = 0.9
     """EMA of the trainable weights during RL (e.g. 0.9-0.999; evaluation reads it, see eval.use_ema): it
     smooths the late overshoot of GRPO/PPO (the embedded job without it fell from 1.00 to 0.85 digit
-    accuracy in epochs 28-30); 0 keeps no EMA."""
+    accuracy in epochs 28-30). Costs a float32 copy of the trainable weights (of this rank's shards: small
+    with LoRA, 4 bytes per parameter with full fine-tuning); 0 keeps no EMA."""
     ema_every: int = 1
     """Update the EMA every N RL optimizer steps."""
     init_from: str = ""
