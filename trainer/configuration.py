@@ -7,6 +7,8 @@ key picks a class from a registry, and the rest of the section must match that c
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -17,6 +19,15 @@ import yaml
 
 class ConfigError(ValueError):
     """A config file, override or value that cannot be used; the message names the field and the fix."""
+
+
+def user_error_exit(exc: ValueError) -> int:
+    """How a command-line tool ends on a user-fixable ValueError (bad paths, shapes, sizes): the message and
+    exit status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block."""
+    if os.environ.get("RF_TRACEBACK"):
+        raise exc
+    print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
+    return 2
 
 
 @dataclasses.dataclass(frozen=True)

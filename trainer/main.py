@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.build import run
     from trainer.config import ConfigError, load_config, to_dict
+    from trainer.configuration import user_error_exit
 
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
@@ -57,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(config)
     except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
-        if os.environ.get("RF_TRACEBACK"):
-            raise
-        print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        return 2
+        return user_error_exit(exc)
     return 0
 
 

@@ -26,7 +26,6 @@ hands them out only as random batches, and a few warm-up steps are cheap to enco
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import replace
@@ -99,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --out DIR (text embeddings), --latents DIR (VAE latents of image inputs) or both")
 
     from trainer.config import ConfigError, load_config
+    from trainer.configuration import user_error_exit
 
     try:
         config = load_config(args.config, args.overrides)
@@ -119,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.latents} ({present} were there) in {time.perf_counter() - start:.1f} s; train with "
                   f"model.image_latents={args.latents}")
     except ValueError as exc:
-        if os.environ.get("RF_TRACEBACK"):
-            raise
-        print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        return 2
+        return user_error_exit(exc)
     return 0
 
 

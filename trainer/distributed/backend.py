@@ -167,12 +167,17 @@ class SingleProcess:
 
     def step(self, max_grad_norm: float) -> float:
         norm = clip_gradients(self.params, max_grad_norm)
-        for params, _ in self.auxiliary:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_auxiliary(max_grad_norm)
+        return norm
+
+    def _step_auxiliary(self, max_grad_norm: float) -> None:
+        """Clip and step each auxiliary network (replicated: its gradients are whole on every rank)."""
+        for params, opt in self.auxiliary:
             clip_gradients(params, max_grad_norm)
-        for opt in self._optimizers():
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return norm
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -183,10 +188,16 @@ class SingleProcess:
             opt.state.clear()
 
     def optimizer_state(self) -> dict:
-        return {"main": self.optimizer.state_dict(), "auxiliary": [opt.state_dict() for _, opt in self.auxiliary]}
+        return {"main": self.optimizer.state_dict(), "auxiliary": self._auxiliary_state()}
+
+    def _auxiliary_state(self) -> list[dict]:
+        return [opt.state_dict() for _, opt in self.auxiliary]
 
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["main"])
+        self._load_auxiliary_state(state)
+
+    def _load_auxiliary_state(self, state: dict) -> None:
         check_auxiliary_count(state, len(self.auxiliary))
         for (_, opt), saved in zip(self.auxiliary, state["auxiliary"], strict=True):
             opt.load_state_dict(saved)

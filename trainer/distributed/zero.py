@@ -24,9 +24,7 @@ from torch import nn
 from trainer.distributed.backend import (
     DDP,
     World,
-    check_auxiliary_count,
     checked_trainable,
-    clip_gradients,
     materialize,
     skeleton,
     trainable,
@@ -141,10 +139,7 @@ class DeepSpeedZeRO(DDP):
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        for params, opt in self.auxiliary:
-            clip_gradients(params, max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        self._step_auxiliary(max_grad_norm)
         return float(norm) if norm is not None else 0.0
 
     def set_lr(self, lr: float) -> None:
@@ -157,16 +152,14 @@ class DeepSpeedZeRO(DDP):
             opt.state.clear()
 
     def optimizer_state(self) -> dict:
-        return {"main": self.engine.optimizer.state_dict(), "auxiliary": [opt.state_dict() for _, opt in self.auxiliary]}
+        return {"main": self.engine.optimizer.state_dict(), "auxiliary": self._auxiliary_state()}
 
     def load_optimizer_state(self, state: dict) -> None:
         # ZeRO takes one state per data-parallel rank and picks its own; the fp32 master partition comes
         # from the saved state (exact also when the module trains in bf16).
         self.engine.optimizer.load_state_dict([state["main"]] * self.world.world_size, load_optimizer_states=True,
                                               load_from_fp32_weights=True)
-        check_auxiliary_count(state, len(self.auxiliary))
-        for (_, opt), saved in zip(self.auxiliary, state["auxiliary"], strict=True):
-            opt.load_state_dict(saved)
+        self._load_auxiliary_state(state)
 
     def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         if self.stage != 3:
