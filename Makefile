@@ -12,11 +12,25 @@ $(STAMP): pyproject.toml constraints.txt
 	@if $(VENV)/bin/pip list 2>/dev/null | grep -qi '^nvidia-'; then echo "CUDA packages were pulled in: check constraints.txt" >&2; exit 1; fi
 	touch $(STAMP)
 
+# PaddleOCR (the ocr_paddle scorer) pins its own numpy and OpenCV, which clash with .venv's, so its test
+# runs the reward server under a venv of its own; the test models are PP-OCRv6 from the rapidocr wheel,
+# converted by tests/paddle/build_models.py (rapidocr without its dependencies: only its model files).
+PADDLE_VENV ?= .venv-paddle
+PADDLE_PIP = $(PADDLE_VENV)/bin/pip install -q -c constraints.txt
+PADDLE_STAMP = $(PADDLE_VENV)/.installed
+
+$(PADDLE_STAMP): tests/paddle/requirements.txt pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(PADDLE_VENV)
+	$(PADDLE_PIP) -r tests/paddle/requirements.txt
+	$(PADDLE_PIP) --no-deps rapidocr==3.10.0 -e .
+	@if $(PADDLE_VENV)/bin/pip list 2>/dev/null | grep -qi '^nvidia-\|^torch '; then echo "torch or CUDA packages in $(PADDLE_VENV)" >&2; exit 1; fi
+	touch $(PADDLE_STAMP)
+
 # The browser test drives Debian's chromium; OCR tests render text with DejaVu fonts. Installed when
 # missing and apt-get is usable (root on Debian/Ubuntu); otherwise those tests say what to install.
 SYSTEM_PACKAGES = chromium fonts-dejavu-core
 
-.PHONY: install system-deps demo test test-all lint
+.PHONY: install system-deps paddle-env demo test test-all lint
 install: $(STAMP)
 
 system-deps:
@@ -25,6 +39,9 @@ system-deps:
 		echo "installing $(SYSTEM_PACKAGES) with apt-get"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 	else echo "note: install $(SYSTEM_PACKAGES) for the browser and OCR tests"; fi
+
+paddle-env: $(PADDLE_STAMP)  ## .venv-paddle and the PaddleOCR test models (tests/integration/test_ocr_paddle.py)
+	$(PADDLE_VENV)/bin/python tests/paddle/build_models.py
 
 demo: $(STAMP)  ## the embedded default: SFT warm-up on digits, then GRPO against local reward servers
 	$(VENV)/bin/python trainer/main.py $(ARGS)

@@ -17,10 +17,15 @@ Backends (one registry name each):
     ``ocr``: RapidOCR on onnxruntime with the PP-OCR detection and recognition models shipped inside the
         ``rapidocr`` wheel (nothing downloaded). Detection resizes with limit type "max" and side 960: the
         default ("min", 736) upsamples small images, which splits words into several boxes.
-    ``ocr_paddle``: PaddleOCR 3.x (``paddleocr`` and ``paddlepaddle``, optional, imported in ``load``)
-        with the models in ``<model_dir>/ocr_paddle/det`` and ``<model_dir>/ocr_paddle/rec``: PaddleOCR
-        inference model directories (``inference.yml`` naming the model, plus its weights), e.g.
-        PP-OCRv5_server_det and PP-OCRv5_server_rec.
+    ``ocr_paddle``: PaddleOCR 3.x (``paddleocr`` and ``paddlepaddle``, the ``ocr-paddle`` extra,
+        imported in ``load``) with the models in ``<model_dir>/ocr_paddle/det`` and
+        ``<model_dir>/ocr_paddle/rec``: PaddleOCR inference model directories (``inference.yml`` naming
+        the model, plus ``inference.json`` or ``inference.pdmodel`` and ``inference.pdiparams``), e.g.
+        PP-OCRv5_server_det and PP-OCRv5_server_rec. PaddleOCR pins its own numpy and OpenCV, so it
+        usually needs an environment without the trainer's packages; the server needs no torch.
+        Tested with paddleocr 3.7 and paddlepaddle 3.3 (``make paddle-env``, then
+        tests/integration/test_ocr_paddle.py) on PP-OCRv6 small det/rec converted from the rapidocr
+        wheel's ONNX files by tests/paddle/build_models.py, whose ``inference.yml`` files show the layout.
 Neither backend uses text-line orientation classification (Flow-GRPO reads with ``cls=False``).
 """
 

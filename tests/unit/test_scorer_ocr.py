@@ -6,13 +6,13 @@ clutter) are not required to be perfect.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw
+from text_images import font, render
 
 from reward_server.scorers import SCORERS, run_scorer
 from reward_server.scorers.ocr import (
@@ -26,36 +26,11 @@ from reward_server.scorers.ocr import (
 )
 from shared.protocol import ErrorCode
 
-FONT_DIR = Path("/usr/share/fonts/truetype/dejavu")  # Debian package fonts-dejavu-core
 PROMPTS = Path(__file__).resolve().parents[3] / "shared/data/flow_grpo/ocr_test_prompts.txt"
 
 
-def render(
-    text: str,
-    *,
-    size: tuple[int, int] = (512, 512),
-    font_size: int = 40,
-    background: Image.Image | None = None,
-    angle: float = 0.0,
-    bold: bool = False,
-) -> np.ndarray:
-    """Dark text centred on a white (or given) background, optionally rotated, as uint8 RGB."""
-    font = ImageFont.truetype(
-        str(FONT_DIR / ("DejaVuSans-Bold.ttf" if bold else "DejaVuSans.ttf")), font_size
-    )
-    image = background.copy() if background is not None else Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    origin = ((image.width - (right - left)) // 2 - left, (image.height - (bottom - top)) // 2 - top)
-    draw.text(origin, text, font=font, fill=(20, 20, 60))
-    if angle:
-        image = image.rotate(angle, resample=Image.Resampling.BICUBIC, fillcolor="white")
-    return np.asarray(image)
-
-
 def fitting_font_size(text: str, width: int) -> int:
-    font = ImageFont.truetype(str(FONT_DIR / "DejaVuSans.ttf"), 100)
-    return min(40, int(100 * width / font.getlength(text)))
+    return min(40, int(100 * width / font(100).getlength(text)))
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +99,8 @@ def test_ocr_hard_cases(ocr: OcrScorer, case: str, threshold: float) -> None:
 
 def test_ocr_mask_restricts_reading_to_its_box(ocr: OcrScorer) -> None:
     image = Image.new("RGB", (512, 256), "white")
-    font = ImageFont.truetype(str(FONT_DIR / "DejaVuSans.ttf"), 40)
-    ImageDraw.Draw(image).text((30, 100), "HELLO", font=font, fill="black")
-    ImageDraw.Draw(image).text((300, 100), "WORLD", font=font, fill="black")
+    ImageDraw.Draw(image).text((30, 100), "HELLO", font=font(40), fill="black")
+    ImageDraw.Draw(image).text((300, 100), "WORLD", font=font(40), fill="black")
     mask = np.zeros((256, 512, 1), np.uint8)
     mask[80:170, 280:500] = 255
     masked, unmasked = ocr.score([np.asarray(image)] * 2, ['"WORLD"'] * 2, [{"mask": mask}, {}])
@@ -199,7 +173,8 @@ def test_crop_to_mask_uses_the_bounding_box_of_set_pixels() -> None:
 
 
 def test_paddle_result_lines_reads_the_documented_result_fields() -> None:
-    """Only the parsing of PaddleOCR 3.x's ``predict`` result; the pipeline itself is tested below."""
+    """Only the parsing of PaddleOCR 3.x's ``predict`` result; the pipeline itself runs for real in
+    tests/integration/test_ocr_paddle.py (under .venv-paddle)."""
     result = {"rec_texts": ["HELLO", " ", "WORLD"], "rec_scores": [0.99, 0.2, 0.97], "rec_polys": []}
     assert [(line.text, line.confidence) for line in paddle_result_lines(result)] == [
         ("HELLO", 0.99),
@@ -213,14 +188,3 @@ def test_ocr_paddle_needs_its_model_dirs(tmp_path: Path) -> None:
     (tmp_path / "ocr_paddle" / "det").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="inference.yml"):
         SCORERS["ocr_paddle"](model_dir=tmp_path).load()
-
-
-@pytest.mark.skipif(
-    "RF_PADDLEOCR_MODEL_DIR" not in os.environ,
-    reason="set RF_PADDLEOCR_MODEL_DIR to a dir with ocr_paddle/{det,rec} (needs paddleocr, paddlepaddle)",
-)
-def test_ocr_paddle_reads_rendered_text() -> None:
-    scorer = SCORERS["ocr_paddle"](model_dir=Path(os.environ["RF_PADDLEOCR_MODEL_DIR"]))
-    scorer.load()
-    (outcome,) = scorer.score([render("Spring Collection 2024")], ['"Spring Collection 2024"'], [{}])
-    assert outcome.score == pytest.approx(1.0), outcome.details
