@@ -25,6 +25,8 @@ Columns (median over ``--repeats`` back-to-back pairs of ours / plain; lower is 
             rollout step's arithmetic) / the deterministic Euler step: the overhead of the mean and the
             log-probability alone. On the CPU the noise draw is serial (mt19937: 3.5 ms for [4, 4096, 64],
             21 Euler steps); a GPU draws it in about one elementwise pass.
+  kernels   kernels (non-view aten ops) one rollout step launches / one deterministic scheduler step: on a
+            GPU, at small models, launches are the cost, so this is the device-independent part of ``sampler``.
 Large CPU temporaries are kept in the heap for the whole run (``keep_freed_memory``), as a GPU's caching
 allocator keeps them: with glibc's defaults every step would time the kernel zeroing fresh pages instead.
 ``--denoiser 9m`` widens each denoiser to about 9 M parameters (the size of the public figure the issue
@@ -48,6 +50,7 @@ from pathlib import Path
 import diffusers
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.grpo import GRPO, GRPOConfig
@@ -179,6 +182,7 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, wide: bool
     row["sampler"] = bench_sampler(adapter, settings, repeats)
     row["noisy"] = bench_sampler(adapter, settings, repeats, stochastic_baseline=True)
     row["scored"] = bench_sampler(adapter, settings, repeats, scored=True)
+    row["kernels"] = count_step_kernels(adapter, settings)
     return row
 
 
@@ -201,7 +205,7 @@ def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int =
     def ours():
         for _ in range(loops):
             for i in range(NUM_STEPS):
-                step(out, x, schedule[i].expand(BATCH), schedule[i + 1].expand(BATCH), settings.noise_level, generator=g, **given)
+                step(out, x, i, settings.noise_level, generator=g, **given)
 
     def plain():
         for _ in range(loops):
@@ -221,6 +225,34 @@ def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int =
             scheduler.register_to_config(stochastic_sampling=False)
 
 
+class _KernelCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.__name__.split(".")[0] not in ("detach", "lift_fresh"):
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step_kernels(adapter, settings: SamplerSettings) -> str:
+    """"ours/plain": kernels of one mid-schedule rollout step and of the scheduler's deterministic step."""
+    shape = (BATCH, 4, 8, 8) if adapter.sampler_kind == "ddim" else (BATCH, 64, 64)
+    x, out = torch.randn(shape), torch.randn(shape)
+    step = adapter.step_function(settings.kind, adapter.sigmas(NUM_STEPS))
+    scheduler, t = adapter.scheduler, adapter.scheduler.timesteps[1]
+    step(out, x, 1, settings.noise_level)  # its constants are computed once, at the first call
+    counts = []
+    for fn in (lambda: step(out, x, 1, settings.noise_level), lambda: scheduler.step(out, t, x)):
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler._step_index = None
+        with _KernelCounter() as counter:
+            fn()
+        counts.append(counter.kernels)
+    return f"{counts[0]}/{counts[1]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--names", default=",".join(sorted(MODELS)),
@@ -234,14 +266,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
-    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "noisy", "scored")
+    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "noisy", "scored", "kernels")
     print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, float32, {args.threads} threads, image side x{args.scale}, "
           f"{args.denoiser} denoiser; ratio = ours / plain")
     print(f"{'adapter':<14}{'params':>8}" + "".join(f"{c:>14}" for c in columns))
     with tempfile.TemporaryDirectory() as root:
         for name in args.names.split(","):
             row = bench_adapter(name, root, args.repeats, args.scale, wide=args.denoiser == "9m")
-            print(f"{name:<14}{row['params']:>7.2f}M" + "".join(f"{row[c]:>13.3f}x" for c in columns), flush=True)
+            print(f"{name:<14}{row['params']:>7.2f}M" + "".join(f"{row[c]:>13.3f}x" if isinstance(row[c], float) else f"{row[c]:>14}" for c in columns), flush=True)
     print("targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x (the CPU's serial noise draw aside: scored)")
 
 

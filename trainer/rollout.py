@@ -126,10 +126,10 @@ def rollout(
     latents, log_probs = [x], []
     batch = x.shape[0]
     for i in range(settings.num_steps):
-        sigma, sigma_next = sigmas[i].expand(batch), sigmas[i + 1].expand(batch)
+        sigma = sigmas[i].expand(batch)
         v = adapter.predict(net, x, sigma, cond, settings.guidance_scale)
         level = settings.noise_level if stochastic[i] else 0.0
-        x, logp, _, _ = step(v, x, sigma, sigma_next, level, generator=generator)
+        x, logp, _, _ = step(v, x, i, level, generator=generator)
         latents.append(x)
         log_probs.append(logp)
     return Rollout(

@@ -126,9 +126,9 @@ def test_on_policy_ratio_is_exactly_one(adapter):
     batch = len(PROMPTS)
     with torch.no_grad():
         for i in ro.trainable_steps().tolist():
-            sigma, sigma_next = ro.sigmas[i].expand(batch), ro.sigmas[i + 1].expand(batch)
+            sigma = ro.sigmas[i].expand(batch)
             out = adapter.predict(adapter.denoiser, ro.latents[:, i], sigma, ro.cond, ro.guidance_scale)
-            _, log_prob, _, _ = step(out, ro.latents[:, i], sigma, sigma_next, ro.noise_level,
+            _, log_prob, _, _ = step(out, ro.latents[:, i], torch.full((batch,), i), ro.noise_level,
                                      prev_sample=ro.latents[:, i + 1])
             assert torch.equal(torch.exp(log_prob - ro.log_probs[:, i]), torch.ones(batch))
 

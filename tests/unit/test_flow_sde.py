@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from trainer.samplers import STEP_FUNCTIONS, flow_step
 from trainer.samplers.flow_sde import cps_step_with_logprob, eta_step_with_logprob, sde_step_with_logprob
 
 
@@ -126,3 +127,37 @@ def test_eta_step_std_is_eta_sqrt_sigma_gap():
     scale = 0.3 * torch.sqrt(sigma - sigma_next).view(-1, 1, 1, 1)
     expected = torch.distributions.Normal(mean, scale).log_prob(prev).mean(dim=(1, 2, 3))
     torch.testing.assert_close(log_prob, expected)
+
+
+@pytest.mark.parametrize("kind", sorted(STEP_FUNCTIONS))
+def test_scheduled_step_equals_the_step_at_the_schedules_sigmas(kind):
+    """``flow_step`` precomputes each step's constants: per-step (int) and per-sample ([B]) indices give the
+    per-sample function's values at sigma = t[i], sigma_next = t[i + 1], the first step (sigma = 1) included."""
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(5)
+    schedule = scheduler.sigmas.to(torch.float32)
+    scheduled = flow_step(kind, schedule)
+    x, v, _, _ = _inputs()
+    for i in range(5):
+        sigma, sigma_next = schedule[i].expand(3), schedule[i + 1].expand(3)
+        draw = dict(generator=torch.Generator().manual_seed(i))
+        expected = STEP_FUNCTIONS[kind](v, x, sigma, sigma_next, 0.7, sigma_max=schedule[1], **draw)
+        got = scheduled(v, x, i, 0.7, generator=torch.Generator().manual_seed(i))
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        _, again, _, _ = scheduled(v, x, i, 0.7, prev_sample=got[0])
+        assert torch.equal(again, got[1])  # the rollout's log-prob is re-evaluated exactly
+    steps = torch.tensor([0, 3, 1])
+    _, per_sample, mean, _ = scheduled(v, x, steps, 0.7, prev_sample=x)
+    for j, i in enumerate(steps.tolist()):
+        _, one, one_mean, _ = scheduled(v[j:j + 1], x[j:j + 1], i, 0.7, prev_sample=x[j:j + 1])
+        torch.testing.assert_close(per_sample[j:j + 1], one, rtol=0, atol=0)
+        torch.testing.assert_close(mean[j:j + 1], one_mean, rtol=0, atol=0)
+    zero, logp, _, std = scheduled(v, x, 4, 0.0, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(zero, x + v * (schedule[5] - schedule[4]))
+    assert torch.equal(logp, torch.zeros(3)) and torch.equal(std, torch.zeros_like(std))
+
+
+def test_an_unknown_step_kind_is_a_clear_error():
+    with pytest.raises(ValueError, match="sampler.kind='ode'"):
+        flow_step("ode", torch.linspace(1, 0, 5))

@@ -17,6 +17,7 @@ import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, split_steps
+from trainer.models.base import StepFunction
 from trainer.rollout import Rollout, SamplerSettings
 
 
@@ -61,6 +62,7 @@ class PolicyGradientBatch:
     train_steps: torch.Tensor  # [K] denoising step indices eligible for training
     rewards: Rewards
     returns: torch.Tensor | None = None  # [B, T] value targets (critic algorithms)
+    step_fn: StepFunction | None = None  # the adapter's step on this schedule, built once per batch
 
 
 @dataclass
@@ -96,17 +98,19 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) ->
     batch, idx, step = unit.batch, unit.indices, unit.steps
     ro = batch.rollout
     x_t, x_next = ro.latents[idx, step], ro.latents[idx, step + 1]
-    sigma, sigma_next = ro.sigmas[step], ro.sigmas[step + 1]
+    sigma = ro.sigmas[step]
     cond = ro.cond.select(idx)
-    step_fn = ctx.adapter.step_function(ro.kind, ro.sigmas)
+    if batch.step_fn is None:  # its per-step constants are then computed once, not per unit
+        batch.step_fn = ctx.adapter.step_function(ro.kind, ro.sigmas)
+    step_fn = batch.step_fn
     v = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, ro.guidance_scale)
-    _, log_prob, mean, std = step_fn(v, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next)
+    _, log_prob, mean, std = step_fn(v, x_t, step, ro.noise_level, prev_sample=x_next)
     loss, stats = clipped_policy_loss(batch.advantages[idx, step], log_prob, ro.log_probs[idx, step],
                                       config.clip_range)
     if config.kl_beta > 0:
         with torch.no_grad():
             v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, ro.guidance_scale)
-            _, _, ref_mean, _ = step_fn(v_ref, x_t, sigma, sigma_next, ro.noise_level, prev_sample=x_next)
+            _, _, ref_mean, _ = step_fn(v_ref, x_t, step, ro.noise_level, prev_sample=x_next)
         kl = gaussian_mean_kl(mean, ref_mean, std).mean()
         loss = loss + config.kl_beta * kl
         stats["kl"] = kl.detach()

@@ -72,11 +72,12 @@ class ImageInputs:
 
 
 class StepFunction(Protocol):
-    """One stochastic reverse step with log-probability, schedule constants already bound:
-    ``(model_output, sample, t, t_next, noise_level, prev_sample=None, generator=None)`` ->
-    ``(prev_sample, log_prob [B], prev_sample_mean, std)``."""
+    """One stochastic reverse step with log-probability, bound to a schedule t[0..T]:
+    ``(model_output, sample, index, noise_level, prev_sample=None, generator=None)`` ->
+    ``(prev_sample, log_prob [B], prev_sample_mean, std)`` for the step t[index] -> t[index + 1]
+    (``index`` an int, or [B] step indices per sample)."""
 
-    def __call__(self, model_output: torch.Tensor, sample: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor,
+    def __call__(self, model_output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
                  noise_level: float, prev_sample: torch.Tensor | None = None,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]: ...
 

@@ -16,7 +16,6 @@ optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``) co
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +154,7 @@ class FluxAdapter:
 
     def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
         """A flow step; sigma_max = schedule[1] replaces sigma where sigma == 1 (no division by zero)."""
-        return functools.partial(flow_step(kind), sigma_max=schedule[1])
+        return flow_step(kind, schedule)
 
     # --- the network ---------------------------------------------------------------------------------
     def predict(

@@ -13,7 +13,6 @@ Qwen-Image) conditions the image stream on ``ImageInputs.style``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +166,7 @@ class QwenImageAdapter:
 
     def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
         """A flow step; sigma_max = schedule[1] replaces sigma where sigma == 1 (no division by zero)."""
-        return functools.partial(flow_step(kind), sigma_max=schedule[1])
+        return flow_step(kind, schedule)
 
     # --- the network ---------------------------------------------------------------------------------
     def predict(

@@ -48,6 +48,7 @@ from trainer.models.common import (
     require_image_input,
     save_trainable,
 )
+from trainer.samplers import ScheduledStep
 from trainer.samplers.ddim import ddim_step_with_logprob
 
 
@@ -159,9 +160,9 @@ class SD15InpaintAdapter:
         """The DDIM step (noise level = eta) with this scheduler's alphas bound; only kind "ddim"."""
         if kind != "ddim":
             raise ValueError(f"sampler.kind={kind!r}: sd15_inpaint is an epsilon (DDIM) model; use sampler.kind=ddim")
-        return functools.partial(
+        return ScheduledStep(functools.partial(
             ddim_step_in_units, alphas_cumprod=self.alphas_cumprod, num_train_timesteps=self.num_train_timesteps,
-            final_alpha_cumprod=torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32))
+            final_alpha_cumprod=torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32)), schedule)
 
     # --- the network ---------------------------------------------------------------------------------
     def _timesteps(self, u: torch.Tensor) -> torch.Tensor:

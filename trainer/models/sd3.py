@@ -7,7 +7,6 @@ pixel space (latents are images in [-1, 1]): that is how the tiny embedded model
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +132,7 @@ class SD3Adapter:
 
     def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
         """A flow step; sigma_max = schedule[1] replaces sigma where sigma == 1 (no division by zero)."""
-        return functools.partial(flow_step(kind), sigma_max=schedule[1])
+        return flow_step(kind, schedule)
 
     # --- the network ---------------------------------------------------------------------------------
     def predict(

@@ -1,14 +1,14 @@
-"""Pure sampler step math. ``flow_step(kind)`` picks a flow-matching step by name."""
+"""Pure sampler step math. ``flow_step(kind, schedule)`` binds a flow-matching step to a schedule."""
 
-from trainer.samplers.flow_sde import STEP_FUNCTIONS, sde_step_with_logprob
+from trainer.samplers.flow_sde import STEP_FUNCTIONS, ScheduledFlowStep, ScheduledStep, sde_step_with_logprob
 
 
-def flow_step(kind: str):
-    """The flow step function registered as ``kind`` ("sde", "cps" or "eta")."""
-    try:
-        return STEP_FUNCTIONS[kind]
-    except KeyError:
-        raise ValueError(f"sampler.kind={kind!r} is not one of {sorted(STEP_FUNCTIONS)}") from None
+def flow_step(kind: str, schedule):
+    """The flow step registered as ``kind`` ("sde", "cps" or "eta") on ``schedule`` (sigmas t[0..T]), called
+    with step indices; sigma_max = t[1] stands in for sigma = 1 (no division by zero)."""
+    if kind not in STEP_FUNCTIONS:
+        raise ValueError(f"sampler.kind={kind!r} is not one of {sorted(STEP_FUNCTIONS)}")
+    return ScheduledFlowStep(kind, schedule, sigma_max=schedule[1])
 
 
 DEFAULT_KIND = {"flow": "sde", "ddim": "ddim"}
@@ -20,4 +20,5 @@ def resolve_kind(kind: str, sampler_kind: str) -> str:
     return DEFAULT_KIND[sampler_kind] if kind == "auto" else kind
 
 
-__all__ = ["DEFAULT_KIND", "flow_step", "resolve_kind", "sde_step_with_logprob", "STEP_FUNCTIONS"]
+__all__ = ["DEFAULT_KIND", "flow_step", "resolve_kind", "sde_step_with_logprob", "STEP_FUNCTIONS", "ScheduledFlowStep",
+           "ScheduledStep"]

@@ -13,6 +13,7 @@ that keeps the policy ratio near 1, which is why PPO clip ranges of 1e-4..1e-5 a
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -62,11 +63,102 @@ def _finish_step(
     return prev_sample, gaussian_log_prob(prev_sample, mean, scale)
 
 
-def _drift(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Tensor,
-           std_dev_t: torch.Tensor) -> torch.Tensor:
-    """x (1 + std_dev_t^2 dt / (2 sigma)) + v (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt, with the
-    per-sample coefficients formed first (at std_dev_t = 0 this is x + v dt, bit for bit diffusers' Euler step)."""
-    return (x * (1 + std_dev_t**2 / (2 * sigma) * dt)).addcmul_(v, (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt)
+class StepCoefficients(NamedTuple):
+    """The constants of a linear-Gaussian flow step, per sample or per step of a schedule ([N] each):
+
+        mean = c_x x + c_v v,   x_next = mean + std eps,
+        log_prob = lp_scale * mean_elements((x_next - mean)^2) + lp_const
+
+    with lp_scale = -1 / (2 std^2) and lp_const = -log std - log sqrt(2 pi), both 0 where std = 0 (a
+    deterministic step has no density: see ``gaussian_log_prob``). ``kl_std`` is what the KL divides by
+    (``std_dev_t``; see ``gaussian_mean_kl``).
+    """
+
+    c_x: torch.Tensor
+    c_v: torch.Tensor
+    std: torch.Tensor
+    kl_std: torch.Tensor
+    lp_scale: torch.Tensor
+    lp_const: torch.Tensor
+
+
+def _coefficients(c_x: torch.Tensor, c_v: torch.Tensor, std: torch.Tensor, kl_std: torch.Tensor) -> StepCoefficients:
+    positive = std > 0
+    safe_std = torch.where(positive, std, torch.ones_like(std))
+    lp_scale = torch.where(positive, -0.5 / safe_std**2, torch.zeros_like(std))
+    lp_const = torch.where(positive, -torch.log(safe_std) - _LOG_SQRT_2PI, torch.zeros_like(std))
+    return StepCoefficients(c_x, c_v, std, kl_std, lp_scale, lp_const)
+
+
+def _drift_coefficients(sigma: torch.Tensor, dt: torch.Tensor, std_dev_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """c_x = 1 + std_dev_t^2 dt / (2 sigma), c_v = (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) dt (at std_dev_t = 0:
+    1 and dt, so the mean is x + v dt, bit for bit diffusers' Euler step)."""
+    return 1 + std_dev_t**2 / (2 * sigma) * dt, (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+
+
+def sde_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
+                     sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+    """``sde_step_with_logprob``'s constants for noise levels ``sigma`` -> ``sigma_next`` ([N] each)."""
+    dt = sigma_next - sigma
+    if sigma_max is None:
+        if noise_level > 0 and bool((sigma == 1).any()):
+            raise ValueError("sde_step_with_logprob: sigma == 1 needs sigma_max (the scheduler's sigmas[1])")
+        s = sigma
+    else:
+        s = torch.where(sigma == 1, torch.as_tensor(sigma_max, device=sigma.device, dtype=torch.float32), sigma)
+    std_dev_t = noise_level * torch.sqrt(sigma / (1 - s))
+    return _coefficients(*_drift_coefficients(sigma, dt, std_dev_t), std_dev_t * torch.sqrt(-dt), std_dev_t)
+
+
+def cps_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
+                     sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+    """``cps_step_with_logprob``'s constants: with r = sqrt(sigma_next^2 - std^2), the mean
+    (1 - sigma_next) (x - sigma v) + r (x + (1 - sigma) v) has c_x = 1 - sigma_next + r and
+    c_v = r (1 - sigma) - (1 - sigma_next) sigma."""
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    r = torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
+    return _coefficients(1 - sigma_next + r, r * (1 - sigma) - (1 - sigma_next) * sigma, std, std)
+
+
+def eta_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
+                     sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+    """``eta_step_with_logprob``'s constants: the SDE drift with std_dev_t = eta."""
+    dt = sigma_next - sigma
+    std_dev_t = torch.full_like(sigma, noise_level)
+    return _coefficients(*_drift_coefficients(sigma, dt, std_dev_t), std_dev_t * torch.sqrt(-dt), std_dev_t)
+
+
+def linear_gaussian_step(
+    coefficients: StepCoefficients,
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Apply per-sample ``coefficients`` ([B] each): draw ``prev_sample`` ~ N(mean, std^2) unless given and
+    return (prev_sample in sample's dtype, log_prob [B] float32, mean float32, kl_std [B, 1, ...]).
+
+    Four full-size passes (mean, noise, difference, dot product) and one draw; the per-sample work is
+    already in ``coefficients``, so a step costs the same few kernels whatever the variant.
+    """
+    x = sample.float()
+    c_x, c_v, std, kl_std, lp_scale, lp_const = (_per_sample(c, x) for c in coefficients)
+    mean = (x * c_x).addcmul_(velocity.float(), c_v)
+    if prev_sample is None:
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+        prev_sample = noise.mul_(std).add_(mean).to(sample.dtype)  # in place: no second full-size buffer
+    d = (prev_sample.float() - mean).reshape(x.shape[0], 1, -1)
+    squares = torch.bmm(d, d.transpose(1, 2)).reshape(-1, 1)
+    log_prob = torch.addcmul(lp_const.reshape(-1, 1), squares, lp_scale.reshape(-1, 1), value=1 / d.shape[-1])
+    return prev_sample, log_prob.reshape(-1), mean, kl_std
+
+
+def _step(coefficients_fn, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max):
+    x = sample
+    sigma = _per_sample(sigma, x).reshape(-1)
+    sigma_next = _per_sample(sigma_next, x).reshape(-1)
+    return linear_gaussian_step(coefficients_fn(sigma, sigma_next, noise_level, sigma_max), velocity, sample,
+                                prev_sample, generator)
 
 
 def sde_step_with_logprob(
@@ -103,23 +195,8 @@ def sde_step_with_logprob(
         (prev_sample [B, ...] in sample's dtype, log_prob [B] float32, prev_sample_mean [B, ...] float32,
          std_dev_t [B, 1, ...] float32).
     """
-    x = sample.float()
-    v = velocity.float()
-    sigma = _per_sample(sigma, x)
-    sigma_next = _per_sample(sigma_next, x)
-    dt = sigma_next - sigma
-
-    if sigma_max is None:
-        if noise_level > 0 and bool((sigma == 1).any()):
-            raise ValueError("sde_step_with_logprob: sigma == 1 needs sigma_max (the scheduler's sigmas[1])")
-        s = sigma
-    else:
-        s = torch.where(sigma == 1, _per_sample(sigma_max, x), sigma)
-    std_dev_t = noise_level * torch.sqrt(sigma / (1 - s))
-
-    mean = _drift(x, v, sigma, dt, std_dev_t)
-    prev_sample, log_prob = _finish_step(mean, std_dev_t * torch.sqrt(-dt), sample, prev_sample, generator)
-    return prev_sample, log_prob, mean, std_dev_t
+    return _step(sde_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
+                 sigma_max)
 
 
 def cps_step_with_logprob(
@@ -140,16 +217,8 @@ def cps_step_with_logprob(
     sigma_next. Returns the same 4-tuple as ``sde_step_with_logprob``; the 4th item is ``std``.
     ``sigma_max`` is accepted for a common signature and not needed (nothing divides by 1 - sigma).
     """
-    x = sample.float()
-    v = velocity.float()
-    sigma = _per_sample(sigma, x)
-    sigma_next = _per_sample(sigma_next, x)
-    std = sigma_next * math.sin(noise_level * math.pi / 2)
-    x0 = x - sigma * v
-    x1 = x + (1 - sigma) * v
-    mean = (1 - sigma_next) * x0 + torch.sqrt((sigma_next**2 - std**2).clamp_min(0)) * x1
-    prev_sample, log_prob = _finish_step(mean, std, sample, prev_sample, generator)
-    return prev_sample, log_prob, mean, std
+    return _step(cps_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
+                 sigma_max)
 
 
 def eta_step_with_logprob(
@@ -168,15 +237,8 @@ def eta_step_with_logprob(
     eta * sqrt(sigma - sigma_next) and the drift keeps the marginal-preserving score correction.
     ``sigma_max`` is accepted for a common signature and not needed (nothing divides by 1 - sigma).
     """
-    x = sample.float()
-    v = velocity.float()
-    sigma = _per_sample(sigma, x)
-    sigma_next = _per_sample(sigma_next, x)
-    dt = sigma_next - sigma
-    std_dev_t = torch.full_like(sigma, noise_level)
-    mean = _drift(x, v, sigma, dt, std_dev_t)
-    prev_sample, log_prob = _finish_step(mean, std_dev_t * torch.sqrt(-dt), sample, prev_sample, generator)
-    return prev_sample, log_prob, mean, std_dev_t
+    return _step(eta_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
+                 sigma_max)
 
 
 STEP_FUNCTIONS = {
@@ -185,3 +247,50 @@ STEP_FUNCTIONS = {
     "eta": eta_step_with_logprob,
 }
 """Registry of flow step functions, chosen by ``sampler.kind`` in the algorithm config."""
+
+COEFFICIENTS = {"sde": sde_coefficients, "cps": cps_coefficients, "eta": eta_coefficients}
+"""The same steps' constants, for ``ScheduledFlowStep``."""
+
+
+class ScheduledFlowStep:
+    """A flow step bound to a schedule t[0..T]: called with step indices instead of noise levels.
+
+    The per-step constants (``StepCoefficients``) are computed once per noise level for all T steps and
+    gathered by index, so a step runs 8 kernels (the Euler step of diffusers runs 6, one a host sync)
+    where computing them per call would add some 35 small ones: on a GPU, at small models, launches are
+    the cost. Values equal ``STEP_FUNCTIONS[kind]`` at sigma = t[index], sigma_next = t[index + 1].
+    """
+
+    def __init__(self, kind: str, schedule: torch.Tensor, sigma_max: float | torch.Tensor | None = None):
+        self.kind = kind
+        self._coefficients_fn = COEFFICIENTS[kind]
+        self._schedule = schedule.to(torch.float32)
+        self._sigma_max = sigma_max
+        self._tables: dict[float, torch.Tensor] = {}
+
+    def __call__(self, velocity: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
+                 prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None):
+        """``index``: the step (an int, or [B] per sample); the rest as in ``sde_step_with_logprob``."""
+        table = self._tables.get(noise_level)
+        if table is None:
+            table = torch.stack(self._coefficients_fn(self._schedule[:-1], self._schedule[1:], noise_level,
+                                                      self._sigma_max), dim=1)
+            self._tables[noise_level] = table
+        rows = table[index if isinstance(index, int) else index.to(table.device)]  # an int: a view, no kernel
+        rows = rows.reshape(-1, len(StepCoefficients._fields)).expand(sample.shape[0], -1)
+        return linear_gaussian_step(StepCoefficients(*rows.unbind(1)), velocity, sample, prev_sample, generator)
+
+
+class ScheduledStep:
+    """Any ``(output, sample, t, t_next, noise_level, prev_sample, generator)`` step bound to a schedule t[0..T]
+    and called with step indices, like ``ScheduledFlowStep``."""
+
+    def __init__(self, step_fn, schedule: torch.Tensor):
+        self._step_fn, self._schedule = step_fn, schedule
+
+    def __call__(self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
+                 prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None):
+        if not isinstance(index, int):
+            index = index.to(self._schedule.device)
+        return self._step_fn(output, sample, self._schedule[index], self._schedule[index + 1], noise_level,
+                             prev_sample, generator)
