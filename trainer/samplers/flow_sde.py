@@ -154,9 +154,8 @@ def linear_gaussian_step(
 
 
 def _step(coefficients_fn, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max):
-    x = sample
-    sigma = _per_sample(sigma, x).reshape(-1)
-    sigma_next = _per_sample(sigma_next, x).reshape(-1)
+    sigma = _per_sample(sigma, sample).reshape(-1)
+    sigma_next = _per_sample(sigma_next, sample).reshape(-1)
     return linear_gaussian_step(coefficients_fn(sigma, sigma_next, noise_level, sigma_max), velocity, sample,
                                 prev_sample, generator)
 
@@ -262,7 +261,6 @@ class ScheduledFlowStep:
     """
 
     def __init__(self, kind: str, schedule: torch.Tensor, sigma_max: float | torch.Tensor | None = None):
-        self.kind = kind
         self._coefficients_fn = COEFFICIENTS[kind]
         self._schedule = schedule.to(torch.float32)
         self._sigma_max = sigma_max
