@@ -250,20 +250,22 @@ class Trainer:
     def _update(self, objective, batch, g: torch.Generator, after_step=None) -> dict[str, float]:
         """Run the objective's optimizer steps over ``batch`` (calling ``after_step`` after each); returns
         averaged loss statistics."""
-        sums: dict[str, float] = defaultdict(float)
+        values: dict[str, list[torch.Tensor]] = defaultdict(list)
         count = 0
         for units in objective.plan(batch, g):
             for i, unit in enumerate(units):
                 with self.backend.sync(i == len(units) - 1):
                     loss, stats = objective.loss(self.ctx, unit)
                     self.backend.backward(loss / len(units))
-                for k, v in stats.items():
-                    sums[k] += float(v)
+                for k, v in stats.items():  # kept on the device: reading each one would wait for the GPU per unit
+                    values[k].append(torch.as_tensor(v).detach().reshape(()))
                 count += 1
-            sums["grad_norm"] += self.backend.step(self.config.train.max_grad_norm) * len(units)
+            grad_norm = self.backend.step(self.config.train.max_grad_norm)
+            values["grad_norm"].append(torch.tensor(grad_norm * len(units), dtype=torch.float64))
             if after_step is not None:
                 after_step()
-        return {k: v / max(count, 1) for k, v in sums.items()}
+        return {k: float(torch.stack([x.to(v[0].device, torch.float64) for x in v]).sum()) / max(count, 1)
+                for k, v in values.items()}
 
     @torch.no_grad()
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
