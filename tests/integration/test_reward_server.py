@@ -719,13 +719,16 @@ def test_hedged_request_beats_a_straggler() -> None:
     ]
     with serve(apps[0]) as fast_url, serve(apps[1]) as straggler_url:
         with HttpRewardClient([straggler_url, fast_url], {"slow": 1.0}, batch_size=1, hedge=True) as client:
-            client.score(np.zeros((24, 4, 4, 1), np.uint8), [""] * 24)  # latency observations for p95
-            straggler.delay_s = 1.5
+            # Latency observations for the p95 the hedge waits: 60, so that a few slow ones (a busy machine)
+            # do not move it.
+            client.score(np.zeros((60, 4, 4, 1), np.uint8), [""] * 60)
+            straggler.delay_s = 3.0
             started = time.monotonic()
             results = [client.score(np.zeros((1, 4, 4, 1), np.uint8), [""]) for _ in range(4)]
             elapsed = time.monotonic() - started
         straggler.delay_s = 0.0
-    assert elapsed < 1.2, f"hedging did not cut the straggler short ({elapsed:.1f} s)"
+    # Unhedged, two of the four requests would wait out the straggler: 6 s.
+    assert elapsed < 2.0, f"hedging did not cut the straggler short ({elapsed:.1f} s)"
     assert all(r.instances == ["fast"] and r.combined.tolist() == [0.5] for r in results)
 
 
