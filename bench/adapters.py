@@ -1,7 +1,7 @@
-"""Overhead of the adapters over plain diffusers, per adapter, on tiny random models on the CPU.
+"""Overhead of the adapters over plain diffusers, per adapter, on tiny random models (CPU by default).
 
     .venv/bin/python bench/adapters.py [--names flux,sd15_inpaint,flux+ip] [--repeats 3] [--threads 2]
-                                       [--scale 2] [--denoiser 9m]
+                                       [--scale 2] [--denoiser 9m] [--device cuda --dtype bfloat16]
 
 ``flux+ip`` is FLUX with a trainable IP-Adapter (random weights, LoRA as well); the plain pipeline gets the
 same style embeddings (``ip_adapter_image_embeds``).
@@ -27,11 +27,20 @@ Columns (median over ``--repeats`` back-to-back pairs of ours / plain; lower is 
             21 Euler steps); a GPU draws it in about one elementwise pass.
   kernels   kernels (non-view aten ops) one rollout step launches / one deterministic scheduler step: on a
             GPU, at small models, launches are the cost, so this is the device-independent part of ``sampler``.
+  rollout_ms, train_ms   our median times: the whole rollout batch, and one GRPO step's units (KL off).
+  peak_GiB  the GPU's peak allocated memory over the train-step timings (CUDA only).
 Large CPU temporaries are kept in the heap for the whole run (``keep_freed_memory``), as a GPU's caching
 allocator keeps them: with glibc's defaults every step would time the kernel zeroing fresh pages instead.
 ``--denoiser 9m`` widens each denoiser to about 9 M parameters (the size of the public figure the issue
 quotes: 1.00x rollout, 1.02-1.05x train step for a 9 M-parameter SD3 transformer); the text encoders, VAEs
 and token counts stay tiny, so the denoiser's share of the time is what grows.
+``--denoiser real`` gives each denoiser the published architecture's widths, heads and depths with random
+weights, for a GPU: 2.23 B parameters for SD3.5 Medium, 11.89 B FLUX.1, 20.42 B Qwen-Image, 0.84 B the SD1.5
+UNet (0.86 B published: its cross-attention reads the tiny text width); see ``DENOISER_REAL``. ``--scale 4``
+then gives 4096 image tokens, as at 1024 px (SD1.5: 64x64 latents, as at 512 px); ``--scale 2`` 1024.
+``--layers 1`` caps the transformers' depth so that the real widths run on a CPU.
+``--device cuda --dtype bfloat16`` runs the same comparison on a GPU (every timed call ends with a
+device synchronisation; the noise generators live on the GPU, as the trainer's rollout generator does).
 Targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x (``scored`` on the CPU). The machine is shared: expect a few % of noise.
 """
 
@@ -46,9 +55,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import diffusers
 import torch
+import transformers
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -75,15 +86,37 @@ DENOISER_9M = {
     "sd15_inpaint": dict(block_out_channels=[96, 192]),
 }
 """``--denoiser 9m``: config changes giving 9.0-9.7 M parameters (the UNet 12.6 M: its widths step by 32)."""
+_FLUX_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=19, num_single_layers=38,
+                  axes_dims_rope=[16, 56, 56])
+_SD3_REAL = dict(attention_head_dim=64, num_attention_heads=24, num_layers=24, caption_projection_dim=1536,
+                 qk_norm="rms_norm", dual_attention_layers=list(range(13)))
+DENOISER_REAL = {
+    "tiny": _SD3_REAL, "sd3": _SD3_REAL,
+    "flux": _FLUX_REAL, "flux_fill": _FLUX_REAL, "flux_kontext": _FLUX_REAL,
+    "qwen_image": dict(attention_head_dim=128, num_attention_heads=24, num_layers=60, axes_dims_rope=[16, 56, 56]),
+    "sd15_inpaint": dict(block_out_channels=[320, 640, 1280, 1280], attention_head_dim=8, norm_num_groups=32,
+                         down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+                         up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3),
+}
+"""``--denoiser real``: the published architectures' widths, heads and depths (SD3.5 Medium, FLUX.1, Qwen-Image,
+the SD1.5 UNet). The widths that face the tiny text encoders and VAEs (joint / pooled / cross-attention
+input widths, latent channels, patch sizes) stay the tiny ones, a few projections' worth of difference."""
+DEPTH_KEYS = ("num_layers", "num_single_layers")
+"""Config fields that ``--layers`` caps (transformers; the UNet's depth stays)."""
 
 
-def widen_denoiser(root: str, name: str) -> None:
-    """Build the tiny model of ``name`` under ``root`` and replace its denoiser by a ``DENOISER_9M`` one."""
+def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | None = None) -> None:
+    """Build the tiny model of ``name`` under ``root`` and replace its denoiser by one with ``overrides``
+    applied to its config (random weights), at most ``max_layers`` blocks per stack when given."""
     testing.tiny_config(name, root)
     folder = Path(root) / name / ("unet" if name == "sd15_inpaint" else "transformer")
-    config = json.loads((folder / "config.json").read_text())
+    config = {**json.loads((folder / "config.json").read_text()), **overrides}
+    if max_layers is not None:
+        config.update({k: min(config[k], max_layers) for k in DEPTH_KEYS if k in config})
+        if "dual_attention_layers" in config:
+            config["dual_attention_layers"] = [i for i in config["dual_attention_layers"] if i < config["num_layers"]]
     torch.manual_seed(0)
-    getattr(diffusers, config["_class_name"]).from_config({**config, **DENOISER_9M[name]}).eval().save_pretrained(folder)
+    getattr(diffusers, config["_class_name"]).from_config(config).eval().save_pretrained(folder)
 
 
 def keep_freed_memory() -> None:
@@ -95,19 +128,36 @@ def keep_freed_memory() -> None:
         libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
 
 
-def compare(ours: Callable[[], object], plain: Callable[[], object], repeats: int) -> float:
+def synchronize() -> None:
+    """Wait for queued GPU work (a no-op on the CPU), so that a timed call includes its kernels."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timing(NamedTuple):
+    ratio: float
+    """Median over pairs of time(ours) / time(plain)."""
+    ours_ms: float
+    plain_ms: float
+
+
+def compare(ours: Callable[[], object], plain: Callable[[], object], repeats: int) -> Timing:
     """Median over ``repeats`` back-to-back pairs of time(``ours``) / time(``plain``), after one warm-up
-    call each: a pair shares the machine's state of the moment, so load drifts cancel in its ratio."""
+    call each: a pair shares the machine's state of the moment, so load drifts cancel in its ratio. The
+    median times themselves come along, in milliseconds."""
     ours(), plain()
-    ratios = []
+    ratios, pairs = [], []
     for _ in range(repeats):
         times = []
         for fn in (ours, plain):
+            synchronize()
             start = time.perf_counter()
             fn()
+            synchronize()
             times.append(time.perf_counter() - start)
         ratios.append(times[0] / times[1])
-    return statistics.median(ratios)
+        pairs.append(times)
+    return Timing(statistics.median(ratios), *(1e3 * statistics.median(t) for t in zip(*pairs, strict=True)))
 
 
 class Recorder(nn.Module):
@@ -122,15 +172,17 @@ class Recorder(nn.Module):
         return self.net(*args, **kwargs)
 
 
-def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, wide: bool = False) -> dict[str, float]:
+def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: dict | None = None,
+                  device: str = "cpu", dtype: str = "float32", max_layers: int | None = None) -> dict[str, float]:
+    """One table row for ``case``; ``denoiser`` maps adapter names to config overrides (None: the tiny one)."""
     name = case.removesuffix("+ip")
-    if wide and not (Path(root) / name / "model_index.json").is_file():
-        widen_denoiser(root, name)
+    if denoiser is not None and not (Path(root) / name / "model_index.json").is_file():
+        resize_denoiser(root, name, denoiser[name], max_layers)
     overrides = {"resolution": RESOLUTION[name] * scale} if name in RESOLUTION else {}
     if case.endswith("+ip"):
         overrides["ip_adapter"] = testing.tiny_ip_adapter(root)
-    adapter = build_adapter(testing.tiny_config(name, root, dtype="float32", lora=LoraSettings(rank=8, alpha=8),
-                                                **overrides), "cpu")
+    adapter = build_adapter(testing.tiny_config(name, root, dtype=dtype, lora=LoraSettings(rank=8, alpha=8),
+                                                **overrides), device)
     if case.endswith("+ip"):
         testing.randomize_ip_adapter(adapter)
     adapter.pipeline.set_progress_bar_config(disable=True)
@@ -144,14 +196,19 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, wide: bool
 
     def ours_rollout():
         adapter.prompts.clear()
-        return rollout(adapter, adapter.denoiser, prompts, group_ids, settings, torch.Generator().manual_seed(0), inputs)
+        return rollout(adapter, adapter.denoiser, prompts, group_ids, settings, torch.Generator(device).manual_seed(0),
+                       inputs)
 
     output_type = "latent" if adapter.vae is None else "pt"
-    row["rollout"] = compare(ours_rollout, lambda: testing.run_pipeline(
-        adapter, prompts, inputs, NUM_STEPS, GUIDANCE[name], torch.Generator().manual_seed(0), output_type), repeats)
+    timing = compare(ours_rollout, lambda: testing.run_pipeline(
+        adapter, prompts, inputs, NUM_STEPS, GUIDANCE[name], torch.Generator(device).manual_seed(0), output_type),
+        repeats)
+    row["rollout"], row["rollout_ms"] = timing.ratio, timing.ours_ms
 
     ro = ours_rollout()
     rewards = torch.arange(BATCH, dtype=torch.float32)
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
     for kl in (0.0, 0.04):
         algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=kl, sampler=settings, timestep_fraction=0.5))
         batch = algorithm.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
@@ -177,30 +234,35 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, wide: bool
                         net(*args, **kwargs)
             adapter.denoiser.zero_grad(set_to_none=True)
 
-        row["train_kl_on" if kl else "train_kl_off"] = compare(ours_train, plain_train, repeats)
+        timing = compare(ours_train, plain_train, repeats)
+        row["train_kl_on" if kl else "train_kl_off"] = timing.ratio
+        if not kl:
+            row["train_ms"] = timing.ours_ms
+    row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else "-"
 
-    row["sampler"] = bench_sampler(adapter, settings, repeats)
-    row["noisy"] = bench_sampler(adapter, settings, repeats, stochastic_baseline=True)
-    row["scored"] = bench_sampler(adapter, settings, repeats, scored=True)
+    row["sampler"] = bench_sampler(adapter, settings, repeats).ratio
+    row["noisy"] = bench_sampler(adapter, settings, repeats, stochastic_baseline=True).ratio
+    row["scored"] = bench_sampler(adapter, settings, repeats, scored=True).ratio
     row["kernels"] = count_step_kernels(adapter, settings)
     return row
 
 
 def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int = 5,
-                  stochastic_baseline: bool = False, scored: bool = False) -> float:
+                  stochastic_baseline: bool = False, scored: bool = False) -> Timing:
     """T steps of the adapter's step function vs T steps of its diffusers scheduler, on the same tensors
     (with the flow scheduler's ``stochastic_sampling`` when ``stochastic_baseline``; scoring a given next
     sample against the deterministic step when ``scored``)."""
     shape = (BATCH, 4, 64, 64) if adapter.sampler_kind == "ddim" else (BATCH, 4096, 64)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    out = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    device = adapter.device
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+    out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
     schedule = adapter.sigmas(NUM_STEPS)
     step = adapter.step_function(settings.kind, schedule)
     scheduler = adapter.scheduler
     timesteps = scheduler.timesteps
     eta = {"eta": settings.noise_level} if adapter.sampler_kind == "ddim" and not scored else {}
-    g = torch.Generator().manual_seed(2)
-    given = {"prev_sample": torch.randn(shape, generator=torch.Generator().manual_seed(3))} if scored else {}
+    g = torch.Generator(device).manual_seed(2)
+    given = {"prev_sample": torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(device)} if scored else {}
 
     def ours():
         for _ in range(loops):
@@ -239,7 +301,7 @@ class _KernelCounter(TorchDispatchMode):
 def count_step_kernels(adapter, settings: SamplerSettings) -> str:
     """"ours/plain": kernels of one mid-schedule rollout step and of the scheduler's deterministic step."""
     shape = (BATCH, 4, 8, 8) if adapter.sampler_kind == "ddim" else (BATCH, 64, 64)
-    x, out = torch.randn(shape), torch.randn(shape)
+    x, out = torch.randn(shape, device=adapter.device), torch.randn(shape, device=adapter.device)
     step = adapter.step_function(settings.kind, adapter.sigmas(NUM_STEPS))
     scheduler, t = adapter.scheduler, adapter.scheduler.timesteps[1]
     step(out, x, 1, settings.noise_level)  # its constants are computed once, at the first call
@@ -253,6 +315,12 @@ def count_step_kernels(adapter, settings: SamplerSettings) -> str:
     return f"{counts[0]}/{counts[1]}"
 
 
+def _cell(column: str, value) -> str:
+    if isinstance(value, str):
+        return f"{value:>14}"
+    return f"{value:>14.1f}" if column.endswith(("_ms", "_GiB")) else f"{value:>13.3f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--names", default=",".join(sorted(MODELS)),
@@ -261,19 +329,33 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scale", type=int, default=1,
                         help="image side x scale (scale^2 x the tokens): how the overheads shrink with the work")
-    parser.add_argument("--denoiser", choices=("tiny", "9m"), default="tiny",
-                        help="denoiser size: the tests' tiny one, or widened to about 9 M parameters")
+    parser.add_argument("--denoiser", choices=("tiny", "9m", "real"), default="tiny",
+                        help="denoiser size: the tests' tiny one, widened to about 9 M parameters, or the real "
+                             "architectures' widths and depths (random weights; a GPU's work)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="cap each transformer stack at this many blocks (e.g. --denoiser real --layers 1 "
+                             "checks the real widths on a CPU)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="weights and forward dtype of every component (the step math stays float32)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
-    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "noisy", "scored", "kernels")
-    print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, float32, {args.threads} threads, image side x{args.scale}, "
-          f"{args.denoiser} denoiser; ratio = ours / plain")
-    print(f"{'adapter':<14}{'params':>8}" + "".join(f"{c:>14}" for c in columns))
+    diffusers.utils.logging.disable_progress_bar()  # saving and loading each model would print bars
+    transformers.utils.logging.disable_progress_bar()
+    if args.device == "cpu":
+        keep_freed_memory()
+    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "noisy", "scored", "kernels", "rollout_ms",
+               "train_ms", "peak_GiB")
+    sizes = {"tiny": None, "9m": DENOISER_9M, "real": DENOISER_REAL}[args.denoiser]
+    print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, {args.dtype} on {args.device}, {args.threads} threads, "
+          f"image side x{args.scale}, {args.denoiser} denoiser"
+          + (f" capped at {args.layers} blocks per stack" if args.layers else "") + "; ratio = ours / plain, "
+          "ms = ours (rollout: the whole batch; train: one GRPO step's units, KL off), peak_GiB: GPU memory")
+    print(f"{'adapter':<14}{'params':>9}" + "".join(f"{c:>14}" for c in columns))
     with tempfile.TemporaryDirectory() as root:
         for name in args.names.split(","):
-            row = bench_adapter(name, root, args.repeats, args.scale, wide=args.denoiser == "9m")
-            print(f"{name:<14}{row['params']:>7.2f}M" + "".join(f"{row[c]:>13.3f}x" if isinstance(row[c], float) else f"{row[c]:>14}" for c in columns), flush=True)
+            row = bench_adapter(name, root, args.repeats, args.scale, sizes, args.device, args.dtype, args.layers)
+            print(f"{name:<14}{row['params']:>8.1f}M" + "".join(_cell(c, row[c]) for c in columns), flush=True)
     print("targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x (the CPU's serial noise draw aside: scored)")
 
 

@@ -16,3 +16,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from trainer.models.tiny import build_tiny_sd3
 
     return str(build_tiny_sd3(tmp_path_factory.mktemp("models") / "tiny-sd3"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, saying why, where CUDA is missing (they are deselected by default)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run `pytest -m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
-from trainer.samplers import resolve_kind
+from trainer.samplers import generator_device, resolve_kind
 
 
 @dataclass
@@ -84,7 +84,7 @@ def window_mask(num_steps: int, settings: SamplerSettings, generator: torch.Gene
     if not 0 <= lo < hi <= num_steps - settings.sde_window + 1:
         raise ValueError(f"sampler.window_range={settings.window_range} does not fit {num_steps} steps with "
                          f"sde_window={settings.sde_window}")
-    start = int(torch.randint(lo, hi, (1,), generator=generator))
+    start = int(torch.randint(lo, hi, (1,), generator=generator, device=generator_device(generator)))
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[start : start + settings.sde_window] = True
     return mask

@@ -63,8 +63,8 @@ class Trainer:
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
 
-    def _generator(self, phase: int, step: int) -> torch.Generator:
-        return torch.Generator().manual_seed(((self._rank_seed * 4 + phase) * 1_000_003 + step) % (2**63))
+    def _generator(self, phase: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
+        return torch.Generator(device).manual_seed(((self._rank_seed * 4 + phase) * 1_000_003 + step) % (2**63))
 
     # --- phases ---------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -180,7 +180,9 @@ class Trainer:
         prompts = [self.task.prompts[i] for i in indices.tolist()]
 
         t0 = time.perf_counter()
-        ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g)
+        # the rollout's noise comes from a generator on the model's device (one kernel per draw on a GPU)
+        noise = self._generator(2, epoch, self.adapter.device)
+        ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g, noise)
         t1 = time.perf_counter()
 
         local = torch.as_tensor(result.combined, dtype=torch.float32)
@@ -218,8 +220,9 @@ class Trainer:
         return metrics
 
     def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
-                          g: torch.Generator):
-        """Sample the epoch's batch in ``train.rollout_chunks`` chunks; each chunk's rewards are requested
+                          g: torch.Generator, noise: torch.Generator):
+        """Sample the epoch's batch in ``train.rollout_chunks`` chunks (which steps are stochastic drawn with
+        ``g``, the sampling noise with ``noise``); each chunk's rewards are requested
         as soon as it is sampled and are scored while the next chunk samples (all on the same policy).
         Returns the whole rollout, its rewards and the seconds spent waiting for rewards after sampling."""
         from trainer.rewards.client import RewardResult
@@ -231,7 +234,7 @@ class Trainer:
         self.policy.eval()
         with self.backend.sampling():
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, g,
+                part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, noise,
                                self.task.inputs(indices[lo:hi].tolist()), stochastic)
                 futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
                                                    self.task.item_metadata(indices[lo:hi].tolist())))
@@ -270,9 +273,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
         """Deterministic samples of the evaluation prompts with fixed noise, with the EMA weights when
-        there is an EMA. Prompt i is sampled by rank i mod world size from noise seeded by (eval seed, i), so
-        the images do not depend on the world size; every rank runs the same number of forwards (sharded
-        backends need all ranks in each), rank 0 gathers the images, scores them and logs."""
+        there is an EMA. Prompt i is sampled by rank i mod world size from noise seeded by (eval seed, i) and
+        drawn on the CPU, so that noise depends on neither the world size nor the device; every rank runs the
+        same number of forwards (sharded backends need all ranks in each), rank 0 gathers the images, scores
+        them and logs."""
         ev = self.config.eval
         prompts, world = self.task.eval_prompts, self.backend.world
         settings = SamplerSettings(num_steps=ev.num_steps, guidance_scale=ev.guidance_scale, noise_level=0.0)

@@ -86,8 +86,10 @@ class NFT(NoExtras):
         v_theta = ctx.adapter.predict(ctx.policy, x_t, draw.sigma, cond, 1.0)
         with torch.no_grad():
             v_old = ctx.adapter.predict(ctx.reference, x_t, draw.sigma, cond, 1.0)
-        per_sample = nft_loss(v_theta.float(), v_old.float(), target.float(), batch.optimality[idx], self.config.beta)
-        w = batch.weights[idx]
+        # optimality and weights come from the host-side rewards
+        per_sample = nft_loss(v_theta.float(), v_old.float(), target.float(), batch.optimality[idx].to(v_theta.device),
+                              self.config.beta)
+        w = batch.weights[idx].to(per_sample)
         loss = (per_sample * w).sum() / w.sum().clamp_min(1.0)
         return loss, {"nft_loss": loss.detach()}
 

@@ -129,8 +129,9 @@ def advantage_metrics(batch: PolicyGradientBatch) -> dict[str, float]:
 
 
 def per_step(advantages: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-    """Per-sample advantages [B] broadcast to every denoising step [B, T]."""
-    return advantages[:, None].expand(-1, rollout.log_probs.shape[1])
+    """Per-sample advantages [B] broadcast to every denoising step [B, T], on the rollout's device (the
+    rewards they come from live on the host)."""
+    return advantages.to(rollout.log_probs.device)[:, None].expand(-1, rollout.log_probs.shape[1])
 
 
 class ClippedPolicyGradient(NoExtras):

@@ -108,6 +108,7 @@ def denoising_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torc
     per_sample = per_sample_mse(prediction, target)
     if weights is None:
         return per_sample.mean()
+    weights = weights.to(per_sample)  # host-side batch weights, device-side losses
     return (per_sample * weights).sum() / weights.sum().clamp_min(1e-12)
 
 

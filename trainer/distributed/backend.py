@@ -318,9 +318,10 @@ class DDP(SingleProcess):
         return stack
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(self.world.world_size)]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts)
+        local = tensor.contiguous().to(self.device)  # NCCL gathers only GPU tensors; rewards live on the host
+        parts = [torch.empty_like(local) for _ in range(self.world.world_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(tensor.device)
 
     def mean(self, values: dict[str, float]) -> dict[str, float]:
         keys = sorted(values)

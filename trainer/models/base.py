@@ -101,6 +101,9 @@ class ModelAdapter(Protocol):
     latent_shape: tuple[int, ...]
     """Shape of one sample's latent, without the batch dimension."""
 
+    device: torch.device
+    """Where the denoiser, latents and schedules live (the trainer draws rollout noise there)."""
+
     shard_units: tuple[type[nn.Module], ...]
     """Block classes that FSDP shards one by one (declared as data, applied by the backend)."""
 

@@ -48,7 +48,7 @@ from trainer.models.common import (
     shifted_flow_sigmas,
 )
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
-from trainer.samplers import flow_step
+from trainer.samplers import flow_step, standard_normal
 
 
 @dataclass
@@ -144,8 +144,7 @@ class FluxAdapter:
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, C, h, w] packed to tokens, drawn as ``FluxPipeline.prepare_latents`` draws it."""
         h = self.resolution // self.vae_factor
-        noise = torch.randn((batch_size, self.latent_channels, h, h), generator=generator, device=self.device,
-                            dtype=torch.float32)
+        noise = standard_normal((batch_size, self.latent_channels, h, h), generator, self.device)
         return self.pipeline._pack_latents(noise, batch_size, self.latent_channels, h, h)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:

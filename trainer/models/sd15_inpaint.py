@@ -48,7 +48,7 @@ from trainer.models.common import (
     require_image_input,
     save_trainable,
 )
-from trainer.samplers import ScheduledStep
+from trainer.samplers import ScheduledStep, standard_normal
 from trainer.samplers.ddim import ddim_step_with_logprob
 
 
@@ -145,8 +145,7 @@ class SD15InpaintAdapter:
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise times the scheduler's init_noise_sigma, drawn as the pipeline draws it (strength 1)."""
-        noise = torch.randn((batch_size, *self.latent_shape), generator=generator, device=self.device,
-                            dtype=torch.float32)
+        noise = standard_normal((batch_size, *self.latent_shape), generator, self.device)
         return noise * self.scheduler.init_noise_sigma
 
     def sigmas(self, num_steps: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from trainer.models.common import (
     refuse_image_latents,
     save_trainable,
 )
-from trainer.samplers import flow_step
+from trainer.samplers import flow_step, standard_normal
 
 
 @dataclass
@@ -122,8 +122,7 @@ class SD3Adapter:
         return Conditioning(embeds=self.prompts.cat(prompts))
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
-        return torch.randn((batch_size, *self.latent_shape), generator=generator, device=self.device,
-                           dtype=torch.float32)
+        return standard_normal((batch_size, *self.latent_shape), generator, self.device)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's sigmas (shifted as configured), as the pipeline sets them."""

@@ -1,6 +1,7 @@
 """Pure sampler step math. ``flow_step(kind, schedule)`` binds a flow-matching step to a schedule."""
 
 from trainer.samplers.flow_sde import STEP_FUNCTIONS, ScheduledFlowStep, ScheduledStep, sde_step_with_logprob
+from trainer.samplers.noise import generator_device, standard_normal
 
 
 def flow_step(kind: str, schedule):
@@ -21,4 +22,4 @@ def resolve_kind(kind: str, sampler_kind: str) -> str:
 
 
 __all__ = ["DEFAULT_KIND", "flow_step", "resolve_kind", "sde_step_with_logprob", "STEP_FUNCTIONS", "ScheduledFlowStep",
-           "ScheduledStep"]
+           "ScheduledStep", "generator_device", "standard_normal"]

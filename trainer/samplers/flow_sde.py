@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from trainer.samplers.noise import standard_normal
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -58,7 +60,7 @@ def _finish_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``prev_sample`` ~ N(mean, scale^2) unless given, and return it with its log-prob."""
     if prev_sample is None:
-        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+        noise = standard_normal(mean.shape, generator, mean.device)
         prev_sample = noise.mul_(scale).add_(mean).to(sample.dtype)  # in place: no second full-size buffer
     return prev_sample, gaussian_log_prob(prev_sample, mean, scale)
 
@@ -145,7 +147,7 @@ def linear_gaussian_step(
     c_x, c_v, std, kl_std, lp_scale, lp_const = (_per_sample(c, x) for c in coefficients)
     mean = (x * c_x).addcmul_(velocity.float(), c_v)
     if prev_sample is None:
-        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+        noise = standard_normal(mean.shape, generator, mean.device)
         prev_sample = noise.mul_(std).add_(mean).to(sample.dtype)  # in place: no second full-size buffer
     d = (prev_sample.float() - mean).reshape(x.shape[0], 1, -1)
     squares = torch.bmm(d, d.transpose(1, 2)).reshape(-1, 1)
