@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.samplers import STEP_FUNCTIONS, flow_step
 from trainer.samplers.flow_sde import cps_step_with_logprob, eta_step_with_logprob, sde_step_with_logprob
@@ -161,3 +162,43 @@ def test_scheduled_step_equals_the_step_at_the_schedules_sigmas(kind):
 def test_an_unknown_step_kind_is_a_clear_error():
     with pytest.raises(ValueError, match="sampler.kind='ode'"):
         flow_step("ode", torch.linspace(1, 0, 5))
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the aten ops that compute (views, detach and lift_fresh aside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.__name__.split(".")[0] not in ("detach", "lift_fresh"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_rollout_step_is_seven_kernels_and_scoring_five():
+    """Once a step's constants are shaped (first call per index, noise level and layout), a rollout step
+    runs mean (2), draw and scale (2), difference, dot product and log-prob; scoring a given sample skips
+    the draw. diffusers' deterministic Euler step runs 6."""
+    schedule = torch.linspace(1, 0, 5)
+    step = flow_step("sde", schedule)
+    x, v, _, _ = _inputs()
+    step(v, x, 1, 0.7, generator=torch.Generator().manual_seed(0))
+    with _Kernels() as drawn:
+        sample, _, _, _ = step(v, x, 1, 0.7, generator=torch.Generator().manual_seed(0))
+    with _Kernels() as scored:
+        step(v, x, 1, 0.7, prev_sample=sample)
+    assert (drawn.count, scored.count) == (7, 5)
+
+
+def test_shaped_constants_are_kept_per_layout():
+    """The same step index on a sample of another rank or batch size gets its own constants."""
+    step = flow_step("sde", torch.linspace(1, 0, 5))
+    x, v, _, _ = _inputs()
+    flat = step(v.reshape(3, 2, 16), x.reshape(3, 2, 16), 2, 0.7, prev_sample=x.reshape(3, 2, 16))
+    nested = step(v, x, 2, 0.7, prev_sample=x)
+    single = step(v[:1], x[:1], 2, 0.7, prev_sample=x[:1])
+    torch.testing.assert_close(flat[1], nested[1], rtol=0, atol=0)
+    torch.testing.assert_close(flat[2], nested[2].reshape(3, 2, 16), rtol=0, atol=0)
+    torch.testing.assert_close(single[1], nested[1][:1], rtol=0, atol=0)

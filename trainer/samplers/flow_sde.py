@@ -143,16 +143,28 @@ def linear_gaussian_step(
     Four full-size passes (mean, noise, difference, dot product) and one draw; the per-sample work is
     already in ``coefficients``, so a step costs the same few kernels whatever the variant.
     """
+    return _shaped_step(shaped_coefficients(coefficients, sample), velocity, sample, prev_sample, generator)
+
+
+def shaped_coefficients(coefficients: StepCoefficients, like: torch.Tensor) -> StepCoefficients:
+    """Per-sample ``coefficients`` ([B] or scalars) as float32 tensors that broadcast in the step: c_x, c_v,
+    std and kl_std as [B, 1, ...] over ``like``, lp_scale and lp_const as [B, 1]."""
+    c_x, c_v, std, kl_std, lp_scale, lp_const = (_per_sample(c, like) for c in coefficients)
+    return StepCoefficients(c_x, c_v, std, kl_std, lp_scale.reshape(-1, 1), lp_const.reshape(-1, 1))
+
+
+def _shaped_step(c: StepCoefficients, velocity: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_gaussian_step`` on ``shaped_coefficients``."""
     x = sample.float()
-    c_x, c_v, std, kl_std, lp_scale, lp_const = (_per_sample(c, x) for c in coefficients)
-    mean = (x * c_x).addcmul_(velocity.float(), c_v)
+    mean = (x * c.c_x).addcmul_(velocity.float(), c.c_v)
     if prev_sample is None:
         noise = standard_normal(mean.shape, generator, mean.device)
-        prev_sample = noise.mul_(std).add_(mean).to(sample.dtype)  # in place: no second full-size buffer
+        prev_sample = torch.addcmul(mean, noise, c.std, out=noise).to(sample.dtype)  # in place: one buffer
     d = (prev_sample.float() - mean).reshape(x.shape[0], 1, -1)
     squares = torch.bmm(d, d.transpose(1, 2)).reshape(-1, 1)
-    log_prob = torch.addcmul(lp_const.reshape(-1, 1), squares, lp_scale.reshape(-1, 1), value=1 / d.shape[-1])
-    return prev_sample, log_prob.reshape(-1), mean, kl_std
+    log_prob = torch.addcmul(c.lp_const, squares, c.lp_scale, value=1 / d.shape[-1])
+    return prev_sample, log_prob.reshape(-1), mean, c.kl_std
 
 
 def _step(coefficients_fn, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max):
@@ -257,9 +269,11 @@ class ScheduledFlowStep:
     """A flow step bound to a schedule t[0..T]: called with step indices instead of noise levels.
 
     The per-step constants (``StepCoefficients``) are computed once per noise level for all T steps and
-    gathered by index, so a step runs 8 kernels (the Euler step of diffusers runs 6, one a host sync)
-    where computing them per call would add some 35 small ones: on a GPU, at small models, launches are
-    the cost. Values equal ``STEP_FUNCTIONS[kind]`` at sigma = t[index], sigma_next = t[index + 1].
+    gathered by index, so a rollout step runs 7 kernels (the Euler step of diffusers runs 6, one a host
+    sync) where computing them per call would add some 35 small ones; for an int index the constants'
+    broadcast views are kept too, so the step spends no host time shaping them. On a GPU, at small models,
+    launches and host time are the cost. Values equal ``STEP_FUNCTIONS[kind]`` at sigma = t[index],
+    sigma_next = t[index + 1].
     """
 
     def __init__(self, kind: str, schedule: torch.Tensor, sigma_max: float | torch.Tensor | None = None):
@@ -267,18 +281,29 @@ class ScheduledFlowStep:
         self._schedule = schedule.to(torch.float32)
         self._sigma_max = sigma_max
         self._tables: dict[float, torch.Tensor] = {}
+        self._shaped: dict[tuple, StepCoefficients] = {}
+        """Rollout steps (an int index): the shaped views per (noise level, index, batch, ndim), so that a
+        step spends no host time on the dozen reshapes that shaping takes."""
 
     def __call__(self, velocity: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
                  prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None):
         """``index``: the step (an int, or [B] per sample); the rest as in ``sde_step_with_logprob``."""
+        key = (noise_level, index, sample.shape[0], sample.ndim) if isinstance(index, int) else None
+        coefficients = self._shaped.get(key) if key is not None else None
+        if coefficients is None:
+            coefficients = shaped_coefficients(self._rows(index, noise_level, sample.shape[0]), sample)
+            if key is not None:
+                self._shaped[key] = coefficients
+        return _shaped_step(coefficients, velocity, sample, prev_sample, generator)
+
+    def _rows(self, index: int | torch.Tensor, noise_level: float, batch: int) -> StepCoefficients:
         table = self._tables.get(noise_level)
         if table is None:
             table = torch.stack(self._coefficients_fn(self._schedule[:-1], self._schedule[1:], noise_level,
                                                       self._sigma_max), dim=1)
             self._tables[noise_level] = table
         rows = table[index if isinstance(index, int) else index.to(table.device)]  # an int: a view, no kernel
-        rows = rows.reshape(-1, len(StepCoefficients._fields)).expand(sample.shape[0], -1)
-        return linear_gaussian_step(StepCoefficients(*rows.unbind(1)), velocity, sample, prev_sample, generator)
+        return StepCoefficients(*rows.reshape(-1, len(StepCoefficients._fields)).expand(batch, -1).unbind(1))
 
 
 class ScheduledStep:
