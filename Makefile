@@ -30,7 +30,7 @@ $(PADDLE_STAMP): tests/paddle/requirements.txt pyproject.toml constraints.txt
 # missing and apt-get is usable (root on Debian/Ubuntu); otherwise those tests say what to install.
 SYSTEM_PACKAGES = chromium fonts-dejavu-core
 
-.PHONY: install system-deps paddle-env demo test test-all lint
+.PHONY: install system-deps paddle-env demo test test-all gpu-wheels lint
 install: $(STAMP)
 
 system-deps:
@@ -51,6 +51,9 @@ test: $(STAMP) system-deps  ## the default test suite (slow and GPU tests exclud
 
 test-all: $(STAMP) system-deps  ## everything, including tests marked slow
 	$(VENV)/bin/python -m pytest -m "not gpu" $(ARGS)
+
+gpu-wheels: $(STAMP)  ## .gpu-wheels/: the packages our GPU tests need beyond a CUDA image's torch stack
+	$(VENV)/bin/pip download -q --no-deps -d .gpu-wheels "diffusers==$$($(VENV)/bin/python -c 'import diffusers; print(diffusers.__version__)')"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
