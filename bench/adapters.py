@@ -64,13 +64,14 @@ import diffusers
 import torch
 import transformers
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.grpo import GRPO, GRPOConfig
+from trainer.kernels import KernelCounter
 from trainer.models import MODELS, build_adapter, testing
 from trainer.models.common import LoraSettings
 from trainer.rollout import SamplerSettings, rollout
+from trainer.samplers import standard_normal
 
 BATCH = 4
 NUM_STEPS = 4
@@ -260,15 +261,15 @@ def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int =
         shape = (BATCH, 4, 64, 64) if adapter.sampler_kind == "ddim" else (BATCH, 4096, 64)
     loops *= max(1, (BATCH * 4096 * 64) // (20 * math.prod(shape)))  # small tensors: more calls per timing
     device = adapter.device
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
-    out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+    x = standard_normal(shape, torch.Generator().manual_seed(0), device)
+    out = standard_normal(shape, torch.Generator().manual_seed(1), device)
     schedule = adapter.sigmas(NUM_STEPS)
     step = adapter.step_function(settings.kind, schedule)
     scheduler = adapter.scheduler
     timesteps = scheduler.timesteps
     eta = {"eta": settings.noise_level} if adapter.sampler_kind == "ddim" and not scored else {}
     g = torch.Generator(device).manual_seed(2)
-    given = {"prev_sample": torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(device)} if scored else {}
+    given = {"prev_sample": standard_normal(shape, torch.Generator().manual_seed(3), device)} if scored else {}
 
     def ours():
         for _ in range(loops):
@@ -293,17 +294,6 @@ def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int =
             scheduler.register_to_config(stochastic_sampling=False)
 
 
-class _KernelCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.kernels = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.__name__.split(".")[0] not in ("detach", "lift_fresh"):
-            self.kernels += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_step_kernels(adapter, settings: SamplerSettings) -> str:
     """"ours/plain": kernels of one mid-schedule rollout step and of the scheduler's deterministic step."""
     shape = (BATCH, 4, 8, 8) if adapter.sampler_kind == "ddim" else (BATCH, 64, 64)
@@ -315,7 +305,7 @@ def count_step_kernels(adapter, settings: SamplerSettings) -> str:
     for fn in (lambda: step(out, x, 1, settings.noise_level), lambda: scheduler.step(out, t, x)):
         if hasattr(scheduler, "set_begin_index"):
             scheduler._step_index = None
-        with _KernelCounter() as counter:
+        with KernelCounter() as counter:
             fn()
         counts.append(counter.kernels)
     return f"{counts[0]}/{counts[1]}"

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer.kernels import KernelCounter
 from trainer.samplers import STEP_FUNCTIONS, flow_step
 from trainer.samplers.flow_sde import cps_step_with_logprob, eta_step_with_logprob, sde_step_with_logprob
 
@@ -164,19 +164,6 @@ def test_an_unknown_step_kind_is_a_clear_error():
         flow_step("ode", torch.linspace(1, 0, 5))
 
 
-class _Kernels(TorchDispatchMode):
-    """Counts the aten ops that compute (views, detach and lift_fresh aside)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.__name__.split(".")[0] not in ("detach", "lift_fresh"):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_rollout_step_is_seven_kernels_and_scoring_five():
     """Once a step's constants are shaped (first call per index, noise level and layout), a rollout step
     runs mean (2), draw and scale (2), difference, dot product and log-prob; scoring a given sample skips
@@ -185,11 +172,11 @@ def test_a_rollout_step_is_seven_kernels_and_scoring_five():
     step = flow_step("sde", schedule)
     x, v, _, _ = _inputs()
     step(v, x, 1, 0.7, generator=torch.Generator().manual_seed(0))
-    with _Kernels() as drawn:
+    with KernelCounter() as drawn:
         sample, _, _, _ = step(v, x, 1, 0.7, generator=torch.Generator().manual_seed(0))
-    with _Kernels() as scored:
+    with KernelCounter() as scored:
         step(v, x, 1, 0.7, prev_sample=sample)
-    assert (drawn.count, scored.count) == (7, 5)
+    assert (drawn.kernels, scored.kernels) == (7, 5)
 
 
 def test_shaped_constants_are_kept_per_layout():
