@@ -2,6 +2,7 @@
 
     python bench/scaling.py                  # every backend, 1 and 2 processes, on this machine's CPU
     python bench/scaling.py --epochs 4 --backends ddp,fsdp2
+    python bench/scaling.py --backends fsdp2,zero3 --gather both   # parallel.gather_for_sampling on vs off
 
 Each configuration runs the real job (torchrun, gloo on the CPU, one digit-reward server shared by all
 runs) and reads its per-epoch metrics; the first RL epoch is left out (warm-up of caches and allocators).
@@ -25,8 +26,8 @@ sys.path.insert(0, str(REPO))
 
 
 def run(backend: str, nproc: int, out: Path, model_path: str, url: str, epochs: int, prompts: int,
-        group: int) -> list[dict]:
-    name = f"{backend}-{nproc}"
+        group: int, gather: bool = True) -> list[dict]:
+    name = f"{backend}-{nproc}-{gather}"
     launcher = ([sys.executable, "trainer/main.py"] if backend == "single" else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                  "trainer/main.py"])
@@ -35,6 +36,7 @@ def run(backend: str, nproc: int, out: Path, model_path: str, url: str, epochs: 
         "logging.tensorboard=false", f"parallel.backend={backend}", "train.warmup_steps=2", f"train.epochs={epochs}",
         "train.checkpoint_every=0", f"data.prompts_per_epoch={prompts}", f"algorithm.group_size={group}",
         "eval.samples_per_prompt=1", "eval.every=0", f"reward.urls=[{url}]",
+        f"parallel.gather_for_sampling={str(gather).lower()}",
     ], cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["phase"] == "rl"][1:]
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=4, help="data.prompts_per_epoch")
     parser.add_argument("--group", type=int, default=8, help="algorithm.group_size")
+    parser.add_argument("--gather", choices=("on", "off", "both"), default="on",
+                        help="parallel.gather_for_sampling for fsdp2 and zero3 (both: a row for each)")
     args = parser.parse_args()
 
     from trainer.models.tiny import DEFAULT_TINY_PATH, build_tiny_sd3
@@ -58,14 +62,19 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalRewardPool(["digit"], replicas=1, log_dir=Path(tmp)) as pool:
         for backend in args.backends.split(","):
+            sharded = backend in ("fsdp2", "zero3")
+            gathers = {"on": (True,), "off": (False,), "both": (True, False)}[args.gather] if sharded else (True,)
             for nproc in ((1,) if backend == "single" else (1, 2)):
-                epochs = run(backend, nproc, Path(tmp), model_path, pool.urls[0], args.epochs, args.prompts, args.group)
-                train = statistics.median(r["time_train_s"] for r in epochs)
-                rollout = statistics.median(r["images_per_s"] for r in epochs)
-                whole = statistics.median(images / (r["time_rollout_s"] + r["time_reward_wait_s"] + r["time_train_s"])
-                                          for r in epochs)
-                rows.append((backend, nproc, train, rollout, whole))
-                print(f"{backend} x{nproc}: done", file=sys.stderr, flush=True)
+                for gather in gathers:
+                    epochs = run(backend, nproc, Path(tmp), model_path, pool.urls[0], args.epochs, args.prompts,
+                                 args.group, gather)
+                    train = statistics.median(r["time_train_s"] for r in epochs)
+                    rollout = statistics.median(r["images_per_s"] for r in epochs)
+                    whole = statistics.median(images / (r["time_rollout_s"] + r["time_reward_wait_s"]
+                                                        + r["time_train_s"]) for r in epochs)
+                    label = backend if not sharded else f"{backend}, gather for sampling {'on' if gather else 'off'}"
+                    rows.append((label, nproc, train, rollout, whole))
+                    print(f"{label} x{nproc}: done", file=sys.stderr, flush=True)
     print(f"{images} images per RL epoch ({args.prompts} prompts x {args.group}), tiny SD3 model, "
           f"{os.cpu_count()} CPU cores, gloo; medians over {args.epochs - 1} epochs\n")
     print("| backend | processes | update time / epoch (s) | rollout images/s | epoch images/s |")

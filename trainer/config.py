@@ -101,7 +101,9 @@ class ParallelConfig:
     """torch.distributed backend; auto picks nccl on CUDA, gloo on the CPU."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Mixed precision (fsdp2, zero2, zero3): the dtype forwards and backwards compute in, while the
-    optimizer keeps float32 master weights. DeepSpeed needs model.dtype to match."""
+    optimizer keeps float32 master weights (fsdp2: the float32 shards of a model.dtype=float32 model).
+    DeepSpeed needs model.dtype to match. float16 losses are scaled (fsdp2: ShardedGradScaler; DeepSpeed:
+    its own dynamic loss scale)."""
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Mixed precision (fsdp2, zero2, zero3): the dtype gradients are reduced in; float32 keeps the sum
     exact at twice the traffic of bfloat16."""
@@ -109,9 +111,11 @@ class ParallelConfig:
     """fsdp2: keep sharded parameters, gradients and optimizer state in CPU memory; zero2/zero3: the
     optimizer state (and zero3 the parameters). Fits larger models at the cost of PCIe traffic."""
     gather_for_sampling: bool = True
-    """fsdp2: keep each block's gathered parameters from its first forward to the end of a rollout or an
-    evaluation (one all-gather per block instead of one per denoising step); costs the full parameters'
-    memory while sampling, as ddp and zero2 hold them always. False gathers in every forward."""
+    """fsdp2 and zero3: keep the parameters gathered across a rollout or an evaluation instead of gathering
+    them in every forward (fsdp2: each block from its first forward on; zero3: all of them when sampling
+    starts), so a T-step rollout gathers the weights once rather than T times. Costs the full parameters'
+    memory while sampling, as ddp and zero2 hold them always. False gathers in every forward (for a model
+    whose full weights do not fit one device)."""
     deepspeed_config: str = ""
     """A DeepSpeed JSON config to use instead of deploy/deepspeed/zero{2,3}.json; its "auto" values are
     filled from this config (clipping, dtypes, offload), explicit values are kept."""

@@ -78,10 +78,15 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert float((a - b).abs().max()) <= TOL * scale, (what, float((a - b).abs().max()), scale)
 
 
+def _all_gathers(counter) -> int:
+    return sum(n for op, n in counter.ops.items() if "allgather" in op or "all_gather" in op)
+
+
 def _worker(kind: str, tmp: Path) -> None:
     from trainer.checkpoint import Checkpoints, Progress
     from trainer.config import ParallelConfig
     from trainer.distributed import init_backend
+    from trainer.kernels import KernelCounter
 
     backend = init_backend(ParallelConfig(backend=kind), torch.device("cpu"), max_grad_norm=0.05)
     rank, world = backend.world.rank, backend.world.world_size
@@ -155,9 +160,15 @@ def _worker(kind: str, tmp: Path) -> None:
         else:
             assert torch.equal(shard, whole), name
     x = x_all[:2]
-    with backend.sampling(), torch.no_grad():  # FSDP2 keeps blocks gathered from the first forward on
+    sharded = kind in ("fsdp2", "zero3")
+    with torch.no_grad(), KernelCounter() as outside:
+        policy(x)
+    assert (_all_gathers(outside) > 0) == sharded, (kind, outside.ops)
+    with backend.sampling(), torch.no_grad():  # the weights stay gathered from the first forward on
         _close(policy(x), replica(x), f"{kind} first forward while sampling")
-        _close(policy(x + 1), replica(x + 1), f"{kind} second forward while sampling")
+        with KernelCounter() as inside:
+            _close(policy(x + 1), replica(x + 1), f"{kind} second forward while sampling")
+        assert _all_gathers(inside) == 0, (kind, inside.ops)
     # After the sampling context, writes into the shards reach the next forward (it resharded).
     with torch.no_grad():
         saved = [s.clone() for s in shards]

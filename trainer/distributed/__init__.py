@@ -57,7 +57,7 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
     stage = int(kind[-1])
     config = deepspeed_config(stage, parallel.deepspeed_config, max_grad_norm=max_grad_norm,
                               param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=parallel.cpu_offload)
-    return DeepSpeedZeRO(device, world, dist_backend, stage, config)
+    return DeepSpeedZeRO(device, world, dist_backend, stage, config, parallel.gather_for_sampling)
 
 
 __all__ = ["BACKENDS", "ParallelBackend", "SingleProcess", "World", "detect_world", "init_backend"]

@@ -138,11 +138,15 @@ class SingleProcess:
         self.params: list[nn.Parameter] = []
         self.auxiliary: list[tuple[list[nn.Parameter], torch.optim.Optimizer]] = []
         self.skeletons: dict[int, nn.Module] = {}
+        self.scaler = torch.amp.GradScaler(device.type, enabled=False)
+        """Dynamic loss scaling, on when the policy computes in float16 (``prepare``); a pass-through otherwise."""
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
-        self.skeletons[id(module)] = skeleton(module)
         self.params = list(params)
+        refuse_low_precision_updates(self.params, "single")
+        self.skeletons[id(module)] = skeleton(module)
         self.optimizer = make_optimizer(self.params)
+        self.scaler = loss_scaler(module, self.device)
         return module
 
     def prepare_auxiliary(self, module, make_optimizer):
@@ -163,20 +167,25 @@ class SingleProcess:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.scaler.scale(loss).backward()
 
     def step(self, max_grad_norm: float) -> float:
+        """With loss scaling, a step whose gradients overflowed is skipped (the norm returned is then inf or
+        nan) and the scale halves; 2000 clean steps double it."""
+        self.scaler.unscale_(self.optimizer)
         norm = clip_gradients(self.params, max_grad_norm)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self._step_auxiliary(max_grad_norm)
+        self.scaler.update()
         return norm
 
     def _step_auxiliary(self, max_grad_norm: float) -> None:
         """Clip and step each auxiliary network (replicated: its gradients are whole on every rank)."""
         for params, opt in self.auxiliary:
+            self.scaler.unscale_(opt)
             clip_gradients(params, max_grad_norm)
-            opt.step()
+            self.scaler.step(opt)
             opt.zero_grad(set_to_none=True)
 
     def set_lr(self, lr: float) -> None:
@@ -188,7 +197,8 @@ class SingleProcess:
             opt.state.clear()
 
     def optimizer_state(self) -> dict:
-        return {"main": self.optimizer.state_dict(), "auxiliary": self._auxiliary_state()}
+        return {"main": self.optimizer.state_dict(), "auxiliary": self._auxiliary_state(),
+                "scaler": self.scaler.state_dict()}
 
     def _auxiliary_state(self) -> list[dict]:
         return [opt.state_dict() for _, opt in self.auxiliary]
@@ -196,11 +206,16 @@ class SingleProcess:
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["main"])
         self._load_auxiliary_state(state)
+        self._load_scaler_state(state)
 
     def _load_auxiliary_state(self, state: dict) -> None:
         check_auxiliary_count(state, len(self.auxiliary))
         for (_, opt), saved in zip(self.auxiliary, state["auxiliary"], strict=True):
             opt.load_state_dict(saved)
+
+    def _load_scaler_state(self, state: dict) -> None:
+        if state.get("scaler"):  # empty when scaling is off
+            self.scaler.load_state_dict(state["scaler"])
 
     def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         return [p.detach() for p in params]
@@ -247,6 +262,29 @@ def clip_gradients(params: list[nn.Parameter], max_grad_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     grads = [p.grad.norm() for p in params if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+
+
+def loss_scaler(module: nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None,
+                scaler_class: type = torch.amp.GradScaler) -> torch.amp.GradScaler:
+    """Dynamic loss scaling, enabled when ``module`` computes in float16 (its weights, or ``compute_dtype``):
+    the loss is multiplied by the scale (65536 at first) before backward, so that gradients below fp16's
+    smallest value (6e-8) do not flush to zero in the network's backward, and divided out before clipping."""
+    fp16 = compute_dtype == torch.float16 or any(p.dtype == torch.float16 for p in module.parameters())
+    return scaler_class(device.type, enabled=fp16)
+
+
+def refuse_low_precision_updates(params: list[nn.Parameter], backend: str) -> None:
+    """ValueError for trainable weights in bf16/fp16 under a backend whose optimizer updates them in place (no
+    float32 master copy): bf16 rounds away Adam steps below 1/256 of a weight, and in fp16 Adam's eps underflows.
+    LoRA and IP-Adapter weights are float32 already (``trainer.models.common``); this is full fine-tuning."""
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        raise ValueError(
+            f"full fine-tuning with model.dtype={low[0]} under parallel.backend={backend} would update the weights "
+            f"in {low[0]}, losing small optimizer steps. Use model.dtype=float32 (parallel.backend=fsdp2 with "
+            f"parallel.param_dtype={low[0]} still computes in {low[0]}), parallel.backend=zero2/zero3 with "
+            f"parallel.param_dtype={low[0]} (float32 master weights), or LoRA (model.lora), whose weights stay "
+            "float32")
 
 
 def check_auxiliary_count(state: dict, expected: int) -> None:
@@ -298,9 +336,11 @@ class DDP(SingleProcess):
         self.modules: list[nn.Module] = []
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
-        self.skeletons[id(module)] = skeleton(module)
         self.params = list(params)
+        refuse_low_precision_updates(self.params, "ddp")
+        self.skeletons[id(module)] = skeleton(module)
         self.optimizer = make_optimizer(self.params)
+        self.scaler = loss_scaler(module, self.device)
         return self._wrap_auxiliary(module)
 
     def _wrap_auxiliary(self, module: nn.Module) -> nn.Module:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.distributed.backend import (
@@ -27,7 +28,9 @@ from trainer.distributed.backend import (
     World,
     check_auxiliary_count,
     checked_trainable,
+    loss_scaler,
     materialize,
+    refuse_low_precision_updates,
     skeleton,
     trainable,
 )
@@ -46,6 +49,7 @@ class FSDP2(DDP):
         self.aux_modules: list[nn.Module] = []
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
+        self.scaler = loss_scaler(module, self.device, self.shard_options["mp_policy"].param_dtype, ShardedGradScaler)
         self.params = self._shard(module, params, shard_units)
         self.optimizer = make_optimizer(self.params)
         return module
@@ -60,6 +64,8 @@ class FSDP2(DDP):
                shard_units: tuple[type[nn.Module], ...]) -> list[nn.Parameter]:
         """Shard ``module`` in place (each ``shard_units`` block, then the root); returns the sharded
         parameters that replace ``params`` (fully_shard registers new DTensor parameters)."""
+        params = list(params)
+        refuse_low_precision_updates(params, "fsdp2")
         wanted = {id(p) for p in params}
         names = [name for name, p in module.named_parameters() if id(p) in wanted]
         assert len(names) == len(wanted), "params must belong to the module"
@@ -109,19 +115,23 @@ class FSDP2(DDP):
                 module.set_requires_gradient_sync(True)
 
     def step(self, max_grad_norm: float) -> float:
+        for opt in self._optimizers():
+            self.scaler.unscale_(opt)  # ShardedGradScaler: whether any rank's shard overflowed, agreed by all
         norm = _clip_sharded(self.params, max_grad_norm)
         for params, _ in self.auxiliary:
             _clip_sharded(params, max_grad_norm)
         for opt in self._optimizers():
-            opt.step()
+            self.scaler.step(opt)
             opt.zero_grad(set_to_none=True)
+        self.scaler.update()
         return norm
 
     def optimizer_state(self) -> dict:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return {"main": get_optimizer_state_dict(self.modules[0], self.optimizer, options=options),
                 "auxiliary": [get_optimizer_state_dict(m, opt, options=options)
-                              for m, (_, opt) in zip(self.aux_modules, self.auxiliary, strict=True)]}
+                              for m, (_, opt) in zip(self.aux_modules, self.auxiliary, strict=True)],
+                "scaler": self.scaler.state_dict()}
 
     def load_optimizer_state(self, state: dict) -> None:
         options = StateDictOptions(full_state_dict=True)
@@ -129,6 +139,7 @@ class FSDP2(DDP):
         check_auxiliary_count(state, len(self.auxiliary))
         for m, (_, opt), saved in zip(self.aux_modules, self.auxiliary, state["auxiliary"], strict=True):
             set_optimizer_state_dict(m, opt, saved, options=options)
+        self._load_scaler_state(state)
 
     @torch.no_grad()
     def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 (``deepspeed.initialize`` with our torch optimizer as the client optimizer).
 
 ZeRO-2 partitions gradients and optimizer state over ranks and keeps full parameters on each; ZeRO-3 also
-partitions the parameters (gathered per module during forward and backward). The engine owns the optimizer
+partitions the parameters (gathered per module during forward and backward; once per rollout while sampling,
+with ``parallel.gather_for_sampling``). The engine owns the optimizer
 step and gradient clipping. The DeepSpeed config is a JSON template (``deploy/deepspeed/zero{2,3}.json``, or
 ``parallel.deepspeed_config``) whose ``"auto"`` values are filled from our config.
 
@@ -83,7 +84,8 @@ class DeepSpeedZeRO(DDP):
 
     sharded_optimizer_state = True
 
-    def __init__(self, device: torch.device, world: World, dist_backend: str, stage: int, config: dict):
+    def __init__(self, device: torch.device, world: World, dist_backend: str, stage: int, config: dict,
+                 gather_for_sampling: bool = True):
         if device.type == "cpu":
             # Must precede importing deepspeed: it picks its accelerator once, at import.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -98,6 +100,7 @@ class DeepSpeedZeRO(DDP):
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.stage = stage
         self.config = config
+        self.gather_for_sampling = gather_for_sampling
         self.engine = None
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
@@ -130,6 +133,17 @@ class DeepSpeedZeRO(DDP):
         # completes the accumulation. The auxiliary networks' DDP wrappers skip their all-reduce until then.
         self.engine.set_gradient_accumulation_boundary(enabled)
         return super().sync(enabled)
+
+    def sampling(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3 with ``gather_for_sampling``: every parameter is gathered once when the context opens and
+        the engine's per-module gather/release hooks are off until it closes (DeepSpeed's
+        ``unwrap_model_for_generation``), so a rollout's forwards run no collective; closing repartitions
+        without writing back, so the next forward reads the partitions (the optimizer's, or an EMA swap's)."""
+        if self.stage != 3 or not self.gather_for_sampling or self.engine is None:
+            return contextlib.nullcontext()
+        from deepspeed.runtime.zero import unwrap_model_for_generation
+
+        return unwrap_model_for_generation(self.engine)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)

@@ -57,7 +57,10 @@ class DiffusersModelConfig:
     path: str = ""
     """Local diffusers-format directory of the weights (model_index.json and one folder per component)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and forward dtype of the denoiser, encoders and VAE; sampler math is float32 regardless."""
+    """Weights and forward dtype of the denoiser, encoders and VAE; sampler math is float32 regardless. Trained
+    LoRA / IP-Adapter weights stay float32 (the optimizer's precision); full fine-tuning in bf16/fp16 needs
+    float32 master weights from the backend (zero2/zero3, or float32 here with fsdp2's param_dtype). fp16
+    backward passes are loss-scaled."""
     resolution: int = 0
     """Image side in pixels; 0 takes the model's default (its sample size times the VAE factor)."""
     lora: LoraSettings | None = None
@@ -104,8 +107,47 @@ def prepare_denoiser(denoiser: nn.Module, lora: LoraSettings | None, gradient_ch
     if ip_adapter is not None:
         for p in ip_adapter.parameters():
             p.requires_grad_(ip_adapter.settings.trainable)
+    if lora is not None or _trains_ip(ip_adapter):
+        _train_in_float32(denoiser, ip_adapter)
     if gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _train_in_float32(denoiser: nn.Module, ip_adapter: IPAdapter | None) -> None:
+    """Store the trainable LoRA / IP-Adapter weights in float32 when ``model.dtype`` is bf16 or fp16, the base
+    staying in that dtype (what peft's ``autocast_adapter_dtype`` does). An optimizer updates a weight in its
+    own dtype: in bf16, Adam steps below 1/256 of the weight round away (most of LoRA's A at lr 1e-4); in
+    fp16, Adam's eps underflows to 0 and the first step turns every weight NaN. LoRA layers cast their input
+    to their weights' dtype and their output back (peft); the IP-Adapter's trainable layers get the same."""
+    trainable = [p for p in denoiser.parameters() if p.requires_grad and p.dtype in LOW_PRECISION]
+    if not trainable:
+        return
+    for p in trainable:
+        p.data = p.data.float()
+    if _trains_ip(ip_adapter):
+        for layer in ip_adapter.trainable_layers():
+            ComputeInWeightDtype(layer)
+
+
+class ComputeInWeightDtype:
+    """Forward hooks on ``layer``: its floating inputs cast to its weights' dtype at call time (float32 here;
+    bf16 where a parallel engine casts the weights for compute), its output back to the first input's dtype."""
+
+    def __init__(self, layer: nn.Module):
+        self.activation_dtype: torch.dtype | None = None
+        layer.register_forward_pre_hook(self.cast_inputs)
+        layer.register_forward_hook(self.cast_output)
+
+    def cast_inputs(self, layer: nn.Module, args: tuple) -> tuple:
+        self.activation_dtype = args[0].dtype
+        dtype = next(layer.parameters()).dtype
+        return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+    def cast_output(self, layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.to(self.activation_dtype)
 
 
 def frozen_copy(denoiser: nn.Module) -> nn.Module:

@@ -233,6 +233,11 @@ class IPAdapter:
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in (self.projection, *self.processors) for p in m.parameters()]
 
+    def trainable_layers(self) -> list[nn.Module]:
+        """The modules holding every IP-Adapter weight, each called on activations (the image projection, and
+        each processor's key / value layers)."""
+        return [self.projection] + [layer for p in self.processors for layer in (*p.to_k_ip, *p.to_v_ip)]
+
     def image_kwargs(self, style: torch.Tensor, unconditional_first: bool, dtype: torch.dtype) -> dict:
         """``ip_adapter_image_embeds`` for image embeddings ``style`` [B, D] (one IP-Adapter, one image per
         item: [B, 1, D]); with ``unconditional_first`` zeros for a leading CFG batch half."""
