@@ -115,7 +115,7 @@ class ParallelConfig:
     them in every forward (fsdp2: each block from its first forward on; zero3: all of them when sampling
     starts), so a T-step rollout gathers the weights once rather than T times. Costs the full parameters'
     memory while sampling, as ddp and zero2 hold them always. False gathers in every forward (for a model
-    whose full weights do not fit one device)."""
+    whose full weights do not fit one device, e.g. with cpu_offload)."""
     deepspeed_config: str = ""
     """A DeepSpeed JSON config to use instead of deploy/deepspeed/zero{2,3}.json; its "auto" values are
     filled from this config (clipping, dtypes, offload), explicit values are kept."""

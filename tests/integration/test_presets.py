@@ -4,6 +4,7 @@ Each YAML is loaded through ``load_config`` with overrides that swap in a tiny m
 (``trainer.models.testing.tiny_config``: built once per session) and a tiny dataset in the config's data
 format (``trainer.data.testing.tiny_dataset``); the rest of the file (algorithm, sampler, LoRA, dtype,
 rewards) is used as written. The adapter, algorithm and task are built with the functions the job uses,
+its trainable weights must be ones its backend can update (float32 unless DeepSpeed keeps master copies),
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
 test checks the presets' headers (including that they start every weighted reward scorer) and that their
@@ -24,6 +25,7 @@ from trainer.algorithms import build_algorithm
 from trainer.config import load_config
 from trainer.data import build_task
 from trainer.data.testing import tiny_dataset
+from trainer.distributed.backend import refuse_low_precision_updates
 from trainer.models import MODELS, build_adapter
 from trainer.models.testing import tiny_config, tiny_ip_adapter
 from trainer.rollout import rollout
@@ -81,6 +83,8 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
     config = load_config(str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}"])
 
     adapter = build_adapter(config.model, torch.device("cpu"))
+    if config.parallel.backend not in ("zero2", "zero3"):  # these keep float32 master weights themselves
+        refuse_low_precision_updates(list(adapter.trainable_parameters()), config.parallel.backend)
     algorithm = build_algorithm(config.algorithm)
     task = build_task(config.data)
     group = min(algorithm.group_size, MAX_GROUP)
