@@ -179,6 +179,8 @@ def _worker(kind: str, tmp: Path) -> None:
             if p.requires_grad:
                 p.zero_()
         _close(policy(x), zeroed(x), f"{kind} forward with zeroed shards")
+        with backend.sampling():  # written before sampling starts (an EMA swap): the gathered weights have it
+            _close(policy(x), zeroed(x), f"{kind} sampling with zeroed shards")
         for s, v in zip(shards, saved, strict=True):
             s.copy_(v)
         _close(policy(x), replica(x), f"{kind} forward after restoring shards")
