@@ -31,9 +31,16 @@ ATOL = 1e-7
 (observed: 7e-9 under FSDP2 against exactly 0 under DDP); a relative bound alone cannot hold there."""
 
 
+VARIANTS = {"fsdp2+fp16-lora": ("fsdp2", ["model.dtype=float16", "parallel.param_dtype=float16",
+                                         "model.lora={rank: 4, alpha: 4}"])}
+"""Runs beyond the plain backends, for the kill -9 test only: FSDP2 computing in fp16 with float32 LoRA
+weights over an fp16 base (the loss scale is part of the state a resume must restore)."""
+
+
 def _args(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -> list[str]:
+    backend, extra = VARIANTS.get(backend, (backend, []))
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py",
-            f"model.path={model_dir}", f"logging.output_dir={out}", f"logging.run_name={name}",
+            *extra, f"model.path={model_dir}", f"logging.output_dir={out}", f"logging.run_name={name}",
             "logging.progress=false", "logging.tensorboard=false", f"parallel.backend={backend}",
             "train.warmup_steps=4", "train.warmup_checkpoint_every=2", "train.epochs=2", "train.checkpoint_every=1",
             "data.prompts_per_epoch=4", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.every=1",
@@ -63,16 +70,17 @@ def reward_url(tmp_path_factory) -> Iterator[str]:
 def straight_runs(tmp_path_factory, tiny_model_dir, reward_url) -> dict[str, Path]:
     """One uninterrupted run per backend."""
     out = tmp_path_factory.mktemp("backends")
-    for backend in BACKENDS:
+    for backend in (*BACKENDS, *VARIANTS):
         run = subprocess.run(_args(tiny_model_dir, out, backend, backend, reward_url), cwd=REPO, env=_env(), capture_output=True,
                              text=True, timeout=300)
         assert run.returncode == 0, f"{backend}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
-    return {backend: out / backend for backend in BACKENDS}
+    return {backend: out / backend for backend in (*BACKENDS, *VARIANTS)}
 
 
 def test_every_backend_gives_the_same_losses_and_equal_weights_on_every_rank(straight_runs):
     reference = straight_runs["ddp"]
-    for backend, run_dir in straight_runs.items():
+    for backend in BACKENDS:
+        run_dir = straight_runs[backend]
         for phase in ("warmup", "rl", "eval"):  # evaluations read the EMA weights, swapped into the shards
             expected, got = _records(reference, phase), _records(run_dir, phase)
             assert [r["step"] for r in got] == [r["step"] for r in expected] and got, (backend, phase)
@@ -90,7 +98,7 @@ def test_every_backend_gives_the_same_losses_and_equal_weights_on_every_rank(str
             assert "rng.pt" in files and ("optimizer.pt" in files) == backend.startswith("zero"), (backend, files)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", *VARIANTS])
 def test_kill9_then_resume_reproduces_the_uninterrupted_run(straight_runs, tmp_path, tiny_model_dir, reward_url,
                                                             backend):
     victim = subprocess.Popen(_args(tiny_model_dir, tmp_path, "killed", backend, reward_url), cwd=REPO, env=_env(),
