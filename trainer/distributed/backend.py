@@ -130,6 +130,8 @@ class SingleProcess:
     """One process, no collectives."""
 
     sharded_optimizer_state = False
+    name = "single"
+    """``parallel.backend``'s value for this class, for messages."""
 
     def __init__(self, device: torch.device):
         self.world = World(0, 1, 0, 1)
@@ -143,7 +145,7 @@ class SingleProcess:
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
         self.params = list(params)
-        refuse_low_precision_updates(self.params, "single")
+        refuse_low_precision_updates(self.params, self.name)
         self.skeletons[id(module)] = skeleton(module)
         self.optimizer = make_optimizer(self.params)
         self.scaler = loss_scaler(module, self.device)
@@ -329,6 +331,8 @@ def materialize(template: nn.Module, params: dict[str, torch.Tensor], buffers: d
 class DDP(SingleProcess):
     """torch DistributedDataParallel; gradients all-reduced in backward, skipped while accumulating."""
 
+    name = "ddp"
+
     def __init__(self, device: torch.device, world: World, dist_backend: str):
         super().__init__(device)
         self.world = world
@@ -336,12 +340,7 @@ class DDP(SingleProcess):
         self.modules: list[nn.Module] = []
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
-        self.params = list(params)
-        refuse_low_precision_updates(self.params, "ddp")
-        self.skeletons[id(module)] = skeleton(module)
-        self.optimizer = make_optimizer(self.params)
-        self.scaler = loss_scaler(module, self.device)
-        return self._wrap_auxiliary(module)
+        return self._wrap_auxiliary(super().prepare(module, params, make_optimizer, shard_units))
 
     def _wrap_auxiliary(self, module: nn.Module) -> nn.Module:
         wrapped = nn.parallel.DistributedDataParallel(

@@ -39,6 +39,8 @@ from trainer.distributed.backend import (
 class FSDP2(DDP):
     """Fully sharded data parallelism (per-parameter sharding, FSDP2)."""
 
+    name = "fsdp2"
+
     def __init__(self, device: torch.device, world: World, dist_backend: str, param_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, cpu_offload: bool, gather_for_sampling: bool = True):
         super().__init__(device, world, dist_backend)
@@ -65,7 +67,7 @@ class FSDP2(DDP):
         """Shard ``module`` in place (each ``shard_units`` block, then the root); returns the sharded
         parameters that replace ``params`` (fully_shard registers new DTensor parameters)."""
         params = list(params)
-        refuse_low_precision_updates(params, "fsdp2")
+        refuse_low_precision_updates(params, self.name)
         wanted = {id(p) for p in params}
         names = [name for name, p in module.named_parameters() if id(p) in wanted]
         assert len(names) == len(wanted), "params must belong to the module"

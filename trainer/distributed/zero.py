@@ -2,9 +2,9 @@
 
 ZeRO-2 partitions gradients and optimizer state over ranks and keeps full parameters on each; ZeRO-3 also
 partitions the parameters (gathered per module during forward and backward; once per rollout while sampling,
-with ``parallel.gather_for_sampling``). The engine owns the optimizer
-step and gradient clipping. The DeepSpeed config is a JSON template (``deploy/deepspeed/zero{2,3}.json``, or
-``parallel.deepspeed_config``) whose ``"auto"`` values are filled from our config.
+with ``parallel.gather_for_sampling``). The engine owns the optimizer step and gradient clipping. The
+DeepSpeed config is a JSON template (``deploy/deepspeed/zero{2,3}.json``, or ``parallel.deepspeed_config``)
+whose ``"auto"`` values are filled from our config.
 
 Checkpoints: the trainable weights are gathered to full tensors (rank 0 writes them); the optimizer state is
 each rank's ZeRO partition (one file per rank, so resume needs the same world size), as DeepSpeed's own
@@ -99,6 +99,7 @@ class DeepSpeedZeRO(DDP):
             # a torch one.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.stage = stage
+        self.name = f"zero{stage}"
         self.config = config
         self.gather_for_sampling = gather_for_sampling
         self.engine = None
