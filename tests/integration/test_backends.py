@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")
@@ -33,7 +35,7 @@ ATOL = 1e-7
 
 VARIANTS = {"fsdp2+fp16-lora": ("fsdp2", ["model.dtype=float16", "parallel.param_dtype=float16",
                                          "model.lora={rank: 4, alpha: 4}"])}
-"""Runs beyond the plain backends, for the kill -9 test only: FSDP2 computing in fp16 with float32 LoRA
+"""Runs beyond the plain backends, for the checkpoint and kill -9 tests only: FSDP2 computing in fp16 with float32 LoRA
 weights over an fp16 base (the loss scale is part of the state a resume must restore)."""
 
 
@@ -96,6 +98,19 @@ def test_every_backend_gives_the_same_losses_and_equal_weights_on_every_rank(str
         for rank in (0, 1):
             files = {p.name for p in (checkpoint / f"rank-{rank:05d}").iterdir()}
             assert "rng.pt" in files and ("optimizer.pt" in files) == backend.startswith("zero"), (backend, files)
+
+
+def test_fp16_run_checkpoints_its_loss_scale_and_float32_lora(straight_runs):
+    """FSDP2 computing in fp16: trained with finite gradient norms through the sharded loss scaler, whose state
+    is in the checkpoint's optimizer state next to float32 LoRA weights."""
+    run_dir = straight_runs["fsdp2+fp16-lora"]
+    rl = _records(run_dir, "rl")
+    assert rl and all(0 < r["grad_norm"] < float("inf") for r in rl), rl
+    checkpoint = max((run_dir / "checkpoints").glob("step-*"))
+    scaler = torch.load(checkpoint / "optimizer.pt", weights_only=True)["scaler"]
+    assert scaler["scale"] > 0 and scaler["_growth_tracker"] >= 0, scaler
+    weights = load_file(checkpoint / "trainable.safetensors")
+    assert weights and all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in weights.values())
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", *VARIANTS])
