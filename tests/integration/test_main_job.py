@@ -69,4 +69,3 @@ def test_refuses_a_world_size_that_splits_groups(tmp_path, tiny_model_dir):
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0  # each rank exits 2; torchrun reports the failure
     assert "error: data.prompts_per_epoch x algorithm.group_size = 3 x 3 = 9" in out.stderr
-
