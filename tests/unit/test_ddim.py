@@ -8,7 +8,8 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 
-from trainer.samplers.ddim import ddim_step_with_logprob
+from trainer.kernels import KernelCounter
+from trainer.samplers.ddim import ddim_step, ddim_step_with_logprob
 
 
 def _scheduler(num_steps: int = 10) -> DDIMScheduler:
@@ -90,3 +91,45 @@ def test_per_sample_timesteps_and_bf16_inputs():
         _, _, mean_i, _ = _step(scheduler, eps[i : i + 1].bfloat16().float(), x[i : i + 1].bfloat16().float(),
                                 int(t[i]), 0.5)
         torch.testing.assert_close(mean[i : i + 1], mean_i, rtol=0, atol=0)
+
+
+def test_scheduled_step_equals_the_step_at_the_schedules_timesteps():
+    """``ddim_step`` precomputes each step's constants: an int index (rollout) and [B] indices (training)
+    give ``ddim_step_with_logprob`` at t = t[i], t_prev = t[i + 1], the last step (t_prev < 0) included, and
+    at eta 0 the scheduler's step bit for bit."""
+    scheduler = _scheduler(5)
+    timesteps = torch.cat([scheduler.timesteps, scheduler.timesteps[-1:] - 200]).float()
+    step = ddim_step(timesteps, scheduler.alphas_cumprod, scheduler.final_alpha_cumprod)
+    eps, x = _inputs(5)
+    for i in range(5):
+        t, t_prev = int(timesteps[i]), int(timesteps[i + 1])
+        expected = ddim_step_with_logprob(eps, x, torch.full((3,), t), torch.full((3,), t_prev), 0.7,
+                                          generator=torch.Generator().manual_seed(i),
+                                          alphas_cumprod=scheduler.alphas_cumprod,
+                                          final_alpha_cumprod=scheduler.final_alpha_cumprod)
+        got = step(eps, x, i, 0.7, generator=torch.Generator().manual_seed(i))
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(step(eps, x, i, 0.7, prev_sample=got[0])[1], got[1])
+        assert torch.equal(step(eps, x, i, 0.0)[0], scheduler.step(eps, t, x, eta=0.0).prev_sample)
+    steps = torch.tensor([4, 0, 2])
+    _, per_sample, mean, std = step(eps, x, steps, 0.7, prev_sample=x)
+    for j, i in enumerate(steps.tolist()):
+        _, one, one_mean, one_std = step(eps[j:j + 1], x[j:j + 1], i, 0.7, prev_sample=x[j:j + 1])
+        assert torch.equal(per_sample[j:j + 1], one) and torch.equal(mean[j:j + 1], one_mean)
+        assert torch.equal(std[j:j + 1], one_std)
+
+
+def test_a_rollout_step_is_eleven_kernels_and_scoring_nine():
+    """Once its constants are shaped: the mean in the scheduler's order (6), draw and scale (2), difference,
+    dot product and log-prob (3); scoring a given sample skips the draw. diffusers' DDIM step with eta
+    computes its constants per call: 26 kernels with diffusers 0.42."""
+    scheduler = _scheduler(5)
+    step = ddim_step(scheduler.timesteps.float(), scheduler.alphas_cumprod, scheduler.final_alpha_cumprod)
+    eps, x = _inputs(6)
+    step(eps, x, 1, 1.0, generator=torch.Generator().manual_seed(0))
+    with KernelCounter() as drawn:
+        sample, _, _, _ = step(eps, x, 1, 1.0, generator=torch.Generator().manual_seed(0))
+    with KernelCounter() as scored:
+        step(eps, x, 1, 1.0, prev_sample=sample)
+    assert (drawn.kernels, scored.kernels) == (11, 9)

@@ -13,7 +13,6 @@ supervised loss (which draws u in (0, 1)) share one convention.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +47,8 @@ from trainer.models.common import (
     require_image_input,
     save_trainable,
 )
-from trainer.samplers import ScheduledStep, standard_normal
-from trainer.samplers.ddim import ddim_step_with_logprob
+from trainer.samplers import standard_normal
+from trainer.samplers.ddim import ddim_step
 
 
 @dataclass
@@ -59,17 +58,6 @@ class SD15InpaintConfig(DiffusersModelConfig):
 
     name: str = "sd15_inpaint"
     resolution: int = 512
-
-
-def ddim_step_in_units(
-    eps: torch.Tensor, sample: torch.Tensor, u: torch.Tensor, u_prev: torch.Tensor, eta: float,
-    prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None, *,
-    alphas_cumprod: torch.Tensor, final_alpha_cumprod: torch.Tensor, num_train_timesteps: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ddim_step_with_logprob`` for times given as u = t / num_train_timesteps (the adapter's unit)."""
-    return ddim_step_with_logprob(
-        eps, sample, u * num_train_timesteps, u_prev * num_train_timesteps, eta, prev_sample, generator,
-        alphas_cumprod=alphas_cumprod, final_alpha_cumprod=final_alpha_cumprod)
 
 
 class SD15InpaintAdapter:
@@ -159,9 +147,8 @@ class SD15InpaintAdapter:
         """The DDIM step (noise level = eta) with this scheduler's alphas bound; only kind "ddim"."""
         if kind != "ddim":
             raise ValueError(f"sampler.kind={kind!r}: sd15_inpaint is an epsilon (DDIM) model; use sampler.kind=ddim")
-        return ScheduledStep(functools.partial(
-            ddim_step_in_units, alphas_cumprod=self.alphas_cumprod, num_train_timesteps=self.num_train_timesteps,
-            final_alpha_cumprod=torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32)), schedule)
+        return ddim_step(schedule * self.num_train_timesteps, self.alphas_cumprod,
+                         torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32))
 
     # --- the network ---------------------------------------------------------------------------------
     def _timesteps(self, u: torch.Tensor) -> torch.Tensor:
@@ -180,7 +167,7 @@ class SD15InpaintAdapter:
         cfg = guidance_scale > 1.0
         if cfg:
             n = x.shape[0]
-            neg = self.prompts.cat([self.config.negative_prompt])["prompt_embeds"]
+            neg = self.prompts([self.config.negative_prompt])[0]["prompt_embeds"]
             embeds = torch.cat([neg.expand(n, -1, -1), embeds])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
         out = net(x, timestep, encoder_hidden_states=embeds, return_dict=False)[0]

@@ -1,6 +1,6 @@
 """Pure sampler step math. ``flow_step(kind, schedule)`` binds a flow-matching step to a schedule."""
 
-from trainer.samplers.flow_sde import STEP_FUNCTIONS, ScheduledFlowStep, ScheduledStep, sde_step_with_logprob
+from trainer.samplers.flow_sde import STEP_FUNCTIONS, scheduled_flow_step, sde_step_with_logprob
 from trainer.samplers.noise import generator_device, standard_normal
 
 
@@ -9,7 +9,7 @@ def flow_step(kind: str, schedule):
     with step indices; sigma_max = t[1] stands in for sigma = 1 (no division by zero)."""
     if kind not in STEP_FUNCTIONS:
         raise ValueError(f"sampler.kind={kind!r} is not one of {sorted(STEP_FUNCTIONS)}")
-    return ScheduledFlowStep(kind, schedule, sigma_max=schedule[1])
+    return scheduled_flow_step(kind, schedule, sigma_max=schedule[1])
 
 
 DEFAULT_KIND = {"flow": "sde", "ddim": "ddim"}
@@ -21,5 +21,5 @@ def resolve_kind(kind: str, sampler_kind: str) -> str:
     return DEFAULT_KIND[sampler_kind] if kind == "auto" else kind
 
 
-__all__ = ["DEFAULT_KIND", "flow_step", "resolve_kind", "sde_step_with_logprob", "STEP_FUNCTIONS", "ScheduledFlowStep",
-           "ScheduledStep", "generator_device", "standard_normal"]
+__all__ = ["DEFAULT_KIND", "flow_step", "resolve_kind", "sde_step_with_logprob", "STEP_FUNCTIONS",
+           "generator_device", "standard_normal"]

@@ -7,15 +7,67 @@ A DDIM step with eta > 0 is Gaussian: with abar_t = alphas_cumprod[t], abar_prev
     mean     = sqrt(abar_prev) x0_hat + sqrt(1 - abar_prev - sigma_t^2) eps
     x_prev   = mean + sigma_t z,  z ~ N(0, I)
 The log-probability is the per-element Gaussian log-density averaged over non-batch dimensions, as in
-``flow_sde``. With eta = 0 the step is diffusers' ``DDIMScheduler.step`` (eta 0) bit for bit: the
-arithmetic is written in the scheduler's order, in float32 whatever the input dtype.
+``flow_sde``. With eta = 0 the step is diffusers' ``DDIMScheduler.step`` (eta 0) bit for bit: the per-step
+constants (sqrt(1 - abar_t), sqrt(abar_t), sqrt(abar_prev), the direction's coefficient, sigma_t) are
+computed as the scheduler computes them, and the full-size arithmetic runs in the scheduler's order, in
+float32 whatever the input dtype. ``ddim_step`` binds the step to a schedule with those constants
+precomputed for every step, as ``flow_step`` does for the flow steps.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from trainer.samplers.flow_sde import _finish_step, _per_sample
+from trainer.samplers.flow_sde import ScheduledStep, draw_and_score, log_prob_constants, shaped_coefficients
+
+
+class DDIMCoefficients(NamedTuple):
+    """The constants of a DDIM step, per sample or per step of a schedule ([N] each):
+
+        x0_hat = (x - sqrt_beta eps) / sqrt_alpha,   mean = sqrt_alpha_prev x0_hat + direction eps,
+        x_prev = mean + std z,   log_prob = lp_scale * mean_elements((x_prev - mean)^2) + lp_const
+
+    with sqrt_beta = sqrt(1 - abar_t), sqrt_alpha = sqrt(abar_t), sqrt_alpha_prev = sqrt(abar_prev),
+    direction = sqrt(1 - abar_prev - std^2), std = sigma_t (``log_prob_constants`` for lp_*).
+    """
+
+    sqrt_beta: torch.Tensor
+    sqrt_alpha: torch.Tensor
+    sqrt_alpha_prev: torch.Tensor
+    direction: torch.Tensor
+    std: torch.Tensor
+    lp_scale: torch.Tensor
+    lp_const: torch.Tensor
+
+
+def ddim_coefficients(t: torch.Tensor, t_prev: torch.Tensor, eta: float, alphas_cumprod: torch.Tensor,
+                      final_alpha_cumprod: float | torch.Tensor = 1.0) -> DDIMCoefficients:
+    """``ddim_step_with_logprob``'s constants from timestep ``t`` to ``t_prev`` ([N] each, or scalars), each
+    computed as ``DDIMScheduler.step`` computes it."""
+    alphas_cumprod = alphas_cumprod.to(dtype=torch.float32)
+    t = torch.as_tensor(t, device=alphas_cumprod.device).round().long()
+    t_prev = torch.as_tensor(t_prev, device=alphas_cumprod.device).round().long()
+    alpha_t = alphas_cumprod[t]
+    final = torch.as_tensor(final_alpha_cumprod, device=alphas_cumprod.device, dtype=torch.float32)
+    alpha_prev = torch.where(t_prev >= 0, alphas_cumprod[t_prev.clamp(min=0)], final)
+    beta_t = 1 - alpha_t
+    beta_prev = 1 - alpha_prev
+    variance = (beta_prev / beta_t) * (1 - alpha_t / alpha_prev)
+    std_dev_t = eta * variance ** (0.5)
+    return DDIMCoefficients(beta_t ** (0.5), alpha_t ** (0.5), alpha_prev ** (0.5),
+                            (1 - alpha_prev - std_dev_t**2) ** (0.5), std_dev_t, *log_prob_constants(std_dev_t))
+
+
+def _shaped_ddim_step(c: DDIMCoefficients, eps: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step on ``shaped_coefficients``: six full-size kernels for the mean (the scheduler's order, no
+    fused multiply-add, so that eta = 0 stays bit for bit the scheduler's), then the draw and the score."""
+    x, eps = sample.float(), eps.float()
+    x0 = (x - c.sqrt_beta * eps) / c.sqrt_alpha
+    mean = c.sqrt_alpha_prev * x0 + c.direction * eps
+    return *draw_and_score(mean, c.std, c.lp_scale, c.lp_const, sample, prev_sample, generator), mean, c.std
 
 
 def ddim_step_with_logprob(
@@ -47,20 +99,14 @@ def ddim_step_with_logprob(
         (prev_sample in sample's dtype, log_prob [B] float32, prev_sample_mean float32,
          sigma_t [B, 1, ...] float32).
     """
-    x = sample.float()
-    eps = eps.float()
-    alphas_cumprod = alphas_cumprod.to(device=x.device, dtype=torch.float32)
-    t = torch.as_tensor(t, device=x.device).round().long()
-    t_prev = torch.as_tensor(t_prev, device=x.device).round().long()
-    alpha_t = _per_sample(alphas_cumprod[t], x)
-    final = torch.as_tensor(final_alpha_cumprod, device=x.device, dtype=torch.float32)
-    alpha_prev = _per_sample(torch.where(t_prev >= 0, alphas_cumprod[t_prev.clamp(min=0)], final), x)
-    beta_t = 1 - alpha_t
-    beta_prev = 1 - alpha_prev
+    coefficients = ddim_coefficients(t, t_prev, eta, alphas_cumprod.to(sample.device), final_alpha_cumprod)
+    return _shaped_ddim_step(shaped_coefficients(coefficients, sample), eps, sample, prev_sample, generator)
 
-    x0 = (x - beta_t ** (0.5) * eps) / alpha_t ** (0.5)
-    variance = (beta_prev / beta_t) * (1 - alpha_t / alpha_prev)
-    std_dev_t = eta * variance ** (0.5)
-    mean = alpha_prev ** (0.5) * x0 + (1 - alpha_prev - std_dev_t**2) ** (0.5) * eps
-    prev_sample, log_prob = _finish_step(mean, std_dev_t, sample, prev_sample, generator)
-    return prev_sample, log_prob, mean, std_dev_t
+
+def ddim_step(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
+              final_alpha_cumprod: float | torch.Tensor = 1.0) -> ScheduledStep:
+    """``ddim_step_with_logprob`` bound to training timesteps t[0..T] (t[T] < 0: the end of the chain), called
+    with step indices and eta as the noise level: index i steps t[i] -> t[i + 1]."""
+    alphas_cumprod = alphas_cumprod.to(device=timesteps.device, dtype=torch.float32)
+    return ScheduledStep(lambda eta: ddim_coefficients(timesteps[:-1], timesteps[1:], eta, alphas_cumprod,
+                                                       final_alpha_cumprod), _shaped_ddim_step)

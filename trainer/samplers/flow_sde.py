@@ -13,6 +13,7 @@ that keeps the policy ratio near 1, which is why PPO clip ranges of 1e-4..1e-5 a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,41 +31,6 @@ def _per_sample(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return value.reshape(-1, *([1] * (like.ndim - 1)))
 
 
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Mean over non-batch dims of log N(x; mean, std^2), elementwise density, for a per-sample ``std``
-    ([B, 1, ...] or a scalar); returns [B] float32. With n elements per sample and d = x - mean:
-
-        log_prob = -(d . d) / (n 2 std^2) - log std - log sqrt(2 pi)
-
-    the average of the elementwise log-densities with the per-sample terms taken out of the mean, so that
-    the elements are read twice (difference, dot product) rather than once per term.
-    Where ``std`` is 0 (a deterministic step) the density is a point mass and no log-prob exists: 0 is
-    returned for those samples, and such steps must not be trained on (the trainers never select them).
-    """
-    b = x.shape[0]
-    std = torch.broadcast_to(torch.as_tensor(std, device=x.device, dtype=torch.float32),
-                             (b,) + (1,) * (x.ndim - 1)).reshape(b)
-    d = (x.float() - mean).reshape(b, 1, -1)
-    squares = torch.bmm(d, d.transpose(1, 2)).reshape(b) / d.shape[-1]
-    safe_std = torch.where(std > 0, std, torch.ones_like(std))
-    log_prob = -squares / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
-    return torch.where(std > 0, log_prob, torch.zeros_like(log_prob))
-
-
-def _finish_step(
-    mean: torch.Tensor,
-    scale: torch.Tensor,
-    sample: torch.Tensor,
-    prev_sample: torch.Tensor | None,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw ``prev_sample`` ~ N(mean, scale^2) unless given, and return it with its log-prob."""
-    if prev_sample is None:
-        noise = standard_normal(mean.shape, generator, mean.device)
-        prev_sample = noise.mul_(scale).add_(mean).to(sample.dtype)  # in place: no second full-size buffer
-    return prev_sample, gaussian_log_prob(prev_sample, mean, scale)
-
-
 class StepCoefficients(NamedTuple):
     """The constants of a linear-Gaussian flow step, per sample or per step of a schedule ([N] each):
 
@@ -72,7 +38,7 @@ class StepCoefficients(NamedTuple):
         log_prob = lp_scale * mean_elements((x_next - mean)^2) + lp_const
 
     with lp_scale = -1 / (2 std^2) and lp_const = -log std - log sqrt(2 pi), both 0 where std = 0 (a
-    deterministic step has no density: see ``gaussian_log_prob``). ``kl_std`` is what the KL divides by
+    deterministic step has no density: see ``log_prob_constants``). ``kl_std`` is what the KL divides by
     (``std_dev_t``; see ``gaussian_mean_kl``).
     """
 
@@ -84,12 +50,21 @@ class StepCoefficients(NamedTuple):
     lp_const: torch.Tensor
 
 
-def _coefficients(c_x: torch.Tensor, c_v: torch.Tensor, std: torch.Tensor, kl_std: torch.Tensor) -> StepCoefficients:
+def log_prob_constants(std: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lp_scale, lp_const) = (-1 / (2 std^2), -log std - log sqrt(2 pi)) of a Gaussian step with ``std``, so
+    that the mean over n elements of log N(x; mean, std^2) is lp_scale * (d . d) / n + lp_const, d = x - mean
+    (the elements are read twice, for the difference and the dot product, rather than once per term).
+    Where std = 0 (a deterministic step) the density is a point mass and no log-prob exists: both are 0,
+    so such steps score 0, and they must not be trained on (the trainers never select them)."""
     positive = std > 0
     safe_std = torch.where(positive, std, torch.ones_like(std))
     lp_scale = torch.where(positive, -0.5 / safe_std**2, torch.zeros_like(std))
     lp_const = torch.where(positive, -torch.log(safe_std) - _LOG_SQRT_2PI, torch.zeros_like(std))
-    return StepCoefficients(c_x, c_v, std, kl_std, lp_scale, lp_const)
+    return lp_scale, lp_const
+
+
+def _coefficients(c_x: torch.Tensor, c_v: torch.Tensor, std: torch.Tensor, kl_std: torch.Tensor) -> StepCoefficients:
+    return StepCoefficients(c_x, c_v, std, kl_std, *log_prob_constants(std))
 
 
 def _drift_coefficients(sigma: torch.Tensor, dt: torch.Tensor, std_dev_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,25 +121,33 @@ def linear_gaussian_step(
     return _shaped_step(shaped_coefficients(coefficients, sample), velocity, sample, prev_sample, generator)
 
 
-def shaped_coefficients(coefficients: StepCoefficients, like: torch.Tensor) -> StepCoefficients:
-    """Per-sample ``coefficients`` ([B] or scalars) as float32 tensors that broadcast in the step: c_x, c_v,
-    std and kl_std as [B, 1, ...] over ``like``, lp_scale and lp_const as [B, 1]."""
-    c_x, c_v, std, kl_std, lp_scale, lp_const = (_per_sample(c, like) for c in coefficients)
-    return StepCoefficients(c_x, c_v, std, kl_std, lp_scale.reshape(-1, 1), lp_const.reshape(-1, 1))
+def shaped_coefficients(coefficients: NamedTuple, like: torch.Tensor) -> NamedTuple:
+    """Per-sample constants ([B] or scalars; ``StepCoefficients`` or another step's) as float32 tensors that
+    broadcast in the step: [B, 1, ...] over ``like``, except lp_scale and lp_const: [B, 1]."""
+    return type(coefficients)(*(_per_sample(c, like).reshape(-1, 1) if name.startswith("lp_") else _per_sample(c, like)
+                                for name, c in zip(coefficients._fields, coefficients, strict=True)))
+
+
+def draw_and_score(mean: torch.Tensor, std: torch.Tensor, lp_scale: torch.Tensor, lp_const: torch.Tensor,
+                   sample: torch.Tensor, prev_sample: torch.Tensor | None,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``prev_sample`` ~ N(mean, std^2) unless given (returned in ``sample``'s dtype) and its log-prob [B],
+    lp_scale * mean_elements((prev_sample - mean)^2) + lp_const (shaped constants: std [B, 1, ...], the
+    others [B, 1]). Three full-size passes (noise, difference, dot product) and one draw."""
+    if prev_sample is None:
+        noise = standard_normal(mean.shape, generator, mean.device)
+        prev_sample = torch.addcmul(mean, noise, std, out=noise).to(sample.dtype)  # in place: one buffer
+    d = (prev_sample.float() - mean).reshape(mean.shape[0], 1, -1)
+    squares = torch.bmm(d, d.transpose(1, 2)).reshape(-1, 1)
+    log_prob = torch.addcmul(lp_const, squares, lp_scale, value=1 / d.shape[-1])
+    return prev_sample, log_prob.reshape(-1)
 
 
 def _shaped_step(c: StepCoefficients, velocity: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None,
                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``linear_gaussian_step`` on ``shaped_coefficients``."""
-    x = sample.float()
-    mean = (x * c.c_x).addcmul_(velocity.float(), c.c_v)
-    if prev_sample is None:
-        noise = standard_normal(mean.shape, generator, mean.device)
-        prev_sample = torch.addcmul(mean, noise, c.std, out=noise).to(sample.dtype)  # in place: one buffer
-    d = (prev_sample.float() - mean).reshape(x.shape[0], 1, -1)
-    squares = torch.bmm(d, d.transpose(1, 2)).reshape(-1, 1)
-    log_prob = torch.addcmul(c.lp_const, squares, c.lp_scale, value=1 / d.shape[-1])
-    return prev_sample, log_prob.reshape(-1), mean, c.kl_std
+    mean = (sample.float() * c.c_x).addcmul_(velocity.float(), c.c_v)
+    return *draw_and_score(mean, c.std, c.lp_scale, c.lp_const, sample, prev_sample, generator), mean, c.kl_std
 
 
 def _step(coefficients_fn, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max):
@@ -262,60 +245,48 @@ STEP_FUNCTIONS = {
 """Registry of flow step functions, chosen by ``sampler.kind`` in the algorithm config."""
 
 COEFFICIENTS = {"sde": sde_coefficients, "cps": cps_coefficients, "eta": eta_coefficients}
-"""The same steps' constants, for ``ScheduledFlowStep``."""
+"""The same steps' constants, for ``scheduled_flow_step``."""
 
 
-class ScheduledFlowStep:
-    """A flow step bound to a schedule t[0..T]: called with step indices instead of noise levels.
-
-    The per-step constants (``StepCoefficients``) are computed once per noise level for all T steps and
-    gathered by index, so a rollout step runs 7 kernels (the Euler step of diffusers runs 6, one a host
-    sync) where computing them per call would add some 35 small ones; for an int index the constants'
-    broadcast views are kept too, so the step spends no host time shaping them. On a GPU, at small models,
-    launches and host time are the cost. Values equal ``STEP_FUNCTIONS[kind]`` at sigma = t[index],
-    sigma_next = t[index + 1].
+class ScheduledStep:
+    """A step bound to a schedule t[0..T] and called with step indices: ``constants(noise_level)`` gives its
+    per-step constants for all T steps at once (a NamedTuple of [T] tensors), gathered by index and shaped by
+    ``shaped_coefficients``, and ``apply(shaped, output, sample, prev_sample, generator)`` runs the step on
+    them. So a rollout step runs only its full-size kernels (7 for the flow steps, where diffusers' Euler
+    step runs 6, one a host sync) where computing the constants per call would add some 35 small ones; for an
+    int index the shaped views are kept too, so the step spends no host time shaping them. On a GPU, at
+    small models, launches and host time are the cost.
     """
 
-    def __init__(self, kind: str, schedule: torch.Tensor, sigma_max: float | torch.Tensor | None = None):
-        self._coefficients_fn = COEFFICIENTS[kind]
-        self._schedule = schedule.to(torch.float32)
-        self._sigma_max = sigma_max
-        self._tables: dict[float, torch.Tensor] = {}
-        self._shaped: dict[tuple, StepCoefficients] = {}
+    def __init__(self, constants: Callable[[float], NamedTuple], apply: Callable[..., tuple[torch.Tensor, ...]]):
+        self._constants, self._apply = constants, apply
+        self._tables: dict[float, tuple[type, torch.Tensor]] = {}
+        self._shaped: dict[tuple, NamedTuple] = {}
         """Rollout steps (an int index): the shaped views per (noise level, index, batch, ndim), so that a
         step spends no host time on the dozen reshapes that shaping takes."""
 
-    def __call__(self, velocity: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
+    def __call__(self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
                  prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None):
-        """``index``: the step (an int, or [B] per sample); the rest as in ``sde_step_with_logprob``."""
+        """``index``: the step (an int, or [B] per sample); returns (prev_sample, log_prob [B], mean, kl_std)."""
         key = (noise_level, index, sample.shape[0], sample.ndim) if isinstance(index, int) else None
         coefficients = self._shaped.get(key) if key is not None else None
         if coefficients is None:
             coefficients = shaped_coefficients(self._rows(index, noise_level, sample.shape[0]), sample)
             if key is not None:
                 self._shaped[key] = coefficients
-        return _shaped_step(coefficients, velocity, sample, prev_sample, generator)
+        return self._apply(coefficients, output, sample, prev_sample, generator)
 
-    def _rows(self, index: int | torch.Tensor, noise_level: float, batch: int) -> StepCoefficients:
-        table = self._tables.get(noise_level)
-        if table is None:
-            table = torch.stack(self._coefficients_fn(self._schedule[:-1], self._schedule[1:], noise_level,
-                                                      self._sigma_max), dim=1)
-            self._tables[noise_level] = table
+    def _rows(self, index: int | torch.Tensor, noise_level: float, batch: int) -> NamedTuple:
+        if noise_level not in self._tables:
+            constants = self._constants(noise_level)
+            self._tables[noise_level] = type(constants), torch.stack(tuple(constants), dim=1)
+        kind, table = self._tables[noise_level]
         rows = table[index if isinstance(index, int) else index.to(table.device)]  # an int: a view, no kernel
-        return StepCoefficients(*rows.reshape(-1, len(StepCoefficients._fields)).expand(batch, -1).unbind(1))
+        return kind(*rows.reshape(-1, len(kind._fields)).expand(batch, -1).unbind(1))
 
 
-class ScheduledStep:
-    """Any ``(output, sample, t, t_next, noise_level, prev_sample, generator)`` step bound to a schedule t[0..T]
-    and called with step indices, like ``ScheduledFlowStep``."""
-
-    def __init__(self, step_fn, schedule: torch.Tensor):
-        self._step_fn, self._schedule = step_fn, schedule
-
-    def __call__(self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
-                 prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None):
-        if not isinstance(index, int):
-            index = index.to(self._schedule.device)
-        return self._step_fn(output, sample, self._schedule[index], self._schedule[index + 1], noise_level,
-                             prev_sample, generator)
+def scheduled_flow_step(kind: str, schedule: torch.Tensor, sigma_max: float | torch.Tensor | None = None) -> ScheduledStep:
+    """``STEP_FUNCTIONS[kind]`` bound to ``schedule``: index i steps sigma = t[i] -> sigma_next = t[i + 1]."""
+    schedule, coefficients = schedule.to(torch.float32), COEFFICIENTS[kind]
+    return ScheduledStep(lambda noise_level: coefficients(schedule[:-1], schedule[1:], noise_level, sigma_max),
+                         _shaped_step)
