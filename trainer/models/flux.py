@@ -170,7 +170,7 @@ class FluxAdapter:
         guidance = torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32) if self.guidance_embeds else None
         cfg = not self.guidance_embeds and guidance_scale > 1.0
         if cfg:
-            neg = self.prompts.cat([self.config.negative_prompt])
+            neg = self.prompts([self.config.negative_prompt])[0]
             embeds = torch.cat([neg["prompt_embeds"].expand(n, -1, -1), embeds])
             pooled = torch.cat([neg["pooled"].expand(n, -1), pooled])
             hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])

@@ -27,6 +27,7 @@ from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
     PromptEmbeddings,
+    cfg_combine,
     freeze,
     frozen_copy,
     load_text_components,
@@ -143,7 +144,7 @@ class SD3Adapter:
         x = latents.to(self.dtype)
         cfg = guidance_scale > 1.0
         if cfg:
-            neg = self.prompts.cat([self.config.negative_prompt])
+            neg = self.prompts([self.config.negative_prompt])[0]
             n = x.shape[0]
             embeds = torch.cat([neg["prompt_embeds"].expand(n, -1, -1), embeds])
             pooled = torch.cat([neg["pooled"].expand(n, -1), pooled])
@@ -152,8 +153,7 @@ class SD3Adapter:
         out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                   pooled_projections=pooled, return_dict=False)[0]
         if cfg:
-            uncond, text = out.chunk(2)
-            return uncond.float() + guidance_scale * (text.float() - uncond.float())
+            return cfg_combine(*out.chunk(2), guidance_scale)
         return out.float()
 
     def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
