@@ -110,12 +110,13 @@ class ParallelConfig:
     cpu_offload: bool = False
     """fsdp2: keep sharded parameters, gradients and optimizer state in CPU memory; zero2/zero3: the
     optimizer state (and zero3 the parameters). Fits larger models at the cost of PCIe traffic."""
-    gather_for_sampling: bool = True
+    gather_for_sampling: bool | None = None
     """fsdp2 and zero3: keep the parameters gathered across a rollout or an evaluation instead of gathering
     them in every forward (fsdp2: each block from its first forward on; zero3: all of them when sampling
     starts), so a T-step rollout gathers the weights once rather than T times. Costs the full parameters'
     memory while sampling, as ddp and zero2 hold them always. False gathers in every forward (for a model
-    whose full weights do not fit one device, e.g. with cpu_offload)."""
+    whose full weights do not fit one device). Unset: on, except with cpu_offload, whose point is not to
+    hold the full weights on the device."""
     deepspeed_config: str = ""
     """A DeepSpeed JSON config to use instead of deploy/deepspeed/zero{2,3}.json; its "auto" values are
     filled from this config (clipping, dtypes, offload), explicit values are kept."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.config import ParallelConfig
-from trainer.distributed import SingleProcess, init_backend
+from trainer.distributed import SingleProcess, gathers_for_sampling, init_backend
 from trainer.distributed.zero import deepspeed_config
 
 CPU = torch.device("cpu")
@@ -68,3 +68,12 @@ def test_bad_deepspeed_configs_are_refused(tmp_path, content, message):
     with pytest.raises(ValueError, match="not found; set parallel.deepspeed_config"):
         deepspeed_config(3, str(tmp_path / "missing.json"), max_grad_norm=1.0, param_dtype=torch.float32,
                          reduce_dtype=torch.float32, cpu_offload=False)
+
+
+@pytest.mark.parametrize(("gather", "offload", "expected"), [
+    (None, False, True), (None, True, False), (True, True, True), (False, False, False),
+])
+def test_sampling_gathers_unless_offloading_or_told(gather, offload, expected):
+    """Unset, gather_for_sampling follows cpu_offload: offloading exists not to hold the full weights on the
+    device, which gathering them for a rollout would do."""
+    assert gathers_for_sampling(ParallelConfig(gather_for_sampling=gather, cpu_offload=offload)) is expected

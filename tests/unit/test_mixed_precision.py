@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from trainer.distributed.backend import SingleProcess
+from trainer.distributed.fsdp import upcast_hint
 
 
 class HalfBase(nn.Module):
@@ -88,3 +89,17 @@ def test_low_precision_weights_updated_in_place_are_refused(dtype):
     module = nn.Linear(3, 3).to(dtype)
     with pytest.raises(ValueError, match="model.dtype=float32.*zero2/zero3.*LoRA"):
         _prepared(module)
+
+
+def test_fsdp2_says_when_it_would_compute_a_low_precision_model_in_float32():
+    """FSDP2 casts gathered weights to param_dtype: a bf16 base with float32 LoRA under the default
+    param_dtype=float32 would run in float32, so the backend names the setting; a float32 model, or a bf16
+    one gathered as bf16, gets no hint."""
+    base = nn.Linear(4, 4).to(torch.bfloat16)
+    lora = nn.Linear(4, 1)
+    model = nn.Sequential(base, lora)
+    assert upcast_hint(model, torch.float32) == (
+        "fsdp2 gathers the model's bfloat16 weights as parallel.param_dtype=float32: forwards and backwards run "
+        "in float32. Set parallel.param_dtype=bfloat16 to compute in bfloat16")
+    assert upcast_hint(model, torch.bfloat16) is None
+    assert upcast_hint(nn.Linear(4, 4), torch.float32) is None

@@ -20,6 +20,11 @@ BACKENDS = ("single", "ddp", "fsdp2", "zero2", "zero3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def gathers_for_sampling(parallel: Any) -> bool:
+    """``parallel.gather_for_sampling``, or when unset: on unless ``parallel.cpu_offload``."""
+    return parallel.gather_for_sampling if parallel.gather_for_sampling is not None else not parallel.cpu_offload
+
+
 def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> ParallelBackend:
     """The backend ``parallel.backend`` names, set up from the ``parallel`` config section (a
     ``ParallelConfig``); ``max_grad_norm`` is handed to engines that clip themselves (DeepSpeed)."""
@@ -51,13 +56,13 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
         from trainer.distributed.fsdp import FSDP2
 
         return FSDP2(device, world, dist_backend, param_dtype, reduce_dtype, parallel.cpu_offload,
-                     parallel.gather_for_sampling)
+                     gathers_for_sampling(parallel))
     from trainer.distributed.zero import DeepSpeedZeRO, deepspeed_config
 
     stage = int(kind[-1])
     config = deepspeed_config(stage, parallel.deepspeed_config, max_grad_norm=max_grad_norm,
                               param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=parallel.cpu_offload)
-    return DeepSpeedZeRO(device, world, dist_backend, stage, config, parallel.gather_for_sampling)
+    return DeepSpeedZeRO(device, world, dist_backend, stage, config, gathers_for_sampling(parallel))
 
 
-__all__ = ["BACKENDS", "ParallelBackend", "SingleProcess", "World", "detect_world", "init_backend"]
+__all__ = ["BACKENDS", "ParallelBackend", "SingleProcess", "World", "detect_world", "gathers_for_sampling", "init_backend"]

@@ -10,6 +10,7 @@ rank 0), so a checkpoint does not depend on the world size or the backend it was
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -35,6 +36,22 @@ from trainer.distributed.backend import (
     trainable,
 )
 
+logger = logging.getLogger(__name__)
+
+
+def upcast_hint(module: nn.Module, param_dtype: torch.dtype) -> str | None:
+    """What to tell a user whose bf16/fp16 weights FSDP2 would gather in a wider ``param_dtype`` (it casts
+    every gathered parameter to it): the forwards then run at that dtype's speed and memory, which a
+    low-precision model.dtype rarely means. None when nothing is upcast."""
+    width = torch.finfo(param_dtype).bits
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
+                  if p.is_floating_point() and torch.finfo(p.dtype).bits < width})
+    if not low:
+        return None
+    wanted = str(param_dtype).removeprefix("torch.")
+    return (f"fsdp2 gathers the model's {low[0]} weights as parallel.param_dtype={wanted}: forwards and backwards "
+            f"run in {wanted}. Set parallel.param_dtype={low[0]} to compute in {low[0]}")
+
 
 class FSDP2(DDP):
     """Fully sharded data parallelism (per-parameter sharding, FSDP2)."""
@@ -51,7 +68,11 @@ class FSDP2(DDP):
         self.aux_modules: list[nn.Module] = []
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
-        self.scaler = loss_scaler(module, self.device, self.shard_options["mp_policy"].param_dtype, ShardedGradScaler)
+        param_dtype = self.shard_options["mp_policy"].param_dtype
+        hint = upcast_hint(module, param_dtype)
+        if hint is not None and self.world.rank == 0:
+            logger.warning(hint)
+        self.scaler = loss_scaler(module, self.device, param_dtype, ShardedGradScaler)
         self.params = self._shard(module, params, shard_units)
         self.optimizer = make_optimizer(self.params)
         return module
