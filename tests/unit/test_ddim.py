@@ -118,6 +118,8 @@ def test_scheduled_step_equals_the_step_at_the_schedules_timesteps():
         _, one, one_mean, one_std = step(eps[j:j + 1], x[j:j + 1], i, 0.7, prev_sample=x[j:j + 1])
         assert torch.equal(per_sample[j:j + 1], one) and torch.equal(mean[j:j + 1], one_mean)
         assert torch.equal(std[j:j + 1], one_std)
+    alone, kl_std = step.mean(eps, x, steps, 0.7)
+    assert torch.equal(alone, mean) and torch.equal(kl_std, std)
 
 
 def test_a_rollout_step_is_eleven_kernels_and_scoring_nine():

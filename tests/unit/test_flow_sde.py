@@ -154,6 +154,14 @@ def test_scheduled_step_equals_the_step_at_the_schedules_sigmas(kind):
         _, one, one_mean, _ = scheduled(v[j:j + 1], x[j:j + 1], i, 0.7, prev_sample=x[j:j + 1])
         torch.testing.assert_close(per_sample[j:j + 1], one, rtol=0, atol=0)
         torch.testing.assert_close(mean[j:j + 1], one_mean, rtol=0, atol=0)
+    kernels = []
+    for index in (2, steps):  # the mean alone (a reference's KL term): the step's, in 2 kernels (+ 1 gather)
+        with KernelCounter() as counter:
+            alone, kl_std = scheduled.mean(v, x, index, 0.7)
+        kernels.append(counter.kernels)
+        _, _, full, full_std = scheduled(v, x, index, 0.7, prev_sample=x)
+        assert torch.equal(alone, full) and torch.equal(kl_std, full_std)
+    assert kernels == [2, 3]
     zero, logp, _, std = scheduled(v, x, 4, 0.0, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(zero, x + v * (schedule[5] - schedule[4]))
     assert torch.equal(logp, torch.zeros(3)) and torch.equal(std, torch.zeros_like(std))

@@ -110,7 +110,7 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) ->
     if config.kl_beta > 0:
         with torch.no_grad():
             v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, ro.guidance_scale)
-            _, _, ref_mean, _ = step_fn(v_ref, x_t, step, ro.noise_level, prev_sample=x_next)
+            ref_mean, _ = step_fn.mean(v_ref, x_t, step, ro.noise_level)
         kl = gaussian_mean_kl(mean, ref_mean, std).mean()
         loss = loss + config.kl_beta * kl
         stats["kl"] = kl.detach()

@@ -81,6 +81,10 @@ class StepFunction(Protocol):
                  noise_level: float, prev_sample: torch.Tensor | None = None,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]: ...
 
+    def mean(self, model_output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
+             noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(prev_sample_mean, std)`` alone: no sample drawn or scored (the reference network's KL term)."""
+
 
 @runtime_checkable
 class ModelAdapter(Protocol):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from trainer.samplers.flow_sde import ScheduledStep, draw_and_score, log_prob_constants, shaped_coefficients
+from trainer.samplers.flow_sde import ScheduledStep, log_prob_constants, shaped_coefficients, shaped_step
 
 
 class DDIMCoefficients(NamedTuple):
@@ -30,7 +30,8 @@ class DDIMCoefficients(NamedTuple):
         x_prev = mean + std z,   log_prob = lp_scale * mean_elements((x_prev - mean)^2) + lp_const
 
     with sqrt_beta = sqrt(1 - abar_t), sqrt_alpha = sqrt(abar_t), sqrt_alpha_prev = sqrt(abar_prev),
-    direction = sqrt(1 - abar_prev - std^2), std = sigma_t (``log_prob_constants`` for lp_*).
+    direction = sqrt(1 - abar_prev - std^2), std = sigma_t, and kl_std = sigma_t, what the KL divides by
+    (``log_prob_constants`` for lp_*).
     """
 
     sqrt_beta: torch.Tensor
@@ -38,6 +39,7 @@ class DDIMCoefficients(NamedTuple):
     sqrt_alpha_prev: torch.Tensor
     direction: torch.Tensor
     std: torch.Tensor
+    kl_std: torch.Tensor
     lp_scale: torch.Tensor
     lp_const: torch.Tensor
 
@@ -57,17 +59,16 @@ def ddim_coefficients(t: torch.Tensor, t_prev: torch.Tensor, eta: float, alphas_
     variance = (beta_prev / beta_t) * (1 - alpha_t / alpha_prev)
     std_dev_t = eta * variance ** (0.5)
     return DDIMCoefficients(beta_t ** (0.5), alpha_t ** (0.5), alpha_prev ** (0.5),
-                            (1 - alpha_prev - std_dev_t**2) ** (0.5), std_dev_t, *log_prob_constants(std_dev_t))
+                            (1 - alpha_prev - std_dev_t**2) ** (0.5), std_dev_t, std_dev_t,
+                            *log_prob_constants(std_dev_t))
 
 
-def _shaped_ddim_step(c: DDIMCoefficients, eps: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step on ``shaped_coefficients``: six full-size kernels for the mean (the scheduler's order, no
-    fused multiply-add, so that eta = 0 stays bit for bit the scheduler's), then the draw and the score."""
+def ddim_mean(c: DDIMCoefficients, eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """The step's mean on ``shaped_coefficients``: six full-size kernels in the scheduler's order (no fused
+    multiply-add), so that eta = 0 stays bit for bit the scheduler's step."""
     x, eps = sample.float(), eps.float()
     x0 = (x - c.sqrt_beta * eps) / c.sqrt_alpha
-    mean = c.sqrt_alpha_prev * x0 + c.direction * eps
-    return *draw_and_score(mean, c.std, c.lp_scale, c.lp_const, sample, prev_sample, generator), mean, c.std
+    return c.sqrt_alpha_prev * x0 + c.direction * eps
 
 
 def ddim_step_with_logprob(
@@ -100,7 +101,7 @@ def ddim_step_with_logprob(
          sigma_t [B, 1, ...] float32).
     """
     coefficients = ddim_coefficients(t, t_prev, eta, alphas_cumprod.to(sample.device), final_alpha_cumprod)
-    return _shaped_ddim_step(shaped_coefficients(coefficients, sample), eps, sample, prev_sample, generator)
+    return shaped_step(ddim_mean, shaped_coefficients(coefficients, sample), eps, sample, prev_sample, generator)
 
 
 def ddim_step(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
@@ -109,4 +110,4 @@ def ddim_step(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
     with step indices and eta as the noise level: index i steps t[i] -> t[i + 1]."""
     alphas_cumprod = alphas_cumprod.to(device=timesteps.device, dtype=torch.float32)
     return ScheduledStep(lambda eta: ddim_coefficients(timesteps[:-1], timesteps[1:], eta, alphas_cumprod,
-                                                       final_alpha_cumprod), _shaped_ddim_step)
+                                                       final_alpha_cumprod), ddim_mean)

@@ -118,7 +118,7 @@ def linear_gaussian_step(
     Four full-size passes (mean, noise, difference, dot product) and one draw; the per-sample work is
     already in ``coefficients``, so a step costs the same few kernels whatever the variant.
     """
-    return _shaped_step(shaped_coefficients(coefficients, sample), velocity, sample, prev_sample, generator)
+    return shaped_step(flow_mean, shaped_coefficients(coefficients, sample), velocity, sample, prev_sample, generator)
 
 
 def shaped_coefficients(coefficients: NamedTuple, like: torch.Tensor) -> NamedTuple:
@@ -128,26 +128,27 @@ def shaped_coefficients(coefficients: NamedTuple, like: torch.Tensor) -> NamedTu
                                 for name, c in zip(coefficients._fields, coefficients, strict=True)))
 
 
-def draw_and_score(mean: torch.Tensor, std: torch.Tensor, lp_scale: torch.Tensor, lp_const: torch.Tensor,
-                   sample: torch.Tensor, prev_sample: torch.Tensor | None,
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw ``prev_sample`` ~ N(mean, std^2) unless given (returned in ``sample``'s dtype) and its log-prob [B],
-    lp_scale * mean_elements((prev_sample - mean)^2) + lp_const (shaped constants: std [B, 1, ...], the
-    others [B, 1]). Three full-size passes (noise, difference, dot product) and one draw."""
+def flow_mean(c: StepCoefficients, velocity: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """c_x x + c_v v in float32 (two kernels), on ``shaped_coefficients``."""
+    return (sample.float() * c.c_x).addcmul_(velocity.float(), c.c_v)
+
+
+def shaped_step(mean_fn: Callable[[NamedTuple, torch.Tensor, torch.Tensor], torch.Tensor], c: NamedTuple,
+                output: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A linear-Gaussian step on shaped constants ``c`` (fields std, kl_std, lp_scale, lp_const and what
+    ``mean_fn(c, output, sample)`` reads): draws ``prev_sample`` ~ N(mean, std^2) unless given and returns
+    (prev_sample in sample's dtype, log_prob [B], mean float32, kl_std [B, 1, ...]), with
+    log_prob = lp_scale * mean_elements((prev_sample - mean)^2) + lp_const. After the mean: three full-size
+    passes (noise, difference, dot product) and one draw."""
+    mean = mean_fn(c, output, sample)
     if prev_sample is None:
         noise = standard_normal(mean.shape, generator, mean.device)
-        prev_sample = torch.addcmul(mean, noise, std, out=noise).to(sample.dtype)  # in place: one buffer
+        prev_sample = torch.addcmul(mean, noise, c.std, out=noise).to(sample.dtype)  # in place: one buffer
     d = (prev_sample.float() - mean).reshape(mean.shape[0], 1, -1)
     squares = torch.bmm(d, d.transpose(1, 2)).reshape(-1, 1)
-    log_prob = torch.addcmul(lp_const, squares, lp_scale, value=1 / d.shape[-1])
-    return prev_sample, log_prob.reshape(-1)
-
-
-def _shaped_step(c: StepCoefficients, velocity: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``linear_gaussian_step`` on ``shaped_coefficients``."""
-    mean = (sample.float() * c.c_x).addcmul_(velocity.float(), c.c_v)
-    return *draw_and_score(mean, c.std, c.lp_scale, c.lp_const, sample, prev_sample, generator), mean, c.kl_std
+    log_prob = torch.addcmul(c.lp_const, squares, c.lp_scale, value=1 / d.shape[-1])
+    return prev_sample, log_prob.reshape(-1), mean, c.kl_std
 
 
 def _step(coefficients_fn, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max):
@@ -251,15 +252,16 @@ COEFFICIENTS = {"sde": sde_coefficients, "cps": cps_coefficients, "eta": eta_coe
 class ScheduledStep:
     """A step bound to a schedule t[0..T] and called with step indices: ``constants(noise_level)`` gives its
     per-step constants for all T steps at once (a NamedTuple of [T] tensors), gathered by index and shaped by
-    ``shaped_coefficients``, and ``apply(shaped, output, sample, prev_sample, generator)`` runs the step on
-    them. So a rollout step runs only its full-size kernels (7 for the flow steps, where diffusers' Euler
-    step runs 6, one a host sync) where computing the constants per call would add some 35 small ones; for an
-    int index the shaped views are kept too, so the step spends no host time shaping them. On a GPU, at
-    small models, launches and host time are the cost.
+    ``shaped_coefficients``; ``mean(shaped, output, sample)`` computes the step's mean from them and
+    ``shaped_step`` draws and scores around it. So a rollout step runs only its full-size kernels (7 for the
+    flow steps, where diffusers' Euler step runs 6, one a host sync) where computing the constants per call
+    would add some 35 small ones; for an int index the shaped views are kept too, so the step spends no host
+    time shaping them. On a GPU, at small models, launches and host time are the cost.
     """
 
-    def __init__(self, constants: Callable[[float], NamedTuple], apply: Callable[..., tuple[torch.Tensor, ...]]):
-        self._constants, self._apply = constants, apply
+    def __init__(self, constants: Callable[[float], NamedTuple],
+                 mean: Callable[[NamedTuple, torch.Tensor, torch.Tensor], torch.Tensor]):
+        self._constants, self._mean = constants, mean
         self._tables: dict[float, tuple[type, torch.Tensor]] = {}
         self._shaped: dict[tuple, NamedTuple] = {}
         """Rollout steps (an int index): the shaped views per (noise level, index, batch, ndim), so that a
@@ -268,13 +270,23 @@ class ScheduledStep:
     def __call__(self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
                  prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None):
         """``index``: the step (an int, or [B] per sample); returns (prev_sample, log_prob [B], mean, kl_std)."""
+        return shaped_step(self._mean, self._shaped_constants(index, noise_level, sample), output, sample,
+                           prev_sample, generator)
+
+    def mean(self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
+             noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, kl_std) of the step alone, without drawing or scoring a sample (a reference's KL term)."""
+        c = self._shaped_constants(index, noise_level, sample)
+        return self._mean(c, output, sample), c.kl_std
+
+    def _shaped_constants(self, index: int | torch.Tensor, noise_level: float, sample: torch.Tensor) -> NamedTuple:
         key = (noise_level, index, sample.shape[0], sample.ndim) if isinstance(index, int) else None
         coefficients = self._shaped.get(key) if key is not None else None
         if coefficients is None:
             coefficients = shaped_coefficients(self._rows(index, noise_level, sample.shape[0]), sample)
             if key is not None:
                 self._shaped[key] = coefficients
-        return self._apply(coefficients, output, sample, prev_sample, generator)
+        return coefficients
 
     def _rows(self, index: int | torch.Tensor, noise_level: float, batch: int) -> NamedTuple:
         if noise_level not in self._tables:
@@ -289,4 +301,4 @@ def scheduled_flow_step(kind: str, schedule: torch.Tensor, sigma_max: float | to
     """``STEP_FUNCTIONS[kind]`` bound to ``schedule``: index i steps sigma = t[i] -> sigma_next = t[i + 1]."""
     schedule, coefficients = schedule.to(torch.float32), COEFFICIENTS[kind]
     return ScheduledStep(lambda noise_level: coefficients(schedule[:-1], schedule[1:], noise_level, sigma_max),
-                         _shaped_step)
+                         flow_mean)
