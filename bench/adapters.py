@@ -29,6 +29,9 @@ Columns (median over ``--repeats`` back-to-back pairs of ours / plain; lower is 
             21 Euler steps); a GPU draws it in about one elementwise pass.
   kernels   kernels (non-view aten ops) one rollout step launches / one deterministic scheduler step: on a
             GPU, at small models, launches are the cost, so this is the device-independent part of ``sampler``.
+  train_kernels  the same for ``train`` with the KL off: one GRPO step's units / their replay. The difference
+            is what a unit adds to the denoiser's own forward and backward (batch selection, CFG batching, the
+            step, the loss, statistics), whatever the machine's timing noise.
   rollout_ms, train_ms   our median times: the whole rollout batch, and one GRPO step's units (KL off).
   peak_GiB  the GPU's peak allocated memory over the train-step timings (CUDA only).
 Large CPU temporaries are kept in the heap for the whole run (``keep_freed_memory``), as a GPU's caching
@@ -242,6 +245,7 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
         row["train_kl_on" if kl else "train_kl_off"] = timing.ratio
         if not kl:
             row["train_ms"] = timing.ours_ms
+            row["train_kernels"] = "/".join(str(count_kernels(fn)) for fn in (ours_train, plain_train))
     row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else "-"
 
     row["sampler"] = bench_sampler(adapter, settings, repeats, shape=(BATCH, *adapter.latent_shape)).ratio
@@ -294,6 +298,13 @@ def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int =
             scheduler.register_to_config(stochastic_sampling=False)
 
 
+def count_kernels(fn: Callable[[], object]) -> int:
+    """Kernels (non-view aten ops) one call of ``fn`` launches."""
+    with KernelCounter() as counter:
+        fn()
+    return counter.kernels
+
+
 def count_step_kernels(adapter, settings: SamplerSettings) -> str:
     """"ours/plain": kernels of one mid-schedule rollout step and of the scheduler's deterministic step."""
     shape = (BATCH, 4, 8, 8) if adapter.sampler_kind == "ddim" else (BATCH, 64, 64)
@@ -305,9 +316,7 @@ def count_step_kernels(adapter, settings: SamplerSettings) -> str:
     for fn in (lambda: step(out, x, 1, settings.noise_level), lambda: scheduler.step(out, t, x)):
         if hasattr(scheduler, "set_begin_index"):
             scheduler._step_index = None
-        with KernelCounter() as counter:
-            fn()
-        counts.append(counter.kernels)
+        counts.append(count_kernels(fn))
     return f"{counts[0]}/{counts[1]}"
 
 
@@ -341,7 +350,7 @@ def main() -> None:
     if args.device == "cpu":
         keep_freed_memory()
     columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "sampler_big", "noisy", "scored", "kernels",
-               "rollout_ms", "train_ms", "peak_GiB")
+               "train_kernels", "rollout_ms", "train_ms", "peak_GiB")
     sizes = {"tiny": None, "9m": DENOISER_9M, "real": DENOISER_REAL}[args.denoiser]
     print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, {args.dtype} on {args.device}, {args.threads} threads, "
           f"image side x{args.scale}, {args.denoiser} denoiser"
