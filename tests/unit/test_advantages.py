@@ -70,6 +70,18 @@ def test_clipped_policy_loss_gradient_on_policy_is_minus_advantage():
     assert stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0
 
 
+def test_clipped_policy_loss_gradient_is_zero_where_the_clip_binds():
+    """The clip binds above 1 + eps for A > 0 and below 1 - eps for A < 0: no gradient there, and
+    -A d(ratio)/d(logp) = -A ratio everywhere else (the other side of each, and A = 0 gives 0)."""
+    adv = torch.tensor([1.0, 1.0, -2.0, -2.0, 0.0])
+    ratio = torch.tensor([1.5, 0.5, 0.5, 1.5, 1.5])
+    logp = torch.log(ratio).requires_grad_()
+    loss, _ = clipped_policy_loss(adv, logp, torch.zeros(5), clip_range=0.2)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, -0.5, 0.0, 3.0, 0.0]) / 5)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.6 + 3.0 + 0.0) / 5, abs=1e-6)
+
+
 def test_gaussian_mean_kl_drops_dt():
     mean = torch.ones(2, 1, 2, 2)
     ref = torch.zeros(2, 1, 2, 2)
