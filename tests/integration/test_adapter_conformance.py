@@ -13,10 +13,10 @@ Image-conditioned pipelines sample the VAE posterior of their conditioning image
 its mean (deterministic conditioning); ``testing.run_pipeline`` replaces that draw by the mean, the only
 difference.
 
-The IP-Adapter configurations ``flux+ip`` and ``qwen_image+ip`` (``model.ip_adapter`` set and trainable,
-random weights loaded from a file, one style image per batch) run through the same suite; for them mode
-"full" is the IP-Adapter alone on a frozen base. Qwen-Image has no diffusers IP-Adapter, so (a) does not
-cover ``qwen_image+ip``.
+The IP-Adapter configurations ``flux+ip``, ``flux_fill+ip`` and ``qwen_image+ip`` (``model.ip_adapter`` set
+and trainable, random weights loaded from a file, one style image per batch) run through the same suite;
+for them mode "full" is the IP-Adapter alone on a frozen base. diffusers has no IP-Adapter for Qwen-Image
+and its FluxFillPipeline takes none, so (a) covers ``flux+ip`` only.
 
 Every test runs per target (device, weights dtype): the CPU in float32, bfloat16 and float16 by default, and
 CUDA in bfloat16 on a GPU machine (``pytest -m gpu``). Generators live on the target device, as a trainer's
@@ -47,10 +47,10 @@ from trainer.rollout import SamplerSettings, rollout
 from trainer.samplers import standard_normal
 
 NAMES = sorted(MODELS)
-IP_CASES = {"flux+ip": "flux", "qwen_image+ip": "qwen_image"}
+IP_CASES = {"flux+ip": "flux", "flux_fill+ip": "flux_fill", "qwen_image+ip": "qwen_image"}
 """IP-Adapter configurations: case -> adapter name."""
 CASES = NAMES + sorted(IP_CASES)
-PARITY_CASES = [c for c in CASES if c != "qwen_image+ip"]
+PARITY_CASES = [c for c in CASES if c not in ("flux_fill+ip", "qwen_image+ip")]
 PROMPTS = ["a photo of a cat", "the digit five"]
 NUM_STEPS = 3
 GUIDANCE = {"tiny": 3.0, "sd3": 3.0, "flux": 3.5, "flux_fill": 3.5, "flux_kontext": 3.5, "sd15_inpaint": 3.0,

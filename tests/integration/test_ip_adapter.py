@@ -1,4 +1,4 @@
-"""IP-Adapter conditioning of flux and qwen_image on tiny random models (a tiny CLIP vision tower as the
+"""IP-Adapter conditioning of flux, flux_fill and qwen_image on tiny random models (a tiny CLIP vision tower as the
 image encoder, loaded from disk like a real one):
   (1) scale 0, or fresh weights (zero value projection), give exactly the output of the model without one;
   (2) with non-zero weights the style image steers the output, per item of a batch;
@@ -26,10 +26,10 @@ from trainer.models.common import LoraSettings
 from trainer.models.ip_adapter import IP_WEIGHTS
 from trainer.rollout import SamplerSettings, rollout
 
-NAMES = ("flux", "qwen_image")
+NAMES = ("flux", "flux_fill", "qwen_image")
 PROMPTS = ["a photo of a cat", "the digit five"]
-GUIDANCE = {"flux": 3.5, "qwen_image": 3.0}
-"""FLUX's guidance embedding; Qwen-Image's true CFG (covers the zero-embedding unconditional half)."""
+GUIDANCE = {"flux": 3.5, "flux_fill": 3.5, "qwen_image": 3.0}
+"""The FLUX family's guidance embedding; Qwen-Image's true CFG (covers the zero-embedding unconditional half)."""
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +46,14 @@ def make(name: str, root, ip: dict | None = None, **overrides):
     return adapter
 
 
-def styles(adapter, seeds: list[int]) -> ImageInputs:
+def styles(adapter, seeds: list[int], style: bool = True) -> ImageInputs | None:
+    """One style image per seed, with the inputs the model itself needs (flux_fill: the same image and mask
+    every time); without ``style``, those alone (None for a text-to-image model)."""
     side = adapter.resolution
-    return ImageInputs(style=torch.stack([torch.rand(3, side, side, generator=torch.Generator().manual_seed(s))
-                                          for s in seeds]))
+    inputs = testing.image_inputs(adapter, len(seeds)) or ImageInputs()
+    inputs.style = torch.stack([torch.rand(3, side, side, generator=torch.Generator().manual_seed(s))
+                                for s in seeds]) if style else None
+    return inputs if any(v is not None for v in vars(inputs).values()) else None
 
 
 @torch.no_grad()
@@ -66,7 +70,8 @@ def ip_names(adapter) -> set[str]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero_scale_or_fresh_weights_leave_the_model_unchanged(name, root):
-    expected = predict(make(name, root), None)
+    plain = make(name, root)
+    expected = predict(plain, styles(plain, [1, 2], style=False))
     fresh = make(name, root, ip={})
     assert torch.equal(predict(fresh, styles(fresh, [1, 2])), expected)
     off = make(name, root, ip={"scale": 0.0})
@@ -85,7 +90,8 @@ def test_style_images_steer_each_item(name, root):
     torch.testing.assert_close(a_b[1], c_b[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(("name", "lora"), [("flux", False), ("qwen_image", False), ("qwen_image", True)])
+@pytest.mark.parametrize(("name", "lora"), [("flux", False), ("flux_fill", True), ("qwen_image", False),
+                                            ("qwen_image", True)])
 def test_grpo_step_trains_only_the_ip_adapter(name, lora, root):
     adapter = make(name, root, ip={}, lora=LoraSettings(rank=4, alpha=4) if lora else None)
     lora_names = {n for n, p in adapter.denoiser.named_parameters() if "lora_" in n}
