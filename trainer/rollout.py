@@ -125,10 +125,10 @@ def rollout(
     x = adapter.prepare_latents(len(prompts), generator)
     latents, log_probs = [x], []
     batch = x.shape[0]
-    for i in range(settings.num_steps):
+    levels = [settings.noise_level if s else 0.0 for s in stochastic.tolist()]
+    for i, level in enumerate(levels):
         sigma = sigmas[i].expand(batch)
         v = adapter.predict(net, x, sigma, cond, settings.guidance_scale)
-        level = settings.noise_level if stochastic[i] else 0.0
         x, logp, _, _ = step(v, x, i, level, generator=generator)
         latents.append(x)
         log_probs.append(logp)

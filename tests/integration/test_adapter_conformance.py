@@ -8,7 +8,9 @@ Each adapter's model is built by ``trainer.models.testing`` (random weights, loc
   (c) one GRPO step (KL on) and one SFT step change the trainable parameters and nothing else, with LoRA
       (base frozen) and with full fine-tuning;
   (d) save_trainable -> load_trainable into a fresh adapter reproduces the predictions exactly;
-  (e) wrong or missing image inputs raise ValueErrors that name the input.
+  (e) wrong or missing image inputs raise ValueErrors that name the input;
+  (f) rollouts sampled in chunks concatenate and stay on-policy, and neither a rollout's steps nor a GRPO
+      unit reads a value back from the device.
 Image-conditioned pipelines sample the VAE posterior of their conditioning images where the adapters take
 its mean (deterministic conditioning); ``testing.run_pipeline`` replaces that draw by the mean, the only
 difference.
@@ -38,12 +40,13 @@ from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.dpo import DPO, DPOConfig
 from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.algorithms.sft import SFT, SFTBatch, SFTConfig
+from trainer.kernels import KernelCounter
 from trainer.models import MODELS, build_adapter, testing
 from trainer.models.base import ImageInputs
 from trainer.models.common import DTYPES, LoraSettings
 from trainer.models.ip_adapter import IP_WEIGHTS
 from trainer.models.testing import TINY_NAMES, tiny_config, tiny_ip_adapter
-from trainer.rollout import SamplerSettings, rollout
+from trainer.rollout import Rollout, SamplerSettings, rollout
 from trainer.samplers import standard_normal
 
 NAMES = sorted(MODELS)
@@ -357,3 +360,53 @@ def test_predictions_are_float32_whatever_the_weights(adapter, target):
         out = adapter.predict(adapter.denoiser, x, adapter.sigmas(NUM_STEPS)[:1].expand(2), cond,
                               GUIDANCE[adapter.config.name])
     assert out.dtype == torch.float32 and out.shape == x.shape and torch.isfinite(out).all()
+
+
+# --- (f) rollouts in chunks; no reads of device values on the hot path --------------------------------
+@pytest.mark.parametrize("adapter", CASES, indirect=True)
+def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
+    """The trainer samples a batch in chunks (``train.rollout_chunks``) and trains on their concatenation.
+    Qwen-Image pads each chunk's text to that chunk's longest prompt, so the chunks' conditioning must pad
+    to a common length, and the log-probs re-evaluated on the whole must stay the chunks' own: a ratio of 1
+    up to the rounding that the padding mask's attention path changes."""
+    sampler = settings(adapter, 1.0)
+    parts = [rollout(adapter, adapter.denoiser, [prompt], torch.zeros(1, dtype=torch.long), sampler, target.generator(10 + i),
+                     testing.image_inputs(adapter, 1, seed=i)) for i, prompt in enumerate(PROMPTS)]
+    ro = Rollout.cat(parts)
+    lengths = {k: {p.cond.embeds[k].shape[1] for p in parts} for k in ro.cond.ragged}
+    if adapter.config.name == "qwen_image":
+        assert all(len(v) == 2 for v in lengths.values()), "the test prompts should have different lengths"
+        assert ro.cond.padded and not any(p.cond.padded for p in parts)
+    algorithm = GRPO(GRPOConfig(group_size=2, sampler=sampler))
+    rewards = torch.tensor([0.0, 1.0])
+    batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
+    ctx = LossContext(adapter, adapter.denoiser, None)
+    with torch.no_grad():
+        ratios = [stats["ratio"] for unit in algorithm.plan(batch, torch.Generator().manual_seed(0))[0]
+                  for _, stats in [algorithm.loss(ctx, unit)]]
+    tolerance = 1e-6 if target.dtype == "float32" else 1e-4
+    torch.testing.assert_close(torch.stack(ratios).cpu(), torch.ones(len(ratios)), rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("adapter", CASES, indirect=True)
+def test_rollout_steps_and_train_units_read_no_device_values(adapter, target):
+    """A read of a device value (``bool``, ``float`` or ``.item()`` of a tensor) makes the host wait for the
+    device to catch up, every time it runs: none in a rollout once its prompts are encoded, none in a GRPO
+    unit's forward and backward (KL on). On the CPU the count takes in host tensors as well, a stricter check."""
+    sampler = settings(adapter, 1.0)
+    inputs = image_inputs(adapter)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), sampler, target.generator(3), inputs)
+    with KernelCounter() as sampling:
+        rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), sampler, target.generator(3), inputs)
+    algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=0.1, sampler=sampler))
+    rewards = torch.tensor([0.0, 1.0])
+    batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
+    unit = algorithm.plan(batch, torch.Generator().manual_seed(0))[0][0]
+    ctx = LossContext(adapter, adapter.denoiser, adapter.reference())
+    try:
+        with KernelCounter() as training:
+            algorithm.loss(ctx, unit)[0].backward()
+    finally:
+        adapter.denoiser.zero_grad(set_to_none=True)
+    assert sampling.kernels > 0 and training.kernels > 0
+    assert sampling.ops["_local_scalar_dense"] == 0 and training.ops["_local_scalar_dense"] == 0

@@ -123,3 +123,31 @@ def test_value_network_input_shapes():
     assert vec.shape == (3, 9) and vec[0, :4].eq(2.0).all() and vec[0, 4:].eq(1.0).all()  # sorted by name
     net = ValueNetwork(latent_numel=3 * 16 * 16, cond_dim=9, hidden=8, latent_features=64)
     assert net(torch.randn(3, 3, 16, 16), torch.rand(3), vec).shape == (3,)
+
+
+def ragged_text(lengths: list[int], width: int = 2) -> Conditioning:
+    """Qwen-Image-style conditioning: row i holds ``lengths[i]`` tokens of value i + 1, right-padded."""
+    length = max(lengths)
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).long()
+    embeds = (torch.arange(len(lengths), dtype=torch.float32)[:, None, None] + 1) * mask[..., None].float()
+    return Conditioning(embeds={"e": embeds.expand(-1, -1, width), "m": mask, "pooled": torch.ones(len(lengths), 3)},
+                        ragged=("e", "m"), text_mask="m", padded=min(lengths) < length)
+
+
+def test_ragged_text_concatenates_padded_and_pools_over_real_tokens():
+    short, long = ragged_text([2, 2]), ragged_text([3, 5])
+    assert not short.padded and long.padded
+    whole = Conditioning.cat([short, long])
+    assert whole.embeds["e"].shape == (4, 5, 2) and whole.embeds["m"].shape == (4, 5)
+    assert whole.padded and whole.ragged == ("e", "m") and whole.text_mask == "m"
+    assert whole.embeds["m"].sum(1).tolist() == [2, 2, 3, 5]
+    assert whole.embeds["e"][:2, 2:].eq(0).all() and torch.equal(whole.embeds["e"][2:], long.embeds["e"])
+    assert torch.equal(whole.embeds["pooled"], torch.ones(4, 3))
+    assert Conditioning.cat([short, short]).padded is False
+    rows = whole.select(torch.tensor([0, 1]))
+    assert rows.padded and rows.text_mask == "m" and rows.embeds["e"].shape == (2, 5, 2)
+    # the mean over real tokens is the row's value, whatever the padded length; the mask is no feature
+    vec = condition_vector(whole)
+    assert vec.shape == (4, 2 + 3)
+    torch.testing.assert_close(vec[:, 0], torch.tensor([1.0, 2.0, 1.0, 2.0]))
+    torch.testing.assert_close(condition_vector(short), vec[:2])

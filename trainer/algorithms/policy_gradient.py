@@ -95,8 +95,10 @@ def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
 
 def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (plus beta KL) of one unit: re-evaluates log p(x_{t+1} | x_t) under the policy."""
-    batch, idx, step = unit.batch, unit.indices, unit.steps
-    ro = batch.rollout
+    batch, ro = unit.batch, unit.batch.rollout
+    # Every tensor indexed below lives on the rollout's device; host indices would be copied there by each
+    # indexing op, every copy waiting for the device to finish its queued work.
+    idx, step = (t.to(ro.latents.device, non_blocking=True) for t in (unit.indices, unit.steps))
     x_t, x_next = ro.latents[idx, step], ro.latents[idx, step + 1]
     sigma = ro.sigmas[step]
     cond = ro.cond.select(idx)

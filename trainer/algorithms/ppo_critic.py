@@ -57,10 +57,18 @@ class PPOCriticConfig(PolicyGradientConfig):
 
 
 def condition_vector(cond: Conditioning) -> torch.Tensor:
-    """[B, D]: every text embedding mean-pooled over its token dimensions, concatenated (sorted by name)."""
+    """[B, D]: every text embedding mean-pooled over its token dimensions, concatenated (sorted by name);
+    padded text (``cond.ragged``) is averaged over its real tokens alone, so D does not depend on the batch's
+    longest prompt."""
+    mask = cond.embeds[cond.text_mask].float() if cond.text_mask else None
     parts = []
     for name in sorted(cond.embeds):
+        if name == cond.text_mask:
+            continue
         e = cond.embeds[name].float()
+        if name in cond.ragged:
+            weights = mask.view(*mask.shape, *[1] * (e.ndim - 2))
+            e = (e * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True).clamp_min(1)
         parts.append(e.mean(dim=tuple(range(1, e.ndim - 1))) if e.ndim > 2 else e.reshape(len(e), -1))
     return torch.cat(parts, dim=1)
 

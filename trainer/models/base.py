@@ -9,11 +9,21 @@ the (possibly wrapped) network to call in ``predict``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+IMAGE_FIELDS = ("image", "mask", "reference", "style")
+"""The image tensors of ``Conditioning`` (those besides the text ``embeds``)."""
+
+
+def pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:
+    """``t`` [B, L, ...] right-padded with zeros to [B, length, ...] (itself when L == length)."""
+    if t.shape[1] == length:
+        return t
+    return nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]))
 
 
 @dataclass
@@ -30,11 +40,20 @@ class Conditioning:
     mask: torch.Tensor | None = None
     reference: torch.Tensor | None = None
     style: torch.Tensor | None = None
+    ragged: tuple[str, ...] = ()
+    """Entries of ``embeds`` holding text right-padded along dim 1 to the batch's longest prompt, for models
+    whose prompts each keep their own length (Qwen-Image); ``text_mask`` among them. ``cat`` zero-pads them
+    to a common length."""
+    text_mask: str | None = None
+    """The [B, L] entry of ``embeds`` that is 1 at the real tokens of the ``ragged`` entries, 0 at padding."""
+    padded: bool = False
+    """Whether the ``ragged`` entries hold any padding: known on the host, so that a forward can drop an
+    all-ones mask (as the pipelines do) without reading it from the device. Rows ``select``ed from a padded
+    batch stay marked; their mask may be all ones, which changes nothing but rounding."""
 
     def _map(self, fn) -> Conditioning:
         changes = {k: fn(v) for k, v in self.embeds.items()}
-        images = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "embeds"
-                  and getattr(self, f.name) is not None}
+        images = {name: fn(getattr(self, name)) for name in IMAGE_FIELDS if getattr(self, name) is not None}
         return replace(self, embeds=changes, **images)
 
     def select(self, index: torch.Tensor | slice) -> Conditioning:
@@ -46,12 +65,16 @@ class Conditioning:
 
     @staticmethod
     def cat(parts: list[Conditioning]) -> Conditioning:
-        """Concatenate along the batch dimension (all parts must carry the same fields)."""
+        """Concatenate along the batch dimension (all parts must carry the same fields), the ``ragged``
+        entries zero-padded to the longest part's length."""
         first = parts[0]
-        embeds = {k: torch.cat([p.embeds[k] for p in parts]) for k in first.embeds}
-        images = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(first)
-                  if f.name != "embeds" and getattr(first, f.name) is not None}
-        return Conditioning(embeds=embeds, **images)
+        length = {k: max(p.embeds[k].shape[1] for p in parts) for k in first.ragged}
+        embeds = {k: torch.cat([pad_dim1(p.embeds[k], length[k]) if k in length else p.embeds[k] for p in parts])
+                  for k in first.embeds}
+        images = {name: torch.cat([getattr(p, name) for p in parts]) for name in IMAGE_FIELDS
+                  if getattr(first, name) is not None}
+        padded = any(p.padded or p.embeds[k].shape[1] < length[k] for p in parts for k in first.ragged)
+        return Conditioning(embeds=embeds, **images, ragged=first.ragged, text_mask=first.text_mask, padded=padded)
 
     def __len__(self) -> int:
         for t in self.embeds.values():

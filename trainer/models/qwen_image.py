@@ -29,7 +29,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1
 from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
@@ -132,6 +132,7 @@ class QwenImageAdapter:
         prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
         self._reference: nn.Module | None = None
+        self._padded_negative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
@@ -144,14 +145,28 @@ class QwenImageAdapter:
     def _text(self, prompts: list[str]) -> list[torch.Tensor]:
         return [e["prompt_embeds"] for e in self.prompts(prompts)]
 
+    def _negative(self, length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The negative prompt's embeddings and mask padded to at least ``length`` ([1, L, D], [1, L]), and
+        its own length. The padded pair is kept while the prompt cache holds the same embeddings and the
+        length stays (a batch's forwards share it), instead of being built anew per forward."""
+        (neg,) = self._text([self.config.negative_prompt])
+        length = max(length, len(neg))
+        kept = self._padded_negative
+        if kept is None or kept[0] is not neg or kept[1].shape[1] != length:
+            self._padded_negative = kept = (neg, *pad_text([neg], length))
+        return kept[1], kept[2], len(neg)
+
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``; the style image's
         embeddings when there is an IP-Adapter."""
         style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
         reject_image_inputs(self.model_name, inputs)
         text = self._text(prompts)
-        embeds, mask = pad_text(text, max(len(t) for t in text))
-        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style)
+        length = max(len(t) for t in text)
+        embeds, mask = pad_text(text, length)
+        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style,
+                            ragged=("prompt_embeds", "prompt_mask"), text_mask="prompt_mask",
+                            padded=any(len(t) < length for t in text))
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, 1, C, h, w] packed to tokens, drawn as ``QwenImagePipeline.prepare_latents`` draws it."""
@@ -178,12 +193,14 @@ class QwenImageAdapter:
         x = latents.to(self.dtype)
         timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
         cfg = guidance_scale > 1.0
+        padded = cond.padded
         if cfg:
-            (neg,) = self._text([self.config.negative_prompt])
-            length = max(embeds.shape[1], len(neg))
-            neg_embeds, neg_mask = pad_text([neg], length)
-            embeds = torch.cat([neg_embeds.expand(n, -1, -1), nn.functional.pad(embeds, (0, 0, 0, length - embeds.shape[1]))])
-            mask = torch.cat([neg_mask.expand(n, -1), nn.functional.pad(mask, (0, length - mask.shape[1]))])
+            neg_embeds, neg_mask, neg_length = self._negative(embeds.shape[1])
+            length = neg_embeds.shape[1]
+            padded = padded or neg_length != embeds.shape[1]
+            embeds = torch.cat([neg_embeds.expand(n, -1, -1), pad_dim1(embeds, length)])
+            if padded:
+                mask = torch.cat([neg_mask.expand(n, -1), pad_dim1(mask, length)])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
         extra = {}
         if self.ip_adapter is not None:
@@ -193,7 +210,7 @@ class QwenImageAdapter:
             extra["attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
         img_shapes = [[(1, self.tokens_side, self.tokens_side)]] * x.shape[0]
         out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
-                  encoder_hidden_states_mask=None if bool(mask.all()) else mask, img_shapes=img_shapes,
+                  encoder_hidden_states_mask=mask if padded else None, img_shapes=img_shapes,
                   return_dict=False, **extra)[0]
         if cfg:
             return true_cfg(*out.chunk(2), guidance_scale)
