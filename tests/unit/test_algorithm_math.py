@@ -19,6 +19,7 @@ from trainer.algorithms.advantages import (
 from trainer.algorithms.base import LossContext, Rewards, balanced_local, refresh_reference, shares_weights
 from trainer.algorithms.ppo_critic import ValueNetwork, condition_vector
 from trainer.ema import EMA
+from trainer.kernels import KernelCounter
 from trainer.models.base import Conditioning
 
 
@@ -46,6 +47,15 @@ def test_diffusion_dpo_loss_hand_value_and_weights():
     padded, _ = diffusion_dpo_loss(torch.tensor([0.1, 5.0]), torch.tensor([0.3, 0.0]), torch.tensor([0.2, 0.0]),
                                    torch.tensor([0.2, 0.0]), beta=10.0, weights=torch.tensor([1.0, 0.0]))
     assert padded.item() == pytest.approx(loss.item(), rel=1e-6)
+    # statistics over the real pairs alone, without reading a value back (a wait for the GPU per unit)
+    with KernelCounter() as counter:
+        _, stats = diffusion_dpo_loss(torch.tensor([0.1, 0.5, 5.0]), torch.tensor([0.3, 0.1, 0.0]),
+                                      torch.tensor([0.2, 0.2, 0.0]), torch.tensor([0.2, 0.2, 0.0]), beta=10.0,
+                                      weights=torch.tensor([1.0, 1.0, 0.0]))
+    assert stats["dpo_ranking_acc"].item() == 0.5 and stats["dpo_margin"].item() == pytest.approx((-0.2 + 0.4) / 2)
+    assert not {"_local_scalar_dense", "nonzero"} & set(counter.ops)
+    _, none = diffusion_dpo_loss(*torch.ones(4, 2), beta=1.0, weights=torch.zeros(2))
+    assert none["dpo_ranking_acc"].item() == 0.0 and none["dpo_margin"].item() == 0.0
     # with the policy equal to the reference the loss is log 2 whatever the losses are
     same, _ = diffusion_dpo_loss(torch.tensor([0.4]), torch.tensor([0.9]), torch.tensor([0.4]), torch.tensor([0.9]), 1e3)
     assert same.item() == pytest.approx(math.log(2))

@@ -114,10 +114,11 @@ def diffusion_dpo_loss(
     per_pair = -torch.nn.functional.logsigmoid(-0.5 * beta * margin)
     w = torch.ones_like(per_pair) if weights is None else weights.to(per_pair)
     loss = (per_pair * w).sum() / w.sum().clamp_min(1.0)
-    with torch.no_grad():
+    with torch.no_grad():  # means over the real pairs (0 without any), with no read of a device value
         real = w > 0
-        stats = {"dpo_ranking_acc": (margin[real] < 0).float().mean() if real.any() else margin.new_tensor(0.0),
-                 "dpo_margin": margin[real].mean() if real.any() else margin.new_tensor(0.0)}
+        count = real.sum().clamp_min(1)
+        stats = {"dpo_ranking_acc": (real & (margin < 0)).sum() / count,
+                 "dpo_margin": torch.where(real, margin, 0.0).sum() / count}
     return loss, stats
 
 
