@@ -1,4 +1,4 @@
-"""Every shipped config (configs/**/*.yaml, presets added later included) builds and samples.
+"""Every shipped config (configs/**/*.yaml, presets added later included) builds, samples and runs a job.
 
 Each YAML is loaded through ``load_config`` with overrides that swap in a tiny model of the same adapter
 (``trainer.models.testing.tiny_config``: built once per session) and a tiny dataset in the config's data
@@ -7,13 +7,14 @@ rewards) is used as written. The adapter, algorithm and task are built with the 
 its trainable weights must be ones its backend can update (float32 unless DeepSpeed keeps master copies),
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
-test checks the presets' headers (including that they start every weighted reward scorer) and that their
+test runs each config's whole job (``Trainer.fit``) at toy size. A third checks the presets' headers (including that they start every weighted reward scorer) and that their
 repository-relative data paths exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -21,14 +22,20 @@ import pytest
 import torch
 import yaml
 
+from reward_server.scorers.brightness import BrightnessScorer
 from trainer.algorithms import build_algorithm
+from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import build_task
 from trainer.data.testing import tiny_dataset
+from trainer.distributed import SingleProcess
 from trainer.distributed.backend import refuse_low_precision_updates
+from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
 from trainer.models.testing import tiny_config, tiny_ip_adapter
+from trainer.rewards.client import InProcessRewardClient
 from trainer.rollout import rollout
+from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("**/*.yaml"))
@@ -71,17 +78,21 @@ def test_configs_are_found():
     assert len(PRESETS) >= 7 and REPO / "configs" / "embedded_digits.yaml" in CONFIGS
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=_id)
-def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
+def _tiny_job(path: Path, tiny_models, tmp_path, extra: list[str] | None = None):
+    """The config at ``path`` with its model swapped for the tiny one and its data for a tiny dataset of the
+    same format (plus ``extra`` overrides)."""
     raw = yaml.safe_load(path.read_text())
     model = {"name": "tiny", **raw.get("model", {})}
-    data = raw.get("data", {})
     overrides = _model_overrides(model, tiny_models) if model["name"] in MODELS else []
     config = load_config(str(path), overrides)  # an unregistered algorithm or model fails here
     side = config.model.resolution or 16
-    data_path = tiny_dataset(config.data.name, tmp_path, side, Path(data.get("path", "")).suffix)
-    config = load_config(str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}"])
+    data_path = tiny_dataset(config.data.name, tmp_path, side, Path(raw.get("data", {}).get("path", "")).suffix)
+    return load_config(str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}", *(extra or [])])
 
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_id)
+def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
+    config = _tiny_job(path, tiny_models, tmp_path)
     adapter = build_adapter(config.model, torch.device("cpu"))
     if config.parallel.backend not in ("zero2", "zero3"):  # these keep float32 master weights themselves
         refuse_low_precision_updates(list(adapter.trainable_parameters()), config.parallel.backend)
@@ -101,6 +112,42 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
     if inputs is not None:  # generated at the size of the task's image inputs
         assert all(t.shape[-2:] == one_image[-2:] for t in vars(inputs).values() if t is not None)
     assert len(task.item_metadata(items)) == group
+
+
+ONE_EPOCH = ["train.epochs=1", "algorithm.group_size=4", "data.prompts_per_epoch=2", "train.rollout_chunks=4",
+             "reward.batch_size=2", "algorithm.micro_batch_size=2", "algorithm.sampler.num_steps=4",
+             "eval.num_steps=2", "eval.samples_per_prompt=1"]
+"""A whole job at toy size: 2 prompts x 4 samples sampled in 4 chunks of 2 (Qwen-Image's chunks pad their text
+to different lengths when a chunk draws only the shorter prompt, as one does here), 4 sampling steps,
+micro-batches of 2."""
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_id)
+def test_config_runs_a_whole_job(path, tiny_models, tmp_path):
+    """``Trainer.fit`` of every shipped config on its tiny model: one warm-up step where the config warms up,
+    the evaluation before, one RL epoch of the config's algorithm with its sampler (an SDE window where it
+    sets one), the checkpoint, the evaluation after. The in-process ``brightness`` scorer stands in for the
+    config's reward servers. The trainable weights must move and the metrics stay finite."""
+    config = _tiny_job(path, tiny_models, tmp_path)
+    extra = list(ONE_EPOCH)
+    if config.train.warmup_steps > 0:
+        extra.append("train.warmup_steps=1")
+    if config.algorithm.sampler.sde_window > 0:
+        extra += ["algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,2]"]
+    config = _tiny_job(path, tiny_models, tmp_path, extra)
+    adapter = build_adapter(config.model, torch.device("cpu"))
+    before = [p.detach().clone() for p in adapter.trainable_parameters()]
+    scorer = BrightnessScorer()
+    client = InProcessRewardClient({scorer.name: scorer}, {scorer.name: 1.0}, batch_size=config.reward.batch_size)
+    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
+                      client, SingleProcess(torch.device("cpu")), RunLogger(tmp_path / "run", False, False))
+    try:
+        final = trainer.fit()
+    finally:
+        client.close()
+    assert trainer.progress.epochs_done == 1 and math.isfinite(final["reward_mean"])
+    moved = [not torch.equal(b, p) for b, p in zip(before, adapter.trainable_parameters(), strict=True)]
+    assert any(moved), f"{path.name}: no trainable weight moved"
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=_id)

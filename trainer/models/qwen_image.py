@@ -3,7 +3,9 @@
 Latents are packed 2x2 tokens as in FLUX. Text embeddings come from ``QwenImagePipeline.encode_prompt`` and
 have a per-prompt length: a batch is right-padded to its longest prompt and carries ``prompt_mask``, which
 the transformer turns into its joint attention mask (padding changes nothing else: text positions count
-from the start). CFG is Qwen-Image's "true CFG" against ``negative_prompt`` with the pipeline's norm
+from the start). The conditioning marks that text as ``ragged`` (rollout chunks concatenate padded to a
+common length) and says on the host whether it holds padding, so that no forward reads the mask back to
+drop it when it is all ones, as the pipeline does. CFG is Qwen-Image's "true CFG" against ``negative_prompt`` with the pipeline's norm
 rescaling, batched as one forward over [negative; prompt] (the pipeline runs two), so the rollout equals
 the pipeline up to float rounding of the masked padding.
 
