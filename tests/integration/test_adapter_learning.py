@@ -26,7 +26,7 @@ from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import build_task
-from trainer.data.testing import tiny_dataset
+from trainer.data.testing import IMAGE_TASKS, tiny_dataset
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
@@ -34,8 +34,6 @@ from trainer.models.testing import TINY_NAMES, tiny_config, tiny_ip_adapter
 from trainer.rewards.client import InProcessRewardClient
 from trainer.trainer import Trainer
 
-DATA = {"flux_fill": "inpaint_jsonl", "sd15_inpaint": "inpaint_jsonl", "flux_kontext": "edit_jsonl"}
-"""Data format of the adapters that need image inputs; the others sample from a prompt file."""
 MODEL_OVERRIDES = {"qwen_image": {"resolution": 32}}
 """Qwen-Image at 32 pixels (16 latent tokens): its 3D VAE dominates the run time at the default 64."""
 MARGIN = 0.01
@@ -113,7 +111,7 @@ def test_grpo_raises_the_reward(name, model_root, tmp_path):
     torch.manual_seed(0)
     adapter = build_adapter(tiny_config(name, model_root, dtype="float32", **MODEL_OVERRIDES.get(name, {})), "cpu")
     side = getattr(adapter, "resolution", 16)
-    data = DATA.get(name, "prompt_file")
+    data = IMAGE_TASKS.get(name, "prompt_file")
     overrides = [*SETTINGS, *ADAPTER_SETTINGS.get(name, []), f"data.name={data}", f"data.image_size={side}",
                  f"data.path={tiny_dataset(data, tmp_path, side)}"]
     before, after, rewards = run_grpo(adapter, overrides, TopHalfBrightness(), EPOCHS.get(name, DEFAULT_EPOCHS),

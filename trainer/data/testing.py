@@ -15,6 +15,8 @@ from PIL import Image
 
 PROMPTS = ('a sign that says "OPEN"', "a red cat", 'a shop window with "SALE 50%"', "a blue dog")
 COLOURS = ((200, 40, 40), (40, 200, 40), (40, 40, 200), (220, 220, 40))
+IMAGE_TASKS = {"flux_fill": "inpaint_jsonl", "sd15_inpaint": "inpaint_jsonl", "flux_kontext": "edit_jsonl"}
+"""The data format of the adapters that need image inputs; the others sample from a prompt file."""
 
 
 def solid(path: Path, size: tuple[int, int], colour: tuple[int, int, int]) -> Path:
