@@ -8,8 +8,8 @@ its trainable weights must be ones its backend can update (float32 unless DeepSp
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
 test runs each config's whole job (``Trainer.fit``) at toy size, and a third the job of every algorithm config
-with every registered adapter. A fourth checks the presets' headers (including that they start every weighted reward scorer) and that their
-repository-relative data paths exist.
+with every registered adapter. A fourth checks the presets' headers (including that they start every weighted
+reward scorer) and that their repository-relative data paths exist.
 """
 
 from __future__ import annotations
