@@ -89,7 +89,8 @@ def main() -> None:
             trainer = Trainer(config, adapter, algorithm, SFT(config.warmup), task, client,
                               SingleProcess(torch.device("cpu")), RunLogger(Path(tmp), False, False))
             g = torch.Generator().manual_seed(0)
-            t = best_of(args.repeats, lambda t=trainer, g=g: t.sample_and_score(prompts, indices, groups, g))
+            noise = torch.Generator().manual_seed(1)
+            t = best_of(args.repeats, lambda t=trainer, g=g, n=noise: t.sample_and_score(prompts, indices, groups, g, n))
             t_sampling = best_of(args.repeats, lambda c=chunks: sample_only(c))
             bound = max(t_sampling, t_reward)
             rows.append((chunks, t, t_sampling, t / bound, 1 + min(t_sampling, t_reward) / chunks / bound,

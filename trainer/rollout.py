@@ -29,7 +29,9 @@ class SamplerSettings:
     """Stochastic steps per rollout; 0: every step is stochastic. Otherwise a window of this many SDE
     steps at a random start (ODE elsewhere), and only those are trained on (the Flow-GRPO-Fast variant)."""
     window_range: tuple[int, int] = (0, 0)
-    """[lo, hi) of window starts; (0, 0) means anywhere in [0, T - 1 - sde_window]."""
+    """[lo, hi) of window starts, hi <= T - sde_window: a window ends before the last step, which is never
+    trained, so every draw trains ``sde_window`` steps (on every rank alike: sharded backends need the same
+    number of forwards on each). (0, 0) means anywhere in [0, T - 1 - sde_window]."""
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -81,9 +83,10 @@ def window_mask(num_steps: int, settings: SamplerSettings, generator: torch.Gene
     lo, hi = settings.window_range
     if (lo, hi) == (0, 0):
         hi = num_steps - settings.sde_window
-    if not 0 <= lo < hi <= num_steps - settings.sde_window + 1:
+    if not 0 <= lo < hi <= num_steps - settings.sde_window:
         raise ValueError(f"sampler.window_range={settings.window_range} does not fit {num_steps} steps with "
-                         f"sde_window={settings.sde_window}")
+                         f"sde_window={settings.sde_window}: starts must lie in [0, {num_steps - settings.sde_window}) "
+                         "so that a window ends before the last step, which is never trained")
     start = int(torch.randint(lo, hi, (1,), generator=generator, device=generator_device(generator)))
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[start : start + settings.sde_window] = True

@@ -1,0 +1,29 @@
+"""Which steps of a rollout are stochastic (``trainer.rollout.window_mask``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.rollout import SamplerSettings, window_mask
+
+
+@pytest.mark.parametrize("window_range", [(0, 0), (0, 2), (1, 2)])
+def test_every_window_trains_the_same_number_of_steps(window_range):
+    """A window never reaches the last step (never trained), so every draw, on every rank, trains
+    ``sde_window`` steps: sharded backends run one forward per unit and need the same count on each rank."""
+    settings = SamplerSettings(num_steps=4, sde_window=2, window_range=window_range)
+    starts = set()
+    for seed in range(50):
+        mask = window_mask(4, settings, torch.Generator().manual_seed(seed))
+        steps = torch.nonzero(mask).flatten()
+        assert len(steps) == 2 and int(steps[-1]) < 3 and int(steps[1] - steps[0]) == 1
+        starts.add(int(steps[0]))
+    assert starts == set(range(*window_range) if window_range != (0, 0) else range(2))
+
+
+def test_a_window_reaching_the_last_step_is_refused():
+    settings = SamplerSettings(num_steps=4, sde_window=2, window_range=(0, 3))
+    with pytest.raises(ValueError, match=r"window_range=\(0, 3\).*\[0, 2\).*last step"):
+        window_mask(4, settings, torch.Generator().manual_seed(0))
+    assert window_mask(4, SamplerSettings(num_steps=4), None).all()  # no window: every step
