@@ -158,7 +158,7 @@ class Trainer:
             copies.append(net)
             return self.backend.frozen_copy(net)
 
-        self.ctx.reference = self.adapter.reference(copy)
+        self.ctx.reference = self.adapter.reference(copy, self.backend.forward_reads_module_weights)
         self.ctx.reference_owned = bool(copies)
 
     def init_from(self, path: Path) -> None:

@@ -139,3 +139,48 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(straight_runs, tmp_p
             for key in (*KEYS, "weights_rank_spread"):
                 if key in a:
                     assert a[key] == b[key], (phase, a["step"], key)  # bit-identical on the CPU
+
+
+@pytest.fixture(scope="module")
+def ip_job(tmp_path_factory) -> list[str]:
+    """Arguments of a FLUX job that trains its IP-Adapter alone (fresh weights) on a triplet folder, with the
+    KL to the reference on and a learning rate that moves the policy away from it within an epoch. Each rank
+    draws its own SDE window among 3 starts (the last one ends next to the final step: a window that reached
+    it would train one step fewer on that rank, and FSDP2 would hang on the unmatched forward)."""
+    from trainer.data.testing import tiny_dataset
+    from trainer.models import testing
+    from trainer.rewards.launcher import LocalRewardPool
+
+    root = tmp_path_factory.mktemp("ip-backends")
+    model = testing.tiny_config("flux", root)
+    encoder = testing.tiny_ip_adapter(root).image_encoder
+    pool = LocalRewardPool(["brightness"], replicas=1, log_dir=root / "reward")
+    pool.start()
+    yield ["model.name=flux", f"model.path={model.path}", f"model.resolution={model.resolution}",
+           f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
+           f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.num_tokens=4",
+           "data.name=triplet_folder", f"data.path={tiny_dataset('triplet_folder', root, model.resolution)}",
+           f"data.image_size={model.resolution}", "data.image_inputs=[style]", "data.prompts_per_epoch=2",
+           "algorithm.group_size=4", "algorithm.micro_batch_size=2", "algorithm.kl_beta=0.04",
+           "algorithm.sampler.num_steps=5", "algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,3]",
+           "train.warmup_steps=0", "train.epochs=2", "train.learning_rate=0.05",
+           "eval.num_steps=2", "eval.samples_per_prompt=1", "logging.progress=false", "logging.tensorboard=false",
+           "reward.weights={brightness: 1.0}", f"reward.urls=[{pool.urls[0]}]"]
+    pool.stop()
+
+
+def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(ip_job, tmp_path):
+    """The reference of IP-Adapter training is the policy with the IP-Adapter's weights as RL started. Where
+    the forward gathers the backend's own shards (FSDP2, ZeRO-3) a view swapping those weights in cannot work
+    (FSDP2 computed with the live weights, a KL of 0 forever; ZeRO-3 failed), so it is a frozen copy there:
+    every backend reports the same KL, 0 in the first epoch and > 0 once the policy has moved."""
+    kl = {}
+    for backend in BACKENDS:
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py",
+                *ip_job, f"parallel.backend={backend}", f"logging.output_dir={tmp_path}", f"logging.run_name={backend}"]
+        run = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{backend}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+        kl[backend] = [r["kl"] for r in _records(tmp_path / backend, "rl")]
+    assert kl["ddp"][0] == 0.0 and kl["ddp"][1] > 1e-3, kl
+    for backend in BACKENDS:
+        assert kl[backend] == pytest.approx(kl["ddp"], rel=TOL, abs=ATOL), kl

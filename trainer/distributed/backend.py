@@ -37,6 +37,11 @@ class ParallelBackend(Protocol):
     sharded_optimizer_state: bool
     """True when ``optimizer_state()`` holds only this rank's partition: checkpoints then keep one optimizer
     file per rank and resume needs the same world size. False: rank 0's state is the whole state."""
+    forward_reads_module_weights: bool
+    """True when a forward of the prepared network computes with the tensors its modules hold as parameters,
+    so that a view calling it with some of them replaced (``torch.func.functional_call``) computes with the
+    replacements: a reference that swaps in a snapshot of the IP-Adapter's weights. False where the forward
+    gathers the weights from the backend's own shards (FSDP2, ZeRO-3), which such a view cannot replace."""
 
     def prepare(self, module: nn.Module, params: Iterable[nn.Parameter],
                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
@@ -130,6 +135,7 @@ class SingleProcess:
     """One process, no collectives."""
 
     sharded_optimizer_state = False
+    forward_reads_module_weights = True
     name = "single"
     """``parallel.backend``'s value for this class, for messages."""
 

@@ -57,6 +57,7 @@ class FSDP2(DDP):
     """Fully sharded data parallelism (per-parameter sharding, FSDP2)."""
 
     name = "fsdp2"
+    forward_reads_module_weights = False
 
     def __init__(self, device: torch.device, world: World, dist_backend: str, param_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, cpu_offload: bool, gather_for_sampling: bool = True):

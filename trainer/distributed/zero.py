@@ -100,6 +100,7 @@ class DeepSpeedZeRO(DDP):
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.stage = stage
         self.name = f"zero{stage}"
+        self.forward_reads_module_weights = stage != 3  # ZeRO-2 keeps whole weights on every rank
         self.config = config
         self.gather_for_sampling = gather_for_sampling
         self.engine = None

@@ -157,12 +157,16 @@ def frozen_copy(denoiser: nn.Module) -> nn.Module:
 
 
 def reference_network(denoiser: nn.Module, lora: LoraSettings | None, ip_adapter: IPAdapter | None = None,
-                      copy_fn: Callable[[nn.Module], nn.Module] = frozen_copy) -> nn.Module:
+                      copy_fn: Callable[[nn.Module], nn.Module] = frozen_copy, swap_weights: bool = True) -> nn.Module:
     """The policy as it is now, frozen. LoRA: the same network with its adapter disabled (no extra memory).
-    A trainable IP-Adapter: its weights copied now and swapped in at every call (costs only their memory).
+    A trainable IP-Adapter: its weights copied now and swapped in at every call (costs only their memory),
+    or, where a call cannot swap weights (``swap_weights`` False: a backend whose forward gathers its own
+    shards), ``copy_fn(denoiser)`` as for full fine-tuning, its LoRA disabled at every call.
     Full fine-tuning: ``copy_fn(denoiser)``, a frozen copy of the weights (costs one more denoiser)."""
     if lora is None and not _trains_ip(ip_adapter):
         return copy_fn(denoiser)
+    if _trains_ip(ip_adapter) and not swap_weights:
+        return FrozenView(copy_fn(denoiser), lora is not None, {})
     names = set(ip_adapter.parameter_names) if _trains_ip(ip_adapter) else set()
     frozen = {name: p.detach().clone() for name, p in denoiser.named_parameters() if name in names}
     return FrozenView(denoiser, lora is not None, frozen)

@@ -181,9 +181,10 @@ class SD3Adapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy) -> nn.Module:
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, swap_weights: bool = True) -> nn.Module:
         """LoRA: the same network with the adapter disabled (no extra memory). Full fine-tuning: a frozen
-        copy of the weights as they were when this was first called (costs one more denoiser)."""
+        copy of the weights as they were when this was first called (costs one more denoiser). No IP-Adapter
+        here, so ``swap_weights`` changes nothing."""
         if self._reference is None:
             self._reference = reference_network(self.denoiser, self.config.lora, copy_fn=copy)
         return self._reference
