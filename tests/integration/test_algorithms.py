@@ -27,7 +27,8 @@ EXPECTED_STATS = {"grpo": "clip_frac", "ppo": "clip_frac", "ppo_critic": "value_
 def _trainer(run_dir: Path, model_dir: str, algorithm: str, *extra: str) -> Trainer:
     config = load_config(overrides=[
         f"model.path={model_dir}", f"algorithm.name={algorithm}", "algorithm.group_size=4",
-        "algorithm.sampler.num_steps=4", "data.prompts_per_epoch=4", "train.warmup_steps=2", "warmup.batch_size=8", "train.epochs=3",
+        "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "data.prompts_per_epoch=4",
+        "train.warmup_steps=2", "warmup.batch_size=8", "train.epochs=3",
         "train.checkpoint_every=1", "train.keep_checkpoints=0", "eval.samples_per_prompt=1", "eval.num_steps=2",
         "eval.every=0", "train.ema_decay=0.5", "logging.progress=false", *extra])
     adapter = TinyAdapter(TinyConfig(path=model_dir))

@@ -50,6 +50,20 @@ def _args(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -
             f"reward.urls=[{reward_url}]"]
 
 
+def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a torchrun command from the repository root; on a timeout (a hung collective) kill its whole process
+    group, the ranks too (killing torchrun alone would leave them waiting), and fail with its output."""
+    process = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"timed out after {timeout} s: {args[-3:]}\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -73,8 +87,7 @@ def straight_runs(tmp_path_factory, tiny_model_dir, reward_url) -> dict[str, Pat
     """One uninterrupted run per backend."""
     out = tmp_path_factory.mktemp("backends")
     for backend in (*BACKENDS, *VARIANTS):
-        run = subprocess.run(_args(tiny_model_dir, out, backend, backend, reward_url), cwd=REPO, env=_env(), capture_output=True,
-                             text=True, timeout=300)
+        run = _run(_args(tiny_model_dir, out, backend, backend, reward_url))
         assert run.returncode == 0, f"{backend}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
     return {backend: out / backend for backend in (*BACKENDS, *VARIANTS)}
 
@@ -128,8 +141,7 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(straight_runs, tmp_p
     os.killpg(victim.pid, signal.SIGKILL)  # torchrun and both ranks
     victim.wait()
 
-    resumed = subprocess.run(_args(tiny_model_dir, tmp_path, "killed", backend, reward_url) + ["--resume", "auto"], cwd=REPO,
-                             env=_env(), capture_output=True, text=True, timeout=300)
+    resumed = _run(_args(tiny_model_dir, tmp_path, "killed", backend, reward_url) + ["--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout
     for phase in ("warmup", "rl", "final"):
@@ -178,7 +190,7 @@ def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(ip_job, tmp
     for backend in BACKENDS:
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py",
                 *ip_job, f"parallel.backend={backend}", f"logging.output_dir={tmp_path}", f"logging.run_name={backend}"]
-        run = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        run = _run(args)
         assert run.returncode == 0, f"{backend}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
         kl[backend] = [r["kl"] for r in _records(tmp_path / backend, "rl")]
     assert kl["ddp"][0] == 0.0 and kl["ddp"][1] > 1e-3, kl

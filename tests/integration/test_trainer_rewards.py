@@ -36,7 +36,7 @@ class _NoDigitTask(DigitsTask):
 def _trainer(tmp_path: Path, tiny_model_dir: str, failing: int, limit: float) -> Trainer:
     config = load_config(overrides=[f"model.path={tiny_model_dir}", "algorithm.group_size=2",
                                     "data.prompts_per_epoch=10", f"reward.max_failed_share={limit}",
-                                    "algorithm.sampler.num_steps=4"])
+                                    "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]"])
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     return Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), _NoDigitTask(failing),
                    InProcessRewardClient.from_names({"digit": 1.0}), SingleProcess(torch.device("cpu")),
