@@ -154,7 +154,7 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(straight_runs, tmp_p
 
 
 @pytest.fixture(scope="module")
-def ip_job(tmp_path_factory) -> list[str]:
+def ip_job(tmp_path_factory) -> Iterator[list[str]]:
     """Arguments of a FLUX job that trains its IP-Adapter alone (fresh weights) on a triplet folder, with the
     KL to the reference on and a learning rate that moves the policy away from it within an epoch. Each rank
     draws its own SDE window among 3 starts (the last one ends next to the final step: a window that reached
@@ -166,19 +166,17 @@ def ip_job(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("ip-backends")
     model = testing.tiny_config("flux", root)
     encoder = testing.tiny_ip_adapter(root).image_encoder
-    pool = LocalRewardPool(["brightness"], replicas=1, log_dir=root / "reward")
-    pool.start()
-    yield ["model.name=flux", f"model.path={model.path}", f"model.resolution={model.resolution}",
-           f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
-           f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.num_tokens=4",
-           "data.name=triplet_folder", f"data.path={tiny_dataset('triplet_folder', root, model.resolution)}",
-           f"data.image_size={model.resolution}", "data.image_inputs=[style]", "data.prompts_per_epoch=2",
-           "algorithm.group_size=4", "algorithm.micro_batch_size=2", "algorithm.kl_beta=0.04",
-           "algorithm.sampler.num_steps=5", "algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,3]",
-           "train.warmup_steps=0", "train.epochs=2", "train.learning_rate=0.05",
-           "eval.num_steps=2", "eval.samples_per_prompt=1", "logging.progress=false", "logging.tensorboard=false",
-           "reward.weights={brightness: 1.0}", f"reward.urls=[{pool.urls[0]}]"]
-    pool.stop()
+    with LocalRewardPool(["brightness"], replicas=1, log_dir=root / "reward") as pool:
+        yield ["model.name=flux", f"model.path={model.path}", f"model.resolution={model.resolution}",
+               f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
+               f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.num_tokens=4",
+               "data.name=triplet_folder", f"data.path={tiny_dataset('triplet_folder', root, model.resolution)}",
+               f"data.image_size={model.resolution}", "data.image_inputs=[style]", "data.prompts_per_epoch=2",
+               "algorithm.group_size=4", "algorithm.micro_batch_size=2", "algorithm.kl_beta=0.04",
+               "algorithm.sampler.num_steps=5", "algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,3]",
+               "train.warmup_steps=0", "train.epochs=2", "train.learning_rate=0.05",
+               "eval.num_steps=2", "eval.samples_per_prompt=1", "logging.progress=false", "logging.tensorboard=false",
+               "reward.weights={brightness: 1.0}", f"reward.urls=[{pool.urls[0]}]"]
 
 
 def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(ip_job, tmp_path):
