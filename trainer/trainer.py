@@ -117,9 +117,7 @@ class Trainer:
         return after
 
     def save_checkpoint(self) -> None:
-        states = {}
-        if self.ctx.reference_owned:
-            states["reference"] = self.ctx.reference.state_dict()  # a plain full copy on every rank
+        states = self.ctx.reference_states()  # the same on every rank
         # Per rank: the EMA and an algorithm's networks are kept over this rank's shards.
         algorithm = self.algorithm.state()
         rank_states = {"algorithm": dict(zip(algorithm, self.backend.local_shards(algorithm.values()), strict=True))}
@@ -135,10 +133,7 @@ class Trainer:
         self.progress, states = self.checkpoints.load(path, self.adapter, self.backend)
         if self.progress.rl_started and self.algorithm.needs_reference:
             self._new_reference()
-            if "reference" in states:  # a copy with its own weights (full fine-tuning, or refreshed)
-                if not self.ctx.reference_owned:
-                    self.ctx.reference, self.ctx.reference_owned = self.backend.frozen_copy(self.policy), True
-                self.ctx.reference.load_state_dict(states["reference"])
+            self.ctx.load_reference_states(states, path)
         self.algorithm.load_state(states.get("algorithm", {}))
         if self.ema is not None:
             if "ema" not in states:

@@ -8,7 +8,7 @@ image encoder, loaded from disk like a real one):
       a frozen IP-Adapter stays as loaded under full fine-tuning, whose checkpoints round-trip too;
   (5) FLUX: a noise-level-0 rollout equals diffusers' FluxPipeline that loaded the saved file with
       ``load_ip_adapter`` and got the same ``ip_adapter_image_embeds``;
-  (6) configuration mistakes raise errors that name the fix.
+  (6) configuration mistakes raise errors that name the fix (a resume's reference snapshot too).
 """
 
 from __future__ import annotations
@@ -210,3 +210,9 @@ def test_configuration_mistakes_name_the_fix(root, tmp_path):
     adapter.ip_adapter.save(str(qwen_weights))
     with pytest.raises(ValueError, match="do not fit this model"):
         make("flux", root, ip={"weights": str(qwen_weights)})
+    ctx = LossContext(adapter, adapter.denoiser, adapter.reference())
+    snapshot = ctx.reference_states()["reference_swapped"]
+    assert snapshot.keys() == ip_names(adapter)
+    with pytest.raises(ValueError, match="resume with the model.ip_adapter and model.lora settings"):
+        ctx.load_reference_states({"reference_swapped": dict(list(snapshot.items())[1:])}, "step-000000-000001")
+

@@ -7,8 +7,9 @@ rewards) is used as written. The adapter, algorithm and task are built with the 
 its trainable weights must be ones its backend can update (float32 unless DeepSpeed keeps master copies),
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
-test runs each config's whole job (``Trainer.fit``) at toy size, and a third the job of every algorithm config
-with every registered adapter. A fourth checks the presets' headers (including that they start every weighted
+test runs each config's whole job (``Trainer.fit``) at toy size, a third resumes it from a checkpoint and
+requires the straight run's numbers, a fourth runs the job of every algorithm config with every registered
+adapter. A fifth checks the presets' headers (including that they start every weighted
 reward scorer) and that their repository-relative data paths exist.
 """
 
@@ -125,21 +126,36 @@ to different lengths when a chunk draws only the shorter prompt, as one does her
 micro-batches of 2."""
 
 
-def _fit(config, tmp_path) -> None:
-    """``Trainer.fit`` of ``config`` with the in-process ``brightness`` scorer standing in for its reward
-    servers; the trainable weights must move and the final metrics be finite."""
+def _run(config, run_dir: Path, resume: Path | None = None) -> tuple[Trainer, list[torch.Tensor]]:
+    """``Trainer.fit`` of ``config`` (continuing from checkpoint ``resume``) with the in-process ``brightness``
+    scorer standing in for its reward servers, the model built as ``trainer.build`` builds it; returns the
+    trainer and the trainable weights as built."""
+    torch.manual_seed(config.train.seed)  # LoRA's initial weights
     adapter = build_adapter(config.model, torch.device("cpu"))
-    before = [p.detach().clone() for p in adapter.trainable_parameters()]
+    built = [p.detach().clone() for p in adapter.trainable_parameters()]
     scorer = BrightnessScorer()
     client = InProcessRewardClient({scorer.name: scorer}, {scorer.name: 1.0}, batch_size=config.reward.batch_size)
     trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
-                      client, SingleProcess(torch.device("cpu")), RunLogger(tmp_path / "run", False, False))
+                      client, SingleProcess(torch.device("cpu")), RunLogger(run_dir, False, False))
     try:
-        final = trainer.fit()
+        if resume is not None:
+            trainer.resume(resume)
+        trainer.fit()
     finally:
         client.close()
-    assert trainer.progress.epochs_done == 1 and math.isfinite(final["reward_mean"])
-    moved = [not torch.equal(b, p) for b, p in zip(before, adapter.trainable_parameters(), strict=True)]
+    return trainer, built
+
+
+def _records(trainer: Trainer, phase: str) -> list[dict]:
+    return [r for r in trainer.logger.history if r["phase"] == phase]
+
+
+def _fit(config, tmp_path) -> None:
+    """``_run`` of ``config``: the trainable weights must move and the final metrics be finite."""
+    trainer, built = _run(config, tmp_path / "run")
+    (final,) = _records(trainer, "final")
+    assert trainer.progress.epochs_done == config.train.epochs and math.isfinite(final["reward_mean"])
+    moved = [not torch.equal(b, p) for b, p in zip(built, trainer.adapter.trainable_parameters(), strict=True)]
     assert any(moved), "no trainable weight moved"
 
 
@@ -160,6 +176,24 @@ def test_config_runs_a_whole_job(path, tiny_models, tmp_path):
     the evaluation before, one RL epoch of the config's algorithm with its sampler, the checkpoint, the
     evaluation after."""
     _fit(_tiny_job(path, tiny_models, tmp_path, _one_epoch(_tiny_job(path, tiny_models, tmp_path))), tmp_path)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_id)
+def test_config_resumes_exactly(path, tiny_models, tmp_path):
+    """Every shipped config's job at toy size, two RL epochs with a checkpoint after each: resumed from the
+    first checkpoint, the second epoch and the final evaluation repeat the straight run's exactly (whatever
+    state its model, algorithm and reference keep: LoRA, IP-Adapter snapshots, critics, EMA)."""
+    two = [*_one_epoch(_tiny_job(path, tiny_models, tmp_path)), "train.epochs=2", "train.checkpoint_every=1",
+           "train.keep_checkpoints=0", "eval.every=0"]
+    straight, _ = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "straight")
+    first = next(p for p in straight.checkpoints.directory.iterdir() if p.name.endswith("-000001"))
+    resumed, _ = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "resumed", resume=first)
+    for phase in ("rl", "final"):
+        want, got = _records(straight, phase)[-1], _records(resumed, phase)[-1]
+        assert want["step"] == got["step"] == 2
+        timings = {k for k in want if k.endswith(("_s", "per_s")) or k == "time"}
+        assert {k: v for k, v in got.items() if k not in timings} == {k: v for k, v in want.items()
+                                                                        if k not in timings}, phase
 
 
 @pytest.mark.parametrize(("name", "algorithm"), list(itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)))

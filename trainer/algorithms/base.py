@@ -47,6 +47,32 @@ class LossContext:
         if self.snapshot is None:
             self.snapshot = frozen_copy
 
+    def reference_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What a checkpoint must keep of the reference to resume it: all its weights where it holds its own
+        ("reference"), the weights a view swaps into the policy ("reference_swapped": a trained IP-Adapter's
+        as the reference was taken), nothing where it views the policy's own weights (the LoRA-disabled base)."""
+        if self.reference_owned:
+            return {"reference": self.reference.state_dict()}
+        if isinstance(self.reference, models_common.FrozenView) and self.reference.frozen:
+            return {"reference_swapped": self.reference.frozen}
+        return {}
+
+    def load_reference_states(self, states: dict[str, dict[str, torch.Tensor]], source: object) -> None:
+        """Restore what ``reference_states`` saved (``states`` may hold other entries) into a reference made
+        for the resumed policy; ``source`` names the checkpoint in errors."""
+        if "reference" in states:  # a copy with its own weights (full fine-tuning, or refreshed)
+            if not self.reference_owned:
+                self.reference, self.reference_owned = self.snapshot(self.policy), True
+            self.reference.load_state_dict(states["reference"])
+        elif "reference_swapped" in states:
+            saved, frozen = states["reference_swapped"], getattr(self.reference, "frozen", {})
+            if saved.keys() != frozen.keys():
+                raise ValueError(f"{source} holds a reference snapshot of {len(saved)} tensors where this run's "
+                                 f"reference swaps in {len(frozen)}: resume with the model.ip_adapter and "
+                                 "model.lora settings the run started with")
+            for name, tensor in saved.items():
+                frozen[name].copy_(tensor)
+
 
 class Algorithm(Protocol):
     """An RL algorithm trained on rollouts. One implementation per file, registered by name."""

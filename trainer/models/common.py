@@ -178,7 +178,9 @@ class FrozenView(nn.Module):
 
     def __init__(self, net: nn.Module, lora: bool, frozen: dict[str, torch.Tensor]):
         super().__init__()
-        self.net, self.lora, self.frozen = net, lora, frozen
+        self.net, self.lora = net, lora
+        self.frozen = frozen
+        """Parameter name -> the tensor swapped in for it: the reference's own state, which checkpoints keep."""
 
     def forward(self, *args, **kwargs):
         if self.lora:
