@@ -56,4 +56,9 @@ class EMA:
         if len(state) != len(self.shadow):
             raise ValueError(f"the checkpoint's EMA has {len(state)} tensors, this model {len(self.shadow)}")
         for i, s in enumerate(self.shadow):
-            s.copy_(state[f"{i:05d}"])
+            saved = state[f"{i:05d}"]
+            if saved.shape != s.shape:
+                raise ValueError(f"the checkpoint's EMA tensor {i} is {tuple(saved.shape)} where this rank's shard is "
+                                 f"{tuple(s.shape)}: the EMA is kept per shard, so resume with the parallel.backend "
+                                 "and number of ranks the checkpoint was made with")
+            s.copy_(saved)

@@ -134,7 +134,7 @@ class Trainer:
         if self.progress.rl_started and self.algorithm.needs_reference:
             self._new_reference()
             self.ctx.load_reference_states(states, path)
-        self.algorithm.load_state(states.get("algorithm", {}))
+        self._load_algorithm_state(states.get("algorithm", {}), path)
         if self.ema is not None:
             if "ema" not in states:
                 raise ValueError(f"{path} holds no EMA weights but train.ema_decay > 0: resume with the EMA "
@@ -143,6 +143,20 @@ class Trainer:
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
                     f"RL epochs {self.progress.epochs_done})")
+
+    @torch.no_grad()
+    def _load_algorithm_state(self, saved: dict[str, torch.Tensor], path: Path) -> None:
+        """Write this rank's saved shards of the algorithm's networks into their live shards (under FSDP2 a
+        critic's parameters are sharded: loading whole tensors into them would not fit)."""
+        current = self.algorithm.state()
+        for name, shard in zip(current, self.backend.local_shards(current.values()), strict=True):
+            value = saved.get(name)
+            if value is None or value.shape != shard.shape:
+                held = "nothing" if value is None else tuple(value.shape)
+                raise ValueError(f"{path} holds {held} for {name} on rank {self.backend.world.rank}, where this "
+                                 f"run's shard is {tuple(shard.shape)}: resume with the algorithm settings, "
+                                 "parallel.backend and number of ranks the checkpoint was made with")
+            shard.copy_(value)
 
     def _new_reference(self) -> None:
         """The adapter's reference for the policy as it is now: a view of the policy's weights (LoRA

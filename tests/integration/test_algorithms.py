@@ -94,3 +94,18 @@ def test_evaluation_before_rl_reads_the_warmed_up_weights_with_an_ema(tmp_path, 
         evals[decay] = [r for r in map(json.loads, lines) if r["phase"] == "eval"][0]
     drop = {"time"}
     assert {k: v for k, v in evals["0.5"].items() if k not in drop} == {k: v for k, v in evals["0"].items() if k not in drop}
+
+
+@pytest.mark.parametrize(("resumed", "message"), [
+    (["algorithm.name=grpo"], "optimizers, this run has 0: resume with the algorithm the checkpoint was made with"),
+    (["algorithm.critic_hidden=16"], r"holds \(256, \d+\) for critic.mlp.0.weight on rank 0, where this run's shard is "
+                                     r"\(16, \d+\): resume with the algorithm settings")])
+def test_a_checkpoint_of_other_algorithm_settings_is_refused(tmp_path, tiny_model_dir, resumed, message):
+    """A run with a critic resumed without one, or with a critic of another size: the error names the fix."""
+    trainer = _trainer(tmp_path / "critic", tiny_model_dir, "ppo_critic", "train.warmup_steps=0", "train.epochs=1")
+    trainer.fit()
+    trainer.logger.close()
+    other = _trainer(tmp_path / "other", tiny_model_dir, "ppo_critic", "train.warmup_steps=0", "train.epochs=1",
+                     *resumed)
+    with pytest.raises(ValueError, match=message):
+        other.resume(trainer.checkpoints.latest())

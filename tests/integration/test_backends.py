@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")
-KEYS = ("sft_loss", "policy_loss", "grad_norm", "reward_mean")
+KEYS = ("sft_loss", "policy_loss", "grad_norm", "reward_mean", "value_loss")
 TOL = 1e-5
 """Relative: DDP all-reduces whole gradients, FSDP2 and ZeRO reduce-scatter them in buckets, so float32
 sums may differ in the last bits (observed: 6e-8)."""
@@ -34,9 +34,11 @@ ATOL = 1e-7
 
 
 VARIANTS = {"fsdp2+fp16-lora": ("fsdp2", ["model.dtype=float16", "parallel.param_dtype=float16",
-                                         "model.lora={rank: 4, alpha: 4}"])}
+                                         "model.lora={rank: 4, alpha: 4}"]),
+            "fsdp2+critic": ("fsdp2", ["algorithm.name=ppo_critic"])}
 """Runs beyond the plain backends, for the checkpoint and kill -9 tests only: FSDP2 computing in fp16 with float32 LoRA
-weights over an fp16 base (the loss scale is part of the state a resume must restore)."""
+weights over an fp16 base (the loss scale is part of the state a resume must restore), and FSDP2 training PPO's
+value network (sharded too: a resume writes each rank's saved shards back into it)."""
 
 
 def _args(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -> list[str]:

@@ -123,6 +123,8 @@ def test_ema_updates_every_k_steps_and_swaps_in_for_evaluation():
     restored = EMA([torch.zeros(2)], decay=0.5, every=1)
     restored.load_state(ema.state())
     torch.testing.assert_close(restored.shadow[0], ema.shadow[0])
+    with pytest.raises(ValueError, match=r"tensor 0 is \(2,\) where this rank's shard is \(1,\): .* parallel.backend"):
+        EMA([torch.zeros(1)], decay=0.5, every=1).load_state(ema.state())  # a shard of another layout
     with pytest.raises(ValueError, match="ema_decay"):
         EMA([w], decay=1.0, every=1)
 

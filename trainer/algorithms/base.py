@@ -111,10 +111,9 @@ class Algorithm(Protocol):
         ...
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Tensors of the algorithm's own networks for a checkpoint (empty when it has none)."""
+        """The live tensors of the algorithm's own networks (a critic's ``state_dict()``; empty when it has none):
+        a checkpoint keeps each rank's shards of them, and a resume writes the saved shards into them in place."""
         ...
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
 class NoExtras:
@@ -137,11 +136,6 @@ class NoExtras:
 
     def state(self) -> dict[str, torch.Tensor]:
         return {}
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise ValueError(f"the checkpoint holds algorithm state ({', '.join(sorted(state))}) this algorithm "
-                             "does not have: resume with the algorithm the checkpoint was made with")
 
 
 def frozen_copy(net: nn.Module) -> nn.Module:

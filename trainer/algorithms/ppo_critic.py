@@ -152,6 +152,3 @@ class PPOCritic(ClippedPolicyGradient):
 
     def state(self) -> dict[str, torch.Tensor]:
         return {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items()})
