@@ -7,6 +7,9 @@ The checkpoint's config names the model; its base weights are loaded from ``mode
 ``--model-path``), the checkpoint's trainable weights are loaded on top, LoRA is merged into the base, and
 the denoiser is written with ``save_pretrained``: ``<Class>.from_pretrained(out)`` loads it. With LoRA the
 adapter alone is also written under ``out/lora`` (diffusers' LoRA format: ``load_lora_adapter`` takes it).
+An IP-Adapter is written apart, as ``out/ip_adapter.safetensors`` (``FluxPipeline.load_ip_adapter(out,
+weight_name="ip_adapter.safetensors")`` reads it; see ``trainer.models.ip_adapter``), not into the denoiser,
+whose diffusers class would drop its weights.
 Runs in one CPU process; no GPU or torchrun needed.
 """
 
@@ -27,9 +30,16 @@ from torch import nn
 
 def export_denoiser(denoiser: nn.Module, out: Path) -> None:
     """Write ``denoiser`` (a plain, unsharded module, e.g. ``backend.frozen_copy``) to ``out`` as a diffusers
-    model, LoRA merged; with LoRA, also the adapter alone under ``out/lora``. Changes ``denoiser``
-    (the LoRA is fused into it)."""
+    model, LoRA merged; with LoRA, also the adapter alone under ``out/lora``; with an IP-Adapter, its weights
+    as ``out/ip_adapter.safetensors``. Changes ``denoiser`` (the LoRA is fused into it, the IP-Adapter taken out)."""
+    from safetensors.torch import save_file
+
+    from trainer.models.ip_adapter import IP_WEIGHTS, detach_ip_adapter
+
     out.mkdir(parents=True, exist_ok=True)
+    ip_weights = detach_ip_adapter(denoiser)
+    if ip_weights is not None:
+        save_file({k: v.cpu().contiguous() for k, v in ip_weights.items()}, out / IP_WEIGHTS)
     if getattr(denoiser, "peft_config", None):
         denoiser.save_lora_adapter(str(out / "lora"))
         denoiser.fuse_lora()

@@ -5,7 +5,8 @@ image encoder, loaded from disk like a real one):
   (3) a GRPO step with the IP-Adapter as the policy changes only IP-Adapter weights (and LoRA with LoRA on),
       and the reference keeps the pre-step policy;
   (4) save_trainable / load_trainable and ``ip_adapter.weights`` round-trip the weights in the documented format;
-      a frozen IP-Adapter stays as loaded under full fine-tuning, whose checkpoints round-trip too;
+      a frozen IP-Adapter stays as loaded under full fine-tuning, whose checkpoints round-trip too; an export
+      writes the IP-Adapter beside the plain diffusers denoiser;
   (5) FLUX: a noise-level-0 rollout equals diffusers' FluxPipeline that loaded the saved file with
       ``load_ip_adapter`` and got the same ``ip_adapter_image_embeds``;
   (6) configuration mistakes raise errors that name the fix (a resume's reference snapshot too).
@@ -20,9 +21,10 @@ from safetensors.torch import load_file
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.config import ConfigError, load_config
+from trainer.export import export_denoiser
 from trainer.models import build_adapter, testing
 from trainer.models.base import ImageInputs
-from trainer.models.common import LoraSettings
+from trainer.models.common import LoraSettings, frozen_copy
 from trainer.models.ip_adapter import IP_WEIGHTS
 from trainer.rollout import SamplerSettings, rollout
 
@@ -194,6 +196,29 @@ def test_flux_rollout_equals_pipeline_with_loaded_ip_adapter(root, tmp_path):
     off = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0),
                   inputs)
     assert (off.latents[:, -1] - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_writes_the_base_model_and_the_ip_adapter_file(name, root, tmp_path):
+    """A trained IP-Adapter with LoRA, exported: diffusers loads the denoiser with no weight missing or left over
+    (LoRA merged, no IP-Adapter in it), and that denoiser with the exported ``ip_adapter.safetensors`` computes
+    what the trained policy computes."""
+    adapter = make(name, root, ip={}, lora=LoraSettings(rank=4, alpha=4))
+    testing.randomize_ip_adapter(adapter, seed=6)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # LoRA's B starts at zero: move every trainable weight
+        for p in adapter.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    inputs = styles(adapter, [4, 5])
+    expected = predict(adapter, inputs)
+    export_denoiser(frozen_copy(adapter.denoiser), tmp_path)
+
+    exported, info = type(adapter.denoiser).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    fresh = make(name, root, ip={"weights": str(tmp_path / IP_WEIGHTS)})
+    missing, unexpected = fresh.denoiser.load_state_dict(exported.state_dict(), strict=False)
+    assert not unexpected and set(missing) == ip_names(fresh)
+    torch.testing.assert_close(predict(fresh, inputs), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_configuration_mistakes_name_the_fix(root, tmp_path):

@@ -40,7 +40,11 @@ from pathlib import Path
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import ImageProjection, MultiIPAdapterImageProjection
-from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor, FluxTransformer2DModel
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttnProcessor,
+    FluxIPAdapterAttnProcessor,
+    FluxTransformer2DModel,
+)
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from torch import nn
 
@@ -247,15 +251,7 @@ class IPAdapter:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in the file format of this module's docstring."""
-        proj = self.projection
-        state = {"image_proj.proj.weight": proj.image_embeds.weight, "image_proj.proj.bias": proj.image_embeds.bias,
-                 "image_proj.norm.weight": proj.norm.weight, "image_proj.norm.bias": proj.norm.bias}
-        for k, processor in enumerate(self.processors):
-            for kind in ("to_k_ip", "to_v_ip"):
-                layer = getattr(processor, kind)[0]
-                state[f"ip_adapter.{k}.{kind}.weight"] = layer.weight
-                state[f"ip_adapter.{k}.{kind}.bias"] = layer.bias
-        return {k: v.detach() for k, v in state.items()}
+        return _file_state(self.projection, self.processors)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], source: str) -> None:
         """Copy ``state`` (file format) into the modules; a file for another model raises a ValueError."""
@@ -290,6 +286,33 @@ class IPAdapter:
     def load(self, directory: str) -> None:
         """Load what ``save`` wrote into ``directory``."""
         self.load_state_dict(read_weights(directory), directory)
+
+
+def _file_state(projection: ImageProjection, processors: list[nn.Module]) -> dict[str, torch.Tensor]:
+    state = {"image_proj.proj.weight": projection.image_embeds.weight, "image_proj.proj.bias": projection.image_embeds.bias,
+             "image_proj.norm.weight": projection.norm.weight, "image_proj.norm.bias": projection.norm.bias}
+    for k, processor in enumerate(processors):
+        for kind in ("to_k_ip", "to_v_ip"):
+            layer = getattr(processor, kind)[0]
+            state[f"ip_adapter.{k}.{kind}.weight"] = layer.weight
+            state[f"ip_adapter.{k}.{kind}.bias"] = layer.bias
+    return {k: v.detach() for k, v in state.items()}
+
+
+def detach_ip_adapter(denoiser: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Take the IP-Adapter out of ``denoiser`` (the module itself or a plain copy of it, e.g. for an export): returns
+    its weights in the file format (None without one) and leaves the blocks' default attention processors and no
+    ``encoder_hid_proj``, so that ``save_pretrained`` writes the base model, which diffusers loads as it is."""
+    projection = getattr(denoiser, "encoder_hid_proj", None)
+    if not isinstance(projection, MultiIPAdapterImageProjection):
+        return None
+    state = _file_state(projection.image_projection_layers[0],
+                        [block.attn.processor for block in denoiser.transformer_blocks])
+    default = FluxAttnProcessor if isinstance(denoiser, FluxTransformer2DModel) else QwenDoubleStreamAttnProcessor2_0
+    for block in denoiser.transformer_blocks:
+        block.attn.set_processor(default())
+    denoiser.encoder_hid_proj = None
+    return state
 
 
 def split_style(model: str, ip_adapter: IPAdapter | None, inputs: ImageInputs | None,
