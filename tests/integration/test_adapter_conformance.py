@@ -8,7 +8,8 @@ Each adapter's model is built by ``trainer.models.testing`` (random weights, loc
   (c) one GRPO step (KL on) and one SFT step change the trainable parameters and nothing else, with LoRA
       (base frozen) and with full fine-tuning;
   (d) save_trainable -> load_trainable into a fresh adapter reproduces the predictions exactly;
-  (e) wrong or missing image inputs raise ValueErrors that name the input;
+  (e) wrong or missing image inputs raise ValueErrors that name the input, and another model's weights at
+      ``model.path`` one that names the fix;
   (f) rollouts sampled in chunks concatenate and stay on-policy, and neither a rollout's steps nor a GRPO
       unit reads a value back from the device.
 Image-conditioned pipelines sample the VAE posterior of their conditioning images where the adapters take
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from typing import NamedTuple
 
 import pytest
@@ -342,6 +344,24 @@ def test_image_inputs_are_validated(adapter):
         adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image[..., :-2, :-2], mask=good.mask))
     with pytest.raises(ValueError, match="ImageInputs.mask"):
         adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image, mask=good.mask[:1]))
+
+
+SAME_SHAPES = {frozenset({"flux", "flux_kontext"}), frozenset({"sd3", "tiny"})}
+"""Models whose weights only training tells apart (FLUX.1-dev and Kontext), and the tiny model, an SD3: either
+adapter loads the other's."""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_another_models_directory_is_refused(name, model_root):
+    """``model.path`` at the weights of any other registered model: a ValueError naming the directory and the fix,
+    not diffusers' complaint about one weight's shape (or a crash at the first forward)."""
+    config = tiny_config(name, model_root)
+    for other in NAMES:
+        if other == name or frozenset((name, other)) in SAME_SHAPES:
+            continue
+        path = tiny_config(other, model_root).path
+        with pytest.raises(ValueError, match=rf"model\.path={re.escape(repr(path))} .* point model\.path at"):
+            build_adapter(dataclasses.replace(config, path=path), "cpu")
 
 
 @pytest.mark.parametrize("adapter", CASES, indirect=True)

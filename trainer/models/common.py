@@ -81,6 +81,22 @@ class DiffusersModelConfig:
     rollouts decode with it). Adapters that VAE-encode no image input refuse it. "" encodes every input."""
 
 
+def load_denoiser(cls: type, config: Any, subfolder: str, label: str, **load: Any) -> nn.Module:
+    """``cls.from_pretrained(model.path, subfolder=...)`` once the directory is known to hold a ``cls`` there: a
+    directory of no diffusers model, or of another model, fails with a message naming the fix (diffusers would
+    report a weight of the wrong shape instead, or load it)."""
+    file = Path(config.path) / subfolder / "config.json"
+    if not file.is_file():
+        raise ValueError(f"model.path={config.path!r} is not a diffusers {label} directory (no {subfolder}/config.json); "
+                         "point model.path at a local copy of the weights")
+    found = json.loads(file.read_text()).get("_class_name")
+    if found != cls.__name__:
+        raise ValueError(f"model.path={config.path!r} holds a {found} in {subfolder}/, and model.name={config.name} "
+                         f"loads a {cls.__name__}: point model.path at a {label} directory, or set model.name to the "
+                         "adapter of the model there")
+    return cls.from_pretrained(Path(config.path), subfolder=subfolder, **load)
+
+
 def freeze(*modules: nn.Module | None) -> None:
     """No gradients and eval mode (dropout off) for frozen encoders and VAEs; ``None`` entries are skipped."""
     for module in modules:

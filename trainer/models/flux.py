@@ -36,6 +36,7 @@ from trainer.models.common import (
     cfg_combine,
     freeze,
     frozen_copy,
+    load_denoiser,
     load_text_components,
     load_trainable,
     prepare_denoiser,
@@ -83,13 +84,11 @@ class FluxAdapter:
 
     def __init__(self, config: FluxConfig, device: torch.device | str = "cpu"):
         path = Path(config.path)
-        if not (path / "transformer" / "config.json").is_file():
-            raise ValueError(f"model.path={config.path!r} is not a diffusers FLUX directory (no transformer/config.json)")
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
-        self.denoiser = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.denoiser = load_denoiser(FluxTransformer2DModel, config, "transformer", "FLUX", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
         self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
@@ -108,6 +107,12 @@ class FluxAdapter:
         self.latent_channels = self.vae.config.latent_channels
         tokens_side = side // self.vae_factor // 2
         self.latent_shape = (tokens_side * tokens_side, 4 * self.latent_channels)
+        fed = self.latent_shape[1] + self._extra_input_channels()
+        if self.denoiser.config.in_channels != fed:
+            raise ValueError(f"model.path={config.path!r} holds a FLUX transformer reading {self.denoiser.config.in_channels} "
+                             f"input channels, and model.name={config.name} feeds it {fed}: FLUX.1 Fill reads 384 "
+                             "(latents | masked-image latents | mask), FLUX.1-dev and Kontext 64; point model.path at "
+                             "the weights of the model that model.name names")
         self.img_ids = self.pipeline._prepare_latent_image_ids(1, tokens_side, tokens_side, self.device, self.dtype)
         self.guidance_embeds = bool(self.denoiser.config.guidance_embeds)
 
@@ -115,6 +120,10 @@ class FluxAdapter:
         prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
         self._reference: nn.Module | None = None
+
+    def _extra_input_channels(self) -> int:
+        """Channels a variant concatenates to the packed latents at every forward (none here)."""
+        return 0
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod

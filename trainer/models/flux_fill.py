@@ -35,6 +35,10 @@ class FluxFillAdapter(FluxAdapter):
     model_name = "flux_fill"
     encodes_image_inputs = True
 
+    def _extra_input_channels(self) -> int:
+        # Packed 2x2: the masked image's latents, and the mask folded from vae_factor^2 pixels per latent.
+        return 4 * self.latent_channels + 4 * self.vae_factor**2
+
     @torch.no_grad()
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
         """``image``: packed masked-image latents; ``mask``: the packed mask, as the pipeline makes them. The

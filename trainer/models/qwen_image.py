@@ -39,6 +39,7 @@ from trainer.models.common import (
     cfg_combine,
     freeze,
     frozen_copy,
+    load_denoiser,
     load_text_components,
     load_trainable,
     prepare_denoiser,
@@ -102,14 +103,11 @@ class QwenImageAdapter:
 
     def __init__(self, config: QwenImageConfig, device: torch.device | str = "cpu"):
         path = Path(config.path)
-        if not (path / "transformer" / "config.json").is_file():
-            raise ValueError(f"model.path={config.path!r} is not a diffusers Qwen-Image directory "
-                             "(no transformer/config.json)")
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
-        self.denoiser = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.denoiser = load_denoiser(QwenImageTransformer2DModel, config, "transformer", "Qwen-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **load)
         self.pipeline = QwenImagePipeline(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,

@@ -38,6 +38,7 @@ from trainer.models.common import (
     cfg_combine,
     freeze,
     frozen_copy,
+    load_denoiser,
     load_text_components,
     load_trainable,
     prepare_denoiser,
@@ -75,13 +76,11 @@ class SD15InpaintAdapter:
 
     def __init__(self, config: SD15InpaintConfig, device: torch.device | str = "cpu"):
         path = Path(config.path)
-        if not (path / "unet" / "config.json").is_file():
-            raise ValueError(f"model.path={config.path!r} is not a diffusers SD1.5 directory (no unet/config.json)")
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
-        self.denoiser = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **load)
+        self.denoiser = load_denoiser(UNet2DConditionModel, config, "unet", "SD1.5", **load)
         if self.denoiser.config.in_channels != 9:
             raise ValueError(f"{config.path!r} has a {self.denoiser.config.in_channels}-channel UNet; the "
                              "sd15_inpaint adapter needs an inpainting UNet (9 channels)")

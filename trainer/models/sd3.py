@@ -30,6 +30,7 @@ from trainer.models.common import (
     cfg_combine,
     freeze,
     frozen_copy,
+    load_denoiser,
     load_text_components,
     load_trainable,
     prepare_denoiser,
@@ -66,16 +67,11 @@ class SD3Adapter:
 
     def __init__(self, config: SD3Config, device: torch.device | str = "cpu"):
         path = Path(config.path)
-        if not (path / "transformer" / "config.json").is_file():
-            raise ValueError(
-                f"model.path={config.path!r} is not a diffusers SD3 directory (no transformer/config.json); "
-                "point model.path at a local copy of the weights"
-            )
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
-        self.denoiser = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.denoiser = load_denoiser(SD3Transformer2DModel, config, "transformer", "SD3", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load) if (path / "vae").is_dir() else None
         self.pipeline = StableDiffusion3Pipeline(transformer=self.denoiser, scheduler=self.scheduler, vae=self.vae,

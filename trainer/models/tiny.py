@@ -134,6 +134,11 @@ class TinyAdapter(SD3Adapter):
     config_class = TinyConfig
 
     def __init__(self, config: TinyConfig, device: torch.device | str = "cpu"):
-        if not (Path(config.path) / "transformer" / "config.json").is_file():
+        path = Path(config.path)
+        if not (path / "transformer" / "config.json").is_file():
+            if path.is_dir() and any(path.iterdir()):
+                raise ValueError(f"model.path={config.path!r} holds files but not the tiny model (no "
+                                 "transformer/config.json): point model.path at a new directory, where the tiny model "
+                                 "is built, or at one it was built in")
             build_tiny_sd3(config.path)
         super().__init__(config, device)
