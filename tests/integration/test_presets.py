@@ -196,6 +196,17 @@ def test_config_resumes_exactly(path, tiny_models, tmp_path):
                                                                         if k not in timings}, phase
 
 
+@pytest.mark.parametrize("preset", ["flux_fill_grpo_ocr", "sd15_inpaint_dpo"])
+def test_images_of_another_size_than_the_model_generates_are_refused_before_training(preset, tiny_models, tmp_path):
+    """An inpainting job whose dataset gives images of another size than ``model.resolution``: the job stops as
+    the trainer is built, and the message names the setting to change."""
+    path = REPO / "configs" / "presets" / f"{preset}.yaml"
+    side = _tiny_job(path, tiny_models, tmp_path).model.resolution
+    config = _tiny_job(path, tiny_models, tmp_path, [f"data.image_size={2 * side}"])
+    with pytest.raises(ValueError, match=rf"is \({2 * side}, {2 * side}\) pixels; .* set data.image_size to model.resolution"):
+        _run(config, tmp_path / "run")
+
+
 @pytest.mark.parametrize(("name", "algorithm"), list(itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)))
 def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_models, tmp_path):
     """Each algorithm's config (configs/algorithms) with each registered adapter's tiny model, float32 and

@@ -592,7 +592,7 @@ def require_image_input(
                          f"[{batch_size}, {channels}, H, W] (one per prompt)")
     if size is not None and tuple(value.shape[-2:]) != tuple(size):
         raise ValueError(f"{what} is {tuple(value.shape[-2:])} pixels; the {model} adapter generates "
-                         f"{tuple(size)} (model.resolution)")
+                         f"{tuple(size)} (model.resolution): set data.image_size to model.resolution")
     if value.shape[-2] % multiple_of or value.shape[-1] % multiple_of:
         raise ValueError(f"{what} sides {tuple(value.shape[-2:])} must be multiples of {multiple_of}")
     return value
