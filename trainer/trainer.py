@@ -117,10 +117,10 @@ class Trainer:
         return after
 
     def save_checkpoint(self) -> None:
-        states = self.ctx.reference_states()  # the same on every rank
+        states, rank_states = self.ctx.reference_states()
         # Per rank: the EMA and an algorithm's networks are kept over this rank's shards.
         algorithm = self.algorithm.state()
-        rank_states = {"algorithm": dict(zip(algorithm, self.backend.local_shards(algorithm.values()), strict=True))}
+        rank_states["algorithm"] = dict(zip(algorithm, self.backend.local_shards(algorithm.values()), strict=True))
         if self.ema is not None:
             rank_states["ema"] = self.ema.state()
         path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, to_dict(self.config),
@@ -167,7 +167,8 @@ class Trainer:
             copies.append(net)
             return self.backend.frozen_copy(net)
 
-        self.ctx.reference = self.adapter.reference(copy, self.backend.forward_reads_module_weights)
+        shards = None if self.backend.forward_reads_module_weights else self.backend.local_shards
+        self.ctx.reference = self.adapter.reference(copy, shards)
         self.ctx.reference_owned = bool(copies)
 
     def init_from(self, path: Path) -> None:

@@ -183,16 +183,26 @@ def ip_job(tmp_path_factory) -> Iterator[list[str]]:
 
 def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(ip_job, tmp_path):
     """The reference of IP-Adapter training is the policy with the IP-Adapter's weights as RL started. Where
-    the forward gathers the backend's own shards (FSDP2, ZeRO-3) a view swapping those weights in cannot work
-    (FSDP2 computed with the live weights, a KL of 0 forever; ZeRO-3 failed), so it is a frozen copy there:
-    every backend reports the same KL, 0 in the first epoch and > 0 once the policy has moved."""
+    the forward gathers the backend's own shards (FSDP2, ZeRO-3) a view passing those weights to the call cannot
+    work (FSDP2 computed with the live weights, a KL of 0 forever; ZeRO-3 failed), so the view writes this rank's
+    shards of them into the shards around the call: every backend reports the same KL, 0 in the first epoch and
+    > 0 once the policy has moved. Resumed after the first epoch, the sharded backends repeat the second (each
+    rank's snapshot shards are in the checkpoint)."""
     kl = {}
-    for backend in BACKENDS:
+
+    def run(backend: str, name: str, *extra: str) -> list[float]:
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py",
-                *ip_job, f"parallel.backend={backend}", f"logging.output_dir={tmp_path}", f"logging.run_name={backend}"]
-        run = _run(args)
-        assert run.returncode == 0, f"{backend}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
-        kl[backend] = [r["kl"] for r in _records(tmp_path / backend, "rl")]
+                *ip_job, f"parallel.backend={backend}", f"logging.output_dir={tmp_path}", f"logging.run_name={name}",
+                "train.checkpoint_every=1", "train.keep_checkpoints=0", *extra]
+        done = _run(args)
+        assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        return [r["kl"] for r in _records(tmp_path / name, "rl")]
+
+    for backend in BACKENDS:
+        kl[backend] = run(backend, backend)
     assert kl["ddp"][0] == 0.0 and kl["ddp"][1] > 1e-3, kl
     for backend in BACKENDS:
         assert kl[backend] == pytest.approx(kl["ddp"], rel=TOL, abs=ATOL), kl
+    for backend in ("fsdp2", "zero3"):
+        first = next((tmp_path / backend / "checkpoints").glob("step-*-000001"))
+        assert run(backend, f"{backend}-resumed", f"train.resume={first}") == kl[backend][1:], backend

@@ -236,7 +236,9 @@ def test_configuration_mistakes_name_the_fix(root, tmp_path):
     with pytest.raises(ValueError, match="do not fit this model"):
         make("flux", root, ip={"weights": str(qwen_weights)})
     ctx = LossContext(adapter, adapter.denoiser, adapter.reference())
-    snapshot = ctx.reference_states()["reference_swapped"]
+    shared, own = ctx.reference_states()
+    snapshot = shared["reference_swapped"]
+    assert not own
     assert snapshot.keys() == ip_names(adapter)
     with pytest.raises(ValueError, match="resume with the model.ip_adapter and model.lora settings"):
         ctx.load_reference_states({"reference_swapped": dict(list(snapshot.items())[1:])}, "step-000000-000001")

@@ -47,15 +47,18 @@ class LossContext:
         if self.snapshot is None:
             self.snapshot = frozen_copy
 
-    def reference_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """What a checkpoint must keep of the reference to resume it: all its weights where it holds its own
-        ("reference"), the weights a view swaps into the policy ("reference_swapped": a trained IP-Adapter's
-        as the reference was taken), nothing where it views the policy's own weights (the LoRA-disabled base)."""
+    def reference_states(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """What a checkpoint must keep of the reference to resume it, as (states the same on every rank, this
+        rank's own): all its weights where it holds its own ("reference"), the weights a view swaps into the
+        policy ("reference_swapped": a trained IP-Adapter's as the reference was taken; this rank's shards of
+        them under a backend that shards them), nothing where it views the policy's own weights (the
+        LoRA-disabled base)."""
         if self.reference_owned:
-            return {"reference": self.reference.state_dict()}
+            return {"reference": self.reference.state_dict()}, {}
         if isinstance(self.reference, models_common.FrozenView) and self.reference.frozen:
-            return {"reference_swapped": self.reference.frozen}
-        return {}
+            swapped = {"reference_swapped": self.reference.frozen}
+            return ({}, swapped) if self.reference.shards is not None else (swapped, {})
+        return {}, {}
 
     def load_reference_states(self, states: dict[str, dict[str, torch.Tensor]], source: object) -> None:
         """Restore what ``reference_states`` saved (``states`` may hold other entries) into a reference made
@@ -71,6 +74,10 @@ class LossContext:
                                  f"reference swaps in {len(frozen)}: resume with the model.ip_adapter and "
                                  "model.lora settings the run started with")
             for name, tensor in saved.items():
+                if tensor.shape != frozen[name].shape:
+                    raise ValueError(f"{source} holds {name} of the reference snapshot as {tuple(tensor.shape)} "
+                                     f"where this rank's is {tuple(frozen[name].shape)}: resume with the "
+                                     "parallel.backend and number of ranks the checkpoint was made with")
                 frozen[name].copy_(tensor)
 
 

@@ -41,7 +41,8 @@ class ParallelBackend(Protocol):
     """True when a forward of the prepared network computes with the tensors its modules hold as parameters,
     so that a view calling it with some of them replaced (``torch.func.functional_call``) computes with the
     replacements: a reference that swaps in a snapshot of the IP-Adapter's weights. False where the forward
-    gathers the weights from the backend's own shards (FSDP2, ZeRO-3), which such a view cannot replace."""
+    gathers the weights from the backend's own shards (FSDP2, ZeRO-3): such a view writes the snapshot into
+    ``local_shards`` for the call instead."""
 
     def prepare(self, module: nn.Module, params: Iterable[nn.Parameter],
                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],

@@ -175,11 +175,13 @@ class ModelAdapter(Protocol):
         """Parameters the optimizer updates (LoRA weights only when LoRA is on)."""
         ...
 
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = ..., swap_weights: bool = True) -> nn.Module:
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = ...,
+                  shards: Callable[[list[nn.Parameter]], list[torch.Tensor]] | None = None) -> nn.Module:
         """A frozen network that computes the reference policy as the policy is at the first call: a view of
-        the policy's weights (LoRA disabled, IP-Adapter weights swapped), or ``copy(denoiser)`` for full
-        fine-tuning (the trainer passes the backend's ``frozen_copy``), and for a trained IP-Adapter where
-        calls cannot swap weights (``swap_weights``: the backend's ``forward_reads_module_weights``)."""
+        the policy's weights (LoRA disabled, IP-Adapter weights swapped in), or ``copy(denoiser)`` for full
+        fine-tuning (the trainer passes the backend's ``frozen_copy``). ``shards``: the backend's
+        ``local_shards`` where its forward gathers the weights from its own shards (FSDP2, ZeRO-3), which the
+        swap then writes into (the trainer passes it where ``forward_reads_module_weights`` is False)."""
         ...
 
     def save_trainable(self, directory: str) -> None:

@@ -9,6 +9,7 @@ top to bottom as one model family's story.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -16,7 +17,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -172,42 +173,72 @@ def frozen_copy(denoiser: nn.Module) -> nn.Module:
     return copy.deepcopy(denoiser).requires_grad_(False).eval()
 
 
+Shards = Callable[[list[nn.Parameter]], list[torch.Tensor]] | None
+"""A backend's ``local_shards``: the tensors holding this rank's part of each parameter."""
+
+
 def reference_network(denoiser: nn.Module, lora: LoraSettings | None, ip_adapter: IPAdapter | None = None,
-                      copy_fn: Callable[[nn.Module], nn.Module] = frozen_copy, swap_weights: bool = True) -> nn.Module:
+                      copy_fn: Callable[[nn.Module], nn.Module] = frozen_copy,
+                      shards: Shards = None) -> nn.Module:
     """The policy as it is now, frozen. LoRA: the same network with its adapter disabled (no extra memory).
-    A trainable IP-Adapter: its weights copied now and swapped in at every call (costs only their memory),
-    or, where a call cannot swap weights (``swap_weights`` False: a backend whose forward gathers its own
-    shards), ``copy_fn(denoiser)`` as for full fine-tuning, its LoRA disabled at every call.
-    Full fine-tuning: ``copy_fn(denoiser)``, a frozen copy of the weights (costs one more denoiser)."""
+    A trainable IP-Adapter: its weights copied now and swapped in at every call (costs only their memory; with
+    ``shards``, the backend's ``local_shards`` where its forward gathers the weights from its own shards, the
+    copy is of this rank's shards and is written into them). Full fine-tuning: ``copy_fn(denoiser)``, a frozen
+    copy of the weights (costs one more denoiser)."""
     if lora is None and not _trains_ip(ip_adapter):
         return copy_fn(denoiser)
-    if _trains_ip(ip_adapter) and not swap_weights:
-        return FrozenView(copy_fn(denoiser), lora is not None, {})
     names = set(ip_adapter.parameter_names) if _trains_ip(ip_adapter) else set()
-    frozen = {name: p.detach().clone() for name, p in denoiser.named_parameters() if name in names}
-    return FrozenView(denoiser, lora is not None, frozen)
+    named = [(name, p) for name, p in denoiser.named_parameters() if name in names]
+    if not named:
+        return FrozenView(denoiser, lora is not None, {})
+    values = shards([p for _, p in named]) if shards is not None else [p.detach() for _, p in named]
+    frozen = {name: value.clone() for (name, _), value in zip(named, values, strict=True)}
+    return FrozenView(denoiser, lora is not None, frozen, shards)
 
 
 class FrozenView(nn.Module):
     """Calls ``net`` with its LoRA adapters switched off (``lora``) and the parameters named in ``frozen``
-    replaced by those tensors (``torch.func.functional_call``)."""
+    replaced by those tensors: through ``torch.func.functional_call``, or, with ``shards`` (the backend's
+    ``local_shards``: FSDP2 and ZeRO-3 compute with weights gathered from each rank's shards, which a
+    functional call cannot replace), by writing them into this rank's shards for the call and back after it."""
 
-    def __init__(self, net: nn.Module, lora: bool, frozen: dict[str, torch.Tensor]):
+    def __init__(self, net: nn.Module, lora: bool, frozen: dict[str, torch.Tensor], shards: Shards = None):
         super().__init__()
-        self.net, self.lora = net, lora
+        self.net, self.lora, self.shards = net, lora, shards
         self.frozen = frozen
-        """Parameter name -> the tensor swapped in for it: the reference's own state, which checkpoints keep."""
+        """Parameter name -> the tensor swapped in for it (this rank's shard of it with ``shards``): the
+        reference's own state, which checkpoints keep."""
 
     def forward(self, *args, **kwargs):
         if self.lora:
             self.net.disable_adapters()
         try:
-            if self.frozen:
+            if not self.frozen:
+                return self.net(*args, **kwargs)
+            if self.shards is None:
                 return torch.func.functional_call(self.net, self.frozen, args, kwargs, strict=False)
-            return self.net(*args, **kwargs)
+            with self._written_into_shards():
+                return self.net(*args, **kwargs)
         finally:
             if self.lora:
                 self.net.enable_adapters()
+
+    @contextlib.contextmanager
+    def _written_into_shards(self) -> Iterator[None]:
+        # The policy's forward computed with gathered copies of its weights (FSDP2's unsharded parameters,
+        # ZeRO-3's gathered ones), and its backward gathers them again: the shards may change in between.
+        params = dict(self.net.named_parameters())
+        with torch.no_grad():
+            targets = self.shards([params[name] for name in self.frozen])
+            live = [t.clone() for t in targets]
+            for target, value in zip(targets, self.frozen.values(), strict=True):
+                target.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for target, value in zip(targets, live, strict=True):
+                    target.copy_(value)
 
 
 def save_trainable(denoiser: nn.Module, lora: bool, directory: str, ip_adapter: IPAdapter | None = None) -> None:

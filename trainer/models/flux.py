@@ -33,6 +33,7 @@ from trainer.models.common import (
     DiffusersModelConfig,
     ImageLatents,
     PromptEmbeddings,
+    Shards,
     cfg_combine,
     freeze,
     frozen_copy,
@@ -230,11 +231,11 @@ class FluxAdapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, swap_weights: bool = True) -> nn.Module:
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, shards: Shards = None) -> nn.Module:
         """The policy as it is at the first call: LoRA disabled and / or the IP-Adapter weights copied; full
         fine-tuning: a frozen copy (one more transformer in memory)."""
         if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora, self.ip_adapter, copy, swap_weights)
+            self._reference = reference_network(self.denoiser, self.config.lora, self.ip_adapter, copy, shards)
         return self._reference
 
     def save_trainable(self, directory: str) -> None:

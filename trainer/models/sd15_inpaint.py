@@ -35,6 +35,7 @@ from trainer.models.common import (
     DiffusersModelConfig,
     ImageLatents,
     PromptEmbeddings,
+    Shards,
     cfg_combine,
     freeze,
     frozen_copy,
@@ -195,9 +196,9 @@ class SD15InpaintAdapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, swap_weights: bool = True) -> nn.Module:
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, shards: Shards = None) -> nn.Module:
         """LoRA: the UNet with the adapter disabled. Full fine-tuning: a frozen copy made on the first call. No
-        IP-Adapter here, so ``swap_weights`` changes nothing."""
+        IP-Adapter here, so ``shards`` changes nothing."""
         if self._reference is None:
             self._reference = reference_network(self.denoiser, self.config.lora, copy_fn=copy)
         return self._reference

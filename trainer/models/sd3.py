@@ -27,6 +27,7 @@ from trainer.models.common import (
     DTYPES,
     DiffusersModelConfig,
     PromptEmbeddings,
+    Shards,
     cfg_combine,
     freeze,
     frozen_copy,
@@ -177,10 +178,10 @@ class SD3Adapter:
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.denoiser.parameters() if p.requires_grad)
 
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, swap_weights: bool = True) -> nn.Module:
+    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, shards: Shards = None) -> nn.Module:
         """LoRA: the same network with the adapter disabled (no extra memory). Full fine-tuning: a frozen
         copy of the weights as they were when this was first called (costs one more denoiser). No IP-Adapter
-        here, so ``swap_weights`` changes nothing."""
+        here, so ``shards`` changes nothing."""
         if self._reference is None:
             self._reference = reference_network(self.denoiser, self.config.lora, copy_fn=copy)
         return self._reference
