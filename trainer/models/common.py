@@ -208,6 +208,9 @@ class FrozenView(nn.Module):
         self.frozen = frozen
         """Parameter name -> the tensor swapped in for it (this rank's shard of it with ``shards``): the
         reference's own state, which checkpoints keep."""
+        if shards is not None:  # the same parameter objects for the whole run (their shards are updated in place)
+            params = dict(net.named_parameters())
+            self._swapped = [params[name] for name in frozen]
 
     def forward(self, *args, **kwargs):
         if self.lora:
@@ -227,9 +230,8 @@ class FrozenView(nn.Module):
     def _written_into_shards(self) -> Iterator[None]:
         # The policy's forward computed with gathered copies of its weights (FSDP2's unsharded parameters,
         # ZeRO-3's gathered ones), and its backward gathers them again: the shards may change in between.
-        params = dict(self.net.named_parameters())
         with torch.no_grad():
-            targets = self.shards([params[name] for name in self.frozen])
+            targets = self.shards(self._swapped)
             live = [t.clone() for t in targets]
             for target, value in zip(targets, self.frozen.values(), strict=True):
                 target.copy_(value)
