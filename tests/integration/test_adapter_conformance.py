@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import re
+import shutil
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -351,17 +354,38 @@ SAME_SHAPES = {frozenset({"flux", "flux_kontext"}), frozenset({"sd3", "tiny"})}
 adapter loads the other's."""
 
 
+def without_denoiser_weights(path: str, dest: Path) -> str:
+    """A copy of the model directory ``path`` whose denoiser has its config but no weights: an adapter that
+    refuses it must do so before it loads them (a minute for FLUX.1's 12 B parameters)."""
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if n.endswith(".safetensors")] if Path(folder).name in ("transformer", "unet") else []
+    shutil.copytree(path, dest, ignore=ignore)
+    return str(dest)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_another_models_directory_is_refused(name, model_root):
+def test_another_models_directory_is_refused(name, model_root, tmp_path):
     """``model.path`` at the weights of any other registered model: a ValueError naming the directory and the fix,
-    not diffusers' complaint about one weight's shape (or a crash at the first forward)."""
+    not diffusers' complaint about one weight's shape (or a crash at the first forward), raised before the
+    denoiser's weights are read."""
     config = tiny_config(name, model_root)
     for other in NAMES:
         if other == name or frozenset((name, other)) in SAME_SHAPES:
             continue
-        path = tiny_config(other, model_root).path
+        path = without_denoiser_weights(tiny_config(other, model_root).path, tmp_path / other)
         with pytest.raises(ValueError, match=rf"model\.path={re.escape(repr(path))} .* point model\.path at"):
             build_adapter(dataclasses.replace(config, path=path), "cpu")
+
+
+def test_a_text_to_image_unet_is_refused_by_the_inpainting_adapter(model_root, tmp_path):
+    """An SD1.5 text-to-image UNet (4 input channels, the same class as the inpainting one) at sd15_inpaint's
+    ``model.path``."""
+    config = tiny_config("sd15_inpaint", model_root)
+    path = without_denoiser_weights(config.path, tmp_path / "sd15")
+    unet = Path(path) / "unet" / "config.json"
+    unet.write_text(json.dumps({**json.loads(unet.read_text()), "in_channels": 4}))
+    with pytest.raises(ValueError, match=r"4-channel UNet.*point model\.path at an SD1\.5 inpainting checkpoint"):
+        build_adapter(dataclasses.replace(config, path=path), "cpu")
 
 
 @pytest.mark.parametrize("adapter", CASES, indirect=True)

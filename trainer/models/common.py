@@ -82,19 +82,26 @@ class DiffusersModelConfig:
     rollouts decode with it). Adapters that VAE-encode no image input refuse it. "" encodes every input."""
 
 
-def load_denoiser(cls: type, config: Any, subfolder: str, label: str, **load: Any) -> nn.Module:
-    """``cls.from_pretrained(model.path, subfolder=...)`` once the directory is known to hold a ``cls`` there: a
-    directory of no diffusers model, or of another model, fails with a message naming the fix (diffusers would
-    report a weight of the wrong shape instead, or load it)."""
+def denoiser_config(cls: type, config: Any, subfolder: str, label: str) -> dict[str, Any]:
+    """The config diffusers saved for the denoiser in ``model.path``'s ``subfolder``, once it is known to be a
+    ``cls``'s: a directory of no diffusers model, or of another model, fails with a message naming the fix
+    (diffusers would report a weight of the wrong shape instead, or load it). Read before any weight, so that
+    an adapter can check what it will feed the denoiser without loading billions of parameters first."""
     file = Path(config.path) / subfolder / "config.json"
     if not file.is_file():
         raise ValueError(f"model.path={config.path!r} is not a diffusers {label} directory (no {subfolder}/config.json); "
                          "point model.path at a local copy of the weights")
-    found = json.loads(file.read_text()).get("_class_name")
-    if found != cls.__name__:
-        raise ValueError(f"model.path={config.path!r} holds a {found} in {subfolder}/, and model.name={config.name} "
-                         f"loads a {cls.__name__}: point model.path at a {label} directory, or set model.name to the "
-                         "adapter of the model there")
+    saved = json.loads(file.read_text())
+    if saved.get("_class_name") != cls.__name__:
+        raise ValueError(f"model.path={config.path!r} holds a {saved.get('_class_name')} in {subfolder}/, and "
+                         f"model.name={config.name} loads a {cls.__name__}: point model.path at a {label} directory, "
+                         "or set model.name to the adapter of the model there")
+    return saved
+
+
+def load_denoiser(cls: type, config: Any, subfolder: str, label: str, **load: Any) -> nn.Module:
+    """``cls.from_pretrained(model.path, subfolder=...)`` once ``denoiser_config`` accepts the directory."""
+    denoiser_config(cls, config, subfolder, label)
     return cls.from_pretrained(Path(config.path), subfolder=subfolder, **load)
 
 

@@ -35,9 +35,9 @@ from trainer.models.common import (
     PromptEmbeddings,
     Shards,
     cfg_combine,
+    denoiser_config,
     freeze,
     frozen_copy,
-    load_denoiser,
     load_text_components,
     load_trainable,
     prepare_denoiser,
@@ -89,18 +89,10 @@ class FluxAdapter:
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
-        self.denoiser = load_denoiser(FluxTransformer2DModel, config, "transformer", "FLUX", **load)
+        saved = denoiser_config(FluxTransformer2DModel, config, "transformer", "FLUX")
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                            **load_text_components(type(self), config, self.device))
-        self.pipeline.to(self.device)
-        freeze(self.vae)
-        if not self.encodes_image_inputs:
-            refuse_image_latents(self.model_name, config)
-        self.image_latents = ImageLatents.of(self.vae, config)
-
-        self.vae_factor = self.pipeline.vae_scale_factor
+        self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # as FluxPipeline's vae_scale_factor
         side = config.resolution
         if side <= 0 or side % (2 * self.vae_factor):
             raise ValueError(f"model.resolution={side} must be a positive multiple of {2 * self.vae_factor}")
@@ -109,11 +101,20 @@ class FluxAdapter:
         tokens_side = side // self.vae_factor // 2
         self.latent_shape = (tokens_side * tokens_side, 4 * self.latent_channels)
         fed = self.latent_shape[1] + self._extra_input_channels()
-        if self.denoiser.config.in_channels != fed:
-            raise ValueError(f"model.path={config.path!r} holds a FLUX transformer reading {self.denoiser.config.in_channels} "
+        if saved["in_channels"] != fed:
+            raise ValueError(f"model.path={config.path!r} holds a FLUX transformer reading {saved['in_channels']} "
                              f"input channels, and model.name={config.name} feeds it {fed}: FLUX.1 Fill reads 384 "
                              "(latents | masked-image latents | mask), FLUX.1-dev and Kontext 64; point model.path at "
                              "the weights of the model that model.name names")
+        self.denoiser = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                            **load_text_components(type(self), config, self.device))
+        self.pipeline.to(self.device)
+        assert self.pipeline.vae_scale_factor == self.vae_factor
+        freeze(self.vae)
+        if not self.encodes_image_inputs:
+            refuse_image_latents(self.model_name, config)
+        self.image_latents = ImageLatents.of(self.vae, config)
         self.img_ids = self.pipeline._prepare_latent_image_ids(1, tokens_side, tokens_side, self.device, self.dtype)
         self.guidance_embeds = bool(self.denoiser.config.guidance_embeds)
 

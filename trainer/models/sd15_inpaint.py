@@ -37,9 +37,9 @@ from trainer.models.common import (
     PromptEmbeddings,
     Shards,
     cfg_combine,
+    denoiser_config,
     freeze,
     frozen_copy,
-    load_denoiser,
     load_text_components,
     load_trainable,
     prepare_denoiser,
@@ -81,10 +81,12 @@ class SD15InpaintAdapter:
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
-        self.denoiser = load_denoiser(UNet2DConditionModel, config, "unet", "SD1.5", **load)
-        if self.denoiser.config.in_channels != 9:
-            raise ValueError(f"{config.path!r} has a {self.denoiser.config.in_channels}-channel UNet; the "
-                             "sd15_inpaint adapter needs an inpainting UNet (9 channels)")
+        in_channels = denoiser_config(UNet2DConditionModel, config, "unet", "SD1.5")["in_channels"]
+        if in_channels != 9:
+            raise ValueError(f"model.path={config.path!r} has a {in_channels}-channel UNet, and the sd15_inpaint "
+                             "adapter needs an inpainting UNet (9 channels: latents | mask | masked-image latents): "
+                             "point model.path at an SD1.5 inpainting checkpoint")
+        self.denoiser = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **load)
         self.scheduler = DDIMScheduler.from_pretrained(path, subfolder="scheduler")
         if self.scheduler.config.prediction_type != "epsilon":
             raise ValueError(f"sd15_inpaint supports epsilon prediction, not {self.scheduler.config.prediction_type!r}")
