@@ -8,6 +8,7 @@ Two kinds of real servers are used: ``python -m reward_server`` subprocesses sta
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import socket
 import subprocess
@@ -548,6 +549,20 @@ def test_launcher_reports_a_replica_that_dies(tmp_path) -> None:
         with LocalRewardPool(["brightness"], replicas=1, log_dir=tmp_path, extra_args=["--bogus"]):
             pass
     assert (tmp_path / "replica-0.log").exists()
+    pool = LocalRewardPool(["brightness"], replicas=1, extra_args=["--bogus"])  # logs in a temporary directory
+    with pytest.raises(RewardPoolError, match="end of (.*replica-0.log)") as info:
+        with pool:
+            pass
+    log = pool.log_paths[0]
+    assert str(log) in str(info.value) and "--bogus" in log.read_text(), "the log the error names is kept"
+    shutil.rmtree(log.parent)
+
+
+def test_launcher_deletes_its_temporary_logs_when_it_stops() -> None:
+    with LocalRewardPool(["brightness"], replicas=1) as pool:
+        log = pool.log_paths[0]
+        assert log.is_file()
+    assert not log.parent.exists()
 
 
 # Binary wire format ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ n-th restart).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,8 +54,9 @@ class LocalRewardPool:
         replicas: number of server processes.
         host: bind address of every replica.
         python: interpreter that runs ``-m reward_server``.
-        log_dir: where ``replica-<i>.log`` files go (default: a fresh temporary directory); the paths
-            stay in ``log_paths`` after the pool stops.
+        log_dir: where ``replica-<i>.log`` files go; the paths stay in ``log_paths`` after the pool stops.
+            Default: a fresh temporary directory, deleted when the pool stops unless a replica failed (the
+            error names its log there).
         extra_args: more command-line flags for every replica, e.g. ``["--max-batch-size", "64"]``.
         env: environment of the replicas (default: this process's).
         ready_timeout_s: how long to wait for all replicas to answer ``/readyz``.
@@ -93,6 +95,8 @@ class LocalRewardPool:
         self._processes: list[subprocess.Popen[bytes]] = []
         self._restarts: list[int] = []
         self._env: dict[str, str] = {}
+        self._temp_log_dir: Path | None = None
+        self._keep_logs = False
 
     def __enter__(self) -> LocalRewardPool:
         self.start()
@@ -110,7 +114,9 @@ class LocalRewardPool:
         """
         if self._processes:
             raise RuntimeError("the pool is already started")
-        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="rewardflow-pool-"))
+        if self.log_dir is None:
+            self._temp_log_dir = Path(tempfile.mkdtemp(prefix="rewardflow-pool-"))
+        log_dir = self.log_dir or self._temp_log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_paths = [log_dir / f"replica-{index}.log" for index in range(self.replicas)]
         env = dict(self.env if self.env is not None else os.environ)
@@ -177,6 +183,7 @@ class LocalRewardPool:
                 for index in sorted(pending):
                     process = self._processes[index]
                     if process.poll() is not None:
+                        self._keep_logs = True
                         raise RewardPoolError(
                             f"reward replica {index} ({self.urls[index]}) exited with status {process.returncode}; "
                             f"end of {self.log_paths[index]}:\n{_tail(self.log_paths[index])}"
@@ -188,6 +195,7 @@ class LocalRewardPool:
                         pass
                 if pending and time.monotonic() > deadline:
                     index = min(pending)
+                    self._keep_logs = True
                     raise RewardPoolError(
                         f"reward replica {index} ({self.urls[index]}) not ready after {self.ready_timeout_s} s; "
                         f"end of {self.log_paths[index]}:\n{_tail(self.log_paths[index])}"
@@ -196,7 +204,8 @@ class LocalRewardPool:
                     time.sleep(0.1)
 
     def stop(self) -> None:
-        """SIGTERM every replica, wait ``stop_grace_s`` for them to drain, then SIGKILL the rest."""
+        """SIGTERM every replica, wait ``stop_grace_s`` for them to drain, then SIGKILL the rest; delete the
+        default temporary log directory unless a replica failed."""
         for process in self._processes:
             if process.poll() is None:
                 process.terminate()
@@ -211,3 +220,6 @@ class LocalRewardPool:
         self._restarts.clear()
         self.urls.clear()
         self.ports.clear()
+        if self._temp_log_dir is not None and not self._keep_logs:
+            shutil.rmtree(self._temp_log_dir, ignore_errors=True)
+            self._temp_log_dir = None
