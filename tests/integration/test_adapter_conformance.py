@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import re
 import shutil
@@ -375,6 +376,24 @@ def test_another_models_directory_is_refused(name, model_root, tmp_path):
         path = without_denoiser_weights(tiny_config(other, model_root).path, tmp_path / other)
         with pytest.raises(ValueError, match=rf"model\.path={re.escape(repr(path))} .* point model\.path at"):
             build_adapter(dataclasses.replace(config, path=path), "cpu")
+
+
+def test_flux_and_kontext_directories_are_told_apart_by_their_pipeline(model_root, caplog):
+    """FLUX.1-dev and Kontext weights have the same shapes (either adapter loads the other's): the pipeline
+    class in model_index.json is what differs, and a mismatch is a warning that names the other adapter."""
+    for name, other in (("flux", "flux_kontext"), ("flux_kontext", "flux")):
+        config = dataclasses.replace(tiny_config(name, model_root), path=tiny_config(other, model_root).path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainer.models"):
+            build_adapter(config, "cpu")
+        assert f"and model.name={name} runs it as a" in caplog.text
+        assert f"set model.name={other} if these are its weights" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.models"):
+        build_adapter(tiny_config("flux", model_root), "cpu")
+        build_adapter(dataclasses.replace(tiny_config("sd3", model_root), path=tiny_config("tiny", model_root).path),
+                      "cpu")  # the tiny model is an SD3 saved by SD3's pipeline
+    assert "model_index.json" not in caplog.text
 
 
 def test_a_text_to_image_unet_is_refused_by_the_inpainting_adapter(model_root, tmp_path):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,4 +47,27 @@ MODELS: dict[str, ModelSpec] = _registry()
 
 def build_adapter(config, device):
     """The ModelAdapter that ``config.name`` names, loaded on ``device``."""
-    return MODELS[config.name].load()(config, device)
+    adapter_class = MODELS[config.name].load()
+    hint = other_models_pipeline(config, adapter_class)
+    if hint:
+        logger.warning(hint)
+    return adapter_class(config, device)
+
+
+def other_models_pipeline(config, adapter_class: type) -> str | None:
+    """What to tell a user whose ``model.path`` was saved by the pipeline of another registered model (its
+    ``model_index.json``), or None. A warning, not an error: FLUX.1-dev and Kontext weights have the same
+    shapes, so only this file tells them apart, and a fine-tune may have been saved by either pipeline."""
+    index = Path(config.path) / "model_index.json"
+    if not index.is_file():
+        return None
+    saved = json.loads(index.read_text()).get("_class_name")
+    ours = adapter_class.pipeline_class.__name__
+    if saved == ours:
+        return None
+    owners = sorted(name for name, spec in MODELS.items() if spec.load().pipeline_class.__name__ == saved)
+    if not owners:
+        return None
+    return (f"model.path={config.path!r} was saved by a {saved} (model_index.json), the pipeline of "
+            f"model.name={owners[0]}, and model.name={config.name} runs it as a {ours}: set "
+            f"model.name={owners[0]} if these are its weights")
