@@ -11,7 +11,22 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from trainer.algorithms.sft import SFTConfig
-from trainer.configuration import ConfigError, Selected, apply_override, build, load_yaml, to_dict
+from trainer.configuration import (
+    Bounds,
+    ConfigError,
+    Decay,
+    FiniteFloat,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    Selected,
+    apply_override,
+    build,
+    load_yaml,
+    to_dict,
+)
 
 
 def _models() -> dict[str, type]:
@@ -49,11 +64,11 @@ class DataConfig:
     path: str = ""
     """File or folder of file-based tasks (prompt_file: .txt or GenEval-style .jsonl; inpaint_jsonl /
     edit_jsonl: .jsonl rows; triplet_folder: the folder holding self_bench.txt)."""
-    prompts_per_epoch: int = 10
+    prompts_per_epoch: PositiveInt = 10
     """Distinct prompts per RL epoch over all ranks; each is sampled ``algorithm.group_size`` times."""
-    image_size: int = 16
+    image_size: PositiveInt = 16
     """Side images are resized to (digits: a multiple of 8; image datasets: must equal model.resolution)."""
-    style_crop: float = 0.5
+    style_crop: Annotated[float, Bounds(0, 1, low_open=True)] = 0.5
     """Triplet folder: side fraction of the reference kept as the IP-Adapter style image (a centred crop,
     resized to data.image_size)."""
     image_inputs: list[str] = field(default_factory=list)
@@ -67,22 +82,22 @@ class RewardConfig:
 
     urls: list[str] = field(default_factory=list)
     """Replica base URLs (http://host:port). Empty: the job starts ``replicas`` local servers itself."""
-    weights: dict[str, float] = field(default_factory=lambda: {"digit": 1.0})
+    weights: dict[str, FiniteFloat] = field(default_factory=lambda: {"digit": 1.0})
     """Scorer name -> weight; the combined reward is the weighted sum; each component is logged."""
-    replicas: int = 2
+    replicas: PositiveInt = 2
     """Local replicas started when ``urls`` is empty."""
     token: str | None = None
     """Bearer token sent to the servers, if they require one."""
-    timeout_s: float = 60.0
+    timeout_s: PositiveFloat = 60.0
     """Per-attempt HTTP timeout."""
-    max_concurrency: int = 8
+    max_concurrency: PositiveInt = 8
     """In-flight requests at most, over all replicas."""
-    batch_size: int = 32
+    batch_size: PositiveInt = 32
     """Items per /score request."""
     wire_format: Literal["msgpack", "msgpack+zstd", "msgpack+lz4", "png", "raw"] = "msgpack"
     """Image encoding on the wire: raw pixels in msgpack (lossless, ~4 ms per 512x512 image here), the
     same compressed for slow networks, or JSON with PNG / raw base64 (for debugging)."""
-    max_failed_share: float = 0.5
+    max_failed_share: Probability = 0.5
     """An epoch aborts when more than this share of samples has no reward (failed scores are NaN, get
     advantage 0 and are counted; past this share the update would be biased)."""
     combine_mode: Literal["sum", "sum-then-normalise", "normalise-then-sum"] = "sum"
@@ -128,44 +143,44 @@ class TrainConfig:
 
     seed: int = 0
     """Base seed; each rank derives its own streams from it."""
-    warmup_steps: int = 600
+    warmup_steps: NonNegativeInt = 600
     """Supervised steps before RL (0 skips the warm-up)."""
-    epochs: int = 20
+    epochs: NonNegativeInt = 20
     """RL epochs (rollout, reward, update); 0 runs only the warm-up."""
-    learning_rate: float = 3e-4
+    learning_rate: NonNegativeFloat = 3e-4
     """AdamW learning rate in the RL phase."""
-    warmup_learning_rate: float = 1e-3
+    warmup_learning_rate: NonNegativeFloat = 1e-3
     """AdamW learning rate in the supervised warm-up."""
-    weight_decay: float = 1e-4
+    weight_decay: NonNegativeFloat = 1e-4
     """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_betas: tuple[Decay, Decay] = (0.9, 0.999)
     """AdamW betas."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: NonNegativeFloat = 1.0
     """Gradient clipping by global norm; 0 disables clipping."""
-    checkpoint_every: int = 5
+    checkpoint_every: NonNegativeInt = 5
     """Write a checkpoint every N RL epochs (and at the end); 0 writes only the final one."""
-    warmup_checkpoint_every: int = 200
+    warmup_checkpoint_every: NonNegativeInt = 200
     """Write a checkpoint every N warm-up steps (0: none during the warm-up)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: NonNegativeInt = 2
     """Complete checkpoints kept (older ones are deleted once a newer one is complete); 0 keeps all."""
     resume: str = ""
     """"auto": continue from the newest complete checkpoint of this run (logging.run_name must be set),
     a checkpoint directory, or "" to start fresh."""
-    rollout_chunks: int = 2
+    rollout_chunks: PositiveInt = 2
     """Chunks each epoch's rollout is sampled in (cut at whole reward requests, ``reward.batch_size``); a
     chunk's rewards are scored while the next one samples, so an epoch takes about max(S, R) + min(S, R) /
     chunks for sampling time S and scoring time R, rather than S + R. More chunks hide more but sample in
     smaller batches (bench/overlap.py)."""
     device: str = "auto"
     """auto: cuda:<local rank> when CUDA is available, else cpu."""
-    num_threads: int = 0
+    num_threads: NonNegativeInt = 0
     """torch CPU threads per process; 0 divides the machine's cores among local ranks."""
-    ema_decay: float = 0.9
+    ema_decay: Decay = 0.9
     """EMA of the trainable weights during RL (e.g. 0.9-0.999; evaluation reads it, see eval.use_ema): it
     smooths the late overshoot of GRPO/PPO (the embedded job without it fell from 1.00 to 0.85 digit
     accuracy in epochs 28-30). Costs a float32 copy of the trainable weights (of this rank's shards: small
     with LoRA, 4 bytes per parameter with full fine-tuning); 0 keeps no EMA."""
-    ema_every: int = 1
+    ema_every: PositiveInt = 1
     """Update the EMA every N RL optimizer steps."""
     init_from: str = ""
     """A checkpoint directory whose trainable weights the run starts from (its optimizer and progress are
@@ -176,15 +191,15 @@ class TrainConfig:
 class EvalConfig:
     """Fixed-seed evaluation before and after training (and every ``every`` epochs)."""
 
-    samples_per_prompt: int = 10
+    samples_per_prompt: PositiveInt = 10
     """Images per evaluation prompt; the grids show one row per prompt."""
-    num_steps: int = 10
+    num_steps: PositiveInt = 10
     """Deterministic (ODE) steps for evaluation samples."""
-    guidance_scale: float = 1.0
+    guidance_scale: NonNegativeFloat = 1.0
     """CFG scale for evaluation samples."""
     seed: int = 1234
     """Seed of the evaluation noise: the same images before and after, so they are comparable."""
-    every: int = 5
+    every: NonNegativeInt = 5
     """Evaluate every N RL epochs (0: only before and after)."""
     use_ema: bool = True
     """Evaluate with the EMA weights when ``train.ema_decay`` keeps an EMA."""

@@ -1,18 +1,21 @@
 """Typed config plumbing: build nested dataclasses from plain dicts with errors that name the field.
 
 Sections whose class is chosen by name (``model``, ``algorithm``) are typed as ``Selected``: their ``name``
-key picks a class from a registry, and the rest of the section must match that class's fields.
+key picks a class from a registry, and the rest of the section must match that class's fields. Numeric fields
+typed with ``Bounds`` (``PositiveInt``, ``Probability``, ...) are range-checked as they are read, so a value
+that would fail deep inside a run (a zero batch size, a NaN learning rate) is refused with the field's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 
@@ -36,6 +39,45 @@ class Selected:
 
     registry: Callable[[], Mapping[str, type]]
     default: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range a numeric field must lie in (``Annotated[float, Bounds(0, 1)]``); None leaves a side open.
+    NaN is never in range, and infinity only where ``high`` is ``math.inf``."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    """Whether ``low`` itself is excluded."""
+    high_open: bool = False
+    """Whether ``high`` itself is excluded."""
+
+    def admits(self, value: float) -> bool:
+        if math.isnan(value) or (math.isinf(value) and not (value > 0 and self.high == math.inf)):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return "a finite number"
+
+
+PositiveInt = Annotated[int, Bounds(1)]
+NonNegativeInt = Annotated[int, Bounds(0)]
+PositiveFloat = Annotated[float, Bounds(0, low_open=True)]
+NonNegativeFloat = Annotated[float, Bounds(0)]
+Probability = Annotated[float, Bounds(0, 1)]
+FiniteFloat = Annotated[float, Bounds()]
+Decay = Annotated[float, Bounds(0, 1, high_open=True)]
+"""An exponential decay rate (Adam's betas, an EMA's decay)."""
 
 
 def _type_name(tp: Any) -> str:
@@ -69,7 +111,11 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         meta = [m for m in args[1:] if isinstance(m, Selected)]
         if meta:
             return build_selected(meta[0], value, path)
-        return convert(args[0], value, path)
+        value = convert(args[0], value, path)
+        for bounds in (m for m in args[1:] if isinstance(m, Bounds)):
+            if not bounds.admits(value):
+                raise ConfigError(f"{path}={value!r} must be {bounds.describe()}")
+        return value
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):

@@ -8,36 +8,46 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.configuration import NonNegativeFloat, NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
-from trainer.samplers import generator_device, resolve_kind
+from trainer.samplers import DEFAULT_KIND, STEP_FUNCTIONS, generator_device, resolve_kind
 
 
 @dataclass
 class SamplerSettings:
     """How rollouts are sampled; shared by every RL algorithm."""
 
-    num_steps: int = 10
+    num_steps: PositiveInt = 10
     """Denoising steps per rollout (T)."""
-    guidance_scale: float = 1.0
+    guidance_scale: NonNegativeFloat = 1.0
     """CFG scale during rollouts and training forwards; 1 disables CFG (one forward per step)."""
     kind: str = "auto"
     """Step math: "auto" (the model's default: "sde" for flow models, "ddim" for epsilon models), or for
     flow models "sde" (Flow-GRPO), "cps" (coefficient-preserving) or "eta" (constant eta)."""
-    noise_level: float = 0.7
+    noise_level: NonNegativeFloat = 0.7
     """a in std_t = a sqrt(sigma / (1 - sigma)) (sde); sin(a pi/2) fraction (cps); eta (eta)."""
-    sde_window: int = 0
+    sde_window: NonNegativeInt = 0
     """Stochastic steps per rollout; 0: every step is stochastic. Otherwise a window of this many SDE
     steps at a random start (ODE elsewhere), and only those are trained on (the Flow-GRPO-Fast variant)."""
-    window_range: tuple[int, int] = (0, 0)
+    window_range: tuple[NonNegativeInt, NonNegativeInt] = (0, 0)
     """[lo, hi) of window starts, hi <= T - sde_window: a window ends before the last step, which is never
     trained, so every draw trains ``sde_window`` steps (on every rank alike: sharded backends need the same
     number of forwards on each). (0, 0) means anywhere in [0, T - 1 - sde_window]."""
 
     def __post_init__(self):
-        if self.num_steps < 1:
-            raise ValueError("algorithm.sampler.num_steps must be >= 1")
-        if self.noise_level < 0 or self.sde_window < 0:
-            raise ValueError("algorithm.sampler.noise_level and sde_window must be >= 0")
+        kinds = sorted({"auto", *DEFAULT_KIND.values(), *STEP_FUNCTIONS})
+        if self.kind not in kinds:
+            raise ValueError(f"kind={self.kind!r} is not one of {', '.join(kinds)}")
+        lo, hi = self.window_starts()
+        if self.sde_window > 0 and not 0 <= lo < hi <= self.num_steps - self.sde_window:
+            raise ValueError(f"window_range={tuple(self.window_range)} does not fit num_steps={self.num_steps} with "
+                             f"sde_window={self.sde_window}: starts must lie in [0, {self.num_steps - self.sde_window}) "
+                             "so that a window ends before the last step, which is never trained")
+
+    def window_starts(self) -> tuple[int, int]:
+        """[lo, hi) of the SDE window's start (``window_range``, or its default for (0, 0))."""
+        lo, hi = self.window_range
+        return (lo, hi) if (lo, hi) != (0, 0) else (0, self.num_steps - self.sde_window)
 
 
 @dataclass
@@ -76,19 +86,13 @@ class Rollout:
         return steps[steps < len(self.stochastic) - 1]
 
 
-def window_mask(num_steps: int, settings: SamplerSettings, generator: torch.Generator | None) -> torch.Tensor:
+def window_mask(settings: SamplerSettings, generator: torch.Generator | None) -> torch.Tensor:
     """Which of the T steps are stochastic: all, or a window of ``sde_window`` steps at a random start."""
-    if settings.sde_window <= 0:
-        return torch.ones(num_steps, dtype=torch.bool)
-    lo, hi = settings.window_range
-    if (lo, hi) == (0, 0):
-        hi = num_steps - settings.sde_window
-    if not 0 <= lo < hi <= num_steps - settings.sde_window:
-        raise ValueError(f"sampler.window_range={settings.window_range} does not fit {num_steps} steps with "
-                         f"sde_window={settings.sde_window}: starts must lie in [0, {num_steps - settings.sde_window}) "
-                         "so that a window ends before the last step, which is never trained")
+    if settings.sde_window == 0:
+        return torch.ones(settings.num_steps, dtype=torch.bool)
+    lo, hi = settings.window_starts()
     start = int(torch.randint(lo, hi, (1,), generator=generator, device=generator_device(generator)))
-    mask = torch.zeros(num_steps, dtype=torch.bool)
+    mask = torch.zeros(settings.num_steps, dtype=torch.bool)
     mask[start : start + settings.sde_window] = True
     return mask
 
@@ -124,7 +128,7 @@ def rollout(
     kind = resolve_kind(settings.kind, adapter.sampler_kind)
     step = adapter.step_function(kind, sigmas)
     if stochastic is None:
-        stochastic = window_mask(settings.num_steps, settings, generator)
+        stochastic = window_mask(settings, generator)
     x = adapter.prepare_latents(len(prompts), generator)
     latents, log_probs = [x], []
     batch = x.shape[0]

@@ -27,6 +27,7 @@ from trainer.ema import EMA
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.rollout import Rollout, SamplerSettings, chunk_bounds, rollout, window_mask
+from trainer.samplers import resolve_kind
 
 
 class RewardFailure(RuntimeError):
@@ -46,6 +47,8 @@ class Trainer:
         self.logger = logger
         self.is_main = backend.world.rank == 0
         train = config.train
+        sampler = algorithm.sampler  # a step kind the model has no math for fails now, not after the warm-up
+        adapter.step_function(resolve_kind(sampler.kind, adapter.sampler_kind), adapter.sigmas(sampler.num_steps))
         self.policy = backend.prepare(
             adapter.denoiser, adapter.trainable_parameters(),
             lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
@@ -239,7 +242,7 @@ class Trainer:
 
         bounds = chunk_bounds(len(prompts), self.config.train.rollout_chunks, self.rewards.batch_size)
         settings = self.algorithm.sampler
-        stochastic = window_mask(settings.num_steps, settings, g)
+        stochastic = window_mask(settings, g)
         parts, futures = [], []
         self.policy.eval()
         with self.backend.sampling():

@@ -240,3 +240,13 @@ def test_preset_header_says_what_to_set_and_which_servers_to_start(path):
     if config.data.path and not data_path.is_absolute():  # absolute paths are placeholders for the user's data
         assert (REPO / data_path).exists(), f"{path.name}: data.path {data_path} is not there from the repo root"
         build_task(dataclasses.replace(config.data, path=str(REPO / data_path)))
+
+
+def test_a_step_kind_the_model_has_no_math_for_is_refused_as_the_trainer_is_built(tiny_models, tmp_path):
+    """The DDIM step on a flow model: refused before the warm-up and the first evaluation run (the first rollout
+    used to find out, hours into a job)."""
+    config = load_config(overrides=[*_model_overrides({"name": "tiny"}, tiny_models), "algorithm.sampler.kind=ddim"])
+    adapter = build_adapter(config.model, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"sampler\.kind='ddim' is not one of"):
+        Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data), None,
+                SingleProcess(torch.device("cpu")), RunLogger(tmp_path, False, False))

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
+from trainer.algorithms import ALGORITHMS
 from trainer.config import Config, ConfigError, load_config
+from trainer.configuration import Bounds
+from trainer.models import MODELS
 from trainer.models.sd3 import SD3Config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,13 +44,78 @@ def test_yaml_and_overrides(tmp_path):
     ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of"),
     ("algorithm.group_size=1", "algorithm.group_size must be >= 2"),
     ("algorithm.timestep_fraction=0", "algorithm.timestep_fraction=0.0 must be in (0, 1]"),
+    ("train.rollout_chunks=0", "train.rollout_chunks=0 must be >= 1"),
+    ("train.learning_rate=.nan", "train.learning_rate=nan must be >= 0"),
+    ("reward.weights={digit: .inf}", "reward.weights.digit=inf must be a finite number"),
+    ("train.adam_betas=[0.9, 1.0]", "train.adam_betas[1]=1.0 must be in [0, 1)"),
+    ("algorithm.clip_range=.inf", None),
+    ("algorithm.sampler.kind=sdee", "algorithm.sampler: kind='sdee' is not one of auto, cps, ddim, eta, sde"),
+    ("algorithm.sampler.window_range=[0, 9]",
+     "algorithm.sampler: window_range=(0, 9) does not fit num_steps=10 with sde_window=2"),
     ("train", "must look like section.key=value"),
     ("train.epochs.x=1", "train.epochs is not a section"),
 ])
 def test_bad_keys_and_values_name_the_field(override, message):
+    if message is None:  # in range: an unclipped ratio
+        load_config(overrides=[override])
+        return
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[override])
     assert message in str(info.value)
+
+
+def _bounded_fields(cls: type, path: str) -> typing.Iterator[tuple[str, type, Bounds]]:
+    """(path, int or float, bounds) of every range-checked field of ``cls``, nested sections included."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for field in dataclasses.fields(cls):
+        tp, where = hints[field.name], f"{path}.{field.name}"
+        if typing.get_origin(tp) is typing.Annotated:
+            base, *meta = typing.get_args(tp)
+            yield from ((where, base, m) for m in meta if isinstance(m, Bounds))
+        for arg in (tp, *typing.get_args(tp)):  # a section, possibly optional (model.lora, model.ip_adapter)
+            if dataclasses.is_dataclass(arg):
+                yield from _bounded_fields(arg, where)
+
+
+def _outside(bounds: Bounds, base: type) -> list:
+    """Values just outside ``bounds`` (and NaN for floats)."""
+    values = [math.nan] if base is float else []
+    if bounds.low is not None:
+        values.append(bounds.low if bounds.low_open else bounds.low - 1)
+    if bounds.high is not None and bounds.high != math.inf:
+        values.append(bounds.high if bounds.high_open else bounds.high + 1)
+    if bounds.high is None and base is float:
+        values.append(math.inf)
+    return values
+
+
+SECTIONS = ([("model", f"model.name={name}", MODELS[name].config_class) for name in sorted(MODELS)]
+            + [("algorithm", f"algorithm.name={name}", ALGORITHMS[name].config_class) for name in sorted(ALGORITHMS)]
+            + [(name, None, cls) for name, cls in typing.get_type_hints(Config).items()
+               if name not in ("model", "algorithm") and any(_bounded_fields(cls, name))])
+OPTIONAL_SECTIONS = {"model.lora": "", "model.ip_adapter": ", image_encoder: /enc"}
+"""Sections that are None by default, written whole: (path, what else they need)."""
+
+
+@pytest.mark.parametrize("section, select, cls", SECTIONS, ids=[s[1] or s[0] for s in SECTIONS])
+def test_every_out_of_range_value_is_refused_naming_its_field(section, select, cls):
+    """Each range-checked field of every section (each registered model's and algorithm's included), set just
+    outside its range (or NaN, or infinite), is refused as the config is read, by a message naming it: such
+    values otherwise failed deep inside a run (an AssertionError for train.rollout_chunks=0, IndexError for
+    eval.samples_per_prompt=0) or ran silently (a negative warm-up learning rate)."""
+    fields = list(_bounded_fields(cls, section))
+    assert fields, f"{section} has no range-checked field"
+    for path, base, bounds in fields:
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf == "adam_betas" or leaf == "window_range":
+            continue  # tuples: covered by the parametrized cases above
+        parent = path.rsplit(".", 1)[0]
+        for value in _outside(bounds, base):
+            written = ".nan" if math.isnan(value) else {math.inf: ".inf"}.get(value, value)
+            override = (f"{parent}={{{leaf}: {written}{OPTIONAL_SECTIONS[parent]}}}" if parent in OPTIONAL_SECTIONS
+                        else f"{path}={written}")
+            with pytest.raises(ConfigError, match=rf"^{re.escape(path)}={re.escape(repr(base(value)))} must be "):
+                load_config(overrides=[select, override] if select else [override])
 
 
 def test_every_shipped_config_file_loads():

@@ -1,4 +1,4 @@
-"""Which steps of a rollout are stochastic (``trainer.rollout.window_mask``)."""
+"""Which steps of a rollout are stochastic (``trainer.rollout.window_mask``), and which windows are refused."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_every_window_trains_the_same_number_of_steps(window_range):
     settings = SamplerSettings(num_steps=4, sde_window=2, window_range=window_range)
     starts = set()
     for seed in range(50):
-        mask = window_mask(4, settings, torch.Generator().manual_seed(seed))
+        mask = window_mask(settings, torch.Generator().manual_seed(seed))
         steps = torch.nonzero(mask).flatten()
         assert len(steps) == 2 and int(steps[-1]) < 3 and int(steps[1] - steps[0]) == 1
         starts.add(int(steps[0]))
@@ -23,7 +23,9 @@ def test_every_window_trains_the_same_number_of_steps(window_range):
 
 
 def test_a_window_reaching_the_last_step_is_refused():
-    settings = SamplerSettings(num_steps=4, sde_window=2, window_range=(0, 3))
-    with pytest.raises(ValueError, match=r"window_range=\(0, 3\).*\[0, 2\).*last step"):
-        window_mask(4, settings, torch.Generator().manual_seed(0))
-    assert window_mask(4, SamplerSettings(num_steps=4), None).all()  # no window: every step
+    """As the settings are made (the config is read), not at the first rollout after a warm-up."""
+    with pytest.raises(ValueError, match=r"window_range=\(0, 3\).*num_steps=4.*\[0, 2\).*last step"):
+        SamplerSettings(num_steps=4, sde_window=2, window_range=(0, 3))
+    with pytest.raises(ValueError, match=r"window_range=\(0, 0\).*num_steps=4 with sde_window=4"):
+        SamplerSettings(num_steps=4, sde_window=4)
+    assert window_mask(SamplerSettings(num_steps=4), None).all()  # no window: every step

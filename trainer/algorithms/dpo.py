@@ -19,6 +19,7 @@ import torch
 from trainer.algorithms.advantages import best_and_worst, diffusion_dpo_loss
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local, refresh_reference
 from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
+from trainer.configuration import PositiveFloat, PositiveInt
 from trainer.rollout import Rollout
 
 
@@ -27,16 +28,11 @@ class DPOConfig(CleanSampleConfig):
     """Online DPO hyper-parameters (the shared fields: ``CleanSampleConfig``)."""
 
     name: str = "dpo"
-    micro_batch_size: int = 16
-    beta: float = 500.0
+    micro_batch_size: PositiveInt = 16
+    beta: PositiveFloat = 500.0
     """Strength of the preference (inverse temperature); large because denoising-loss differences are small."""
-    ref_refresh_every: int = 1
+    ref_refresh_every: PositiveInt = 1
     """Copy the policy into the reference every N RL epochs (1: the reference is last epoch's policy)."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.ref_refresh_every < 1:
-            raise ValueError("algorithm.ref_refresh_every must be >= 1")
 
 
 @dataclass

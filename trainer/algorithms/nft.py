@@ -21,6 +21,7 @@ import torch
 from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, split_steps
 from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws
+from trainer.configuration import Decay, PositiveFloat
 from trainer.rollout import Rollout
 
 
@@ -29,19 +30,14 @@ class NFTConfig(CleanSampleConfig):
     """DiffusionNFT hyper-parameters (the shared fields: ``CleanSampleConfig``)."""
 
     name: str = "nft"
-    beta: float = 1.0
+    beta: PositiveFloat = 1.0
     """Mixing strength of the implicit positive / negative policies (the paper's beta)."""
-    optimality_scale: float = 1.0
+    optimality_scale: PositiveFloat = 1.0
     """s in r~ = 0.5 + 0.5 clip(A / s, -1, 1): advantages (in group stds) that count as fully good/bad."""
     global_std: bool = True
     """Normalise advantages by the std of the whole gathered batch instead of each group's."""
-    old_decay: float = 0.0
+    old_decay: Decay = 0.0
     """The old policy's update before each epoch: old <- decay old + (1 - decay) policy."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0 <= self.old_decay < 1:
-            raise ValueError(f"algorithm.old_decay={self.old_decay} must be in [0, 1)")
 
 
 @dataclass

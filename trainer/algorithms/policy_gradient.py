@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, split_steps
+from trainer.configuration import Bounds, NonNegativeFloat, PositiveInt
 from trainer.models.base import StepFunction
 from trainer.rollout import Rollout, SamplerSettings
 
@@ -27,32 +29,24 @@ class PolicyGradientConfig:
 
     name: str = ""
     """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
-    group_size: int = 8
+    group_size: PositiveInt = 8
     """Images per prompt in each rollout batch."""
-    adv_clip: float = 5.0
+    adv_clip: Annotated[float, Bounds(0, math.inf, low_open=True)] = 5.0
     """Advantages are clipped to [-adv_clip, adv_clip]."""
-    clip_range: float = 1e-4
-    """PPO ratio clip eps; small because the log-prob is averaged over elements."""
-    kl_beta: float = 0.0
+    clip_range: Annotated[float, Bounds(0, math.inf, low_open=True)] = 1e-4
+    """PPO ratio clip eps; small because the log-prob is averaged over elements (inf: no clipping)."""
+    kl_beta: NonNegativeFloat = 0.0
     """Weight of the KL to the reference policy; 0 skips the reference forward entirely."""
-    timestep_fraction: float = 1.0
+    timestep_fraction: Annotated[float, Bounds(0, 1, low_open=True)] = 1.0
     """Fraction of the trainable (stochastic, non-final) steps trained per sample."""
-    inner_epochs: int = 1
+    inner_epochs: PositiveInt = 1
     """Passes over each rollout batch; the ratio and clip keep reuse safe."""
-    steps_per_epoch: int = 1
+    steps_per_epoch: PositiveInt = 1
     """Optimizer steps per inner epoch (the per-rank batch is split into this many)."""
-    micro_batch_size: int = 32
+    micro_batch_size: PositiveInt = 32
     """Samples per forward/backward; gradients accumulate over micro-batches and timesteps."""
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     """Rollout sampling (steps, CFG, SDE kind and noise level, SDE window)."""
-
-    def __post_init__(self):
-        if self.group_size < 1:
-            raise ValueError("algorithm.group_size must be >= 1")
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"algorithm.timestep_fraction={self.timestep_fraction} must be in (0, 1]")
-        if self.inner_epochs < 1 or self.steps_per_epoch < 1 or self.micro_batch_size < 1:
-            raise ValueError("algorithm.inner_epochs, steps_per_epoch and micro_batch_size must be >= 1")
 
 
 @dataclass

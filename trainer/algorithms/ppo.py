@@ -15,6 +15,7 @@ import torch
 from trainer.algorithms.advantages import batch_advantages
 from trainer.algorithms.base import Rewards
 from trainer.algorithms.policy_gradient import ClippedPolicyGradient, PolicyGradientConfig
+from trainer.configuration import PositiveInt
 
 
 @dataclass
@@ -22,7 +23,7 @@ class PPOConfig(PolicyGradientConfig):
     """PPO hyper-parameters (batch advantages; every other field as in GRPO)."""
 
     name: str = "ppo"
-    group_size: int = 1
+    group_size: PositiveInt = 1
 
 
 class PPO(ClippedPolicyGradient):

@@ -29,6 +29,7 @@ from trainer.algorithms.policy_gradient import (
     step_loss,
     trainable_steps,
 )
+from trainer.configuration import NonNegativeFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.rollout import Rollout
 
@@ -38,22 +39,17 @@ class PPOCriticConfig(PolicyGradientConfig):
     """PPO-with-critic hyper-parameters (policy fields as in GRPO)."""
 
     name: str = "ppo_critic"
-    group_size: int = 1
-    gae_lambda: float = 1.0
+    group_size: PositiveInt = 1
+    gae_lambda: Probability = 1.0
     """GAE lambda over denoising steps: 1 uses r - V(x_t); lower trusts the critic's later values more."""
-    value_coef: float = 0.5
+    value_coef: NonNegativeFloat = 0.5
     """Weight of the value loss in the summed loss."""
-    critic_learning_rate: float = 1e-3
+    critic_learning_rate: NonNegativeFloat = 1e-3
     """AdamW learning rate of the value network (it must track the policy, so faster than the policy's)."""
-    critic_hidden: int = 256
+    critic_hidden: PositiveInt = 256
     """Width of the value network's two hidden layers."""
-    critic_latent_features: int = 1024
+    critic_latent_features: PositiveInt = 1024
     """Latent elements the value network sees after average pooling (fewer when the latent is smaller)."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0 <= self.gae_lambda <= 1:
-            raise ValueError(f"algorithm.gae_lambda={self.gae_lambda} must be in [0, 1]")
 
 
 def condition_vector(cond: Conditioning) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.algorithms.base import LossContext
+from trainer.configuration import FiniteFloat, NonNegativeFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 from trainer.rollout import SamplerSettings
 
@@ -21,15 +22,15 @@ from trainer.rollout import SamplerSettings
 class SFTConfig:
     """Supervised warm-up settings."""
 
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Dataset samples per optimizer step (per rank)."""
-    micro_batch_size: int = 64
+    micro_batch_size: PositiveInt = 64
     """Samples per forward/backward; gradients accumulate up to ``batch_size``."""
-    cfg_dropout: float = 0.1
+    cfg_dropout: Probability = 0.1
     """Probability of training a sample with the empty prompt (the unconditional branch for CFG)."""
-    logit_mean: float = 0.0
+    logit_mean: FiniteFloat = 0.0
     """Mean of the logit-normal density of training noise levels (SD3's default)."""
-    logit_std: float = 1.0
+    logit_std: NonNegativeFloat = 1.0
     """Std of the logit-normal density of training noise levels."""
 
 
@@ -53,19 +54,19 @@ class CleanSampleConfig:
 
     name: str = ""
     """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
-    group_size: int = 8
+    group_size: PositiveInt = 8
     """Samples per prompt (a group); the algorithm compares samples within a group."""
-    noise_draws: int = 2
+    noise_draws: PositiveInt = 2
     """(noise level, noise) draws per trained sample per inner epoch."""
-    inner_epochs: int = 1
+    inner_epochs: PositiveInt = 1
     """Passes over each epoch's samples."""
-    steps_per_epoch: int = 1
+    steps_per_epoch: PositiveInt = 1
     """Optimizer steps per inner epoch (the draws are split into this many)."""
-    micro_batch_size: int = 32
+    micro_batch_size: PositiveInt = 32
     """Samples (DPO: pairs) per forward/backward."""
-    logit_mean: float = 0.0
+    logit_mean: FiniteFloat = 0.0
     """Mean of the logit-normal density of noise levels."""
-    logit_std: float = 1.0
+    logit_std: NonNegativeFloat = 1.0
     """Std of the logit-normal density of noise levels."""
     sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
     """Rollout sampling; no log-probs are needed, so the deterministic sampler users deploy is the default."""
@@ -73,8 +74,6 @@ class CleanSampleConfig:
     def __post_init__(self):
         if self.group_size < 2:
             raise ValueError("algorithm.group_size must be >= 2: samples are compared within a group")
-        if min(self.noise_draws, self.inner_epochs, self.steps_per_epoch, self.micro_batch_size) < 1:
-            raise ValueError("algorithm.noise_draws, inner_epochs, steps_per_epoch and micro_batch_size must be >= 1")
 
 
 def split_units(units: list, steps: int) -> list[list]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from trainer.configuration import NonNegativeInt, PositiveInt
 from trainer.models.base import ImageInputs
 
 if TYPE_CHECKING:
@@ -40,9 +41,9 @@ LORA_CONFIG = "adapter_config.json"
 class LoraSettings:
     """LoRA on the attention projections (peft); the disabled adapter is the reference policy."""
 
-    rank: int = 32
+    rank: PositiveInt = 32
     """Adapter rank: capacity of the update; 32-64 is common for SD3/FLUX RL."""
-    alpha: int = 64
+    alpha: PositiveInt = 64
     """Scale numerator: the update is scaled by alpha / rank."""
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     """Module names that get adapters; attention projections as in Flow-GRPO."""
@@ -62,7 +63,7 @@ class DiffusersModelConfig:
     LoRA / IP-Adapter weights stay float32 (the optimizer's precision); full fine-tuning in bf16/fp16 needs
     float32 master weights from the backend (zero2/zero3, or float32 here with fsdp2's param_dtype). fp16
     backward passes are loss-scaled."""
-    resolution: int = 0
+    resolution: NonNegativeInt = 0
     """Image side in pixels; 0 takes the model's default (its sample size times the VAE factor)."""
     lora: LoraSettings | None = None
     """LoRA settings; None trains the full denoiser (and a frozen copy serves as reference), or nothing of it

@@ -27,6 +27,7 @@ from diffusers.models.transformers.transformer_flux import FluxSingleTransformer
 from torch import nn
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
+from trainer.configuration import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
@@ -60,8 +61,8 @@ class FluxConfig(DiffusersModelConfig):
 
     name: str = "flux"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    resolution: int = 1024
-    max_sequence_length: int = 512
+    resolution: NonNegativeInt = 1024
+    max_sequence_length: PositiveInt = 512
     """T5 tokens per prompt (the pipeline's default)."""
     ip_adapter: IPAdapterSettings | None = None
     """An IP-Adapter conditioned on ``ImageInputs.style``; None: the model takes no style image."""

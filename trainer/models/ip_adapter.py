@@ -48,6 +48,7 @@ from diffusers.models.transformers.transformer_flux import (
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from torch import nn
 
+from trainer.configuration import NonNegativeFloat, PositiveInt
 from trainer.models.base import ImageInputs
 from trainer.models.common import require_image_input
 
@@ -67,9 +68,9 @@ class IPAdapterSettings:
     weights: str | None = None
     """IP-Adapter weights: a safetensors file in the format above, or a directory holding ``ip_adapter.safetensors``
     (what ``save_trainable`` writes). None: fresh weights that leave the model's output unchanged."""
-    num_tokens: int = 4
+    num_tokens: PositiveInt = 4
     """Image-prompt tokens N per image (4 in XLabs' FLUX IP-Adapter); must match the loaded weights."""
-    scale: float = 1.0
+    scale: NonNegativeFloat = 1.0
     """Weight of the image-prompt attention; 0 turns the IP-Adapter off (output equals the base model)."""
     trainable: bool = True
     """Train the IP-Adapter weights. The base denoiser is then frozen unless ``model.lora`` adds LoRA (trained
@@ -79,8 +80,6 @@ class IPAdapterSettings:
         if not self.image_encoder:
             raise ValueError("model.ip_adapter.image_encoder is empty: set it to the local directory of a "
                              "CLIPVisionModelWithProjection or SiglipVisionModel")
-        if self.num_tokens < 1:
-            raise ValueError(f"model.ip_adapter.num_tokens={self.num_tokens} must be >= 1")
 
 
 class ImageEncoder:

@@ -31,6 +31,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from trainer.configuration import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1
 from trainer.models.common import (
     DTYPES,
@@ -63,8 +64,8 @@ class QwenImageConfig(DiffusersModelConfig):
 
     name: str = "qwen_image"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    resolution: int = 1024
-    max_sequence_length: int = 512
+    resolution: NonNegativeInt = 1024
+    max_sequence_length: PositiveInt = 512
     """Text tokens kept per prompt (the pipeline's default)."""
     negative_prompt: str = " "
     """The negative prompt of true CFG (the pipeline's examples use a single space)."""

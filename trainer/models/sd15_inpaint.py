@@ -29,6 +29,7 @@ from diffusers.models.unets.unet_2d_blocks import (
 from torch import nn
 from transformers import CLIPTextModel, CLIPTokenizer
 
+from trainer.configuration import NonNegativeInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
@@ -59,7 +60,7 @@ class SD15InpaintConfig(DiffusersModelConfig):
     to run them; the denoiser is the UNet."""
 
     name: str = "sd15_inpaint"
-    resolution: int = 512
+    resolution: NonNegativeInt = 512
 
 
 class SD15InpaintAdapter:

@@ -22,6 +22,7 @@ from diffusers.models.transformers.transformer_sd3 import JointTransformerBlock
 from torch import nn
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
+from trainer.configuration import PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,
@@ -49,7 +50,7 @@ class SD3Config(DiffusersModelConfig):
     to run them."""
 
     name: str = "sd3"
-    max_sequence_length: int = 256
+    max_sequence_length: PositiveInt = 256
     """T5 tokens (zeros of this length when the model has no T5, as the pipeline does)."""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.configuration import PositiveInt
 from trainer.models.sd3 import SD3Adapter, SD3Config
 
 DEFAULT_TINY_PATH = os.path.join(".cache", "rewardflow", "tiny-sd3-digits")
@@ -124,7 +125,7 @@ class TinyConfig(SD3Config):
     """Registry name of the adapter."""
     path: str = DEFAULT_TINY_PATH
     """Where the random tiny model lives; built there (atomically) if missing."""
-    max_sequence_length: int = 8
+    max_sequence_length: PositiveInt = 8
     """Zero 'T5' tokens appended like the SD3 pipeline does without T5; kept short for speed."""
 
 
