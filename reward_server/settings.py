@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -47,7 +48,8 @@ class ServerSettings:
             raise ValueError(
                 f"max_queue_items ({self.max_queue_items}) must be >= max_items ({self.max_items})"
             )
-        if self.batch_wait_ms < 0 or self.drain_grace_s < 0:
-            raise ValueError("batch_wait_ms and drain_grace_s must be >= 0")
+        for name in ("batch_wait_ms", "drain_grace_s"):
+            if not 0 <= getattr(self, name) < math.inf:  # NaN fails every comparison
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         if self.token == "":
             raise ValueError("token must be None or a non-empty string")
