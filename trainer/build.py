@@ -58,8 +58,11 @@ def run(config: Config) -> dict[str, float]:
         task = build_task(config.data)
 
         urls = list(config.reward.urls)
-        if not urls:
-            urls = backend.broadcast(_start_local_pool(config, run_dir, stack) if main else None)
+        if not urls:  # each machine's first process starts replicas on its loopback, for its machine's processes
+            world = backend.world
+            logs = run_dir / "reward_servers" / (f"node-{world.node}" if world.machines else "")
+            mine = _start_local_pool(config, logs, stack) if world.local_rank == 0 else None
+            urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient
 
         client = HttpRewardClient(urls, config.reward.weights, token=config.reward.token,
@@ -92,11 +95,11 @@ def run(config: Config) -> dict[str, float]:
         return metrics
 
 
-def _start_local_pool(config: Config, run_dir: Path, stack: contextlib.ExitStack) -> list[str]:
-    """Start reward-server replicas on loopback for the configured scorers; stopped when the run ends."""
+def _start_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack) -> list[str]:
+    """Start reward-server replicas on loopback for the configured scorers, logging to ``log_dir``; stopped when
+    the run ends."""
     from trainer.rewards.launcher import LocalRewardPool
 
-    pool = LocalRewardPool(sorted(config.reward.weights), replicas=config.reward.replicas,
-                           log_dir=run_dir / "reward_servers")
+    pool = LocalRewardPool(sorted(config.reward.weights), replicas=config.reward.replicas, log_dir=log_dir)
     stack.enter_context(pool)
     return list(pool.urls)

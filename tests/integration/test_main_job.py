@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,42 @@ def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
     records = _records(tmp_path / "ddp")
     rl = [r for r in records if r["phase"] == "rl"]
     assert len(rl) == 2 and all(0 <= r["reward_mean"] <= 1 for r in rl)
+    (final,) = [r for r in records if r["phase"] == "final"]
+    assert final["weights_rank_spread"] == 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_machines_through_the_multinode_launch_script(tmp_path, tiny_model_dir):
+    """deploy/launch_multinode.sh run as two machines of one process each (c10d rendezvous on loopback), with no
+    reward.urls: each machine's first process starts its own reward replicas on its loopback (another machine's
+    127.0.0.1 is not reachable), groups span the machines, and both end with identical weights."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NNODES": "2", "NPROC_PER_NODE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RDZV_ID": f"test-{os.getpid()}",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.run_name=two",
+            "logging.progress=false", "train.warmup_steps=2", "train.epochs=2", "data.prompts_per_epoch=2",
+            "algorithm.group_size=2", "eval.samples_per_prompt=1", "reward.replicas=1"]
+    machines = [subprocess.Popen(["bash", "deploy/launch_multinode.sh", *args], cwd=REPO,
+                                 env={**env, "NODE_RANK": str(node)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True) for node in range(2)]
+    try:
+        outputs = [machine.communicate(timeout=600)[0] for machine in machines]
+    finally:
+        for machine in machines:
+            machine.kill()
+    for machine, output in zip(machines, outputs, strict=True):
+        assert machine.returncode == 0, output[-4000:]
+    run_dir = tmp_path / "two"
+    for node in range(2):
+        assert (run_dir / "reward_servers" / f"node-{node}" / "replica-0.log").is_file(), node
+    records = _records(run_dir)
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert len(rl) == 2 and all(r["failed_share"] == 0.0 for r in rl)
     (final,) = [r for r in records if r["phase"] == "final"]
     assert final["weights_rank_spread"] == 0.0
 

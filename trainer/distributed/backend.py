@@ -22,13 +22,20 @@ class World:
     world_size: int
     local_rank: int
     local_world_size: int
+    node: int = 0
+    """This machine's index among the job's (torchrun's GROUP_RANK)."""
+
+    @property
+    def machines(self) -> bool:
+        """Whether the job spans more than one machine."""
+        return self.world_size > self.local_world_size
 
 
 def detect_world() -> World:
     """The process's place in the job, from torchrun's environment (one process when absent)."""
     env = os.environ
     return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
-                 int(env.get("LOCAL_WORLD_SIZE", 1)))
+                 int(env.get("LOCAL_WORLD_SIZE", 1)), int(env.get("GROUP_RANK", 0)))
 
 
 class ParallelBackend(Protocol):
@@ -125,6 +132,10 @@ class ParallelBackend(Protocol):
 
     def broadcast(self, obj: object) -> object:
         """Rank 0's ``obj`` on every rank (small picklable control data only, never network input)."""
+        ...
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order (small picklable control data only, never network input)."""
         ...
 
     def barrier(self) -> None: ...
@@ -258,6 +269,9 @@ class SingleProcess:
     def broadcast(self, obj: object) -> object:
         return obj
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        return [obj]
+
     def barrier(self) -> None:
         pass
 
@@ -379,6 +393,11 @@ class DDP(SingleProcess):
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        gathered = [None] * self.world.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def barrier(self) -> None:
         dist.barrier()
