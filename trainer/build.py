@@ -53,6 +53,7 @@ def run(config: Config) -> dict[str, float]:
         if main:  # rank 0 first: it may build (tiny) or cache files the others then read
             adapter = build_adapter(config.model, device)
         backend.barrier()
+        require_shared_run_dir(run_dir, backend.world.rank)
         if not main:
             adapter = build_adapter(config.model, device)
         task = build_task(config.data)
@@ -93,6 +94,16 @@ def run(config: Config) -> dict[str, float]:
             print(f"done: {run_dir}", flush=True)
         backend.barrier()
         return metrics
+
+
+def require_shared_run_dir(run_dir: Path, rank: int) -> None:
+    """Every rank writes its part of each checkpoint into the run directory rank 0 made, and rank 0 renames the
+    whole: a rank that does not see that directory (a node-local ``logging.output_dir``) fails now, not at
+    the first checkpoint."""
+    if not run_dir.is_dir():
+        raise ValueError(f"rank {rank} does not see the run directory {run_dir} that rank 0 made: set "
+                         "logging.output_dir to a filesystem every node shares (checkpoints are written there by "
+                         "every rank)")
 
 
 def _start_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack) -> list[str]:

@@ -45,3 +45,13 @@ def test_explicit_variables_override_slurm_and_several_nodes_need_a_master():
     assert "--nnodes=2 --node_rank=1 --nproc_per_node=2" in out.stdout and "--rdzv_endpoint=10.0.0.5:29500" in out.stdout
     missing = _dry_run({"SLURM_NNODES": "2", "SLURM_NODEID": "0", "NPROC_PER_NODE": "1"})
     assert missing.returncode == 2 and "MASTER_ADDR must name the rendezvous host" in missing.stderr
+
+
+def test_a_rank_that_does_not_see_the_run_directory_fails_before_training(tmp_path):
+    """A node-local logging.output_dir on several machines: the other machines' ranks do not see the directory
+    rank 0 made, and would fail at the first checkpoint (rank 0 renames what every rank wrote there)."""
+    from trainer.build import require_shared_run_dir
+
+    require_shared_run_dir(tmp_path, 1)
+    with pytest.raises(ValueError, match=r"rank 3 does not see the run directory .*/missing.*logging\.output_dir"):
+        require_shared_run_dir(tmp_path / "missing", 3)
