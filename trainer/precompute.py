@@ -29,6 +29,7 @@ import argparse
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 ITEMS_PER_BATCH = 8
 """Dataset items handed to the model at once while precomputing latents (only the pixels' memory grows)."""
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.out and not args.latents:
         parser.error("give --out DIR (text embeddings), --latents DIR (VAE latents of image inputs) or both")
+    for flag, path in (("--out", args.out), ("--latents", args.latents)):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            parser.error(f"{flag} {path} is a file: give a directory (made if missing)")
 
     from trainer.config import ConfigError, load_config
     from trainer.configuration import user_error_exit

@@ -98,3 +98,18 @@ def test_precompute_cli_encodes_the_configured_dataset(root, tmp_path, capsys):
     assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
                             "model.max_sequence_length=8"]) == 2
     assert "holds embeddings of other text encoders" in capsys.readouterr().err
+
+
+def test_precompute_cli_names_a_wrong_directory(root, tmp_path, capsys):
+    """``--out`` at a file, and a ``model.path`` without the model (SD3 without T5 reads the transformer's config
+    for its zero T5 tokens): messages naming the argument, not a traceback from pathlib or the hub client."""
+    config = tiny_config("sd3", root, dtype="float32")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model": to_dict(config), "train": {"device": "cpu"}}))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "file")])
+    assert f"--out {tmp_path / 'file'} is a file: give a directory" in capsys.readouterr().err
+    missing = tmp_path / "no-model"
+    assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
+                            f"model.path={missing}"]) == 2
+    assert f"model.path={str(missing)!r} is not a diffusers SD3 directory" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from trainer.models.common import (
     PromptEmbeddings,
     Shards,
     cfg_combine,
+    denoiser_config,
     freeze,
     frozen_copy,
     load_denoiser,
@@ -101,7 +102,7 @@ class SD3Adapter:
         if not (Path(config.path) / "text_encoder_3").is_dir():
             with torch.device("meta"):
                 extra["transformer"] = SD3Transformer2DModel.from_config(
-                    SD3Transformer2DModel.load_config(config.path, subfolder="transformer"))
+                    denoiser_config(SD3Transformer2DModel, config, "transformer", "SD3"))
         return prompt_encoder(cls, config, device, **extra)
 
     @staticmethod
