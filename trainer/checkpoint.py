@@ -140,6 +140,31 @@ def load_weights(path: Path, module: torch.nn.Module, backend) -> None:
     backend.load_trainable_state(module, load_file(path / "trainable.safetensors"))
 
 
+RESUME_MAY_CHANGE = ("logging.", "train.resume", "train.epochs", "train.init_from", "train.device", "train.num_threads",
+                     "train.checkpoint_every", "train.warmup_checkpoint_every", "train.keep_checkpoints",
+                     "reward.urls", "reward.token", "reward.timeout_s", "reward.max_concurrency", "reward.replicas",
+                     "model.path", "model.text_embeddings", "model.image_latents", "data.path", "eval.every")
+"""Config fields (or sections, ending in '.') a resume may change without changing what the run computes:
+where things are, how often to checkpoint or evaluate, how long to train."""
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """``"key: saved -> current"`` for every config field outside ``RESUME_MAY_CHANGE`` whose value differs
+    between a checkpoint's config (``config.json``) and the resuming run's (both ``to_dict`` of a Config)."""
+    flat = {}
+    for which, tree in (0, saved), (1, current):
+        stack = [("", tree)]
+        while stack:
+            prefix, node = stack.pop()
+            for key, value in node.items():
+                if isinstance(value, dict) and value and key != "weights":
+                    stack.append((f"{prefix}{key}.", value))
+                else:
+                    flat.setdefault(f"{prefix}{key}", [None, None])[which] = json.loads(json.dumps(value, default=str))
+    return [f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(flat.items())
+            if old != new and not key.startswith(RESUME_MAY_CHANGE)]
+
+
 def _rank_dir(rank: int) -> str:
     return f"rank-{rank:05d}"
 

@@ -6,6 +6,7 @@ It holds a ModelAdapter, an Algorithm, a RewardClient and a ParallelBackend, and
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections import defaultdict
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from trainer.algorithms.base import Algorithm, LossContext, Rewards
 from trainer.algorithms.sft import SFT
-from trainer.checkpoint import Checkpoints, Progress, load_weights
+from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
 from trainer.config import Config, to_dict
 from trainer.data import Task
 from trainer.data.sampler import GroupSampler
@@ -146,6 +147,10 @@ class Trainer:
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
                     f"RL epochs {self.progress.epochs_done})")
+        changes = config_changes(json.loads((path / "config.json").read_text()), to_dict(self.config))
+        if changes:
+            self._print(f"warning: resuming with settings other than {path}'s, so the run no longer continues the "
+                        f"one that was interrupted: {'; '.join(changes)}")
 
     @torch.no_grad()
     def _load_algorithm_state(self, saved: dict[str, torch.Tensor], path: Path) -> None:

@@ -179,15 +179,19 @@ def test_config_runs_a_whole_job(path, tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
-def test_config_resumes_exactly(path, tiny_models, tmp_path):
+def test_config_resumes_exactly(path, tiny_models, tmp_path, capsys):
     """Every shipped config's job at toy size, two RL epochs with a checkpoint after each: resumed from the
     first checkpoint, the second epoch and the final evaluation repeat the straight run's exactly (whatever
-    state its model, algorithm and reference keep: LoRA, IP-Adapter snapshots, critics, EMA)."""
+    state its model, algorithm and reference keep: LoRA, IP-Adapter snapshots, critics, EMA), and the resume
+    finds no setting changed."""
     two = [*_one_epoch(_tiny_job(path, tiny_models, tmp_path)), "train.epochs=2", "train.checkpoint_every=1",
            "train.keep_checkpoints=0", "eval.every=0"]
     straight, _ = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "straight")
     first = next(p for p in straight.checkpoints.directory.iterdir() if p.name.endswith("-000001"))
+    capsys.readouterr()
     resumed, _ = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "resumed", resume=first)
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "warning" not in out
     for phase in ("rl", "final"):
         want, got = _records(straight, phase)[-1], _records(resumed, phase)[-1]
         assert want["step"] == got["step"] == 2
@@ -250,3 +254,19 @@ def test_a_step_kind_the_model_has_no_math_for_is_refused_as_the_trainer_is_buil
     with pytest.raises(ValueError, match=r"sampler\.kind='ddim' is not one of"):
         Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data), None,
                 SingleProcess(torch.device("cpu")), RunLogger(tmp_path, False, False))
+
+
+def test_a_resume_with_other_settings_names_them(tiny_models, tmp_path, capsys):
+    """A checkpoint resumed with another learning rate and group size: the warning names both (with the old and
+    new values), and not what a resume may change without changing the computation (more epochs, paths)."""
+    path = REPO / "configs" / "embedded_digits.yaml"
+    one = [*_one_epoch(_tiny_job(path, tiny_models, tmp_path)), "train.checkpoint_every=1"]
+    first, _ = _run(_tiny_job(path, tiny_models, tmp_path, one), tmp_path / "first")
+    (checkpoint,) = first.checkpoints.directory.iterdir()
+    capsys.readouterr()
+    _run(_tiny_job(path, tiny_models, tmp_path, [*one, "train.epochs=2", "train.learning_rate=1e-3",
+                                                 "algorithm.group_size=2"]), tmp_path / "second", resume=checkpoint)
+    out = capsys.readouterr().out
+    (warning,) = [line for line in out.splitlines() if line.startswith("warning: resuming")]
+    assert "algorithm.group_size: 4 -> 2" in warning and "train.learning_rate: 0.0003 -> 0.001" in warning
+    assert "train.epochs" not in warning and "logging" not in warning
