@@ -26,7 +26,7 @@ class World:
     """This machine's index among the job's (torchrun's GROUP_RANK)."""
 
     @property
-    def machines(self) -> bool:
+    def spans_machines(self) -> bool:
         """Whether the job spans more than one machine."""
         return self.world_size > self.local_world_size
 
