@@ -242,6 +242,16 @@ def test_every_file_format_builds_from_data_config(tmp_path, name):
         build_task(DataConfig(name=name, path="/nowhere", image_size=16))
 
 
+@pytest.mark.parametrize("name", ["digits", "prompt_file"])
+def test_settings_a_text_only_task_would_ignore_are_refused(tmp_path, name):
+    path = tiny_dataset(name, tmp_path, 16)
+    with pytest.raises(ValueError, match=rf"data.image_inputs=\['mask'\] but data.name='{name}' gives no image inputs"):
+        build_task(DataConfig(name=name, path=path, image_inputs=["mask"]))
+    if name == "digits":
+        with pytest.raises(ValueError, match=r"data.path='prompts.txt' is not read by data.name='digits'.*prompt_file"):
+            build_task(DataConfig(name=name, path="prompts.txt"))
+
+
 def test_unknown_dataset_names_the_choices():
     with pytest.raises(ValueError, match=r"data.name='webdataset' is not registered; choose one of: digits, "):
         build_task(DataConfig(name="webdataset"))

@@ -48,9 +48,30 @@ class DigitsTask:
         return {"digit_accuracy": self._accuracy(images, prompts)}
 
 
+def _digits_task(config) -> DigitsTask:
+    if config.path:
+        raise ValueError(f"data.path={config.path!r} is not read by data.name='digits' (the embedded task); "
+                         "set data.name to the file's format (prompt_file, inpaint_jsonl, edit_jsonl, "
+                         "triplet_folder) or remove data.path")
+    _refuse_image_inputs(config)
+    return DigitsTask(config.image_size)
+
+
+def _prompt_file_task(config) -> PromptFileTask:
+    _refuse_image_inputs(config)
+    return PromptFileTask(config.path)
+
+
+def _refuse_image_inputs(config) -> None:
+    if config.image_inputs:
+        raise ValueError(f"data.image_inputs={list(config.image_inputs)} but data.name={config.name!r} gives no "
+                         "image inputs; remove data.image_inputs or pick a format with images (inpaint_jsonl, "
+                         "edit_jsonl, triplet_folder)")
+
+
 DATASETS = {
-    "digits": lambda config: DigitsTask(config.image_size),
-    "prompt_file": lambda config: PromptFileTask(config.path),
+    "digits": _digits_task,
+    "prompt_file": _prompt_file_task,
     "inpaint_jsonl": lambda config: read_inpaint_jsonl(config.path, config.image_size, list(config.image_inputs)),
     "edit_jsonl": lambda config: read_edit_jsonl(config.path, config.image_size, list(config.image_inputs)),
     "triplet_folder": lambda config: read_triplet_folder(config.path, config.image_size,
