@@ -54,6 +54,34 @@ def build_tiny_aesthetic(model_dir: Path, *, head_format: str = "pth") -> Path:
     return model_dir
 
 
+def build_tiny_clip_score(model_dir: Path, name: str, *, processor_subfolder: bool) -> Path:
+    """``<model_dir>/<name>/``: a full tiny CLIPModel (text context 16 tokens) with a locally built CLIP
+    tokenizer (model_max_length 77, as the real ones) and a PIL image processor, in ``processor/`` (as
+    PickScore's, which come from another repository) or beside the weights."""
+    from transformers import CLIPConfig, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from trainer.models.testing import clip_tokenizer
+
+    torch.manual_seed(1)
+    root = model_dir / name
+    processor_dir = root / "processor" if processor_subfolder else root
+    tokenizer = clip_tokenizer(processor_dir, max_length=77)
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = CLIPConfig(
+        vision_config={**small, "image_size": 32, "patch_size": 8},
+        text_config={**small, "vocab_size": len(tokenizer), "max_position_embeddings": 16,
+                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                     "pad_token_id": tokenizer.pad_token_id},
+        projection_dim=24,
+    )
+    CLIPModel(config).save_pretrained(root)
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        processor_dir
+    )
+    return root
+
+
 def build_tiny_qwen_vl(path: Path, *, variant: str = "qwen2_5_vl") -> Path:
     """A random 1-layer Qwen2-VL or Qwen2.5-VL (hidden 32, 1-block vision tower) with a byte-level
     Qwen2Tokenizer (256 byte tokens, no merges, Qwen's chat and vision special tokens) and a PIL image
@@ -152,7 +180,9 @@ CONFORMANCE_SKIP: dict[str, str] = {
 
 def build_conformance_model_dir(model_dir: Path) -> Path:
     """One ``--model-dir`` serving every model-based scorer that can run offline: a tiny aesthetic
-    predictor and a tiny Qwen2.5-VL rigged to answer "4" (a random judge's answers are PARSE errors)."""
+    predictor, tiny PickScore and CLIP score models, and a tiny Qwen2.5-VL rigged to answer "4" (a random judge's answers are PARSE errors)."""
     build_tiny_aesthetic(model_dir)
+    build_tiny_clip_score(model_dir, "pickscore", processor_subfolder=True)
+    build_tiny_clip_score(model_dir, "clipscore", processor_subfolder=False)
     rig_digits(build_tiny_qwen_vl(model_dir / "qwenvl"), {"4": 5.0})
     return model_dir

@@ -120,6 +120,20 @@ def _aesthetic(model_dir: Path | None = None) -> Scorer:
     return AestheticScorer(model_dir=model_dir)
 
 
+def _pickscore(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.clip_score import ClipScoreScorer
+
+    return ClipScoreScorer("pickscore", 26.0, "PickScore (CLIP ViT-H/14 tuned on human preferences): "
+                           "logit_scale * cos(text, image) / 26", model_dir)
+
+
+def _clipscore(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.clip_score import ClipScoreScorer
+
+    return ClipScoreScorer("clipscore", 30.0, "CLIP score (ViT-L/14): logit_scale * cos(text, image) / 30",
+                           model_dir)
+
+
 def _colorfulness(model_dir: Path | None = None) -> Scorer:
     from reward_server.scorers.colorfulness import ColorfulnessScorer
 
@@ -136,6 +150,8 @@ SCORERS: dict[str, ScorerFactory] = {
     "qwenvl": _qwenvl,
     "qwenvl_api": _qwenvl_api,
     "aesthetic": _aesthetic,
+    "pickscore": _pickscore,
+    "clipscore": _clipscore,
     "colorfulness": _colorfulness,
 }
 

@@ -27,10 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from reward_server.scorers.fingerprint import sha256_files
+from reward_server.scorers.fingerprint import sha256_files, weight_files
 
 HEAD_FILES = ("head.safetensors", "head.pth")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
 
 
 class AestheticHead(nn.Module):
@@ -122,7 +121,7 @@ class AestheticScorer:
             CLIPImageProcessorPil.from_pretrained(clip_dir) if has_processor else CLIPImageProcessorPil()
         )
         self._clip, self._head = clip, head.eval().to(self._device)
-        weights = sorted(p for p in clip_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES) + [head_path]
+        weights = weight_files(clip_dir) + [head_path]
         self._version = f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{sha256_files(weights)[:12]}"
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [{}])
 

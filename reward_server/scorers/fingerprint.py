@@ -16,3 +16,11 @@ def sha256_files(paths: Sequence[Path]) -> str:
             while chunk := handle.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files directly in ``directory``, sorted (what a fingerprint covers)."""
+    return sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES)
