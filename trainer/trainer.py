@@ -272,21 +272,21 @@ class Trainer:
         """Run the objective's optimizer steps over ``batch`` (calling ``after_step`` after each); returns
         averaged loss statistics."""
         values: dict[str, list[torch.Tensor]] = defaultdict(list)
-        count = 0
+        grad_norms = []
         for units in objective.plan(batch, g):
             for i, unit in enumerate(units):
                 with self.backend.sync(i == len(units) - 1):
-                    loss, stats = objective.loss(self.ctx, unit)
-                    self.backend.backward(loss / len(units))
+                    loss, stats = objective.loss(self.ctx, unit)  # the unit's part of the step's loss
+                    self.backend.backward(loss)
                 for k, v in stats.items():  # kept on the device: reading each one would wait for the GPU per unit
                     values[k].append(torch.as_tensor(v).detach().reshape(()))
-                count += 1
-            grad_norm = self.backend.step(self.config.train.max_grad_norm)
-            values["grad_norm"].append(torch.tensor(grad_norm * len(units), dtype=torch.float64))
+            grad_norms.append(self.backend.step(self.config.train.max_grad_norm))
             if after_step is not None:
                 after_step()
-        return {k: float(torch.stack([x.to(v[0].device, torch.float64) for x in v]).sum()) / max(count, 1)
-                for k, v in values.items()}
+        means = {k: float(torch.stack([x.to(v[0].device, torch.float64) for x in v]).mean()) for k, v in values.items()}
+        if grad_norms:
+            means["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return means
 
     @torch.no_grad()
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:

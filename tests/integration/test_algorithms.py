@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from trainer.algorithms import ALGORITHMS, build_algorithm
+from trainer.algorithms.base import Rewards
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import DigitsTask
@@ -109,3 +110,35 @@ def test_a_checkpoint_of_other_algorithm_settings_is_refused(tmp_path, tiny_mode
                      *resumed)
     with pytest.raises(ValueError, match=message):
         other.resume(trainer.checkpoints.latest())
+
+
+@pytest.mark.parametrize("algorithm", sorted(EXPECTED_STATS))
+def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_model_dir, algorithm):
+    """The units of an optimizer step sum to one mean over all of its samples: cut into micro-batches of
+    unequal sizes (6 samples by 4, or 3 pairs / chosen samples by 2), the step's loss and gradient are those
+    of one micro-batch. Before units were scaled by their share, a last micro-batch of 1 counted as much as one of
+    2, and best-of-group SFT normalised its advantage weights per micro-batch (uniform at size 1)."""
+    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3")
+    g = torch.Generator().manual_seed(0)
+    indices, group_ids = trainer.sampler.epoch(0)
+    prompts = [trainer.task.prompts[i] for i in indices.tolist()]
+    trainer.algorithm.start_epoch(trainer.ctx, 0)
+    ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, g, torch.Generator().manual_seed(1))
+    local = torch.tensor([0.0, 1.0, 0.2, 0.3, 0.5, 0.1])  # groups' advantage weights differ (sft_best)
+    rewards = Rewards(local, local, group_ids, 0)
+
+    def step(micro_batch_size: int) -> tuple[float, list[torch.Tensor], int]:
+        algo = trainer.algorithm
+        algo.config.micro_batch_size = micro_batch_size
+        (units,) = algo.plan(algo.make_batch(ro, rewards), torch.Generator().manual_seed(2))
+        trainer.policy.zero_grad()
+        total = sum(algo.loss(trainer.ctx, unit)[0] for unit in units)
+        total.backward()
+        return float(total), [p.grad.clone() for p in trainer.adapter.trainable_parameters()], len(units)
+
+    whole, whole_grads, whole_units = step(64)
+    cut, cut_grads, cut_units = step(2 if trainer.algorithm.local_groups else 4)
+    assert cut_units > whole_units
+    assert cut == pytest.approx(whole, rel=1e-5, abs=1e-6)
+    for a, b in zip(cut_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)

@@ -1,8 +1,9 @@
 """The contract between the training loop and an algorithm.
 
 An algorithm turns experience into optimizer steps: ``make_batch`` builds what it trains on (advantages,
-pairs, targets), ``plan`` cuts it into optimizer steps of loss units, and ``loss`` computes one unit's loss.
-The trainer only runs backward and steps; it never asks which algorithm it runs.
+pairs, targets), ``plan`` cuts it into optimizer steps of loss units, and ``loss`` computes one unit's part
+of its step's loss (the step's loss is the sum over its units, whatever their sizes). The trainer only runs
+backward and steps; it never asks which algorithm it runs.
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ class Algorithm(Protocol):
         """Optimizer steps for one inner epoch, each a list of loss units whose gradients accumulate."""
         ...
 
-    def loss(self, ctx: LossContext, unit: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def loss(self, ctx: LossContext, unit: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The unit's part of its optimizer step's loss (the step's loss is the sum over its units), and
+        statistics of the unit alone (its own mean losses, ratios, ...), averaged over units for logging."""
+        ...
 
     def batch_metrics(self, batch: Any) -> dict[str, float]:
         """Per-epoch statistics of the batch (advantages, zero-std share, ...)."""
@@ -169,6 +173,20 @@ def shares_weights(a: nn.Module, b: nn.Module) -> bool:
     """Whether any parameter of ``a`` is stored in the same memory as one of ``b`` (a wrapper, not a copy)."""
     ptrs = {p.data_ptr() for p in b.parameters()}
     return any(p.data_ptr() in ptrs for p in a.parameters())
+
+
+def set_shares(steps: list[list[Any]], weight: Callable[[Any], float]) -> list[list[Any]]:
+    """Set each unit's ``share`` to its weight over the total of its optimizer step (0 in a step of no weight),
+    and return ``steps``. A unit's loss is a (weighted) mean over its own samples; scaled by its share, the
+    step's loss, the sum over its units, is that mean over all of the step's samples: a last, smaller
+    micro-batch or one holding heavier samples counts as much as its samples do, no more.
+    ``weight``: the unit's sample count, or the sum of its samples' loss weights."""
+    for units in steps:
+        weights = [weight(unit) for unit in units]
+        total = sum(weights)
+        for unit, w in zip(units, weights, strict=True):
+            unit.share = w / total if total > 0 else 0.0
+    return steps
 
 
 def split_steps(num_samples: int, num_steps: int, micro_batch_size: int,

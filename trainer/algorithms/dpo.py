@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.advantages import best_and_worst, diffusion_dpo_loss
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local, refresh_reference
+from trainer.algorithms.base import (
+    LossContext,
+    NoExtras,
+    Rewards,
+    balanced_local,
+    refresh_reference,
+    set_shares,
+)
 from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
 from trainer.configuration import PositiveFloat, PositiveInt
 from trainer.rollout import Rollout
@@ -49,6 +56,7 @@ class DPOUnit:
     pairs: torch.Tensor     # [m] rows of batch.pairs
     sigma: torch.Tensor     # [m]
     noise: torch.Tensor     # [m, *latent_shape]
+    share: float = 0.0      # the unit's share of its optimizer step's loss (``set_shares``)
 
 
 class DPO(NoExtras):
@@ -76,7 +84,8 @@ class DPO(NoExtras):
         units = [DPOUnit(batch, rows, draws.sigma[d, rows], draws.noise[d, rows])
                  for d in range(self.config.noise_draws)
                  for rows in torch.randperm(len(batch.pairs), generator=generator).split(self.config.micro_batch_size)]
-        return split_units(units, self.config.steps_per_epoch)
+        return set_shares(split_units(units, self.config.steps_per_epoch),
+                          lambda unit: float(batch.weights[unit.pairs].sum()))
 
     def loss(self, ctx: LossContext, unit: DPOUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ro = unit.batch.rollout
@@ -91,8 +100,9 @@ class DPO(NoExtras):
         loss, stats = diffusion_dpo_loss(policy[:m], policy[m:], ref[:m], ref[m:], self.config.beta,
                                          unit.batch.weights[unit.pairs])
         stats["dpo_loss"] = loss.detach()
-        stats["denoise_loss"] = policy.mean().detach()
-        return loss, stats
+        real = unit.batch.weights[unit.pairs].to(policy).repeat(2)
+        stats["denoise_loss"] = (policy * real).sum().detach() / real.sum().clamp_min(1.0)
+        return loss * unit.share, stats
 
     def batch_metrics(self, batch: DPOBatch) -> dict[str, float]:
         real = batch.pairs[batch.weights > 0]

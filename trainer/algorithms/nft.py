@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, split_steps
-from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, set_shares
+from trainer.algorithms.sft import CleanSampleConfig, CleanUnit, NoiseDraws, split_units
 from trainer.configuration import Decay, PositiveFloat
 from trainer.rollout import Rollout
 
@@ -64,18 +64,19 @@ class NFT(NoExtras):
         return NFTBatch(rollout, optimality_probability(adv[mine], self.config.optimality_scale),
                         (~torch.isnan(rewards.local)).float(), rewards)
 
-    def plan(self, batch: NFTBatch, generator: torch.Generator) -> list[list[tuple[NFTBatch, torch.Tensor, NoiseDraws]]]:
+    def plan(self, batch: NFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
+        """Every sample under each of ``noise_draws`` draws, in shuffled micro-batches, cut into
+        ``steps_per_epoch`` optimizer steps; a step's loss is the mean over its samples with a reward."""
         x0 = batch.rollout.latents[:, -1]
-        steps = []
-        for _ in range(self.config.noise_draws):
-            draw = NoiseDraws.draw(1, x0, self.config.logit_mean, self.config.logit_std, generator)
-            for micro_batches in split_steps(len(x0), self.config.steps_per_epoch, self.config.micro_batch_size,
-                                             generator):
-                steps.append([(batch, idx, NoiseDraws(draw.sigma[0, idx], draw.noise[0, idx])) for idx in micro_batches])
-        return steps
+        draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
+        units = [CleanUnit(batch, idx, NoiseDraws(draws.sigma[d, idx], draws.noise[d, idx]))
+                 for d in range(self.config.noise_draws)
+                 for idx in torch.randperm(len(x0), generator=generator).split(self.config.micro_batch_size)]
+        return set_shares(split_units(units, self.config.steps_per_epoch),
+                          lambda unit: float(batch.weights[unit.rows].sum()))
 
-    def loss(self, ctx: LossContext, unit: tuple[NFTBatch, torch.Tensor, NoiseDraws]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch, idx, draw = unit
+    def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch, idx, draw = unit.batch, unit.rows, unit.draw
         ro = batch.rollout
         x_t, target = ctx.adapter.training_target(ro.latents[idx, -1], draw.noise, draw.sigma)
         cond = ro.cond.select(idx)
@@ -87,7 +88,7 @@ class NFT(NoExtras):
                               self.config.beta)
         w = batch.weights[idx].to(per_sample)
         loss = (per_sample * w).sum() / w.sum().clamp_min(1.0)
-        return loss, {"nft_loss": loss.detach()}
+        return loss * unit.share, {"nft_loss": loss.detach()}
 
     def batch_metrics(self, batch: NFTBatch) -> dict[str, float]:
         return {"optimality_mean": float(batch.optimality.mean()),

@@ -17,7 +17,7 @@ from typing import Annotated
 import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, split_steps
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, set_shares, split_steps
 from trainer.configuration import Bounds, NonNegativeFloat, PositiveInt
 from trainer.models.base import StepFunction
 from trainer.rollout import Rollout, SamplerSettings
@@ -64,6 +64,7 @@ class StepUnit:
     batch: PolicyGradientBatch
     indices: torch.Tensor      # [m] samples of this micro-batch
     steps: torch.Tensor        # [m] denoising step trained for each sample
+    share: float = 1.0         # the unit's share of its optimizer step's loss (``set_shares``)
 
 
 def trainable_steps(rollout: Rollout) -> torch.Tensor:
@@ -76,7 +77,8 @@ def trainable_steps(rollout: Rollout) -> torch.Tensor:
 def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
                generator: torch.Generator) -> list[list[StepUnit]]:
     """Each sample trains on its own random subset of ``ceil(timestep_fraction * K)`` steps; a unit is one
-    micro-batch at one step position; the per-rank batch splits into ``steps_per_epoch`` optimizer steps."""
+    micro-batch at one step position; the per-rank batch splits into ``steps_per_epoch`` optimizer steps, whose
+    loss is the mean over all of their (sample, step) pairs."""
     n = batch.advantages.shape[0]
     k = len(batch.train_steps)
     per_sample = max(1, math.ceil(config.timestep_fraction * k))
@@ -84,11 +86,12 @@ def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
     steps = []
     for micro_batches in split_steps(n, config.steps_per_epoch, config.micro_batch_size, generator):
         steps.append([StepUnit(batch, idx, order[idx, j]) for idx in micro_batches for j in range(per_sample)])
-    return steps
+    return set_shares(steps, lambda unit: len(unit.indices))
 
 
 def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy loss (plus beta KL) of one unit: re-evaluates log p(x_{t+1} | x_t) under the policy."""
+    """The clipped policy loss (plus beta KL) of one unit, a mean over its samples (not scaled by its
+    ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy."""
     batch, ro = unit.batch, unit.batch.rollout
     # Every tensor indexed below lives on the rollout's device; host indices would be copied there by each
     # indexing op, every copy waiting for the device to finish its queued work.
@@ -103,6 +106,7 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) ->
     _, log_prob, mean, std = step_fn(v, x_t, step, ro.noise_level, prev_sample=x_next)
     loss, stats = clipped_policy_loss(batch.advantages[idx, step], log_prob, ro.log_probs[idx, step],
                                       config.clip_range)
+    stats["policy_loss"] = loss.detach()
     if config.kl_beta > 0:
         with torch.no_grad():
             v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, ro.guidance_scale)
@@ -110,7 +114,6 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) ->
         kl = gaussian_mean_kl(mean, ref_mean, std).mean()
         loss = loss + config.kl_beta * kl
         stats["kl"] = kl.detach()
-    stats["policy_loss"] = loss.detach()
     return loss, stats
 
 
@@ -149,7 +152,8 @@ class ClippedPolicyGradient(NoExtras):
         return plan_units(batch, self.config, generator)
 
     def loss(self, ctx: LossContext, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return step_loss(ctx, unit, self.config)
+        loss, stats = step_loss(ctx, unit, self.config)
+        return loss * unit.share, stats
 
     def batch_metrics(self, batch: PolicyGradientBatch) -> dict[str, float]:
         return advantage_metrics(batch)

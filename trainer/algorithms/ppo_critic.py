@@ -139,7 +139,7 @@ class PPOCritic(ClippedPolicyGradient):
                                       condition_vector(ro.cond.select(unit.indices)))
         value_loss = F.mse_loss(predicted, unit.batch.returns[unit.indices, unit.steps])
         stats["value_loss"] = value_loss.detach()
-        return loss + self.config.value_coef * value_loss, stats
+        return (loss + self.config.value_coef * value_loss) * unit.share, stats
 
     def batch_metrics(self, batch: PolicyGradientBatch) -> dict[str, float]:
         steps = batch.train_steps

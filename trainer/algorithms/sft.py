@@ -9,6 +9,7 @@ unconditional branch that CFG needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -97,6 +98,16 @@ class NoiseDraws:
         return NoiseDraws(sigma.to(x0.device), noise.to(x0.device))
 
 
+@dataclass
+class CleanUnit:
+    """One micro-batch of a clean-sample algorithm (sft_best, nft): rows of its batch with their noise draw."""
+
+    batch: Any
+    rows: torch.Tensor    # [m] rows of the batch
+    draw: NoiseDraws      # the rows' noise levels and noises
+    share: float = 0.0    # the unit's share of its optimizer step's loss (``set_shares``)
+
+
 def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """[B]: mean over every non-batch element of (prediction - target)^2, in float32."""
     return ((prediction.float() - target.float()) ** 2).mean(dim=tuple(range(1, prediction.ndim)))
@@ -130,7 +141,8 @@ class SFT:
         return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts, inputs))
 
     def plan(self, batch: SFTBatch, generator: torch.Generator) -> list[list[tuple[SFTBatch, torch.Tensor]]]:
-        """One optimizer step over the batch, accumulated over micro-batches."""
+        """One optimizer step over the batch, accumulated over micro-batches (each unit's loss scaled by its
+        share of the batch, so that a smaller last micro-batch counts per sample like the others)."""
         return [[(batch, idx) for idx in torch.arange(len(batch.sigma)).split(self.config.micro_batch_size)]]
 
     def loss(self, ctx: LossContext, unit: tuple[SFTBatch, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -138,4 +150,4 @@ class SFT:
         x_t, target = ctx.adapter.training_target(batch.x0[idx], batch.noise[idx], batch.sigma[idx])
         pred = ctx.adapter.predict(ctx.policy, x_t, batch.sigma[idx], batch.cond.select(idx), 1.0)
         loss = denoising_loss(pred, target)
-        return loss, {"sft_loss": loss.detach()}
+        return loss * (len(idx) / len(batch.sigma)), {"sft_loss": loss.detach()}

@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 
 from trainer.algorithms.advantages import best_and_worst, group_advantages
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local
-from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, denoising_loss, split_units
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local, set_shares
+from trainer.algorithms.sft import CleanSampleConfig, CleanUnit, NoiseDraws, denoising_loss, split_units
 from trainer.rollout import Rollout
 
 
@@ -58,24 +58,25 @@ class BestOfGroupSFT(NoExtras):
         weights = torch.cat([gathered_weights[mine], torch.zeros(len(rows) - int(mine.sum()))]) * real
         return BestBatch(rollout, rows[:, 0], weights, rewards)
 
-    def plan(self, batch: BestBatch, generator: torch.Generator) -> list[list[tuple[BestBatch, torch.Tensor, NoiseDraws]]]:
+    def plan(self, batch: BestBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
+        """Each optimizer step's loss is the weighted mean over all of its chosen samples (every draw)."""
         x0 = batch.rollout.latents[batch.samples, -1]
         draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
-        units = [(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
+        units = [CleanUnit(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
                  for d in range(self.config.noise_draws)
                  for rows in torch.arange(len(batch.samples)).split(self.config.micro_batch_size)]
-        return split_units(units, self.config.steps_per_epoch)
+        return set_shares(split_units(units, self.config.steps_per_epoch),
+                          lambda unit: float(batch.weights[unit.rows].sum()))
 
-    def loss(self, ctx: LossContext, unit: tuple[BestBatch, torch.Tensor, NoiseDraws]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch, rows, draw = unit
-        samples = batch.samples[rows]
+    def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch, draw = unit.batch, unit.draw
+        samples = batch.samples[unit.rows]
         ro = batch.rollout
         x_t, target = ctx.adapter.training_target(ro.latents[samples, -1], draw.noise, draw.sigma)
         pred = ctx.adapter.predict(ctx.policy, x_t, draw.sigma, ro.cond.select(samples), 1.0)
-        weights = batch.weights[rows]
-        # A micro-batch of only zero weights still runs its backward (every rank runs the same count).
-        loss = denoising_loss(pred, target, weights) if float(weights.sum()) > 0 else 0.0 * pred.sum()
-        return loss, {"sft_loss": loss.detach()}
+        # A micro-batch of only zero weights (share 0) still runs its backward (every rank runs the same count).
+        loss = denoising_loss(pred, target, batch.weights[unit.rows]) if unit.share > 0 else 0.0 * pred.sum()
+        return loss * unit.share, {"sft_loss": loss.detach()}
 
     def batch_metrics(self, batch: BestBatch) -> dict[str, float]:
         real = batch.weights > 0
