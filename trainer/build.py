@@ -12,7 +12,7 @@ import yaml
 
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
-from trainer.checkpoint import Progress
+from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, to_dict
 from trainer.data import build_task
 from trainer.distributed import detect_world, init_backend
@@ -23,9 +23,15 @@ from trainer.trainer import Trainer
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
+    """``train.device`` for the process of ``local_rank``: "auto" is this rank's GPU where there is one, else
+    the CPU; "cuda" without an index is this rank's GPU (an explicit "cuda:N" is taken as it is)."""
     if name == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"train.device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    return torch.device("cuda", local_rank) if device.type == "cuda" and device.index is None else device
 
 
 def run(config: Config) -> dict[str, float]:
@@ -43,8 +49,17 @@ def run(config: Config) -> dict[str, float]:
         stack.callback(backend.close)
         if config.train.resume == "auto" and not config.logging.run_name:
             raise ValueError("train.resume=auto needs logging.run_name: the run whose checkpoints to continue")
-        run_name = backend.broadcast(config.logging.run_name or time.strftime("%Y%m%d-%H%M%S"))
-        run_dir = Path(config.logging.output_dir) / run_name
+        for setting, path in ("train.resume", config.train.resume), ("train.init_from", config.train.init_from):
+            if path and path != "auto":
+                require_checkpoint(Path(path), setting)
+        output = Path(config.logging.output_dir)
+        refusal = None
+        if main:
+            run_name = config.logging.run_name or new_run_name(output)
+            refusal = None if config.train.resume else reused_run_dir(output / run_name)
+        run_dir = output / backend.broadcast(run_name if main else None)
+        if backend.broadcast(refusal):
+            raise ValueError(refusal)
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
@@ -88,12 +103,50 @@ def run(config: Config) -> dict[str, float]:
         if main:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
         metrics = trainer.fit()
-        final = backend.frozen_copy(adapter.denoiser)  # full weights on every rank, however sharded
+        ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with
+        with ema.swapped() if ema is not None else contextlib.nullcontext():
+            final = backend.frozen_copy(adapter.denoiser)  # full weights on every rank, however sharded
         if main:
             export_denoiser(final, run_dir / "final")
-            print(f"done: {run_dir}", flush=True)
+            print(f"done: {run_dir} (final/: the {'EMA' if ema is not None else 'trained'} weights, as evaluated)",
+                  flush=True)
         backend.barrier()
         return metrics
+
+
+def require_checkpoint(path: Path, setting: str) -> None:
+    """Refuse ``setting``'s path unless it is a complete checkpoint, naming the one meant where it is a run's
+    directory (checked before anything is built or started)."""
+    if (path / "progress.json").is_file() and (path / "trainable.safetensors").is_file():
+        return
+    hint = "pass a <run>/checkpoints/step-* directory"
+    latest = Checkpoints(path / "checkpoints", 0, False).latest()
+    if latest is not None:
+        hint = f"{path} is a run directory: pass one of its checkpoints, e.g. {latest}"
+    if setting == "train.resume":
+        hint += ", or train.resume=auto with logging.run_name to continue the run's latest"
+    raise ValueError(f"{setting}={str(path)!r} is not a complete checkpoint (no progress.json and "
+                     f"trainable.safetensors): {hint}")
+
+
+def new_run_name(output_dir: Path) -> str:
+    """A run name of the time, made unique in ``output_dir`` (jobs of a sweep may start in the same second)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name, n = stamp, 1
+    while (output_dir / name).exists():
+        n += 1
+        name = f"{stamp}-{n}"
+    return name
+
+
+def reused_run_dir(run_dir: Path) -> str | None:
+    """Why a fresh run may not write into ``run_dir``: the checkpoints or metrics of another run are there,
+    which its checkpoints would be mixed with (or replaced by); None when it is free."""
+    held = [name for name in ("checkpoints", "metrics.jsonl", "final") if (run_dir / name).exists()]
+    if not held:
+        return None
+    return (f"{run_dir} already holds a run ({', '.join(held)}): continue it with train.resume=auto, or start "
+            f"this one under another logging.run_name")
 
 
 def require_shared_run_dir(run_dir: Path, rank: int) -> None:

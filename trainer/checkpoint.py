@@ -66,6 +66,10 @@ class Checkpoints:
             self.directory.mkdir(parents=True, exist_ok=True)
         tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=self.directory) if self.is_main
                                      else None))
+        if self.is_main:  # mkdtemp makes it private (0700): give it the mode any directory of this user gets
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)
         mine = tmp / _rank_dir(backend.world.rank)
         mine.mkdir()
         torch.save(_rng_state(), mine / "rng.pt")

@@ -21,6 +21,7 @@ from trainer.configuration import (
     PositiveFloat,
     PositiveInt,
     Probability,
+    Seed,
     Selected,
     apply_override,
     build,
@@ -141,7 +142,7 @@ class ParallelConfig:
 class TrainConfig:
     """The schedule and the optimizer."""
 
-    seed: int = 0
+    seed: Seed = 0
     """Base seed; each rank derives its own streams from it."""
     warmup_steps: NonNegativeInt = 600
     """Supervised steps before RL (0 skips the warm-up)."""
@@ -197,7 +198,7 @@ class EvalConfig:
     """Deterministic (ODE) steps for evaluation samples."""
     guidance_scale: NonNegativeFloat = 1.0
     """CFG scale for evaluation samples."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed of the evaluation noise: the same images before and after, so they are comparable."""
     every: NonNegativeInt = 5
     """Evaluate every N RL epochs (0: only before and after)."""

@@ -54,7 +54,7 @@ class Bounds:
     """Whether ``high`` itself is excluded."""
 
     def admits(self, value: float) -> bool:
-        if math.isnan(value) or (math.isinf(value) and not (value > 0 and self.high == math.inf)):
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not (value > 0 and self.high == math.inf))):
             return False
         above = self.low is None or (value > self.low if self.low_open else value >= self.low)
         below = self.high is None or (value < self.high if self.high_open else value <= self.high)
@@ -78,6 +78,8 @@ Probability = Annotated[float, Bounds(0, 1)]
 FiniteFloat = Annotated[float, Bounds()]
 Decay = Annotated[float, Bounds(0, 1, high_open=True)]
 """An exponential decay rate (Adam's betas, an EMA's decay)."""
+Seed = Annotated[int, Bounds(0, 2**63 - 1)]
+"""A random seed: torch generators take a non-negative 64-bit integer."""
 
 
 def _type_name(tp: Any) -> str:

@@ -2,6 +2,7 @@
 
     python -m trainer.export --checkpoint outputs/RUN/checkpoints/step-000600-000030 --out exported/
     python -m trainer.export --checkpoint ... --out ... --model-path /weights/sd3   # the base moved
+    python -m trainer.export --checkpoint ... --out ... --ema    # the EMA weights (what the run evaluated)
 
 The checkpoint's config names the model; its base weights are loaded from ``model.path`` (or
 ``--model-path``), the checkpoint's trainable weights are loaded on top, LoRA is merged into the base, and
@@ -47,8 +48,9 @@ def export_denoiser(denoiser: nn.Module, out: Path) -> None:
     denoiser.save_pretrained(str(out))
 
 
-def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None) -> Path:
-    """Build the checkpoint's model on the CPU, load its trainable weights and export the denoiser to ``out``."""
+def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None, ema: bool = False) -> Path:
+    """Build the checkpoint's model on the CPU, load its trainable weights (``ema``: their EMA instead) and
+    export the denoiser to ``out``."""
     from trainer.checkpoint import load_weights
     from trainer.config import Config
     from trainer.configuration import build
@@ -67,8 +69,27 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
                          "pass --model-path")
     adapter = build_adapter(model, torch.device("cpu"))
     load_weights(checkpoint, adapter.denoiser, SingleProcess(torch.device("cpu")))
+    if ema:
+        load_ema(checkpoint, list(adapter.trainable_parameters()))
     export_denoiser(adapter.denoiser, out)
     return out
+
+
+@torch.no_grad()
+def load_ema(checkpoint: Path, trainable: list[nn.Parameter]) -> None:
+    """Write the checkpoint's EMA (kept whole by runs whose weights are not sharded) into ``trainable``, the
+    adapter's trainable parameters in their order."""
+    from safetensors.torch import load_file
+
+    if not (checkpoint / "ema.safetensors").is_file():
+        raise ValueError(f"{checkpoint} holds no whole EMA (ema.safetensors): the run kept none (train.ema_decay=0), "
+                         "or its backend sharded the weights (fsdp2, zero3), which keeps each rank's part apart")
+    shadow = load_file(checkpoint / "ema.safetensors")
+    if len(shadow) != len(trainable):
+        raise ValueError(f"{checkpoint}'s EMA has {len(shadow)} tensors where the model has {len(trainable)} "
+                         "trainable ones")
+    for i, param in enumerate(trainable):
+        param.copy_(shadow[f"{i:05d}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True, type=Path, help="a <run>/checkpoints/step-* directory")
     parser.add_argument("--out", required=True, type=Path, help="directory to write the diffusers model to")
     parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
+    parser.add_argument("--ema", action="store_true",
+                        help="export the EMA of the trainable weights (what the run evaluated with eval.use_ema)")
     args = parser.parse_args(argv)
     try:
-        export_checkpoint(args.checkpoint, args.out, args.model_path)
+        export_checkpoint(args.checkpoint, args.out, args.model_path, args.ema)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

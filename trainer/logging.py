@@ -49,18 +49,30 @@ class RunLogger:
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def truncate(self, warmup_steps_done: int, epochs_done: int) -> None:
-        """After a resume: keep only the records of work the checkpoint holds (later ones are redone)."""
+        """After a resume: keep only the records of work the checkpoint holds, the ones written before its own
+        "checkpoint" record (later ones are redone). Without that record (a kill between the checkpoint's
+        rename and its record) the records of the steps it covers. Rewritten atomically; a last line cut off
+        by a kill is dropped."""
         if not self.enabled:
             return
         path = self.run_dir / "metrics.jsonl"
-        kept = []
+        records = []
         for line in path.read_text().splitlines() if path.is_file() else []:
-            record = json.loads(line)
-            limit = warmup_steps_done - 1 if record["phase"] == "warmup" else epochs_done
-            if record["phase"] in ("warmup", "rl", "eval", "checkpoint") and record["step"] <= limit:
-                kept.append(record)
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # only the last line can be partial: the file is appended line by line
+        mark = next((i for i, r in enumerate(records) if r["phase"] == "checkpoint" and r["step"] == epochs_done
+                     and r.get("warmup_steps_done") == warmup_steps_done), None)
+        if mark is not None:
+            kept = records[: mark + 1]
+        else:
+            kept = [r for r in records if r["phase"] in ("warmup", "rl", "eval", "checkpoint")
+                    and r["step"] <= (warmup_steps_done - 1 if r["phase"] == "warmup" else epochs_done)]
         self._jsonl.close()
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
         self._jsonl = open(path, "a")
         self.history = kept
 

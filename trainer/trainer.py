@@ -60,8 +60,10 @@ class Trainer:
                                     backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
         algorithm.setup(adapter, adapter.encode_prompts(task.prompts[:1], task.inputs([0])), backend)
-        self.ema = (EMA(backend.local_shards(adapter.trainable_parameters()), train.ema_decay, train.ema_every)
-                    if train.ema_decay > 0 else None)
+        trainable = list(adapter.trainable_parameters())
+        shards = backend.local_shards(trainable)
+        self.ema = EMA(shards, train.ema_decay, train.ema_every) if train.ema_decay > 0 else None
+        self._ema_whole = all(s.shape == p.shape for s, p in zip(shards, trainable, strict=True))  # not sharded
         self.progress = Progress()
         self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", config.train.keep_checkpoints, self.is_main)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
@@ -122,11 +124,12 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         states, rank_states = self.ctx.reference_states()
-        # Per rank: the EMA and an algorithm's networks are kept over this rank's shards.
+        # Per rank: an algorithm's networks, and the EMA of sharded weights, are kept over this rank's shards. An
+        # EMA of whole weights is the same on every rank: kept once, it resumes on any number of ranks and exports.
         algorithm = self.algorithm.state()
         rank_states["algorithm"] = dict(zip(algorithm, self.backend.local_shards(algorithm.values()), strict=True))
         if self.ema is not None:
-            rank_states["ema"] = self.ema.state()
+            (states if self._ema_whole else rank_states)["ema"] = self.ema.state()
         path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, to_dict(self.config),
                                      rank_states)
         if path is not None:
@@ -141,8 +144,9 @@ class Trainer:
         self._load_algorithm_state(states.get("algorithm", {}), path)
         if self.ema is not None:
             if "ema" not in states:
-                raise ValueError(f"{path} holds no EMA weights but train.ema_decay > 0: resume with the EMA "
-                                 "settings the run started with")
+                raise ValueError(f"{path} holds no EMA weights for rank {self.backend.world.rank} but train.ema_decay "
+                                 "> 0: resume with the EMA settings the run started with (and, where the backend "
+                                 "shards the weights, the same number of ranks)")
             self.ema.load_state(states["ema"])
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
@@ -311,7 +315,7 @@ class Trainer:
                 items = [self.task.eval_indices[k]] * ev.samples_per_prompt
                 ro = rollout(self.adapter, self.adapter.denoiser, [prompts[k]] * ev.samples_per_prompt,
                              torch.arange(ev.samples_per_prompt), settings,
-                             torch.Generator().manual_seed(ev.seed * 1_000_003 + k), self.task.inputs(items))
+                             torch.Generator().manual_seed((ev.seed * 1_000_003 + k) % 2**63), self.task.inputs(items))
                 images.append(ro.images)
         self.adapter.denoiser.train(was_training)
         # [slots * world, S, C, H, W]: rank-major, so prompt i sits at row (i mod world) * slots + i // world

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -140,5 +141,55 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
     cut, cut_grads, cut_units = step(2 if trainer.algorithm.local_groups else 4)
     assert cut_units > whole_units
     assert cut == pytest.approx(whole, rel=1e-5, abs=1e-6)
+    for a, b in zip(cut_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_an_unsharded_ema_is_checkpointed_once_resumes_on_any_rank_and_exports(tmp_path, tiny_model_dir):
+    """Kept per rank, a DDP run's EMA could not be resumed on more ranks (the new ranks found none), and the
+    EMA weights the run evaluated with could not be exported at all."""
+    from safetensors.torch import load_file
+
+    from trainer.export import export_checkpoint
+
+    trainer = _trainer(tmp_path / "run", tiny_model_dir, "grpo", "train.epochs=1")
+    trainer.fit()
+    trainer.logger.close()
+    checkpoint = trainer.checkpoints.latest()
+    assert (checkpoint / "ema.safetensors").is_file()
+    shutil.rmtree(checkpoint / "rank-00000")  # as a rank the writing run did not have finds it
+    resumed = _trainer(tmp_path / "resumed", tiny_model_dir, "grpo", "train.epochs=1")
+    resumed.resume(checkpoint)
+    for a, b in zip(resumed.ema.shadow, trainer.ema.shadow, strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(s, p.float()) for s, p in zip(trainer.ema.shadow, trainer.adapter.trainable_parameters(),
+                                                             strict=True))
+
+    export_checkpoint(checkpoint, tmp_path / "exported", ema=True)
+    exported = load_file(tmp_path / "exported" / "diffusion_pytorch_model.safetensors")
+    names = [n for n, p in trainer.adapter.denoiser.named_parameters() if p.requires_grad]
+    for name, shadow in zip(names, trainer.ema.shadow, strict=True):
+        torch.testing.assert_close(exported[name].float(), shadow, rtol=0, atol=0)
+
+
+def test_a_warmup_steps_loss_is_the_same_whatever_micro_batches_cut_it(tiny_model_dir):
+    """5 supervised samples in micro-batches of 2 (2, 2, 1): the same loss and gradient as in one."""
+    from trainer.algorithms.base import LossContext
+    from trainer.algorithms.sft import SFTConfig
+
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    data = DigitsTask(16).supervised_batch(5, torch.Generator().manual_seed(0))
+    results = []
+    for micro_batch_size in (64, 2):
+        sft = SFT(SFTConfig(batch_size=5, micro_batch_size=micro_batch_size))
+        batch = sft.data_batch(adapter, data.images, data.prompts, torch.Generator().manual_seed(1))
+        (units,) = sft.plan(batch, torch.Generator().manual_seed(2))
+        adapter.denoiser.zero_grad()
+        total = sum(sft.loss(LossContext(adapter, adapter.denoiser, None), unit)[0] for unit in units)
+        total.backward()
+        results.append((len(units), float(total), [p.grad.clone() for p in adapter.trainable_parameters()]))
+    (whole_units, whole, whole_grads), (cut_units, cut, cut_grads) = results
+    assert (whole_units, cut_units) == (1, 3)
+    assert cut == pytest.approx(whole, rel=1e-5)
     for a, b in zip(cut_grads, whole_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)

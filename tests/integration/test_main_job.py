@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.export import export_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,6 +64,14 @@ def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
     assert len(rl) == 2 and all(0 <= r["reward_mean"] <= 1 for r in rl)
     (final,) = [r for r in records if r["phase"] == "final"]
     assert final["weights_rank_spread"] == 0.0
+    # final/ holds the weights the final evaluation sampled with: the EMA (it held the raw weights before)
+    checkpoint = max((tmp_path / "ddp" / "checkpoints").glob("step-*"))
+    export_checkpoint(checkpoint, tmp_path / "ema", ema=True)
+    exported = load_file(tmp_path / "ema" / "diffusion_pytorch_model.safetensors")
+    written = load_file(tmp_path / "ddp" / "final" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == written.keys()
+    for name, tensor in written.items():
+        torch.testing.assert_close(tensor, exported[name], rtol=0, atol=1e-6)
 
 
 def _free_port() -> int:

@@ -52,11 +52,14 @@ def test_yaml_and_overrides(tmp_path):
     ("algorithm.sampler.kind=sdee", "algorithm.sampler: kind='sdee' is not one of auto, cps, ddim, eta, sde"),
     ("algorithm.sampler.window_range=[0, 9]",
      "algorithm.sampler: window_range=(0, 9) does not fit num_steps=10 with sde_window=2"),
+    ("train.seed=-1", "train.seed=-1 must be in [0, 9.22337e+18]"),
+    ("eval.seed=99999999999999999999", "eval.seed=99999999999999999999 must be in [0, 9.22337e+18]"),
+    ("train.epochs=" + "9" * 400, None),  # checked without a float conversion, which overflowed
     ("train", "must look like section.key=value"),
     ("train.epochs.x=1", "train.epochs is not a section"),
 ])
 def test_bad_keys_and_values_name_the_field(override, message):
-    if message is None:  # in range: an unclipped ratio
+    if message is None:  # in range (an unclipped ratio; a huge epoch count)
         load_config(overrides=[override])
         return
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,124 @@
+"""What a job checks and sets up before it builds anything: the device, the run directory (never another run's),
+the checkpoint paths it is given; and the run's files: checkpoint permissions, metrics kept on a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.build import require_checkpoint, resolve_device, reused_run_dir
+from trainer.checkpoint import Checkpoints, Progress
+from trainer.distributed import SingleProcess
+from trainer.logging import RunLogger
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_devices_name_this_ranks_gpu_unless_an_index_is_given():
+    assert resolve_device("cuda", 3) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1", 3) == torch.device("cuda", 1)
+    assert resolve_device("cpu", 3) == torch.device("cpu")
+    expected = torch.device("cuda", 2) if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device("auto", 2) == expected
+    with pytest.raises(ValueError, match=r"train.device='gpu' is not a device: use auto, cpu, cuda or cuda:N"):
+        resolve_device("gpu", 0)
+
+
+def _fake_checkpoint(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "progress.json").write_text("{}")
+    (path / "trainable.safetensors").write_bytes(b"")
+    return path
+
+
+def test_a_path_that_is_not_a_checkpoint_is_refused_naming_the_one_meant(tmp_path):
+    require_checkpoint(_fake_checkpoint(tmp_path / "run" / "checkpoints" / "step-000004-000002"), "train.resume")
+    with pytest.raises(ValueError, match=r"train.init_from='.*nowhere' is not a complete checkpoint .*: pass a "
+                                         r"<run>/checkpoints/step-\* directory$"):
+        require_checkpoint(tmp_path / "nowhere", "train.init_from")
+    with pytest.raises(ValueError, match=r"is a run directory: pass one of its checkpoints, e.g. .*step-000004-000002"
+                                         r", or train.resume=auto"):
+        require_checkpoint(tmp_path / "run", "train.resume")
+
+
+def test_a_run_directory_holding_another_run_is_refused_and_default_names_do_not_collide(tmp_path, monkeypatch):
+    assert reused_run_dir(tmp_path / "fresh") is None
+    (tmp_path / "old").mkdir()
+    assert reused_run_dir(tmp_path / "old") is None  # made, nothing written yet
+    (tmp_path / "old" / "metrics.jsonl").write_text("")
+    assert "continue it with train.resume=auto" in reused_run_dir(tmp_path / "old")
+
+    from trainer import build
+
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261122-120000")
+    assert build.new_run_name(tmp_path) == "20261122-120000"
+    (tmp_path / "20261122-120000").mkdir()
+    (tmp_path / "20261122-120000-2").mkdir()
+    assert build.new_run_name(tmp_path) == "20261122-120000-3"
+
+
+def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_building(tmp_path):
+    """Both used to fail late: a second fresh run under the same logging.run_name replaced its own
+    checkpoints by the first run's ones (equal names) and mixed the two runs' metrics; a run directory given
+    as train.resume failed with a FileNotFoundError traceback after the model and reward servers started."""
+    (tmp_path / "same").mkdir()
+    (tmp_path / "same" / "metrics.jsonl").write_text('{"phase": "rl", "step": 1}\n')
+    base = [sys.executable, "trainer/main.py", f"logging.output_dir={tmp_path}", "model.path=/not/built"]
+    for extra, message in ((["logging.run_name=same"], "already holds a run (metrics.jsonl)"),
+                           ([f"train.resume={tmp_path / 'same'}"], "is not a complete checkpoint")):
+        out = subprocess.run([*base, *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not Path("/not/built").exists()
+    assert (tmp_path / "same" / "metrics.jsonl").read_text() == '{"phase": "rl", "step": 1}\n'
+
+
+def test_checkpoint_directories_get_the_users_usual_mode(tmp_path):
+    """``tempfile.mkdtemp`` makes directories 0700; renamed as they were, other users and containers under
+    another uid could not read (export, init from) a checkpoint."""
+    net = torch.nn.Linear(2, 2)
+    backend = SingleProcess(torch.device("cpu"))
+    backend.prepare(net, list(net.parameters()), lambda params: torch.optim.SGD(params, lr=0.1))
+    old = os.umask(0o022)
+    try:
+        path = Checkpoints(tmp_path, keep=0, is_main=True).save(Progress(1, 0), SimpleNamespace(denoiser=net),
+                                                                backend, {}, {})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755
+
+
+def _records(logger: RunLogger) -> list[tuple[str, int]]:
+    lines = (logger.run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["phase"], r["step"]) for r in map(json.loads, lines)]
+
+
+def test_a_resume_keeps_the_records_written_before_its_checkpoint(tmp_path):
+    """The evaluation before RL and warm-up checkpoint records are all at step 0; kept by step, a resume from
+    a warm-up checkpoint kept the later ones too, and the redone evaluation was then logged twice."""
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
+    logger.log(0, "warmup", {})
+    logger.log(1, "warmup", {})
+    logger.log(0, "checkpoint", {"warmup_steps_done": 2})
+    logger.log(2, "warmup", {})
+    logger.log(3, "warmup", {})
+    logger.log(0, "checkpoint", {"warmup_steps_done": 4})
+    logger.log(0, "eval", {})
+    logger.log(1, "rl", {})
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"phase": "rl", "st')  # a line cut off by a kill
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
+    logger.truncate(2, 0)
+    assert _records(logger) == [("warmup", 0), ("warmup", 1), ("checkpoint", 0)]
+    logger.log(2, "warmup", {})
+    logger.close()
+    assert _records(logger)[-1] == ("warmup", 2)
+    assert not list(tmp_path.glob("*.tmp"))
