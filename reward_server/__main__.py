@@ -1,7 +1,7 @@
 """Run one reward server: ``python -m reward_server --scorers digit,brightness --port 8000``.
 
-Besides the registry's scorers, ``--scorers sleep --sleep-ms MS`` serves the benchmark stand-in
-:class:`reward_server.sleep_scorer.SleepScorer`.
+Besides the registry's scorers, ``--scorers sleep --sleep-ms MS [--sleep-load-s S]`` serves the
+benchmark stand-in :class:`reward_server.sleep_scorer.SleepScorer`.
 
 On SIGTERM (or Ctrl-C) the server drains: ``/readyz`` and ``/score`` answer 503 for ``--drain-grace-s``
 seconds while in-flight requests finish, then the listener closes, uvicorn waits for open requests and
@@ -45,9 +45,11 @@ def _scorer_list(text: str) -> list[str]:
     return names
 
 
-def _build(names: list[str], model_dir: Path | None, sleep_ms: float) -> dict[str, Scorer]:
+def _build(names: list[str], model_dir: Path | None, sleep_ms: float, sleep_load_s: float) -> dict[str, Scorer]:
     registered = build_scorers([name for name in names if name != _SLEEP], model_dir=model_dir)
-    return {name: SleepScorer(sleep_ms) if name == _SLEEP else registered[name] for name in names}
+    return {
+        name: SleepScorer(sleep_ms, sleep_load_s) if name == _SLEEP else registered[name] for name in names
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="for the 'sleep' benchmark scorer: how long it holds each batch, in ms",
     )
+    parser.add_argument(
+        "--sleep-load-s",
+        type=float,
+        default=0.0,
+        help="for the 'sleep' benchmark scorer: how long its load takes, in s (as a model's would)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -83,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-items", type=int, default=_DEFAULTS.max_items)
     parser.add_argument("--max-image-side", type=int, default=_DEFAULTS.max_image_side)
+    parser.add_argument(
+        "--max-pixels-per-request",
+        type=int,
+        default=_DEFAULTS.max_pixels_per_request,
+        help="height x width summed over a request's images and masks (bounds the memory it decodes to)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
     parser.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
     parser.add_argument("--batch-wait-ms", type=float, default=_DEFAULTS.batch_wait_ms)
@@ -131,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             token=args.token or None,
             max_items=args.max_items,
             max_image_side=args.max_image_side,
+            max_pixels_per_request=args.max_pixels_per_request,
             max_body_bytes=args.max_body_bytes,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
@@ -140,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         build_parser().error(str(exc))
-    scorers = _build(args.scorers, args.model_dir, args.sleep_ms)
+    scorers = _build(args.scorers, args.model_dir, args.sleep_ms, args.sleep_load_s)
 
     def exit_on_load_failure(exc: BaseException) -> None:
         server.fail(exc)  # bound below, before uvicorn starts the app

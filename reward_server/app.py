@@ -10,7 +10,9 @@ listed in ``/info``. Responses are JSON.
 HTTP status policy (the client's retry logic depends on it):
     200  scored, possibly with per-item failures (``ok: false`` plus an error code, never a fake score)
     401  missing or wrong bearer token
-    413  body (as sent or decompressed) larger than ``max_body_bytes``, or more than ``max_items`` items
+    413  body (as sent or decompressed) larger than ``max_body_bytes``, more than ``max_items`` items
+         (refused before the items are validated), or images, masks and metadata images adding up to
+         more than ``max_pixels_per_request`` pixels (read from their headers, before decoding)
     415  unsupported Content-Encoding (the ``Accept-Encoding`` header lists the supported ones)
     422  malformed body (invalid JSON or msgpack, corrupt compression, schema violation, unknown scorer,
          image side over the limit)
@@ -53,7 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from reward_server.batching import JobResult, QueueFullError, ScorerWorker
 from reward_server.scorers import ScoreOutcome, Scorer
 from reward_server.settings import ServerSettings
-from shared.imagecodec import DecodeError, ImageTooLargeError, decode_image
+from shared.imagecodec import DecodeError, ImageTooLargeError, OpenedImage, open_image
 from shared.protocol import (
     JSON_MEDIA_TYPE,
     MSGPACK_MEDIA_TYPE,
@@ -75,6 +77,7 @@ from shared.protocol import (
     ScorerResult,
     ScorerTiming,
     Timing,
+    TooManyItemsError,
     decompress_body,
     supported_encodings,
     unpack_msgpack,
@@ -300,6 +303,9 @@ class RewardService:
             return f"loading failed: {self.load_error}"
         if not self.ready:
             return "loading"
+        stopped = [name for name, w in self.workers.items() if not w.alive]
+        if stopped:
+            return f"scorer worker stopped: {stopped} (see the server log)"
         full = [name for name, w in self.workers.items() if w.queued_items >= self.settings.max_queue_items]
         return f"queue full: {full}" if full else None
 
@@ -328,7 +334,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async def load() -> None:
             try:
-                await asyncio.to_thread(service.load)
+                await _in_daemon_thread(service.load)
             except Exception as exc:
                 service.load_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("loading scorers failed")
@@ -389,6 +395,7 @@ def create_app(
                 max_items=settings.max_items,
                 max_image_side=settings.max_image_side,
                 max_body_bytes=settings.max_body_bytes,
+                max_pixels_per_request=settings.max_pixels_per_request,
             ),
             media_types=[JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE],
             encodings=encodings,
@@ -419,11 +426,7 @@ def create_app(
         if reason is not None:
             status = 429 if reason.startswith("queue full") else 503
             raise HTTPException(status, f"not ready: {reason}", headers={"Retry-After": RETRY_AFTER_S})
-        score_request = await _parse_score_request(request, settings.max_body_bytes, encodings, service)
-        if len(score_request.items) > settings.max_items:
-            raise HTTPException(
-                413, f"{len(score_request.items)} items exceed the limit of {settings.max_items}"
-            )
+        score_request = await _parse_score_request(request, settings, encodings, service)
         names = score_request.scorers or list(scorers)
         unknown = [name for name in names if name not in scorers]
         if unknown:
@@ -432,9 +435,7 @@ def create_app(
             None if score_request.deadline_ms is None else received + score_request.deadline_ms / 1000.0
         )
 
-        decoded = await asyncio.to_thread(_decode_items, score_request.items, settings.max_image_side)
-        if isinstance(decoded, str):
-            raise HTTPException(422, decoded)
+        decoded = await asyncio.to_thread(_decode_items, score_request.items, settings)
         decode_ms = (time.monotonic() - received) * 1000.0
         ok_rows: list[int] = []
         images: list[np.ndarray] = []
@@ -519,8 +520,40 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+async def _in_daemon_thread(function: Callable[[], None]) -> None:
+    """Run ``function`` on a daemon thread and wait for it.
+
+    Unlike ``asyncio.to_thread``, whose executor the interpreter joins at exit, a daemon thread does not
+    hold up the exit of a process told to stop (a second SIGTERM) while a long model load runs.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            function()
+        except BaseException as exc:  # whatever it is, the waiting coroutine must hear of it
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:  # the event loop has closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="load-scorers", daemon=True).start()
+    await done
+
+
 async def _parse_score_request(
-    request: Request, max_body_bytes: int, encodings: list[str], service: RewardService
+    request: Request, settings: ServerSettings, encodings: list[str], service: RewardService
 ) -> ScoreRequest:
     """Read, decompress and validate a ``POST /score`` body (JSON or msgpack); raise the HTTP error."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
@@ -532,18 +565,20 @@ async def _parse_score_request(
         )
     media_type = request.headers.get("content-type", JSON_MEDIA_TYPE).split(";")[0].strip().lower()
     binary = media_type in MSGPACK_MEDIA_TYPES
+    max_body_bytes = settings.max_body_bytes
     body = await _read_body(request, max_body_bytes)
     service.metrics.body_bytes.labels(MSGPACK_MEDIA_TYPE if binary else JSON_MEDIA_TYPE).observe(len(body))
 
     def parse() -> ScoreRequest:
         data = body if encoding == "identity" else decompress_body(body, encoding, max_body_bytes)
+        context = {"max_items": settings.max_items}
         if binary:
-            return BinaryScoreRequest.model_validate(unpack_msgpack(data))
-        return ScoreRequest.model_validate_json(data)
+            return BinaryScoreRequest.model_validate(unpack_msgpack(data), context=context)
+        return ScoreRequest.model_validate_json(data, context=context)
 
     try:  # off the event loop: bodies of many megabytes take a while to decompress and parse
         return await asyncio.to_thread(parse)
-    except BodyTooLargeError as exc:
+    except (BodyTooLargeError, TooManyItemsError) as exc:
         raise HTTPException(413, str(exc)) from None
     except BodyError as exc:
         raise HTTPException(422, str(exc)) from None
@@ -575,26 +610,49 @@ def _describe_validation_error(exc: ValidationError) -> str:
 
 
 def _decode_items(
-    items: Sequence[ScoreItem | BinaryScoreItem], max_side: int
-) -> list[tuple[np.ndarray, dict[str, Any]] | ScoreOutcome] | str:
-    """Decode each item's image (and mask) into ``(image, metadata)``.
+    items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSettings
+) -> list[tuple[np.ndarray, dict[str, Any]] | ScoreOutcome]:
+    """Decode each item's image, mask and metadata images into ``(image, metadata)``.
 
-    An undecodable item becomes a DECODE outcome; an oversized image makes the whole request invalid
-    and is returned as the 422 message.
+    Every header is read before any pixel is decoded, so that an oversized image (422) or a request
+    over ``max_pixels_per_request`` (413) costs no memory. An undecodable item becomes a DECODE outcome.
     """
-    decoded: list[tuple[np.ndarray, dict[str, Any]] | ScoreOutcome] = []
+    opened: list[dict[str | None, OpenedImage] | ScoreOutcome] = []
+    pixels = 0
     for index, item in enumerate(items):
+        wire = {None: item.image, "mask": item.mask, **item.metadata_images}  # None: the scored image
         try:
-            image = decode_image(item.image.format, item.image.data, item.image.shape, max_side=max_side)
-            metadata = item.metadata
-            if item.mask is not None:
-                mask = decode_image(item.mask.format, item.mask.data, item.mask.shape, max_side=max_side)
-                metadata = {**metadata, "mask": mask}
-            decoded.append((image, metadata))
+            images = {
+                key: open_image(image.format, image.data, image.shape, max_side=settings.max_image_side)
+                for key, image in wire.items()
+                if image is not None
+            }
         except ImageTooLargeError as exc:
-            return f"items.{index} (id {item.id!r}): {exc}"
+            raise HTTPException(422, f"items.{index} (id {item.id!r}): {exc}") from None
+        except DecodeError as exc:
+            opened.append(ScoreOutcome.failure(ErrorCode.DECODE, str(exc)))
+            continue
+        pixels += sum(image.pixels for image in images.values())
+        opened.append(images)
+    if pixels > settings.max_pixels_per_request:
+        raise HTTPException(
+            413,
+            f"the request's images, masks and metadata images hold {pixels} pixels (height x width), more "
+            f"than the limit of {settings.max_pixels_per_request} (max_pixels_per_request); send fewer or "
+            "smaller images per request, or raise the server's --max-pixels-per-request",
+        )
+    decoded: list[tuple[np.ndarray, dict[str, Any]] | ScoreOutcome] = []
+    for item, entry in zip(items, opened, strict=True):
+        if isinstance(entry, ScoreOutcome):
+            decoded.append(entry)
+            continue
+        try:
+            arrays = {key: image.decode() for key, image in entry.items()}
         except DecodeError as exc:
             decoded.append(ScoreOutcome.failure(ErrorCode.DECODE, str(exc)))
+            continue
+        image = arrays.pop(None)
+        decoded.append((image, {**item.metadata, **arrays} if arrays else item.metadata))
     return decoded
 
 

@@ -12,6 +12,7 @@ The queue is bounded in items, not jobs: :meth:`ScorerWorker.submit` raises :cla
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ import numpy as np
 
 from reward_server.scorers import ScoreOutcome, Scorer, run_scorer
 from shared.protocol import ErrorCode
+
+logger = logging.getLogger("reward_server")
 
 
 class QueueFullError(Exception):
@@ -98,6 +101,11 @@ class ScorerWorker:
         """Items submitted and not yet finished."""
         return self._queued_items
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread runs (False before ``start``, after ``stop``, or if it died)."""
+        return self._thread.is_alive()
+
     def start(self) -> None:
         self._thread.start()
 
@@ -153,7 +161,12 @@ class ScorerWorker:
                     break
                 jobs.append(more)
                 num_items += len(more.images)
-            self._process(jobs)
+            try:
+                self._process(jobs)
+            except Exception:
+                logger.exception("scorer %s: a batch failed outside the scorer", self.scorer.name)
+            finally:
+                self._finish(jobs)
 
     def _process(self, jobs: list[_Job]) -> None:
         pending = [(job, i) for job in jobs for i in range(len(job.images))]
@@ -186,12 +199,16 @@ class ScorerWorker:
                 job.batch_size = max(job.batch_size, len(chunk))
             for (job, i), outcome in zip(chunk, outcomes, strict=True):
                 job.outcomes[i] = outcome
+
+    def _finish(self, jobs: list[_Job]) -> None:
+        """Resolve every job; items that :meth:`_process` left without an outcome (it failed) are INTERNAL."""
+        failure = ScoreOutcome.failure(ErrorCode.INTERNAL, "the scorer worker failed on this batch")
         for job in jobs:
             with self._lock:
                 self._queued_items -= len(job.images)
             started = job.started if job.started is not None else time.monotonic()
             result = JobResult(
-                outcomes=list(job.outcomes),  # type: ignore[arg-type]
+                outcomes=[failure if outcome is None else outcome for outcome in job.outcomes],
                 queue_ms=(started - job.submitted) * 1000.0,
                 inference_ms=job.inference_s * 1000.0,
                 batch_size=job.batch_size,

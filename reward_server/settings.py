@@ -21,6 +21,10 @@ class ServerSettings:
         token: if set, ``/score`` and ``/info`` require ``Authorization: Bearer <token>``.
         max_items: items per request; more is a 413.
         max_image_side: longest image side in pixels; more is a 422 (checked before decompressing).
+        max_pixels_per_request: height x width summed over a request's images, masks and metadata
+            images; more is a 413 (checked from the headers, before decompressing). It bounds the memory
+            a request decodes to (3 bytes per RGB pixel), which the body size does not: PNGs compress
+            flat images a thousandfold.
         max_body_bytes: request body size; more is a 413.
         max_batch_size: items per call to a scorer; requests are split or merged into micro-batches.
         batch_wait_ms: how long a scorer worker waits for more requests to fill a micro-batch.
@@ -33,6 +37,7 @@ class ServerSettings:
     token: str | None = None
     max_items: int = 256
     max_image_side: int = 4096
+    max_pixels_per_request: int = 128 * 1024 * 1024
     max_body_bytes: int = 256 * 1024 * 1024
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
@@ -41,7 +46,14 @@ class ServerSettings:
     instance_id: str = field(default_factory=_default_instance_id)
 
     def __post_init__(self) -> None:
-        for name in ("max_items", "max_image_side", "max_body_bytes", "max_batch_size", "max_queue_items"):
+        for name in (
+            "max_items",
+            "max_image_side",
+            "max_pixels_per_request",
+            "max_body_bytes",
+            "max_batch_size",
+            "max_queue_items",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_items < self.max_items:

@@ -6,7 +6,7 @@ the fixed hold, as a GPU model's would be by its forward pass. ``time.sleep`` re
 CUDA kernel wait, so the server's event loop keeps running meanwhile.
 
 Not in the scorer registry (that is :mod:`reward_server.scorers`): ``python -m reward_server`` serves it
-as ``--scorers sleep`` with ``--sleep-ms MS``.
+as ``--scorers sleep`` with ``--sleep-ms MS`` (and ``--sleep-load-s S``, a model load's duration).
 """
 
 from __future__ import annotations
@@ -18,23 +18,27 @@ import numpy as np
 
 
 class SleepScorer:
-    """Holds each batch for ``ms_per_batch`` milliseconds, then scores subsampled mean brightness."""
+    """Holds each batch for ``ms_per_batch`` milliseconds, then scores subsampled mean brightness.
+
+    ``load`` takes ``load_s`` seconds, as loading a model would.
+    """
 
     name = "sleep"
     description = "holds each batch for a fixed time; score: mean of every 8th pixel / 255"
     score_range = (0.0, 1.0)
 
-    def __init__(self, ms_per_batch: float = 0.0) -> None:
-        if ms_per_batch < 0:
-            raise ValueError(f"ms_per_batch must be >= 0, got {ms_per_batch}")
+    def __init__(self, ms_per_batch: float = 0.0, load_s: float = 0.0) -> None:
+        if ms_per_batch < 0 or load_s < 0:
+            raise ValueError(f"ms_per_batch and load_s must be >= 0, got {ms_per_batch} and {load_s}")
         self.ms_per_batch = ms_per_batch
+        self.load_s = load_s
 
     @property
     def version(self) -> str:
         return f"sleep-v1-{self.ms_per_batch:g}ms"
 
     def load(self) -> None:
-        """Nothing to load."""
+        time.sleep(self.load_s)
 
     def score(
         self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,16 +90,49 @@ def decode_image(
 
     ``data`` is base64 text (JSON bodies) or the bytes themselves (msgpack bodies).
 
-    Files with an alpha channel lose it; palette and other modes become RGB, 16-bit and binary
-    images become 8-bit grayscale.
+    Files with an alpha channel lose it; palette and other modes become RGB, binary images 8-bit
+    grayscale and 16-bit images 8-bit grayscale scaled by 1/256 (their high byte).
 
     Raises:
         ImageTooLargeError: a side exceeds ``max_side`` (checked before decompressing).
         DecodeError: anything else that prevents decoding (bad base64, corrupt file, format mismatch,
             raw data whose length does not match ``shape``).
     """
+    return open_image(format, data, shape, max_side=max_side).decode()
+
+
+class OpenedImage:
+    """A wire image whose header has been read: its size is known, its pixels are not decoded yet."""
+
+    def __init__(self, height: int, width: int, decode: Callable[[], np.ndarray]) -> None:
+        self.height = height
+        self.width = width
+        self._decode = decode
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width
+
+    def decode(self) -> np.ndarray:
+        """The uint8 ``[H, W, C]`` array (see :func:`decode_image`).
+
+        Raises:
+            DecodeError: the file is corrupt past its header.
+        """
+        return self._decode()
+
+
+def open_image(
+    format: str, data: str | bytes, shape: Sequence[int] | None = None, *, max_side: int | None = None
+) -> OpenedImage:
+    """Read a wire image's header (its size) without decoding its pixels; :func:`decode_image` in two steps.
+
+    Raises:
+        ImageTooLargeError: a side exceeds ``max_side``.
+        DecodeError: bad base64, unreadable header, format mismatch, raw data not matching ``shape``.
+    """
     if format == "raw":
-        return _decode_raw(data, shape, max_side)
+        return _open_raw(data, shape, max_side)
     if format not in _PIL_FORMATS:
         raise DecodeError(f"unknown image format {format!r}")
     payload = _b64decode(data) if isinstance(data, str) else data
@@ -112,18 +145,25 @@ def decode_image(
     if image.format != _PIL_FORMATS[format]:
         raise DecodeError(f"declared format {format!r} but the data is {image.format or 'unknown'}")
     _check_side(image.height, image.width, max_side)
+    return OpenedImage(image.height, image.width, lambda: _decode_pil(image, format))
+
+
+def _decode_pil(image: Image.Image, format: str) -> np.ndarray:
     try:
         if image.mode in ("P", "PA"):  # via RGBA so that palette transparency is resolved, then dropped
             image = image.convert("RGBA")
-        if image.mode not in ("L", "RGB"):
-            image = image.convert("L" if image.mode in ("1", "LA", "I", "I;16", "F") else "RGB")
-        array = np.asarray(image, dtype=np.uint8)
+        if image.mode.startswith("I"):  # 16-bit grayscale (I;16*, or I holding 0..65535): keep the high byte
+            array = (np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8)
+        else:
+            if image.mode not in ("L", "RGB"):
+                image = image.convert("L" if image.mode in ("1", "LA", "F") else "RGB")
+            array = np.asarray(image, dtype=np.uint8)
     except Exception as exc:
         raise DecodeError(f"corrupt {format} image: {exc}") from exc
     return as_hwc_uint8(array)
 
 
-def _decode_raw(data: str | bytes, shape: Sequence[int] | None, max_side: int | None) -> np.ndarray:
+def _open_raw(data: str | bytes, shape: Sequence[int] | None, max_side: int | None) -> OpenedImage:
     if shape is None or len(shape) != 3 or shape[2] not in (1, 3) or min(shape) <= 0:
         raise DecodeError(f"raw images need shape [H, W, C] with C in (1, 3), got {shape}")
     height, width, channels = (int(s) for s in shape)
@@ -132,7 +172,9 @@ def _decode_raw(data: str | bytes, shape: Sequence[int] | None, max_side: int | 
     expected = height * width * channels
     if len(payload) != expected:
         raise DecodeError(f"raw data has {len(payload)} bytes but shape {list(shape)} needs {expected}")
-    return np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels).copy()
+    return OpenedImage(
+        height, width, lambda: np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels).copy()
+    )
 
 
 def _b64decode(data: str) -> bytes:

@@ -23,13 +23,14 @@ Responses are always JSON.
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 PROTOCOL_VERSION = "1"
 JSON_MEDIA_TYPE = "application/json"
@@ -38,6 +39,7 @@ MSGPACK_MEDIA_TYPE = "application/msgpack"
 MSGPACK_MEDIA_TYPES = frozenset({MSGPACK_MEDIA_TYPE, "application/x-msgpack", "application/vnd.msgpack"})
 
 ImageFormat = Literal["png", "jpeg", "webp", "raw"]
+MAX_DEADLINE_MS = 24 * 3600 * 1000
 
 
 class ErrorCode(str, Enum):
@@ -110,13 +112,21 @@ class ScoreItem(_Request):
     image: EncodedImage
     mask: EncodedImage | None = None
     metadata: dict[str, Any] = Field(default_factory=dict, description="scorer-specific targets")
+    metadata_images: dict[str, EncodedImage] = Field(
+        default_factory=dict,
+        description="images among the scorer-specific targets (e.g. an edit's reference_image); scorers "
+        "find each decoded, as uint8 [H, W, C], in metadata under its key",
+    )
 
     @model_validator(mode="after")
     def _check_metadata(self) -> ScoreItem:
-        if "mask" in self.metadata:
+        if "mask" in self.metadata or "mask" in self.metadata_images:
             raise ValueError(
                 "metadata key 'mask' is reserved (scorers find the decoded mask there); use the mask field"
             )
+        both = sorted(self.metadata.keys() & self.metadata_images.keys())
+        if both:
+            raise ValueError(f"keys {both} are in both metadata and metadata_images; keep each in one")
         return self
 
 
@@ -127,20 +137,37 @@ class ScoreRequest(_Request):
     deadline_ms: int | None = Field(
         default=None,
         gt=0,
+        le=MAX_DEADLINE_MS,
         description="time budget in ms from the server's receipt; items not computed by then fail with TIMEOUT",
     )
     scorers: list[str] | None = Field(default=None, min_length=1, description="default: all scorers")
     items: list[ScoreItem] = Field(min_length=1)
 
+    @field_validator("items", mode="before")
+    @classmethod
+    def _check_count(cls, items: Any, info: ValidationInfo) -> Any:
+        """Refuse an over-long list before its items are validated (the server passes ``max_items``)."""
+        max_items = (info.context or {}).get("max_items")
+        if max_items is not None and isinstance(items, list) and len(items) > max_items:
+            raise TooManyItemsError(f"{len(items)} items exceed the limit of {max_items} (max_items)")
+        return items
+
     @model_validator(mode="after")
     def _check_unique(self) -> ScoreRequest:
-        ids = [item.id for item in self.items]
-        if len(set(ids)) != len(ids):
-            duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        counts = Counter(item.id for item in self.items)
+        if len(counts) != len(self.items):
+            duplicates = sorted(i for i, count in counts.items() if count > 1)
             raise ValueError(f"item ids must be unique; repeated: {duplicates[:5]}")
         if self.scorers is not None and len(set(self.scorers)) != len(self.scorers):
             raise ValueError(f"scorers must be unique, got {self.scorers}")
         return self
+
+
+class TooManyItemsError(Exception):
+    """A request holds more items than the ``max_items`` given in the validation context.
+
+    Not a ``ValueError``, so that pydantic lets it through instead of turning it into a validation error.
+    """
 
 
 class BinaryScoreItem(ScoreItem):
@@ -148,6 +175,9 @@ class BinaryScoreItem(ScoreItem):
 
     image: BinaryImage
     mask: BinaryImage | None = None
+    metadata_images: dict[str, BinaryImage] = Field(
+        default_factory=dict, description=ScoreItem.model_fields["metadata_images"].description
+    )
 
 
 class BinaryScoreRequest(ScoreRequest):
@@ -217,6 +247,9 @@ class Limits(_Response):
     max_items: int
     max_image_side: int
     max_body_bytes: int = Field(description="for the body as sent and, if compressed, as decompressed")
+    max_pixels_per_request: int | None = Field(
+        default=None, description="height x width summed over a request's images, masks and metadata images"
+    )
 
 
 class InfoResponse(_Response):

@@ -204,7 +204,7 @@ def _normalise(item: ScoreOutcome | float) -> ScoreOutcome:
         return ScoreOutcome(score=None, details=item.details, error=item.error, message=item.message)
     try:
         value = float(item.score)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return ScoreOutcome.failure(
             ErrorCode.INTERNAL, f"scorer returned a non-number {item.score!r}", item.details
         )

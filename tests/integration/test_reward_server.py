@@ -8,6 +8,7 @@ Two kinds of real servers are used: ``python -m reward_server`` subprocesses sta
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import socket
@@ -22,6 +23,8 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port, serve, wait_for
 from sklearn.datasets import load_digits
@@ -141,7 +144,12 @@ def test_health_and_info(http: httpx.Client, pool: LocalRewardPool) -> None:
         0,
         1,
     )
-    assert info["limits"] == {"max_items": 16, "max_image_side": 64, "max_body_bytes": 300000}
+    assert info["limits"] == {
+        "max_items": 16,
+        "max_image_side": 64,
+        "max_body_bytes": 300000,
+        "max_pixels_per_request": ServerSettings().max_pixels_per_request,
+    }
     assert "rewardflow_ready 1" in http.get("/metrics").text
 
 
@@ -818,3 +826,192 @@ def test_client_rejects_bad_options() -> None:
             HttpRewardClient(["http://127.0.0.1:1"], {"a": 1.0}, **kwargs)
     with pytest.raises(ValueError, match="distinct"):
         HttpRewardClient(["http://127.0.0.1:1", "http://127.0.0.1:1/"], {"a": 1.0})
+
+
+# Limits and failure handling --------------------------------------------------------------------------
+
+
+def test_a_huge_deadline_is_a_422_naming_the_field(http: httpx.Client, pool: LocalRewardPool) -> None:
+    image = encode_image(np.zeros((16, 16, 1), np.uint8))
+    for deadline in ("9" * 400, str(24 * 3600 * 1000 + 1)):
+        body = f'{{"deadline_ms": {deadline}, "items": [{{"id": "a", "prompt": "", "image": {json.dumps(image)}}}]}}'
+        response = http.post("/score", content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 422, response.text
+        assert "deadline_ms: Input should be less than or equal to 86400000" in response.json()["detail"]
+    with HttpRewardClient(pool.urls, {"brightness": 1.0}, timeout_s=10.0**6) as client:  # a day at most
+        assert client.score(np.zeros((1, 16, 16, 1), np.uint8), [""]).combined.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_too_many_items_are_a_413_before_the_items_are_validated(http: httpx.Client, binary: bool) -> None:
+    items = [{"id": "a", "not": "an item"}] * 17  # invalid and with repeated ids: only the count matters
+    response = _post_msgpack(http, {"items": items}) if binary else http.post("/score", json={"items": items})
+    assert response.status_code == 413
+    assert response.json()["detail"] == "17 items exceed the limit of 16 (max_items)"
+
+
+def test_pixels_per_request_are_bounded_before_decoding() -> None:
+    small = create_app(build_scorers(["brightness"]), ServerSettings(max_pixels_per_request=1000))
+    default = create_app(build_scorers(["brightness"]), ServerSettings())
+    tile = encode_image(np.zeros((20, 20, 1), np.uint8))  # 400 pixels
+    huge = encode_image(np.zeros((4096, 4096, 3), np.uint8))  # 16.8 Mpixels in a 50 kB PNG
+
+    def item(item_id: str, **extra: Any) -> dict:
+        return {"id": item_id, "prompt": "", "image": tile, **extra}
+
+    with serve(small) as small_url, serve(default) as default_url:
+        with httpx.Client(base_url=small_url, trust_env=False, timeout=30) as client:
+            assert client.get("/info").json()["limits"]["max_pixels_per_request"] == 1000
+            assert client.post("/score", json={"items": [item("a"), item("b")]}).status_code == 200
+            for body in (  # 1200 pixels each: masks and metadata images count
+                {"items": [item("a"), item("b"), item("c")]},
+                {"items": [item("a", mask=tile), item("b")]},
+                {"items": [item("a", metadata_images={"reference_image": tile}), item("b")]},
+            ):
+                response = client.post("/score", json=body)
+                assert response.status_code == 413, response.text
+                detail = response.json()["detail"]
+                assert "hold 1200 pixels" in detail and "limit of 1000 (max_pixels_per_request)" in detail
+                assert "--max-pixels-per-request" in detail
+        body = {"items": [{"id": str(i), "prompt": "", "image": huge} for i in range(10)]}
+        started = time.monotonic()
+        response = httpx.post(f"{default_url}/score", json=body, trust_env=False, timeout=30)
+        assert response.status_code == 413 and "hold 167772160 pixels" in response.json()["detail"]
+        assert time.monotonic() - started < 2.0  # refused from the headers: nothing decoded
+
+
+@pytest.mark.parametrize("status", [501, 505, 507])
+def test_client_retries_any_5xx_on_another_replica(status: int) -> None:
+    broken = FastAPI()
+
+    @broken.get("/readyz")
+    async def ready() -> dict[str, str]:
+        return {"status": "ready"}
+
+    @broken.post("/score")
+    async def fail() -> JSONResponse:
+        return JSONResponse({"detail": f"status {status}"}, status_code=status)
+
+    good = create_app({"slow": _TestScorer()}, ServerSettings(instance_id="good"))
+    with serve(broken) as broken_url, serve(good) as good_url:
+        with HttpRewardClient(
+            [broken_url, good_url], {"slow": 1.0}, backoff_s=0.01, verify_replicas=False
+        ) as client:
+            result = client.score(np.zeros((1, 4, 4, 1), np.uint8), [""])
+            states = client.replica_states()
+    assert result.instances == ["good"]
+    assert states[broken_url]["consecutive_failures"] == 1  # the first attempt went to the broken one
+
+
+def test_cancelling_a_hedged_attempt_cancels_its_request() -> None:
+    scorer = _TestScorer(delay_s=0.3)
+    app = create_app({"slow": scorer}, ServerSettings())
+    with serve(app) as url:
+        with HttpRewardClient([url], {"slow": 1.0}, batch_size=1, max_concurrency=32, hedge=True) as client:
+            client.score(np.zeros((24, 4, 4, 1), np.uint8), [""] * 24)  # latencies >= 0.3 s: the hedge's p95
+            scorer.delay_s = 2.0
+            client.step_timeout_s = 0.1  # the step gives up while the attempt waits for the hedge delay
+            with pytest.raises(RewardUnavailableError, match="step budget"):
+                client.score(np.zeros((1, 4, 4, 1), np.uint8), [""])
+            _wait_until(lambda: client.replica_states()[url]["outstanding"] == 0, timeout_s=1.0)
+
+
+class _RecordingScorer(_TestScorer):
+    """Keeps the metadata of every item it scores."""
+
+    def __init__(self) -> None:
+        super().__init__(name="recording")
+        self.metadata: list[dict[str, Any]] = []
+
+    def score(
+        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> list[float]:
+        self.metadata.extend(metadata)
+        return [0.5] * len(images)
+
+
+@pytest.mark.parametrize("wire_format", WIRE_FORMATS)
+def test_arrays_in_metadata_reach_the_scorer_as_arrays(wire_format: str) -> None:
+    scorer = _RecordingScorer()
+    reference = np.random.default_rng(2).integers(0, 256, (12, 10, 3), dtype=np.uint8)
+    with serve(create_app({"recording": scorer}, ServerSettings())) as url:
+        with HttpRewardClient([url], {"recording": 1.0}, wire_format=wire_format) as client:
+            metadata = [
+                {"judge_task": "edit", "reference_image": reference},
+                {"reference_image": reference[:, :, 0], "mask": np.ones((4, 4, 1), np.uint8)},
+            ]
+            result = client.score(np.zeros((2, 4, 4, 1), np.uint8), ["", ""], metadata)
+            with pytest.raises(ValueError, match=r"metadata\[0\]\['reference_image'\]: arrays in metadata are sent as images, and images must be uint8, got float32"):
+                client.submit(np.zeros((1, 4, 4, 1), np.uint8), [""], [{"reference_image": reference.astype(np.float32)}])
+    assert result.combined.tolist() == [0.5, 0.5]
+    first, second = scorer.metadata
+    assert first["judge_task"] == "edit" and first.keys() == {"judge_task", "reference_image"}
+    np.testing.assert_array_equal(first["reference_image"], reference)
+    np.testing.assert_array_equal(second["reference_image"], reference[:, :, :1])
+    assert second["mask"].shape == (4, 4, 1)
+
+
+class _HugeScorer(_TestScorer):
+    def score(
+        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> list[int]:
+        return [10**400] * len(images)
+
+
+class _ExitingScorer(_TestScorer):
+    def score(
+        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> list[float]:
+        raise SystemExit("the scorer called sys.exit")
+
+
+def test_a_score_too_large_for_a_float_is_an_internal_error_and_the_worker_lives_on() -> None:
+    app = create_app({"huge": _HugeScorer(name="huge")}, ServerSettings())
+    body = {"items": [{"id": "a", "prompt": "", "image": encode_image(np.zeros((4, 4, 1), np.uint8))}]}
+    with serve(app) as url, httpx.Client(base_url=url, trust_env=False, timeout=5) as client:
+        for _ in range(2):
+            response = client.post("/score", json=body)
+            assert response.status_code == 200
+            error = response.json()["results"][0]["scores"]["huge"]["error"]
+            assert error["code"] == "INTERNAL" and error["message"].startswith("scorer returned a non-number 1000")
+        assert client.get("/readyz").status_code == 200
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit
+def test_a_dead_scorer_worker_fails_its_items_and_makes_the_server_unready() -> None:
+    app = create_app({"exiting": _ExitingScorer(name="exiting")}, ServerSettings())
+    body = {"items": [{"id": "a", "prompt": "", "image": encode_image(np.zeros((4, 4, 1), np.uint8))}]}
+    with serve(app) as url, httpx.Client(base_url=url, trust_env=False, timeout=5) as client:
+        response = client.post("/score", json=body)
+        assert response.status_code == 200
+        assert response.json()["results"][0]["scores"]["exiting"]["error"] == {
+            "code": "INTERNAL",
+            "message": "the scorer worker failed on this batch",
+        }
+        _wait_until(lambda: client.get("/readyz").status_code == 503, timeout_s=2.0)
+        assert client.get("/readyz").json()["detail"] == "scorer worker stopped: ['exiting'] (see the server log)"
+        assert client.post("/score", json=body).status_code == 503
+
+
+@pytest.mark.parametrize(("signals", "drain_grace_s"), [(2, 30.0), (1, 0.5)])
+def test_signals_during_a_long_load_exit_without_waiting_for_it(signals: int, drain_grace_s: float) -> None:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "reward_server", "--scorers", "sleep", "--sleep-load-s", "60",
+        "--port", str(port), "--drain-grace-s", str(drain_grace_s), "--log-level", "error",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/readyz"
+    try:
+        wait_for(url, status=503)  # up, loading
+        process.send_signal(signal.SIGTERM)
+        _wait_until(lambda: httpx.get(url, trust_env=False).json()["detail"] == "draining")
+        if signals == 2:
+            process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        process.wait(timeout=15)
+        assert time.monotonic() - started < 5.0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -8,7 +8,7 @@ import concurrent.futures
 import numpy as np
 import pytest
 
-from trainer.rewards import InProcessRewardClient, RewardResult, combine
+from trainer.rewards import HttpRewardClient, InProcessRewardClient, RewardResult, combine
 from trainer.rewards.client import COMBINE_MODES, standardise
 
 
@@ -103,6 +103,14 @@ def test_weights_must_name_given_scorers(client: InProcessRewardClient) -> None:
         InProcessRewardClient(client.scorers, {})
     with pytest.raises(ValueError, match="finite"):
         InProcessRewardClient(client.scorers, {"brightness": float("nan")})
+
+
+def test_all_zero_weights_are_refused(client: InProcessRewardClient) -> None:
+    """Zero weights everywhere would give every item a combined reward of 0, failed items included."""
+    with pytest.raises(ValueError, match=r"reward.weights are all 0 .*non-zero weight"):
+        InProcessRewardClient(client.scorers, {"brightness": 0.0, "digit": -0.0})
+    with pytest.raises(ValueError, match=r"reward.weights are all 0"):
+        HttpRewardClient(["http://127.0.0.1:1"], {"brightness": 0.0})
 
 
 def test_standardise_ignores_nan_and_uses_the_population_std() -> None:

@@ -6,6 +6,7 @@ import base64
 import io
 import subprocess
 import sys
+import time
 
 import msgpack
 import numpy as np
@@ -30,6 +31,7 @@ from shared.protocol import (
     ScoreRequest,
     ScoreResponse,
     ScorerResult,
+    TooManyItemsError,
     compress_body,
     decompress_body,
     pack_msgpack,
@@ -105,6 +107,12 @@ def test_alpha_palette_and_16_bit_images_are_converted() -> None:
     assert decode_image("png", _png_bytes(rgba.convert("P"))).shape == (8, 8, 3)
     sixteen = Image.fromarray(np.full((8, 8), 100, dtype=np.uint16))
     assert decode_image("png", _png_bytes(sixteen)).shape == (8, 8, 1)
+
+
+def test_16_bit_images_are_scaled_to_8_bits_not_clipped() -> None:
+    gradient = np.array([[0, 255, 256, 4096], [32768, 65280, 65535, 1000]], dtype=np.uint16)
+    decoded = decode_image("png", _png_bytes(Image.fromarray(gradient)))
+    assert decoded[:, :, 0].tolist() == [[0, 0, 1, 16], [128, 255, 255, 3]]
 
 
 @pytest.mark.parametrize(
@@ -191,11 +199,57 @@ def test_score_request_parses_and_defaults() -> None:
             {"items": [{"id": "a", "prompt": "", "image": encode_image(GRAY), "metadata": {"mask": 1}}]},
             "reserved",
         ),
+        (
+            {"items": [{"id": "a", "prompt": "", "image": encode_image(GRAY), "metadata_images": {"mask": encode_image(GRAY)}}]},
+            "reserved",
+        ),
+        (
+            {
+                "items": [
+                    {
+                        "id": "a",
+                        "prompt": "",
+                        "image": encode_image(GRAY),
+                        "metadata": {"reference_image": 1},
+                        "metadata_images": {"reference_image": encode_image(GRAY)},
+                    }
+                ]
+            },
+            "in both metadata and metadata_images",
+        ),
     ],
 )
 def test_score_request_rejects(change: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ScoreRequest.model_validate(_request(**change))
+
+
+def test_deadline_is_bounded_so_a_huge_integer_is_a_validation_error() -> None:
+    assert ScoreRequest.model_validate(_request(deadline_ms=24 * 3600 * 1000)).deadline_ms == 86_400_000
+    for body in (_request(deadline_ms=24 * 3600 * 1000 + 1), _request(deadline_ms=10**400)):
+        with pytest.raises(ValidationError, match="deadline_ms"):
+            ScoreRequest.model_validate(body)
+    with pytest.raises(ValidationError, match="deadline_ms"):
+        ScoreRequest.model_validate_json('{"deadline_ms": ' + "9" * 400 + ', "items": []}')
+
+
+def test_too_many_items_are_refused_before_any_item_is_validated() -> None:
+    invalid_items = [{"not": "an item"}] * 40_000  # each would be a validation error
+    for model in (ScoreRequest, BinaryScoreRequest):
+        with pytest.raises(TooManyItemsError, match="40000 items exceed the limit of 16 \\(max_items\\)"):
+            model.model_validate({"items": invalid_items}, context={"max_items": 16})
+    with pytest.raises(TooManyItemsError, match="2 items exceed the limit of 1"):
+        ScoreRequest.model_validate_json(b'{"items": [{"id": "a"}, {"id": "b"}]}', context={"max_items": 1})
+
+
+def test_duplicate_ids_are_found_in_linear_time() -> None:
+    image = encode_image(np.zeros((1, 1, 1), np.uint8), "raw")
+    items = [{"id": str(i), "prompt": "", "image": image} for i in range(40_000)]
+    items.append({"id": "7", "prompt": "", "image": image})
+    started = time.process_time()
+    with pytest.raises(ValidationError, match=r"item ids must be unique; repeated: \['7'\]"):
+        ScoreRequest.model_validate({"items": items})
+    assert time.process_time() - started < 5.0  # quadratic: ~30 s of CPU
 
 
 def test_scorer_result_is_a_score_or_an_error() -> None:

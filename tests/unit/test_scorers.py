@@ -174,6 +174,12 @@ def test_run_scorer_rejects_non_finite_and_non_numbers() -> None:
     assert outcomes[3].score == 0.25 and outcomes[3].ok
 
 
+def test_run_scorer_turns_a_score_too_large_for_a_float_into_an_item_error() -> None:
+    outcomes = run_scorer(_Returning([10**400, 0.5]), [np.zeros((8, 8, 1), np.uint8)] * 2, ["", ""], [{}, {}])
+    assert [o.error for o in outcomes] == [ErrorCode.INTERNAL, None]
+    assert "non-number" in outcomes[0].message and outcomes[1].score == 0.5
+
+
 def test_build_scorers_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="unknown scorer.*'nope'.*available"):
         build_scorers(["digit", "nope"])

@@ -12,6 +12,7 @@ from reward_server.settings import ServerSettings
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_items": 0}, "max_items must be >= 1, got 0"),
     ({"max_batch_size": -1}, "max_batch_size must be >= 1"),
+    ({"max_pixels_per_request": 0}, "max_pixels_per_request must be >= 1, got 0"),
     ({"max_items": 64, "max_queue_items": 32}, "max_queue_items (32) must be >= max_items (64)"),
     ({"batch_wait_ms": -1.0}, "batch_wait_ms must be >= 0 and finite, got -1.0"),
     ({"batch_wait_ms": math.nan}, "batch_wait_ms must be >= 0 and finite, got nan"),

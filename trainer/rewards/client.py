@@ -42,9 +42,10 @@ import httpx
 import numpy as np
 from pydantic import ValidationError
 
-from shared.imagecodec import encode_image
+from shared.imagecodec import as_hwc_uint8, encode_image
 from shared.protocol import (
     JSON_MEDIA_TYPE,
+    MAX_DEADLINE_MS,
     MSGPACK_MEDIA_TYPE,
     InfoResponse,
     ScoreResponse,
@@ -64,7 +65,6 @@ DEFAULT_WIRE_FORMAT = "msgpack"
 WIRE_FORMATS = ("msgpack", "msgpack+zstd", "msgpack+lz4", "png", "raw")
 COMBINE_MODES = ("sum", "sum-then-normalise", "normalise-then-sum")
 STANDARDISE_EPS = 1e-8
-_RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _LATENCY_WINDOW = 256
 
 
@@ -183,6 +183,11 @@ def _check_weights(weights: Mapping[str, float]) -> dict[str, float]:
     bad = {name: w for name, w in weights.items() if not np.isfinite(w)}
     if bad:
         raise ValueError(f"weights must be finite, got {bad}")
+    if all(w == 0 for w in weights.values()):
+        raise ValueError(
+            f"reward.weights are all 0 ({dict(weights)}): the combined reward would be 0 for every item, "
+            "scored or not; give at least one scorer a non-zero weight"
+        )
     return {name: float(w) for name, w in weights.items()}
 
 
@@ -206,6 +211,23 @@ def _check_batch(
         raise ValueError(f"got {len(images)} images but {len(metadata)} metadata entries")
     meta = [dict(m) for m in metadata] if metadata is not None else [{} for _ in prompts]
     return np.array(images, copy=True, order="C"), [str(p) for p in prompts], meta
+
+
+def _check_metadata_arrays(metadata: Sequence[dict[str, Any]]) -> None:
+    """Arrays in metadata travel as images: refuse those that are not uint8 ``[H, W(, 1|3)]``."""
+    for index, meta in enumerate(metadata):
+        for key, value in meta.items():
+            if isinstance(value, np.ndarray) and key != "mask":
+                try:
+                    as_hwc_uint8(value)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"metadata[{index}][{key!r}]: arrays in metadata are sent as images, and {exc}"
+                    ) from None
+
+
+def _is_retryable(status: int) -> bool:
+    return status in (408, 429) or 500 <= status < 600
 
 
 def _empty_result(
@@ -370,6 +392,7 @@ class HttpRewardClient:
         if self._closed:
             raise RuntimeError("the reward client is closed")
         batch = _check_batch(images, prompts, metadata)
+        _check_metadata_arrays(batch[2])
         return asyncio.run_coroutine_threadsafe(self._score(*batch), self._loop)
 
     def score(
@@ -516,24 +539,27 @@ class HttpRewardClient:
     async def _attempt_hedged(
         self, replica: _Replica, bodies: dict[str | None, bytes], tried: set[str]
     ) -> ScoreResponse:
-        """One attempt; with ``hedge``, a copy goes to another replica if the first is slower than p95."""
+        """One attempt; with ``hedge``, a copy goes to another replica if the first is slower than p95.
+
+        Cancelling it cancels the attempts in flight, which give back their replica and concurrency slot.
+        """
         primary = asyncio.ensure_future(self._attempt(replica, bodies))
-        hedge_after = self._hedge_delay_s()
-        if hedge_after is None:
-            return await primary
-        done, _ = await asyncio.wait({primary}, timeout=hedge_after)
-        if done:
-            return primary.result()
-        others = [r for r in self._replicas.values() if r.available and r.url not in tried]
-        if not others:
-            return await primary
-        backup = min(others, key=lambda r: r.outstanding)
-        tried.add(backup.url)
-        logger.debug("hedging a request to %s after %.3f s on %s", backup.url, hedge_after, replica.url)
-        secondary = asyncio.ensure_future(self._attempt(backup, bodies))
-        pending = {primary, secondary}
-        failure: _AttemptFailed | None = None
+        pending = {primary}
         try:
+            hedge_after = self._hedge_delay_s()
+            if hedge_after is None:
+                return await primary
+            done, _ = await asyncio.wait(pending, timeout=hedge_after)
+            if done:
+                return primary.result()
+            others = [r for r in self._replicas.values() if r.available and r.url not in tried]
+            if not others:
+                return await primary
+            backup = min(others, key=lambda r: r.outstanding)
+            tried.add(backup.url)
+            logger.debug("hedging a request to %s after %.3f s on %s", backup.url, hedge_after, replica.url)
+            pending.add(asyncio.ensure_future(self._attempt(backup, bodies)))
+            failure: _AttemptFailed | None = None
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -601,7 +627,7 @@ class HttpRewardClient:
             raise _AttemptFailed(
                 f"{replica.url}: HTTP 429: {_detail(response)}", retry_after_s=_retry_after_s(response)
             )
-        if status in _RETRYABLE_STATUS:
+        if _is_retryable(status):
             raise self._failed(
                 replica,
                 f"{replica.url}: HTTP {status}: {_detail(response)}",
@@ -691,7 +717,7 @@ class HttpRewardClient:
         image_format = "raw" if binary else self.wire_format
         body = {
             "request_id": uuid.uuid4().hex,
-            "deadline_ms": max(1, int(self.timeout_s * 800)),
+            "deadline_ms": min(max(1, int(self.timeout_s * 800)), MAX_DEADLINE_MS),
             "scorers": list(self.weights),
             "items": [
                 _item(str(start + i), image, prompt, meta, image_format, binary)
@@ -742,7 +768,7 @@ class HttpRewardClient:
                 if strict:
                     raise RewardClientError(f"cannot read {url}/info: {exc}") from exc
                 return None
-            if response.status_code in _RETRYABLE_STATUS and not strict:
+            if _is_retryable(response.status_code) and not strict:
                 return None
             if response.status_code != 200:
                 raise RewardRequestError(
@@ -869,11 +895,18 @@ class InProcessRewardClient:
 def _item(item_id: str, image: np.ndarray, prompt: str, meta: dict[str, Any], image_format: str,
           binary: bool) -> dict[str, Any]:
     """One ``/score`` item. A task's mask (``meta["mask"]``, uint8 [H, W, 1], where in-process scorers read
-    it) travels in the item's ``mask`` field: the protocol reserves that metadata key for the decoded mask."""
+    it) travels in the item's ``mask`` field: the protocol reserves that metadata key for the decoded mask.
+    Other arrays in metadata (e.g. an edit's ``reference_image``) travel in ``metadata_images``, which the
+    server decodes back into the item's metadata."""
     meta = dict(meta)
     mask = meta.pop("mask", None)
+    arrays = {key: meta.pop(key) for key, value in list(meta.items()) if isinstance(value, np.ndarray)}
     item = {"id": item_id, "prompt": prompt, "image": encode_image(image, image_format, binary=binary),
             "metadata": meta}
     if mask is not None:
         item["mask"] = encode_image(np.asarray(mask, dtype=np.uint8), image_format, binary=binary)
+    if arrays:
+        item["metadata_images"] = {
+            key: encode_image(array, image_format, binary=binary) for key, array in arrays.items()
+        }
     return item
