@@ -48,8 +48,9 @@ class Trainer:
         self.logger = logger
         self.is_main = backend.world.rank == 0
         train = config.train
-        rollouts = algorithm.sampler  # a step kind the model has no math for fails now, not after the warm-up
-        adapter.step_function(resolve_kind(rollouts.kind, adapter.sampler_kind), adapter.sigmas(rollouts.num_steps))
+        rollouts = algorithm.sampler  # a step kind or noise level the model cannot use fails now, not after the warm-up
+        adapter.step_function(resolve_kind(rollouts.kind, adapter.sampler_kind),
+                              adapter.sigmas(rollouts.num_steps)).check_noise_level(rollouts.noise_level)
         self.policy = backend.prepare(
             adapter.denoiser, adapter.trainable_parameters(),
             lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,

@@ -168,6 +168,47 @@ def test_rollout_at_noise_zero_equals_pipeline(adapter, target):
     assert ro.images.shape[0] == len(PROMPTS) and 0 <= float(ro.images.min()) <= float(ro.images.max()) <= 1
 
 
+def with_scheduler_config(path: str, dest: Path, **changes) -> str:
+    """A copy of the model directory ``path`` whose scheduler_config.json has ``changes`` applied."""
+    shutil.copytree(path, dest)
+    scheduler = dest / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), **changes}))
+    return str(dest)
+
+
+@pytest.mark.parametrize("spacing", ["leading", "trailing", "linspace"])
+def test_ddim_rollout_at_noise_zero_equals_pipeline_with_any_timestep_spacing(spacing, model_root, tmp_path):
+    """The DDIM step goes from t to t - N // T, as the scheduler's step does, not to the next timestep: the
+    two differ unless the spacing is "leading" (SD1.5's, which the suite's model uses). The masked-image
+    latents differ from the pipeline's by an ulp, which the x0 estimate at t = 999 (trailing and linspace
+    spacing start there) multiplies by 1 / sqrt(abar_999), about 15: hence 1e-4."""
+    config = tiny_config("sd15_inpaint", model_root, dtype="float32")
+    path = with_scheduler_config(config.path, tmp_path / "sd15", timestep_spacing=spacing)
+    target = Target("cpu", "float32", 1e-4, 1e-5)
+    adapter = build_adapter(dataclasses.replace(config, path=path), "cpu")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    inputs = image_inputs(adapter)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
+                 target.generator(0), inputs)
+    expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, GUIDANCE["sd15_inpaint"], target.generator(0))
+    torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=target.parity_atol)
+
+
+def test_sd3_rollout_at_noise_zero_equals_pipeline_with_dynamic_shifting(model_root, tmp_path):
+    """A scheduler with ``use_dynamic_shifting`` needs mu, which the pipeline computes from the image's token
+    count (SD3.5-style configs)."""
+    config = tiny_config("sd3", model_root, dtype="float32")
+    path = with_scheduler_config(config.path, tmp_path / "sd3", use_dynamic_shifting=True)
+    target = Target("cpu", "float32", 1e-5, 1e-6)
+    adapter = build_adapter(dataclasses.replace(config, path=path), "cpu")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
+                 target.generator(0))
+    expected = testing.run_pipeline(adapter, PROMPTS, None, NUM_STEPS, GUIDANCE["sd3"], target.generator(0))
+    torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=target.parity_atol)
+    assert not torch.equal(ro.sigmas, make_adapter("sd3", model_root, target).sigmas(NUM_STEPS))
+
+
 # --- (b) on-policy ratio ------------------------------------------------------------------------------
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_on_policy_ratio_is_exactly_one(adapter, target):
@@ -473,3 +514,37 @@ def test_rollout_steps_and_train_units_read_no_device_values(adapter, target):
         adapter.denoiser.zero_grad(set_to_none=True)
     assert sampling.kernels > 0 and training.kernels > 0
     assert sampling.ops["_local_scalar_dense"] == 0 and training.ops["_local_scalar_dense"] == 0
+
+
+# --- (g) image encoding -------------------------------------------------------------------------------
+def recorded_vae_inputs(adapter, monkeypatch) -> list[torch.Tensor]:
+    """The inputs of every ``adapter.vae.encode`` call from now on."""
+    seen: list[torch.Tensor] = []
+    encode = adapter.vae.encode
+    monkeypatch.setattr(adapter.vae, "encode", lambda x, *args, **kwargs: (seen.append(x), encode(x, *args, **kwargs))[1])
+    return seen
+
+
+@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+def test_encode_images_is_deterministic_and_normalises_in_float32(adapter, target, monkeypatch):
+    """Supervised targets are the VAE posterior's mean (a draw from the global RNG would make them random and
+    a resumed run drift), of pixels mapped to [-1, 1] in float32 and cast once, as the pipelines do (in
+    bfloat16, mapping after the cast rounds twice)."""
+    shape = adapter.decode(adapter.prepare_latents(1, target.generator(0))).shape[1:]
+    images = torch.rand(2, *shape, generator=torch.Generator().manual_seed(0))
+    seen = recorded_vae_inputs(adapter, monkeypatch) if adapter.vae is not None else []
+    torch.manual_seed(0)
+    first = adapter.encode_images(images)
+    assert torch.equal(adapter.encode_images(images), first)
+    expected = (images.to(target.device) * 2 - 1).to(adapter.dtype)
+    assert len(seen) == (0 if adapter.vae is None else 2)
+    assert all(torch.equal(x.reshape(expected.shape), expected) for x in seen)
+
+
+@pytest.mark.parametrize("adapter", ["flux_kontext"], indirect=True)
+def test_kontext_reference_is_normalised_in_float32(adapter, target, monkeypatch):
+    inputs = image_inputs(adapter)
+    seen = recorded_vae_inputs(adapter, monkeypatch)
+    adapter.encode_prompts(PROMPTS, inputs)
+    expected = (inputs.reference.to(target.device) * 2 - 1).to(adapter.dtype)
+    assert torch.equal(torch.cat(seen), expected)

@@ -254,6 +254,13 @@ def test_a_step_kind_the_model_has_no_math_for_is_refused_as_the_trainer_is_buil
     with pytest.raises(ValueError, match=r"sampler\.kind='ddim' is not one of"):
         Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data), None,
                 SingleProcess(torch.device("cpu")), RunLogger(tmp_path, False, False))
+    # a DDIM eta above 1 (a negative variance: NaN rollouts) likewise
+    config = load_config(overrides=["model.name=sd15_inpaint", *_model_overrides({"name": "sd15_inpaint"}, tiny_models),
+                                    "algorithm.sampler.noise_level=1.5"])
+    adapter = build_adapter(config.model, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"algorithm\.sampler\.noise_level"):
+        Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), None, None,
+                SingleProcess(torch.device("cpu")), RunLogger(tmp_path, False, False))
 
 
 def test_a_resume_with_other_settings_names_them(tiny_models, tmp_path, capsys):

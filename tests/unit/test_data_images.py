@@ -96,6 +96,12 @@ def _bad_inpaint(tmp_path: Path, case: str) -> Path:
         data = (tmp_path / "ok.png").read_bytes()
         (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
         bad["image_path"] = "cut.png"
+    elif case == "truncated jpeg":
+        noise = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        Image.fromarray(noise).save(tmp_path / "whole.jpg", quality=95)
+        data = (tmp_path / "whole.jpg").read_bytes()
+        (tmp_path / "cut.jpg").write_bytes(data[: len(data) * 3 // 4])  # the header whole, the scan cut
+        bad["image_path"] = "cut.jpg"
     elif case == "empty prompt":
         bad["prompt"] = "  "
     elif case == "mask of another size":
@@ -115,6 +121,7 @@ def _bad_inpaint(tmp_path: Path, case: str) -> Path:
     ("missing image", r"image_path .*nope.png does not exist"),
     ("unreadable image", r".*text.png is not a readable image"),
     ("truncated image", r".*cut.png is not a readable image"),
+    ("truncated jpeg", r".*cut.jpg is not a readable image"),
     ("empty prompt", r"a record needs a non-empty \"prompt\""),
     ("mask of another size", r".*small_mask.png is 8x16 but its image is 16x16"),
     ("empty mask", r".*black.png has no pixel to repaint"),

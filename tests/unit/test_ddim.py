@@ -12,10 +12,10 @@ from trainer.kernels import KernelCounter
 from trainer.samplers.ddim import ddim_step, ddim_step_with_logprob
 
 
-def _scheduler(num_steps: int = 10) -> DDIMScheduler:
+def _scheduler(num_steps: int = 10, spacing: str = "leading") -> DDIMScheduler:
     """SD1.5's scheduler settings (leading spacing, steps_offset 1, no final alpha of one)."""
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+                              clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing=spacing)
     scheduler.set_timesteps(num_steps)
     return scheduler
 
@@ -95,14 +95,14 @@ def test_per_sample_timesteps_and_bf16_inputs():
 
 def test_scheduled_step_equals_the_step_at_the_schedules_timesteps():
     """``ddim_step`` precomputes each step's constants: an int index (rollout) and [B] indices (training)
-    give ``ddim_step_with_logprob`` at t = t[i], t_prev = t[i + 1], the last step (t_prev < 0) included, and
-    at eta 0 the scheduler's step bit for bit."""
+    give ``ddim_step_with_logprob`` at t = t[i], t_prev = t[i] - 1000 // 5, the last step (t_prev < 0)
+    included, and at eta 0 the scheduler's step bit for bit."""
     scheduler = _scheduler(5)
     timesteps = torch.cat([scheduler.timesteps, scheduler.timesteps[-1:] - 200]).float()
     step = ddim_step(timesteps, scheduler.alphas_cumprod, scheduler.final_alpha_cumprod)
     eps, x = _inputs(5)
     for i in range(5):
-        t, t_prev = int(timesteps[i]), int(timesteps[i + 1])
+        t, t_prev = int(timesteps[i]), int(timesteps[i]) - 200
         expected = ddim_step_with_logprob(eps, x, torch.full((3,), t), torch.full((3,), t_prev), 0.7,
                                           generator=torch.Generator().manual_seed(i),
                                           alphas_cumprod=scheduler.alphas_cumprod,
@@ -122,12 +122,26 @@ def test_scheduled_step_equals_the_step_at_the_schedules_timesteps():
     assert torch.equal(alone, mean) and torch.equal(kl_std, std)
 
 
+@pytest.mark.parametrize("spacing", ["leading", "trailing", "linspace"])
+def test_scheduled_step_at_eta_zero_is_diffusers_step_for_every_timestep_spacing(spacing):
+    """The step from t[i] goes to t[i] - N // T as ``DDIMScheduler.step`` does, which is t[i + 1] only
+    for leading spacing (trailing: t = 999, 666, 332 step to 666, 333, -1; linspace: t = 999, 500, 0 step
+    to 666, 167, -333)."""
+    scheduler = _scheduler(3, spacing)
+    timesteps = torch.cat([scheduler.timesteps, scheduler.timesteps[-1:] - 1000 // 3]).float()
+    step = ddim_step(timesteps, scheduler.alphas_cumprod, scheduler.final_alpha_cumprod)
+    eps, x = _inputs(7)
+    for i, t in enumerate(scheduler.timesteps):
+        assert torch.equal(step(eps, x, i, 0.0)[0], scheduler.step(eps, t, x, eta=0.0).prev_sample)
+
+
 def test_a_rollout_step_is_eleven_kernels_and_scoring_nine():
     """Once its constants are shaped: the mean in the scheduler's order (6), draw and scale (2), difference,
     dot product and log-prob (3); scoring a given sample skips the draw. diffusers' DDIM step with eta
     computes its constants per call: 26 kernels with diffusers 0.42."""
     scheduler = _scheduler(5)
-    step = ddim_step(scheduler.timesteps.float(), scheduler.alphas_cumprod, scheduler.final_alpha_cumprod)
+    timesteps = torch.cat([scheduler.timesteps, scheduler.timesteps[-1:] - 200]).float()
+    step = ddim_step(timesteps, scheduler.alphas_cumprod, scheduler.final_alpha_cumprod)
     eps, x = _inputs(6)
     step(eps, x, 1, 1.0, generator=torch.Generator().manual_seed(0))
     with KernelCounter() as drawn:
@@ -135,3 +149,22 @@ def test_a_rollout_step_is_eleven_kernels_and_scoring_nine():
     with KernelCounter() as scored:
         step(eps, x, 1, 1.0, prev_sample=sample)
     assert (drawn.kernels, scored.kernels) == (11, 9)
+
+
+def test_eta_outside_zero_to_one_is_refused_before_the_first_step():
+    """Above 1, 1 - abar_prev - sigma_t^2 < 0 and the step's mean is NaN: a ValueError naming the setting, from the
+    step, from ``check_noise_level`` (which a trainer can call before its warm-up) and from the plain step."""
+    scheduler = _scheduler(5)
+    timesteps = torch.cat([scheduler.timesteps, scheduler.timesteps[-1:] - 200]).float()
+    step = ddim_step(timesteps, scheduler.alphas_cumprod, scheduler.final_alpha_cumprod)
+    eps, x = _inputs(8)
+    message = r"algorithm.sampler.noise_level=1.5: .* DDIM's eta, which must be in \[0, 1\]"
+    with pytest.raises(ValueError, match=message):
+        step.check_noise_level(1.5)
+    with pytest.raises(ValueError, match=message):
+        step(eps, x, 0, 1.5, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=message):
+        _step(scheduler, eps, x, int(timesteps[0]), 1.5)
+    step.check_noise_level(1.0)
+    assert all(torch.isfinite(step(eps, x, i, 1.0, generator=torch.Generator().manual_seed(i))[0]).all()
+               for i in range(5))

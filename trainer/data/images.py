@@ -36,14 +36,14 @@ def resolve(base: Path, value: object, key: str, where: str) -> Path:
 
 
 def image_size_of(path: Path, where: str) -> tuple[int, int]:
-    """(width, height) of an image file whose data passes PIL's integrity check, else a ValueError.
+    """(width, height) of an image file that decodes completely, else a ValueError.
 
-    Only the header is decoded here (``verify`` also checks PNG chunk checksums): validating a large
-    dataset up front costs little, and the pixels are decoded when they are used."""
+    The whole image is decoded, once per file: PIL's ``verify`` reads little more than the header for
+    most formats (JPEG), so a truncated file would pass it and fail mid-training."""
     try:
         with Image.open(path) as image:
             size = image.size
-            image.verify()
+            image.load()
     except UnidentifiedImageError:
         raise ValueError(f"{where}: {path} is not a readable image (unknown format)") from None
     except (OSError, SyntaxError) as exc:

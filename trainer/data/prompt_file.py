@@ -57,26 +57,28 @@ class PromptFileTask:
         self.prompts = [r["prompt"] for r in self.records]
         self.eval_indices = list(range(min(eval_count, len(self.prompts))))
         self.eval_prompts = [self.prompts[i] for i in self.eval_indices]
-        self._meta = {r["prompt"]: r for r in self.records}
 
     @staticmethod
     def _read(file: Path) -> list[dict]:
-        if file.suffix == ".jsonl":
+        suffix = file.suffix.lower()
+        if suffix == ".jsonl":
             records = [record for _, record in read_jsonl(file)]
-        else:
+        elif suffix == ".txt":
             lines = file.read_text(encoding="utf-8").splitlines()
             records = [{"prompt": line.strip()} for line in lines if line.strip()]
+        else:
+            raise ValueError(f"data.path={str(file)!r}: prompt_file reads .txt (one prompt per line) or .jsonl (one "
+                             f"JSON object with a \"prompt\" per line), not {file.suffix or 'a file without a suffix'}; "
+                             "rename the file to the suffix of its format")
         for record in records:
             text = quoted_text(record["prompt"])
             if text and "text" not in record:
                 record["text"] = text
         return records
 
-    def metadata(self, prompt: str) -> dict:
-        return {k: v for k, v in self._meta[prompt].items() if k != "prompt"}
-
     def item_metadata(self, indices: list[int]) -> list[dict]:
-        return [self.metadata(self.prompts[i]) for i in indices]
+        """Each item's own record (a prompt may repeat with other fields), without its prompt."""
+        return [{k: v for k, v in self.records[i].items() if k != "prompt"} for i in indices]
 
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None

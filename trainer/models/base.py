@@ -98,7 +98,7 @@ class StepFunction(Protocol):
     """One stochastic reverse step with log-probability, bound to a schedule t[0..T]:
     ``(model_output, sample, index, noise_level, prev_sample=None, generator=None)`` ->
     ``(prev_sample, log_prob [B], prev_sample_mean, std)`` for the step t[index] -> t[index + 1]
-    (``index`` an int, or [B] step indices per sample)."""
+    (``index`` an int, or [B] step indices per sample; DDIM steps to t[index] - N // T as diffusers' does)."""
 
     def __call__(self, model_output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
                  noise_level: float, prev_sample: torch.Tensor | None = None,
@@ -107,6 +107,9 @@ class StepFunction(Protocol):
     def mean(self, model_output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
              noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prev_sample_mean, std)`` alone: no sample drawn or scored (the reference network's KL term)."""
+
+    def check_noise_level(self, noise_level: float) -> None:
+        """A ValueError now if the step refuses ``noise_level`` (DDIM: eta outside [0, 1])."""
 
 
 @runtime_checkable

@@ -207,7 +207,7 @@ class FluxAdapter:
     @torch.no_grad()
     def vae_encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1] [B, 3, H, W] -> scaled, unpacked latents [B, C, H/f, W/f] (posterior mean)."""
-        x = images.to(self.device, self.dtype) * 2 - 1
+        x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype)
         return self.scale_latents(self.vae.encode(x).latent_dist.mode())
 
     def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:

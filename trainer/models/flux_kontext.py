@@ -41,7 +41,7 @@ class FluxKontextAdapter(FluxAdapter):
         reject_image_inputs(self.model_name, inputs, allowed=("reference",))
         reference = require_image_input(self.model_name, inputs, "reference", batch_size, 3,
                                         multiple_of=2 * self.vae_factor)
-        posterior = self.image_latents(reference.to(self.device, self.dtype) * 2 - 1)
+        posterior = self.image_latents((reference.to(self.device, torch.float32) * 2 - 1).to(self.dtype))
         return {"reference": self.scale_latents(posterior.mode())}
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:

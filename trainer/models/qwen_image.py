@@ -225,7 +225,7 @@ class QwenImageAdapter:
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1] -> normalised, packed latents (posterior mean) for supervised targets."""
-        x = (images.to(self.device, self.dtype) * 2 - 1)[:, :, None]
+        x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype)[:, :, None]
         latents = (self.vae.encode(x).latent_dist.mode().float() - self.latents_mean) / self.latents_std
         b, c, _, h, w = latents.shape
         return self.pipeline._pack_latents(latents, b, c, h, w)

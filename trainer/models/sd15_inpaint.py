@@ -187,7 +187,7 @@ class SD15InpaintAdapter:
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1] -> scaled latents (posterior mean) for supervised targets."""
-        x = images.to(self.device, self.dtype) * 2 - 1
+        x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype)
         return self.vae.encode(x).latent_dist.mode().float() * self.vae.config.scaling_factor
 
     @torch.no_grad()

@@ -31,6 +31,7 @@ from trainer.models.common import (
     Shards,
     cfg_combine,
     denoiser_config,
+    dynamic_shift_mu,
     freeze,
     frozen_copy,
     load_denoiser,
@@ -125,8 +126,14 @@ class SD3Adapter:
         return standard_normal((batch_size, *self.latent_shape), generator, self.device)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The scheduler's sigmas (shifted as configured), as the pipeline sets them."""
-        self.scheduler.set_timesteps(num_steps, device=self.device)
+        """The scheduler's sigmas as the pipeline sets them: shifted as configured, or with the scheduler's
+        dynamic shifting by mu = calculate_shift(image tokens)."""
+        shift = {}
+        if self.scheduler.config.get("use_dynamic_shifting"):
+            _, height, width = self.latent_shape
+            patch = self.denoiser.config.patch_size
+            shift["mu"] = dynamic_shift_mu(self.scheduler, (height // patch) * (width // patch), default_max_shift=1.16)
+        self.scheduler.set_timesteps(num_steps, device=self.device, **shift)
         return self.scheduler.sigmas.to(torch.float32)
 
     def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
@@ -162,11 +169,12 @@ class SD3Adapter:
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1] [B, C, H, W] -> latents (the inverse of ``decode``) for supervised targets."""
+        """Images in [0, 1] [B, C, H, W] -> latents (posterior mean; the inverse of ``decode``) for supervised
+        targets."""
         x = images.to(self.device, torch.float32) * 2 - 1
         if self.vae is None:
             return x
-        latents = self.vae.encode(x.to(self.dtype)).latent_dist.sample()
+        latents = self.vae.encode(x.to(self.dtype)).latent_dist.mode()
         return ((latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor)
 
     @torch.no_grad()

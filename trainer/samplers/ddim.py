@@ -47,7 +47,11 @@ class DDIMCoefficients(NamedTuple):
 def ddim_coefficients(t: torch.Tensor, t_prev: torch.Tensor, eta: float, alphas_cumprod: torch.Tensor,
                       final_alpha_cumprod: float | torch.Tensor = 1.0) -> DDIMCoefficients:
     """``ddim_step_with_logprob``'s constants from timestep ``t`` to ``t_prev`` ([N] each, or scalars), each
-    computed as ``DDIMScheduler.step`` computes it."""
+    computed as ``DDIMScheduler.step`` computes it. ``eta`` must be in [0, 1], else a ValueError."""
+    if not 0 <= eta <= 1:
+        raise ValueError(f"algorithm.sampler.noise_level={eta}: with sampler.kind=ddim the noise level is DDIM's eta, "
+                         "which must be in [0, 1] (above 1 the step's variance exceeds 1 - abar_prev and the samples "
+                         "are NaN); set it to at most 1")
     alphas_cumprod = alphas_cumprod.to(dtype=torch.float32)
     t = torch.as_tensor(t, device=alphas_cumprod.device).round().long()
     t_prev = torch.as_tensor(t_prev, device=alphas_cumprod.device).round().long()
@@ -90,7 +94,7 @@ def ddim_step_with_logprob(
         sample: x_t, [B, ...].
         t, t_prev: training timesteps (indices into ``alphas_cumprod``); ``t_prev < 0`` means the end of
             the chain, where ``final_alpha_cumprod`` is used.
-        eta: DDIM's eta; 0 is the deterministic DDIM step.
+        eta: DDIM's eta, in [0, 1]; 0 is the deterministic DDIM step.
         prev_sample: if given, it is scored instead of drawn (the policy-ratio re-evaluation).
         generator: for the draw of z.
         alphas_cumprod: the scheduler's cumulative alphas [N], float32.
@@ -106,8 +110,12 @@ def ddim_step_with_logprob(
 
 def ddim_step(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
               final_alpha_cumprod: float | torch.Tensor = 1.0) -> ScheduledStep:
-    """``ddim_step_with_logprob`` bound to training timesteps t[0..T] (t[T] < 0: the end of the chain), called
-    with step indices and eta as the noise level: index i steps t[i] -> t[i + 1]."""
+    """``ddim_step_with_logprob`` bound to training timesteps t[0..T] (t[T]: the end of the chain), called
+    with step indices and eta as the noise level: index i steps t[i] -> t[i] - N // T, N = len(alphas_cumprod)
+    (num_train_timesteps), as ``DDIMScheduler.step`` does. That is t[i + 1] only for "leading" timestep
+    spacing; with "trailing" or "linspace" the scheduler's step lands elsewhere, and so does this one."""
     alphas_cumprod = alphas_cumprod.to(device=timesteps.device, dtype=torch.float32)
-    return ScheduledStep(lambda eta: ddim_coefficients(timesteps[:-1], timesteps[1:], eta, alphas_cumprod,
-                                                       final_alpha_cumprod), ddim_mean)
+    t = timesteps[:-1]
+    t_prev = t - alphas_cumprod.shape[0] // t.shape[0]
+    return ScheduledStep(lambda eta: ddim_coefficients(t, t_prev, eta, alphas_cumprod, final_alpha_cumprod),
+                         ddim_mean)

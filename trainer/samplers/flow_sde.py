@@ -288,11 +288,19 @@ class ScheduledStep:
                 self._shaped[key] = coefficients
         return coefficients
 
-    def _rows(self, index: int | torch.Tensor, noise_level: float, batch: int) -> NamedTuple:
+    def check_noise_level(self, noise_level: float) -> None:
+        """Raise now the ValueError that the first step at ``noise_level`` would raise (DDIM: eta outside
+        [0, 1]), e.g. before a warm-up that would delay that step; the step's constants are kept."""
+        self._table(noise_level)
+
+    def _table(self, noise_level: float) -> tuple[type, torch.Tensor]:
         if noise_level not in self._tables:
             constants = self._constants(noise_level)
             self._tables[noise_level] = type(constants), torch.stack(tuple(constants), dim=1)
-        kind, table = self._tables[noise_level]
+        return self._tables[noise_level]
+
+    def _rows(self, index: int | torch.Tensor, noise_level: float, batch: int) -> NamedTuple:
+        kind, table = self._table(noise_level)
         rows = table[index if isinstance(index, int) else index.to(table.device)]  # an int: a view, no kernel
         return kind(*rows.reshape(-1, len(kind._fields)).expand(batch, -1).unbind(1))
 
