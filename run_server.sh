@@ -68,9 +68,12 @@ EOF
 
 # Exit status 0 if the process exists and is not a zombie (a replica that died while we wait for it).
 pid_alive() {
-  local state
+  # A live replica: the process exists, is not a zombie and runs reward_server. A pid file left by a crash
+  # may name a number the system has since given to another process, which must never be signalled.
+  local state args
   state="$(ps -o stat= -p "$1" 2>/dev/null)" || return 1
-  [[ -n "$state" && "$state" != Z* ]]
+  args="$(ps -o args= -p "$1" 2>/dev/null)" || return 1
+  [[ -n "$state" && "$state" != Z* && "$args" == *reward_server* ]]
 }
 
 url_of() {

@@ -1015,3 +1015,28 @@ def test_signals_during_a_long_load_exit_without_waiting_for_it(signals: int, dr
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+class _ValueScorer(_TestScorer):
+    """Scores every item ``value``."""
+
+    def __init__(self, value: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.value = value
+
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        return [self.value] * len(images)
+
+
+def test_a_replica_whose_model_changes_under_the_client_is_taken_out_not_mixed_in() -> None:
+    """Fingerprints were compared at start-up and by the probe only: a replica restarted with other weights
+    (same URL) had its scores mixed into every batch until it failed for another reason."""
+    steady, changed = _ValueScorer(0.5), _ValueScorer(0.5)
+    with serve(create_app({"slow": steady}, ServerSettings(instance_id="steady"))) as first, \
+            serve(create_app({"slow": changed}, ServerSettings(instance_id="changed"))) as second:
+        with HttpRewardClient([first, second], {"slow": 1.0}, batch_size=1) as client:
+            assert client.score(np.zeros((4, 4, 4, 3), np.uint8), [""] * 4).combined.tolist() == [0.5] * 4
+            changed.version, changed.value = "t-v2", 0.9  # as if restarted with other weights
+            result = client.score(np.zeros((8, 4, 4, 3), np.uint8), [""] * 8)
+            assert result.combined.tolist() == [0.5] * 8 and result.num_failed == 0
+            assert [r.available for r in client._replicas.values()] == [True, False]

@@ -88,6 +88,22 @@ def test_start_reports_a_replica_that_dies(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.pid"))
 
 
+def test_a_stale_pid_file_never_signals_the_process_that_now_has_its_number(tmp_path: Path) -> None:
+    """A replica that crashed leaves its pid file; the system may give that pid to another process, which
+    ``stop`` used to SIGTERM (then SIGKILL) and ``start`` took for a running replica."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "replica-0.pid").write_text(f"{other.pid}\n")
+        (tmp_path / "replica-0.url").write_text("http://127.0.0.1:9\n")
+        assert _run("status", run_dir=tmp_path).stdout.strip().endswith(", dead")
+        stopped = _run("stop", run_dir=tmp_path)
+        assert stopped.returncode == 0 and "stopped 0 replica(s)" in stopped.stdout
+        assert other.poll() is None and _pid_running(other.pid)
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_unknown_command_and_option() -> None:
     assert subprocess.run([str(SCRIPT), "restart"], capture_output=True, check=False).returncode == 1
     result = subprocess.run(

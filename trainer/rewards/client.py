@@ -617,6 +617,9 @@ class HttpRewardClient:
                 parsed = ScoreResponse.model_validate_json(response.content)
             except ValidationError as exc:
                 raise self._failed(replica, f"{replica.url}: malformed response: {exc}") from None
+            changed = self._changed_models(parsed.models)
+            if changed is not None:  # e.g. restarted with other weights: its scores would not be comparable
+                raise self._failed(replica, f"{replica.url}: {changed}", down=True)
             replica.consecutive_failures = 0
             self._latencies.append(elapsed)
             return parsed
@@ -689,6 +692,13 @@ class HttpRewardClient:
         for name, expected in self._fingerprints.items():
             if versions[name] != expected:
                 return f"it runs {name} {versions[name]}, other replicas run {expected}"
+        return None
+
+    def _changed_models(self, models: dict[str, str]) -> str | None:
+        """Why a response's model fingerprints differ from the pool's, or None."""
+        for name, expected in (self._fingerprints or {}).items():
+            if models.get(name, expected) != expected:
+                return f"it now runs {name} {models[name]}, the pool {expected}"
         return None
 
     @property
