@@ -97,7 +97,9 @@ class Trainer:
             # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
             # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
             self.backend.reset_optimizer()
-            if self.algorithm.needs_reference:  # the policy as RL starts (LoRA: the base without adapter)
+            # Full fine-tuning: a frozen copy of the policy as RL starts. LoRA: the base with the adapter disabled
+            # (ALGORITHMS.md), i.e. the model before a LoRA warm-up; DPO and NFT refresh theirs from the policy.
+            if self.algorithm.needs_reference:
                 self._new_reference()
             progress.rl_started = True
         self.backend.set_lr(train.learning_rate)

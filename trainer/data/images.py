@@ -126,7 +126,8 @@ class ImageTask:
     Reward metadata per item: the row's fields (and ``text``, the prompt's quoted span, when the row has
     none); with a mask, ``mask``: uint8 [H, W, 1] (0 / 255, at ``image_size``), the key the OCR scorer
     reads to score only the repainted region; with ``edit``, ``judge_task: "edit"`` and
-    ``reference_image``: the reference as a PNG wire image, which the qwenvl judge compares against."""
+    ``reference_image``: the reference, uint8 [H, W, 3], which the qwenvl judge compares against (arrays in
+    metadata travel as images: the server's size and pixel limits apply to them)."""
 
     def __init__(self, items: list[ImageItem], image_size: int, source: str, *, style_crop: float = 0.0,
                  edit: bool = False, image_inputs: Sequence[str] = ()):
@@ -183,11 +184,8 @@ class ImageTask:
         if item.mask is not None:
             meta["mask"] = to_uint8_hwc(load_mask(item.mask, self.image_size, item.where))
         if self.edit:
-            from shared.imagecodec import encode_image
-
             meta["judge_task"] = "edit"
-            meta["reference_image"] = encode_image(
-                to_uint8_hwc(load_rgb(item.reference, self.image_size, item.where)), "png")
+            meta["reference_image"] = to_uint8_hwc(load_rgb(item.reference, self.image_size, item.where))
         return meta
 
     def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:
