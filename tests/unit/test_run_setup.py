@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,8 +16,6 @@ from trainer.build import require_checkpoint, resolve_device, reused_run_dir
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_devices_name_this_ranks_gpu_unless_an_index_is_given():
@@ -65,18 +61,21 @@ def test_a_run_directory_holding_another_run_is_refused_and_default_names_do_not
     assert build.new_run_name(tmp_path) == "20261122-120000-3"
 
 
-def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_building(tmp_path):
+def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_building(tmp_path, capsys):
     """Both used to fail late: a second fresh run under the same logging.run_name replaced its own
     checkpoints by the first run's ones (equal names) and mixed the two runs' metrics; a run directory given
     as train.resume failed with a FileNotFoundError traceback after the model and reward servers started."""
+    from trainer.main import main
+
     (tmp_path / "same").mkdir()
     (tmp_path / "same" / "metrics.jsonl").write_text('{"phase": "rl", "step": 1}\n')
-    base = [sys.executable, "trainer/main.py", f"logging.output_dir={tmp_path}", "model.path=/not/built"]
-    for extra, message in ((["logging.run_name=same"], "already holds a run (metrics.jsonl)"),
-                           ([f"train.resume={tmp_path / 'same'}"], "is not a complete checkpoint")):
-        out = subprocess.run([*base, *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and message in out.stderr, out.stderr
-    assert not Path("/not/built").exists()
+    model = tmp_path / "not-built"  # the tiny model would be built there
+    base = [f"logging.output_dir={tmp_path}", f"model.path={model}"]
+    for extra, message in (("logging.run_name=same", "already holds a run (metrics.jsonl)"),
+                           (f"train.resume={tmp_path / 'same'}", "is not a complete checkpoint")):
+        assert main([*base, extra]) == 2
+        assert message in capsys.readouterr().err
+    assert not model.exists()
     assert (tmp_path / "same" / "metrics.jsonl").read_text() == '{"phase": "rl", "step": 1}\n'
 
 
