@@ -193,3 +193,21 @@ def test_a_warmup_steps_loss_is_the_same_whatever_micro_batches_cut_it(tiny_mode
     assert cut == pytest.approx(whole, rel=1e-5)
     for a, b in zip(cut_grads, whole_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["dpo", "sft_best"])
+def test_an_epoch_without_any_reward_spread_makes_no_step(tmp_path, tiny_model_dir, algorithm):
+    """Every group flat (e.g. a binary reward no sample earns yet): no pair or best sample anywhere, so no
+    update; it used to run the denoiser on an empty batch, which stopped the job with a reshape error."""
+    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=2")
+    indices, group_ids = trainer.sampler.epoch(0)
+    prompts = [trainer.task.prompts[i] for i in indices.tolist()]
+    trainer.algorithm.start_epoch(trainer.ctx, 0)
+    ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
+                                        torch.Generator().manual_seed(1))
+    flat = torch.ones(len(indices))
+    before = [p.detach().clone() for p in trainer.adapter.trainable_parameters()]
+    stats = trainer._update(trainer.algorithm, trainer.algorithm.make_batch(ro, Rewards(flat, flat, group_ids, 0)),
+                            torch.Generator().manual_seed(2))
+    assert stats == {}
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable_parameters(), strict=True))

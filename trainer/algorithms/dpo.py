@@ -78,6 +78,9 @@ class DPO(NoExtras):
         return DPOBatch(rollout, pairs, weights, rewards)
 
     def plan(self, batch: DPOBatch, generator: torch.Generator) -> list[list[DPOUnit]]:
+        """No steps where no group (of any rank: the selection is the same everywhere) has a reward spread."""
+        if len(batch.pairs) == 0:
+            return []
         x0 = batch.rollout.latents[:, -1]
         draws = NoiseDraws.draw(self.config.noise_draws, x0[batch.pairs[:, 0]], self.config.logit_mean,
                                 self.config.logit_std, generator)

@@ -59,7 +59,10 @@ class BestOfGroupSFT(NoExtras):
         return BestBatch(rollout, rows[:, 0], weights, rewards)
 
     def plan(self, batch: BestBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
-        """Each optimizer step's loss is the weighted mean over all of its chosen samples (every draw)."""
+        """Each optimizer step's loss is the weighted mean over all of its chosen samples (every draw). No steps
+        where no group (of any rank: the selection is the same everywhere) has a reward spread."""
+        if len(batch.samples) == 0:
+            return []
         x0 = batch.rollout.latents[batch.samples, -1]
         draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
         units = [CleanUnit(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
