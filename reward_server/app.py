@@ -16,7 +16,7 @@ HTTP status policy (the client's retry logic depends on it):
     415  unsupported Content-Encoding (the ``Accept-Encoding`` header lists the supported ones)
     422  malformed body (invalid JSON or msgpack, corrupt compression, schema violation, unknown scorer,
          image side over the limit)
-    429  a scorer queue is full (Retry-After)
+    429  the queue of a scorer the request names is full (Retry-After)
     503  loading, load failed, or draining after SIGTERM (Retry-After)
 A corrupt image is a per-item DECODE error, so the other items of the request are still scored.
 """
@@ -296,7 +296,9 @@ class RewardService:
         for worker in self.workers.values():
             worker.stop()
 
-    def not_ready_reason(self) -> str | None:
+    def not_ready_reason(self, queues: bool = True) -> str | None:
+        """Why the server takes no work now, or None; ``queues``: a full scorer queue counts (``/readyz``);
+        ``/score`` leaves that to the scorers a request names."""
         if self.draining:
             return "draining"
         if self.load_error is not None:
@@ -306,6 +308,8 @@ class RewardService:
         stopped = [name for name, w in self.workers.items() if not w.alive]
         if stopped:
             return f"scorer worker stopped: {stopped} (see the server log)"
+        if not queues:
+            return None
         full = [name for name, w in self.workers.items() if w.queued_items >= self.settings.max_queue_items]
         return f"queue full: {full}" if full else None
 
@@ -422,10 +426,9 @@ def create_app(
     )
     async def score(request: Request) -> JSONResponse:
         received = time.monotonic()
-        reason = service.not_ready_reason()
+        reason = service.not_ready_reason(queues=False)  # a full queue: 429 from the scorers this request names
         if reason is not None:
-            status = 429 if reason.startswith("queue full") else 503
-            raise HTTPException(status, f"not ready: {reason}", headers={"Retry-After": RETRY_AFTER_S})
+            raise HTTPException(503, f"not ready: {reason}", headers={"Retry-After": RETRY_AFTER_S})
         score_request = await _parse_score_request(request, settings, encodings, service)
         names = score_request.scorers or list(scorers)
         unknown = [name for name in names if name not in scorers]

@@ -135,7 +135,7 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
         trainer.policy.zero_grad()
         total = sum(algo.loss(trainer.ctx, unit)[0] for unit in units)
         total.backward()
-        return float(total), [p.grad.clone() for p in trainer.adapter.trainable_parameters()], len(units)
+        return float(total.detach()), [p.grad.clone() for p in trainer.adapter.trainable_parameters()], len(units)
 
     whole, whole_grads, whole_units = step(64)
     cut, cut_grads, cut_units = step(2 if trainer.algorithm.local_groups else 4)
@@ -187,7 +187,7 @@ def test_a_warmup_steps_loss_is_the_same_whatever_micro_batches_cut_it(tiny_mode
         adapter.denoiser.zero_grad()
         total = sum(sft.loss(LossContext(adapter, adapter.denoiser, None), unit)[0] for unit in units)
         total.backward()
-        results.append((len(units), float(total), [p.grad.clone() for p in adapter.trainable_parameters()]))
+        results.append((len(units), float(total.detach()), [p.grad.clone() for p in adapter.trainable_parameters()]))
     (whole_units, whole, whole_grads), (cut_units, cut, cut_grads) = results
     assert (whole_units, cut_units) == (1, 3)
     assert cut == pytest.approx(whole, rel=1e-5)

@@ -352,6 +352,29 @@ def test_full_queue_is_429_and_drain_lets_in_flight_work_finish() -> None:
         asyncio.run(scenario())
 
 
+def test_a_full_queue_refuses_only_requests_for_its_own_scorer() -> None:
+    """One scorer's full queue made every request a 429, also those for the server's other scorers."""
+    app = create_app({"slow": _TestScorer(delay_s=0.6), "quick": _TestScorer(name="quick")},
+                     ServerSettings(max_items=2, max_queue_items=2))
+    image = encode_image(np.zeros((4, 4, 1), np.uint8))
+    items = [{"id": str(i), "prompt": "", "image": image} for i in range(2)]
+    with serve(app) as url:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as client:
+                in_flight = asyncio.create_task(client.post("/score", json={"scorers": ["slow"], "items": items}))
+                await asyncio.sleep(0.2)
+                assert (await client.post("/score", json={"scorers": ["slow"], "items": items})).status_code == 429
+                ready = await client.get("/readyz")  # for load balancers: this replica is busy
+                assert ready.status_code == 503 and ready.json()["detail"] == "queue full: ['slow']"
+                quick = await client.post("/score", json={"scorers": ["quick"], "items": items})
+                assert quick.status_code == 200
+                assert [r["scores"]["quick"]["score"] for r in quick.json()["results"]] == [0.5, 0.5]
+                assert (await in_flight).status_code == 200
+
+        asyncio.run(scenario())
+
+
 def test_concurrent_requests_share_a_micro_batch() -> None:
     app = create_app({"slow": _TestScorer(delay_s=0.05)}, ServerSettings(batch_wait_ms=200))
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
