@@ -38,15 +38,27 @@ class RunLogger:
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
         self.run_dir = run_dir
         self.enabled = enabled
-        self.writer = None
+        # TensorBoard writers by step axis, each its own run under tensorboard/ so that a resume can hide the
+        # redone steps of each: "warmup" (warm-up steps) and "rl" (RL epochs: RL, evaluations, images).
+        self.writers: dict[str, object] = {}
         self.history: list[dict] = []
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(run_dir / "metrics.jsonl", "a")
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
+                self._open_writers({})
 
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+    def _open_writers(self, purge: dict[str, int]) -> None:
+        """(Re)open the TensorBoard writers; ``purge``: axis -> first step whose earlier events are hidden."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        for writer in self.writers.values():
+            writer.close()
+        self.writers = {axis: SummaryWriter(str(self.run_dir / "tensorboard" / axis), purge_step=purge.get(axis))
+                        for axis in ("warmup", "rl")}
+
+    def _writer(self, phase: str):
+        return self.writers.get("warmup" if phase == "warmup" else "rl")
 
     def truncate(self, warmup_steps_done: int, epochs_done: int) -> None:
         """After a resume: keep only the records of work the checkpoint holds, the ones written before its own
@@ -75,6 +87,8 @@ class RunLogger:
         os.replace(tmp, path)
         self._jsonl = open(path, "a")
         self.history = kept
+        if self.writers:  # a warm-up checkpoint (no epoch done) holds no RL-axis event: the evaluation before RL
+            self._open_writers({"warmup": warmup_steps_done, "rl": epochs_done + 1 if epochs_done else 0})
 
     def log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
         record = {"phase": phase, "step": step, "time": time.time(), **metrics}
@@ -83,18 +97,20 @@ class RunLogger:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self.writer is not None:
+        writer = self._writer(phase)
+        if writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and math.isfinite(value):
-                    self.writer.add_scalar(f"{phase}/{key}", value, step)
+                    writer.add_scalar(f"{phase}/{key}", value, step)
 
     def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int) -> None:
         if not self.enabled:
             return
         save_grid(images, rows, self.run_dir / f"{name}.png")
-        if self.writer is not None:
-            self.writer.add_image(name, np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB")), step,
-                                  dataformats="HWC")
+        writer = self._writer("rl")
+        if writer is not None:
+            writer.add_image(name, np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB")), step,
+                             dataformats="HWC")
 
     def reward_curve(self) -> None:
         """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise) to
@@ -123,5 +139,5 @@ class RunLogger:
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
-            if self.writer is not None:
-                self.writer.close()
+            for writer in self.writers.values():
+                writer.close()

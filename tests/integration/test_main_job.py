@@ -46,7 +46,7 @@ def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir):
     assert len(rl) == 8 and all(r["failed_share"] == 0.0 for r in rl)
     for name in ("samples_before.png", "samples_after.png", "reward_curve.png", "config.yaml"):
         assert (run_dir / name).is_file(), name
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert all(list((run_dir / "tensorboard" / axis).glob("events.out.tfevents.*")) for axis in ("warmup", "rl"))
     assert (run_dir / "final" / "diffusion_pytorch_model.safetensors").is_file()
     assert "epoch   8  reward" in run.stdout and "digit_accuracy" in run.stdout
 

@@ -121,3 +121,31 @@ def test_a_resume_keeps_the_records_written_before_its_checkpoint(tmp_path):
     logger.close()
     assert _records(logger)[-1] == ("warmup", 2)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def _scalars(run_dir: Path, axis: str, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard" / axis))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_a_resume_hides_the_redone_steps_in_tensorboard(tmp_path):
+    """Events of steps after the checkpoint were kept, so a resumed run showed two points for each redone
+    step (warm-up steps and RL epochs are separate runs, each purged from its own first redone step)."""
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=True)
+    for step in range(4):
+        logger.log(step, "warmup", {"loss": 1.0})
+    for epoch in (1, 2, 3):
+        logger.log(epoch, "rl", {"reward_mean": 0.1 * epoch})
+        if epoch == 2:
+            logger.log(2, "checkpoint", {"warmup_steps_done": 4})
+    logger.close()
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=True)
+    logger.truncate(4, 2)
+    logger.log(3, "rl", {"reward_mean": 0.9})
+    logger.close()
+    assert _scalars(tmp_path, "rl", "rl/reward_mean") == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)),
+                                                          (3, pytest.approx(0.9))]
+    assert [step for step, _ in _scalars(tmp_path, "warmup", "warmup/loss")] == [0, 1, 2, 3]
