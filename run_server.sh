@@ -112,6 +112,7 @@ cmd_start() {
     device=""
     [[ ${#gpus[@]} -gt 0 ]] && device="${gpus[$(( i % ${#gpus[@]} ))]}"
     url="http://$HOST:$port"
+    [[ "$HOST" == *:* ]] && url="http://[$HOST]:$port"  # an IPv6 address
     CUDA_VISIBLE_DEVICES="$device" PYTHONUNBUFFERED=1 nohup "$PYTHON" -m reward_server \
       --scorers "$SCORERS" --host "$HOST" --port "$port" --instance-id "$(hostname)-replica-$i" \
       ${SERVER_ARGS[@]+"${SERVER_ARGS[@]}"} >"$RUN_DIR/replica-$i.log" 2>&1 </dev/null &

@@ -104,6 +104,22 @@ def test_a_stale_pid_file_never_signals_the_process_that_now_has_its_number(tmp_
         other.wait()
 
 
+def test_an_ipv6_host_gets_a_bracketed_url(tmp_path: Path) -> None:
+    """``--host ::1`` made ``http://::1:PORT``, which nothing can connect to: start waited for readiness
+    until its timeout."""
+    with socket.socket(socket.AF_INET6) as sock:
+        sock.bind(("::1", 0))
+        port = sock.getsockname()[1]
+    started = _run("start", "--replicas", "1", "--host", "::1", "--base-port", str(port), "--scorers", "brightness",
+                   run_dir=tmp_path)  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr
+        assert started.stdout.strip().splitlines()[-1] == f"http://[::1]:{port}"
+        assert httpx.get(f"http://[::1]:{port}/readyz", timeout=5, trust_env=False).status_code == 200
+    finally:
+        assert _run("stop", run_dir=tmp_path).returncode == 0
+
+
 def test_unknown_command_and_option() -> None:
     assert subprocess.run([str(SCRIPT), "restart"], capture_output=True, check=False).returncode == 1
     result = subprocess.run(
