@@ -105,7 +105,7 @@ def run(config: Config) -> dict[str, float]:
         metrics = trainer.fit()
         ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with
         with ema.swapped() if ema is not None else contextlib.nullcontext():
-            final = backend.frozen_copy(adapter.denoiser)  # full weights on every rank, however sharded
+            final = backend.main_copy(adapter.denoiser)  # on rank 0's CPU, gathered a parameter at a time
         if main:
             export_denoiser(final, run_dir / "final")
             print(f"done: {run_dir} (final/: the {'EMA' if ema is not None else 'trained'} weights, as evaluated)",

@@ -30,7 +30,7 @@ from torch import nn
 
 
 def export_denoiser(denoiser: nn.Module, out: Path) -> None:
-    """Write ``denoiser`` (a plain, unsharded module, e.g. ``backend.frozen_copy``) to ``out`` as a diffusers
+    """Write ``denoiser`` (a plain, unsharded module, e.g. ``backend.main_copy``) to ``out`` as a diffusers
     model, LoRA merged; with LoRA, also the adapter alone under ``out/lora``; with an IP-Adapter, its weights
     as ``out/ip_adapter.safetensors``. Changes ``denoiser`` (the LoRA is fused into it, the IP-Adapter taken out)."""
     from safetensors.torch import save_file

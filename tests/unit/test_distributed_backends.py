@@ -194,6 +194,16 @@ def _worker(kind: str, tmp: Path) -> None:
         if rank == 0:  # a forward on one rank only: would hang if the copy were still sharded
             reference(x)
 
+    # main_copy: the same weights on rank 0's CPU only (what exports write), its own storage.
+    exported = backend.main_copy(policy)
+    if rank == 0:
+        assert all(p.device.type == "cpu" and not p.requires_grad for p in exported.parameters())
+        assert not {p.data_ptr() for p in exported.parameters()} & {p.data_ptr() for p in policy.parameters()}
+        with torch.no_grad():
+            _close(exported(x.cpu()), replica(x).cpu(), f"{kind} main copy")
+    else:
+        assert exported is None
+
     # A checkpoint through trainer.checkpoint, then a different step, then back: the step repeats exactly.
     checkpoints = Checkpoints(tmp / kind, keep=1, is_main=rank == 0)
     ema_like = {"shard": shards[0].clone()}

@@ -122,6 +122,11 @@ class ParallelBackend(Protocol):
         deep-copied, so this is how a full-fine-tuning reference is made under every backend."""
         ...
 
+    def main_copy(self, module: nn.Module) -> nn.Module | None:
+        """``frozen_copy`` on rank 0's CPU only (None on the other ranks), gathered one parameter at a time
+        (collective): what an export writes, without a full copy on any device or on any other rank."""
+        ...
+
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on each) along dim 0, rank-major."""
         ...
@@ -260,6 +265,12 @@ class SingleProcess:
         return materialize(self.skeletons[id(module)], {n: p.detach().clone() for n, p in module.named_parameters()},
                            dict(module.named_buffers()))
 
+    @torch.no_grad()
+    def main_copy(self, module: nn.Module) -> nn.Module | None:
+        module = getattr(module, "module", module)  # DDP's wrapper
+        params = () if self.world.rank else ((n, p.detach()) for n, p in module.named_parameters())
+        return main_only_copy(self.world.rank, self.skeletons[id(module)], params, module)
+
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
@@ -339,6 +350,20 @@ def skeleton(module: nn.Module) -> nn.Module:
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
             for p in module.parameters()}
     return copy.deepcopy(module, memo)
+
+
+def main_only_copy(rank: int, template: nn.Module, params: Iterable[tuple[str, torch.Tensor]],
+                   module: nn.Module) -> nn.Module | None:
+    """``main_copy``'s work: on rank 0, ``materialize`` on the CPU from ``(name, full value)`` pairs, each copied
+    there as it comes (a generator that gathers one parameter at a time then holds one full parameter on the
+    device at most; the copies never share storage with the live weights, which an export's LoRA fusion would
+    change), with ``module``'s buffers. The other ranks run through ``params`` (each gather is collective)."""
+    if rank != 0:
+        for _ in params:
+            pass
+        return None
+    return materialize(template, {name: value.to("cpu", copy=True) for name, value in params},
+                       {name: b.cpu() for name, b in module.named_buffers()})
 
 
 def materialize(template: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> nn.Module:

@@ -30,6 +30,7 @@ from trainer.distributed.backend import (
     check_auxiliary_count,
     checked_trainable,
     loss_scaler,
+    main_only_copy,
     materialize,
     refuse_low_precision_updates,
     skeleton,
@@ -198,6 +199,11 @@ class FSDP2(DDP):
         call it different numbers of times; it costs one full denoiser per rank."""
         params = {name: _full(p).to(self.device) for name, p in module.named_parameters()}
         return materialize(self.skeletons[id(module)], params, dict(module.named_buffers()))
+
+    @torch.no_grad()
+    def main_copy(self, module: nn.Module) -> nn.Module | None:
+        gathered = ((name, _full(p)) for name, p in module.named_parameters())
+        return main_only_copy(self.world.rank, self.skeletons[id(module)], gathered, module)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

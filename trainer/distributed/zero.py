@@ -26,6 +26,7 @@ from trainer.distributed.backend import (
     DDP,
     World,
     checked_trainable,
+    main_only_copy,
     materialize,
     skeleton,
     trainable,
@@ -220,3 +221,14 @@ class DeepSpeedZeRO(DDP):
         with self._gather(list(params.values())):
             full = {name: p.detach().clone() for name, p in params.items()}
         return materialize(self.skeletons[id(module)], full, dict(module.named_buffers()))
+
+    @torch.no_grad()
+    def main_copy(self, module: nn.Module) -> nn.Module | None:
+        module = getattr(module, "module", module)  # the engine
+
+        def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, p in module.named_parameters():
+                with self._gather([p]):
+                    yield name, p.detach()
+
+        return main_only_copy(self.world.rank, self.skeletons[id(module)], gathered(), module)
