@@ -77,19 +77,27 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
 
 @torch.no_grad()
 def load_ema(checkpoint: Path, trainable: list[nn.Parameter]) -> None:
-    """Write the checkpoint's EMA (kept whole by runs whose weights are not sharded) into ``trainable``, the
-    adapter's trainable parameters in their order."""
+    """Write the checkpoint's EMA of whole weights into ``trainable``, the adapter's trainable parameters in their
+    order: kept once by runs whose weights are not sharded; checkpoints written before that kept it per rank,
+    and rank 0's is whole there too (single process, DDP, ZeRO-2)."""
     from safetensors.torch import load_file
 
-    if not (checkpoint / "ema.safetensors").is_file():
-        raise ValueError(f"{checkpoint} holds no whole EMA (ema.safetensors): the run kept none (train.ema_decay=0), "
-                         "or its backend sharded the weights (fsdp2, zero3), which keeps each rank's part apart")
-    shadow = load_file(checkpoint / "ema.safetensors")
+    path = checkpoint / "ema.safetensors"
+    if not path.is_file():
+        path = checkpoint / "rank-00000" / "ema.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{checkpoint} holds no EMA: the run kept none (train.ema_decay=0)")
+    shadow = load_file(path)
     if len(shadow) != len(trainable):
         raise ValueError(f"{checkpoint}'s EMA has {len(shadow)} tensors where the model has {len(trainable)} "
                          "trainable ones")
     for i, param in enumerate(trainable):
-        param.copy_(shadow[f"{i:05d}"])
+        saved = shadow[f"{i:05d}"]
+        if saved.shape != param.shape:
+            raise ValueError(f"{checkpoint} holds only each rank's part of the EMA (a backend that shards the "
+                             "weights: fsdp2, zero3), which cannot be exported as a whole; export the trained "
+                             "weights (without --ema)")
+        param.copy_(saved)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,6 +171,14 @@ def test_an_unsharded_ema_is_checkpointed_once_resumes_on_any_rank_and_exports(t
     for name, shadow in zip(names, trainer.ema.shadow, strict=True):
         torch.testing.assert_close(exported[name].float(), shadow, rtol=0, atol=0)
 
+    # checkpoints written before kept it per rank: rank 0's is whole there and exports the same
+    old = shutil.copytree(checkpoint, tmp_path / "old-layout")
+    (old / "rank-00000").mkdir()
+    (old / "ema.safetensors").rename(old / "rank-00000" / "ema.safetensors")
+    export_checkpoint(old, tmp_path / "exported-old", ema=True)
+    again = load_file(tmp_path / "exported-old" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(again[name], exported[name]) for name in names)
+
 
 def test_a_warmup_steps_loss_is_the_same_whatever_micro_batches_cut_it(tiny_model_dir):
     """5 supervised samples in micro-batches of 2 (2, 2, 1): the same loss and gradient as in one."""

@@ -163,3 +163,13 @@ def test_ragged_text_concatenates_padded_and_pools_over_real_tokens():
     assert vec.shape == (4, 2 + 3)
     torch.testing.assert_close(vec[:, 0], torch.tensor([1.0, 2.0, 1.0, 2.0]))
     torch.testing.assert_close(condition_vector(short), vec[:2])
+
+
+@pytest.mark.parametrize(("units", "steps", "sizes"), [(8, 3, [2, 3, 3]), (4, 3, [1, 1, 2]), (2, 4, [1, 1]),
+                                                       (6, 1, [6]), (0, 2, [])])
+def test_units_split_into_the_configured_steps_of_nearly_equal_size(units, steps, sizes):
+    """4 units in 3 steps used to give 2 steps (of 2): chunks of ceil(4 / 3)."""
+    from trainer.algorithms.sft import split_units
+
+    split = split_units(list(range(units)), steps)
+    assert [len(s) for s in split] == sizes and [u for s in split for u in s] == list(range(units))

@@ -52,3 +52,10 @@ def test_local_groups_keep_every_group_on_one_rank(world):
 def test_local_groups_need_prompts_divisible_by_ranks():
     with pytest.raises(ValueError, match="prompts_per_epoch=3 must be a multiple of the 2 ranks"):
         GroupSampler(10, 3, 4, 2, 0, seed=0, local_groups=True)
+
+
+def test_the_largest_seed_the_config_admits_draws_epochs():
+    """train.seed is range-checked to [0, 2^63); the epoch stream's seed (seed * 1000003 + epoch) overflowed a
+    generator's 64 bits for seeds above ~1.8e13, at the first RL epoch."""
+    indices, groups = GroupSampler(4, 2, 2, 1, 0, 2**63 - 1).epoch(3)
+    assert len(indices) == len(groups) == 4

@@ -66,7 +66,8 @@ class NFT(NoExtras):
 
     def plan(self, batch: NFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """Every sample under each of ``noise_draws`` draws, in shuffled micro-batches, cut into
-        ``steps_per_epoch`` optimizer steps; a step's loss is the mean over its samples with a reward."""
+        ``steps_per_epoch`` optimizer steps (fewer where there are fewer micro-batches); a step's loss is the
+        mean over its samples with a reward."""
         x0 = batch.rollout.latents[:, -1]
         draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
         units = [CleanUnit(batch, idx, NoiseDraws(draws.sigma[d, idx], draws.noise[d, idx]))

@@ -62,7 +62,8 @@ class CleanSampleConfig:
     inner_epochs: PositiveInt = 1
     """Passes over each epoch's samples."""
     steps_per_epoch: PositiveInt = 1
-    """Optimizer steps per inner epoch (the draws are split into this many)."""
+    """Optimizer steps per inner epoch: the micro-batches of every draw are split into this many (fewer when
+    there are fewer micro-batches, e.g. DPO pairs in an epoch with little reward spread)."""
     micro_batch_size: PositiveInt = 32
     """Samples (DPO: pairs) per forward/backward."""
     logit_mean: FiniteFloat = 0.0
@@ -78,9 +79,10 @@ class CleanSampleConfig:
 
 
 def split_units(units: list, steps: int) -> list[list]:
-    """Loss units cut into ``steps`` optimizer steps of (nearly) equal size."""
-    per_step = -(-len(units) // steps)
-    return [units[i : i + per_step] for i in range(0, len(units), per_step)]
+    """Loss units cut into ``steps`` optimizer steps whose unit counts differ by one at most (as many steps as
+    there are units where there are fewer)."""
+    steps = min(steps, len(units))
+    return [units[len(units) * i // steps : len(units) * (i + 1) // steps] for i in range(steps)]
 
 
 @dataclass

@@ -34,7 +34,7 @@ class GroupSampler:
 
     def epoch(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pool indices [per_rank], group ids [per_rank]) of this rank for ``epoch``."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
         reps = -(-self.prompts_per_epoch // self.pool_size)
         chosen = torch.cat([torch.randperm(self.pool_size, generator=g) for _ in range(reps)])[: self.prompts_per_epoch]
         groups = torch.arange(self.prompts_per_epoch).repeat_interleave(self.group_size)
