@@ -453,17 +453,7 @@ def create_app(
         async def run(name: str) -> JobResult:
             if not ok_rows:
                 return JobResult([], 0.0, 0.0, 0)
-            job = service.workers[name].submit(images, prompts, metadata, deadline)
-            if deadline is None:
-                result = await job
-            else:
-                try:
-                    result = await asyncio.wait_for(job, timeout=max(0.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    failure = ScoreOutcome.failure(
-                        ErrorCode.TIMEOUT, "deadline passed before scoring finished"
-                    )
-                    return JobResult([failure] * len(ok_rows), (time.monotonic() - received) * 1000.0, 0.0, 0)
+            result = await service.workers[name].submit(images, prompts, metadata, deadline)
             service.metrics.queue_seconds.labels(name).observe(result.queue_ms / 1000.0)
             return result
 

@@ -61,6 +61,18 @@ class _Job:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
+    def partial_result(self) -> JobResult:
+        """The job as far as the worker got at its deadline: finished items keep their outcomes, the rest
+        (queued, or in a batch still running) are TIMEOUT."""
+        timeout = ScoreOutcome.failure(ErrorCode.TIMEOUT, "deadline passed before scoring finished")
+        now = time.monotonic()
+        return JobResult(
+            outcomes=[timeout if outcome is None else outcome for outcome in list(self.outcomes)],
+            queue_ms=((self.started if self.started is not None else now) - self.submitted) * 1000.0,
+            inference_ms=self.inference_s * 1000.0,
+            batch_size=self.batch_size,
+        )
+
 
 BatchObserver = Callable[[int, float, list[ScoreOutcome]], None]
 
@@ -122,7 +134,9 @@ class ScorerWorker:
         metadata: list[dict[str, Any]],
         deadline: float | None = None,
     ) -> JobResult:
-        """Score the items on the worker thread; ``deadline`` is a ``time.monotonic()`` value.
+        """Score the items on the worker thread; ``deadline`` is a ``time.monotonic()`` value. At the
+        deadline the job is answered with what is done: items scored by then keep their scores, the others
+        are TIMEOUT (and those not started are never computed).
 
         Raises:
             QueueFullError: the queue holds too many items to take these now.
@@ -137,7 +151,12 @@ class ScorerWorker:
             self._queued_items += len(images)
         self._queue.put(job)
         try:
-            return await job.future
+            if deadline is None:
+                return await job.future
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            job.abandoned = True  # its items not yet started are dropped; those finished are kept
+            return job.partial_result()
         except asyncio.CancelledError:
             job.abandoned = True
             raise

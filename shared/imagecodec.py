@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+_PIL_FORMATS = {"png": ("PNG",), "jpeg": ("JPEG", "MPO"), "webp": ("WEBP",)}
+"""What PIL calls each wire format. MPO is a JPEG with extra frames after it (phone cameras write it); its
+first frame, the one PIL decodes, is the plain JPEG image."""
 
 
 class DecodeError(ValueError):
@@ -73,7 +75,7 @@ def encode_image(
         # Level 1: the trainer encodes whole batches every step; higher levels cost CPU for a few % of size.
         image.save(buffer, format="PNG", compress_level=1)
     else:
-        image.save(buffer, format=_PIL_FORMATS[format], quality=quality)
+        image.save(buffer, format=_PIL_FORMATS[format][0], quality=quality)
     payload = buffer.getvalue()
     return {"format": format, "data": payload if binary else base64.b64encode(payload).decode("ascii")}
 
@@ -142,7 +144,7 @@ def open_image(
         raise DecodeError(f"data is not a readable {format} image (unrecognised file content)") from None
     except Exception as exc:  # PIL raises several unrelated types for corrupt files
         raise DecodeError(f"data is not a readable {format} image: {exc}") from exc
-    if image.format != _PIL_FORMATS[format]:
+    if image.format not in _PIL_FORMATS[format]:
         raise DecodeError(f"declared format {format!r} but the data is {image.format or 'unknown'}")
     _check_side(image.height, image.width, max_side)
     return OpenedImage(image.height, image.width, lambda: _decode_pil(image, format))

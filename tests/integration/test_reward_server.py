@@ -314,17 +314,18 @@ class _CountingScorer(_TestScorer):
         return super().score(images, prompts, metadata)
 
 
-def test_worker_drops_expired_items_before_computing_them() -> None:
-    scorer = _CountingScorer(delay_s=0.3)
+def test_deadline_keeps_finished_items_and_drops_expired_ones_before_computing_them() -> None:
+    scorer = _CountingScorer(delay_s=0.6)
     app = create_app({"slow": scorer}, ServerSettings(max_batch_size=1, batch_wait_ms=0))
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
-    body = {"deadline_ms": 450, "items": [{"id": str(i), "prompt": "", "image": image} for i in range(4)]}
+    body = {"deadline_ms": 1000, "items": [{"id": str(i), "prompt": "", "image": image} for i in range(4)]}
     with serve(app) as url:
         response = httpx.post(f"{url}/score", json=body, trust_env=False)
-        time.sleep(0.5)  # let the worker reach the expired items
+        _wait_until(lambda: app.state.service.workers["slow"].queued_items == 0)  # it reached the expired items
         metrics = httpx.get(f"{url}/metrics", trust_env=False).text
-    codes = [r["scores"]["slow"]["error"] for r in response.json()["results"]]
-    assert all(code is not None and code["code"] == "TIMEOUT" for code in codes[2:])
+    scores = [r["scores"]["slow"] for r in response.json()["results"]]
+    assert scores[0]["error"] is None and scores[0]["score"] is not None  # finished before the deadline: kept
+    assert [s["error"]["code"] for s in scores[1:]] == ["TIMEOUT"] * 3  # item 2 was still being scored
     assert scorer.calls == [1, 1]  # items 3 and 4 were past the deadline when their turn came: never computed
     assert 'rewardflow_items_total{outcome="TIMEOUT",scorer="slow"}' in metrics
 

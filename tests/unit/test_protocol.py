@@ -115,6 +115,18 @@ def test_16_bit_images_are_scaled_to_8_bits_not_clipped() -> None:
     assert decoded[:, :, 0].tolist() == [[0, 0, 1, 16], [128, 255, 255, 3]]
 
 
+def test_multi_picture_jpegs_decode_to_their_first_frame() -> None:
+    """Phone cameras write MPO: a JPEG followed by more frames. It is a jpeg on the wire, not a mismatch."""
+    first, second = (Image.fromarray(np.full((8, 8, 3), value, dtype=np.uint8)) for value in (40, 200))
+    buffer = io.BytesIO()
+    first.save(buffer, format="MPO", save_all=True, append_images=[second])
+    assert Image.open(io.BytesIO(buffer.getvalue())).format == "MPO"
+    decoded = decode_image("jpeg", buffer.getvalue())
+    assert decoded.shape == (8, 8, 3) and abs(float(decoded.mean()) - 40) < 2
+    with pytest.raises(DecodeError, match="declared format 'png' but the data is MPO"):
+        decode_image("png", buffer.getvalue())
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
