@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer.algorithms import ALGORITHMS, build_algorithm
-from trainer.algorithms.base import Rewards
+from trainer.algorithms.base import Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import DigitsTask
@@ -143,6 +143,39 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
     assert cut == pytest.approx(whole, rel=1e-5, abs=1e-6)
     for a, b in zip(cut_grads, whole_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["dpo", "sft_best", "nft"])
+def test_every_sample_weighs_the_same_on_every_rank(tmp_path, tiny_model_dir, algorithm):
+    """Two ranks' plans of one gathered batch, where rank 1 holds fewer samples that count (one group with a
+    reward spread, so fewer pairs / chosen samples and more padding; for NFT, failed rewards). The backends
+    average the ranks' gradients, so a unit's weight in the step is share / 2; after ``balance_ranks`` it is
+    w_u / (sum of w over both ranks), as in one process (w: 1 per pair or sample that counts, or best-of-group
+    SFT's advantage weight). Normalised per rank alone, rank 1's samples weighed up to 3x rank 0's."""
+    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3",
+                       "algorithm.micro_batch_size=1", "algorithm.steps_per_epoch=1")
+    g = torch.Generator().manual_seed(0)
+    indices, group_ids = trainer.sampler.epoch(0)
+    prompts = [trainer.task.prompts[i] for i in indices.tolist()]
+    trainer.algorithm.start_epoch(trainer.ctx, 0)
+    ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, g, torch.Generator().manual_seed(1))
+    nan = float("nan")
+    every = torch.tensor([0.0, 1.0, 0.7, 0.2, 0.4, 0.9] + ([0.5, 0.5, 0.3, 0.3, 0.1, 0.8] if algorithm != "nft"
+                                                         else [0.5, nan, 0.3, nan, nan, 0.8]))
+    group_ids_all = torch.arange(12) // 2
+    steps = [trainer.algorithm.plan(trainer.algorithm.make_batch(ro, Rewards(every[6 * r : 6 * r + 6], every,
+                                                                             group_ids_all, 6 * r)),
+                                    torch.Generator().manual_seed(2 + r))
+             for r in (0, 1)]
+    assert [len(s) for s in steps] == [1, 1]
+    weights = [[unit.share * unit.step_weight for unit in s[0]] for s in steps]  # each unit's weight w_u
+    assert sum(w > 0 for w in weights[1]) < sum(w > 0 for w in weights[0])
+    step_weights = [torch.tensor([[units[0].step_weight] for units in s], dtype=torch.float64) for s in steps]
+    for s in steps:
+        balance_ranks(s, lambda local: torch.cat(step_weights))
+    total = sum(map(sum, weights))
+    for s, w in zip(steps, weights, strict=True):
+        assert [unit.share / 2 for unit in s[0]] == pytest.approx([x / total for x in w], rel=1e-6)
 
 
 def test_an_unsharded_ema_is_checkpointed_once_resumes_on_any_rank_and_exports(tmp_path, tiny_model_dir):

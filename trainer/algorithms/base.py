@@ -186,7 +186,28 @@ def set_shares(steps: list[list[Any]], weight: Callable[[Any], float]) -> list[l
         total = sum(weights)
         for unit, w in zip(units, weights, strict=True):
             unit.share = w / total if total > 0 else 0.0
+            unit.step_weight = total
     return steps
+
+
+def balance_ranks(steps: list[list[Any]], gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Rescale ``set_shares``' shares so that every sample weighs the same across data-parallel ranks.
+
+    The backends average the ranks' gradients, so step s's loss is (1/W) sum_r sum_u share_u L_u, and
+    ``set_shares`` divides each rank's unit weights w_u by that rank's step weight S_r: a sample of a light
+    rank (DPO's or best-of-group SFT's padding, NFT's failed rewards) would weigh more than one of a heavy
+    rank. Scaling every share by W S_r / sum_r S_r makes the step's loss sum_r sum_u w_u L_u / sum_r S_r,
+    the weighted mean over all ranks' samples that one process would compute (a no-op where the ranks' step
+    weights are equal). ``gather``: the backend's all-gather; every rank calls this with as many steps.
+    """
+    if not steps:
+        return
+    local = torch.tensor([units[0].step_weight for units in steps], dtype=torch.float64)
+    every = gather(local).reshape(-1, len(steps))  # [W, S], rank-major
+    for units, mine, total in zip(steps, local.tolist(), every.sum(0).tolist(), strict=True):
+        scale = every.shape[0] * mine / total if total > 0 else 0.0
+        for unit in units:
+            unit.share *= scale
 
 
 def split_steps(num_samples: int, num_steps: int, micro_batch_size: int,

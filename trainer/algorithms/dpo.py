@@ -57,6 +57,7 @@ class DPOUnit:
     sigma: torch.Tensor     # [m]
     noise: torch.Tensor     # [m, *latent_shape]
     share: float = 0.0      # the unit's share of its optimizer step's loss (``set_shares``)
+    step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
 
 
 class DPO(NoExtras):

@@ -65,6 +65,7 @@ class StepUnit:
     indices: torch.Tensor      # [m] samples of this micro-batch
     steps: torch.Tensor        # [m] denoising step trained for each sample
     share: float = 1.0         # the unit's share of its optimizer step's loss (``set_shares``)
+    step_weight: float = 0.0   # this rank's total unit weight in that step (``balance_ranks``)
 
 
 def trainable_steps(rollout: Rollout) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms.base import LossContext
+from trainer.algorithms.base import LossContext, set_shares
 from trainer.configuration import FiniteFloat, NonNegativeFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 from trainer.rollout import SamplerSettings
@@ -108,6 +108,7 @@ class CleanUnit:
     rows: torch.Tensor    # [m] rows of the batch
     draw: NoiseDraws      # the rows' noise levels and noises
     share: float = 0.0    # the unit's share of its optimizer step's loss (``set_shares``)
+    step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
 
 
 def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -142,14 +143,16 @@ class SFT:
         sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator)
         return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts, inputs))
 
-    def plan(self, batch: SFTBatch, generator: torch.Generator) -> list[list[tuple[SFTBatch, torch.Tensor]]]:
+    def plan(self, batch: SFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """One optimizer step over the batch, accumulated over micro-batches (each unit's loss scaled by its
         share of the batch, so that a smaller last micro-batch counts per sample like the others)."""
-        return [[(batch, idx) for idx in torch.arange(len(batch.sigma)).split(self.config.micro_batch_size)]]
+        units = [CleanUnit(batch, idx, NoiseDraws(batch.sigma[idx], batch.noise[idx]))
+                 for idx in torch.arange(len(batch.sigma)).split(self.config.micro_batch_size)]
+        return set_shares([units], lambda unit: len(unit.rows))
 
-    def loss(self, ctx: LossContext, unit: tuple[SFTBatch, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch, idx = unit
-        x_t, target = ctx.adapter.training_target(batch.x0[idx], batch.noise[idx], batch.sigma[idx])
-        pred = ctx.adapter.predict(ctx.policy, x_t, batch.sigma[idx], batch.cond.select(idx), 1.0)
+    def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch, idx = unit.batch, unit.rows
+        x_t, target = ctx.adapter.training_target(batch.x0[idx], unit.draw.noise, unit.draw.sigma)
+        pred = ctx.adapter.predict(ctx.policy, x_t, unit.draw.sigma, batch.cond.select(idx), 1.0)
         loss = denoising_loss(pred, target)
-        return loss * (len(idx) / len(batch.sigma)), {"sft_loss": loss.detach()}
+        return loss * unit.share, {"sft_loss": loss.detach()}
