@@ -13,7 +13,7 @@ import yaml
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress
-from trainer.config import Config, to_dict
+from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_task
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
@@ -62,7 +62,7 @@ def run(config: Config) -> dict[str, float]:
             raise ValueError(refusal)
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
 
         torch.manual_seed(config.train.seed)
         if main:  # rank 0 first: it may build (tiny) or cache files the others then read
@@ -81,7 +81,7 @@ def run(config: Config) -> dict[str, float]:
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient
 
-        client = HttpRewardClient(urls, config.reward.weights, token=config.reward.token,
+        client = HttpRewardClient(urls, config.reward.weights, token=reward_token(config.reward),
                                   timeout_s=config.reward.timeout_s, max_concurrency=config.reward.max_concurrency,
                                   batch_size=config.reward.batch_size, wire_format=config.reward.wire_format,
                                   combine_mode=config.reward.combine_mode)
@@ -164,6 +164,9 @@ def _start_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack
     the run ends."""
     from trainer.rewards.launcher import LocalRewardPool
 
-    pool = LocalRewardPool(sorted(config.reward.weights), replicas=config.reward.replicas, log_dir=log_dir)
+    env = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_TOKEN"}
+    if (token := reward_token(config.reward)) is not None:  # the one the client sends, whatever the shell exports
+        env["REWARD_SERVER_TOKEN"] = token
+    pool = LocalRewardPool(sorted(config.reward.weights), replicas=config.reward.replicas, log_dir=log_dir, env=env)
     stack.enter_context(pool)
     return list(pool.urls)

@@ -7,6 +7,8 @@ Every field says why it exists. Files and ``key=value`` overrides go through ``l
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -88,7 +90,8 @@ class RewardConfig:
     replicas: PositiveInt = 2
     """Local replicas started when ``urls`` is empty."""
     token: str | None = None
-    """Bearer token sent to the servers, if they require one."""
+    """Bearer token sent to the servers, if they require one; None: $REWARD_SERVER_TOKEN (the servers' own
+    variable), which keeps it off command lines. Never written to a run's config.yaml or checkpoints."""
     timeout_s: PositiveFloat = 60.0
     """Per-attempt HTTP timeout."""
     max_concurrency: PositiveInt = 8
@@ -238,10 +241,11 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The default config, updated by a YAML file and then by ``section.key=value`` overrides."""
+def load_config(paths: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The default config, updated by YAML files in order (a model preset, then an algorithm preset: a later
+    file's fields win) and then by ``section.key=value`` overrides."""
     raw: dict = to_dict(Config())
-    if path:
+    for path in [paths] if isinstance(paths, str) else paths or ():
         _merge(raw, load_yaml(path), Config())
     for override in overrides:
         section, _, value = override.partition("=")
@@ -266,4 +270,17 @@ def _merge(base: dict, update: dict, section: Any) -> None:
             base[key] = value
 
 
-__all__ = ["Config", "ConfigError", "load_config", "to_dict"]
+def saved_dict(config: Config) -> dict:
+    """``to_dict(config)`` as written to a run's config.yaml and checkpoints, and printed: without the
+    bearer token (a secret; the run's command line or $REWARD_SERVER_TOKEN gives it again on a resume)."""
+    raw = to_dict(config)
+    raw["reward"]["token"] = None
+    return raw
+
+
+def reward_token(config: RewardConfig) -> str | None:
+    """The bearer token the servers expect: ``reward.token``, else $REWARD_SERVER_TOKEN (None if neither)."""
+    return config.token or os.environ.get("REWARD_SERVER_TOKEN") or None
+
+
+__all__ = ["Config", "ConfigError", "load_config", "reward_token", "saved_dict", "to_dict"]

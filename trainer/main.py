@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                "reward.urls=[http://127.0.0.1:8000]. Sections: model, algorithm, warmup, data, reward, "
                "parallel, train, eval, logging. `--show-config` prints every field with its default.",
     )
-    parser.add_argument("--config", help="YAML file with any of the sections")
+    parser.add_argument("--config", action="append", default=[],
+                        help="YAML file with any of the sections; repeatable, later files win (e.g. a model "
+                             "preset, then configs/algorithms/nft.yaml)")
     parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("--resume", metavar="auto|DIR",
                         help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name "
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from trainer.build import run
-    from trainer.config import ConfigError, load_config, to_dict
+    from trainer.config import ConfigError, load_config, saved_dict
     from trainer.configuration import user_error_exit
 
     try:
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     if args.show_config:
-        print(yaml.safe_dump(to_dict(config), sort_keys=False))
+        print(yaml.safe_dump(saved_dict(config), sort_keys=False))
         return 0
     try:
         run(config)

@@ -90,7 +90,8 @@ def write_latents(adapter, store, batches):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.precompute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the training config (YAML): its model and data sections")
+    parser.add_argument("--config", required=True, action="append",
+                        help="the training config (YAML; repeatable, later files win): its model and data sections")
     parser.add_argument("--out", help="directory of the text embeddings (model.text_embeddings)")
     parser.add_argument("--latents", help="directory of the image inputs' VAE latents (model.image_latents)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")

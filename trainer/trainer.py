@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from trainer.algorithms.base import Algorithm, LossContext, Rewards
+from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
-from trainer.config import Config, to_dict
+from trainer.config import Config, saved_dict
 from trainer.data import Task
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend
@@ -133,7 +133,7 @@ class Trainer:
         rank_states["algorithm"] = dict(zip(algorithm, self.backend.local_shards(algorithm.values()), strict=True))
         if self.ema is not None:
             (states if self._ema_whole else rank_states)["ema"] = self.ema.state()
-        path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, to_dict(self.config),
+        path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, saved_dict(self.config),
                                      rank_states)
         if path is not None:
             self.logger.log(self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done})
@@ -154,7 +154,7 @@ class Trainer:
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
                     f"RL epochs {self.progress.epochs_done})")
-        changes = config_changes(json.loads((path / "config.json").read_text()), to_dict(self.config))
+        changes = config_changes(json.loads((path / "config.json").read_text()), saved_dict(self.config))
         if changes:
             self._print(f"warning: resuming with settings other than {path}'s, so the run no longer continues the "
                         f"one that was interrupted: {'; '.join(changes)}")
@@ -280,7 +280,10 @@ class Trainer:
         averaged loss statistics."""
         values: dict[str, list[torch.Tensor]] = defaultdict(list)
         grad_norms = []
-        for units in objective.plan(batch, g):
+        steps = objective.plan(batch, g)
+        if self.backend.world.world_size > 1:
+            balance_ranks(steps, self.backend.gather)
+        for units in steps:
             for i, unit in enumerate(units):
                 with self.backend.sync(i == len(units) - 1):
                     loss, stats = objective.loss(self.ctx, unit)  # the unit's part of the step's loss

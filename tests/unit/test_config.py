@@ -11,9 +11,10 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trainer.algorithms import ALGORITHMS
-from trainer.config import Config, ConfigError, load_config
+from trainer.config import Config, ConfigError, load_config, reward_token, saved_dict
 from trainer.configuration import Bounds
 from trainer.models import MODELS
 from trainer.models.sd3 import SD3Config
@@ -148,3 +149,29 @@ def test_switching_model_by_override_takes_the_new_model_defaults():
 
 def test_the_embedded_preset_is_the_default():
     assert load_config(str(REPO / "configs" / "embedded_digits.yaml")) == load_config()
+
+
+def test_config_files_merge_in_order_and_the_cli_takes_several():
+    """A model preset, then an algorithm preset (README): a second ``--config`` used to replace the first."""
+    model, algorithm = REPO / "configs/presets/sd3_grpo_ocr.yaml", REPO / "configs/algorithms/nft.yaml"
+    config = load_config([str(model), str(algorithm)])
+    assert config.model.name == "sd3" and config.model == load_config(str(model)).model
+    assert config.algorithm.name == "nft" and config.algorithm.noise_draws == 4
+    out = subprocess.run([sys.executable, "trainer/main.py", "--config", str(model), "--config", str(algorithm),
+                          "--show-config"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    shown = yaml.safe_load(out.stdout)
+    assert shown["model"]["name"] == "sd3" and shown["algorithm"]["name"] == "nft"
+
+
+def test_the_reward_token_comes_from_the_environment_and_is_never_saved(monkeypatch):
+    monkeypatch.delenv("REWARD_SERVER_TOKEN", raising=False)
+    assert reward_token(load_config().reward) is None
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "from-shell")
+    assert reward_token(load_config().reward) == "from-shell"
+    given = load_config(overrides=["reward.token=s3cret"])
+    assert reward_token(given.reward) == "s3cret"
+    assert saved_dict(given)["reward"]["token"] is None and given.reward.token == "s3cret"
+    out = subprocess.run([sys.executable, "trainer/main.py", "--show-config", "reward.token=s3cret"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "s3cret" not in out.stdout and "token: null" in out.stdout

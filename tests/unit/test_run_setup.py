@@ -3,17 +3,20 @@ the checkpoint paths it is given; and the run's files: checkpoint permissions, m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 
-from trainer.build import require_checkpoint, resolve_device, reused_run_dir
+from trainer.build import _start_local_pool, require_checkpoint, resolve_device, reused_run_dir
 from trainer.checkpoint import Checkpoints, Progress
+from trainer.config import load_config
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 
@@ -149,3 +152,15 @@ def test_a_resume_hides_the_redone_steps_in_tensorboard(tmp_path):
     assert _scalars(tmp_path, "rl", "rl/reward_mean") == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)),
                                                           (3, pytest.approx(0.9))]
     assert [step for step, _ in _scalars(tmp_path, "warmup", "warmup/loss")] == [0, 1, 2, 3]
+
+
+def test_the_jobs_own_reward_servers_expect_the_token_its_client_sends(tmp_path, monkeypatch):
+    """A REWARD_SERVER_TOKEN exported for other servers reached the job's own replicas through the environment,
+    while the client sent reward.token (None): every request was a 401."""
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "from-shell")
+    config = load_config(overrides=["reward.token=from-config", "reward.replicas=1", "reward.weights={brightness: 1}"])
+    with contextlib.ExitStack() as stack:
+        (url,) = _start_local_pool(config, tmp_path, stack)
+        status = {token: httpx.get(f"{url}/info", headers={"Authorization": f"Bearer {token}"}, trust_env=False).status_code
+                  for token in ("from-config", "from-shell")}
+    assert status == {"from-config": 200, "from-shell": 401}
