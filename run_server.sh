@@ -10,6 +10,8 @@
 # nvidia-smi) replica i is pinned to GPU i mod #GPUs and --replicas defaults to #GPUs; without GPUs it
 # defaults to 1. Arguments after "--" go to every `python -m reward_server` (e.g. --max-batch-size 64);
 # pass the token through REWARD_SERVER_TOKEN rather than --token. The interpreter is ${PYTHON:-python}.
+# Each replica gets a unique --instance-id (RUN_DIR/replica-i.instance): it counts as ready only when its
+# /readyz answers with that id, so a server of another pool on the same port is never taken for it.
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
@@ -19,11 +21,11 @@ BASE_PORT=8000
 SCORERS="digit,brightness,jpeg_compressibility"
 HOST="127.0.0.1"
 READY_TIMEOUT_S="${READY_TIMEOUT_S:-180}"
-STOP_GRACE_S="${STOP_GRACE_S:-30}"
+STOP_GRACE_S="${STOP_GRACE_S:-75}"  # > drain grace + the server's 60 s graceful shutdown
 SERVER_ARGS=()
 
 usage() {
-  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit "${1:-2}"
 }
 
@@ -57,12 +59,14 @@ visible_gpus() {
   fi
 }
 
-# Exit status 0 if http://HOST:PORT/readyz answers 200.
+# Exit status 0 if URL/readyz answers 200 from the server started with --instance-id INSTANCE (not from
+# whatever else may listen on that port).
 is_ready() {
-  "$PYTHON" - "$1" <<'EOF' >/dev/null 2>&1
-import sys, urllib.request
+  "$PYTHON" - "$1" "$2" <<'EOF' >/dev/null 2>&1
+import json, sys, urllib.request
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-sys.exit(0 if opener.open(sys.argv[1] + "/readyz", timeout=2).status == 200 else 1)
+with opener.open(sys.argv[1] + "/readyz", timeout=2) as reply:
+    sys.exit(0 if reply.status == 200 and json.load(reply).get("instance") == sys.argv[2] else 1)
 EOF
 }
 
@@ -81,6 +85,24 @@ url_of() {
   cat "$RUN_DIR/replica-$1.url"
 }
 
+instance_of() {
+  # Empty for a pool started before instance ids were recorded: its replicas then never count as ready.
+  cat "$RUN_DIR/replica-$1.instance" 2>/dev/null || true
+}
+
+# Prints why replica ID is not serving (WHY) and the end of its log, stops every replica and exits 1.
+fail_start() {
+  local id="$1" why="$2" log="$RUN_DIR/replica-$1.log"
+  echo "run_server.sh: replica $id $why; end of its log $log:" >&2
+  tail -n 30 "$log" >&2
+  if grep -q "address already in use" "$log"; then
+    echo "run_server.sh: port $(( BASE_PORT + id )) is taken by another process (another pool?): stop it," \
+      "or pass another --base-port (replica i listens on base-port + i)" >&2
+  fi
+  cmd_stop >/dev/null
+  exit 1
+}
+
 replica_ids() {
   local pidfile
   for pidfile in "$RUN_DIR"/replica-*.pid; do
@@ -97,7 +119,7 @@ cmd_start() {
     pid_alive "$pid" && die "replica $id is already running (pid $pid); run './run_server.sh stop' first"
   done
   mkdir -p "$RUN_DIR"
-  rm -f "$RUN_DIR"/replica-*.pid "$RUN_DIR"/replica-*.url
+  rm -f "$RUN_DIR"/replica-*.pid "$RUN_DIR"/replica-*.url "$RUN_DIR"/replica-*.instance
 
   local gpus=()
   mapfile -t gpus < <(visible_gpus)
@@ -106,37 +128,29 @@ cmd_start() {
   fi
   [[ "$REPLICAS" =~ ^[1-9][0-9]*$ ]] || die "--replicas must be a positive integer, got '$REPLICAS'"
 
-  local i port device url
+  local i port device url instance
   for (( i = 0; i < REPLICAS; i++ )); do
     port=$(( BASE_PORT + i ))
     device=""
     [[ ${#gpus[@]} -gt 0 ]] && device="${gpus[$(( i % ${#gpus[@]} ))]}"
     url="http://$HOST:$port"
     [[ "$HOST" == *:* ]] && url="http://[$HOST]:$port"  # an IPv6 address
+    instance="$(hostname)-$port-replica-$i-$(printf '%04x%04x' "$RANDOM" "$RANDOM")"
     CUDA_VISIBLE_DEVICES="$device" PYTHONUNBUFFERED=1 nohup "$PYTHON" -m reward_server \
-      --scorers "$SCORERS" --host "$HOST" --port "$port" --instance-id "$(hostname)-replica-$i" \
+      --scorers "$SCORERS" --host "$HOST" --port "$port" --instance-id "$instance" \
       ${SERVER_ARGS[@]+"${SERVER_ARGS[@]}"} >"$RUN_DIR/replica-$i.log" 2>&1 </dev/null &
     echo $! >"$RUN_DIR/replica-$i.pid"
     echo "$url" >"$RUN_DIR/replica-$i.url"
+    echo "$instance" >"$RUN_DIR/replica-$i.instance"
     echo "replica $i: pid $!, ${device:+GPU $device, }$url, log $RUN_DIR/replica-$i.log"
   done
 
   local deadline=$(( SECONDS + READY_TIMEOUT_S ))
   for (( i = 0; i < REPLICAS; i++ )); do
     pid="$(cat "$RUN_DIR/replica-$i.pid")"
-    until is_ready "$(url_of "$i")"; do
-      if ! pid_alive "$pid"; then
-        echo "run_server.sh: replica $i exited; end of its log:" >&2
-        tail -n 30 "$RUN_DIR/replica-$i.log" >&2
-        cmd_stop >/dev/null
-        exit 1
-      fi
-      if (( SECONDS > deadline )); then
-        echo "run_server.sh: replica $i not ready after ${READY_TIMEOUT_S}s; end of its log:" >&2
-        tail -n 30 "$RUN_DIR/replica-$i.log" >&2
-        cmd_stop >/dev/null
-        exit 1
-      fi
+    until is_ready "$(url_of "$i")" "$(instance_of "$i")" && pid_alive "$pid"; do
+      pid_alive "$pid" || fail_start "$i" "exited (pid $pid)"
+      (( SECONDS <= deadline )) || fail_start "$i" "not ready after ${READY_TIMEOUT_S}s"
       sleep 0.2
     done
   done
@@ -151,7 +165,7 @@ cmd_status() {
     pid="$(cat "$RUN_DIR/replica-$id.pid")"
     if ! pid_alive "$pid"; then
       state="dead"; failed=1
-    elif is_ready "$(url_of "$id")"; then
+    elif is_ready "$(url_of "$id")" "$(instance_of "$id")"; then
       state="ready"
     else
       state="not ready"; failed=1
@@ -166,8 +180,8 @@ cmd_stop() {
   local id pid pids=()
   for id in $(replica_ids); do
     pid="$(cat "$RUN_DIR/replica-$id.pid")"
-    if pid_alive "$pid"; then
-      kill -TERM "$pid"
+    # It may exit between the check and the signal: then kill fails and there is nothing to wait for.
+    if pid_alive "$pid" && kill -TERM "$pid" 2>/dev/null; then
       pids+=("$pid")
     fi
   done
@@ -179,7 +193,7 @@ cmd_stop() {
       kill -KILL "$pid" 2>/dev/null || true
     fi
   done
-  rm -f "$RUN_DIR"/replica-*.pid "$RUN_DIR"/replica-*.url
+  rm -f "$RUN_DIR"/replica-*.pid "$RUN_DIR"/replica-*.url "$RUN_DIR"/replica-*.instance
   echo "stopped ${#pids[@]} replica(s)"
 }
 

@@ -7,7 +7,8 @@
 # Environment (SLURM's is used when present, see deploy/slurm.sbatch):
 #   NNODES          nodes in the job            (default: SLURM_NNODES, else 1)
 #   NODE_RANK       this node's index            (default: SLURM_NODEID, else 0)
-#   NPROC_PER_NODE  processes (GPUs) per node    (default: SLURM_GPUS_ON_NODE, else nvidia-smi's GPU count, else 1)
+#   NPROC_PER_NODE  processes (GPUs) per node    (default: the GPUs CUDA_VISIBLE_DEVICES lists, else
+#                                                 SLURM_GPUS_ON_NODE, else nvidia-smi -L's count, else 1)
 #   MASTER_ADDR     host of the rendezvous       (required with more than one node)
 #   MASTER_PORT     port of the rendezvous       (default: 29500)
 #   RDZV_ID         job id shared by all nodes   (default: SLURM_JOB_ID, else "rewardflow")
@@ -23,14 +24,27 @@ fi
 nnodes="${NNODES:-${SLURM_NNODES:-1}}"
 node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
-  nproc="$NPROC_PER_NODE"
+  nproc="$NPROC_PER_NODE" nproc_from="NPROC_PER_NODE"
+elif [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+  nproc="$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)"
+  nproc_from="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 elif [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
-  nproc="$SLURM_GPUS_ON_NODE"
+  nproc="$SLURM_GPUS_ON_NODE" nproc_from="SLURM_GPUS_ON_NODE"
 elif command -v nvidia-smi >/dev/null 2>&1; then
-  nproc="$(nvidia-smi --list-gpus | wc -l)"
+  if ! gpus="$(nvidia-smi -L 2>&1)"; then
+    echo "error: 'nvidia-smi -L' failed: $gpus" >&2
+    echo "set NPROC_PER_NODE (or CUDA_VISIBLE_DEVICES) to say how many processes (GPUs) to start on this node" >&2
+    exit 2
+  fi
+  nproc="$(grep -c '^GPU ' <<<"$gpus" || true)" nproc_from="the GPUs 'nvidia-smi -L' lists"
 else
-  nproc=1
+  nproc=1 nproc_from="no nvidia-smi: one process"
 fi
+if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: $nproc_from gives '$nproc' processes per node; set NPROC_PER_NODE to a positive number" >&2
+  exit 2
+fi
+echo "launch_multinode.sh: $nproc process(es) on this node (from $nproc_from)" >&2
 port="${MASTER_PORT:-29500}"
 rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-rewardflow}}"
 if [[ "$nnodes" -gt 1 && -z "${MASTER_ADDR:-}" ]]; then

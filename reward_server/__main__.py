@@ -29,6 +29,9 @@ from reward_server.sleep_scorer import SleepScorer
 
 _DEFAULTS = ServerSettings(instance_id="defaults")
 _SLEEP = "sleep"
+GRACEFUL_SHUTDOWN_S = 60
+"""After the drain, how long uvicorn waits for open requests before closing them (deployments must give
+the process at least drain grace + this before they kill it)."""
 
 
 def _available() -> list[str]:
@@ -166,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=60,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         access_log=args.log_level == "debug",
     )
     server = _DrainingServer(config, app.state.service, settings.drain_grace_s)

@@ -10,7 +10,8 @@ task's image inputs. A config that names an unregistered algorithm, model or dat
 test runs each config's whole job (``Trainer.fit``) at toy size, a third resumes it from a checkpoint and
 requires the straight run's numbers, a fourth runs the job of every algorithm config with every registered
 adapter. A fifth checks the presets' headers (including that they start every weighted
-reward scorer) and that their repository-relative data paths exist.
+reward scorer) and that their repository-relative data paths exist; a sixth, that the header's reward-server
+and training commands agree with reward.urls and with each other.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import build_task
+from trainer.data.sampler import GroupSampler
 from trainer.data.testing import IMAGE_TASKS, tiny_dataset
 from trainer.distributed import SingleProcess
 from trainer.distributed.backend import refuse_low_precision_updates
@@ -227,12 +229,37 @@ def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_model
     _fit(config, tmp_path)
 
 
+def _header(path: Path) -> str:
+    lines = path.read_text().splitlines()
+    return "\n".join(lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=_id)
+def test_preset_header_starts_the_replicas_reward_urls_names_beside_the_training_gpus(path):
+    """The header's commands fit each other and the file: run_server.sh starts as many replicas as reward.urls
+    names (one per GPU it is given, ports 8000 up), training runs on GPUs no replica holds, and the epoch's
+    samples divide over its --nproc_per_node. run_server.sh's default, one replica per visible GPU, used to
+    put a model on each of the 8 training GPUs, of which reward.urls named one."""
+    header = _header(path)
+    serve = re.search(r"^#   CUDA_VISIBLE_DEVICES=(\S*) \./run_server\.sh start --replicas (\d+) ", header, re.M)
+    train = re.search(r"^#   CUDA_VISIBLE_DEVICES=(\S+) torchrun --nproc_per_node=(\d+) trainer/main\.py ", header, re.M)
+    assert serve and train, header
+    reward_gpus, train_gpus = [gpu for gpu in serve[1].split(",") if gpu], train[1].split(",")
+    replicas, nproc = int(serve[2]), int(train[2])
+    assert not set(reward_gpus) & set(train_gpus) and nproc == len(train_gpus), header
+    assert not reward_gpus or replicas == len(reward_gpus), header
+    config = load_config(str(path))
+    assert config.reward.urls == [f"http://127.0.0.1:{8000 + i}" for i in range(replicas)]
+    algorithm = build_algorithm(config.algorithm)
+    sampler = GroupSampler(1, config.data.prompts_per_epoch, algorithm.group_size, nproc, 0, 0, algorithm.local_groups)
+    assert sampler.per_rank % getattr(config.algorithm, "steps_per_epoch", 1) == 0
+
+
 @pytest.mark.parametrize("path", PRESETS, ids=_id)
 def test_preset_header_says_what_to_set_and_which_servers_to_start(path):
     """The leading comment names what it trains, the paths to set and a start command serving every
     weighted scorer; data paths relative to the repository root (where the job is started) exist."""
-    lines = path.read_text().splitlines()
-    header = "\n".join(line for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+    header = _header(path)
     assert "Set:" in header and "Reward servers:" in header and "trainer/main.py --config configs/presets/" \
         f"{path.name}" in header, header
     config = load_config(str(path))

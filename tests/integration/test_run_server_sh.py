@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -86,6 +87,81 @@ def test_start_reports_a_replica_that_dies(tmp_path: Path) -> None:
     assert failed.returncode == 1
     assert "replica 0 exited" in failed.stderr and "unrecognized arguments: --bogus" in failed.stderr
     assert not list(tmp_path.glob("*.pid"))
+
+
+def test_a_second_pool_on_an_occupied_base_port_fails_instead_of_reporting_ready(tmp_path: Path) -> None:
+    """Readiness used to take any answer on the port: the second pool's replica failed to bind and died, yet
+    ``start`` printed "ready" with the first pool's URL and exited 0."""
+    port = _free_port_pair()
+    first = _run("start", "--replicas", "1", "--base-port", str(port), "--scorers", "brightness",
+                 run_dir=tmp_path / "first")  # fmt: skip
+    try:
+        assert first.returncode == 0, first.stdout + first.stderr
+        second = _run("start", "--replicas", "1", "--base-port", str(port), "--scorers", "brightness",
+                      run_dir=tmp_path / "second")  # fmt: skip
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "ready:" not in second.stdout
+        assert "replica 0 exited" in second.stderr
+        assert str(tmp_path / "second" / "replica-0.log") in second.stderr
+        assert f"port {port} is taken by another process" in second.stderr and "--base-port" in second.stderr
+        assert not list((tmp_path / "second").glob("*.pid"))
+
+        assert _run("status", run_dir=tmp_path / "first").returncode == 0
+        first_instance = (tmp_path / "first" / "replica-0.instance").read_text().strip()
+        assert first_instance.startswith(f"{socket.gethostname()}-{port}-replica-0-")
+        reply = httpx.get(f"http://127.0.0.1:{port}/readyz", trust_env=False).json()
+        assert reply["instance"] == first_instance
+    finally:
+        assert _run("stop", run_dir=tmp_path / "first").returncode == 0
+
+
+def test_status_does_not_count_another_server_on_the_port_as_its_replica(tmp_path: Path) -> None:
+    port = _free_port_pair()
+    started = _run("start", "--replicas", "1", "--base-port", str(port), "--scorers", "brightness",
+                   run_dir=tmp_path)  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        (tmp_path / "replica-0.instance").write_text("another-pool-replica-0\n")
+        status = _run("status", run_dir=tmp_path)
+        assert status.returncode == 1 and status.stdout.strip().endswith(", not ready")
+    finally:
+        assert _run("stop", run_dir=tmp_path).returncode == 0
+
+
+def test_stop_goes_on_when_a_replica_exits_between_its_check_and_the_signal(tmp_path: Path) -> None:
+    """``kill`` on a replica that has just exited failed, and ``set -e`` ended ``stop`` there: the replicas
+    after it kept running and every pid file stayed. The race is made certain with a ``ps`` that still shows
+    replica 0's exited process; replica 1 is a real process whose command line names reward_server."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "ps").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ " $* " == *" {gone.pid} "* ]]; then\n'
+        '  [[ "$*" == *stat=* ]] && echo S || echo "python -m reward_server --port 9"\n'
+        "  exit 0\n"
+        "fi\n"
+        f'exec {shutil.which("ps")} "$@"\n'
+    )
+    (fake_bin / "ps").chmod(0o755)
+    other = subprocess.Popen(["bash", "-c", "exec -a reward_server-stand-in sleep 60"])
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        for index, pid in enumerate([gone.pid, other.pid]):
+            (run_dir / f"replica-{index}.pid").write_text(f"{pid}\n")
+            (run_dir / f"replica-{index}.url").write_text("http://127.0.0.1:9\n")
+        stopped = subprocess.run([str(SCRIPT), "stop", "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=60, check=False,
+                                 env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert "stopped 1 replica(s)" in stopped.stdout
+        assert other.wait(timeout=10) == -15
+        assert not list(run_dir.glob("*.pid"))
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_stale_pid_file_never_signals_the_process_that_now_has_its_number(tmp_path: Path) -> None:

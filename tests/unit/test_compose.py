@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reward_server.__main__ import build_parser
+from reward_server.__main__ import GRACEFUL_SHUTDOWN_S, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -65,6 +65,17 @@ def test_services_drain_and_take_the_token_from_the_environment() -> None:
         assert service["stop_grace_period"]
         assert service["environment"]["REWARD_SERVER_TOKEN"].startswith("${REWARD_SERVER_TOKEN")
         assert service["build"]["dockerfile"] == "deploy/Dockerfile.reward"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_stop_grace_period_outlasts_the_servers_shutdown(name: str) -> None:
+    """Past stop_grace_period docker kills the server: with 60 s, requests still open after the drain were cut
+    before uvicorn's own 60 s graceful shutdown ran out."""
+    service = SERVICES[name]
+    grace = re.fullmatch(r"(\d+)s", service["stop_grace_period"])
+    assert grace, f"write stop_grace_period in seconds, e.g. 75s, not {service['stop_grace_period']!r}"
+    args = build_parser().parse_args(_server_args(service["command"]))
+    assert int(grace.group(1)) > args.drain_grace_s + GRACEFUL_SHUTDOWN_S
 
 
 def test_dockerfile_default_command_is_accepted_by_the_cli() -> None:

@@ -3,8 +3,9 @@
 ZeRO-2 partitions gradients and optimizer state over ranks and keeps full parameters on each; ZeRO-3 also
 partitions the parameters (gathered per module during forward and backward; once per rollout while sampling,
 with ``parallel.gather_for_sampling``). The engine owns the optimizer step and gradient clipping. The
-DeepSpeed config is a JSON template (``deploy/deepspeed/zero{2,3}.json``, or ``parallel.deepspeed_config``)
-whose ``"auto"`` values are filled from our config.
+DeepSpeed config is a JSON template (``deepspeed_configs/zero{2,3}.json`` beside this module, package data
+that ``deploy/deepspeed/`` links to; or ``parallel.deepspeed_config``) whose ``"auto"`` values are filled from
+our config.
 
 Checkpoints: the trainable weights are gathered to full tensors (rank 0 writes them); the optimizer state is
 each rank's ZeRO partition (one file per rank, so resume needs the same world size), as DeepSpeed's own
@@ -32,7 +33,7 @@ from trainer.distributed.backend import (
     trainable,
 )
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+TEMPLATES = Path(__file__).resolve().parent / "deepspeed_configs"
 
 _DS_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
