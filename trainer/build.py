@@ -31,7 +31,14 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"train.device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
-    return torch.device("cuda", local_rank) if device.type == "cuda" and device.index is None else device
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank) if device.index is None else device
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= count:
+            raise ValueError(f"train.device={name!r} needs GPU {device.index}, but this process sees {count} "
+                             f"GPU(s){' (CUDA_VISIBLE_DEVICES or the driver)' if count else ''}: use train.device=auto "
+                             "or cpu, or start at most as many processes per machine as it has GPUs")
+    return device
 
 
 def run(config: Config) -> dict[str, float]:
@@ -64,6 +71,7 @@ def run(config: Config) -> dict[str, float]:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
 
+        task = build_task(config.data)  # its files are checked before any model loads
         torch.manual_seed(config.train.seed)
         if main:  # rank 0 first: it may build (tiny) or cache files the others then read
             adapter = build_adapter(config.model, device)
@@ -71,7 +79,6 @@ def run(config: Config) -> dict[str, float]:
         require_shared_run_dir(run_dir, backend.world.rank)
         if not main:
             adapter = build_adapter(config.model, device)
-        task = build_task(config.data)
 
         urls = list(config.reward.urls)
         if not urls:  # each machine's first process starts replicas on its loopback, for its machine's processes

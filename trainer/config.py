@@ -6,7 +6,6 @@ Every field says why it exists. Files and ``key=value`` overrides go through ``l
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from trainer.configuration import (
     apply_override,
     build,
     load_yaml,
+    merge_sections,
     to_dict,
 )
 
@@ -78,6 +78,12 @@ class DataConfig:
     """Image inputs given to the model (image, mask, reference, style); empty: all the format provides.
     Adapters reject inputs they do not use (e.g. text-to-image with an IP-Adapter takes only style)."""
 
+    def __post_init__(self):
+        from trainer.data import DATASETS
+
+        if self.name not in DATASETS:
+            raise ValueError(f"data.name={self.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}")
+
 
 @dataclass
 class RewardConfig:
@@ -106,6 +112,11 @@ class RewardConfig:
     advantage 0 and are counted; past this share the update would be biased)."""
     combine_mode: Literal["sum", "sum-then-normalise", "normalise-then-sum"] = "sum"
     """How weighted components become one reward; the normalising modes standardise over the batch."""
+
+    def __post_init__(self):
+        if not any(self.weights.values()):
+            raise ValueError(f"reward.weights={self.weights} gives no scorer a weight: name at least one with a "
+                             "non-zero weight, e.g. reward.weights={digit: 1.0}")
 
 
 @dataclass
@@ -137,8 +148,9 @@ class ParallelConfig:
     whose full weights do not fit one device). Unset: on, except with cpu_offload, whose point is not to
     hold the full weights on the device."""
     deepspeed_config: str = ""
-    """A DeepSpeed JSON config to use instead of deploy/deepspeed/zero{2,3}.json; its "auto" values are
-    filled from this config (clipping, dtypes, offload), explicit values are kept."""
+    """A DeepSpeed JSON config to use instead of the packaged trainer/distributed/deepspeed_configs/zero{2,3}.json
+    (linked from deploy/deepspeed/); its "auto" values are filled from this config (clipping, dtypes, offload),
+    explicit values are kept."""
 
 
 @dataclass
@@ -243,31 +255,27 @@ class Config:
 
 def load_config(paths: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> Config:
     """The default config, updated by YAML files in order (a model preset, then an algorithm preset: a later
-    file's fields win) and then by ``section.key=value`` overrides."""
+    file's fields win) and then by ``section.key=value`` overrides, ``model.name`` / ``algorithm.name`` ones
+    first. A file's section that names its class (``algorithm: {name: grpo, ...}``) starts from that class's
+    defaults, not from the fields of the config before it (the embedded job's GRPO sampler window, say), as
+    an override naming another class does (``algorithm.name=dpo``); a section without a name updates the one
+    before it field by field."""
     raw: dict = to_dict(Config())
     for path in [paths] if isinstance(paths, str) else paths or ():
-        _merge(raw, load_yaml(path), Config())
-    for override in overrides:
-        section, _, value = override.partition("=")
-        if section.strip() in ("model.name", "algorithm.name"):
-            # Another class: start from its defaults rather than the previous class's field values.
-            _merge(raw, {section.split(".")[0].strip(): {"name": value.strip()}}, Config())
-        apply_override(raw, override)
+        merge_sections(raw, load_yaml(path), Config)
+    names = [o for o in overrides if o.partition("=")[0].strip() in _NAMED]
+    for override in names:
+        key, _, name = override.partition("=")
+        section = key.strip().split(".")[0]
+        if raw[section].get("name") != name.strip():  # another class: its defaults, not the old one's fields
+            raw[section] = {"name": name.strip()}
+    for override in [o for o in overrides if o not in names]:
+        apply_override(raw, override, Config)
     return build(Config, raw, "")
 
 
-def _merge(base: dict, update: dict, section: Any) -> None:
-    """Update ``base`` (the raw dict of dataclass ``section``) with ``update``: nested sections merge field by
-    field; any other value, dict-valued fields such as ``reward.weights`` included, replaces the old one."""
-    for key, value in update.items():
-        sub = getattr(section, key, None)
-        if isinstance(value, dict) and isinstance(base.get(key), dict) and dataclasses.is_dataclass(sub):
-            if key in ("model", "algorithm") and "name" in value and value["name"] != base[key].get("name"):
-                base[key] = dict(value)  # another class: its defaults, not the old one's fields
-                continue
-            _merge(base[key], value, sub)
-        else:
-            base[key] = value
+_NAMED = ("model.name", "algorithm.name")
+"""Overrides that pick a section's class: applied before the others, whatever their order on the command line."""
 
 
 def saved_dict(config: Config) -> dict:

@@ -86,8 +86,41 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _unwrap(hint: Any) -> tuple[Any, tuple]:
+    """(the type inside ``Annotated`` and ``X | None``, the Annotated metadata)."""
+    meta: tuple = ()
+    if typing.get_origin(hint) is typing.Annotated:
+        hint, meta = typing.get_args(hint)[0], typing.get_args(hint)[1:]
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            hint = options[0]
+    return hint, meta
+
+
+def selected_field(hint: Any) -> Selected | None:
+    """The ``Selected`` marker of a field whose class is chosen by name, if it has one."""
+    return next((m for m in _unwrap(hint)[1] if isinstance(m, Selected)), None)
+
+
+def mapping_field(hint: Any) -> bool:
+    """Whether a field holds a mapping as one value (``reward.weights``), not a nested section."""
+    return typing.get_origin(_unwrap(hint)[0]) is dict
+
+
+def section_class(hint: Any, raw: Mapping) -> type | None:
+    """The dataclass a nested section of type ``hint`` builds, given its raw mapping (None: not a section)."""
+    selected = selected_field(hint)
+    if selected is not None:
+        return selected.registry().get(raw.get("name", selected.default))
+    inner = _unwrap(hint)[0]
+    return inner if dataclasses.is_dataclass(inner) else None
+
+
 def build(cls: type, raw: Any, path: str) -> Any:
-    """Instantiate dataclass ``cls`` from a mapping, checking every key and value against the annotations."""
+    """Instantiate dataclass ``cls`` from a mapping, checking every key and value against the annotations. A
+    nested section given in part (``sampler: {num_steps: 20}``) is completed from that field's own default
+    (DPO's deterministic sampler, say), not from the nested class's defaults."""
     if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
         return raw
     if not isinstance(raw, Mapping):
@@ -98,11 +131,43 @@ def build(cls: type, raw: Any, path: str) -> Any:
     if unknown:
         where = f"{path}." if path else ""
         raise ConfigError(f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}")
-    kwargs = {name: convert(hints[name], value, f"{path}.{name}" if path else name) for name, value in raw.items()}
+    kwargs = {name: convert(hints[name], _over_default(fields[name], hints[name], value), f"{path}.{name}" if path else name)
+              for name, value in raw.items()}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith(path or "config") else f"{path or 'config'}: {exc}") from exc
+
+
+def _over_default(field: dataclasses.Field, hint: Any, value: Any) -> Any:
+    """``value`` merged over the field's default where that is a section (a dataclass) and ``value`` a mapping;
+    a section chosen by name (``Selected``) starts from its class's defaults instead."""
+    if (not isinstance(value, Mapping) or field.default_factory is dataclasses.MISSING
+            or selected_field(hint) is not None):
+        return value
+    default = field.default_factory()
+    if not dataclasses.is_dataclass(default):
+        return value
+    merged = to_dict(default)
+    merge_sections(merged, value, type(default))
+    return merged
+
+
+def merge_sections(base: dict, update: Mapping, cls: type | None) -> None:
+    """Update ``base`` (the raw dict of dataclass ``cls``) with ``update`` in place: nested sections merge field
+    by field (optional ones such as ``model.lora`` too), a section naming its class (``algorithm: {name: dpo,
+    ...}``) replaces the old one, so that it starts from that class's defaults, and any other value,
+    mapping-typed fields such as ``reward.weights`` included, replaces the old one."""
+    hints = typing.get_type_hints(cls, include_extras=True) if cls is not None else {}
+    for key, value in update.items():
+        hint = hints.get(key)
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict) and not mapping_field(hint):
+            if selected_field(hint) is not None and "name" in value:
+                base[key] = dict(value)
+            else:
+                merge_sections(base[key], value, section_class(hint, base[key]))
+        else:
+            base[key] = value
 
 
 def convert(tp: Any, value: Any, path: str) -> Any:
@@ -200,23 +265,40 @@ def to_dict(config: Any) -> Any:
     return config
 
 
-def apply_override(raw: dict, override: str) -> None:
-    """Apply ``a.b.c=value`` to nested dict ``raw``; the value is parsed as YAML (``3``, ``true``, ``[1, 2]``)."""
+def apply_override(raw: dict, override: str, cls: type | None = None) -> None:
+    """Apply ``a.b.c=value`` to nested dict ``raw`` (of dataclass ``cls``). The value is parsed as YAML (``3``,
+    ``true``, ``[1, 2]``), except for a text field (``str``, ``str | None``), which takes it as written: YAML
+    would cut ``low quality, #watermark`` at the ``#`` and read ``2024-06-01`` as a date (a quoted value is
+    unquoted, ``null`` is None where the field admits it)."""
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     key, text = override.split("=", 1)
-    try:
-        value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {override!r}: value is not valid YAML ({exc})") from exc
     parts = key.strip().split(".")
-    node = raw
+    node, section = raw, cls
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+        section = section_class(_hint(section, part), child) if section is not None else None
         node = child
-    node[parts[-1]] = value
+    node[parts[-1]] = _override_value(override, text, _hint(section, parts[-1]))
+
+
+def _hint(cls: type | None, name: str) -> Any:
+    return typing.get_type_hints(cls, include_extras=True).get(name) if dataclasses.is_dataclass(cls) else None
+
+
+def _override_value(override: str, text: str, hint: Any) -> Any:
+    inner = _unwrap(hint)[0]
+    nullable = typing.get_origin(typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated
+                                 else hint) in (Union, types.UnionType)
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    if inner is str and not quoted:
+        return None if nullable and text in ("null", "~") else text
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({exc})") from exc
 
 
 def load_yaml(path: str) -> dict:

@@ -58,6 +58,9 @@ def test_yaml_and_overrides(tmp_path):
     ("train.epochs=" + "9" * 400, None),  # checked without a float conversion, which overflowed
     ("train", "must look like section.key=value"),
     ("train.epochs.x=1", "train.epochs is not a section"),
+    ("data.name=nosuch", "data.name='nosuch' is not registered; choose one of: digits,"),  # was after the model loaded
+    ("reward.weights={}", "reward.weights={} gives no scorer a weight"),
+    ("reward.weights={digit: 0}", "reward.weights={'digit': 0.0} gives no scorer a weight"),
 ])
 def test_bad_keys_and_values_name_the_field(override, message):
     if message is None:  # in range (an unclipped ratio; a huge epoch count)
@@ -175,3 +178,42 @@ def test_the_reward_token_comes_from_the_environment_and_is_never_saved(monkeypa
     out = subprocess.run([sys.executable, "trainer/main.py", "--show-config", "reward.token=s3cret"], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0 and "s3cret" not in out.stdout and "token: null" in out.stdout
+
+
+def test_a_section_naming_its_class_starts_from_its_defaults(tmp_path):
+    """GRPO presets inherited the embedded job's 2-step SDE window (sd3_grpo_ocr trained 2 of its 10 steps), and a
+    DPO preset giving only some sampler fields got SamplerSettings' noise 0.7 instead of DPO's deterministic
+    default: a named section now starts from its class, and a partial nested section from the field's default."""
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text("algorithm: {name: grpo, group_size: 4}\n")
+    assert load_config(str(grpo)).algorithm.sampler == ALGORITHMS["grpo"].config_class().sampler
+    assert load_config().algorithm.sampler.sde_window == 2  # the embedded job keeps its window
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text("algorithm: {name: dpo, sampler: {num_steps: 20}}\n")
+    sampler = load_config(str(dpo)).algorithm.sampler
+    assert (sampler.num_steps, sampler.noise_level) == (20, 0.0)
+    preset = load_config(str(REPO / "configs/presets/sd15_inpaint_dpo.yaml")).algorithm.sampler
+    assert preset.noise_level == 0.0  # its header: deterministic DDIM
+    ocr = load_config(str(REPO / "configs/presets/sd3_grpo_ocr.yaml")).algorithm
+    assert ocr.sampler.sde_window == 0 and ocr.timestep_fraction == 0.99  # every step trainable, as Flow-GRPO
+
+
+def test_overrides_naming_a_class_apply_first_and_text_fields_take_the_text_as_written():
+    assert load_config(overrides=["algorithm.group_size=4", "algorithm.name=dpo"]).algorithm.group_size == 4
+    assert load_config(overrides=["model.path=/w/sd3", "model.name=sd3"]).model.path == "/w/sd3"
+    assert load_config(overrides=["algorithm.name=grpo"]).algorithm.sampler.sde_window == 2  # the same class: kept
+    config = load_config(overrides=["model.name=sd3", "model.negative_prompt=low quality, #watermark",
+                                    "logging.run_name=2024-06-01", "reward.token=null", "train.epochs=3"])
+    assert config.model.negative_prompt == "low quality, #watermark"  # YAML cut it at the '#'
+    assert config.logging.run_name == "2024-06-01"  # YAML read a date, then refused it
+    assert config.reward.token is None and config.train.epochs == 3
+    assert load_config(overrides=["logging.run_name='01'"]).logging.run_name == "01"
+
+
+def test_a_later_file_updates_an_optional_section_field_by_field(tmp_path):
+    """model.ip_adapter and model.lora default to None, so a second file's partial block replaced the first's."""
+    scale = tmp_path / "scale.yaml"
+    scale.write_text("model: {ip_adapter: {scale: 0.5}}\n")
+    preset = str(REPO / "configs/presets/flux_fill_ip_adapter_grpo.yaml")
+    merged = load_config([preset, str(scale)]).model.ip_adapter
+    assert merged.scale == 0.5 and merged.image_encoder == load_config(preset).model.ip_adapter.image_encoder

@@ -22,8 +22,14 @@ from trainer.logging import RunLogger
 
 
 def test_devices_name_this_ranks_gpu_unless_an_index_is_given():
-    assert resolve_device("cuda", 3) == torch.device("cuda", 3)
-    assert resolve_device("cuda:1", 3) == torch.device("cuda", 1)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for name, index in (("cuda", 3), ("cuda:1", 1)):  # process 3 of its machine
+        if index < count:
+            assert resolve_device(name, 3) == torch.device("cuda", index)
+        else:  # torch.cuda.set_device would fail with an AttributeError or "invalid device ordinal"
+            with pytest.raises(ValueError, match=rf"train.device='{name}' needs GPU {index}, but this process sees "
+                                                 rf"{count} GPU\(s\).*use train.device=auto or cpu"):
+                resolve_device(name, 3)
     assert resolve_device("cpu", 3) == torch.device("cpu")
     expected = torch.device("cuda", 2) if torch.cuda.is_available() else torch.device("cpu")
     assert resolve_device("auto", 2) == expected
@@ -75,7 +81,8 @@ def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_buil
     model = tmp_path / "not-built"  # the tiny model would be built there
     base = [f"logging.output_dir={tmp_path}", f"model.path={model}"]
     for extra, message in (("logging.run_name=same", "already holds a run (metrics.jsonl)"),
-                           (f"train.resume={tmp_path / 'same'}", "is not a complete checkpoint")):
+                           (f"train.resume={tmp_path / 'same'}", "is not a complete checkpoint"),
+                           ("data.name=prompt_file", "data.path")):  # checked after the model loaded, before
         assert main([*base, extra]) == 2
         assert message in capsys.readouterr().err
     assert not model.exists()
