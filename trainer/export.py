@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: see trainer/main.py
@@ -50,7 +51,9 @@ def export_denoiser(denoiser: nn.Module, out: Path) -> None:
 
 def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None, ema: bool = False) -> Path:
     """Build the checkpoint's model on the CPU, load its trainable weights (``ema``: their EMA instead) and
-    export the denoiser to ``out``."""
+    export the denoiser to ``out``. The weights do not depend on the run's precomputed stores
+    (``model.text_embeddings``, ``model.image_latents``): one that is not here is left out (the text encoders
+    then load from ``model.path``), one that is spares loading the text encoders."""
     from trainer.checkpoint import load_weights
     from trainer.config import Config
     from trainer.configuration import build
@@ -64,6 +67,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
     if model_path:
         raw.setdefault("model", {})["path"] = model_path
     model = build(Config, raw, "").model
+    model = replace(model, text_embeddings=_store_here(model.text_embeddings), image_latents=_store_here(model.image_latents))
     if not Path(model.path).exists():
         raise ValueError(f"the base model {model.path!r} named by the checkpoint's config does not exist here; "
                          "pass --model-path")
@@ -73,6 +77,11 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
         load_ema(checkpoint, list(adapter.trainable_parameters()))
     export_denoiser(adapter.denoiser, out)
     return out
+
+
+def _store_here(directory: str) -> str:
+    """A precomputed store's directory where its index is here, else "" (none)."""
+    return directory if directory and (Path(directory) / "index.json").is_file() else ""
 
 
 @torch.no_grad()

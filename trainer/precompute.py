@@ -7,7 +7,8 @@ same few thousand prompts), and the VAE latents of the dataset's image inputs (r
 ``--out DIR`` loads only the configured model's text encoders and tokenizers (no denoiser, no VAE), encodes
 every prompt of the configured dataset (its ``prompts`` and ``eval_prompts``), the empty prompt and
 ``model.negative_prompt``, one prompt per forward as the adapters encode them, and writes them to DIR with an
-index (see ``trainer.models.common.TextEmbeddingStore``; a DIR of the same model gains the new prompts). Then
+index (see ``trainer.models.common.TextEmbeddingStore``; a DIR of the same model gains the prompts it lacks
+and encodes no other). Then
 train with ``model.text_embeddings=DIR``: the adapter loads no text encoder and reads the very tensors its
 encoders would give (computed on this run's ``train.device``), refusing a DIR made for other text encoders or
 settings.
@@ -21,6 +22,9 @@ images' posteriors and flux_kontext its references' from it, bit-identical to en
 ``train.device``; a changed image is not found and is encoded, and a LATENTS_DIR of another VAE, dtype or
 resolution is refused. Supervised targets (``encode_images``: warm-up and SFT) are not stored: the dataset
 hands them out only as random batches, and a few warm-up steps are cheap to encode.
+
+Both stores write their index every 256 entries (``trainer.models.common.INDEX_SAVE_EVERY``) and when the run
+stops on an error or Ctrl-C: an interrupted command, run again, encodes only what is not stored yet.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ ITEMS_PER_BATCH = 8
 """Dataset items handed to the model at once while precomputing latents (only the pixels' memory grows)."""
 
 
-def precompute(config, out: str) -> int:
-    """Encode the prompts of ``config`` (a trainer Config) into the store ``out``; returns how many."""
+def precompute(config, out: str) -> tuple[int, int]:
+    """Encode the prompts of ``config`` (a trainer Config) that the store ``out`` lacks into it; returns (prompts
+    encoded, prompts the store already held). The text encoders are loaded only when there is one to encode."""
     import torch
 
     from trainer.build import resolve_device
@@ -47,10 +52,17 @@ def precompute(config, out: str) -> int:
     task = build_task(config.data)
     prompts = list(dict.fromkeys([*task.prompts, *task.eval_prompts, "", config.model.negative_prompt]))
     adapter_class = MODELS[config.model.name].load()
-    encode = adapter_class.prompt_encoder(config.model, resolve_device(config.train.device, 0))
-    with torch.no_grad():
-        return TextEmbeddingStore.write(out, text_fingerprint(adapter_class, config.model),
-                                        ((p, encode(p)) for p in prompts))
+    store = TextEmbeddingStore.create(out, text_fingerprint(adapter_class, config.model))
+    todo = store.missing(prompts)
+    if todo:
+        encode = adapter_class.prompt_encoder(config.model, resolve_device(config.train.device, 0))
+        try:
+            with torch.no_grad():
+                for prompt in todo:
+                    store.add(prompt, encode(prompt))
+        finally:
+            store.save()
+    return len(todo), len(prompts) - len(todo)
 
 
 def precompute_latents(config, directory: str) -> tuple[int, int]:
@@ -76,14 +88,16 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
 
 def write_latents(adapter, store, batches):
     """Run ``adapter.encode_prompts`` on each (prompts, ImageInputs) of ``batches`` with its VAE posteriors
-    recorded into ``store`` (a ``LatentStore``), then write the store's index; returns the recording
-    ``ImageLatents`` (its ``misses`` were encoded and added, its ``hits`` were in the store already)."""
+    recorded into ``store`` (a ``LatentStore``), then write the store's index (also when interrupted); returns the
+    recording ``ImageLatents`` (its ``misses`` were encoded and added, its ``hits`` were in the store already)."""
     from trainer.models.common import ImageLatents
 
     adapter.image_latents = ImageLatents(adapter.vae, store, record=True)
-    for prompts, inputs in batches:
-        adapter.encode_prompts(prompts, inputs)
-    store.save()
+    try:
+        for prompts, inputs in batches:
+            adapter.encode_prompts(prompts, inputs)
+    finally:
+        store.save()
     return adapter.image_latents
 
 
@@ -113,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out:
             start = time.perf_counter()
-            count = precompute(config, args.out)
-            print(f"{count} prompts of {config.model.name} ({config.model.path}) encoded into {args.out} in "
-                  f"{time.perf_counter() - start:.1f} s; train with model.text_embeddings={args.out}")
+            encoded, present = precompute(config, args.out)
+            print(f"{encoded} prompts of {config.model.name} ({config.model.path}) encoded into {args.out} "
+                  f"({present} were there) in {time.perf_counter() - start:.1f} s; train with "
+                  f"model.text_embeddings={args.out}")
             config = replace(config, model=replace(config.model, text_embeddings=args.out))
         if args.latents:
             start = time.perf_counter()

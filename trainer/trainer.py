@@ -51,6 +51,7 @@ class Trainer:
         rollouts = algorithm.sampler  # a step kind or noise level the model cannot use fails now, not after the warm-up
         adapter.step_function(resolve_kind(rollouts.kind, adapter.sampler_kind),
                               adapter.sigmas(rollouts.num_steps)).check_noise_level(rollouts.noise_level)
+        self._require_text_embeddings()
         self.policy = backend.prepare(
             adapter.denoiser, adapter.trainable_parameters(),
             lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
@@ -59,6 +60,7 @@ class Trainer:
         )
         self.sampler = GroupSampler(len(task.prompts), config.data.prompts_per_epoch, algorithm.group_size,
                                     backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
+        algorithm.check_batch(self.sampler.per_rank)
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
         algorithm.setup(adapter, adapter.encode_prompts(task.prompts[:1], task.inputs([0])), backend)
         trainable = list(adapter.trainable_parameters())
@@ -69,6 +71,22 @@ class Trainer:
         self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", config.train.keep_checkpoints, self.is_main)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
+
+    def _require_text_embeddings(self) -> None:
+        """Refuse a ``model.text_embeddings`` store that lacks a prompt this run encodes, now rather than when
+        the prompt is first drawn (epochs in)."""
+        prompts = [*self.task.prompts, *self.task.eval_prompts]
+        if self.config.train.warmup_steps and self.warmup.config.cfg_dropout > 0:
+            prompts.append("")
+        missing = self.adapter.missing_prompts(
+            prompts, (self.algorithm.sampler.guidance_scale, self.config.eval.guidance_scale))
+        if missing:
+            store, data = self.config.model.text_embeddings, self.config.data
+            raise ValueError(f"model.text_embeddings={store!r} lacks {len(missing)} of the prompts this run encodes "
+                             f"(e.g. {', '.join(repr(p) for p in missing[:3])}): add them with python -m "
+                             f"trainer.precompute --config RUN.yaml --out {store}, RUN.yaml holding this run's data "
+                             f"settings (data.name={data.name}, data.path={data.path!r}): it encodes just the prompts the "
+                             "store lacks")
 
     def _generator(self, phase: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
         return torch.Generator(device).manual_seed(((self._rank_seed * 4 + phase) * 1_000_003 + step) % (2**63))

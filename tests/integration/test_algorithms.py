@@ -178,6 +178,15 @@ def test_every_sample_weighs_the_same_on_every_rank(tmp_path, tiny_model_dir, al
         assert [unit.share / 2 for unit in s[0]] == pytest.approx([x / total for x in w], rel=1e-6)
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "ppo_critic"])
+def test_steps_that_do_not_split_the_batch_are_refused_as_the_trainer_is_built(tmp_path, tiny_model_dir, algorithm):
+    """16 samples per rank in 3 steps failed at the first update: after the whole warm-up and a rollout."""
+    with pytest.raises(ValueError, match=r"16 samples per rank do not split into 3 optimizer steps: make the per-rank "
+                                         r"batch \(data.prompts_per_epoch x algorithm.group_size / ranks\)"):
+        _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.steps_per_epoch=3")
+    _trainer(tmp_path / "ok", tiny_model_dir, algorithm, "algorithm.steps_per_epoch=4")
+
+
 def test_an_unsharded_ema_is_checkpointed_once_resumes_on_any_rank_and_exports(tmp_path, tiny_model_dir):
     """Kept per rank, a DDP run's EMA could not be resumed on more ranks (the new ranks found none), and the
     EMA weights the run evaluated with could not be exported at all."""

@@ -3,19 +3,29 @@ computes what the trained denoiser computes (full fine-tuning, and LoRA merged i
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import SD3Transformer2DModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, to_dict
 from trainer.distributed import SingleProcess
 from trainer.export import main
-from trainer.models.common import LoraSettings
+from trainer.models.common import (
+    LatentStore,
+    LoraSettings,
+    TextEmbeddingStore,
+    text_fingerprint,
+    vae_fingerprint,
+)
+from trainer.models.flux_kontext import FluxKontextAdapter
+from trainer.models.testing import tiny_config
 from trainer.models.tiny import TinyAdapter, TinyConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,3 +76,30 @@ def test_cli_names_what_is_wrong(tmp_path):
                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "is not a complete checkpoint (no trainable.safetensors)" in out.stderr
+
+
+def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path):
+    """A run that read its text embeddings and image latents from precomputed stores exports where neither
+    exists: the weights do not depend on them."""
+    model = tiny_config("flux_kontext", tmp_path / "models", dtype="float32")
+    stores = {"text_embeddings": tmp_path / "text", "image_latents": tmp_path / "latents"}
+    TextEmbeddingStore.create(str(stores["text_embeddings"]), text_fingerprint(FluxKontextAdapter, model)).save()
+    LatentStore.create(str(stores["image_latents"]), vae_fingerprint(model)).save()
+    model = dataclasses.replace(model, **{k: str(v) for k, v in stores.items()})
+    adapter = FluxKontextAdapter(model)
+    backend = SingleProcess(torch.device("cpu"))
+    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in adapter.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    Checkpoints(tmp_path / "checkpoints", keep=1, is_main=True).save(
+        Progress(4, 2, True), adapter, backend, {}, to_dict(Config(model=model)))
+    for store in stores.values():
+        shutil.rmtree(store)
+    checkpoint = next((tmp_path / "checkpoints").glob("step-*"))
+    assert main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
+
+    exported = FluxTransformer2DModel.from_pretrained(tmp_path / "exported").state_dict()
+    trained = adapter.denoiser.state_dict()
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)

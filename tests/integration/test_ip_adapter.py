@@ -14,8 +14,11 @@ image encoder, loaded from disk like a real one):
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file
 
 from trainer.algorithms.base import LossContext, Rewards
@@ -25,7 +28,7 @@ from trainer.export import export_denoiser
 from trainer.models import build_adapter, testing
 from trainer.models.base import ImageInputs
 from trainer.models.common import LoraSettings, frozen_copy
-from trainer.models.ip_adapter import IP_WEIGHTS
+from trainer.models.ip_adapter import IP_WEIGHTS, IPAdapter
 from trainer.rollout import SamplerSettings, rollout
 
 NAMES = ("flux", "flux_fill", "qwen_image")
@@ -126,27 +129,29 @@ def test_grpo_step_trains_only_the_ip_adapter(name, lora, root):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_trainable_ip_weights_round_trip(name, root, tmp_path):
-    trained = make(name, root, ip={"num_tokens": 2})
+    tokens = 2 if name == "qwen_image" else 4  # FLUX: the count diffusers' loader reads at this width
+    trained = make(name, root, ip={"num_tokens": tokens})
     testing.randomize_ip_adapter(trained, seed=3)
     trained.save_trainable(str(tmp_path / "ckpt"))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [IP_WEIGHTS]
     state = load_file(tmp_path / "ckpt" / IP_WEIGHTS)
     width = trained.denoiser.config.joint_attention_dim
-    assert state["image_proj.proj.weight"].shape == (2 * width, trained.ip_adapter.encoder.embed_dim)
+    assert state["image_proj.proj.weight"].shape == (tokens * width, trained.ip_adapter.encoder.embed_dim)
     blocks = len(trained.denoiser.transformer_blocks)
     assert {k for k in state if k.startswith("ip_adapter.")} == {
         f"ip_adapter.{k}.{kind}.{p}" for k in range(blocks) for kind in ("to_k_ip", "to_v_ip") for p in ("weight", "bias")}
 
     inputs = styles(trained, [1, 2])
     expected = predict(trained, inputs)
-    fresh = make(name, root, ip={"num_tokens": 2})
+    fresh = make(name, root, ip={"num_tokens": tokens})
     assert not torch.equal(predict(fresh, inputs), expected)
     fresh.load_trainable(str(tmp_path / "ckpt"))
     assert torch.equal(predict(fresh, inputs), expected)
-    assert torch.equal(predict(make(name, root, ip={"num_tokens": 2, "weights": str(tmp_path / "ckpt")}), inputs),
+    assert torch.equal(predict(make(name, root, ip={"num_tokens": tokens, "weights": str(tmp_path / "ckpt")}), inputs),
                        expected)
-    with pytest.raises(ValueError, match="num_tokens"):
-        make(name, root, ip={"num_tokens": 4, "weights": str(tmp_path / "ckpt")})
+    if name == "qwen_image":
+        with pytest.raises(ValueError, match="have 2 image tokens; set model.ip_adapter.num_tokens=2"):
+            make(name, root, ip={"num_tokens": 4, "weights": str(tmp_path / "ckpt")})
 
 
 def test_frozen_ip_adapter_under_full_fine_tuning(root, tmp_path):
@@ -219,6 +224,37 @@ def test_export_writes_the_base_model_and_the_ip_adapter_file(name, root, tmp_pa
     missing, unexpected = fresh.denoiser.load_state_dict(exported.state_dict(), strict=False)
     assert not unexpected and set(missing) == ip_names(fresh)
     torch.testing.assert_close(predict(fresh, inputs), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [4, 8, 16])
+def test_flux_token_counts_are_refused_where_diffusers_cannot_load_the_export(tokens, root, tmp_path):
+    """diffusers' FLUX IP-Adapter loader takes no token count: it reads 16 from a projection of 65536 rows (16 x
+    FLUX.1's 4096-wide text features), else 4. An IP-Adapter of ``tokens`` tokens on the tiny FLUX (32 wide)
+    saved as the export writes it: ``FluxPipeline.load_ip_adapter`` reads it exactly where the config is
+    accepted; other counts are refused when the config is read (8), or before the transformer loads (16)."""
+    from diffusers import FluxPipeline
+
+    plain = make("flux", root)
+    IPAdapter(plain.denoiser, testing.tiny_ip_adapter(root, num_tokens=tokens), torch.float32, plain.device).save(
+        str(tmp_path))
+    pipeline = FluxPipeline.from_pretrained(plain.config.path)
+    try:
+        pipeline.load_ip_adapter(str(tmp_path), weight_name=IP_WEIGHTS, image_encoder_pretrained_model_name_or_path=None)
+        loads = True
+    except (RuntimeError, ValueError) as exc:
+        assert "size" in str(exc) or "shape" in str(exc), exc
+        loads = False
+    assert loads == (tokens == 4)
+    if loads:
+        make("flux", root, ip={"num_tokens": tokens})
+    elif tokens == 16:
+        with pytest.raises(ValueError, match=r"num_tokens=16 on this transformer \(joint_attention_dim=32\): .* "
+                                             r"would read its 512 projection rows as 4 image tokens.*num_tokens=4"):
+            with mock.patch.object(FluxTransformer2DModel, "from_pretrained", side_effect=AssertionError("loaded")):
+                make("flux", root, ip={"num_tokens": tokens})
+    else:
+        with pytest.raises(ConfigError, match=r"model\.ip_adapter\.num_tokens=8: .*load_ip_adapter.* set 4 .* or 16"):
+            load_config(overrides=["model.name=flux", f"model.ip_adapter={{image_encoder: /enc, num_tokens: {tokens}}}"])
 
 
 def test_configuration_mistakes_name_the_fix(root, tmp_path):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +20,16 @@ import torch
 import yaml
 
 from trainer import precompute
-from trainer.config import to_dict
+from trainer.algorithms import build_algorithm
+from trainer.algorithms.sft import SFT
+from trainer.config import Config, DataConfig, TrainConfig, load_config, to_dict
+from trainer.data import DigitsTask
+from trainer.distributed import SingleProcess
+from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter, testing
 from trainer.models.common import TEXT_INDEX, TextEmbeddingStore, text_fingerprint
 from trainer.models.testing import TINY_NAMES, tiny_config
+from trainer.trainer import Trainer
 
 PROMPTS = ["a photo of a cat", "the digit five"]
 GUIDANCE = 3.0
@@ -37,7 +45,10 @@ def write_store(config, directory, prompts) -> None:
     """What ``trainer.precompute`` does for ``prompts``: the adapter class's text path alone, one prompt at a time."""
     adapter_class = MODELS[config.name].load()
     encode = adapter_class.prompt_encoder(config, "cpu")
-    TextEmbeddingStore.write(str(directory), text_fingerprint(adapter_class, config), ((p, encode(p)) for p in prompts))
+    store = TextEmbeddingStore.create(str(directory), text_fingerprint(adapter_class, config))
+    for prompt in prompts:
+        store.add(prompt, encode(prompt))
+    store.save()
 
 
 def assert_same_conditioning(encoding, reading, prompts) -> None:
@@ -113,3 +124,85 @@ def test_precompute_cli_names_a_wrong_directory(root, tmp_path, capsys):
     assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
                             f"model.path={missing}"]) == 2
     assert f"model.path={str(missing)!r} is not a diffusers SD3 directory" in capsys.readouterr().err
+
+
+def test_a_store_missing_a_prompt_of_the_run_is_refused_as_the_trainer_is_built(root, tmp_path):
+    """Every prompt the run encodes is looked up before training: the dataset's and evaluation's prompts, the
+    empty prompt of the warm-up's CFG dropout and the negative prompt of CFG, each only where the run uses it."""
+    model = tiny_config("tiny", root, text_embeddings=str(tmp_path))
+    digits = DigitsTask(16).prompts
+    write_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[:7])
+
+    def trainer(adapter, *overrides):
+        config = load_config(overrides=["train.device=cpu", "train.warmup_steps=0", "eval.guidance_scale=1",
+                                        "algorithm.sampler.guidance_scale=1", *overrides])
+        return Trainer(dataclasses.replace(config, model=model), adapter, build_algorithm(config.algorithm),
+                       SFT(config.warmup), DigitsTask(16), None, SingleProcess(torch.device("cpu")),
+                       RunLogger(tmp_path / "run", False, False))
+
+    store = re.escape(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"model\.text_embeddings='{store}' lacks 3 of the prompts this run encodes "
+                                         rf"\(e\.g\. '{digits[7]}', '{digits[8]}', '{digits[9]}'\): add them with "
+                                         rf"python -m trainer\.precompute --config RUN\.yaml --out {store}, "
+                                         r".*data\.name=digits"):
+        trainer(build_adapter(model, "cpu"))
+    write_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[7:])
+    adapter = build_adapter(model, "cpu")
+    for uses_the_empty_prompt in (["eval.guidance_scale=4.5"], ["algorithm.sampler.guidance_scale=4.5"],
+                                  ["train.warmup_steps=1", "warmup.cfg_dropout=0.1"]):
+        with pytest.raises(ValueError, match=r"lacks 1 of the prompts this run encodes \(e\.g\. ''\)"):
+            trainer(adapter, *uses_the_empty_prompt)
+    trainer(adapter, "train.warmup_steps=1", "warmup.cfg_dropout=0")
+
+
+def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_path, monkeypatch):
+    """Stopped by an exception after 3 of 6 prompts, the store's index lists those 3 (written as the error
+    unwinds); a kill at the same point leaves the index of the last periodic save (2 of them). Run again, each
+    encodes only the prompts its index lacks, and ends equal to an uninterrupted run; a complete store loads no
+    text encoder at all."""
+    model = tiny_config("flux", root, dtype="float32")
+    prompts = ["a photo of a cat", "the digit five", "a red sign", "a big dog", "small text"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    config = Config(model=model, data=DataConfig(name="prompt_file", path=str(tmp_path / "prompts.txt")),
+                    train=TrainConfig(device="cpu"))
+    monkeypatch.setattr(TextEmbeddingStore, "save_every", 2)
+    adapter_class = MODELS[model.name].load()
+    real_encoder = adapter_class.prompt_encoder
+    encoded: list[str] = []
+    loads: list[int] = []
+
+    def counting_encoder(cls, config, device, stop_after=None):
+        loads.append(1)
+        encode = real_encoder(config, device)
+
+        def counted(prompt):
+            if len(encoded) == stop_after:
+                shutil.copytree(tmp_path / "out", tmp_path / "killed")  # what a kill would leave
+                raise KeyboardInterrupt
+            encoded.append(prompt)
+            return encode(prompt)
+        return counted
+
+    def run(directory, stop_after=None):
+        encoded.clear()
+        loads.clear()
+        monkeypatch.setattr(adapter_class, "prompt_encoder", classmethod(
+            lambda cls, config, device: counting_encoder(cls, config, device, stop_after)))
+        return precompute.precompute(config, str(tmp_path / directory))
+
+    with pytest.raises(KeyboardInterrupt):
+        run("out", stop_after=3)
+    everything = [*prompts, ""]
+    held = {name: list(json.loads((tmp_path / name / TEXT_INDEX).read_text())["prompts"]) for name in ("out", "killed")}
+    assert held == {"out": everything[:3], "killed": everything[:2]}
+    for name in ("out", "killed"):
+        assert run(name) == (6 - len(held[name]), len(held[name]))
+        assert encoded == everything[len(held[name]):]
+    assert run("straight") == (6, 0)
+    assert run("out") == (0, 6) and not loads
+    stores = [TextEmbeddingStore.open(str(tmp_path / name), text_fingerprint(adapter_class, model))
+              for name in ("straight", "out", "killed")]
+    assert all(sorted(s.files) == sorted(everything) for s in stores)
+    for prompt in everything:
+        straight, *others = (s.load(prompt, torch.device("cpu")) for s in stores)
+        assert all(o.keys() == straight.keys() and all(torch.equal(o[k], straight[k]) for k in o) for o in others)

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,38 @@ def test_precompute_latents_needs_an_image_conditioned_model(root, tmp_path, cap
 def test_adapters_that_encode_no_image_input_refuse_a_latent_store(name, root, tmp_path):
     with pytest.raises(ValueError, match=f"the {name} adapter VAE-encodes no image input"):
         build_adapter(dataclasses.replace(tiny_config(name, root, dtype="float32"), image_latents=str(tmp_path)), "cpu")
+
+
+def test_an_interrupted_latent_precompute_keeps_what_it_encoded(root, tmp_path, monkeypatch):
+    """Stopped by an exception at the 4th of 5 inputs, the store's index lists the 3 encoded (written as the error
+    unwinds); a kill at the same point leaves the index of the last periodic save (2 of them). Run again, each
+    encodes only the inputs its index lacks, and ends equal to an uninterrupted run."""
+    config = tiny_config("flux_kontext", root, dtype="float32")
+    adapter = build_adapter(config, "cpu")
+    inputs = [testing.image_inputs(adapter, 1, seed=seed) for seed in range(5)]
+    monkeypatch.setattr(LatentStore, "save_every", 2)
+
+    def batches(stop_at=None):
+        for i, item in enumerate(inputs):
+            if i == stop_at:
+                shutil.copytree(tmp_path / "out", tmp_path / "killed")  # what a kill would leave
+                raise KeyboardInterrupt
+            yield PROMPTS[:1], item
+
+    def write(name, stop_at=None):
+        return precompute.write_latents(adapter, LatentStore.create(str(tmp_path / name), vae_fingerprint(config)),
+                                        batches(stop_at))
+
+    with pytest.raises(KeyboardInterrupt):
+        write("out", stop_at=3)
+    held = {name: len(json.loads((tmp_path / name / LATENT_INDEX).read_text())["keys"]) for name in ("out", "killed")}
+    assert held == {"out": 3, "killed": 2}
+    for name, count in held.items():
+        again = write(name)
+        assert (again.misses, again.hits) == (5 - count, count)
+    assert write("straight").misses == 5
+    stores = [LatentStore.open(str(tmp_path / name), vae_fingerprint(config)) for name in ("straight", "out", "killed")]
+    assert len(stores[0].keys) == 5 and all(s.keys == stores[0].keys for s in stores)
+    for key in stores[0].keys:
+        straight = stores[0].load(key, torch.device("cpu"))
+        assert all(torch.equal(s.load(key, torch.device("cpu")), straight) for s in stores[1:])

@@ -106,6 +106,11 @@ class Algorithm(Protocol):
         """Called before each RL epoch's rollout (e.g. to refresh a reference from the policy)."""
         ...
 
+    def check_batch(self, samples_per_rank: int) -> None:
+        """Raise the ValueError that ``plan`` would raise for an epoch of ``samples_per_rank`` samples on each
+        rank (steps that do not divide it), as the trainer is built rather than after the warm-up."""
+        ...
+
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> Any: ...
 
     def plan(self, batch: Any, generator: torch.Generator) -> list[list[Any]]:
@@ -143,6 +148,9 @@ class NoExtras:
         pass
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
+        pass
+
+    def check_batch(self, samples_per_rank: int) -> None:
         pass
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -210,12 +218,18 @@ def balance_ranks(steps: list[list[Any]], gather: Callable[[torch.Tensor], torch
             unit.share *= scale
 
 
+def check_steps(num_samples: int, num_steps: int) -> None:
+    """Refuse ``num_steps`` optimizer steps that do not split ``num_samples`` samples per rank evenly."""
+    if num_samples % num_steps:
+        raise ValueError(f"{num_samples} samples per rank do not split into {num_steps} optimizer steps: make the "
+                         "per-rank batch (data.prompts_per_epoch x algorithm.group_size / ranks) a multiple of "
+                         "algorithm.steps_per_epoch")
+
+
 def split_steps(num_samples: int, num_steps: int, micro_batch_size: int,
                 generator: torch.Generator) -> list[list[torch.Tensor]]:
     """Shuffle sample indices into ``num_steps`` optimizer steps of micro-batches of ``micro_batch_size``."""
-    if num_samples % num_steps:
-        raise ValueError(f"{num_samples} samples per rank do not split into {num_steps} optimizer steps; "
-                         "make the per-rank batch a multiple of algorithm.steps_per_epoch")
+    check_steps(num_samples, num_steps)
     perm = torch.randperm(num_samples, generator=generator)
     per_step = num_samples // num_steps
     return [list(chunk.split(micro_batch_size)) for chunk in perm.split(per_step)]

@@ -17,7 +17,7 @@ from typing import Annotated
 import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, set_shares, split_steps
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, check_steps, set_shares, split_steps
 from trainer.configuration import Bounds, NonNegativeFloat, PositiveInt
 from trainer.models.base import StepFunction
 from trainer.rollout import Rollout, SamplerSettings
@@ -144,6 +144,9 @@ class ClippedPolicyGradient(NoExtras):
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:
         raise NotImplementedError
+
+    def check_batch(self, samples_per_rank: int) -> None:
+        check_steps(samples_per_rank, self.config.steps_per_epoch)
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> PolicyGradientBatch:
         return PolicyGradientBatch(rollout, per_step(self.advantages(rewards), rollout), trainable_steps(rollout),

@@ -8,7 +8,7 @@ the (possibly wrapped) network to call in ``predict``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -139,6 +139,12 @@ class ModelAdapter(Protocol):
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Conditioning for ``prompts`` and optional per-item images (frozen encoders, no grad)."""
+        ...
+
+    def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
+        """The distinct prompts that ``encode_prompts`` of ``prompts``, and ``predict`` at ``guidance_scales``
+        (CFG's negative prompt), would fail to encode: those not in the ``model.text_embeddings`` store the
+        adapter reads instead of encoding; none when it has its text encoders."""
         ...
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:

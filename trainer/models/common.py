@@ -385,16 +385,55 @@ def read_index(setting: str, index_file: Path, fingerprint: str, other: str, cov
     return index
 
 
+INDEX_SAVE_EVERY = 256
+"""Entries a precomputing store adds between two writes of its index: what a killed ``trainer.precompute``
+recomputes at most (an exception saves the index as it unwinds)."""
+
+
+def write_index(file: Path, index: dict) -> None:
+    """Write a store's index atomically: a reader sees the old index or the new one, never a part."""
+    tmp = file.with_name(f".{file.name}.tmp")
+    tmp.write_text(json.dumps(index, indent=0, ensure_ascii=False))
+    os.replace(tmp, file)
+
+
 class TextEmbeddingStore:
     """Precomputed text embeddings (``python -m trainer.precompute``) in one directory: ``index.json``
     = {"fingerprint": ``text_fingerprint`` of the model, "prompts": {prompt: file}}, and per prompt a
-    safetensors file named by the sha256 of the prompt, holding the tensors the adapter caches for it by name."""
+    safetensors file named by the sha256 of the prompt, holding the tensors the adapter caches for it by name.
+    ``open`` reads a store for training; ``create`` starts or extends one for ``trainer.precompute``."""
 
-    def __init__(self, directory: str, fingerprint: str):
+    save_every = INDEX_SAVE_EVERY
+
+    def __init__(self, directory: str, fingerprint: str, files: dict[str, str] | None = None):
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.files: dict[str, str] = dict(files or {})
+        self._unsaved = 0
+
+    @classmethod
+    def open(cls, directory: str, fingerprint: str) -> TextEmbeddingStore:
+        """The store in ``directory`` for training; a missing index or another fingerprint is refused."""
         index = read_index(f"model.text_embeddings={directory!r}", Path(directory) / TEXT_INDEX, fingerprint,
                            "other text encoders", "text encoder files, dtype, max_sequence_length", PRECOMPUTE)
-        self.directory = Path(directory)
-        self.files: dict[str, str] = index["prompts"]
+        return cls(directory, fingerprint, index["prompts"])
+
+    @classmethod
+    def create(cls, directory: str, fingerprint: str) -> TextEmbeddingStore:
+        """The store in ``directory`` (created when missing); one of another fingerprint is refused."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / TEXT_INDEX).is_file():
+            return cls(directory, fingerprint)
+        index = json.loads((out / TEXT_INDEX).read_text())
+        if index["fingerprint"] != fingerprint:
+            raise ValueError(f"--out {directory!r} holds embeddings of other text encoders or settings; "
+                             "choose another directory")
+        return cls(directory, fingerprint, index["prompts"])
+
+    def missing(self, prompts: Iterable[str]) -> list[str]:
+        """The distinct prompts of ``prompts`` that the store lacks, in order."""
+        return [p for p in dict.fromkeys(prompts) if p not in self.files]
 
     def load(self, prompt: str, device: torch.device) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -404,31 +443,21 @@ class TextEmbeddingStore:
                              f"({len(self.files)} prompts); add it to the dataset and rerun {PRECOMPUTE}")
         return load_file(self.directory / self.files[prompt], device=str(device))
 
-    @staticmethod
-    def write(directory: str, fingerprint: str, embeddings: Iterable[tuple[str, dict[str, torch.Tensor]]]) -> int:
-        """Write (prompt, tensors) pairs as they come, then the index (atomically); prompts already in a store
-        of the same fingerprint are kept. Returns the number of prompts written."""
+    def add(self, prompt: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write the tensors of ``prompt``; the index lists it from the next ``save`` (one every ``save_every``
+        additions)."""
         from safetensors.torch import save_file
 
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        files: dict[str, str] = {}
-        if (out / TEXT_INDEX).is_file():
-            index = json.loads((out / TEXT_INDEX).read_text())
-            if index["fingerprint"] != fingerprint:
-                raise ValueError(f"--out {directory!r} holds embeddings of other text encoders or settings; "
-                                 "choose another directory")
-            files = index["prompts"]
-        count = 0
-        for prompt, tensors in embeddings:
-            name = hashlib.sha256(prompt.encode()).hexdigest() + ".safetensors"
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, out / name)
-            files[prompt] = name
-            count += 1
-        tmp = out / f".{TEXT_INDEX}.tmp"
-        tmp.write_text(json.dumps({"fingerprint": fingerprint, "prompts": files}, indent=1, ensure_ascii=False))
-        os.replace(tmp, out / TEXT_INDEX)
-        return count
+        name = hashlib.sha256(prompt.encode()).hexdigest() + ".safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, self.directory / name)
+        self.files[prompt] = name
+        self._unsaved += 1
+        if self._unsaved >= self.save_every:
+            self.save()
+
+    def save(self) -> None:
+        write_index(self.directory / TEXT_INDEX, {"fingerprint": self.fingerprint, "prompts": self.files})
+        self._unsaved = 0
 
 
 class PromptEmbeddings:
@@ -448,7 +477,7 @@ class PromptEmbeddings:
         """From ``config.text_embeddings`` when set (checked against the model's fingerprint), else encoded with
         ``type(adapter).encode_text`` on the adapter's pipeline."""
         if config.text_embeddings:
-            store = TextEmbeddingStore(config.text_embeddings, text_fingerprint(type(adapter), config))
+            store = TextEmbeddingStore.open(config.text_embeddings, text_fingerprint(type(adapter), config))
             return cls(None, store, adapter.device)
         return cls(lambda p: type(adapter).encode_text(adapter.pipeline, config, adapter.device, p), None,
                    adapter.device)
@@ -458,6 +487,11 @@ class PromptEmbeddings:
         for p in sorted({p for p in prompts if p not in self.cache}):
             self.cache[p] = self.store.load(p, self.device) if self.store is not None else self.encode(p)
         return [self.cache[p] for p in prompts]
+
+    def missing(self, prompts: Iterable[str]) -> list[str]:
+        """The distinct prompts of ``prompts`` that cannot be encoded: those not in the store read; none when
+        the text encoders encode."""
+        return self.store.missing(prompts) if self.store is not None else []
 
     def cat(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Every tensor of ``prompts`` concatenated along the batch dimension."""
@@ -498,10 +532,13 @@ class LatentStore:
     log-variance as the VAE returns them, so that its mode and a sample of it both equal the live ones.
     ``open`` reads a store for training; ``create`` starts or extends one for ``trainer.precompute``."""
 
+    save_every = INDEX_SAVE_EVERY
+
     def __init__(self, directory: str, fingerprint: str, keys: Iterable[str] = ()):
         self.directory = Path(directory)
         self.fingerprint = fingerprint
         self.keys = set(keys)
+        self._unsaved = 0
 
     @classmethod
     def open(cls, directory: str, fingerprint: str) -> LatentStore:
@@ -533,17 +570,19 @@ class LatentStore:
         return load_file(self.directory / f"{key}.safetensors", device=str(device))["parameters"][None]
 
     def add(self, key: str, parameters: torch.Tensor) -> None:
-        """Write the parameters [1, 2C, ...] of input ``key``; it is in the store once ``save`` has run."""
+        """Write the parameters [1, 2C, ...] of input ``key``; the index lists it from the next ``save`` (one
+        every ``save_every`` additions)."""
         from safetensors.torch import save_file
 
         save_file({"parameters": parameters[0].detach().cpu().contiguous()}, self.directory / f"{key}.safetensors")
         self.keys.add(key)
+        self._unsaved += 1
+        if self._unsaved >= self.save_every:
+            self.save()
 
     def save(self) -> None:
-        """Write the index (atomically)."""
-        tmp = self.directory / f".{LATENT_INDEX}.tmp"
-        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "keys": sorted(self.keys)}, indent=0))
-        os.replace(tmp, self.directory / LATENT_INDEX)
+        write_index(self.directory / LATENT_INDEX, {"fingerprint": self.fingerprint, "keys": sorted(self.keys)})
+        self._unsaved = 0
 
 
 def refuse_image_latents(model: str, config: DiffusersModelConfig) -> None:

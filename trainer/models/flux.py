@@ -16,7 +16,7 @@ optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``) co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -50,7 +50,7 @@ from trainer.models.common import (
     save_trainable,
     shifted_flow_sigmas,
 )
-from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
+from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, refuse_unloadable_flux_tokens, split_style
 from trainer.samplers import flow_step, standard_normal
 
 
@@ -66,6 +66,10 @@ class FluxConfig(DiffusersModelConfig):
     """T5 tokens per prompt (the pipeline's default)."""
     ip_adapter: IPAdapterSettings | None = None
     """An IP-Adapter conditioned on ``ImageInputs.style``; None: the model takes no style image."""
+
+    def __post_init__(self):
+        if self.ip_adapter is not None:
+            refuse_unloadable_flux_tokens(self.ip_adapter.num_tokens)
 
 
 class FluxAdapter:
@@ -91,6 +95,8 @@ class FluxAdapter:
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
         saved = denoiser_config(FluxTransformer2DModel, config, "transformer", "FLUX")
+        if config.ip_adapter is not None:
+            refuse_unloadable_flux_tokens(config.ip_adapter.num_tokens, saved["joint_attention_dim"])
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
         self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # as FluxPipeline's vae_scale_factor
@@ -144,6 +150,12 @@ class FluxAdapter:
         images = self._image_conditioning(len(prompts), inputs)
         return Conditioning(embeds=self.prompts.cat(prompts), style=style, **images)
 
+    def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
+        """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
+        ``model.text_embeddings`` store lacks."""
+        cfg = any(self._runs_cfg(scale) for scale in guidance_scales)
+        return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
+
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
         """Conditioning image fields from ``inputs``; text-to-image FLUX takes none."""
         reject_image_inputs(self.model_name, inputs)
@@ -168,6 +180,9 @@ class FluxAdapter:
         return flow_step(kind, schedule)
 
     # --- the network ---------------------------------------------------------------------------------
+    def _runs_cfg(self, guidance_scale: float) -> bool:
+        return not self.guidance_embeds and guidance_scale > 1.0
+
     def predict(
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
@@ -180,7 +195,7 @@ class FluxAdapter:
         timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
         hidden, img_ids = self._model_input(latents.to(self.dtype), cond)
         guidance = torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32) if self.guidance_embeds else None
-        cfg = not self.guidance_embeds and guidance_scale > 1.0
+        cfg = self._runs_cfg(guidance_scale)
         if cfg:
             neg = self.prompts([self.config.negative_prompt])[0]
             embeds = torch.cat([neg["prompt_embeds"].expand(n, -1, -1), embeds])

@@ -53,6 +53,10 @@ from trainer.models.base import ImageInputs
 from trainer.models.common import require_image_input
 
 IP_WEIGHTS = "ip_adapter.safetensors"
+FLUX_LOADER_ROWS_16 = 65536
+"""diffusers' FLUX IP-Adapter loader (``FluxTransformer2DLoadersMixin``, behind ``FluxPipeline.load_ip_adapter``)
+takes no token count: it reads 16 image tokens from an ``image_proj.proj.weight`` of this many rows (16 x FLUX.1's
+4096-wide text features), and 4 from any other."""
 IMAGE_ENCODERS = {"CLIPVisionModelWithProjection": "image_embeds", "SiglipVisionModel": "pooler_output"}
 """Supported image encoder classes -> the output field used as the image embedding."""
 
@@ -69,7 +73,8 @@ class IPAdapterSettings:
     """IP-Adapter weights: a safetensors file in the format above, or a directory holding ``ip_adapter.safetensors``
     (what ``save_trainable`` writes). None: fresh weights that leave the model's output unchanged."""
     num_tokens: PositiveInt = 4
-    """Image-prompt tokens N per image (4 in XLabs' FLUX IP-Adapter); must match the loaded weights."""
+    """Image-prompt tokens N per image (4 in XLabs' FLUX IP-Adapter); must match the loaded weights. FLUX: 4, or
+    16 on FLUX.1's 4096-wide text features, the counts diffusers' ``FluxPipeline.load_ip_adapter`` reads."""
     scale: NonNegativeFloat = 1.0
     """Weight of the image-prompt attention; 0 turns the IP-Adapter off (output equals the base model)."""
     trainable: bool = True
@@ -80,6 +85,25 @@ class IPAdapterSettings:
         if not self.image_encoder:
             raise ValueError("model.ip_adapter.image_encoder is empty: set it to the local directory of a "
                              "CLIPVisionModelWithProjection or SiglipVisionModel")
+
+
+def refuse_unloadable_flux_tokens(num_tokens: int, width: int | None = None) -> None:
+    """ValueError for a FLUX IP-Adapter of ``num_tokens`` image tokens that diffusers' loader would read as another
+    count, failing with a shape error on the exported file: any count but 4 and 16, and, once the transformer's
+    ``joint_attention_dim`` ``width`` is known, a count whose projection rows it reads otherwise."""
+    if num_tokens not in (4, 16):
+        raise ValueError(f"model.ip_adapter.num_tokens={num_tokens}: diffusers' FluxPipeline.load_ip_adapter, which "
+                         "reads the exported IP-Adapter, knows 4 image tokens, and 16 on FLUX.1's 4096-wide text "
+                         "features; set 4 (XLabs' FLUX IP-Adapter) or 16")
+    if width is None:
+        return
+    loadable = [n for n in (4, 16) if (n * width == FLUX_LOADER_ROWS_16) == (n == 16)]
+    if num_tokens not in loadable:
+        read = 16 if num_tokens * width == FLUX_LOADER_ROWS_16 else 4
+        raise ValueError(f"model.ip_adapter.num_tokens={num_tokens} on this transformer (joint_attention_dim={width}): "
+                         f"diffusers' FluxPipeline.load_ip_adapter would read its {num_tokens * width} projection rows "
+                         f"as {read} image tokens; it reads {' or '.join(map(str, loadable)) or 'no count'} correctly "
+                         "here" + (f": set model.ip_adapter.num_tokens={loadable[0]}" if loadable else ""))
 
 
 class ImageEncoder:

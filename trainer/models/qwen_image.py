@@ -15,7 +15,7 @@ Qwen-Image) conditions the image stream on ``ImageInputs.style``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -169,6 +169,12 @@ class QwenImageAdapter:
         return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style,
                             ragged=("prompt_embeds", "prompt_mask"), text_mask="prompt_mask",
                             padded=any(len(t) < length for t in text))
+
+    def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
+        """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
+        ``model.text_embeddings`` store lacks."""
+        cfg = any(scale > 1.0 for scale in guidance_scales)
+        return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, 1, C, h, w] packed to tokens, drawn as ``QwenImagePipeline.prepare_latents`` draws it."""

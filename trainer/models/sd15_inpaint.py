@@ -13,7 +13,7 @@ supervised loss (which draws u in (0, 1)) share one convention.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +127,12 @@ class SD15InpaintAdapter:
         latent_mask, masked_latents = self.pipeline.prepare_mask_latents(
             mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False)
         return Conditioning(embeds=self.prompts.cat(prompts), image=masked_latents, mask=latent_mask)
+
+    def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
+        """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
+        ``model.text_embeddings`` store lacks."""
+        cfg = any(scale > 1.0 for scale in guidance_scales)
+        return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
     @staticmethod
     def encode_text(pipeline: StableDiffusionInpaintPipeline, config: SD15InpaintConfig, device: torch.device,

@@ -7,7 +7,7 @@ pixel space (latents are images in [-1, 1]): that is how the tiny embedded model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +121,12 @@ class SD3Adapter:
             raise ValueError("the sd3 adapter takes no image inputs (image/mask/reference/style); use an "
                              "inpainting or editing model for such a dataset")
         return Conditioning(embeds=self.prompts.cat(prompts))
+
+    def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
+        """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
+        ``model.text_embeddings`` store lacks."""
+        cfg = any(scale > 1.0 for scale in guidance_scales)
+        return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         return standard_normal((batch_size, *self.latent_shape), generator, self.device)
