@@ -98,6 +98,12 @@ def _unwrap(hint: Any) -> tuple[Any, tuple]:
     return hint, meta
 
 
+def _admits_none(hint: Any) -> bool:
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
 def selected_field(hint: Any) -> Selected | None:
     """The ``Selected`` marker of a field whose class is chosen by name, if it has one."""
     return next((m for m in _unwrap(hint)[1] if isinstance(m, Selected)), None)
@@ -161,6 +167,8 @@ def merge_sections(base: dict, update: Mapping, cls: type | None) -> None:
     hints = typing.get_type_hints(cls, include_extras=True) if cls is not None else {}
     for key, value in update.items():
         hint = hints.get(key)
+        if value is None and isinstance(base.get(key), dict) and not _admits_none(hint):
+            continue  # a YAML section left empty (``eval:`` with only comments under it): no changes
         if isinstance(value, Mapping) and isinstance(base.get(key), dict) and not mapping_field(hint):
             if selected_field(hint) is not None and "name" in value:
                 base[key] = dict(value)
@@ -290,8 +298,7 @@ def _hint(cls: type | None, name: str) -> Any:
 
 def _override_value(override: str, text: str, hint: Any) -> Any:
     inner = _unwrap(hint)[0]
-    nullable = typing.get_origin(typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated
-                                 else hint) in (Union, types.UnionType)
+    nullable = _admits_none(hint)
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
     if inner is str and not quoted:
         return None if nullable and text in ("null", "~") else text

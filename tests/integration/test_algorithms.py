@@ -261,3 +261,14 @@ def test_an_epoch_without_any_reward_spread_makes_no_step(tmp_path, tiny_model_d
                             torch.Generator().manual_seed(2))
     assert stats == {}
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable_parameters(), strict=True))
+
+
+def test_warmup_images_of_another_size_than_the_model_generates_are_refused(tiny_model_dir):
+    """data.image_size=24 with a 16-pixel model: the warm-up trained at 24x24 what RL then sampled at 16x16."""
+    from trainer.algorithms.sft import SFTConfig
+
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    data = DigitsTask(24).supervised_batch(2, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"supervised images of \(24, 24\) pixels encode to latents \(1, 24, 24\), but "
+                                         r"the model generates \(1, 16, 16\).*set data.image_size"):
+        SFT(SFTConfig(batch_size=2)).data_batch(adapter, data.images, data.prompts, torch.Generator().manual_seed(1))

@@ -217,3 +217,13 @@ def test_a_later_file_updates_an_optional_section_field_by_field(tmp_path):
     preset = str(REPO / "configs/presets/flux_fill_ip_adapter_grpo.yaml")
     merged = load_config([preset, str(scale)]).model.ip_adapter
     assert merged.scale == 0.5 and merged.image_encoder == load_config(preset).model.ip_adapter.image_encoder
+
+
+def test_an_empty_yaml_section_changes_nothing_and_null_still_turns_lora_off(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("eval:\n  # nothing changed yet\ntrain:\n  epochs: 3\nmodel:\n  lora:\n")
+    config = load_config(str(path))
+    assert config.eval == load_config().eval and config.train.epochs == 3
+    lora = tmp_path / "lora.yaml"
+    lora.write_text("model: {lora: {rank: 4}}\n")
+    assert load_config(str(lora)).model.lora.rank == 4 and load_config([str(lora), str(path)]).model.lora is None

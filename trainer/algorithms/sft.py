@@ -139,6 +139,10 @@ class SFT:
         drop = torch.rand(len(prompts), generator=generator) < self.config.cfg_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         x0 = adapter.encode_images(images)
+        if tuple(x0.shape[1:]) != tuple(adapter.latent_shape):
+            raise ValueError(f"supervised images of {tuple(images.shape[-2:])} pixels encode to latents "
+                             f"{tuple(x0.shape[1:])}, but the model generates {tuple(adapter.latent_shape)} (model."
+                             "resolution): set data.image_size to the model's resolution")
         noise = torch.randn(x0.shape, generator=generator).to(x0.device)
         sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator)
         return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts, inputs))
