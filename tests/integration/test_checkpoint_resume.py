@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainer.checkpoint import Checkpoints, Progress
@@ -95,3 +96,39 @@ def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model
     assert progress == Progress(10, 3, True) and list(states) == ["ema"]
     assert torch.equal(states["ema"]["w"], torch.full((2,), 3.0))
     assert all(torch.equal(a, b) for a, b in zip(before, adapter.trainable_parameters(), strict=True))
+
+
+def _failing_save(failure: str) -> tuple[dict, dict, str]:
+    """(states, config, error) of a save that fails half-way."""
+    if failure == "shared-tensors":
+        # The safetensors writer refuses tensors that share memory: the save fails after the trainable weights
+        # and the optimizer state are written, before the progress file.
+        shared = torch.zeros(4)
+        return {"ema": {"a": shared, "b": shared[:2]}}, {}, "share memory"
+    # json cannot write a config that holds itself: the save fails after the progress file, so a checkpoint
+    # written in place would look complete.
+    config = {"train": {}}
+    config["train"]["self"] = config
+    return {}, config, "Circular reference"
+
+
+@pytest.mark.parametrize("failure", ["shared-tensors", "unwritable-config"])
+def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_the_latest(tmp_path, tiny_model_dir, failure):
+    from trainer.distributed import SingleProcess
+    from trainer.models.tiny import TinyAdapter, TinyConfig
+
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    backend = SingleProcess(torch.device("cpu"))
+    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    checkpoints = Checkpoints(tmp_path, keep=0, is_main=True)
+    previous = checkpoints.save(Progress(10, 1, True), adapter, backend, {}, {})
+    assert checkpoints.latest() == previous
+    states, config, error = _failing_save(failure)
+    with pytest.raises((RuntimeError, ValueError), match=error):
+        checkpoints.save(Progress(10, 2, True), adapter, backend, states, config)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [previous.name]
+    assert checkpoints.latest() == previous
+    # the next save that succeeds is taken, and clears what the failed one left
+    done = checkpoints.save(Progress(10, 2, True), adapter, backend, {}, {})
+    assert checkpoints.latest() == done and done.name == "step-000010-000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name, done.name]

@@ -44,6 +44,22 @@ def test_failed_rewards_get_zero_advantage_and_are_left_out_of_the_statistics():
     assert adv[3].item() == 0.0  # a group of one has no spread
 
 
+def test_failed_rewards_are_left_out_of_the_global_std():
+    """GRPO's default (and PPO's batch) normalisation: the batch std is over the valid rewards alone.
+    Valid rewards 1, 3, 2, 6: mean 3, squared deviations 4, 0, 1, 9, population std sqrt(14 / 4)."""
+    nan = float("nan")
+    r = torch.tensor([1.0, nan, 3.0, 2.0, 6.0])
+    g = torch.tensor([0, 0, 0, 1, 1])
+    std = math.sqrt(3.5)
+    adv = group_advantages(r, g, global_std=True)
+    assert adv[1].item() == 0.0
+    # group 0 (1, 3): mean 2; group 1 (2, 6): mean 4; both over the batch std
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 0.0, 1.0, -2.0, 2.0]) / (std + 1e-4))
+    batch = batch_advantages(r)
+    assert batch[1].item() == 0.0
+    torch.testing.assert_close(batch, torch.tensor([-2.0, 0.0, 0.0, -1.0, 3.0]) / (std + 1e-4))
+
+
 def test_batch_advantages_and_zero_std_share():
     r = torch.tensor([1.0, 2.0, 3.0, 4.0])
     std = math.sqrt(1.25)

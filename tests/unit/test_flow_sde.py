@@ -130,6 +130,30 @@ def test_eta_step_std_is_eta_sqrt_sigma_gap():
     torch.testing.assert_close(log_prob, expected)
 
 
+def test_eta_step_mean_and_std_closed_form():
+    """At eta = 0.3 (not 0, where the drift's correction vanishes): std_dev_t = eta, so
+        mean   = x (1 + eta^2 dt / (2 sigma)) + v (1 + eta^2 (1 - sigma) / (2 sigma)) dt
+        x_next = mean + eta sqrt(sigma - sigma_next) eps
+    with dt = sigma_next - sigma, and eps the generator's standard normal draw."""
+    x, v, sigma, sigma_next = _inputs()
+    eta = 0.3
+    prev, log_prob, mean, std = eta_step_with_logprob(
+        v, x, sigma, sigma_next, noise_level=eta, generator=torch.Generator().manual_seed(0)
+    )
+    s = sigma.view(-1, 1, 1, 1)
+    dt = (sigma_next - sigma).view(-1, 1, 1, 1)
+    expected_mean = x * (1 + eta**2 * dt / (2 * s)) + v * (1 + eta**2 * (1 - s) / (2 * s)) * dt
+    torch.testing.assert_close(mean, expected_mean)
+    # the score correction is not negligible here: the plain Euler mean is well outside the tolerance
+    assert (mean - (x + v * dt)).abs().max() > 1e-2
+    torch.testing.assert_close(std, torch.full_like(std, eta))
+    eps = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    scale = eta * torch.sqrt(-dt)
+    torch.testing.assert_close(prev, expected_mean + scale * eps)
+    closed = -((prev - expected_mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(log_prob, closed.mean(dim=(1, 2, 3)))
+
+
 @pytest.mark.parametrize("kind", sorted(STEP_FUNCTIONS))
 def test_scheduled_step_equals_the_step_at_the_schedules_sigmas(kind):
     """``flow_step`` precomputes each step's constants: per-step (int) and per-sample ([B]) indices give the
