@@ -64,6 +64,15 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+async def _queued(app: Any, items: int, scorer: str = "slow", timeout_s: float = 10.0) -> None:
+    """Wait until ``scorer``'s queue holds ``items`` items (a request is in, not just sent)."""
+    async def poll() -> None:
+        while app.state.service.workers[scorer].queued_items < items:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
 class _TestScorer:
     """A scorer for server behaviour tests: waits ``delay_s`` per batch, loads when ``gate`` opens."""
 
@@ -339,7 +348,7 @@ def test_full_queue_is_429_and_drain_lets_in_flight_work_finish() -> None:
         async def scenario() -> None:
             async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as client:
                 in_flight = asyncio.create_task(client.post("/score", json=body))
-                await asyncio.sleep(0.2)
+                await _queued(app, 2)
                 full = await client.post("/score", json=body)
                 assert full.status_code == 429 and full.headers["retry-after"] == "1"
                 app.state.service.begin_drain()
@@ -364,7 +373,7 @@ def test_a_full_queue_refuses_only_requests_for_its_own_scorer() -> None:
         async def scenario() -> None:
             async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as client:
                 in_flight = asyncio.create_task(client.post("/score", json={"scorers": ["slow"], "items": items}))
-                await asyncio.sleep(0.2)
+                await _queued(app, 2)
                 assert (await client.post("/score", json={"scorers": ["slow"], "items": items})).status_code == 429
                 ready = await client.get("/readyz")  # for load balancers: this replica is busy
                 assert ready.status_code == 503 and ready.json()["detail"] == "queue full: ['slow']"

@@ -15,7 +15,7 @@ from trainer.data import build_task
 from trainer.rewards.client import HttpRewardClient
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "flow_grpo"
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason="the shared prompt sets sit beside the checkout")
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="the shared prompt sets sit beside the checkout")
 
 
 def _wire_metadata(prompts: list[str], metadata: list[dict]) -> list[dict]:
@@ -28,6 +28,7 @@ def _wire_metadata(prompts: list[str], metadata: list[dict]) -> list[dict]:
     return [item.metadata for item in ScoreRequest.model_validate_json(body).items]
 
 
+@needs_data
 def test_geneval_records_travel_as_reward_metadata():
     task = build_task(DataConfig(name="prompt_file", path=str(DATA / "geneval_test_metadata.jsonl")))
     records = [json.loads(line) for line in (DATA / "geneval_test_metadata.jsonl").read_text().splitlines()]
@@ -43,6 +44,7 @@ def test_geneval_records_travel_as_reward_metadata():
     assert task.eval_prompts == task.prompts[:8] and task.inputs([0, 1]) is None
 
 
+@needs_data
 def test_text_rendering_prompts_carry_their_quoted_target():
     task = build_task(DataConfig(name="prompt_file", path=str(DATA / "ocr_test_prompts.txt")))
     metadata = task.item_metadata(list(range(len(task.prompts))))
