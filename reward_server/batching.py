@@ -154,7 +154,7 @@ class ScorerWorker:
             if deadline is None:
                 return await job.future
             return await asyncio.wait_for(asyncio.shield(job.future), timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             job.abandoned = True  # its items not yet started are dropped; those finished are kept
             return job.partial_result()
         except asyncio.CancelledError:

@@ -28,6 +28,7 @@ from trainer.configuration import (
     build,
     load_yaml,
     merge_sections,
+    override_value,
     to_dict,
 )
 
@@ -256,19 +257,26 @@ class Config:
 def load_config(paths: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> Config:
     """The default config, updated by YAML files in order (a model preset, then an algorithm preset: a later
     file's fields win) and then by ``section.key=value`` overrides, ``model.name`` / ``algorithm.name`` ones
-    first. A file's section that names its class (``algorithm: {name: grpo, ...}``) starts from that class's
-    defaults, not from the fields of the config before it (the embedded job's GRPO sampler window, say), as
-    an override naming another class does (``algorithm.name=dpo``); a section without a name updates the one
-    before it field by field."""
+    first. A section naming another class than the one before it (``algorithm: {name: dpo, ...}`` in a file,
+    ``algorithm.name=dpo``) starts from that class's defaults; so does a file's named section over the
+    embedded job's (whose GRPO sampler window a preset naming grpo must not inherit); otherwise a section
+    updates the one before it field by field."""
     raw: dict = to_dict(Config())
+    built_in = {"model", "algorithm"}  # sections still the embedded job's
     for path in [paths] if isinstance(paths, str) else paths or ():
-        merge_sections(raw, load_yaml(path), Config)
+        update = load_yaml(path)
+        for section in built_in & update.keys():
+            if isinstance(update[section], dict) and "name" in update[section]:
+                raw[section] = {"name": update[section]["name"]}  # that class's defaults, not the embedded job's
+        built_in -= update.keys()
+        merge_sections(raw, update, Config)
     names = [o for o in overrides if o.partition("=")[0].strip() in _NAMED]
     for override in names:
-        key, _, name = override.partition("=")
+        key, _, text = override.partition("=")
         section = key.strip().split(".")[0]
-        if raw[section].get("name") != name.strip():  # another class: its defaults, not the old one's fields
-            raw[section] = {"name": name.strip()}
+        name = override_value(override, text.strip(), str)
+        if not isinstance(raw[section], dict) or raw[section].get("name") != name:  # another class: its defaults
+            raw[section] = {"name": name}
     for override in [o for o in overrides if o not in names]:
         apply_override(raw, override, Config)
     return build(Config, raw, "")

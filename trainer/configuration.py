@@ -161,16 +161,16 @@ def _over_default(field: dataclasses.Field, hint: Any, value: Any) -> Any:
 
 def merge_sections(base: dict, update: Mapping, cls: type | None) -> None:
     """Update ``base`` (the raw dict of dataclass ``cls``) with ``update`` in place: nested sections merge field
-    by field (optional ones such as ``model.lora`` too), a section naming its class (``algorithm: {name: dpo,
-    ...}``) replaces the old one, so that it starts from that class's defaults, and any other value,
-    mapping-typed fields such as ``reward.weights`` included, replaces the old one."""
+    by field (optional ones such as ``model.lora`` too), a section naming another class than the old one's
+    (``algorithm: {name: dpo, ...}``) replaces it, so that it starts from that class's defaults, and any other
+    value, mapping-typed fields such as ``reward.weights`` included, replaces the old one."""
     hints = typing.get_type_hints(cls, include_extras=True) if cls is not None else {}
     for key, value in update.items():
         hint = hints.get(key)
         if value is None and isinstance(base.get(key), dict) and not _admits_none(hint):
             continue  # a YAML section left empty (``eval:`` with only comments under it): no changes
         if isinstance(value, Mapping) and isinstance(base.get(key), dict) and not mapping_field(hint):
-            if selected_field(hint) is not None and "name" in value:
+            if selected_field(hint) is not None and value.get("name", base[key].get("name")) != base[key].get("name"):
                 base[key] = dict(value)
             else:
                 merge_sections(base[key], value, section_class(hint, base[key]))
@@ -285,23 +285,31 @@ def apply_override(raw: dict, override: str, cls: type | None = None) -> None:
     node, section = raw, cls
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
+        if child is None and section is not None and section_class(_hint(section, part), {}) is not None:
+            child = node[part] = {}  # an optional section that is off (model.lora): on, from its defaults
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
         section = section_class(_hint(section, part), child) if section is not None else None
         node = child
-    node[parts[-1]] = _override_value(override, text, _hint(section, parts[-1]))
+    node[parts[-1]] = override_value(override, text, _hint(section, parts[-1]))
 
 
 def _hint(cls: type | None, name: str) -> Any:
     return typing.get_type_hints(cls, include_extras=True).get(name) if dataclasses.is_dataclass(cls) else None
 
 
-def _override_value(override: str, text: str, hint: Any) -> Any:
+def override_value(override: str, text: str, hint: Any) -> Any:
+    """An override's ``text`` as the value of a field typed ``hint`` (see ``apply_override``)."""
     inner = _unwrap(hint)[0]
     nullable = _admits_none(hint)
-    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
-    if inner is str and not quoted:
-        return None if nullable and text in ("null", "~") else text
+    if inner is str:
+        if nullable and text in ("null", "~"):
+            return None
+        try:  # 'a quoted value' is unquoted; anything else stays as written
+            unquoted = yaml.safe_load(text) if text[:1] in ("'", '"') else None
+        except yaml.YAMLError:
+            unquoted = None
+        return unquoted if isinstance(unquoted, str) else text
     try:
         return yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError as exc:

@@ -227,3 +227,21 @@ def test_an_empty_yaml_section_changes_nothing_and_null_still_turns_lora_off(tmp
     lora = tmp_path / "lora.yaml"
     lora.write_text("model: {lora: {rank: 4}}\n")
     assert load_config(str(lora)).model.lora.rank == 4 and load_config([str(lora), str(path)]).model.lora is None
+
+
+def test_a_later_file_naming_the_same_class_updates_it_and_name_overrides_may_be_quoted(tmp_path):
+    """A local file naming the preset's model (to give its path) used to reset every other model field: the
+    preset's LoRA, bf16 and 512 px silently became a full fine-tune in float32."""
+    local = tmp_path / "local.yaml"
+    local.write_text("model: {name: sd3, path: /my/sd3}\nalgorithm: {name: grpo, kl_beta: 0.1}\n")
+    preset = str(REPO / "configs/presets/sd3_grpo_ocr.yaml")
+    merged, alone = load_config([preset, str(local)]), load_config(preset)
+    assert merged.model.path == "/my/sd3" and merged.model == dataclasses.replace(alone.model, path="/my/sd3")
+    assert merged.algorithm == dataclasses.replace(alone.algorithm, kl_beta=0.1)
+    assert load_config(overrides=["algorithm.name='dpo'"]).algorithm.name == "dpo"
+    short = tmp_path / "short.yaml"
+    short.write_text("algorithm: dpo\n")  # not a section: refused by name, not with a traceback
+    assert load_config(str(short), ["algorithm.name=grpo"]).algorithm.name == "grpo"
+    config = load_config(overrides=["model.name=sd3", "model.negative_prompt='low' and 'blurry'", "model.lora.rank=8"])
+    assert config.model.negative_prompt == "'low' and 'blurry'"
+    assert config.model.lora.rank == 8  # LoRA was off: its section starts from its defaults
