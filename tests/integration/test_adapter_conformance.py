@@ -277,7 +277,9 @@ def test_grpo_sft_and_dpo_steps_change_only_trainable_parameters(name, mode, mod
     x0 = adapter.encode_images(torch.rand(2, *ro.images.shape[1:], generator=torch.Generator().manual_seed(3)))
     sft_batch = SFTBatch(x0, standard_normal(x0.shape, target.generator(4), x0.device),
                          torch.tensor([0.3, 0.8], device=x0.device), adapter.encode_prompts(prompts, inputs))
-    loss, _ = SFT(SFTConfig()).loss(LossContext(adapter, adapter.denoiser, None), (sft_batch, torch.arange(2)))
+    sft = SFT(SFTConfig())
+    (units,) = sft.plan(sft_batch, torch.Generator().manual_seed(5))
+    loss = sum(sft.loss(LossContext(adapter, adapter.denoiser, None), unit)[0] for unit in units)
     _train_step(adapter, [loss])
     _check_only_trainable_changed(adapter, before)
 
