@@ -16,6 +16,7 @@ import yaml
 from trainer.algorithms import ALGORITHMS
 from trainer.config import Config, ConfigError, load_config, reward_token, saved_dict
 from trainer.configuration import Bounds
+from trainer.main import main
 from trainer.models import MODELS
 from trainer.models.sd3 import SD3Config
 
@@ -132,15 +133,11 @@ def test_every_shipped_config_file_loads():
         assert isinstance(load_config(str(path)), Config), path
 
 
-def test_cli_help_and_config_errors():
-    env_python = sys.executable
-    out = subprocess.run([env_python, "trainer/main.py", "--help"], cwd=REPO, capture_output=True, text=True)
+def test_cli_help_and_config_errors(capsys):
+    out = subprocess.run([sys.executable, "trainer/main.py", "--help"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and "section.key=value" in out.stdout
-    out = subprocess.run([env_python, "trainer/main.py", "train.epochz=1"], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 2 and "unknown config key train.epochz" in out.stderr
-    out = subprocess.run([env_python, "trainer/main.py", "--show-config", "train.epochs=7"], cwd=REPO,
-                         capture_output=True, text=True)
-    assert out.returncode == 0 and "epochs: 7" in out.stdout
+    assert main(["train.epochz=1"]) == 2 and "unknown config key train.epochz" in capsys.readouterr().err
+    assert main(["--show-config", "train.epochs=7"]) == 0 and "epochs: 7" in capsys.readouterr().out
 
 
 def test_switching_model_by_override_takes_the_new_model_defaults():
@@ -154,20 +151,18 @@ def test_the_embedded_preset_is_the_default():
     assert load_config(str(REPO / "configs" / "embedded_digits.yaml")) == load_config()
 
 
-def test_config_files_merge_in_order_and_the_cli_takes_several():
+def test_config_files_merge_in_order_and_the_cli_takes_several(capsys):
     """A model preset, then an algorithm preset (README): a second ``--config`` used to replace the first."""
     model, algorithm = REPO / "configs/presets/sd3_grpo_ocr.yaml", REPO / "configs/algorithms/nft.yaml"
     config = load_config([str(model), str(algorithm)])
     assert config.model.name == "sd3" and config.model == load_config(str(model)).model
     assert config.algorithm.name == "nft" and config.algorithm.noise_draws == 4
-    out = subprocess.run([sys.executable, "trainer/main.py", "--config", str(model), "--config", str(algorithm),
-                          "--show-config"], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    shown = yaml.safe_load(out.stdout)
+    assert main(["--config", str(model), "--config", str(algorithm), "--show-config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["model"]["name"] == "sd3" and shown["algorithm"]["name"] == "nft"
 
 
-def test_the_reward_token_comes_from_the_environment_and_is_never_saved(monkeypatch):
+def test_the_reward_token_comes_from_the_environment_and_is_never_saved(monkeypatch, capsys):
     monkeypatch.delenv("REWARD_SERVER_TOKEN", raising=False)
     assert reward_token(load_config().reward) is None
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "from-shell")
@@ -175,9 +170,9 @@ def test_the_reward_token_comes_from_the_environment_and_is_never_saved(monkeypa
     given = load_config(overrides=["reward.token=s3cret"])
     assert reward_token(given.reward) == "s3cret"
     assert saved_dict(given)["reward"]["token"] is None and given.reward.token == "s3cret"
-    out = subprocess.run([sys.executable, "trainer/main.py", "--show-config", "reward.token=s3cret"], cwd=REPO,
-                         capture_output=True, text=True)
-    assert out.returncode == 0 and "s3cret" not in out.stdout and "token: null" in out.stdout
+    assert main(["--show-config", "reward.token=s3cret"]) == 0
+    shown = capsys.readouterr().out
+    assert "s3cret" not in shown and "token: null" in shown
 
 
 def test_a_section_naming_its_class_starts_from_its_defaults(tmp_path):
