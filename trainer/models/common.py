@@ -390,6 +390,19 @@ INDEX_SAVE_EVERY = 256
 recomputes at most (an exception saves the index as it unwinds)."""
 
 
+def index_to_extend(directory: str, name: str, fingerprint: str, refusal: str) -> dict | None:
+    """The index ``name`` of a store being written in ``directory`` (created when missing), None for a new
+    store; a ValueError with ``refusal`` when it was written for another ``fingerprint``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / name).is_file():
+        return None
+    index = json.loads((out / name).read_text())
+    if index["fingerprint"] != fingerprint:
+        raise ValueError(refusal)
+    return index
+
+
 def write_index(file: Path, index: dict) -> None:
     """Write a store's index atomically: a reader sees the old index or the new one, never a part."""
     tmp = file.with_name(f".{file.name}.tmp")
@@ -421,15 +434,9 @@ class TextEmbeddingStore:
     @classmethod
     def create(cls, directory: str, fingerprint: str) -> TextEmbeddingStore:
         """The store in ``directory`` (created when missing); one of another fingerprint is refused."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / TEXT_INDEX).is_file():
-            return cls(directory, fingerprint)
-        index = json.loads((out / TEXT_INDEX).read_text())
-        if index["fingerprint"] != fingerprint:
-            raise ValueError(f"--out {directory!r} holds embeddings of other text encoders or settings; "
-                             "choose another directory")
-        return cls(directory, fingerprint, index["prompts"])
+        index = index_to_extend(directory, TEXT_INDEX, fingerprint, f"--out {directory!r} holds embeddings of other "
+                                "text encoders or settings; choose another directory")
+        return cls(directory, fingerprint, index["prompts"] if index else None)
 
     def missing(self, prompts: Iterable[str]) -> list[str]:
         """The distinct prompts of ``prompts`` that the store lacks, in order."""
@@ -550,15 +557,9 @@ class LatentStore:
     @classmethod
     def create(cls, directory: str, fingerprint: str) -> LatentStore:
         """The store in ``directory`` (created when missing); one of another fingerprint is refused."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / LATENT_INDEX).is_file():
-            return cls(directory, fingerprint)
-        index = json.loads((out / LATENT_INDEX).read_text())
-        if index["fingerprint"] != fingerprint:
-            raise ValueError(f"--latents {directory!r} holds latents of another VAE or settings; choose another "
-                             "directory")
-        return cls(directory, fingerprint, index["keys"])
+        index = index_to_extend(directory, LATENT_INDEX, fingerprint, f"--latents {directory!r} holds latents of "
+                                "another VAE or settings; choose another directory")
+        return cls(directory, fingerprint, index["keys"] if index else ())
 
     def __contains__(self, key: str) -> bool:
         return key in self.keys
