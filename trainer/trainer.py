@@ -21,6 +21,7 @@ from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ran
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
 from trainer.config import Config, saved_dict
+from trainer.configuration import build, to_dict
 from trainer.data import Task
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend
@@ -38,6 +39,7 @@ class RewardFailure(RuntimeError):
 class Trainer:
     def __init__(self, config: Config, adapter: ModelAdapter, algorithm: Algorithm, warmup: SFT, task: Task,
                  reward_client: Any, backend: ParallelBackend, logger: RunLogger):
+        build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
         self.config = config
         self.adapter = adapter
         self.algorithm = algorithm

@@ -272,3 +272,18 @@ def test_warmup_images_of_another_size_than_the_model_generates_are_refused(tiny
     with pytest.raises(ValueError, match=r"supervised images of \(24, 24\) pixels encode to latents \(1, 24, 24\), but "
                                          r"the model generates \(1, 16, 16\).*set data.image_size"):
         SFT(SFTConfig(batch_size=2)).data_batch(adapter, data.images, data.prompts, torch.Generator().manual_seed(1))
+
+
+def test_a_config_made_in_python_is_checked_as_a_files_is(tmp_path, tiny_model_dir):
+    """Ranges were checked only when a config was read from YAML or overrides; one built with dataclasses
+    went through with a negative learning rate (or a zero batch size) until something failed deep inside."""
+    import dataclasses
+
+    from trainer.configuration import ConfigError
+
+    config = load_config(overrides=[f"model.path={tiny_model_dir}", "logging.progress=false"])
+    bad = dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=-1.0))
+    with pytest.raises(ConfigError, match=r"train.learning_rate=-1.0 must be >= 0"):
+        Trainer(bad, TinyAdapter(TinyConfig(path=tiny_model_dir)), build_algorithm(config.algorithm), SFT(config.warmup),
+                DigitsTask(16), InProcessRewardClient.from_names({"digit": 1.0}), SingleProcess(torch.device("cpu")),
+                RunLogger(tmp_path, True, False))
