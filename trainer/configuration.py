@@ -137,8 +137,10 @@ def build(cls: type, raw: Any, path: str) -> Any:
     if unknown:
         where = f"{path}." if path else ""
         raise ConfigError(f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}")
-    kwargs = {name: convert(hints[name], _over_default(fields[name], hints[name], value), f"{path}.{name}" if path else name)
-              for name, value in raw.items()}
+    kwargs = {}
+    for name, value in raw.items():
+        value = _over_default(fields[name], hints[name], value)
+        kwargs[name] = convert(hints[name], value, f"{path}.{name}" if path else name)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
