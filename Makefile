@@ -52,8 +52,10 @@ test: $(STAMP) system-deps  ## the default test suite (slow and GPU tests exclud
 test-all: $(STAMP) system-deps  ## everything, including tests marked slow
 	$(VENV)/bin/python -m pytest -m "not gpu" $(ARGS)
 
-gpu-wheels: $(STAMP)  ## .gpu-wheels/: the packages our GPU tests need beyond a CUDA image's torch stack
-	$(VENV)/bin/pip download -q --no-deps -d .gpu-wheels "diffusers==$$($(VENV)/bin/python -c 'import diffusers; print(diffusers.__version__)')"
+GPU_PYTHON ?= 3.12
+gpu-wheels: $(STAMP)  ## .gpu-wheels/: our diffusers, transformers and peft for a CUDA image's Python (GPU_PYTHON)
+	$(VENV)/bin/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d .gpu-wheels importlib_metadata zipp \
+		$$(for p in diffusers transformers peft; do echo "$$p==$$($(VENV)/bin/python -c "from importlib.metadata import version; print(version('$$p'))")"; done)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -43,7 +43,9 @@ and token counts stay tiny, so the denoiser's share of the time is what grows.
 weights, for a GPU: 2.23 B parameters for SD3.5 Medium, 11.89 B FLUX.1, 20.42 B Qwen-Image, 0.84 B the SD1.5
 UNet (0.86 B published: its cross-attention reads the tiny text width); see ``DENOISER_REAL``. ``--scale 4``
 then gives 4096 image tokens, as at 1024 px (SD1.5: 64x64 latents, as at 512 px); ``--scale 2`` 1024.
-``--layers 1`` caps the transformers' depth so that the real widths run on a CPU.
+``--layers 1`` caps the transformers' depth so that the real widths run on a CPU. ``--gradient-checkpointing``
+recomputes the denoiser's activations in the backward of both train columns, as a real-size run would;
+bench/RESULTS_GPU.md holds an H100's table taken with it.
 ``--device cuda --dtype bfloat16`` runs the same comparison on a GPU (every timed call ends with a
 device synchronisation; the noise generators live on the GPU, as the trainer's rollout generator does).
 Targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x. The machine is shared: expect a few % of noise.
@@ -53,8 +55,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -112,9 +116,12 @@ DEPTH_KEYS = ("num_layers", "num_single_layers")
 """Config fields that ``--layers`` caps (transformers; the UNet's depth stays)."""
 
 
-def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | None = None) -> None:
+def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | None = None, device: str = "cpu",
+                    dtype: str = "float32") -> None:
     """Build the tiny model of ``name`` under ``root`` and replace its denoiser by one with ``overrides``
-    applied to its config (random weights), at most ``max_layers`` blocks per stack when given."""
+    applied to its config (random weights), at most ``max_layers`` blocks per stack when given. The weights
+    are drawn on ``device`` in ``dtype`` and saved so: a real-size one in float32 on the CPU would take 82 GB
+    of memory and disk for Qwen-Image."""
     testing.tiny_config(name, root)
     folder = Path(root) / name / ("unet" if name == "sd15_inpaint" else "transformer")
     config = {**json.loads((folder / "config.json").read_text()), **overrides}
@@ -123,7 +130,16 @@ def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | Non
         if "dual_attention_layers" in config:
             config["dual_attention_layers"] = [i for i in config["dual_attention_layers"] if i < config["num_layers"]]
     torch.manual_seed(0)
-    getattr(diffusers, config["_class_name"]).from_config(config).eval().save_pretrained(folder)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = getattr(diffusers, config["_class_name"]).from_config(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.eval().save_pretrained(folder)
+    del model
+    gc.collect()  # a real-size denoiser's weights leave the GPU before the adapter loads its copy
 
 
 def keep_freed_memory() -> None:
@@ -180,12 +196,15 @@ class Recorder(nn.Module):
 
 
 def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: dict | None = None,
-                  device: str = "cpu", dtype: str = "float32", max_layers: int | None = None) -> dict[str, float]:
+                  device: str = "cpu", dtype: str = "float32", max_layers: int | None = None,
+                  gradient_checkpointing: bool = False) -> dict[str, float]:
     """One table row for ``case``; ``denoiser`` maps adapter names to config overrides (None: the tiny one)."""
     name = case.removesuffix("+ip")
     if denoiser is not None and not (Path(root) / name / "model_index.json").is_file():
-        resize_denoiser(root, name, denoiser[name], max_layers)
-    overrides = {"resolution": RESOLUTION[name] * scale} if name in RESOLUTION else {}
+        resize_denoiser(root, name, denoiser[name], max_layers, device, dtype)
+    overrides: dict = {"gradient_checkpointing": gradient_checkpointing}
+    if name in RESOLUTION:
+        overrides["resolution"] = RESOLUTION[name] * scale
     if case.endswith("+ip"):
         overrides["ip_adapter"] = testing.tiny_ip_adapter(root)
     adapter = build_adapter(testing.tiny_config(name, root, dtype=dtype, lora=LoraSettings(rank=8, alpha=8),
@@ -340,6 +359,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="cap each transformer stack at this many blocks (e.g. --denoiser real --layers 1 "
                              "checks the real widths on a CPU)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute the denoiser's activations in backward (both columns of train): what fits "
+                             "the real sizes' train step into one GPU")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="weights and forward dtype of every component (the step math stays float32)")
@@ -357,10 +379,21 @@ def main() -> None:
           + (f" capped at {args.layers} blocks per stack" if args.layers else "") + "; ratio = ours / plain, "
           "ms = ours (rollout: the whole batch; train: one GRPO step's units, KL off), peak_GiB: GPU memory")
     print(f"{'adapter':<14}{'params':>9}" + "".join(f"{c:>14}" for c in columns))
+    cases = args.names.split(",")
     with tempfile.TemporaryDirectory() as root:
-        for name in args.names.split(","):
-            row = bench_adapter(name, root, args.repeats, args.scale, sizes, args.device, args.dtype, args.layers)
-            print(f"{name:<14}{row['params']:>8.1f}M" + "".join(_cell(c, row[c]) for c in columns), flush=True)
+        for i, case in enumerate(cases):
+            try:
+                row = bench_adapter(case, root, args.repeats, args.scale, sizes, args.device, args.dtype, args.layers,
+                                    args.gradient_checkpointing)
+                print(f"{case:<14}{row['params']:>8.1f}M" + "".join(_cell(c, row[c]) for c in columns), flush=True)
+            except torch.OutOfMemoryError as error:
+                print(f"{case:<14}  out of memory: {str(error).splitlines()[0]}", flush=True)
+            name = case.removesuffix("+ip")
+            if sizes is not None and all(c.removesuffix("+ip") != name for c in cases[i + 1:]):
+                shutil.rmtree(Path(root) / name)  # real sizes: up to 41 GB of weights each
+            gc.collect()
+            if args.device != "cpu":
+                torch.cuda.empty_cache()
     print("targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x")
 
 

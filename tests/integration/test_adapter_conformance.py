@@ -330,9 +330,16 @@ def test_lora_and_ip_weights_train_in_float32(name, model_root, target):
     optimizer.step()
     for p, b, g in zip(trainable, before, graded, strict=True):
         assert torch.isfinite(p).all()
-        if g.any():
-            moved = p.ne(b)[g].float().mean()
-            assert float(moved) == 1.0, f"{float(moved):.2%} of the weights with a gradient moved"
+        moved = p.ne(b)[g]
+        assert moved.all(), f"{float(moved.float().mean()):.4%} of the weights with a gradient moved"
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_is_off_on_cuda_unless_asked_for(model_root):
+    """cuDNN's attention backward returned NaN gradients for the FLUX family on an H100 (torch 2.11)."""
+    for wanted in (True, False):
+        build_adapter(tiny_config("sd3", model_root, dtype="bfloat16", cudnn_attention=wanted), "cuda")
+        assert torch.backends.cuda.cudnn_sdp_enabled() is wanted
 
 
 # --- (d) save / load round trip -----------------------------------------------------------------------

@@ -46,7 +46,12 @@ MODELS: dict[str, ModelSpec] = _registry()
 
 
 def build_adapter(config, device):
-    """The ModelAdapter that ``config.name`` names, loaded on ``device``."""
+    """The ModelAdapter that ``config.name`` names, loaded on ``device``. On CUDA, cuDNN attention is switched
+    on or off for the process, as ``config.cudnn_attention`` says."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
     adapter_class = MODELS[config.name].load()
     hint = other_models_pipeline(config, adapter_class)
     if hint:
