@@ -360,8 +360,8 @@ def main() -> None:
                         help="cap each transformer stack at this many blocks (e.g. --denoiser real --layers 1 "
                              "checks the real widths on a CPU)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="recompute the denoiser's activations in backward (both columns of train): what fits "
-                             "the real sizes' train step into one GPU")
+                        help="recompute the denoiser's activations in backward (both columns of train), as a "
+                             "real-size run would; bench/RESULTS_GPU.md was taken with it")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="weights and forward dtype of every component (the step math stays float32)")

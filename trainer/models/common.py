@@ -73,7 +73,8 @@ class DiffusersModelConfig:
     cudnn_attention: bool = False
     """Let PyTorch run attention with cuDNN's fused kernels on CUDA (its default there). Off by default: on an
     H100 with torch 2.11 their backward returned NaN gradients for the tiny FLUX models and an illegal memory
-    access at FLUX.1's real shapes (pytorch/pytorch#196678); flash and memory-efficient attention remain."""
+    access at FLUX.1's real shapes (cuDNN backward NaNs of this kind: pytorch/pytorch#196678); flash and
+    memory-efficient attention remain."""
     negative_prompt: str = ""
     """The prompt of CFG's unconditional branch (the pipelines' default: the empty prompt)."""
     text_embeddings: str = ""
