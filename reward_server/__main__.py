@@ -22,8 +22,9 @@ from types import FrameType
 
 import uvicorn
 
-from reward_server.app import RewardService, create_app
+from reward_server.app import create_app
 from reward_server.scorers import SCORERS, Scorer, build_scorers
+from reward_server.service import RewardService
 from reward_server.settings import ServerSettings
 from reward_server.sleep_scorer import SleepScorer
 

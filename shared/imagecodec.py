@@ -58,7 +58,7 @@ def encode_image(
         format: ``png`` (default, lossless), ``raw`` (lossless, fastest, largest), ``jpeg`` or ``webp``.
         quality: for the lossy formats only.
         binary: ``data`` is bytes (for msgpack bodies) instead of base64 text; for ``raw`` it is the
-            contiguous array itself, which :func:`shared.protocol.pack_msgpack` writes without a copy.
+            contiguous array itself, which :func:`shared.wire.pack_msgpack` writes without a copy.
     """
     array = as_hwc_uint8(array)
     if format == "raw":

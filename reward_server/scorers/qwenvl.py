@@ -1,19 +1,7 @@
 """``qwenvl`` and ``qwenvl_api``: a Qwen2-VL / Qwen2.5-VL judge that rates an image from 1 to 5.
 
-One question template per task, chosen per item by ``metadata["judge_task"]`` (default: the scorer's
-``task``): ``aesthetics``, ``alignment`` (with the prompt), ``text`` (the target text, taken as the
-``ocr`` scorer takes it) and ``edit`` (instruction following: the prompt is the instruction and
-``metadata["reference_image"]`` the original, a decoded uint8 array or a wire image
-``{"format", "data"[, "shape"]}``).
-
-Two readouts, both mapped linearly from 1..5 onto the score range [0, 1]:
-    ``probs`` (default): the question asks for a single digit; the score is the expected value of the
-        first answer token's distribution over the tokens "1".."5", renormalised over those five. If less
-        than ``min_answer_mass`` (default 0.5) of the probability is on them the model did not answer with
-        a digit: a PARSE error, never a 0. Expected values give a smooth reward, where a sampled digit
-        would quantise it to five levels.
-    ``generate``: the question asks for a short reasoning and ``<Score>x</Score>``; greedy decoding, the
-        last tag is parsed; no tag (or x outside 1..5) is a PARSE error.
+What the judge is asked and how its answer is read (tasks, the ``probs`` and ``generate`` readouts) is
+in :mod:`reward_server.scorers.judge`; this module holds the backends and the scorer.
 
 Backends (one registry name each), with ``<model_dir>`` the server's ``--model-dir``:
     ``qwenvl``: transformers in-process, from ``<model_dir>/qwenvl/`` (a ``save_pretrained`` directory:
@@ -24,9 +12,10 @@ Backends (one registry name each), with ``<model_dir>`` the server's ``--model-d
     ``qwenvl_api``: an OpenAI-compatible chat-completions server (vLLM, SGLang) serving such a model,
         described by ``<model_dir>/qwenvl_api.json``: ``{"base_url": "http://host:port/v1", "model":
         NAME}`` plus optional ``"api_key_env"`` (the name of an environment variable holding the key),
-        ``"task"``, ``"readout"``, ``"max_new_tokens"`` (256), ``"timeout_s"`` (120), ``"max_concurrency"`` (16). Images are sent as
-        lossless PNG data URIs. The ``probs`` readout asks for ``top_logprobs`` (20) of the first token;
-        a server that returns none is read from its one-digit answer text instead.
+        ``"task"``, ``"readout"``, ``"max_new_tokens"`` (256), ``"timeout_s"`` (120),
+        ``"max_concurrency"`` (16). Images are sent as lossless PNG data URIs. The ``probs`` readout asks
+        for ``top_logprobs`` (20) of the first token; a server that returns none is read from its
+        one-digit answer text instead.
 """
 
 from __future__ import annotations
@@ -36,9 +25,7 @@ import io
 import json
 import math
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,54 +34,20 @@ from PIL import Image
 
 from reward_server.scorers import ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files
-from reward_server.scorers.ocr import target_text
-from shared.imagecodec import DecodeError, decode_image
+from reward_server.scorers.judge import (
+    ANSWER_FORMATS,
+    DIGITS,
+    SYSTEM_PROMPT,
+    TASKS,
+    JudgeAnswer,
+    JudgeQuery,
+    build_query,
+    read_answer,
+)
 from shared.protocol import ErrorCode
 
-DIGITS = ("1", "2", "3", "4", "5")
-TASKS: dict[str, str] = {
-    "aesthetics": (
-        "How aesthetically pleasing is this image (composition, lighting, colour, detail)? "
-        "Rate it from 1 (very poor) to 5 (excellent)."
-    ),
-    "alignment": (
-        'How well does this image match the description "{prompt}"? '
-        "Rate it from 1 (not at all) to 5 (perfectly, in every detail)."
-    ),
-    "text": (
-        'The image should show the text "{text}". How correctly is exactly that text rendered '
-        "(spelling, completeness, legibility)? Rate it from 1 (missing or wrong) to 5 (exactly right)."
-    ),
-    "edit": (
-        'The first image is an original and the second an edit of it for the instruction "{prompt}". '
-        "How well does the edit follow the instruction while keeping everything else unchanged? "
-        "Rate it from 1 (not at all) to 5 (perfectly)."
-    ),
-}
-ANSWER_FORMATS: dict[str, str] = {
-    "probs": " Answer with a single digit from 1 to 5.",
-    "generate": " Explain briefly, then give your rating as <Score>x</Score> with x from 1 to 5.",
-}
-SYSTEM_PROMPT = "You are a helpful assistant."
-_SCORE_TAG = re.compile(r"<Score>\s*([0-9]+(?:\.[0-9]+)?)\s*</Score>", re.IGNORECASE)
 _OPTION_KEYS = {"task", "readout", "max_new_tokens"}
 _API_KEYS = _OPTION_KEYS | {"base_url", "model", "api_key_env", "timeout_s", "max_concurrency"}
-
-
-@dataclass(frozen=True)
-class JudgeQuery:
-    """What the judge is shown: RGB uint8 images in order, then the question text."""
-
-    images: list[np.ndarray]
-    question: str
-
-
-@dataclass(frozen=True)
-class JudgeAnswer:
-    """The judge's answer text and, where known, the log-probabilities of "1".."5" as first token."""
-
-    text: str
-    digit_logprobs: dict[int, float] | None
 
 
 class JudgeBackend(Protocol):
@@ -103,72 +56,6 @@ class JudgeBackend(Protocol):
     def answer(self, queries: list[JudgeQuery], readout: str) -> list[JudgeAnswer | ScoreOutcome]:
         """One answer per query (greedy), or a per-query failure."""
         ...
-
-
-def build_query(
-    task: str, image: np.ndarray, prompt: str, metadata: dict[str, Any], readout: str
-) -> JudgeQuery | ScoreOutcome:
-    """The question for one item, or the failure that prevents asking it."""
-    if task not in TASKS:
-        return ScoreOutcome.failure(
-            ErrorCode.BAD_INPUT, f"unknown judge_task {task!r}; one of {sorted(TASKS)}"
-        )
-    images = [_rgb(image)]
-    fields = {"prompt": prompt, "text": ""}
-    if task == "text":
-        text = target_text(prompt, metadata)
-        if text is None:
-            return ScoreOutcome.failure(
-                ErrorCode.PARSE,
-                "no target text: set metadata 'text' or 'target_text', or quote it in the prompt",
-            )
-        fields["text"] = text
-    if task == "edit":
-        reference = metadata.get("reference_image")
-        if reference is None:
-            return ScoreOutcome.failure(ErrorCode.PARSE, "the edit task needs metadata['reference_image']")
-        try:
-            images.insert(0, _rgb(_as_array(reference)))
-        except (DecodeError, TypeError, ValueError) as exc:
-            return ScoreOutcome.failure(ErrorCode.DECODE, f"reference_image: {exc}")
-    return JudgeQuery(images, TASKS[task].format(**fields) + ANSWER_FORMATS[readout])
-
-
-def read_answer(answer: JudgeAnswer, readout: str, min_answer_mass: float) -> ScoreOutcome:
-    """Turn an answer into a score in [0, 1] (1..5 mapped linearly), or a PARSE failure."""
-    if readout == "generate":
-        matches = _SCORE_TAG.findall(answer.text)
-        value = float(matches[-1]) if matches else None
-        if value is None or not 1.0 <= value <= 5.0:
-            return ScoreOutcome.failure(
-                ErrorCode.PARSE,
-                f"no <Score>1..5</Score> in the answer {answer.text[:200]!r}",
-                {"answer": answer.text},
-            )
-        return ScoreOutcome(score=(value - 1.0) / 4.0, details={"rating": value, "answer": answer.text})
-    if answer.digit_logprobs is None:  # an API server without logprobs: read the one-digit answer
-        text = answer.text.strip()
-        if text not in DIGITS:
-            return ScoreOutcome.failure(ErrorCode.PARSE, f"answer {text[:200]!r} is not a digit 1-5")
-        return ScoreOutcome(score=(int(text) - 1) / 4.0, details={"rating": float(text), "readout": "text"})
-    probs = {digit: math.exp(logprob) for digit, logprob in answer.digit_logprobs.items()}
-    mass = sum(probs.values())
-    if mass < min_answer_mass:
-        return ScoreOutcome.failure(
-            ErrorCode.PARSE,
-            f"only {mass:.3f} of the first answer token's probability is on '1'..'5' (< {min_answer_mass}); "
-            f"the most likely answer is {answer.text[:50]!r}",
-            {"answer_mass": mass, "answer": answer.text},
-        )
-    expected = sum(digit * p for digit, p in probs.items()) / mass
-    return ScoreOutcome(
-        score=(expected - 1.0) / 4.0,
-        details={
-            "rating": expected,
-            "answer_mass": mass,
-            "probs": {str(digit): probs.get(digit, 0.0) / mass for digit in range(1, 6)},
-        },
-    )
 
 
 def chat_text(question: str, num_images: int) -> str:
@@ -434,21 +321,6 @@ class QwenVLScorer:
             raise ValueError(f"unknown task {self.task!r}; one of {sorted(TASKS)}")
         if self.readout not in ANSWER_FORMATS:
             raise ValueError(f"unknown readout {self.readout!r}; one of {sorted(ANSWER_FORMATS)}")
-
-
-def _rgb(image: np.ndarray) -> np.ndarray:
-    if image.ndim != 3 or image.shape[2] not in (1, 3) or image.dtype != np.uint8:
-        raise ValueError(f"expected a uint8 [H, W, 1 or 3] image, got {image.dtype} {image.shape}")
-    return np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image
-
-
-def _as_array(reference: Any) -> np.ndarray:
-    """A reference image given as an array, or as a wire image ``{"format", "data"[, "shape"]}``."""
-    if isinstance(reference, np.ndarray):
-        return reference
-    if isinstance(reference, dict) and {"format", "data"} <= set(reference):
-        return decode_image(reference["format"], reference["data"], reference.get("shape"))
-    raise TypeError("expected an array or {'format', 'data'[, 'shape']}")
 
 
 def _png_data_uri(image: np.ndarray) -> str:

@@ -24,7 +24,8 @@ from reward_server.app import create_app  # noqa: E402
 from reward_server.scorers import build_scorers  # noqa: E402
 from reward_server.settings import ServerSettings  # noqa: E402
 from shared.imagecodec import encode_image  # noqa: E402
-from shared.protocol import MSGPACK_MEDIA_TYPE, pack_msgpack  # noqa: E402
+from shared.protocol import MSGPACK_MEDIA_TYPE  # noqa: E402
+from shared.wire import pack_msgpack  # noqa: E402
 
 EXAMPLES_PER_OPERATION = 40  # x 6 operations: about 240 requests, a few seconds
 

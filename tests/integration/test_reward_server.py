@@ -35,7 +35,8 @@ from reward_server.scorers import SCORERS as SCORER_REGISTRY
 from reward_server.scorers import build_scorers
 from reward_server.settings import ServerSettings
 from shared.imagecodec import encode_image
-from shared.protocol import MSGPACK_MEDIA_TYPE, compress_body, pack_msgpack, supported_encodings
+from shared.protocol import MSGPACK_MEDIA_TYPE
+from shared.wire import compress_body, pack_msgpack, supported_encodings
 from trainer.rewards import (
     HttpRewardClient,
     InProcessRewardClient,

@@ -60,7 +60,8 @@ def test_a_task_mask_travels_in_the_item_mask_field(wire_format):
     """Inpainting tasks put the mask in metadata (where in-process scorers read it); on the wire it must go in
     the item's ``mask`` field, which the protocol reserves, and decode back to the same pixels."""
     from shared.imagecodec import decode_image
-    from shared.protocol import BinaryScoreRequest, unpack_msgpack
+    from shared.protocol import BinaryScoreRequest
+    from shared.wire import unpack_msgpack
 
     mask = np.zeros((4, 4, 1), np.uint8)
     mask[:2] = 255

@@ -24,14 +24,16 @@ from shared.imagecodec import (
 )
 from shared.protocol import (
     BinaryScoreRequest,
-    BodyError,
-    BodyTooLargeError,
     ErrorCode,
     InfoResponse,
     ScoreRequest,
     ScoreResponse,
     ScorerResult,
     TooManyItemsError,
+)
+from shared.wire import (
+    BodyError,
+    BodyTooLargeError,
     compress_body,
     decompress_body,
     pack_msgpack,
@@ -309,7 +311,7 @@ def test_responses_tolerate_new_fields() -> None:
 
 
 def test_shared_does_not_import_torch() -> None:
-    code = "import sys, shared.protocol, shared.imagecodec; sys.exit('torch' in sys.modules)"
+    code = "import sys, shared.protocol, shared.wire, shared.imagecodec; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -24,14 +24,8 @@ from fixtures_models import build_tiny_qwen_vl, rig_digits
 from PIL import Image
 
 from reward_server.scorers import SCORERS, run_scorer
-from reward_server.scorers.qwenvl import (
-    JudgeAnswer,
-    JudgeQuery,
-    LocalQwenVL,
-    QwenVLScorer,
-    build_query,
-    read_answer,
-)
+from reward_server.scorers.judge import JudgeAnswer, JudgeQuery, build_query, read_answer
+from reward_server.scorers.qwenvl import LocalQwenVL, QwenVLScorer
 from shared.protocol import ErrorCode
 
 RNG = np.random.default_rng(0)

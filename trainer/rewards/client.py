@@ -49,10 +49,8 @@ from shared.protocol import (
     MSGPACK_MEDIA_TYPE,
     InfoResponse,
     ScoreResponse,
-    compress_body,
-    pack_msgpack,
-    supported_encodings,
 )
+from shared.wire import compress_body, pack_msgpack, supported_encodings
 
 if TYPE_CHECKING:
     from reward_server.scorers import ScoreOutcome, Scorer

@@ -1,0 +1,138 @@
+"""Reading a ``POST /score`` body: size caps, Content-Encoding, JSON or msgpack, schema, then the images.
+
+Each refusal is the HTTP error the client's retry logic expects (413, 415 or 422, see
+:mod:`reward_server.app`); a corrupt image is a per-item DECODE outcome instead, so the rest is scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from fastapi import HTTPException, Request
+from pydantic import ValidationError
+
+from reward_server.metrics import ServerMetrics
+from reward_server.scorers import ScoreOutcome
+from reward_server.settings import ServerSettings
+from shared.imagecodec import DecodeError, ImageTooLargeError, OpenedImage, open_image
+from shared.protocol import (
+    JSON_MEDIA_TYPE,
+    MSGPACK_MEDIA_TYPE,
+    MSGPACK_MEDIA_TYPES,
+    BinaryScoreItem,
+    BinaryScoreRequest,
+    ErrorCode,
+    ScoreItem,
+    ScoreRequest,
+    TooManyItemsError,
+)
+from shared.wire import BodyError, BodyTooLargeError, decompress_body, supported_encodings, unpack_msgpack
+
+Decoded = tuple[np.ndarray, dict[str, Any]] | ScoreOutcome
+"""One item after decoding: its image and metadata (with mask and metadata images as arrays), or a failure."""
+
+
+async def parse_score_request(
+    request: Request, settings: ServerSettings, metrics: ServerMetrics
+) -> ScoreRequest:
+    """Read, decompress and validate a ``POST /score`` body (JSON or msgpack); raise the HTTP error."""
+    encodings = supported_encodings()
+    encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
+    if encoding != "identity" and encoding not in encodings:
+        raise HTTPException(
+            415,
+            f"unsupported Content-Encoding {encoding!r}; supported: identity, {', '.join(encodings)}",
+            headers={"Accept-Encoding": ", ".join(["identity", *encodings])},
+        )
+    media_type = request.headers.get("content-type", JSON_MEDIA_TYPE).split(";")[0].strip().lower()
+    binary = media_type in MSGPACK_MEDIA_TYPES
+    max_body_bytes = settings.max_body_bytes
+    body = await _read_body(request, max_body_bytes)
+    metrics.body_bytes.labels(MSGPACK_MEDIA_TYPE if binary else JSON_MEDIA_TYPE).observe(len(body))
+
+    def parse() -> ScoreRequest:
+        data = body if encoding == "identity" else decompress_body(body, encoding, max_body_bytes)
+        context = {"max_items": settings.max_items}
+        if binary:
+            return BinaryScoreRequest.model_validate(unpack_msgpack(data), context=context)
+        return ScoreRequest.model_validate_json(data, context=context)
+
+    try:  # off the event loop: bodies of many megabytes take a while to decompress and parse
+        return await asyncio.to_thread(parse)
+    except (BodyTooLargeError, TooManyItemsError) as exc:
+        raise HTTPException(413, str(exc)) from None
+    except BodyError as exc:
+        raise HTTPException(422, str(exc)) from None
+    except ValidationError as exc:
+        raise HTTPException(422, _describe_validation_error(exc)) from None
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """Read the body, refusing with 413 as soon as it exceeds ``max_bytes`` (declared or actual)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPException(413, f"body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise HTTPException(413, f"body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _describe_validation_error(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors(include_input=False)[:10]:
+        location = ".".join(str(part) for part in error["loc"]) or "body"
+        problems.append(f"{location}: {error['msg']}")
+    more = f" (and {exc.error_count() - 10} more)" if exc.error_count() > 10 else ""
+    return "invalid request: " + "; ".join(problems) + more
+
+
+def decode_items(items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSettings) -> list[Decoded]:
+    """Decode each item's image, mask and metadata images into ``(image, metadata)``.
+
+    Every header is read before any pixel is decoded, so that an oversized image (422) or a request
+    over ``max_pixels_per_request`` (413) costs no memory. An undecodable item becomes a DECODE outcome.
+    """
+    opened: list[dict[str | None, OpenedImage] | ScoreOutcome] = []
+    pixels = 0
+    for index, item in enumerate(items):
+        wire = {None: item.image, "mask": item.mask, **item.metadata_images}  # None: the scored image
+        try:
+            images = {
+                key: open_image(image.format, image.data, image.shape, max_side=settings.max_image_side)
+                for key, image in wire.items()
+                if image is not None
+            }
+        except ImageTooLargeError as exc:
+            raise HTTPException(422, f"items.{index} (id {item.id!r}): {exc}") from None
+        except DecodeError as exc:
+            opened.append(ScoreOutcome.failure(ErrorCode.DECODE, str(exc)))
+            continue
+        pixels += sum(image.pixels for image in images.values())
+        opened.append(images)
+    if pixels > settings.max_pixels_per_request:
+        raise HTTPException(
+            413,
+            f"the request's images, masks and metadata images hold {pixels} pixels (height x width), more "
+            f"than the limit of {settings.max_pixels_per_request} (max_pixels_per_request); send fewer or "
+            "smaller images per request, or raise the server's --max-pixels-per-request",
+        )
+    decoded: list[Decoded] = []
+    for item, entry in zip(items, opened, strict=True):
+        if isinstance(entry, ScoreOutcome):
+            decoded.append(entry)
+            continue
+        try:
+            arrays = {key: image.decode() for key, image in entry.items()}
+        except DecodeError as exc:
+            decoded.append(ScoreOutcome.failure(ErrorCode.DECODE, str(exc)))
+            continue
+        image = arrays.pop(None)
+        decoded.append((image, {**item.metadata, **arrays} if arrays else item.metadata))
+    return decoded

@@ -1,0 +1,111 @@
+"""The state of one reward server process: its scorers and their workers, readiness, drain and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from reward_server.batching import ScorerWorker
+from reward_server.metrics import ServerMetrics
+from reward_server.scorers import Scorer
+from reward_server.settings import ServerSettings
+
+logger = logging.getLogger("reward_server")
+
+
+class RewardService:
+    """State of one server process: scorers, their workers, readiness, drain and metrics."""
+
+    def __init__(self, scorers: dict[str, Scorer], settings: ServerSettings) -> None:
+        if not scorers:
+            raise ValueError("a reward server needs at least one scorer")
+        self.scorers = scorers
+        self.settings = settings
+        self.workers: dict[str, ScorerWorker] = {}
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.metrics = ServerMetrics(scorers)
+        self.metrics.ready.set_function(lambda: float(self.not_ready_reason() is None))
+        for name in scorers:
+            self.metrics.queue_depth.labels(name).set_function(
+                lambda name=name: float(self.workers[name].queued_items if name in self.workers else 0)
+            )
+
+    def load(self) -> None:
+        """Load and warm every scorer, then start its worker (blocking: run it off the event loop)."""
+        for name, scorer in self.scorers.items():
+            started = time.monotonic()
+            scorer.load()
+            logger.info("loaded scorer %s (%s) in %.1f s", name, scorer.version, time.monotonic() - started)
+            worker = ScorerWorker(
+                scorer,
+                max_batch_size=self.settings.max_batch_size,
+                batch_wait_s=self.settings.batch_wait_ms / 1000.0,
+                max_queue_items=self.settings.max_queue_items,
+                on_batch=self.metrics.on_batch(name),
+            )
+            worker.start()
+            self.workers[name] = worker
+        self.ready = True
+
+    def begin_drain(self) -> None:
+        """Stop taking new work: ``/readyz`` and ``/score`` answer 503 from now on."""
+        self.draining = True
+        logger.info("draining: /readyz now answers 503")
+
+    def stop(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
+
+    def not_ready_reason(self, queues: bool = True) -> str | None:
+        """Why the server takes no work now, or None; ``queues``: a full scorer queue counts (``/readyz``);
+        ``/score`` leaves that to the scorers a request names."""
+        if self.draining:
+            return "draining"
+        if self.load_error is not None:
+            return f"loading failed: {self.load_error}"
+        if not self.ready:
+            return "loading"
+        stopped = [name for name, w in self.workers.items() if not w.alive]
+        if stopped:
+            return f"scorer worker stopped: {stopped} (see the server log)"
+        if not queues:
+            return None
+        full = [name for name, w in self.workers.items() if w.queued_items >= self.settings.max_queue_items]
+        return f"queue full: {full}" if full else None
+
+
+async def in_daemon_thread(function: Callable[[], None]) -> None:
+    """Run ``function`` on a daemon thread and wait for it.
+
+    Unlike ``asyncio.to_thread``, whose executor the interpreter joins at exit, a daemon thread does not
+    hold up the exit of a process told to stop (a second SIGTERM) while a long model load runs.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            function()
+        except BaseException as exc:  # whatever it is, the waiting coroutine must hear of it
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:  # the event loop has closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="load-scorers", daemon=True).start()
+    await done
