@@ -171,7 +171,7 @@ def rig_digits(model_dir: Path, weights: dict[str, float]) -> Path:
 
 
 # For the registry-wide conformance test: what each model-based scorer needs to score random images.
-CONFORMANCE_METADATA: dict[str, dict[str, str]] = {"ocr": {"text": "digit"}}
+CONFORMANCE_METADATA: dict[str, dict[str, str]] = {"ocr": {"text": "digit"}, "ocr_flow_grpo": {"text": "digit"}}
 CONFORMANCE_SKIP: dict[str, str] = {
     "ocr_paddle": "runs under .venv-paddle (PaddleOCR pins its own numpy and OpenCV): tests/integration/test_ocr_paddle.py",
     "qwenvl_api": "needs a judge server (tested in test_scorer_qwenvl.py against a local one)",

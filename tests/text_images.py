@@ -33,3 +33,9 @@ def render(
     if angle:
         image = image.rotate(angle, resample=Image.Resampling.BICUBIC, fillcolor="white")
     return np.asarray(image)
+
+
+def ink_box(image: np.ndarray) -> tuple[int, int, int, int]:
+    """``(top, bottom, left, right)`` of the dark pixels (the text) of a light image; bottom/right exclusive."""
+    rows, cols = np.nonzero(image.min(axis=2) < 128)
+    return int(rows.min()), int(rows.max()) + 1, int(cols.min()), int(cols.max()) + 1

@@ -96,6 +96,12 @@ def _ocr(model_dir: Path | None = None) -> Scorer:
     return OcrScorer(backend="rapidocr", model_dir=model_dir)
 
 
+def _ocr_flow_grpo(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.ocr import OcrScorer
+
+    return OcrScorer(backend="rapidocr", model_dir=model_dir, similarity="flow_grpo")
+
+
 def _ocr_paddle(model_dir: Path | None = None) -> Scorer:
     from reward_server.scorers.ocr import OcrScorer
 
@@ -146,6 +152,7 @@ SCORERS: dict[str, ScorerFactory] = {
     "brightness": _brightness,
     "jpeg_compressibility": _jpeg_compressibility,
     "ocr": _ocr,
+    "ocr_flow_grpo": _ocr_flow_grpo,
     "ocr_paddle": _ocr_paddle,
     "qwenvl": _qwenvl,
     "qwenvl_api": _qwenvl_api,

@@ -1,31 +1,30 @@
-"""``ocr`` and ``ocr_paddle``: how exactly an image renders its target text, read by PP-OCR models.
+"""``ocr``, ``ocr_flow_grpo`` and ``ocr_paddle``: how exactly an image renders its target text, read by PP-OCR.
 
-Score: ``1 - levenshtein(read, target) / max(len(read), len(target))`` on normalised strings, in [0, 1].
-Normalisation follows the Flow-GRPO OCR reward: lower case, spaces removed (we remove every whitespace
-character, not only ``" "``), so line breaks and word spacing chosen by the detector do not count.
-Departures from Flow-GRPO, on purpose: it divides by ``len(target)`` and scores 1 whenever the target is
-a substring of what was read; we divide by the longer string, so extra text in the image costs reward too
-(a policy cannot win by filling the image with text). Nothing read scores 0 (a real score: no text);
-an item without a target is a PARSE error, never a 0.
+Score (``ocr``, ``ocr_paddle``): ``1 - levenshtein(read, target) / max(len(read), len(target))`` on strings
+normalised as Flow-GRPO does (lower case, whitespace removed), in [0, 1]. ``ocr_flow_grpo`` scores as
+Flow-GRPO does: ``1 - min(levenshtein, len(target)) / len(target)``, and 1 when the target is inside what
+was read. Ours stays the default because it cannot be gamed by extra text: Flow-GRPO's gives 1.0 to any
+image that holds the target among other words, so a policy may fill the image with text for free, while
+ours charges every extra character. Nothing read scores 0; an item without a target is a PARSE error.
 
 Target text: ``metadata["text"]`` or ``metadata["target_text"]``, else the first double-quoted span of
 the prompt (``a sign displaying "Spring Collection 2024"`` -> ``Spring Collection 2024``), as in the
 Flow-GRPO OCR prompts. A mask (``metadata["mask"]``, the decoded uint8 ``[H, W, C]`` array the server puts
-there) restricts reading to the mask's bounding box.
+there) restricts reading to the mask's bounding box. The region read gets a border of its background
+colour (:func:`add_border`): the detector misses text that touches the edge of its input.
 
 Backends (one registry name each):
     ``ocr``: RapidOCR on onnxruntime with the PP-OCR detection and recognition models shipped inside the
         ``rapidocr`` wheel (nothing downloaded). Detection resizes with limit type "max" and side 960: the
-        default ("min", 736) upsamples small images, which splits words into several boxes.
+        default ("min", 736) upsamples small images, which splits words into several boxes. Detection
+        runs per image; recognition runs once over the text lines of all images of a batch.
     ``ocr_paddle``: PaddleOCR 3.x (``paddleocr`` and ``paddlepaddle``, the ``ocr-paddle`` extra,
         imported in ``load``) with the models in ``<model_dir>/ocr_paddle/det`` and
         ``<model_dir>/ocr_paddle/rec``: PaddleOCR inference model directories (``inference.yml`` naming
         the model, plus ``inference.json`` or ``inference.pdmodel`` and ``inference.pdiparams``), e.g.
         PP-OCRv5_server_det and PP-OCRv5_server_rec. PaddleOCR pins its own numpy and OpenCV, so it
-        usually needs an environment without the trainer's packages; the server needs no torch.
-        Tested with paddleocr 3.7 and paddlepaddle 3.3 (``make paddle-env``, then
-        tests/integration/test_ocr_paddle.py) on PP-OCRv6 small det/rec converted from the rapidocr
-        wheel's ONNX files by tests/paddle/build_models.py, whose ``inference.yml`` files show the layout.
+        usually needs an environment without the trainer's packages (``make paddle-env``; tested by
+        tests/integration/test_ocr_paddle.py on models that tests/paddle/build_models.py converts).
 Neither backend uses text-line orientation classification (Flow-GRPO reads with ``cls=False``).
 """
 
@@ -45,6 +44,8 @@ from shared.protocol import ErrorCode
 
 DET_LIMIT_TYPE = "max"
 DET_LIMIT_SIDE = 960
+MIN_BORDER_PX = 16  # 8 missed some text touching the edges; 12 to 24 read all our rendered cases
+BORDER_OF_MASK_HEIGHT = 0.25
 _QUOTED = re.compile(r'"([^"]+)"')
 _WHITESPACE = re.compile(r"\s+")
 
@@ -85,6 +86,18 @@ def text_similarity(read: str, target: str) -> float:
     return 1.0 if longest == 0 else 1.0 - levenshtein(read, target) / longest
 
 
+def flow_grpo_similarity(read: str, target: str) -> float:
+    """Flow-GRPO's OCR reward: ``1 - min(levenshtein, len(target)) / len(target)`` of the normalised
+    strings, and 1.0 when the target is inside the text read."""
+    read, target = normalise_text(read), normalise_text(target)
+    if target in read:  # the empty target too
+        return 1.0
+    return 1.0 - min(levenshtein(read, target), len(target)) / len(target)
+
+
+SIMILARITIES = {"normalised": text_similarity, "flow_grpo": flow_grpo_similarity}
+
+
 def crop_to_mask(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """The part of ``image`` inside the bounding box of ``mask``'s bright pixels.
 
@@ -102,6 +115,35 @@ def crop_to_mask(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return image[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1]
 
 
+def add_border(image: np.ndarray, width: int) -> np.ndarray:
+    """``image`` framed by ``width`` pixels of its background colour (the median of its outermost pixels).
+
+    PP-OCR's detector misses text that touches the edge of its input; the border gives it back a margin.
+    """
+    ring = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
+    height, width_in, channels = image.shape
+    framed = np.empty((height + 2 * width, width_in + 2 * width, channels), np.uint8)
+    framed[:] = np.median(ring, axis=0).astype(np.uint8)
+    framed[width : width + height, width : width + width_in] = image
+    return framed
+
+
+def region_to_read(image: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The mask's bounding box (or the whole image) with a border, as RGB.
+
+    A mask's box is about as tall as its text, so its border is a quarter of its height (at least
+    ``MIN_BORDER_PX``); a whole image's height says nothing about its text's, so it gets ``MIN_BORDER_PX``.
+    Raises ValueError for an unusable mask.
+    """
+    if mask is None:
+        region, border = image, MIN_BORDER_PX
+    else:
+        region = crop_to_mask(image, mask)
+        border = max(MIN_BORDER_PX, round(region.shape[0] * BORDER_OF_MASK_HEIGHT))
+    framed = add_border(region, border)
+    return np.repeat(framed, 3, axis=2) if framed.shape[2] == 1 else framed
+
+
 @dataclass(frozen=True)
 class TextLine:
     """One line of text read from an image, with the recogniser's confidence in [0, 1]."""
@@ -111,11 +153,11 @@ class TextLine:
 
 
 class OcrBackend(Protocol):
-    """Reads the text lines of an RGB uint8 ``[H, W, 3]`` image, top to bottom."""
+    """Reads the text lines of RGB uint8 ``[H, W, 3]`` images, top to bottom, one list per image."""
 
     version: str
 
-    def read(self, image_rgb: np.ndarray) -> list[TextLine]: ...
+    def read(self, images_rgb: list[np.ndarray]) -> list[list[TextLine]]: ...
 
 
 class RapidOcrBackend:
@@ -140,11 +182,34 @@ class RapidOcrBackend:
             f"+{sha256_files(models)[:12]}"
         )
 
-    def read(self, image_rgb: np.ndarray) -> list[TextLine]:
-        result = self._engine(np.ascontiguousarray(image_rgb[:, :, ::-1]))  # RapidOCR takes arrays as BGR
-        texts = getattr(result, "txts", None) or ()
-        scores = getattr(result, "scores", None) or ()
-        return [TextLine(text, float(score)) for text, score in zip(texts, scores, strict=True)]
+    def read(self, images_rgb: list[np.ndarray]) -> list[list[TextLine]]:
+        """RapidOCR's own steps (resize, detect and crop each image), then one recognition call over the
+        text lines of all images, filtered as ``RapidOCR.__call__`` filters them."""
+        from rapidocr.main import RapidOCRError
+
+        engine = self._engine
+        crops: list[np.ndarray] = []
+        counts = []
+        for image_rgb in images_rgb:
+            image, record = engine.preprocess_img(np.ascontiguousarray(image_rgb[:, :, ::-1]))  # BGR
+            try:
+                lines, _ = engine.detect_and_crop(image, record)
+            except RapidOCRError:  # nothing detected
+                lines = []
+            crops.extend(lines)
+            counts.append(len(lines))
+        if not crops:
+            return [[] for _ in images_rgb]
+        result = engine.recognize_txt(crops)
+        read = [
+            TextLine(text, float(score)) if text.strip() and score >= engine.text_score else None
+            for text, score in zip(result.txts, result.scores, strict=True)
+        ]
+        per_image, start = [], 0
+        for count in counts:
+            per_image.append([line for line in read[start : start + count] if line is not None])
+            start += count
+        return per_image
 
 
 class PaddleOcrBackend:
@@ -174,7 +239,10 @@ class PaddleOcrBackend:
             f"+{sha256_files(files)[:12]}"
         )
 
-    def read(self, image_rgb: np.ndarray) -> list[TextLine]:
+    def read(self, images_rgb: list[np.ndarray]) -> list[list[TextLine]]:
+        return [self._read_one(image_rgb) for image_rgb in images_rgb]
+
+    def _read_one(self, image_rgb: np.ndarray) -> list[TextLine]:
         (result,) = self._pipeline.predict(np.ascontiguousarray(image_rgb[:, :, ::-1]))  # BGR, one page
         return paddle_result_lines(result)
 
@@ -195,24 +263,33 @@ def _paddle_model_name(model_dir: Path) -> str:
     return match.group(1).strip("'\"")
 
 
-
 class OcrScorer:
-    """Text-rendering accuracy: 1 - normalised edit distance between the text read and the target."""
+    """Text-rendering accuracy: the similarity of the text read to the target (module docstring)."""
 
     score_range = (0.0, 1.0)
 
-    def __init__(self, backend: str = "rapidocr", model_dir: Path | None = None) -> None:
+    def __init__(
+        self, backend: str = "rapidocr", model_dir: Path | None = None, *, similarity: str = "normalised"
+    ) -> None:
         """Args:
         backend: ``"rapidocr"`` (registry name ``ocr``) or ``"paddleocr"`` (registry name ``ocr_paddle``).
         model_dir: the server's ``--model-dir``; PaddleOCR reads ``<model_dir>/ocr_paddle/{det,rec}``.
+        similarity: ``"normalised"`` (ours) or ``"flow_grpo"`` (registry name ``ocr_flow_grpo``).
         """
         if backend not in ("rapidocr", "paddleocr"):
             raise ValueError(f"unknown OCR backend {backend!r}; use 'rapidocr' or 'paddleocr'")
+        if similarity not in SIMILARITIES:
+            raise ValueError(f"unknown OCR similarity {similarity!r}; use one of {sorted(SIMILARITIES)}")
         self._backend_name = backend
         self._model_dir = model_dir
-        self.name = "ocr" if backend == "rapidocr" else "ocr_paddle"
+        self._similarity = SIMILARITIES[similarity]
+        self.name = ("ocr" if backend == "rapidocr" else "ocr_paddle") + (
+            "" if similarity == "normalised" else f"_{similarity}"
+        )
         self.description = (
             f"1 - normalised edit distance between the target text and what PP-OCR ({backend}) reads"
+            if similarity == "normalised"
+            else f"Flow-GRPO's OCR reward (1 - min(edit distance, len(target)) / len(target)), PP-OCR ({backend})"
         )
         self._backend: OcrBackend | None = None
 
@@ -228,36 +305,40 @@ class OcrScorer:
                 raise ValueError("ocr_paddle needs --model-dir with ocr_paddle/det and ocr_paddle/rec")
             root = Path(self._model_dir) / "ocr_paddle"
             self._backend = PaddleOcrBackend(root / "det", root / "rec")
-        self._backend.read(np.full((32, 32, 3), 255, np.uint8))  # warm-up: first inference allocates
+        self._backend.read([np.full((32, 32, 3), 255, np.uint8)])  # warm-up: first inference allocates
 
     def score(
         self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
     ) -> list[ScoreOutcome]:
         assert self._backend is not None, "load() must be called before score()"
-        return [
-            self._score_one(image, prompt, meta)
-            for image, prompt, meta in zip(images, prompts, metadata, strict=True)
-        ]
-
-    def _score_one(self, image: np.ndarray, prompt: str, meta: dict[str, Any]) -> ScoreOutcome:
-        assert self._backend is not None
-        target = target_text(prompt, meta)
-        if target is None:
-            return ScoreOutcome.failure(
-                ErrorCode.PARSE,
-                "no target text: set metadata 'text' or 'target_text', or quote it in the prompt",
-            )
-        if "mask" in meta:
+        outcomes: list[ScoreOutcome | None] = [None] * len(images)
+        rows, targets, regions = [], [], []
+        for row, (image, prompt, meta) in enumerate(zip(images, prompts, metadata, strict=True)):
+            target = target_text(prompt, meta)
+            if target is None:
+                outcomes[row] = ScoreOutcome.failure(
+                    ErrorCode.PARSE,
+                    "no target text: set metadata 'text' or 'target_text', or quote it in the prompt",
+                )
+                continue
             try:
-                image = crop_to_mask(image, np.asarray(meta["mask"]))
+                mask = np.asarray(meta["mask"]) if "mask" in meta else None
+                regions.append(region_to_read(image, mask))
             except ValueError as exc:
-                return ScoreOutcome.failure(ErrorCode.BAD_INPUT, f"mask: {exc}")
-        rgb = np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image
-        lines = self._backend.read(rgb)
+                outcomes[row] = ScoreOutcome.failure(ErrorCode.BAD_INPUT, f"mask: {exc}")
+                continue
+            rows.append(row)
+            targets.append(target)
+        if regions:
+            for row, target, lines in zip(rows, targets, self._backend.read(regions), strict=True):
+                outcomes[row] = self._outcome(target, lines)
+        return outcomes  # type: ignore[return-value]
+
+    def _outcome(self, target: str, lines: list[TextLine]) -> ScoreOutcome:
         read = " ".join(line.text for line in lines)
         confidence = float(np.mean([line.confidence for line in lines])) if lines else None
         return ScoreOutcome(
-            score=text_similarity(read, target),
+            score=self._similarity(read, target),
             details={
                 "target": target,
                 "recognized": read,

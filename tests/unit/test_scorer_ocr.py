@@ -12,12 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
-from text_images import font, render
+from text_images import font, ink_box, render
 
 from reward_server.scorers import SCORERS, run_scorer
 from reward_server.scorers.ocr import (
+    MIN_BORDER_PX,
     OcrScorer,
+    add_border,
     crop_to_mask,
+    flow_grpo_similarity,
     levenshtein,
     normalise_text,
     paddle_result_lines,
@@ -109,6 +112,69 @@ def test_ocr_mask_restricts_reading_to_its_box(ocr: OcrScorer) -> None:
     assert unmasked.score == pytest.approx(0.5)
 
 
+# Bold text that PP-OCR misses when it touches the edges of the region read (0.0 before the border).
+EDGE_CASES = [("Azir", 96), ("OPEN", 96), ("EXIT 24", 80), ("EXIT 24", 96)]
+
+
+@pytest.mark.parametrize(("text", "font_size"), EDGE_CASES)
+def test_ocr_reads_text_touching_every_edge_of_its_mask_and_of_the_image(
+    ocr: OcrScorer, text: str, font_size: int
+) -> None:
+    canvas = render(text, size=(900, 300), font_size=font_size, bold=True)
+    top, bottom, left, right = ink_box(canvas)
+    tight = np.ascontiguousarray(canvas[top:bottom, left:right])  # the text touches all four image edges
+    mask = np.zeros((*canvas.shape[:2], 1), np.uint8)
+    mask[top:bottom, left:right] = 255  # ... and all four edges of this mask
+    corner = np.full((tight.shape[0] + 100, tight.shape[1] + 100, 3), 255, np.uint8)
+    corner[: tight.shape[0], : tight.shape[1]] = tight  # top-left: the mask's edges are the image's
+    corner_mask = np.zeros((*corner.shape[:2], 1), np.uint8)
+    corner_mask[: tight.shape[0], : tight.shape[1]] = 255
+    outcomes = ocr.score(
+        [tight, canvas, corner], [f'a sign "{text}"'] * 3, [{}, {"mask": mask}, {"mask": corner_mask}]
+    )
+    for outcome in outcomes:
+        assert outcome.ok and outcome.score >= 0.9, outcome.details
+
+
+def test_add_border_frames_the_image_in_its_background_colour() -> None:
+    image = np.full((5, 7, 3), 200, np.uint8)
+    image[1:4, 0:3] = 10  # "text" touching the left edge, a minority of the outer ring
+    framed = add_border(image, 2)
+    assert framed.shape == (9, 11, 3)
+    np.testing.assert_array_equal(framed[2:7, 2:9], image)
+    assert (framed[:2] == 200).all() and (framed[:, :2] == 200).all() and (framed[-2:] == 200).all()
+    gray = add_border(np.zeros((4, 4, 1), np.uint8), MIN_BORDER_PX)
+    assert gray.shape == (4 + 2 * MIN_BORDER_PX, 4 + 2 * MIN_BORDER_PX, 1) and not gray.any()
+
+
+def test_ocr_reads_a_batch_as_it_reads_each_image(ocr: OcrScorer) -> None:
+    """Recognition runs once over the text lines of all images: the same lines as one image at a time."""
+    images = [
+        render("Spring Collection 2024"),
+        np.full((64, 64, 3), 255, np.uint8),
+        render("HELLO WORLD", size=(384, 128), font_size=30),
+        render("Step Goal Achieved", font_size=24),
+    ]
+    assert ocr._backend is not None
+    batched = ocr._backend.read(images)
+    for image, lines in zip(images, batched, strict=True):
+        (alone,) = ocr._backend.read([image])
+        assert [line.text for line in lines] == [line.text for line in alone]
+        assert [line.confidence for line in lines] == pytest.approx([line.confidence for line in alone], abs=0.02)
+    assert batched[1] == [] and " ".join(line.text for line in batched[2]) == "HELLO WORLD"
+
+
+def test_ocr_flow_grpo_scores_with_its_formula(ocr: OcrScorer) -> None:
+    flow = SCORERS["ocr_flow_grpo"]()
+    flow.load()
+    image = render("Spring Collection 2024")
+    prompts = ['"Spring Collection 2024"', '"Collection"', '"Spring Collection 2025"']
+    ours, theirs = ocr.score([image] * 3, prompts, [{}] * 3), flow.score([image] * 3, prompts, [{}] * 3)
+    assert flow.name == "ocr_flow_grpo" and flow.version == ocr.version
+    assert [o.score for o in theirs] == pytest.approx([1.0, 1.0, 1 - 1 / 20])  # the target inside: 1
+    assert [o.score for o in ours] == pytest.approx([1.0, 1 - 10 / 20, 1 - 1 / 20])  # extra text costs
+
+
 def test_ocr_failures_are_errors_not_zeros(ocr: OcrScorer) -> None:
     image = render("HELLO", size=(128, 64), font_size=24)
     outcomes = run_scorer(
@@ -163,6 +229,21 @@ def test_text_similarity_math() -> None:
     assert text_similarity("helo", "hello") == pytest.approx(1 - 1 / 5)
     assert text_similarity("hello extra text", "hello") == pytest.approx(1 - 9 / 14)
     assert text_similarity("", "hello") == 0.0
+
+
+def test_flow_grpo_similarity_math() -> None:
+    """Hand-computed: 1 - min(levenshtein, len(target)) / len(target); 1 when the target is read inside."""
+    assert flow_grpo_similarity("Delia", "Azir") == 0.0  # levenshtein("delia", "azir") = 4 = len(target)
+    assert text_similarity("Delia", "Azir") == pytest.approx(1 - 4 / 5)  # ours: partial credit
+    assert flow_grpo_similarity("helo", "hello") == pytest.approx(1 - 1 / 5)
+    assert flow_grpo_similarity("kitten", "sitting") == pytest.approx(1 - 3 / 7)
+    assert flow_grpo_similarity("sitting", "kitten") == pytest.approx(1 - 3 / 6)
+    assert flow_grpo_similarity("hello extra text", "Hello") == 1.0  # inside: 1, where ours gives 1 - 9/14
+    assert flow_grpo_similarity("Sale 50% today", "sale 50 %") == 1.0  # whitespace is removed first
+    assert flow_grpo_similarity("xyzxyzxyz", "abc") == 0.0  # levenshtein 9, clipped at len(target) = 3
+    assert flow_grpo_similarity("", "hello") == 0.0
+    with pytest.raises(ValueError, match="unknown OCR similarity"):
+        OcrScorer(similarity="cer")
 
 
 def test_crop_to_mask_uses_the_bounding_box_of_set_pixels() -> None:
