@@ -174,6 +174,8 @@ class RapidOcrBackend:
                 "Global.log_level": "error",
             }
         )
+        # RapidOCR loads its recogniser at the first text it detects: load it now, off the request path.
+        self._engine.recognize_txt([np.full((48, 160, 3), 255, np.uint8)])
         cfg = self._engine.cfg
         models = sorted(Path(cfg.Global.model_root_dir).glob("*.onnx"))
         self.version = (
