@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reward_server.scorers import ScoreOutcome, Scorer
 
+# Paths counted under their own label; any other path counts as "other" (bounded label values).
 ROUTES = frozenset({"/", "/score", "/livez", "/readyz", "/info", "/metrics"})
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
