@@ -15,7 +15,7 @@ import yaml
 
 from trainer.algorithms import ALGORITHMS
 from trainer.config import Config, ConfigError, load_config, reward_token, saved_dict
-from trainer.configuration import Bounds
+from trainer.config.fields import Bounds
 from trainer.main import main
 from trainer.models import MODELS
 from trainer.models.sd3 import SD3Config

@@ -26,7 +26,7 @@ from trainer.algorithms.base import (
     set_shares,
 )
 from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
-from trainer.configuration import PositiveFloat, PositiveInt
+from trainer.config.fields import PositiveFloat, PositiveInt
 from trainer.rollout import Rollout
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from trainer.algorithms.base import LossContext, set_shares
-from trainer.configuration import FiniteFloat, NonNegativeFloat, PositiveInt, Probability
+from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 from trainer.rollout import SamplerSettings
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from trainer.configuration import NonNegativeInt, PositiveInt
+from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import ImageInputs
 
 if TYPE_CHECKING:
