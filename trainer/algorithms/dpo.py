@@ -25,7 +25,7 @@ from trainer.algorithms.base import (
     refresh_reference,
     set_shares,
 )
-from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
+from trainer.algorithms.clean_sample import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
 from trainer.config.fields import PositiveFloat, PositiveInt
 from trainer.rollout import Rollout
 
