@@ -96,8 +96,8 @@ class RewardConfig:
     batch_size: PositiveInt = 32
     """Items per /score request."""
     wire_format: Literal["msgpack", "msgpack+zstd", "msgpack+lz4", "png", "raw"] = "msgpack"
-    """Image encoding on the wire: raw pixels in msgpack (lossless, ~4 ms per 512x512 image here), the
-    same compressed for slow networks, or JSON with PNG / raw base64 (for debugging)."""
+    """Image encoding on the wire: raw pixels in msgpack (lossless, cheap to encode), the same compressed
+    for slow networks, or JSON with PNG / raw base64 (for debugging)."""
     max_failed_share: Probability = 0.5
     """An epoch aborts when more than this share of samples has no reward (failed scores are NaN, get
     advantage 0 and are counted; past this share the update would be biased)."""
@@ -132,12 +132,10 @@ class ParallelConfig:
     """fsdp2: keep sharded parameters, gradients and optimizer state in CPU memory; zero2/zero3: the
     optimizer state (and zero3 the parameters). Fits larger models at the cost of PCIe traffic."""
     gather_for_sampling: bool | None = None
-    """fsdp2 and zero3: keep the parameters gathered across a rollout or an evaluation instead of gathering
-    them in every forward (fsdp2: each block from its first forward on; zero3: all of them when sampling
-    starts), so a T-step rollout gathers the weights once rather than T times. Costs the full parameters'
-    memory while sampling, as ddp and zero2 hold them always. False gathers in every forward (for a model
-    whose full weights do not fit one device). Unset: on, except with cpu_offload, whose point is not to
-    hold the full weights on the device."""
+    """fsdp2 and zero3: hold the gathered parameters through a rollout or an evaluation (fsdp2: each block
+    from its first forward; zero3: all when sampling starts), so T steps gather them once rather than T times,
+    at the full weights' memory. False: gather in every forward (weights too big for one device). Unset: on,
+    except with cpu_offload, whose point is not to hold the full weights on the device."""
     deepspeed_config: str = ""
     """A DeepSpeed JSON config to use instead of the packaged trainer/distributed/deepspeed_configs/zero{2,3}.json
     (linked from deploy/deepspeed/); its "auto" values are filled from this config (clipping, dtypes, offload),
