@@ -56,7 +56,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
     then load from ``model.path``), one that is spares loading the text encoders."""
     from trainer.checkpoint import load_weights
     from trainer.config import Config
-    from trainer.configuration import build
+    from trainer.config.building import build
     from trainer.distributed import SingleProcess
     from trainer.models import build_adapter
 

@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from trainer.build import run
-    from trainer.config import ConfigError, load_config, saved_dict
-    from trainer.configuration import user_error_exit
+    from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
 
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])

@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if path and Path(path).exists() and not Path(path).is_dir():
             parser.error(f"{flag} {path} is a file: give a directory (made if missing)")
 
-    from trainer.config import ConfigError, load_config
-    from trainer.configuration import user_error_exit
+    from trainer.config import ConfigError, load_config, user_error_exit
 
     try:
         config = load_config(args.config, args.overrides)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.configuration import NonNegativeFloat, NonNegativeInt, PositiveInt
+from trainer.config.fields import NonNegativeFloat, NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 from trainer.samplers import DEFAULT_KIND, STEP_FUNCTIONS, generator_device, resolve_kind
 

@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
-from trainer.config import Config, saved_dict
-from trainer.configuration import build, to_dict
+from trainer.config import Config, saved_dict, to_dict
+from trainer.config.building import build
 from trainer.data import Task
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend

@@ -13,7 +13,8 @@ import torch
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.advantages import batch_advantages, gae, group_advantages
 from trainer.algorithms.base import Rewards
-from trainer.algorithms.sft import SFT, per_sample_mse
+from trainer.algorithms.clean_sample import per_sample_mse
+from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess

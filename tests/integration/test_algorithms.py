@@ -279,7 +279,7 @@ def test_a_config_made_in_python_is_checked_as_a_files_is(tmp_path, tiny_model_d
     went through with a negative learning rate (or a zero batch size) until something failed deep inside."""
     import dataclasses
 
-    from trainer.configuration import ConfigError
+    from trainer.config import ConfigError
 
     config = load_config(overrides=[f"model.path={tiny_model_dir}", "logging.progress=false"])
     bad = dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=-1.0))

@@ -14,7 +14,7 @@ from trainer.algorithms.advantages import (
     group_advantages,
     zero_std_share,
 )
-from trainer.algorithms.sft import denoising_loss, logit_normal_sigmas
+from trainer.algorithms.clean_sample import denoising_loss, logit_normal_sigmas
 
 
 def test_group_advantages_per_group_std():

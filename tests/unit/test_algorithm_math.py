@@ -169,7 +169,7 @@ def test_ragged_text_concatenates_padded_and_pools_over_real_tokens():
                                                        (6, 1, [6]), (0, 2, [])])
 def test_units_split_into_the_configured_steps_of_nearly_equal_size(units, steps, sizes):
     """4 units in 3 steps used to give 2 steps (of 2): chunks of ceil(4 / 3)."""
-    from trainer.algorithms.sft import split_units
+    from trainer.algorithms.clean_sample import split_units
 
     split = split_units(list(range(units)), steps)
     assert [len(s) for s in split] == sizes and [u for s in split for u in s] == list(range(units))

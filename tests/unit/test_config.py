@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import re
@@ -15,7 +16,7 @@ import yaml
 
 from trainer.algorithms import ALGORITHMS
 from trainer.config import Config, ConfigError, load_config, reward_token, saved_dict
-from trainer.configuration import Bounds
+from trainer.config.fields import Bounds
 from trainer.main import main
 from trainer.models import MODELS
 from trainer.models.sd3 import SD3Config
@@ -240,3 +241,18 @@ def test_a_later_file_naming_the_same_class_updates_it_and_name_overrides_may_be
     config = load_config(overrides=["model.name=sd3", "model.negative_prompt='low' and 'blurry'", "model.lora.rank=8"])
     assert config.model.negative_prompt == "'low' and 'blurry'"
     assert config.model.lora.rank == 8  # LoRA was off: its section starts from its defaults
+
+
+def test_the_config_package_loads_its_names_on_first_use():
+    """The algorithm, model and rollout configs import ``trainer.config.fields`` and the schema imports them, so
+    the package's ``__init__`` and ``fields`` import no trainer module as they load (that would be a cycle), and
+    every public name still resolves from ``trainer.config``."""
+    import trainer.config
+
+    for module in ("__init__", "fields"):
+        tree = ast.parse((REPO / "trainer" / "config" / f"{module}.py").read_text())
+        eager = [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
+        assert not [ast.unparse(n) for n in eager if "trainer" in ast.unparse(n)], module
+    assert all(getattr(trainer.config, name) is not None for name in trainer.config.__all__)
+    with pytest.raises(AttributeError):
+        trainer.config.configuration  # noqa: B018

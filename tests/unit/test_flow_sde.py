@@ -22,6 +22,50 @@ def _inputs(batch: int = 3, seed: int = 0):
     return x, v, sigma, sigma_next
 
 
+def reference_sde_step(v, x, sigma, sigma_next, a, prev_sample=None, generator=None, sigma_max=None):
+    """Flow-GRPO's SDE step in plain tensor code, the oracle the fast path (per-step constants, fused
+    kernels) is checked against. sigma, sigma_next: [B]; returns (x_next, log_prob [B], mean, std_dev_t)."""
+    s = sigma.float().view(-1, *[1] * (x.ndim - 1))
+    s_next = sigma_next.float().view_as(s)
+    dt = s_next - s
+    s_safe = torch.where(s == 1, torch.as_tensor(sigma_max, dtype=torch.float32), s) if sigma_max is not None else s
+    std_dev_t = a * torch.sqrt(s / (1 - s_safe))
+    score = -(x + (1 - s) * v) / s  # of x_sigma = (1 - sigma) x0 + sigma eps, with v = eps - x0
+    mean = x + (v - std_dev_t**2 / 2 * score) * dt
+    scale = std_dev_t * torch.sqrt(-dt)
+    if prev_sample is None:
+        prev_sample = mean + scale * torch.randn(x.shape, generator=generator)
+    log_density = -((prev_sample - mean) ** 2) / (2 * scale**2) - torch.log(scale) - math.log(math.sqrt(2 * math.pi))
+    return prev_sample, log_density.mean(dim=tuple(range(1, x.ndim))), mean, std_dev_t
+
+
+@pytest.mark.parametrize("noise_level", [0.3, 0.7, 1.0])
+def test_the_fast_step_matches_the_plain_reference_step(noise_level):
+    """Every step of a shifted schedule, the first (sigma = 1, sigma_max in its place) included: the scheduled
+    step and the per-sample function draw the reference's sample from the same generator and score a given
+    sample as the reference does."""
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(6)
+    schedule = scheduler.sigmas.to(torch.float32)
+    fast = flow_step("sde", schedule)
+    x, v, _, _ = _inputs()
+    other = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    for i in range(5):  # the last step (sigma_next = 0) is deterministic only at noise level 0
+        sigma, sigma_next = schedule[i].expand(3), schedule[i + 1].expand(3)
+        expected = reference_sde_step(v, x, sigma, sigma_next, noise_level, generator=torch.Generator().manual_seed(i),
+                                      sigma_max=schedule[1])
+        by_index = fast(v, x, i, noise_level, generator=torch.Generator().manual_seed(i))
+        by_sigma = sde_step_with_logprob(v, x, sigma, sigma_next, noise_level, sigma_max=schedule[1],
+                                         generator=torch.Generator().manual_seed(i))
+        for got in (by_index, by_sigma):
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        _, reference_score, _, _ = reference_sde_step(v, x, sigma, sigma_next, noise_level, prev_sample=other,
+                                                      sigma_max=schedule[1])
+        torch.testing.assert_close(fast(v, x, i, noise_level, prev_sample=other)[1], reference_score,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_log_prob_is_the_averaged_closed_form_gaussian_density():
     x, v, sigma, sigma_next = _inputs()
     prev, log_prob, mean, std = sde_step_with_logprob(

@@ -25,8 +25,8 @@ from trainer.algorithms.base import (
     refresh_reference,
     set_shares,
 )
-from trainer.algorithms.sft import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
-from trainer.configuration import PositiveFloat, PositiveInt
+from trainer.algorithms.clean_sample import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
+from trainer.config.fields import PositiveFloat, PositiveInt
 from trainer.rollout import Rollout
 
 

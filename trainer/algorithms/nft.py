@@ -20,8 +20,8 @@ import torch
 
 from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, set_shares
-from trainer.algorithms.sft import CleanSampleConfig, CleanUnit, NoiseDraws, split_units
-from trainer.configuration import Decay, PositiveFloat
+from trainer.algorithms.clean_sample import CleanSampleConfig, CleanUnit, NoiseDraws, split_units
+from trainer.config.fields import Decay, PositiveFloat
 from trainer.rollout import Rollout
 
 

@@ -18,7 +18,7 @@ import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, check_steps, set_shares, split_steps
-from trainer.configuration import Bounds, NonNegativeFloat, PositiveInt
+from trainer.config.fields import Bounds, NonNegativeFloat, PositiveInt
 from trainer.models.base import StepFunction
 from trainer.rollout import Rollout, SamplerSettings
 

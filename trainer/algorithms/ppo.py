@@ -15,7 +15,7 @@ import torch
 from trainer.algorithms.advantages import batch_advantages
 from trainer.algorithms.base import Rewards
 from trainer.algorithms.policy_gradient import ClippedPolicyGradient, PolicyGradientConfig
-from trainer.configuration import PositiveInt
+from trainer.config.fields import PositiveInt
 
 
 @dataclass

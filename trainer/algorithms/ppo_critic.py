@@ -29,7 +29,7 @@ from trainer.algorithms.policy_gradient import (
     step_loss,
     trainable_steps,
 )
-from trainer.configuration import NonNegativeFloat, PositiveInt, Probability
+from trainer.config.fields import NonNegativeFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.rollout import Rollout
 

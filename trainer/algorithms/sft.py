@@ -8,15 +8,14 @@ unconditional branch that CFG needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from trainer.algorithms.base import LossContext, set_shares
-from trainer.configuration import FiniteFloat, NonNegativeFloat, PositiveInt, Probability
+from trainer.algorithms.clean_sample import CleanUnit, NoiseDraws, denoising_loss, logit_normal_sigmas
+from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
-from trainer.rollout import SamplerSettings
 
 
 @dataclass
@@ -41,88 +40,6 @@ class SFTBatch:
     noise: torch.Tensor       # [B, *latent_shape]
     sigma: torch.Tensor       # [B]
     cond: Conditioning
-
-
-def logit_normal_sigmas(n: int, mean: float, std: float, generator: torch.Generator | None) -> torch.Tensor:
-    """sigma = sigmoid(m + s * z), z ~ N(0, 1): SD3's training density over noise levels."""
-    return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
-
-
-@dataclass
-class CleanSampleConfig:
-    """Fields every algorithm that trains on the clean samples of its rollouts with a denoising-type loss
-    has (dpo, sft_best, nft); each algorithm's config adds its own."""
-
-    name: str = ""
-    """Registry name of the algorithm (``trainer.algorithms.ALGORITHMS``)."""
-    group_size: PositiveInt = 8
-    """Samples per prompt (a group); the algorithm compares samples within a group."""
-    noise_draws: PositiveInt = 2
-    """(noise level, noise) draws per trained sample per inner epoch."""
-    inner_epochs: PositiveInt = 1
-    """Passes over each epoch's samples."""
-    steps_per_epoch: PositiveInt = 1
-    """Optimizer steps per inner epoch: the micro-batches of every draw are split into this many (fewer when
-    there are fewer micro-batches, e.g. DPO pairs in an epoch with little reward spread)."""
-    micro_batch_size: PositiveInt = 32
-    """Samples (DPO: pairs) per forward/backward."""
-    logit_mean: FiniteFloat = 0.0
-    """Mean of the logit-normal density of noise levels."""
-    logit_std: NonNegativeFloat = 1.0
-    """Std of the logit-normal density of noise levels."""
-    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(noise_level=0.0))
-    """Rollout sampling; no log-probs are needed, so the deterministic sampler users deploy is the default."""
-
-    def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError("algorithm.group_size must be >= 2: samples are compared within a group")
-
-
-def split_units(units: list, steps: int) -> list[list]:
-    """Loss units cut into ``steps`` optimizer steps whose unit counts differ by one at most (as many steps as
-    there are units where there are fewer)."""
-    steps = min(steps, len(units))
-    return [units[len(units) * i // steps : len(units) * (i + 1) // steps] for i in range(steps)]
-
-
-@dataclass
-class NoiseDraws:
-    """Noise levels and noises for denoising losses on given clean latents: [D, N] sigmas and
-    [D, N, *latent_shape] noises for D draws of N samples (drawn in ``plan`` so a resumed run repeats them)."""
-
-    sigma: torch.Tensor
-    noise: torch.Tensor
-
-    @staticmethod
-    def draw(draws: int, x0: torch.Tensor, mean: float, std: float, generator: torch.Generator) -> NoiseDraws:
-        sigma = logit_normal_sigmas(draws * len(x0), mean, std, generator).reshape(draws, len(x0))
-        noise = torch.randn((draws, *x0.shape), generator=generator)
-        return NoiseDraws(sigma.to(x0.device), noise.to(x0.device))
-
-
-@dataclass
-class CleanUnit:
-    """One micro-batch of a clean-sample algorithm (sft_best, nft): rows of its batch with their noise draw."""
-
-    batch: Any
-    rows: torch.Tensor    # [m] rows of the batch
-    draw: NoiseDraws      # the rows' noise levels and noises
-    share: float = 0.0    # the unit's share of its optimizer step's loss (``set_shares``)
-    step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
-
-
-def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[B]: mean over every non-batch element of (prediction - target)^2, in float32."""
-    return ((prediction.float() - target.float()) ** 2).mean(dim=tuple(range(1, prediction.ndim)))
-
-
-def denoising_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """mean over samples (optionally weighted) of the per-sample mean squared error."""
-    per_sample = per_sample_mse(prediction, target)
-    if weights is None:
-        return per_sample.mean()
-    weights = weights.to(per_sample)  # host-side batch weights, device-side losses
-    return (per_sample * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
 class SFT:

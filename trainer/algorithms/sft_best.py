@@ -17,7 +17,13 @@ import torch
 
 from trainer.algorithms.advantages import best_and_worst, group_advantages
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local, set_shares
-from trainer.algorithms.sft import CleanSampleConfig, CleanUnit, NoiseDraws, denoising_loss, split_units
+from trainer.algorithms.clean_sample import (
+    CleanSampleConfig,
+    CleanUnit,
+    NoiseDraws,
+    denoising_loss,
+    split_units,
+)
 from trainer.rollout import Rollout
 
 

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_flux import FluxSingleTransformer
 from torch import nn
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from trainer.configuration import NonNegativeInt, PositiveInt
+from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,

@@ -48,7 +48,7 @@ from diffusers.models.transformers.transformer_flux import (
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from torch import nn
 
-from trainer.configuration import NonNegativeFloat, PositiveInt
+from trainer.config.fields import NonNegativeFloat, PositiveInt
 from trainer.models.base import ImageInputs
 from trainer.models.common import require_image_input
 

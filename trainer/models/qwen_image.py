@@ -31,7 +31,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from trainer.configuration import NonNegativeInt, PositiveInt
+from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1
 from trainer.models.common import (
     DTYPES,

@@ -29,7 +29,7 @@ from diffusers.models.unets.unet_2d_blocks import (
 from torch import nn
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from trainer.configuration import NonNegativeInt
+from trainer.config.fields import NonNegativeInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,

@@ -22,7 +22,7 @@ from diffusers.models.transformers.transformer_sd3 import JointTransformerBlock
 from torch import nn
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from trainer.configuration import PositiveInt
+from trainer.config.fields import PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import (
     DTYPES,

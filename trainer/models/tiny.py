@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.configuration import PositiveInt
+from trainer.config.fields import PositiveInt
 from trainer.models.sd3 import SD3Adapter, SD3Config
 
 DEFAULT_TINY_PATH = os.path.join(".cache", "rewardflow", "tiny-sd3-digits")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from trainer.samplers.flow_sde import ScheduledStep, log_prob_constants, shaped_coefficients, shaped_step
+from trainer.samplers.steps import ScheduledStep, log_prob_constants, shaped_coefficients, shaped_step
 
 
 class DDIMCoefficients(NamedTuple):
@@ -47,24 +47,33 @@ class DDIMCoefficients(NamedTuple):
 def ddim_coefficients(t: torch.Tensor, t_prev: torch.Tensor, eta: float, alphas_cumprod: torch.Tensor,
                       final_alpha_cumprod: float | torch.Tensor = 1.0) -> DDIMCoefficients:
     """``ddim_step_with_logprob``'s constants from timestep ``t`` to ``t_prev`` ([N] each, or scalars), each
-    computed as ``DDIMScheduler.step`` computes it. ``eta`` must be in [0, 1], else a ValueError."""
+    computed as ``DDIMScheduler.step`` computes it (``DDIMCoefficients`` has the formulas), with
+        std = kl_std = sigma_t = eta sqrt((1 - abar_prev) / (1 - abar_t) (1 - abar_t / abar_prev))"""
+    _check_eta(eta)
+    alpha_t, alpha_prev = _alphas_cumprod_at(t, t_prev, alphas_cumprod, final_alpha_cumprod)
+    beta_t = 1 - alpha_t
+    beta_prev = 1 - alpha_prev
+    std_dev_t = eta * ((beta_prev / beta_t) * (1 - alpha_t / alpha_prev)) ** (0.5)
+    return DDIMCoefficients(beta_t ** (0.5), alpha_t ** (0.5), alpha_prev ** (0.5),
+                            (1 - alpha_prev - std_dev_t**2) ** (0.5), std_dev_t, std_dev_t,
+                            *log_prob_constants(std_dev_t))
+
+
+def _check_eta(eta: float) -> None:
     if not 0 <= eta <= 1:
         raise ValueError(f"algorithm.sampler.noise_level={eta}: with sampler.kind=ddim the noise level is DDIM's eta, "
                          "which must be in [0, 1] (above 1 the step's variance exceeds 1 - abar_prev and the samples "
                          "are NaN); set it to at most 1")
+
+
+def _alphas_cumprod_at(t: torch.Tensor, t_prev: torch.Tensor, alphas_cumprod: torch.Tensor,
+                       final_alpha_cumprod: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(abar_t, abar_prev) in float32: abar at the rounded timesteps, ``final_alpha_cumprod`` where t_prev < 0."""
     alphas_cumprod = alphas_cumprod.to(dtype=torch.float32)
     t = torch.as_tensor(t, device=alphas_cumprod.device).round().long()
     t_prev = torch.as_tensor(t_prev, device=alphas_cumprod.device).round().long()
-    alpha_t = alphas_cumprod[t]
     final = torch.as_tensor(final_alpha_cumprod, device=alphas_cumprod.device, dtype=torch.float32)
-    alpha_prev = torch.where(t_prev >= 0, alphas_cumprod[t_prev.clamp(min=0)], final)
-    beta_t = 1 - alpha_t
-    beta_prev = 1 - alpha_prev
-    variance = (beta_prev / beta_t) * (1 - alpha_t / alpha_prev)
-    std_dev_t = eta * variance ** (0.5)
-    return DDIMCoefficients(beta_t ** (0.5), alpha_t ** (0.5), alpha_prev ** (0.5),
-                            (1 - alpha_prev - std_dev_t**2) ** (0.5), std_dev_t, std_dev_t,
-                            *log_prob_constants(std_dev_t))
+    return alphas_cumprod[t], torch.where(t_prev >= 0, alphas_cumprod[t_prev.clamp(min=0)], final)
 
 
 def ddim_mean(c: DDIMCoefficients, eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:

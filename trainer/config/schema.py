@@ -1,20 +1,17 @@
-"""The trainer's typed configuration. ``Config()`` is the embedded default: the tiny SD3-architecture model
-on the digits task, supervised warm-up, then GRPO against the ``digit`` reward served by local replicas.
-
-Every field says why it exists. Files and ``key=value`` overrides go through ``load_config``.
+"""The config schema: one dataclass per section (model, algorithm, warmup, data, reward, parallel, train,
+eval, logging). ``Config()`` is the embedded default: the tiny SD3-architecture model on the digits task,
+supervised warm-up, then GRPO against the ``digit`` reward served by local replicas. Every field says why.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from trainer.algorithms.sft import SFTConfig
-from trainer.configuration import (
+from trainer.config.fields import (
     Bounds,
-    ConfigError,
     Decay,
     FiniteFloat,
     NonNegativeFloat,
@@ -24,12 +21,6 @@ from trainer.configuration import (
     Probability,
     Seed,
     Selected,
-    apply_override,
-    build,
-    load_yaml,
-    merge_sections,
-    override_value,
-    to_dict,
 )
 
 
@@ -50,9 +41,8 @@ def _default_model() -> Any:
 
 
 def _default_algorithm() -> Any:
-    """GRPO with a window of 2 SDE steps among the first 4 (ODE elsewhere): the early steps decide which
-    digit appears, so their noise carries the credit; all-step SDE learned nothing in 40 epochs here.
-    Groups of 16 (160 images an epoch): with 8, accuracy peaked and then drifted back down."""
+    """GRPO with SDE noise on 2 of the first 4 steps (ODE elsewhere): the early steps decide which digit
+    appears, so their noise carries the credit. Groups of 16 (160 images an epoch); bench/RESULTS.md."""
     from trainer.rollout import SamplerSettings
 
     return _algorithms()["grpo"](group_size=16, sampler=SamplerSettings(sde_window=2, window_range=(0, 3)))
@@ -106,8 +96,8 @@ class RewardConfig:
     batch_size: PositiveInt = 32
     """Items per /score request."""
     wire_format: Literal["msgpack", "msgpack+zstd", "msgpack+lz4", "png", "raw"] = "msgpack"
-    """Image encoding on the wire: raw pixels in msgpack (lossless, ~4 ms per 512x512 image here), the
-    same compressed for slow networks, or JSON with PNG / raw base64 (for debugging)."""
+    """Image encoding on the wire: raw pixels in msgpack (lossless, cheap to encode), the same compressed
+    for slow networks, or JSON with PNG / raw base64 (for debugging)."""
     max_failed_share: Probability = 0.5
     """An epoch aborts when more than this share of samples has no reward (failed scores are NaN, get
     advantage 0 and are counted; past this share the update would be biased)."""
@@ -142,12 +132,10 @@ class ParallelConfig:
     """fsdp2: keep sharded parameters, gradients and optimizer state in CPU memory; zero2/zero3: the
     optimizer state (and zero3 the parameters). Fits larger models at the cost of PCIe traffic."""
     gather_for_sampling: bool | None = None
-    """fsdp2 and zero3: keep the parameters gathered across a rollout or an evaluation instead of gathering
-    them in every forward (fsdp2: each block from its first forward on; zero3: all of them when sampling
-    starts), so a T-step rollout gathers the weights once rather than T times. Costs the full parameters'
-    memory while sampling, as ddp and zero2 hold them always. False gathers in every forward (for a model
-    whose full weights do not fit one device). Unset: on, except with cpu_offload, whose point is not to
-    hold the full weights on the device."""
+    """fsdp2 and zero3: hold the gathered parameters through a rollout or an evaluation (fsdp2: each block
+    from its first forward; zero3: all when sampling starts), so T steps gather them once rather than T times,
+    at the full weights' memory. False: gather in every forward (weights too big for one device). Unset: on,
+    except with cpu_offload, whose point is not to hold the full weights on the device."""
     deepspeed_config: str = ""
     """A DeepSpeed JSON config to use instead of the packaged trainer/distributed/deepspeed_configs/zero{2,3}.json
     (linked from deploy/deepspeed/); its "auto" values are filled from this config (clipping, dtypes, offload),
@@ -193,10 +181,9 @@ class TrainConfig:
     num_threads: NonNegativeInt = 0
     """torch CPU threads per process; 0 divides the machine's cores among local ranks."""
     ema_decay: Decay = 0.9
-    """EMA of the trainable weights during RL (e.g. 0.9-0.999; evaluation reads it, see eval.use_ema): it
-    smooths the late overshoot of GRPO/PPO (the embedded job without it fell from 1.00 to 0.85 digit
-    accuracy in epochs 28-30). Costs a float32 copy of the trainable weights (of this rank's shards: small
-    with LoRA, 4 bytes per parameter with full fine-tuning); 0 keeps no EMA."""
+    """Decay of an EMA of the trainable weights during RL (e.g. 0.9-0.999; 0 keeps none), which evaluation
+    reads (eval.use_ema): it smooths GRPO/PPO's late overshoot. Costs a float32 copy of this rank's trainable
+    weights (small with LoRA, 4 bytes per parameter with full fine-tuning)."""
     ema_every: PositiveInt = 1
     """Update the EMA every N RL optimizer steps."""
     init_from: str = ""
@@ -254,49 +241,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-def load_config(paths: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The default config, updated by YAML files in order (a model preset, then an algorithm preset: a later
-    file's fields win) and then by ``section.key=value`` overrides, ``model.name`` / ``algorithm.name`` ones
-    first. A section naming another class than the one before it (``algorithm: {name: dpo, ...}`` in a file,
-    ``algorithm.name=dpo``) starts from that class's defaults; so does a file's named section over the
-    embedded job's (whose GRPO sampler window a preset naming grpo must not inherit); otherwise a section
-    updates the one before it field by field."""
-    raw: dict = to_dict(Config())
-    built_in = {"model", "algorithm"}  # sections still the embedded job's
-    for path in [paths] if isinstance(paths, str) else paths or ():
-        update = load_yaml(path)
-        for section in built_in & update.keys():
-            if isinstance(update[section], dict) and "name" in update[section]:
-                raw[section] = {"name": update[section]["name"]}  # that class's defaults, not the embedded job's
-        built_in -= update.keys()
-        merge_sections(raw, update, Config)
-    names = [o for o in overrides if o.partition("=")[0].strip() in _NAMED]
-    for override in names:
-        key, _, text = override.partition("=")
-        section = key.strip().split(".")[0]
-        name = override_value(override, text.strip(), str)
-        if not isinstance(raw[section], dict) or raw[section].get("name") != name:  # another class: its defaults
-            raw[section] = {"name": name}
-    for override in [o for o in overrides if o not in names]:
-        apply_override(raw, override, Config)
-    return build(Config, raw, "")
-
-
-_NAMED = ("model.name", "algorithm.name")
-"""Overrides that pick a section's class: applied before the others, whatever their order on the command line."""
-
-
-def saved_dict(config: Config) -> dict:
-    """``to_dict(config)`` as written to a run's config.yaml and checkpoints, and printed: without the
-    bearer token (a secret; the run's command line or $REWARD_SERVER_TOKEN gives it again on a resume)."""
-    raw = to_dict(config)
-    raw["reward"]["token"] = None
-    return raw
-
-
 def reward_token(config: RewardConfig) -> str | None:
     """The bearer token the servers expect: ``reward.token``, else $REWARD_SERVER_TOKEN (None if neither)."""
     return config.token or os.environ.get("REWARD_SERVER_TOKEN") or None
-
-
-__all__ = ["Config", "ConfigError", "load_config", "reward_token", "saved_dict", "to_dict"]

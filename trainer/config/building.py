@@ -1,92 +1,27 @@
-"""Typed config plumbing: build nested dataclasses from plain dicts with errors that name the field.
+"""Plain dicts <-> typed config dataclasses: ``build`` checks every key and value against the annotations
+(errors name the field), ``to_dict`` is its inverse, ``merge_sections`` updates a raw dict section by section.
 
-Sections whose class is chosen by name (``model``, ``algorithm``) are typed as ``Selected``: their ``name``
-key picks a class from a registry, and the rest of the section must match that class's fields. Numeric fields
-typed with ``Bounds`` (``PositiveInt``, ``Probability``, ...) are range-checked as they are read, so a value
-that would fail deep inside a run (a zero batch size, a NaN learning rate) is refused with the field's name.
+Sections typed ``Selected`` (``model``, ``algorithm``) take their class from their ``name`` key; numeric fields
+typed with ``Bounds`` are range-checked as they are read, so a zero batch size or a NaN learning rate is refused
+with the field's name rather than failing deep inside a run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, Union
+from collections.abc import Mapping
+from typing import Any, Literal, Union
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A config file, override or value that cannot be used; the message names the field and the fix."""
-
-
-def user_error_exit(exc: ValueError) -> int:
-    """How a command-line tool ends on a user-fixable ValueError (bad paths, shapes, sizes): the message and
-    exit status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block."""
-    if os.environ.get("RF_TRACEBACK"):
-        raise exc
-    print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
-    return 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Selected:
-    """Marks a section whose dataclass is chosen by its ``name`` key from ``registry``."""
-
-    registry: Callable[[], Mapping[str, type]]
-    default: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """The range a numeric field must lie in (``Annotated[float, Bounds(0, 1)]``); None leaves a side open.
-    NaN is never in range, and infinity only where ``high`` is ``math.inf``."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    """Whether ``low`` itself is excluded."""
-    high_open: bool = False
-    """Whether ``high`` itself is excluded."""
-
-    def admits(self, value: float) -> bool:
-        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not (value > 0 and self.high == math.inf))):
-            return False
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above and below
-
-    def describe(self) -> str:
-        if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        if self.high is not None:
-            return f"{'<' if self.high_open else '<='} {self.high:g}"
-        return "a finite number"
-
-
-PositiveInt = Annotated[int, Bounds(1)]
-NonNegativeInt = Annotated[int, Bounds(0)]
-PositiveFloat = Annotated[float, Bounds(0, low_open=True)]
-NonNegativeFloat = Annotated[float, Bounds(0)]
-Probability = Annotated[float, Bounds(0, 1)]
-FiniteFloat = Annotated[float, Bounds()]
-Decay = Annotated[float, Bounds(0, 1, high_open=True)]
-"""An exponential decay rate (Adam's betas, an EMA's decay)."""
-Seed = Annotated[int, Bounds(0, 2**63 - 1)]
-"""A random seed: torch generators take a non-negative 64-bit integer."""
+from trainer.config.fields import Bounds, ConfigError, Selected
 
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _unwrap(hint: Any) -> tuple[Any, tuple]:
+def unwrap_hint(hint: Any) -> tuple[Any, tuple]:
     """(the type inside ``Annotated`` and ``X | None``, the Annotated metadata)."""
     meta: tuple = ()
     if typing.get_origin(hint) is typing.Annotated:
@@ -98,7 +33,7 @@ def _unwrap(hint: Any) -> tuple[Any, tuple]:
     return hint, meta
 
 
-def _admits_none(hint: Any) -> bool:
+def admits_none(hint: Any) -> bool:
     if typing.get_origin(hint) is typing.Annotated:
         hint = typing.get_args(hint)[0]
     return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint)
@@ -106,12 +41,12 @@ def _admits_none(hint: Any) -> bool:
 
 def selected_field(hint: Any) -> Selected | None:
     """The ``Selected`` marker of a field whose class is chosen by name, if it has one."""
-    return next((m for m in _unwrap(hint)[1] if isinstance(m, Selected)), None)
+    return next((m for m in unwrap_hint(hint)[1] if isinstance(m, Selected)), None)
 
 
 def mapping_field(hint: Any) -> bool:
     """Whether a field holds a mapping as one value (``reward.weights``), not a nested section."""
-    return typing.get_origin(_unwrap(hint)[0]) is dict
+    return typing.get_origin(unwrap_hint(hint)[0]) is dict
 
 
 def section_class(hint: Any, raw: Mapping) -> type | None:
@@ -119,7 +54,7 @@ def section_class(hint: Any, raw: Mapping) -> type | None:
     selected = selected_field(hint)
     if selected is not None:
         return selected.registry().get(raw.get("name", selected.default))
-    inner = _unwrap(hint)[0]
+    inner = unwrap_hint(hint)[0]
     return inner if dataclasses.is_dataclass(inner) else None
 
 
@@ -169,7 +104,7 @@ def merge_sections(base: dict, update: Mapping, cls: type | None) -> None:
     hints = typing.get_type_hints(cls, include_extras=True) if cls is not None else {}
     for key, value in update.items():
         hint = hints.get(key)
-        if value is None and isinstance(base.get(key), dict) and not _admits_none(hint):
+        if value is None and isinstance(base.get(key), dict) and not admits_none(hint):
             continue  # a YAML section left empty (``eval:`` with only comments under it): no changes
         if isinstance(value, Mapping) and isinstance(base.get(key), dict) and not mapping_field(hint):
             if selected_field(hint) is not None and value.get("name", base[key].get("name")) != base[key].get("name"):
@@ -273,59 +208,3 @@ def to_dict(config: Any) -> Any:
     if isinstance(config, dict):
         return {k: to_dict(v) for k, v in config.items()}
     return config
-
-
-def apply_override(raw: dict, override: str, cls: type | None = None) -> None:
-    """Apply ``a.b.c=value`` to nested dict ``raw`` (of dataclass ``cls``). The value is parsed as YAML (``3``,
-    ``true``, ``[1, 2]``), except for a text field (``str``, ``str | None``), which takes it as written: YAML
-    would cut ``low quality, #watermark`` at the ``#`` and read ``2024-06-01`` as a date (a quoted value is
-    unquoted, ``null`` is None where the field admits it)."""
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like section.key=value")
-    key, text = override.split("=", 1)
-    parts = key.strip().split(".")
-    node, section = raw, cls
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if child is None and section is not None and section_class(_hint(section, part), {}) is not None:
-            child = node[part] = {}  # an optional section that is off (model.lora): on, from its defaults
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
-        section = section_class(_hint(section, part), child) if section is not None else None
-        node = child
-    node[parts[-1]] = override_value(override, text, _hint(section, parts[-1]))
-
-
-def _hint(cls: type | None, name: str) -> Any:
-    return typing.get_type_hints(cls, include_extras=True).get(name) if dataclasses.is_dataclass(cls) else None
-
-
-def override_value(override: str, text: str, hint: Any) -> Any:
-    """An override's ``text`` as the value of a field typed ``hint`` (see ``apply_override``)."""
-    inner = _unwrap(hint)[0]
-    nullable = _admits_none(hint)
-    if inner is str:
-        if nullable and text in ("null", "~"):
-            return None
-        try:  # 'a quoted value' is unquoted; anything else stays as written
-            unquoted = yaml.safe_load(text) if text[:1] in ("'", '"') else None
-        except yaml.YAMLError:
-            unquoted = None
-        return unquoted if isinstance(unquoted, str) else text
-    try:
-        return yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {override!r}: value is not valid YAML ({exc})") from exc
-
-
-def load_yaml(path: str) -> dict:
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
-    return raw

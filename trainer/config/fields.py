@@ -1,0 +1,65 @@
+"""The vocabulary config dataclasses are written in: range-checked numeric types (``PositiveInt``,
+``Probability``, ...), the ``Selected`` marker of sections chosen by name, and ``ConfigError``.
+
+Algorithm, model and sampler configs import only this module; ``trainer.config.building`` reads the markers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Annotated
+
+
+class ConfigError(ValueError):
+    """A config file, override or value that cannot be used; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """Marks a section whose dataclass is chosen by its ``name`` key from ``registry``."""
+
+    registry: Callable[[], Mapping[str, type]]
+    default: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range a numeric field must lie in (``Annotated[float, Bounds(0, 1)]``); None leaves a side open.
+    NaN is never in range, and infinity only where ``high`` is ``math.inf``."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    """Whether ``low`` itself is excluded."""
+    high_open: bool = False
+    """Whether ``high`` itself is excluded."""
+
+    def admits(self, value: float) -> bool:
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not (value > 0 and self.high == math.inf))):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return "a finite number"
+
+
+PositiveInt = Annotated[int, Bounds(1)]
+NonNegativeInt = Annotated[int, Bounds(0)]
+PositiveFloat = Annotated[float, Bounds(0, low_open=True)]
+NonNegativeFloat = Annotated[float, Bounds(0)]
+Probability = Annotated[float, Bounds(0, 1)]
+FiniteFloat = Annotated[float, Bounds()]
+Decay = Annotated[float, Bounds(0, 1, high_open=True)]
+"""An exponential decay rate (Adam's betas, an EMA's decay)."""
+Seed = Annotated[int, Bounds(0, 2**63 - 1)]
+"""A random seed: torch generators take a non-negative 64-bit integer."""

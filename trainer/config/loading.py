@@ -1,0 +1,124 @@
+"""Config from files and the command line: ``load_config`` merges YAML presets and ``section.key=value``
+overrides over the embedded default; ``saved_dict`` is what a run writes back; ``user_error_exit`` is how a
+command-line tool reports a user's mistake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from trainer.config.building import admits_none, build, merge_sections, section_class, to_dict, unwrap_hint
+from trainer.config.fields import ConfigError
+from trainer.config.schema import Config
+
+
+def user_error_exit(exc: ValueError) -> int:
+    """How a command-line tool ends on a user-fixable ValueError (bad paths, shapes, sizes): the message and
+    exit status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block."""
+    if os.environ.get("RF_TRACEBACK"):
+        raise exc
+    print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
+    return 2
+
+
+def apply_override(raw: dict, override: str, cls: type | None = None) -> None:
+    """Apply ``a.b.c=value`` to nested dict ``raw`` (of dataclass ``cls``). The value is parsed as YAML (``3``,
+    ``true``, ``[1, 2]``), except for a text field (``str``, ``str | None``), which takes it as written: YAML
+    would cut ``low quality, #watermark`` at the ``#`` and read ``2024-06-01`` as a date (a quoted value is
+    unquoted, ``null`` is None where the field admits it)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    key, text = override.split("=", 1)
+    parts = key.strip().split(".")
+    node, section = raw, cls
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child is None and section is not None and section_class(_hint(section, part), {}) is not None:
+            child = node[part] = {}  # an optional section that is off (model.lora): on, from its defaults
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+        section = section_class(_hint(section, part), child) if section is not None else None
+        node = child
+    node[parts[-1]] = override_value(override, text, _hint(section, parts[-1]))
+
+
+def _hint(cls: type | None, name: str) -> Any:
+    return typing.get_type_hints(cls, include_extras=True).get(name) if dataclasses.is_dataclass(cls) else None
+
+
+def override_value(override: str, text: str, hint: Any) -> Any:
+    """An override's ``text`` as the value of a field typed ``hint`` (see ``apply_override``)."""
+    inner = unwrap_hint(hint)[0]
+    nullable = admits_none(hint)
+    if inner is str:
+        if nullable and text in ("null", "~"):
+            return None
+        try:  # 'a quoted value' is unquoted; anything else stays as written
+            unquoted = yaml.safe_load(text) if text[:1] in ("'", '"') else None
+        except yaml.YAMLError:
+            unquoted = None
+        return unquoted if isinstance(unquoted, str) else text
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({exc})") from exc
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+    return raw
+
+
+_NAMED = ("model.name", "algorithm.name")
+"""Overrides that pick a section's class: applied before the others, whatever their order on the command line."""
+
+
+def load_config(paths: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The default config, updated by YAML files in order (a model preset, then an algorithm preset: a later
+    file's fields win) and then by ``section.key=value`` overrides, ``model.name`` / ``algorithm.name`` ones
+    first. A section naming another class than the one before it (``algorithm: {name: dpo, ...}`` in a file,
+    ``algorithm.name=dpo``) starts from that class's defaults; so does a file's named section over the
+    embedded job's (whose GRPO sampler window a preset naming grpo must not inherit); otherwise a section
+    updates the one before it field by field."""
+    raw: dict = to_dict(Config())
+    built_in = {"model", "algorithm"}  # sections still the embedded job's
+    for path in [paths] if isinstance(paths, str) else paths or ():
+        update = load_yaml(path)
+        for section in built_in & update.keys():
+            if isinstance(update[section], dict) and "name" in update[section]:
+                raw[section] = {"name": update[section]["name"]}  # that class's defaults, not the embedded job's
+        built_in -= update.keys()
+        merge_sections(raw, update, Config)
+    names = [o for o in overrides if o.partition("=")[0].strip() in _NAMED]
+    for override in names:
+        key, _, text = override.partition("=")
+        section = key.strip().split(".")[0]
+        name = override_value(override, text.strip(), str)
+        if not isinstance(raw[section], dict) or raw[section].get("name") != name:  # another class: its defaults
+            raw[section] = {"name": name}
+    for override in [o for o in overrides if o not in names]:
+        apply_override(raw, override, Config)
+    return build(Config, raw, "")
+
+
+def saved_dict(config: Config) -> dict:
+    """``to_dict(config)`` as written to a run's config.yaml and checkpoints, and printed: without the
+    bearer token (a secret; the run's command line or $REWARD_SERVER_TOKEN gives it again on a resume)."""
+    raw = to_dict(config)
+    raw["reward"]["token"] = None
+    return raw
