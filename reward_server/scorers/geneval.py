@@ -146,40 +146,19 @@ class GenEvalScorer:
 
     @torch.no_grad()
     def _detect(self, images: list[np.ndarray], wanted: list[set[str]]) -> list[dict[str, list[rules.Detection]]]:
-        """Mask2Former instances per image, for the classes in ``wanted`` only, scored as mmdet scores them
-        (candidates at or below the lower of GenEval's thresholds are dropped early: they cannot pass)."""
+        """Mask2Former instances per image, for the classes in ``wanted`` only (see :func:`instances`)."""
         if not images:
             return []
         inputs = self._det_processor(images=images, return_tensors="pt")
         pixel_mask = inputs["pixel_mask"]
         out = self._detector(pixel_values=inputs["pixel_values"].to(self._device), pixel_mask=pixel_mask.to(self._device))
-        probs_BQC = out.class_queries_logits.float().softmax(-1)[..., :-1]  # the last class is "no object"
         padded_size = tuple(inputs["pixel_values"].shape[-2:])
-        floor = min(rules.THRESHOLD, rules.COUNTING_THRESHOLD)
-        results = []
-        for b, image in enumerate(images):
-            num_classes = probs_BQC.shape[-1]
-            top_scores, top_indices = probs_BQC[b].flatten().topk(min(TOP_K, probs_BQC[b].numel()))
-            keep = [k for k, (s, i) in enumerate(zip(top_scores.tolist(), top_indices.tolist(), strict=True))
-                    if s > floor and self._label_names.get(i % num_classes) in wanted[b]]
-            candidates: dict[str, list[rules.Detection]] = {}
-            if keep:
-                queries = top_indices[keep] // num_classes
-                valid_h, valid_w = int(pixel_mask[b, :, 0].sum()), int(pixel_mask[b, 0, :].sum())
-                logits = F.interpolate(out.masks_queries_logits[b, queries][None].float(), size=padded_size,
-                                       mode="bilinear", align_corners=False)[..., :valid_h, :valid_w]
-                logits = F.interpolate(logits, size=image.shape[:2], mode="bilinear", align_corners=False)[0]
-                binary = logits > 0
-                mask_scores = (logits.sigmoid() * binary).flatten(1).sum(1) / (binary.flatten(1).sum(1) + 1e-6)
-                for k, mask, mask_score in zip(keep, binary.cpu().numpy(), mask_scores.tolist(), strict=True):
-                    box = _mask_box(mask)
-                    if box is None:
-                        continue
-                    name = self._label_names[int(top_indices[k]) % num_classes]
-                    candidates.setdefault(name, []).append(
-                        rules.Detection(box=box, score=float(top_scores[k]) * mask_score, mask=mask))
-            results.append(candidates)
-        return results
+        return [
+            instances(out.class_queries_logits[b], out.masks_queries_logits[b], padded_size,
+                      (int(pixel_mask[b, :, 0].sum()), int(pixel_mask[b, 0, :].sum())), image.shape[:2],
+                      {i: name for i, name in self._label_names.items() if name in wanted[b]})
+            for b, image in enumerate(images)
+        ]
 
     @torch.no_grad()
     def _classify_colors(self, image: np.ndarray, name: str, found: list[rules.Detection]) -> list[str]:
@@ -197,6 +176,40 @@ class GenEvalScorer:
         vision = self._clip.vision_model(pixel_values=pixels)
         image_embeds = F.normalize(self._clip.visual_projection(vision.pooler_output).float(), dim=-1)
         return [rules.COLORS[i] for i in (image_embeds @ self._color_embeds[name].T).argmax(-1).tolist()]
+
+
+def instances(
+    class_logits_QC: torch.Tensor, mask_logits_Qhw: torch.Tensor, padded_size: tuple[int, int],
+    valid_size: tuple[int, int], image_size: tuple[int, int], labels: dict[int, str],
+) -> dict[str, list[rules.Detection]]:
+    """One image's instances by mmdet's Mask2Former rule, for the label ids in ``labels`` only.
+
+    The top :data:`TOP_K` (query, class) pairs by class probability (the last class, "no object", left
+    out); each query's mask logits are upsampled to the padded input, cropped to the image's unpadded
+    ``valid_size`` and resized to ``image_size``; mask = logits > 0; score = class probability x mean mask
+    probability over the mask; box = the mask's extent. Pairs whose class probability is at most the lower
+    of GenEval's thresholds are skipped early (their score cannot pass), as are empty masks (score 0).
+    """
+    probs_QC = class_logits_QC.float().softmax(-1)[:, :-1]
+    num_classes = probs_QC.shape[-1]
+    top_scores, top_indices = probs_QC.flatten().topk(min(TOP_K, probs_QC.numel()))
+    floor = min(rules.THRESHOLD, rules.COUNTING_THRESHOLD)
+    keep = [k for k, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist(), strict=True))
+            if score > floor and index % num_classes in labels]
+    found: dict[str, list[rules.Detection]] = {}
+    if not keep:
+        return found
+    logits = F.interpolate(mask_logits_Qhw[top_indices[keep] // num_classes][None].float(), size=padded_size,
+                           mode="bilinear", align_corners=False)[..., : valid_size[0], : valid_size[1]]
+    logits = F.interpolate(logits, size=tuple(image_size), mode="bilinear", align_corners=False)[0]
+    binary = logits > 0
+    mask_scores = (logits.sigmoid() * binary).flatten(1).sum(1) / (binary.flatten(1).sum(1) + 1e-6)
+    for k, mask, mask_score in zip(keep, binary.cpu().numpy(), mask_scores.tolist(), strict=True):
+        box = _mask_box(mask)
+        if box is not None:
+            found.setdefault(labels[int(top_indices[k]) % num_classes], []).append(
+                rules.Detection(box=box, score=float(top_scores[k]) * mask_score, mask=mask))
+    return found
 
 
 def crop_object(image: np.ndarray, detection: rules.Detection) -> np.ndarray:

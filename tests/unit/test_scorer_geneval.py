@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from fixtures_geneval import build_tiny_geneval
 
 from reward_server.scorers import SCORERS, ScoreOutcome, run_scorer
 from reward_server.scorers import geneval_rules as rules
-from reward_server.scorers.geneval import BACKGROUND, GenEvalScorer, crop_object
+from reward_server.scorers.geneval import BACKGROUND, GenEvalScorer, crop_object, instances
 from shared.protocol import ErrorCode
 
 # The first row of each tag in shared/data/flow_grpo/geneval_test_metadata.jsonl (Flow-GRPO's GenEval set).
@@ -274,3 +275,25 @@ def test_load_refuses_missing_or_partial_directories(tmp_path: Path, geneval_mod
         SCORERS["geneval"](model_dir=tmp_path).load()
     with pytest.raises(ValueError, match="mode must be"):
         GenEvalScorer(geneval_model_dir, mode="lenient")
+
+
+def test_instances_follow_mmdets_rule_and_map_masks_back_through_the_padding() -> None:
+    # A 48x72 image resized to 64x96 and padded to 64x128; masks come at stride 4 (16x32).
+    class_logits = torch.full((3, 5), -10.0)
+    class_logits[0, 1] = class_logits[2, 1] = 10.0  # queries 0 and 2: "cup"; query 1: "dog"
+    class_logits[1, 2] = 10.0
+    masks = torch.full((3, 16, 32), -10.0)
+    masks[0, 4:8, 0:12] = 10.0  # padded pixels rows 16-32, columns 0-48: image rows 12-24, columns 0-36
+    masks[1, 0:4, 0:4] = 10.0
+    masks[2, :, 26:] = 10.0  # only in the padding: nothing left after the crop
+    found = instances(class_logits, masks, (64, 128), (64, 96), (48, 72), {1: "cup"})  # dogs not wanted
+    assert list(found) == ["cup"] and len(found["cup"]) == 1
+    cup = found["cup"][0]
+    assert cup.box == pytest.approx((0, 12, 36, 24), abs=1)  # without the padding crop: columns 0-27
+    assert cup.mask.shape == (48, 72) and cup.mask[18, 10] and not cup.mask[30, 10]
+    # Class probability ~1 times the mean mask probability inside the mask (the upsampled edges pull it below 1).
+    inside = masks[0, 4:8, 0:12].sigmoid().mean().item()
+    assert 0.95 < cup.score < inside
+    # A class probability at or below the lowest threshold never becomes a candidate.
+    class_logits[0] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
+    assert instances(class_logits, masks, (64, 128), (64, 96), (48, 72), {1: "cup"}) == {}
