@@ -297,3 +297,11 @@ def test_instances_follow_mmdets_rule_and_map_masks_back_through_the_padding() -
     # A class probability at or below the lowest threshold never becomes a candidate.
     class_logits[0] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
     assert instances(class_logits, masks, (64, 128), (64, 96), (48, 72), {1: "cup"}) == {}
+
+
+def test_a_class_the_detector_cannot_name_is_an_error(geneval_model_dir: Path) -> None:
+    scorer = SCORERS["geneval"](model_dir=geneval_model_dir)
+    scorer.load()
+    scorer._label_names = {i: name for i, name in scorer._label_names.items() if name != "bowl"}
+    (outcome,) = _score(scorer, [{"tag": "single_object", "include": [{"class": "bowl", "count": 1}]}])
+    assert outcome.error == ErrorCode.BAD_INPUT and "bowl" in outcome.message and outcome.score is None
