@@ -5,8 +5,10 @@ tests check plumbing and math, never quality. Fixtures built from these live in 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from fixtures_geneval import build_tiny_geneval
 
 QWEN_SPECIAL_TOKENS = (
     "<|im_start|>",
@@ -171,7 +173,9 @@ def rig_digits(model_dir: Path, weights: dict[str, float]) -> Path:
 
 
 # For the registry-wide conformance test: what each model-based scorer needs to score random images.
-CONFORMANCE_METADATA: dict[str, dict[str, str]] = {"ocr": {"text": "digit"}, "ocr_flow_grpo": {"text": "digit"}}
+CONFORMANCE_METADATA: dict[str, dict[str, Any]] = {"ocr": {"text": "digit"}, "ocr_flow_grpo": {"text": "digit"}}
+CONFORMANCE_METADATA["geneval"] = CONFORMANCE_METADATA["geneval_partial"] = {
+    "tag": "single_object", "include": [{"class": "bowl", "count": 1}]}
 CONFORMANCE_SKIP: dict[str, str] = {
     "ocr_paddle": "runs under .venv-paddle (PaddleOCR pins its own numpy and OpenCV): tests/integration/test_ocr_paddle.py",
     "qwenvl_api": "needs a judge server (tested in test_scorer_qwenvl.py against a local one)",
@@ -185,4 +189,5 @@ def build_conformance_model_dir(model_dir: Path) -> Path:
     build_tiny_clip_score(model_dir, "pickscore", processor_subfolder=True)
     build_tiny_clip_score(model_dir, "clipscore", processor_subfolder=False)
     rig_digits(build_tiny_qwen_vl(model_dir / "qwenvl"), {"4": 5.0})
+    build_tiny_geneval(model_dir)
     return model_dir

@@ -146,6 +146,12 @@ def _colorfulness(model_dir: Path | None = None) -> Scorer:
     return ColorfulnessScorer()
 
 
+def _geneval(model_dir: Path | None = None, mode: str = "strict") -> Scorer:
+    from reward_server.scorers.geneval import GenEvalScorer
+
+    return GenEvalScorer(model_dir=model_dir, mode=mode)
+
+
 # name -> factory(model_dir: Path | None) -> Scorer. Factories of model-based scorers load from model_dir.
 SCORERS: dict[str, ScorerFactory] = {
     "digit": _digit,
@@ -160,6 +166,8 @@ SCORERS: dict[str, ScorerFactory] = {
     "pickscore": _pickscore,
     "clipscore": _clipscore,
     "colorfulness": _colorfulness,
+    "geneval": _geneval,
+    "geneval_partial": lambda model_dir=None: _geneval(model_dir, mode="partial"),
 }
 
 
