@@ -211,7 +211,17 @@ def test_images_of_another_size_than_the_model_generates_are_refused_before_trai
         _run(config, tmp_path / "run")
 
 
-@pytest.mark.parametrize(("name", "algorithm"), list(itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)))
+def _adapter_algorithm_pairs() -> list:
+    """Every (adapter, algorithm config) pair. The default tier runs the tiny model with every algorithm and each
+    other adapter with one (each algorithm once among them); the other pairs are in the slow tier."""
+    others = [name for name in sorted(MODELS) if name != "tiny"]
+    default = {(name, ALGORITHM_CONFIGS[i % len(ALGORITHM_CONFIGS)]) for i, name in enumerate(others)}
+    return [pytest.param(name, algorithm, marks=() if name == "tiny" or (name, algorithm) in default
+                         else pytest.mark.slow)
+            for name, algorithm in itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)]
+
+
+@pytest.mark.parametrize(("name", "algorithm"), _adapter_algorithm_pairs())
 def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_models, tmp_path):
     """Each algorithm's config (configs/algorithms) with each registered adapter's tiny model, float32 and
     fully fine-tuned, on the data format the model takes: the trainer and the algorithms never ask which model
