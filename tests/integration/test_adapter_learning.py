@@ -13,6 +13,11 @@ within about 0.01 whatever the latents (so whole-image brightness is barely lear
 leaves free where the brightness sits: the top half's brightness moves, and every adapter can learn it.
 
 The IP-Adapter models learn with their IP-Adapter alone as well, on the ``colorfulness`` scorer.
+
+Only the tiny model's run is in the default tier: the others train for minutes each (the slow tier). The
+default tier covers their training paths by one-epoch jobs (test_presets) and their gradients and rollouts
+(test_adapter_conformance); an IP-Adapter's GRPO step by test_ip_adapter and under every backend by
+test_backends.
 """
 
 from __future__ import annotations
@@ -106,7 +111,8 @@ def run_grpo(adapter, overrides: list[str], scorer, epochs: int, tmp_path) -> tu
     return before, after, rewards
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "tiny" else pytest.mark.slow)
+                                  for name in sorted(MODELS)])
 def test_grpo_raises_the_reward(name, model_root, tmp_path):
     torch.manual_seed(0)
     adapter = build_adapter(tiny_config(name, model_root, dtype="float32", **MODEL_OVERRIDES.get(name, {})), "cpu")
@@ -130,6 +136,7 @@ the FLUX models here) that counts as learning. Measured over seeds 0-4 with thes
 at a learning rate of 0.1 for 24 epochs ranged from -3.6 to +5.7: too noisy for a test."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(IP_INPUTS))
 def test_grpo_of_the_ip_adapter_alone_raises_the_reward(name, model_root, tmp_path):
     """The IP-Adapter GRPO setup: the IP-Adapter is the whole policy (fresh weights, base frozen), the style

@@ -4,7 +4,8 @@ weights on every rank, and kill -9 then ``--resume auto`` reproducing the uninte
 The four 2-process backends see the same data (the loop's streams depend on rank and step, not on the
 backend), so they must agree; they differ only in how float32 gradients are reduced, hence ``TOL``. The
 single-process job sees other data (each rank draws its own warm-up batch and noise), so it is compared to
-the backends in tests/unit/test_distributed_backends.py, on world-size-invariant batches instead.
+the backends in tests/unit/test_distributed_backends.py, on world-size-invariant batches instead. Runs that
+need no fresh process go as series in one torchrun each (tests/job_series.py): one start-up, not one per run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from job_series import run_series
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,10 +43,10 @@ weights over an fp16 base (the loss scale is part of the state a resume must res
 value network (sharded too: a resume writes each rank's saved shards back into it)."""
 
 
-def _args(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -> list[str]:
+def _job(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -> list[str]:
+    """trainer/main.py's arguments for the tiny GRPO job of ``backend`` (a plain backend or one of VARIANTS)."""
     backend, extra = VARIANTS.get(backend, (backend, []))
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py",
-            *extra, f"model.path={model_dir}", f"logging.output_dir={out}", f"logging.run_name={name}",
+    return [*extra, f"model.path={model_dir}", f"logging.output_dir={out}", f"logging.run_name={name}",
             "logging.progress=false", "logging.tensorboard=false", f"parallel.backend={backend}",
             "train.warmup_steps=4", "train.warmup_checkpoint_every=2", "train.epochs=2", "train.checkpoint_every=1",
             "data.prompts_per_epoch=4", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.every=1",
@@ -52,22 +54,19 @@ def _args(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -
             f"reward.urls=[{reward_url}]"]
 
 
-def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a torchrun command from the repository root; on a timeout (a hung collective) kill its whole process
-    group, the ranks too (killing torchrun alone would leave them waiting), and fail with its output."""
-    process = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"timed out after {timeout} s: {args[-3:]}\n{stdout[-2000:]}\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+def _series(jobs: dict[str, list[str]], workdir: Path) -> dict[str, str]:
+    """Run the named jobs one after another in one torchrun (2 processes); each job's stdout by name."""
+    series = run_series(list(jobs.values()), workdir, timeout=540)
+    assert series.returncode == 0, series.failure()
+    return dict(zip(jobs, series.stdout, strict=True))
 
 
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _torchrun(job: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py", *job]
 
 
 def _records(run_dir: Path, phase: str) -> list[dict]:
@@ -86,11 +85,10 @@ def reward_url(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory, tiny_model_dir, reward_url) -> dict[str, Path]:
-    """One uninterrupted run per backend."""
+    """One uninterrupted run per backend, all in one torchrun series (DeepSpeed's last)."""
     out = tmp_path_factory.mktemp("backends")
-    for backend in (*BACKENDS, *VARIANTS):
-        run = _run(_args(tiny_model_dir, out, backend, backend, reward_url))
-        assert run.returncode == 0, f"{backend}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    order = ("ddp", "fsdp2", *VARIANTS, "zero2", "zero3")
+    _series({backend: _job(tiny_model_dir, out, backend, backend, reward_url) for backend in order}, out)
     return {backend: out / backend for backend in (*BACKENDS, *VARIANTS)}
 
 
@@ -128,26 +126,38 @@ def test_fp16_run_checkpoints_its_loss_scale_and_float32_lora(straight_runs):
     assert weights and all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in weights.values())
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2", *VARIANTS])
-def test_kill9_then_resume_reproduces_the_uninterrupted_run(straight_runs, tmp_path, tiny_model_dir, reward_url,
-                                                            backend):
-    victim = subprocess.Popen(_args(tiny_model_dir, tmp_path, "killed", backend, reward_url), cwd=REPO, env=_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if metrics.is_file() and any(r["phase"] == "rl" for r in map(json.loads, metrics.read_text().splitlines())):
-            break
-        assert victim.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)  # torchrun and both ranks
-    victim.wait()
+KILLED = ("ddp", "fsdp2", *VARIANTS)
 
-    resumed = _run(_args(tiny_model_dir, tmp_path, "killed", backend, reward_url) + ["--resume", "auto"])
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory, tiny_model_dir, reward_url) -> dict[str, tuple[Path, str]]:
+    """Per backend of KILLED: its run killed with -9 (torchrun and both ranks) once it logged an RL epoch, then
+    continued with ``--resume auto``, the continuations in one torchrun series; (run directory, its stdout)."""
+    out = tmp_path_factory.mktemp("killed")
+    for backend in KILLED:
+        victim = subprocess.Popen(_torchrun(_job(tiny_model_dir, out, backend, backend, reward_url)), cwd=REPO,
+                                  env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        metrics = out / backend / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if metrics.is_file() and any(r["phase"] == "rl" for r in map(json.loads, metrics.read_text().splitlines())):
+                break
+            assert victim.poll() is None, f"{backend}: the run ended before it could be killed"
+            time.sleep(0.05)
+        os.killpg(victim.pid, signal.SIGKILL)  # torchrun and both ranks
+        victim.wait()
+    stdout = _series({backend: [*_job(tiny_model_dir, out, backend, backend, reward_url), "--resume", "auto"]
+                      for backend in KILLED}, out)
+    return {backend: (out / backend, stdout[backend]) for backend in KILLED}
+
+
+@pytest.mark.parametrize("backend", KILLED)
+def test_kill9_then_resume_reproduces_the_uninterrupted_run(straight_runs, resumed_runs, backend):
+    run_dir, stdout = resumed_runs[backend]
+    assert "resumed from" in stdout
     for phase in ("warmup", "rl", "final"):
-        straight, killed = _records(straight_runs[backend], phase), _records(tmp_path / "killed", phase)
+        straight, killed = _records(straight_runs[backend], phase), _records(run_dir, phase)
         assert [r["step"] for r in killed] == [r["step"] for r in straight], phase
         for a, b in zip(straight, killed, strict=True):
             for key in (*KEYS, "weights_rank_spread"):
@@ -188,21 +198,20 @@ def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(ip_job, tmp
     shards of them into the shards around the call: every backend reports the same KL, 0 in the first epoch and
     > 0 once the policy has moved. Resumed after the first epoch, the sharded backends repeat the second (each
     rank's snapshot shards are in the checkpoint)."""
-    kl = {}
-
-    def run(backend: str, name: str, *extra: str) -> list[float]:
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py",
-                *ip_job, f"parallel.backend={backend}", f"logging.output_dir={tmp_path}", f"logging.run_name={name}",
+    def job(backend: str, name: str, *extra: str) -> list[str]:
+        return [*ip_job, f"parallel.backend={backend}", f"logging.output_dir={tmp_path}", f"logging.run_name={name}",
                 "train.checkpoint_every=1", "train.keep_checkpoints=0", *extra]
-        done = _run(args)
-        assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+    def kl(name: str) -> list[float]:
         return [r["kl"] for r in _records(tmp_path / name, "rl")]
 
+    _series({backend: job(backend, backend) for backend in BACKENDS}, tmp_path / "series-1")
+    assert kl("ddp")[0] == 0.0 and kl("ddp")[1] > 1e-3, kl("ddp")
     for backend in BACKENDS:
-        kl[backend] = run(backend, backend)
-    assert kl["ddp"][0] == 0.0 and kl["ddp"][1] > 1e-3, kl
-    for backend in BACKENDS:
-        assert kl[backend] == pytest.approx(kl["ddp"], rel=TOL, abs=ATOL), kl
-    for backend in ("fsdp2", "zero3"):
-        first = next((tmp_path / backend / "checkpoints").glob("step-*-000001"))
-        assert run(backend, f"{backend}-resumed", f"train.resume={first}") == kl[backend][1:], backend
+        assert kl(backend) == pytest.approx(kl("ddp"), rel=TOL, abs=ATOL), (backend, kl(backend), kl("ddp"))
+    resumed = ("fsdp2", "zero3")
+    _series({backend: job(backend, f"{backend}-resumed",
+                          f"train.resume={next((tmp_path / backend / 'checkpoints').glob('step-*-000001'))}")
+             for backend in resumed}, tmp_path / "series-2")
+    for backend in resumed:
+        assert kl(f"{backend}-resumed") == kl(backend)[1:], backend

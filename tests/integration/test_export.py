@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +24,6 @@ from trainer.models.common import (
 from trainer.models.flux_kontext import FluxKontextAdapter
 from trainer.models.testing import tiny_config
 from trainer.models.tiny import TinyAdapter, TinyConfig
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _forward(net: torch.nn.Module) -> torch.Tensor:
@@ -70,12 +65,10 @@ def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_p
         torch.testing.assert_close(_forward(with_adapter), trained, atol=1e-5, rtol=1e-5)
 
 
-def test_cli_names_what_is_wrong(tmp_path):
+def test_cli_names_what_is_wrong(tmp_path, capsys):
     (tmp_path / "not-a-checkpoint").mkdir()
-    out = subprocess.run([sys.executable, "-m", "trainer.export", "--checkpoint", str(tmp_path / "not-a-checkpoint"),
-                          "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "is not a complete checkpoint (no trainable.safetensors)" in out.stderr
+    assert main(["--checkpoint", str(tmp_path / "not-a-checkpoint"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a complete checkpoint (no trainable.safetensors)" in capsys.readouterr().err
 
 
 def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path):

@@ -2,18 +2,14 @@
 adapter's tiny model: the adapter then loads no text encoder or tokenizer, and its conditioning (and CFG
 prediction, which reads the negative prompt from the store) is bit-identical to the adapter that encodes;
 a prompt missing from the store and a store of other text encoders or settings raise errors naming the
-precompute command. The CLI runs as a subprocess on a YAML config with a prompt-file dataset."""
+precompute command. The CLI (its main(), in process) runs on a YAML config with a prompt-file dataset."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +29,6 @@ from trainer.trainer import Trainer
 
 PROMPTS = ["a photo of a cat", "the digit five"]
 GUIDANCE = 3.0
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +89,8 @@ def test_precompute_cli_encodes_the_configured_dataset(root, tmp_path, capsys):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({
         "model": to_dict(config), "data": {"name": "prompt_file", "path": str(tmp_path / "prompts.txt")},
         "train": {"device": "cpu"}}))
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-m", "trainer.precompute", "--config", str(tmp_path / "run.yaml"),
-                           "--out", str(tmp_path / "text")], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "5 prompts of qwen_image" in done.stdout
+    assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text")]) == 0
+    assert "5 prompts of qwen_image" in capsys.readouterr().out
     index = json.loads((tmp_path / "text" / TEXT_INDEX).read_text())
     assert sorted(index["prompts"]) == sorted([*prompts, "", " "])
     reading = build_adapter(dataclasses.replace(config, text_embeddings=str(tmp_path / "text")), "cpu")

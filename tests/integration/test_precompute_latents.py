@@ -4,18 +4,15 @@ flux_kontext: the reference). Encoding takes each distinct input once, in its ow
 conditioning is the same in any batch); conditioning read from a store is bit-identical to the adapter that
 encodes, and the reading adapter calls its real VAE encoder (counted by a wrapper) for no stored input; an
 input missing from the store is encoded, counted and warned about; a store of another VAE, dtype or
-resolution is refused naming the precompute command. The CLI runs as a subprocess on a YAML config with an
-inpainting dataset, and in-process on an editing dataset that grows between two runs."""
+resolution is refused naming the precompute command. The CLI (its main(), in process) runs on a YAML config with an
+inpainting dataset, and on an editing dataset that grows between two runs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +34,6 @@ GROUPS = [0, 1, 0, 1]
 """Rows of the test batch: two items, each repeated as a rollout group repeats its item."""
 SIZE = 16
 """Image side of the tiny models (model.resolution) and of the tiny datasets (data.image_size)."""
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +116,14 @@ def test_a_store_of_another_vae_or_settings_is_refused(root, tmp_path):
         build_adapter(dataclasses.replace(fill, image_latents=str(tmp_path / "empty")), "cpu")
 
 
-def test_precompute_cli_writes_the_latents_training_reads(root, tmp_path):
+def test_precompute_cli_writes_the_latents_training_reads(root, tmp_path, capsys):
     config = tiny_config("flux_fill", root, dtype="float32")
     data = {"name": "inpaint_jsonl", "path": str(write_inpaint_jsonl(tmp_path / "data", size=SIZE))}
     run = write_config(tmp_path / "run.yaml", config, data)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-m", "trainer.precompute", "--config", str(run), "--out",
-                           str(tmp_path / "text"), "--latents", str(tmp_path / "latents")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "4 image inputs of flux_fill" in done.stdout and "(0 were there)" in done.stdout
+    assert precompute.main(["--config", str(run), "--out", str(tmp_path / "text"), "--latents",
+                            str(tmp_path / "latents")]) == 0
+    out = capsys.readouterr().out
+    assert "4 image inputs of flux_fill" in out and "(0 were there)" in out
     assert len(json.loads((tmp_path / "latents" / LATENT_INDEX).read_text())["keys"]) == 4
 
     task = build_task(DataConfig(image_size=SIZE, **data))

@@ -7,10 +7,10 @@ rewards) is used as written. The adapter, algorithm and task are built with the 
 its trainable weights must be ones its backend can update (float32 unless DeepSpeed keeps master copies),
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
-test runs each config's whole job (``Trainer.fit``) at toy size, a third resumes it from a checkpoint and
-requires the straight run's numbers, a fourth runs the job of every algorithm config with every registered
-adapter. A fifth checks the presets' headers (including that they start every weighted
-reward scorer) and that their repository-relative data paths exist; a sixth, that the header's reward-server
+test runs each config's whole job (``Trainer.fit``) at toy size and resumes it from a checkpoint, requiring
+the straight run's numbers; a third runs the job of every algorithm config with every registered adapter.
+A fourth checks the presets' headers (including that they start every weighted
+reward scorer) and that their repository-relative data paths exist; a fifth, that the header's reward-server
 and training commands agree with reward.urls and with each other.
 """
 
@@ -152,13 +152,17 @@ def _records(trainer: Trainer, phase: str) -> list[dict]:
     return [r for r in trainer.logger.history if r["phase"] == phase]
 
 
-def _fit(config, tmp_path) -> None:
-    """``_run`` of ``config``: the trainable weights must move and the final metrics be finite."""
-    trainer, built = _run(config, tmp_path / "run")
+def _check_fit(trainer: Trainer, built: list[torch.Tensor], epochs: int) -> None:
+    """A whole job's outcome: its ``epochs`` run, the trainable weights moved and the final metrics finite."""
     (final,) = _records(trainer, "final")
-    assert trainer.progress.epochs_done == config.train.epochs and math.isfinite(final["reward_mean"])
+    assert trainer.progress.epochs_done == epochs and math.isfinite(final["reward_mean"])
     moved = [not torch.equal(b, p) for b, p in zip(built, trainer.adapter.trainable_parameters(), strict=True)]
     assert any(moved), "no trainable weight moved"
+
+
+def _fit(config, tmp_path) -> None:
+    """``_run`` of ``config``, checked by ``_check_fit``."""
+    _check_fit(*_run(config, tmp_path / "run"), config.train.epochs)
 
 
 def _one_epoch(config) -> list[str]:
@@ -173,22 +177,16 @@ def _one_epoch(config) -> list[str]:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
-def test_config_runs_a_whole_job(path, tiny_models, tmp_path):
+def test_config_runs_a_whole_job_and_resumes_exactly(path, tiny_models, tmp_path, capsys):
     """``Trainer.fit`` of every shipped config on its tiny model: one warm-up step where the config warms up,
-    the evaluation before, one RL epoch of the config's algorithm with its sampler, the checkpoint, the
-    evaluation after."""
-    _fit(_tiny_job(path, tiny_models, tmp_path, _one_epoch(_tiny_job(path, tiny_models, tmp_path))), tmp_path)
-
-
-@pytest.mark.parametrize("path", CONFIGS, ids=_id)
-def test_config_resumes_exactly(path, tiny_models, tmp_path, capsys):
-    """Every shipped config's job at toy size, two RL epochs with a checkpoint after each: resumed from the
-    first checkpoint, the second epoch and the final evaluation repeat the straight run's exactly (whatever
-    state its model, algorithm and reference keep: LoRA, IP-Adapter snapshots, critics, EMA), and the resume
-    finds no setting changed."""
+    the evaluation before, two RL epochs of the config's algorithm with its sampler, a checkpoint after each,
+    the evaluation after. Resumed from the first checkpoint, the second epoch and the final evaluation repeat
+    the straight run's exactly (whatever state its model, algorithm and reference keep: LoRA, IP-Adapter
+    snapshots, critics, EMA), and the resume finds no setting changed."""
     two = [*_one_epoch(_tiny_job(path, tiny_models, tmp_path)), "train.epochs=2", "train.checkpoint_every=1",
            "train.keep_checkpoints=0", "eval.every=0"]
-    straight, _ = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "straight")
+    straight, built = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "straight")
+    _check_fit(straight, built, 2)
     first = next(p for p in straight.checkpoints.directory.iterdir() if p.name.endswith("-000001"))
     capsys.readouterr()
     resumed, _ = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "resumed", resume=first)
@@ -213,7 +211,17 @@ def test_images_of_another_size_than_the_model_generates_are_refused_before_trai
         _run(config, tmp_path / "run")
 
 
-@pytest.mark.parametrize(("name", "algorithm"), list(itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)))
+def _adapter_algorithm_pairs() -> list:
+    """Every (adapter, algorithm config) pair. The default tier runs the tiny model with every algorithm and each
+    other adapter with one (each algorithm once among them); the other pairs are in the slow tier."""
+    others = [name for name in sorted(MODELS) if name != "tiny"]
+    default = {(name, ALGORITHM_CONFIGS[i % len(ALGORITHM_CONFIGS)]) for i, name in enumerate(others)}
+    return [pytest.param(name, algorithm, marks=() if name == "tiny" or (name, algorithm) in default
+                         else pytest.mark.slow)
+            for name, algorithm in itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)]
+
+
+@pytest.mark.parametrize(("name", "algorithm"), _adapter_algorithm_pairs())
 def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_models, tmp_path):
     """Each algorithm's config (configs/algorithms) with each registered adapter's tiny model, float32 and
     fully fine-tuned, on the data format the model takes: the trainer and the algorithms never ask which model
