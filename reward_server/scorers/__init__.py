@@ -158,6 +158,12 @@ def _hpsv2(model_dir: Path | None = None) -> Scorer:
     return HpsScorer(model_dir=model_dir)
 
 
+def _imagereward(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.imagereward import ImageRewardScorer
+
+    return ImageRewardScorer(model_dir=model_dir)
+
+
 # name -> factory(model_dir: Path | None) -> Scorer. Factories of model-based scorers load from model_dir.
 SCORERS: dict[str, ScorerFactory] = {
     "digit": _digit,
@@ -175,6 +181,7 @@ SCORERS: dict[str, ScorerFactory] = {
     "geneval": _geneval,
     "geneval_partial": lambda model_dir=None: _geneval(model_dir, mode="partial"),
     "hpsv2": _hpsv2,
+    "imagereward": _imagereward,
 }
 
 
