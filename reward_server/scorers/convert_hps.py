@@ -32,7 +32,8 @@ def load_state(path: Path) -> dict[str, torch.Tensor]:
     return {key.removeprefix("module."): value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def _layers(state: dict[str, torch.Tensor], prefix: str) -> int:
+def count_blocks(state: dict[str, torch.Tensor], prefix: str) -> int:
+    """How many consecutive ``<prefix>N.*`` blocks the state dict has (0..N-1 all present)."""
     found = {int(key[len(prefix):].split(".")[0]) for key in state if key.startswith(prefix)}
     if not found or found != set(range(len(found))):
         raise ValueError(f"no complete {prefix}N.* blocks in the checkpoint: is it an OpenCLIP ViT state dict?")
@@ -72,7 +73,7 @@ def openclip_to_transformers(
     unknown = [key for key in state if key.startswith(("visual.trunk", "text.transformer", "visual.attn_pool"))]
     if unknown or "visual.conv1.weight" not in state:
         raise ValueError("only OpenCLIP's built-in ViT towers are supported (no timm or HF text towers)")
-    v_layers, t_layers = _layers(state, "visual.transformer.resblocks."), _layers(state, "transformer.resblocks.")
+    v_layers, t_layers = count_blocks(state, "visual.transformer.resblocks."), count_blocks(state, "transformer.resblocks.")
     v_width, _, patch, _ = state["visual.conv1.weight"].shape
     t_width = state["token_embedding.weight"].shape[1]
     grid = round((state["visual.positional_embedding"].shape[0] - 1) ** 0.5)

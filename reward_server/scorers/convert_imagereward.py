@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from reward_server.scorers.convert_hps import _layers, default_heads, load_state
+from reward_server.scorers.convert_hps import count_blocks, default_heads, load_state
 
 VISION_BLOCK = {"norm1": "layer_norm1", "attn.qkv": "self_attn.qkv", "attn.proj": "self_attn.projection",
                 "norm2": "layer_norm2", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
@@ -31,8 +31,8 @@ def blip_to_transformers(state: dict[str, torch.Tensor], *, vision_heads: int | 
     if "blip.visual_encoder.patch_embed.proj.weight" not in state or "mlp.layers.0.weight" not in state:
         raise ValueError("not an ImageReward checkpoint: expected blip.visual_encoder.* and mlp.layers.* keys")
     v_prefix, t_prefix = "blip.visual_encoder.", "blip.text_encoder."
-    v_layers = _layers(state, v_prefix + "blocks.")
-    t_layers = _layers(state, t_prefix + "encoder.layer.")
+    v_layers = count_blocks(state, v_prefix + "blocks.")
+    t_layers = count_blocks(state, t_prefix + "encoder.layer.")
     v_width, _, patch, _ = state[v_prefix + "patch_embed.proj.weight"].shape
     grid = round((state[v_prefix + "pos_embed"].shape[1] - 1) ** 0.5)
     vocab, t_width = state[t_prefix + "embeddings.word_embeddings.weight"].shape
