@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 from fixtures_geneval import build_tiny_geneval
+from fixtures_hps import build_tiny_hps
+from fixtures_imagereward import build_tiny_imagereward
 
 QWEN_SPECIAL_TOKENS = (
     "<|im_start|>",
@@ -190,4 +192,6 @@ def build_conformance_model_dir(model_dir: Path) -> Path:
     build_tiny_clip_score(model_dir, "clipscore", processor_subfolder=False)
     rig_digits(build_tiny_qwen_vl(model_dir / "qwenvl"), {"4": 5.0})
     build_tiny_geneval(model_dir)
+    build_tiny_hps(model_dir)
+    build_tiny_imagereward(model_dir)
     return model_dir

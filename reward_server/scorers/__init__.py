@@ -152,6 +152,18 @@ def _geneval(model_dir: Path | None = None, mode: str = "strict") -> Scorer:
     return GenEvalScorer(model_dir=model_dir, mode=mode)
 
 
+def _hpsv2(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.hps import HpsScorer
+
+    return HpsScorer(model_dir=model_dir)
+
+
+def _imagereward(model_dir: Path | None = None) -> Scorer:
+    from reward_server.scorers.imagereward import ImageRewardScorer
+
+    return ImageRewardScorer(model_dir=model_dir)
+
+
 # name -> factory(model_dir: Path | None) -> Scorer. Factories of model-based scorers load from model_dir.
 SCORERS: dict[str, ScorerFactory] = {
     "digit": _digit,
@@ -168,6 +180,8 @@ SCORERS: dict[str, ScorerFactory] = {
     "colorfulness": _colorfulness,
     "geneval": _geneval,
     "geneval_partial": lambda model_dir=None: _geneval(model_dir, mode="partial"),
+    "hpsv2": _hpsv2,
+    "imagereward": _imagereward,
 }
 
 

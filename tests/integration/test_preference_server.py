@@ -1,0 +1,71 @@
+"""``hpsv2`` and ``imagereward`` through a real reward server (``python -m reward_server`` on loopback) on tiny
+checkpoints converted from their reference layouts: ``/info`` lists each with its fingerprint and range, and
+``POST /score`` returns the scores the scorer computes in-process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from fixtures_hps import build_tiny_hps
+from fixtures_imagereward import build_tiny_imagereward
+from servers import free_port, wait_for
+
+from reward_server.scorers import SCORERS
+from shared.imagecodec import encode_image
+
+NAMES = ("hpsv2", "imagereward")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    model_dir = tmp_path_factory.mktemp("preference-server-models")
+    build_tiny_hps(model_dir)
+    build_tiny_imagereward(model_dir)
+    port = free_port()
+    log = model_dir / "server.log"
+    command = [sys.executable, "-m", "reward_server", "--scorers", ",".join(NAMES), "--model-dir", str(model_dir),
+               "--port", str(port), "--log-level", "warning"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(f"http://127.0.0.1:{port}/readyz", timeout_s=120)
+        yield f"http://127.0.0.1:{port}", model_dir
+    except TimeoutError:
+        raise AssertionError(log.read_text()[-3000:]) from None
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def test_post_score_with_hpsv2_and_imagereward(server) -> None:
+    url, model_dir = server
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (40, 56, 3), dtype=np.uint8) for _ in range(2)]
+    prompts = ["a red cup on a table", "digit 1"]
+    items = [{"id": f"item-{i}", "prompt": prompt, "image": encode_image(image, "png")}
+             for i, (image, prompt) in enumerate(zip(images, prompts, strict=True))]
+    with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+        info = client.get("/info").json()
+        response = client.post("/score", json={"request_id": "preference-1", "items": items})
+    assert response.status_code == 200, response.text
+    listed = {entry["name"]: entry for entry in info["scorers"]}
+    assert listed["hpsv2"]["version"].startswith("hpsv2+clip-32+")
+    assert (listed["hpsv2"]["score_min"], listed["hpsv2"]["score_max"]) == (-1.0, 1.0)
+    assert listed["imagereward"]["version"].startswith("imagereward+blip-32+")
+    assert (listed["imagereward"]["score_min"], listed["imagereward"]["score_max"]) == (None, None)
+    results = {result["id"]: result["scores"] for result in response.json()["results"]}
+    for name in NAMES:
+        local = SCORERS[name](model_dir=model_dir)
+        local.load()
+        expected = [outcome.score for outcome in local.score(images, prompts, [{}, {}])]
+        for i, value in enumerate(expected):
+            scored = results[f"item-{i}"][name]
+            assert scored["ok"] and scored["details"]["truncated"] is False, scored
+            assert scored["score"] == pytest.approx(value, abs=1e-5)
