@@ -71,17 +71,15 @@ def standardise(values: np.ndarray) -> np.ndarray:
 
 def check_weights(weights: Mapping[str, float]) -> dict[str, float]:
     """The weights as floats; ValueError unless they are finite and at least one is non-zero."""
-    if not weights:
-        raise ValueError("weights must name at least one scorer, e.g. {'digit': 1.0}")
     bad = {name: w for name, w in weights.items() if not np.isfinite(w)}
     if bad:
-        raise ValueError(f"weights must be finite, got {bad}")
-    if all(w == 0 for w in weights.values()):
-        raise ValueError(
-            f"reward.weights are all 0 ({dict(weights)}): the combined reward would be 0 for every item, "
-            "scored or not; give at least one scorer a non-zero weight"
-        )
-    return {name: float(w) for name, w in weights.items()}
+        raise ValueError(f"reward.weights must be finite numbers, got {bad}")
+    weights = {name: float(w) for name, w in weights.items()}
+    if not any(weights.values()):
+        raise ValueError(f"reward.weights={weights} gives no scorer a weight (the combined reward would be 0 for "
+                         "every item, scored or not): name at least one with a non-zero weight, e.g. "
+                         "reward.weights={digit: 1.0}")
+    return weights
 
 
 def check_combine_mode(mode: str) -> str:

@@ -112,9 +112,10 @@ def test_weights_must_name_given_scorers(client: InProcessRewardClient) -> None:
 
 def test_all_zero_weights_are_refused(client: InProcessRewardClient) -> None:
     """Zero weights everywhere would give every item a combined reward of 0, failed items included."""
-    with pytest.raises(ValueError, match=r"reward.weights are all 0 .*non-zero weight"):
+    with pytest.raises(ValueError, match=r"reward.weights=\{'brightness': 0.0, 'digit': -0.0\} gives no scorer a "
+                                         r"weight .*non-zero weight"):
         InProcessRewardClient(client.scorers, {"brightness": 0.0, "digit": -0.0})
-    with pytest.raises(ValueError, match=r"reward.weights are all 0"):
+    with pytest.raises(ValueError, match=r"reward.weights=\{'brightness': 0.0\} gives no scorer a weight"):
         HttpRewardClient(["http://127.0.0.1:1"], {"brightness": 0.0})
 
 
