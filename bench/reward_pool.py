@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.wire import compress_body  # noqa: E402
 from trainer.rewards import HttpRewardClient, LocalRewardPool  # noqa: E402
-from trainer.rewards.client import WIRE_FORMATS  # noqa: E402
+from trainer.rewards.wire import WIRE_FORMATS  # noqa: E402
 
 
 @dataclass

@@ -83,7 +83,7 @@ def run(config: Config) -> dict[str, float]:
         urls = list(config.reward.urls)
         if not urls:  # each machine's first process starts replicas on its loopback, for its machine's processes
             world = backend.world
-            logs = run_dir / "reward_servers" / (f"node-{world.node}" if world.spans_machines else "")
+            logs = run_dir / "reward_replicas" / (f"node-{world.node}" if world.spans_machines else "")
             mine = _start_local_pool(config, logs, stack) if world.local_rank == 0 else None
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient

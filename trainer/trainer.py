@@ -11,12 +11,12 @@ import math
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from shared.rewards import RewardClient, RewardResult, failed_share
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
@@ -38,7 +38,7 @@ class RewardFailure(RuntimeError):
 
 class Trainer:
     def __init__(self, config: Config, adapter: ModelAdapter, algorithm: Algorithm, warmup: SFT, task: Task,
-                 reward_client: Any, backend: ParallelBackend, logger: RunLogger):
+                 reward_client: RewardClient, backend: ParallelBackend, logger: RunLogger):
         build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
         self.config = config
         self.adapter = adapter
@@ -233,7 +233,7 @@ class Trainer:
         local = torch.as_tensor(result.combined, dtype=torch.float32)
         gathered = self.backend.gather(torch.stack([local, group_ids.float()], dim=1))
         rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
-        failed = float(torch.isnan(rewards.all).float().mean())
+        failed = failed_share(rewards.all.cpu())
         limit = self.config.reward.max_failed_share
         if failed > limit:
             raise RewardFailure(f"epoch {epoch + 1}: {failed:.0%} of samples have no reward (reward.max_failed_share "
@@ -265,13 +265,11 @@ class Trainer:
         return metrics
 
     def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
-                          g: torch.Generator, noise: torch.Generator):
+                          g: torch.Generator, noise: torch.Generator) -> tuple[Rollout, RewardResult, float]:
         """Sample the epoch's batch in ``train.rollout_chunks`` chunks (which steps are stochastic drawn with
         ``g``, the sampling noise with ``noise``); each chunk's rewards are requested
         as soon as it is sampled and are scored while the next chunk samples (all on the same policy).
         Returns the whole rollout, its rewards and the seconds spent waiting for rewards after sampling."""
-        from trainer.rewards.client import RewardResult
-
         bounds = chunk_bounds(len(prompts), self.config.train.rollout_chunks, self.rewards.batch_size)
         settings = self.algorithm.sampler
         stochastic = window_mask(settings, g)
@@ -287,8 +285,7 @@ class Trainer:
         t_sampled = time.perf_counter()
         results = [f.result() for f in futures]
         t_wait = time.perf_counter() - t_sampled
-        merged = RewardResult.cat(results, self.rewards.weights, self.rewards.combine_mode)
-        return Rollout.cat(parts), merged, t_wait
+        return Rollout.cat(parts), self.rewards.merge(results), t_wait
 
     def _after_rl_step(self) -> None:
         self.progress.rl_steps += 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reward_server.inprocess import InProcessRewardClient
 from reward_server.scorers.brightness import BrightnessScorer
 from reward_server.scorers.colorfulness import ColorfulnessScorer
 from trainer.algorithms import build_algorithm
@@ -36,7 +37,6 @@ from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
 from trainer.models.testing import TINY_NAMES, tiny_config, tiny_ip_adapter
-from trainer.rewards.client import InProcessRewardClient
 from trainer.trainer import Trainer
 
 MODEL_OVERRIDES = {"qwen_image": {"resolution": 32}}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reward_server.inprocess import InProcessRewardClient
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.advantages import batch_advantages, gae, group_advantages
 from trainer.algorithms.base import Rewards
@@ -20,7 +21,6 @@ from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models.tiny import TinyAdapter, TinyConfig
-from trainer.rewards.client import InProcessRewardClient
 from trainer.rollout import Rollout
 from trainer.trainer import Trainer
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reward_server.inprocess import InProcessRewardClient
 from trainer.algorithms import ALGORITHMS, build_algorithm
 from trainer.algorithms.base import Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
@@ -19,7 +20,6 @@ from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models.tiny import TinyAdapter, TinyConfig
-from trainer.rewards.client import InProcessRewardClient
 from trainer.trainer import Trainer
 
 EXPECTED_STATS = {"grpo": "clip_frac", "ppo": "clip_frac", "ppo_critic": "value_loss", "dpo": "dpo_margin",

@@ -119,7 +119,7 @@ def test_two_machines_through_the_multinode_launch_script(tmp_path, tiny_model_d
         assert machine.returncode == 0, output[-4000:]
     run_dir = tmp_path / "two"
     for node in range(2):
-        assert (run_dir / "reward_servers" / f"node-{node}" / "replica-0.log").is_file(), node
+        assert (run_dir / "reward_replicas" / f"node-{node}" / "replica-0.log").is_file(), node
     records = _records(run_dir)
     rl = [r for r in records if r["phase"] == "rl"]
     assert len(rl) == 2 and all(r["failed_share"] == 0.0 for r in rl)

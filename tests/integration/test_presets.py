@@ -26,6 +26,7 @@ import pytest
 import torch
 import yaml
 
+from reward_server.inprocess import InProcessRewardClient
 from reward_server.scorers.brightness import BrightnessScorer
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
@@ -38,7 +39,6 @@ from trainer.distributed.backend import refuse_low_precision_updates
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
 from trainer.models.testing import tiny_config, tiny_ip_adapter
-from trainer.rewards.client import InProcessRewardClient
 from trainer.rollout import rollout
 from trainer.trainer import Trainer
 

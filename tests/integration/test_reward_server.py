@@ -31,6 +31,7 @@ from sklearn.datasets import load_digits
 
 from reward_server.__main__ import main as server_main
 from reward_server.app import create_app
+from reward_server.inprocess import InProcessRewardClient
 from reward_server.scorers import SCORERS as SCORER_REGISTRY
 from reward_server.scorers import build_scorers
 from reward_server.settings import ServerSettings
@@ -39,14 +40,13 @@ from shared.protocol import MSGPACK_MEDIA_TYPE
 from shared.wire import compress_body, pack_msgpack, supported_encodings
 from trainer.rewards import (
     HttpRewardClient,
-    InProcessRewardClient,
     LocalRewardPool,
     RewardClientError,
     RewardPoolError,
     RewardRequestError,
     RewardUnavailableError,
 )
-from trainer.rewards.client import DEFAULT_WIRE_FORMAT, WIRE_FORMATS
+from trainer.rewards.wire import DEFAULT_WIRE_FORMAT, WIRE_FORMATS
 
 SCORERS = ["digit", "brightness", "jpeg_compressibility"]
 POOL_LIMITS = ["--max-items", "16", "--max-body-bytes", "300000", "--max-image-side", "64"]
@@ -1073,4 +1073,4 @@ def test_a_replica_whose_model_changes_under_the_client_is_taken_out_not_mixed_i
             changed.version, changed.value = "t-v2", 0.9  # as if restarted with other weights
             result = client.score(np.zeros((8, 4, 4, 3), np.uint8), [""] * 8)
             assert result.combined.tolist() == [0.5] * 8 and result.num_failed == 0
-            assert [r.available for r in client._replicas.values()] == [True, False]
+            assert [s["available"] for s in client.replica_states().values()] == [True, False]

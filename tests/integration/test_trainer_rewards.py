@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reward_server.inprocess import InProcessRewardClient
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.advantages import group_advantages
 from trainer.algorithms.sft import SFT
@@ -16,7 +17,6 @@ from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models.tiny import TinyAdapter, TinyConfig
-from trainer.rewards.client import InProcessRewardClient
 from trainer.trainer import RewardFailure, Trainer
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import concurrent.futures
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from trainer.rewards import HttpRewardClient, InProcessRewardClient, RewardResult, combine
-from trainer.rewards.client import COMBINE_MODES, standardise
+from reward_server.inprocess import InProcessRewardClient
+from shared.rewards import COMBINE_MODES, RewardResult, combine, failed_share, standardise
+from trainer.rewards import HttpRewardClient
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +112,10 @@ def test_weights_must_name_given_scorers(client: InProcessRewardClient) -> None:
 
 def test_all_zero_weights_are_refused(client: InProcessRewardClient) -> None:
     """Zero weights everywhere would give every item a combined reward of 0, failed items included."""
-    with pytest.raises(ValueError, match=r"reward.weights are all 0 .*non-zero weight"):
+    with pytest.raises(ValueError, match=r"reward.weights=\{'brightness': 0.0, 'digit': -0.0\} gives no scorer a "
+                                         r"weight .*non-zero weight"):
         InProcessRewardClient(client.scorers, {"brightness": 0.0, "digit": -0.0})
-    with pytest.raises(ValueError, match=r"reward.weights are all 0"):
+    with pytest.raises(ValueError, match=r"reward.weights=\{'brightness': 0.0\} gives no scorer a weight"):
         HttpRewardClient(["http://127.0.0.1:1"], {"brightness": 0.0})
 
 
@@ -162,3 +168,40 @@ def test_in_process_client_combine_mode(client: InProcessRewardClient) -> None:
     normalised.close()
     with pytest.raises(ValueError, match="combine_mode"):
         InProcessRewardClient(client.scorers, {"brightness": 1.0}, combine_mode="max")
+
+
+def test_merge_standardises_over_the_whole_batch_and_offsets_errors(client: InProcessRewardClient) -> None:
+    """The loop scores a batch in chunks and merges them: a normalising mode standardises over the batch, not
+    per chunk, and a chunk's error indices are shifted to the item's place in the batch."""
+    normalised = InProcessRewardClient(client.scorers, {"brightness": 1.0, "digit": 0.0},
+                                       combine_mode="sum-then-normalise")
+    images = _images(6)
+    parts = [normalised.score(images[:4], ["digit 1"] * 4), normalised.score(images[4:], ["digit 2", "no target"])]
+    merged = normalised.merge(parts)
+    whole = normalised.score(images, ["digit 1"] * 4 + ["digit 2", "no target"])
+    np.testing.assert_allclose(merged.combined, whole.combined)
+    np.testing.assert_allclose(merged.combined, standardise(whole.components["brightness"]))
+    assert set(merged.errors["digit"]) == set(whole.errors["digit"]) == {5}
+    assert merged.instances == ["in-process", "in-process"]
+    normalised.close()
+
+
+def test_failed_share_counts_nan_entries() -> None:
+    assert failed_share(np.array([1.0, np.nan, 2.0, np.nan, 0.0])) == 0.4
+    assert failed_share(torch.tensor([0.5, float("nan"), 1.0], dtype=torch.float32)) == pytest.approx(1 / 3)
+    assert failed_share(np.zeros(4)) == 0.0
+
+
+def test_the_trainer_names_no_reward_server_and_shared_rewards_needs_only_numpy() -> None:
+    """The reward boundary: the trainer reaches servers through the client contract and an installed console
+    script, never by importing (or naming) the server package; shared.rewards is usable by both sides."""
+    root = Path(__file__).resolve().parents[2]
+    naming = [str(path.relative_to(root)) for path in (root / "trainer").rglob("*.py")
+              if "reward_server" in path.read_text()]
+    assert naming == []
+    tree = ast.parse((root / "shared" / "rewards.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - set(sys.stdlib_module_names) == {"numpy"}

@@ -111,5 +111,4 @@ class DPO(NoExtras):
     def batch_metrics(self, batch: DPOBatch) -> dict[str, float]:
         real = batch.pairs[batch.weights > 0]
         gap = batch.rewards.local[real[:, 0]] - batch.rewards.local[real[:, 1]] if len(real) else torch.zeros(1)
-        return {"pairs": float(len(real)), "pair_reward_gap": float(gap.mean()),
-                "failed_share": float(torch.isnan(batch.rewards.all).float().mean())}
+        return {"pairs": float(len(real)), "pair_reward_gap": float(gap.mean())}

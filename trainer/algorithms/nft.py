@@ -93,5 +93,4 @@ class NFT(NoExtras):
 
     def batch_metrics(self, batch: NFTBatch) -> dict[str, float]:
         return {"optimality_mean": float(batch.optimality.mean()),
-                "optimality_extreme_share": float(((batch.optimality - 0.5).abs() == 0.5).float().mean()),
-                "failed_share": float(torch.isnan(batch.rewards.all).float().mean())}
+                "optimality_extreme_share": float(((batch.optimality - 0.5).abs() == 0.5).float().mean())}

@@ -124,7 +124,6 @@ def advantage_metrics(batch: PolicyGradientBatch) -> dict[str, float]:
     return {
         "adv_mean": float(adv.mean()), "adv_std": float(adv.std(unbiased=False)),
         "adv_abs_mean": float(adv.abs().mean()), "adv_max": float(adv.abs().max()),
-        "failed_share": float(torch.isnan(batch.rewards.all).float().mean()),
     }
 
 

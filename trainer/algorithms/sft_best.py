@@ -90,5 +90,4 @@ class BestOfGroupSFT(NoExtras):
     def batch_metrics(self, batch: BestBatch) -> dict[str, float]:
         real = batch.weights > 0
         chosen = batch.rewards.local[batch.samples[real]]
-        return {"chosen": float(real.sum()), "chosen_reward": float(chosen.mean()) if len(chosen) else 0.0,
-                "failed_share": float(torch.isnan(batch.rewards.all).float().mean())}
+        return {"chosen": float(real.sum()), "chosen_reward": float(chosen.mean()) if len(chosen) else 0.0}

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+from shared.rewards import check_weights
 from trainer.algorithms.sft import SFTConfig
 from trainer.config.fields import (
     Bounds,
@@ -105,9 +106,7 @@ class RewardConfig:
     """How weighted components become one reward; the normalising modes standardise over the batch."""
 
     def __post_init__(self):
-        if not any(self.weights.values()):
-            raise ValueError(f"reward.weights={self.weights} gives no scorer a weight: name at least one with a "
-                             "non-zero weight, e.g. reward.weights={digit: 1.0}")
+        check_weights(self.weights)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Start a local pool of reward server processes for a run that has no reward URLs configured.
 
-``LocalRewardPool`` runs ``python -m reward_server`` replicas on free loopback ports, waits until each
-answers ``/readyz``, and stops them (SIGTERM, then SIGKILL after a grace period) on exit::
+``LocalRewardPool`` runs reward server replicas on free loopback ports, waits until each answers ``/readyz``,
+and stops them (SIGTERM, then SIGKILL after a grace period) on exit::
 
     with LocalRewardPool(["digit"], replicas=2) as pool:
         client = HttpRewardClient(pool.urls, {"digit": 1.0})
@@ -9,10 +9,14 @@ answers ``/readyz``, and stops them (SIGTERM, then SIGKILL after a grace period)
 Failure drills (tests, benchmarks): ``pool.kill(i)`` sends a signal to replica ``i`` and
 ``pool.restart(i)`` starts it again on the same port (instance id ``local-<i>-<port>-r<n>`` for the
 n-th restart).
+
+The server is found by its console script, ``rewardflow-reward-server`` (pyproject.toml): each replica runs
+that script's module with ``python -m``, so that any interpreter with the package installed can serve.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -27,6 +31,7 @@ from pathlib import Path
 import httpx
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVER_SCRIPT = "rewardflow-reward-server"
 
 
 class RewardPoolError(RuntimeError):
@@ -37,6 +42,15 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def server_module() -> str:
+    """The module that runs one reward server, from the installed :data:`SERVER_SCRIPT` console script."""
+    found = importlib.metadata.entry_points(group="console_scripts", name=SERVER_SCRIPT)
+    if not found:
+        raise RewardPoolError(f"no {SERVER_SCRIPT} console script is installed: install the package "
+                              "(pip install -e . in the checkout), or set reward.urls to running servers")
+    return next(iter(found)).module
 
 
 def _tail(path: Path, num_lines: int = 30) -> str:
@@ -53,7 +67,7 @@ class LocalRewardPool:
         scorers: scorer names passed to ``--scorers``.
         replicas: number of server processes.
         host: bind address of every replica.
-        python: interpreter that runs ``-m reward_server``.
+        python: interpreter that runs the server module (``python -m``).
         log_dir: where ``replica-<i>.log`` files go; the paths stay in ``log_paths`` after the pool stops.
             Default: a fresh temporary directory, deleted when the pool stops unless a replica failed (the
             error names its log there).
@@ -84,6 +98,7 @@ class LocalRewardPool:
         self.replicas = replicas
         self.host = host
         self.python = python
+        self.module = server_module()
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.extra_args = list(extra_args)
         self.env = dict(env) if env is not None else None
@@ -164,7 +179,7 @@ class LocalRewardPool:
         port = self.ports[index]
         instance = f"local-{index}-{port}" + (f"-r{self._restarts[index]}" if self._restarts[index] else "")
         command = [
-            self.python, "-m", "reward_server",
+            self.python, "-m", self.module,
             "--scorers", ",".join(self.scorers),
             "--host", self.host,
             "--port", str(port),
