@@ -151,7 +151,11 @@ class Trainer:
         return [self.ctx, self.algorithm, *([self.ema] if self.ema is not None else [])]
 
     def save_checkpoint(self) -> None:
-        states = {name: state for component in self._stateful() for name, state in component.checkpoint_state().items()}
+        states = {}
+        for component in self._stateful():
+            for name, state in component.checkpoint_state().items():
+                assert name not in states, f"two components keep a state named {name}"
+                states[name] = state
         path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, saved_dict(self.config))
         if path is not None:
             self.logger.log(self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done})

@@ -4,7 +4,7 @@ image encoder, loaded from disk like a real one):
   (2) with non-zero weights the style image steers the output, per item of a batch;
   (3) a GRPO step with the IP-Adapter as the policy changes only IP-Adapter weights (and LoRA with LoRA on),
       and the reference keeps the pre-step policy;
-  (4) save_trainable / load_trainable and ``ip_adapter.weights`` round-trip the weights in the documented format;
+  (4) trainable.save / trainable.load and ``ip_adapter.weights`` round-trip the weights in the documented format;
       a frozen IP-Adapter stays as loaded under full fine-tuning, whose checkpoints round-trip too; an export
       writes the IP-Adapter beside the plain diffusers denoiser;
   (5) FLUX: a noise-level-0 rollout equals diffusers' FluxPipeline that loaded the saved file with

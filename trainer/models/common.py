@@ -44,10 +44,9 @@ class DiffusersModelConfig:
     gradient_checkpointing: bool = False
     """Recompute block activations in backward: less memory, about 30% more compute."""
     cudnn_attention: bool = False
-    """Let PyTorch run attention with cuDNN's fused kernels on CUDA (its default there). Off by default: on an
-    H100 with torch 2.11 their backward returned NaN gradients for the tiny FLUX models and an illegal memory
-    access at FLUX.1's real shapes (cuDNN backward NaNs of this kind: pytorch/pytorch#196678); flash and
-    memory-efficient attention remain."""
+    """Let PyTorch run attention with cuDNN's fused kernels on CUDA (its default there). Off by default: their
+    backward has given NaN gradients for FLUX (pytorch/pytorch#196678); flash and memory-efficient attention
+    remain."""
     negative_prompt: str = ""
     """The prompt of CFG's unconditional branch (the pipelines' default: the empty prompt)."""
     text_embeddings: str = ""
