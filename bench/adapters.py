@@ -241,7 +241,7 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
         (units,) = algorithm.plan(batch, torch.Generator().manual_seed(0))
         calls: list = []
         ctx = LossContext(adapter, Recorder(adapter.denoiser, calls),
-                          Recorder(adapter.reference(), calls) if kl else None)
+                          Recorder(adapter.trainable.reference(), calls) if kl else None)
 
         def ours_train(ctx=ctx, algorithm=algorithm, units=units):
             for unit in units:

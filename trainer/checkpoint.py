@@ -9,8 +9,8 @@ half-written checkpoint that looks whole. It holds:
   size; ``python -m trainer.export`` turns them into a diffusers model;
 - the optimizer state: ``optimizer.pt`` (the full state, from rank 0), or one ``rank-<r>/optimizer.pt`` per
   rank under DeepSpeed (its ZeRO partition; resume then needs the same world size);
-- named tensor states as ``<name>.safetensors`` (full tensors, e.g. a frozen reference copy) and per-rank
-  ones as ``rank-<r>/<name>.safetensors`` (per-shard state such as the EMA, an algorithm's networks);
+- the components' named tensor states (``trainer.state.State``: the EMA, the reference, an algorithm's
+  networks) as ``<name>.safetensors``, or ``rank-<r>/<name>.safetensors`` for those each rank keeps itself;
 - ``rank-<r>/rng.pt``: every rank's global RNG states (torch, CUDA, numpy, python). The loop draws its own
   streams from generators seeded per step, but dropout or library code may use the global ones;
 - the progress counters, the config and ``backend.json`` (which backend wrote it, on how many ranks).
@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.state import State
+
 _NAME = re.compile(r"^step-(\d+)-(\d+)$")
 
 
@@ -45,6 +47,13 @@ class Progress:
     rl_started: bool = False
     rl_steps: int = 0
 
+    def save(self, directory: Path) -> None:
+        (directory / "progress.json").write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, directory: Path) -> Progress:
+        return cls(**json.loads((directory / "progress.json").read_text()))
+
 
 class Checkpoints:
     """Saves to and finds checkpoints in ``directory``; rank 0 writes the shared files, every rank its own."""
@@ -54,11 +63,10 @@ class Checkpoints:
         self.keep = keep
         self.is_main = is_main
 
-    def save(self, progress: Progress, adapter, backend, states: dict[str, dict[str, torch.Tensor]],
-             config: dict, rank_states: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
+    def save(self, progress: Progress, adapter, backend, states: dict[str, State], config: dict) -> Path | None:
         """Write a complete checkpoint atomically, then drop all but the newest ``keep``. Every rank calls
-        it (gathering sharded weights is collective). ``states`` hold full tensors (rank 0's are written),
-        ``rank_states`` each rank's own; returns the directory on rank 0."""
+        it (gathering sharded weights is collective). ``states``: the components' named tensor states (rank
+        0 writes the shared ones, every rank its own); returns the directory on rank 0."""
         final = self.directory / f"step-{progress.warmup_steps_done:06d}-{progress.epochs_done:06d}"
         trainable = backend.trainable_state(adapter.denoiser)
         optimizer_state = backend.optimizer_state()
@@ -75,15 +83,15 @@ class Checkpoints:
         torch.save(_rng_state(), mine / "rng.pt")
         if backend.sharded_optimizer_state:
             torch.save(optimizer_state, mine / "optimizer.pt")
-        _save_states(rank_states or {}, mine)
+        _save_states({name: state.tensors for name, state in states.items() if state.per_rank}, mine)
         _fsync_tree(mine)
         if self.is_main:
             save_file(trainable, tmp / "trainable.safetensors")
             if not backend.sharded_optimizer_state:
                 torch.save(optimizer_state, tmp / "optimizer.pt")
-            _save_states(states, tmp)
+            _save_states({name: state.tensors for name, state in states.items() if not state.per_rank}, tmp)
             (tmp / "backend.json").write_text(json.dumps(_backend_meta(backend)))
-            (tmp / "progress.json").write_text(json.dumps(asdict(progress)))
+            progress.save(tmp)
             (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
             _fsync_tree(tmp)
         backend.barrier()  # every rank's files are in ``tmp`` before it is renamed
@@ -120,7 +128,7 @@ class Checkpoints:
             backend.load_optimizer_state(torch.load(mine / "optimizer.pt", map_location="cpu", weights_only=False))
         else:
             backend.load_optimizer_state(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-        progress = Progress(**json.loads((path / "progress.json").read_text()))
+        progress = Progress.load(path)
         states = {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")
                   if f.name != "trainable.safetensors"}
         states.update({f.name.removesuffix(".safetensors"): load_file(f) for f in mine.glob("*.safetensors")})

@@ -1,7 +1,8 @@
 """Exponential moving average of the trainable weights, kept per shard so it works under every backend.
 
     ema <- decay ema + (1 - decay) theta      every ``every`` optimizer steps
-Evaluation (and sampling) can run with the EMA weights swapped in; checkpoints store them.
+Evaluation (and sampling) can run with the EMA weights swapped in; it saves and loads its own checkpoint
+state (``trainer.state.Stateful``).
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ from collections.abc import Iterator
 
 import torch
 
+from trainer.state import State
+
 
 class EMA:
     """Shadow copies of ``tensors`` (the backend's local shards of the trainable parameters)."""
 
-    def __init__(self, tensors: list[torch.Tensor], decay: float, every: int):
+    def __init__(self, tensors: list[torch.Tensor], decay: float, every: int, per_rank: bool = False):
         if not 0 < decay < 1 or every < 1:
             raise ValueError(f"train.ema_decay={decay} must be in (0, 1) and train.ema_every={every} >= 1")
         self.tensors = tensors
+        self.per_rank = per_rank
+        """Whether ``tensors`` are shards (each rank keeps its own EMA); an EMA of whole weights is the same on
+        every rank: kept once, it resumes on any number of ranks and exports."""
         self.decay, self.every = decay, every
         self.shadow = [t.detach().clone().float() for t in tensors]
 
@@ -62,3 +68,13 @@ class EMA:
                                  f"{tuple(s.shape)}: the EMA is kept per shard, so resume with the parallel.backend "
                                  "and number of ranks the checkpoint was made with")
             s.copy_(saved)
+
+    def checkpoint_state(self) -> dict[str, State]:
+        return {"ema": State(self.state(), self.per_rank)}
+
+    def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
+        if "ema" not in saved:
+            raise ValueError(f"{source} holds no EMA weights for this rank but train.ema_decay > 0: resume with the "
+                             "EMA settings the run started with (and, where the backend shards the weights, the "
+                             "same number of ranks)")
+        self.load_state(saved["ema"])

@@ -74,7 +74,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
     adapter = build_adapter(model, torch.device("cpu"))
     load_weights(checkpoint, adapter.denoiser, SingleProcess(torch.device("cpu")))
     if ema:
-        load_ema(checkpoint, list(adapter.trainable_parameters()))
+        load_ema(checkpoint, list(adapter.trainable.parameters()))
     export_denoiser(adapter.denoiser, out)
     return out
 

@@ -7,7 +7,7 @@ same few thousand prompts), and the VAE latents of the dataset's image inputs (r
 ``--out DIR`` loads only the configured model's text encoders and tokenizers (no denoiser, no VAE), encodes
 every prompt of the configured dataset (its ``prompts`` and ``eval_prompts``), the empty prompt and
 ``model.negative_prompt``, one prompt per forward as the adapters encode them, and writes them to DIR with an
-index (see ``trainer.models.common.TextEmbeddingStore``; a DIR of the same model gains the prompts it lacks
+index (see ``trainer.models.text.TextEmbeddingStore``; a DIR of the same model gains the prompts it lacks
 and encodes no other). Then
 train with ``model.text_embeddings=DIR``: the adapter loads no text encoder and reads the very tensors its
 encoders would give (computed on this run's ``train.device``), refusing a DIR made for other text encoders or
@@ -16,14 +16,14 @@ settings.
 ``--latents LATENTS_DIR`` loads the model as training does (with the text embeddings of ``--out`` or
 ``model.text_embeddings`` when given, and then no text encoder), hands it the image inputs of every dataset
 item as a rollout does, and writes the VAE posterior of each distinct VAE input to LATENTS_DIR, keyed by the
-input's sha256 (see ``trainer.models.common.LatentStore``; a LATENTS_DIR of the same VAE gains the new
+input's sha256 (see ``trainer.models.latents.LatentStore``; a LATENTS_DIR of the same VAE gains the new
 inputs). Then train with ``model.image_latents=LATENTS_DIR``: flux_fill and sd15_inpaint read their masked
 images' posteriors and flux_kontext its references' from it, bit-identical to encoding them on this run's
 ``train.device``; a changed image is not found and is encoded, and a LATENTS_DIR of another VAE, dtype or
 resolution is refused. Supervised targets (``encode_images``: warm-up and SFT) are not stored: the dataset
 hands them out only as random batches, and a few warm-up steps are cheap to encode.
 
-Both stores write their index every 256 entries (``trainer.models.common.INDEX_SAVE_EVERY``) and when the run
+Both stores write their index every 256 entries (``trainer.models.stores.INDEX_SAVE_EVERY``) and when the run
 stops on an error or Ctrl-C: an interrupted command, run again, encodes only what is not stored yet.
 """
 
@@ -47,7 +47,7 @@ def precompute(config, out: str) -> tuple[int, int]:
     from trainer.build import resolve_device
     from trainer.data import build_task
     from trainer.models import MODELS
-    from trainer.models.common import TextEmbeddingStore, text_fingerprint
+    from trainer.models.text import TextEmbeddingStore, text_fingerprint
 
     task = build_task(config.data)
     prompts = list(dict.fromkeys([*task.prompts, *task.eval_prompts, "", config.model.negative_prompt]))
@@ -71,7 +71,7 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     from trainer.build import resolve_device
     from trainer.data import build_task
     from trainer.models import build_adapter
-    from trainer.models.common import LatentStore, vae_fingerprint
+    from trainer.models.latents import LatentStore, vae_fingerprint
 
     task = build_task(config.data)
     store = LatentStore.create(directory, vae_fingerprint(config.model))
@@ -90,7 +90,7 @@ def write_latents(adapter, store, batches):
     """Run ``adapter.encode_prompts`` on each (prompts, ImageInputs) of ``batches`` with its VAE posteriors
     recorded into ``store`` (a ``LatentStore``), then write the store's index (also when interrupted); returns the
     recording ``ImageLatents`` (its ``misses`` were encoded and added, its ``hits`` were in the store already)."""
-    from trainer.models.common import ImageLatents
+    from trainer.models.latents import ImageLatents
 
     adapter.image_latents = ImageLatents(adapter.vae, store, record=True)
     try:

@@ -30,6 +30,7 @@ from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.rollout import Rollout, SamplerSettings, chunk_bounds, rollout, window_mask
 from trainer.samplers import resolve_kind
+from trainer.state import Stateful
 
 
 class RewardFailure(RuntimeError):
@@ -55,7 +56,7 @@ class Trainer:
                               adapter.sigmas(rollouts.num_steps)).check_noise_level(rollouts.noise_level)
         self._require_text_embeddings()
         self.policy = backend.prepare(
-            adapter.denoiser, adapter.trainable_parameters(),
+            adapter.denoiser, adapter.trainable.parameters(),
             lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
                                              weight_decay=train.weight_decay),
             shard_units=adapter.shard_units,
@@ -65,10 +66,10 @@ class Trainer:
         algorithm.check_batch(self.sampler.per_rank)
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
         algorithm.setup(adapter, adapter.encode_prompts(task.prompts[:1], task.inputs([0])), backend)
-        trainable = list(adapter.trainable_parameters())
+        trainable = list(adapter.trainable.parameters())
         shards = backend.local_shards(trainable)
-        self.ema = EMA(shards, train.ema_decay, train.ema_every) if train.ema_decay > 0 else None
-        self._ema_whole = all(s.shape == p.shape for s, p in zip(shards, trainable, strict=True))  # not sharded
+        sharded = any(s.shape != p.shape for s, p in zip(shards, trainable, strict=True))
+        self.ema = EMA(shards, train.ema_decay, train.ema_every, sharded) if train.ema_decay > 0 else None
         self.progress = Progress()
         self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", config.train.keep_checkpoints, self.is_main)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
@@ -145,32 +146,27 @@ class Trainer:
         self.logger.reward_curve()
         return after
 
+    def _stateful(self) -> list[Stateful]:
+        """The components that keep their own state in checkpoints (besides weights, optimizer, progress)."""
+        return [self.ctx, self.algorithm, *([self.ema] if self.ema is not None else [])]
+
     def save_checkpoint(self) -> None:
-        states, rank_states = self.ctx.reference_states()
-        # Per rank: an algorithm's networks, and the EMA of sharded weights, are kept over this rank's shards. An
-        # EMA of whole weights is the same on every rank: kept once, it resumes on any number of ranks and exports.
-        algorithm = self.algorithm.state()
-        rank_states["algorithm"] = dict(zip(algorithm, self.backend.local_shards(algorithm.values()), strict=True))
-        if self.ema is not None:
-            (states if self._ema_whole else rank_states)["ema"] = self.ema.state()
-        path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, saved_dict(self.config),
-                                     rank_states)
+        states = {}
+        for component in self._stateful():
+            for name, state in component.checkpoint_state().items():
+                assert name not in states, f"two components keep a state named {name}"
+                states[name] = state
+        path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, saved_dict(self.config))
         if path is not None:
             self.logger.log(self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done})
 
     def resume(self, path: Path) -> None:
-        """Continue from checkpoint ``path``: weights, optimizer, reference and progress."""
+        """Continue from checkpoint ``path``: weights, optimizer, progress and every stateful component."""
         self.progress, states = self.checkpoints.load(path, self.adapter, self.backend)
         if self.progress.rl_started and self.algorithm.needs_reference:
             self._new_reference()
-            self.ctx.load_reference_states(states, path)
-        self._load_algorithm_state(states.get("algorithm", {}), path)
-        if self.ema is not None:
-            if "ema" not in states:
-                raise ValueError(f"{path} holds no EMA weights for rank {self.backend.world.rank} but train.ema_decay "
-                                 "> 0: resume with the EMA settings the run started with (and, where the backend "
-                                 "shards the weights, the same number of ranks)")
-            self.ema.load_state(states["ema"])
+        for component in self._stateful():
+            component.load_checkpoint_state(states, path)
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
                     f"RL epochs {self.progress.epochs_done})")
@@ -179,32 +175,10 @@ class Trainer:
             self._print(f"warning: resuming with settings other than {path}'s, so the run no longer continues the "
                         f"one that was interrupted: {'; '.join(changes)}")
 
-    @torch.no_grad()
-    def _load_algorithm_state(self, saved: dict[str, torch.Tensor], path: Path) -> None:
-        """Write this rank's saved shards of the algorithm's networks into their live shards (under FSDP2 a
-        critic's parameters are sharded: loading whole tensors into them would not fit)."""
-        current = self.algorithm.state()
-        for name, shard in zip(current, self.backend.local_shards(current.values()), strict=True):
-            value = saved.get(name)
-            if value is None or value.shape != shard.shape:
-                held = "nothing" if value is None else tuple(value.shape)
-                raise ValueError(f"{path} holds {held} for {name} on rank {self.backend.world.rank}, where this "
-                                 f"run's shard is {tuple(shard.shape)}: resume with the algorithm settings, "
-                                 "parallel.backend and number of ranks the checkpoint was made with")
-            shard.copy_(value)
-
     def _new_reference(self) -> None:
-        """The adapter's reference for the policy as it is now: a view of the policy's weights (LoRA
-        disabled) or a frozen copy, which the backend makes (it can gather sharded weights)."""
-        copies = []
-
-        def copy(net):
-            copies.append(net)
-            return self.backend.frozen_copy(net)
-
-        shards = None if self.backend.forward_reads_module_weights else self.backend.local_shards
-        self.ctx.reference = self.adapter.reference(copy, shards)
-        self.ctx.reference_owned = bool(copies)
+        """The reference for the policy as it is now, as the adapter describes it, made by the backend (it
+        copies or swaps sharded weights its own way)."""
+        self.ctx.reference = self.backend.reference(self.adapter.denoiser, self.adapter.trainable.reference_spec)
 
     def init_from(self, path: Path) -> None:
         """Start from the trainable weights of checkpoint ``path`` (nothing else of it)."""
@@ -363,7 +337,7 @@ class Trainer:
         """Largest difference between ranks of a float64 checksum of the trainable weights (0 when every
         rank holds the same weights, as data parallelism requires). Sharded backends compare the gathered
         full weights."""
-        with self.backend.gathered(self.adapter.trainable_parameters()) as full:
+        with self.backend.gathered(self.adapter.trainable.parameters()) as full:
             checksum = sum(t.double().sum() * (i + 1) for i, t in enumerate(full))
         every = self.backend.gather(torch.as_tensor(checksum, dtype=torch.float64).reshape(1))
         return float(every.max() - every.min())

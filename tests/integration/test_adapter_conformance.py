@@ -242,7 +242,7 @@ def _check_only_trainable_changed(adapter, before: dict[str, torch.Tensor]) -> N
 def _train_step(adapter, losses) -> None:
     """SGD at lr 1 on gradients clipped to norm 1: big enough to show in bf16 weights, bounded so that fp16
     activations stay finite afterwards (the SFT loss's gradient can reach a norm of ~15 here)."""
-    params = list(adapter.trainable_parameters())
+    params = list(adapter.trainable.parameters())
     optimizer = torch.optim.SGD(params, lr=1.0)
     optimizer.zero_grad()
     for loss in losses:
@@ -262,7 +262,7 @@ def test_grpo_sft_and_dpo_steps_change_only_trainable_parameters(name, mode, mod
     algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=0.1, sampler=settings(adapter, 1.0)))
     rewards = torch.tensor([0.0, 1.0])
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
-    ctx = LossContext(adapter, adapter.denoiser, adapter.reference())
+    ctx = LossContext(adapter, adapter.denoiser, adapter.trainable.reference())
     (units,) = algorithm.plan(batch, torch.Generator().manual_seed(0))
 
     before = _snapshot(adapter)
@@ -349,9 +349,9 @@ def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target
     trained = make_adapter(name, model_root, target, lora=lora)
     with torch.no_grad():
         g = target.generator(5)
-        for p in trained.trainable_parameters():
+        for p in trained.trainable.parameters():
             p.add_(0.05 * standard_normal(p.shape, g, p.device).to(p.dtype))
-    trained.save_trainable(str(tmp_path / "ckpt"))
+    trained.trainable.save(str(tmp_path / "ckpt"))
     fresh = make_adapter(name, model_root, target, lora=lora)
 
     cond = trained.encode_prompts(PROMPTS, image_inputs(trained))
@@ -361,7 +361,7 @@ def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target
     with torch.no_grad():
         expected = trained.predict(trained.denoiser, x, sigma, cond, guidance)
         assert not torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, guidance), expected)
-        fresh.load_trainable(str(tmp_path / "ckpt"))
+        fresh.trainable.load(str(tmp_path / "ckpt"))
         assert torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, guidance), expected)
 
 
@@ -515,7 +515,7 @@ def test_rollout_steps_and_train_units_read_no_device_values(adapter, target):
     rewards = torch.tensor([0.0, 1.0])
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
     unit = algorithm.plan(batch, torch.Generator().manual_seed(0))[0][0]
-    ctx = LossContext(adapter, adapter.denoiser, adapter.reference())
+    ctx = LossContext(adapter, adapter.denoiser, adapter.trainable.reference())
     try:
         with KernelCounter() as training:
             algorithm.loss(ctx, unit)[0].backward()

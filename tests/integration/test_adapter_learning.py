@@ -145,7 +145,7 @@ def test_grpo_of_the_ip_adapter_alone_raises_the_reward(name, model_root, tmp_pa
     torch.manual_seed(0)
     adapter = build_adapter(tiny_config(name, model_root, dtype="float32", ip_adapter=tiny_ip_adapter(model_root),
                                         **MODEL_OVERRIDES.get(name, {})), "cpu")
-    trainable = {id(p) for p in adapter.trainable_parameters()}
+    trainable = {id(p) for p in adapter.trainable.parameters()}
     assert trainable == {id(p) for p in adapter.ip_adapter.parameters()}
     side = adapter.resolution
     overrides = [*SETTINGS, *IP_SETTINGS, "data.name=triplet_folder", f"data.image_size={side}",

@@ -48,7 +48,7 @@ def _rollout(trainer: Trainer) -> tuple[Rollout, torch.Tensor]:
 
 
 def _grads(trainer: Trainer) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in trainer.adapter.trainable_parameters()]
+    return [p.grad.clone() for p in trainer.adapter.trainable.parameters()]
 
 
 # --- the KL penalty ---------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_the_kl_penalty_enters_the_policy_loss_and_its_gradient(tmp_path, tiny_m
     trainer._new_reference()  # as fit does when RL starts: a frozen copy of the (fully fine-tuned) policy
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in trainer.adapter.trainable_parameters():
+        for p in trainer.adapter.trainable.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=g))
     ro, group_ids = _rollout(trainer)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -92,7 +92,7 @@ def test_the_kl_penalty_enters_the_policy_loss_and_its_gradient(tmp_path, tiny_m
     norm = torch.sqrt(sum(gr.square().sum() for gr in kl_grads))
     assert norm > 0
     with torch.no_grad():
-        for p, gr in zip(trainer.adapter.trainable_parameters(), kl_grads, strict=True):
+        for p, gr in zip(trainer.adapter.trainable.parameters(), kl_grads, strict=True):
             p.sub_(1e-2 * gr / norm)
         algo.config.kl_beta = beta
         _, after = algo.loss(trainer.ctx, unit)
@@ -173,12 +173,12 @@ def _step_each_way(trainer: Trainer, ro: Rollout, group_ids: torch.Tensor,
     each step. Comparing the two cancels whatever a step does to every sample alike."""
     for g in torch.unique(group_ids):
         assert sorted(REWARDS[group_ids == g].tolist()) == [0.0, 1.0]
-    start = [p.detach().clone() for p in trainer.adapter.trainable_parameters()]
+    start = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
     batches = [trainer.algorithm.make_batch(ro, Rewards(r, r, group_ids, 0)) for r in (REWARDS, 1 - REWARDS)]
     after = []
     for batch in batches:
         with torch.no_grad():
-            for p, p0 in zip(trainer.adapter.trainable_parameters(), start, strict=True):
+            for p, p0 in zip(trainer.adapter.trainable.parameters(), start, strict=True):
                 p.copy_(p0)
         trainer.backend.reset_optimizer()
         stats = trainer._update(trainer.algorithm, batch, torch.Generator().manual_seed(2))

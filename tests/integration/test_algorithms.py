@@ -51,7 +51,7 @@ def test_every_algorithm_is_covered():
 @pytest.mark.parametrize("algorithm", sorted(EXPECTED_STATS))
 def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorithm):
     trainer = _trainer(tmp_path / "full", tiny_model_dir, algorithm)
-    before = [p.detach().clone() for p in trainer.adapter.trainable_parameters()]
+    before = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
     trainer.fit()
     trainer.logger.close()
     full = _rl_records(tmp_path / "full")
@@ -59,7 +59,7 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     for record in full:
         assert math.isfinite(record[EXPECTED_STATS[algorithm]]) and math.isfinite(record["grad_norm"])
         assert record["time_train_s"] > 0 and record["images_per_s"] > 0
-    changed = [not torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable_parameters(), strict=True)]
+    changed = [not torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True)]
     assert any(changed)
 
     # a second run resumes from the checkpoint after epoch 2 and must reproduce epoch 3 exactly
@@ -72,14 +72,14 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     (last,) = _rl_records(tmp_path / "resumed")
     drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "images_per_s"}
     assert {k: v for k, v in last.items() if k not in drop} == {k: v for k, v in full[2].items() if k not in drop}
-    for a, b in zip(trainer.adapter.trainable_parameters(), resumed.adapter.trainable_parameters(), strict=True):
+    for a, b in zip(trainer.adapter.trainable.parameters(), resumed.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
 
     # train.init_from takes only the weights of a checkpoint (here the final one): equal weights, fresh progress
     started = _trainer(tmp_path / "init", tiny_model_dir, algorithm)
     started.init_from(tmp_path / "full" / "checkpoints" / "step-000002-000003")
     assert started.progress.epochs_done == 0
-    for a, b in zip(trainer.adapter.trainable_parameters(), started.adapter.trainable_parameters(), strict=True):
+    for a, b in zip(trainer.adapter.trainable.parameters(), started.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -135,7 +135,7 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
         trainer.policy.zero_grad()
         total = sum(algo.loss(trainer.ctx, unit)[0] for unit in units)
         total.backward()
-        return float(total.detach()), [p.grad.clone() for p in trainer.adapter.trainable_parameters()], len(units)
+        return float(total.detach()), [p.grad.clone() for p in trainer.adapter.trainable.parameters()], len(units)
 
     whole, whole_grads, whole_units = step(64)
     cut, cut_grads, cut_units = step(2 if trainer.algorithm.local_groups else 4)
@@ -204,7 +204,7 @@ def test_an_unsharded_ema_is_checkpointed_once_resumes_on_any_rank_and_exports(t
     resumed.resume(checkpoint)
     for a, b in zip(resumed.ema.shadow, trainer.ema.shadow, strict=True):
         assert torch.equal(a, b)
-    assert any(not torch.equal(s, p.float()) for s, p in zip(trainer.ema.shadow, trainer.adapter.trainable_parameters(),
+    assert any(not torch.equal(s, p.float()) for s, p in zip(trainer.ema.shadow, trainer.adapter.trainable.parameters(),
                                                              strict=True))
 
     export_checkpoint(checkpoint, tmp_path / "exported", ema=True)
@@ -237,7 +237,7 @@ def test_a_warmup_steps_loss_is_the_same_whatever_micro_batches_cut_it(tiny_mode
         adapter.denoiser.zero_grad()
         total = sum(sft.loss(LossContext(adapter, adapter.denoiser, None), unit)[0] for unit in units)
         total.backward()
-        results.append((len(units), float(total.detach()), [p.grad.clone() for p in adapter.trainable_parameters()]))
+        results.append((len(units), float(total.detach()), [p.grad.clone() for p in adapter.trainable.parameters()]))
     (whole_units, whole, whole_grads), (cut_units, cut, cut_grads) = results
     assert (whole_units, cut_units) == (1, 3)
     assert cut == pytest.approx(whole, rel=1e-5)
@@ -256,11 +256,11 @@ def test_an_epoch_without_any_reward_spread_makes_no_step(tmp_path, tiny_model_d
     ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
                                         torch.Generator().manual_seed(1))
     flat = torch.ones(len(indices))
-    before = [p.detach().clone() for p in trainer.adapter.trainable_parameters()]
+    before = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
     stats = trainer._update(trainer.algorithm, trainer.algorithm.make_batch(ro, Rewards(flat, flat, group_ids, 0)),
                             torch.Generator().manual_seed(2))
     assert stats == {}
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable_parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True))
 
 
 def test_warmup_images_of_another_size_than_the_model_generates_are_refused(tiny_model_dir):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from trainer.checkpoint import Checkpoints, Progress
+from trainer.state import State
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("policy_loss", "grad_norm", "reward_mean", "approx_kl", "sft_loss")
@@ -75,11 +76,11 @@ def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model
 
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))
-    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
     checkpoints = Checkpoints(tmp_path, keep=2, is_main=True)
     assert checkpoints.latest() is None
     for epoch in (1, 2, 3):
-        checkpoints.save(Progress(10, epoch, True), adapter, backend, {"ema": {"w": torch.full((2,), float(epoch))}}, {})
+        checkpoints.save(Progress(10, epoch, True), adapter, backend, {"ema": State({"w": torch.full((2,), float(epoch))})}, {})
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-000010-000002", "step-000010-000003"]  # keep=2
     # A write killed half-way leaves a temporary directory, and a directory with no progress file is not
@@ -89,13 +90,13 @@ def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model
     (tmp_path / "step-000010-000009").mkdir()
     assert checkpoints.latest().name == "step-000010-000003"
     with torch.no_grad():
-        before = [p.clone() for p in adapter.trainable_parameters()]
-        for p in adapter.trainable_parameters():
+        before = [p.clone() for p in adapter.trainable.parameters()]
+        for p in adapter.trainable.parameters():
             p.add_(1.0)
     progress, states = checkpoints.load(checkpoints.latest(), adapter, backend)
     assert progress == Progress(10, 3, True) and list(states) == ["ema"]
     assert torch.equal(states["ema"]["w"], torch.full((2,), 3.0))
-    assert all(torch.equal(a, b) for a, b in zip(before, adapter.trainable_parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, adapter.trainable.parameters(), strict=True))
 
 
 def _failing_save(failure: str) -> tuple[dict, dict, str]:
@@ -104,7 +105,7 @@ def _failing_save(failure: str) -> tuple[dict, dict, str]:
         # The safetensors writer refuses tensors that share memory: the save fails after the trainable weights
         # and the optimizer state are written, before the progress file.
         shared = torch.zeros(4)
-        return {"ema": {"a": shared, "b": shared[:2]}}, {}, "share memory"
+        return {"ema": State({"a": shared, "b": shared[:2]})}, {}, "share memory"
     # json cannot write a config that holds itself: the save fails after the progress file, so a checkpoint
     # written in place would look complete.
     config = {"train": {}}
@@ -119,7 +120,7 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_the_latest(tm
 
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))
-    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
     checkpoints = Checkpoints(tmp_path, keep=0, is_main=True)
     previous = checkpoints.save(Progress(10, 1, True), adapter, backend, {}, {})
     assert checkpoints.latest() == previous

@@ -14,16 +14,12 @@ from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, to_dict
 from trainer.distributed import SingleProcess
 from trainer.export import main
-from trainer.models.common import (
-    LatentStore,
-    LoraSettings,
-    TextEmbeddingStore,
-    text_fingerprint,
-    vae_fingerprint,
-)
 from trainer.models.flux_kontext import FluxKontextAdapter
+from trainer.models.latents import LatentStore, vae_fingerprint
 from trainer.models.testing import tiny_config
+from trainer.models.text import TextEmbeddingStore, text_fingerprint
 from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.trainable import LoraSettings
 
 
 def _forward(net: torch.nn.Module) -> torch.Tensor:
@@ -39,10 +35,10 @@ def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_p
     model = TinyConfig(path=tiny_model_dir, lora=LoraSettings(rank=4, alpha=8) if lora else None)
     adapter = TinyAdapter(model)
     backend = SingleProcess(torch.device("cpu"))
-    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p))
+    backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # stands for training: every trainable weight moves (LoRA B starts at zero)
-        for p in adapter.trainable_parameters():
+        for p in adapter.trainable.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     base = _forward(SD3Transformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer"))
     trained = _forward(adapter.denoiser)
@@ -81,10 +77,10 @@ def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path):
     model = dataclasses.replace(model, **{k: str(v) for k, v in stores.items()})
     adapter = FluxKontextAdapter(model)
     backend = SingleProcess(torch.device("cpu"))
-    backend.prepare(adapter.denoiser, adapter.trainable_parameters(), lambda p: torch.optim.AdamW(p))
+    backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for p in adapter.trainable_parameters():
+        for p in adapter.trainable.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     Checkpoints(tmp_path / "checkpoints", keep=1, is_main=True).save(
         Progress(4, 2, True), adapter, backend, {}, to_dict(Config(model=model)))

@@ -4,7 +4,7 @@ image encoder, loaded from disk like a real one):
   (2) with non-zero weights the style image steers the output, per item of a batch;
   (3) a GRPO step with the IP-Adapter as the policy changes only IP-Adapter weights (and LoRA with LoRA on),
       and the reference keeps the pre-step policy;
-  (4) save_trainable / load_trainable and ``ip_adapter.weights`` round-trip the weights in the documented format;
+  (4) trainable.save / trainable.load and ``ip_adapter.weights`` round-trip the weights in the documented format;
       a frozen IP-Adapter stays as loaded under full fine-tuning, whose checkpoints round-trip too; an export
       writes the IP-Adapter beside the plain diffusers denoiser;
   (5) FLUX: a noise-level-0 rollout equals diffusers' FluxPipeline that loaded the saved file with
@@ -27,8 +27,9 @@ from trainer.config import ConfigError, load_config
 from trainer.export import export_denoiser
 from trainer.models import build_adapter, testing
 from trainer.models.base import ImageInputs
-from trainer.models.common import LoraSettings, frozen_copy
 from trainer.models.ip_adapter import IP_WEIGHTS, IPAdapter
+from trainer.models.reference import frozen_copy
+from trainer.models.trainable import LoraSettings
 from trainer.rollout import SamplerSettings, rollout
 
 NAMES = ("flux", "flux_fill", "qwen_image")
@@ -109,11 +110,11 @@ def test_grpo_step_trains_only_the_ip_adapter(name, lora, root):
     rewards = torch.tensor([0.0, 1.0])
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
     (units,) = algorithm.plan(batch, torch.Generator().manual_seed(0))
-    reference = adapter.reference()
+    reference = adapter.trainable.reference()
     before_step = predict(adapter, inputs)
     before = {k: v.clone() for k, v in adapter.denoiser.state_dict().items()}
 
-    optimizer = torch.optim.SGD(adapter.trainable_parameters(), lr=1.0)
+    optimizer = torch.optim.SGD(adapter.trainable.parameters(), lr=1.0)
     for unit in units:
         loss, stats = algorithm.loss(LossContext(adapter, adapter.denoiser, reference), unit)
         assert float(stats["kl"]) == 0.0
@@ -132,7 +133,7 @@ def test_trainable_ip_weights_round_trip(name, root, tmp_path):
     tokens = 2 if name == "qwen_image" else 4  # FLUX: the count diffusers' loader reads at this width
     trained = make(name, root, ip={"num_tokens": tokens})
     testing.randomize_ip_adapter(trained, seed=3)
-    trained.save_trainable(str(tmp_path / "ckpt"))
+    trained.trainable.save(str(tmp_path / "ckpt"))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [IP_WEIGHTS]
     state = load_file(tmp_path / "ckpt" / IP_WEIGHTS)
     width = trained.denoiser.config.joint_attention_dim
@@ -145,7 +146,7 @@ def test_trainable_ip_weights_round_trip(name, root, tmp_path):
     expected = predict(trained, inputs)
     fresh = make(name, root, ip={"num_tokens": tokens})
     assert not torch.equal(predict(fresh, inputs), expected)
-    fresh.load_trainable(str(tmp_path / "ckpt"))
+    fresh.trainable.load(str(tmp_path / "ckpt"))
     assert torch.equal(predict(fresh, inputs), expected)
     assert torch.equal(predict(make(name, root, ip={"num_tokens": tokens, "weights": str(tmp_path / "ckpt")}), inputs),
                        expected)
@@ -165,13 +166,13 @@ def test_frozen_ip_adapter_under_full_fine_tuning(root, tmp_path):
     inputs = styles(trained, [1, 2])
     before = predict(trained, inputs)
     with torch.no_grad():
-        for p in trained.trainable_parameters():
+        for p in trained.trainable.parameters():
             p.add_(0.01)
-    assert torch.equal(predict(trained, inputs, net=trained.reference()), predict(trained, inputs))
-    trained.save_trainable(str(tmp_path / "ckpt"))
+    assert torch.equal(predict(trained, inputs, net=trained.trainable.reference()), predict(trained, inputs))
+    trained.trainable.save(str(tmp_path / "ckpt"))
     fresh = make("qwen_image", root, ip={"trainable": False, "weights": str(weights)})
     assert torch.equal(predict(fresh, inputs), before)
-    fresh.load_trainable(str(tmp_path / "ckpt"))
+    fresh.trainable.load(str(tmp_path / "ckpt"))
     assert torch.equal(predict(fresh, inputs), predict(trained, inputs))
 
 
@@ -212,7 +213,7 @@ def test_export_writes_the_base_model_and_the_ip_adapter_file(name, root, tmp_pa
     testing.randomize_ip_adapter(adapter, seed=6)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # LoRA's B starts at zero: move every trainable weight
-        for p in adapter.trainable_parameters():
+        for p in adapter.trainable.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     inputs = styles(adapter, [4, 5])
     expected = predict(adapter, inputs)
@@ -271,11 +272,11 @@ def test_configuration_mistakes_name_the_fix(root, tmp_path):
     adapter.ip_adapter.save(str(qwen_weights))
     with pytest.raises(ValueError, match="do not fit this model"):
         make("flux", root, ip={"weights": str(qwen_weights)})
-    ctx = LossContext(adapter, adapter.denoiser, adapter.reference())
-    shared, own = ctx.reference_states()
-    snapshot = shared["reference_swapped"]
-    assert not own
+    ctx = LossContext(adapter, adapter.denoiser, adapter.trainable.reference())
+    state = ctx.checkpoint_state()["reference_swapped"]
+    snapshot = state.tensors
+    assert not state.per_rank
     assert snapshot.keys() == ip_names(adapter)
     with pytest.raises(ValueError, match="resume with the model.ip_adapter and model.lora settings"):
-        ctx.load_reference_states({"reference_swapped": dict(list(snapshot.items())[1:])}, "step-000000-000001")
+        ctx.load_checkpoint_state({"reference_swapped": dict(list(snapshot.items())[1:])}, "step-000000-000001")
 

@@ -23,8 +23,8 @@ from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter, testing
-from trainer.models.common import TEXT_INDEX, TextEmbeddingStore, text_fingerprint
 from trainer.models.testing import TINY_NAMES, tiny_config
+from trainer.models.text import TEXT_INDEX, TextEmbeddingStore, text_fingerprint
 from trainer.trainer import Trainer
 
 PROMPTS = ["a photo of a cat", "the digit five"]

@@ -25,7 +25,7 @@ from trainer.data import build_task
 from trainer.data.testing import write_edit_jsonl, write_inpaint_jsonl, write_prompt_file
 from trainer.models import build_adapter, testing
 from trainer.models.base import Conditioning, ImageInputs
-from trainer.models.common import LATENT_INDEX, LatentStore, vae_fingerprint
+from trainer.models.latents import LATENT_INDEX, LatentStore, vae_fingerprint
 from trainer.models.testing import tiny_config
 
 IMAGE_CONDITIONED = ("flux_fill", "flux_kontext", "sd15_inpaint")

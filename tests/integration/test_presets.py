@@ -101,7 +101,7 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
     config = _tiny_job(path, tiny_models, tmp_path)
     adapter = build_adapter(config.model, torch.device("cpu"))
     if config.parallel.backend not in ("zero2", "zero3"):  # these keep float32 master weights themselves
-        refuse_low_precision_updates(list(adapter.trainable_parameters()), config.parallel.backend)
+        refuse_low_precision_updates(list(adapter.trainable.parameters()), config.parallel.backend)
     algorithm = build_algorithm(config.algorithm)
     task = build_task(config.data)
     group = min(algorithm.group_size, MAX_GROUP)
@@ -134,7 +134,7 @@ def _run(config, run_dir: Path, resume: Path | None = None) -> tuple[Trainer, li
     trainer and the trainable weights as built."""
     torch.manual_seed(config.train.seed)  # LoRA's initial weights
     adapter = build_adapter(config.model, torch.device("cpu"))
-    built = [p.detach().clone() for p in adapter.trainable_parameters()]
+    built = [p.detach().clone() for p in adapter.trainable.parameters()]
     scorer = BrightnessScorer()
     client = InProcessRewardClient({scorer.name: scorer}, {scorer.name: 1.0}, batch_size=config.reward.batch_size)
     trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
@@ -156,7 +156,7 @@ def _check_fit(trainer: Trainer, built: list[torch.Tensor], epochs: int) -> None
     """A whole job's outcome: its ``epochs`` run, the trainable weights moved and the final metrics finite."""
     (final,) = _records(trainer, "final")
     assert trainer.progress.epochs_done == epochs and math.isfinite(final["reward_mean"])
-    moved = [not torch.equal(b, p) for b, p in zip(built, trainer.adapter.trainable_parameters(), strict=True)]
+    moved = [not torch.equal(b, p) for b, p in zip(built, trainer.adapter.trainable.parameters(), strict=True)]
     assert any(moved), "no trainable weight moved"
 
 

@@ -82,7 +82,7 @@ def test_save_pretrained_round_trip_reproduces_outputs(adapter, tmp_path):
     sigma = torch.full((2,), 0.5)
     cond = adapter.encode_prompts(PROMPTS)
     before = adapter.predict(adapter.denoiser, x, sigma, cond, 2.0)
-    adapter.save_trainable(str(tmp_path / "transformer"))
+    adapter.trainable.save(str(tmp_path / "transformer"))
     from diffusers import SD3Transformer2DModel
 
     reloaded = SD3Transformer2DModel.from_pretrained(tmp_path / "transformer").eval()
@@ -100,9 +100,9 @@ def test_lora_adapter_trains_only_lora_and_reference_is_the_base(tiny_model_dir)
     cond = base.encode_prompts(PROMPTS)
     sigma = torch.full((2,), 0.7)
     with torch.no_grad():
-        for p in lora.trainable_parameters():
+        for p in lora.trainable.parameters():
             p.add_(0.5)
-        torch.testing.assert_close(lora.predict(lora.reference(), x, sigma, cond, 1.0),
+        torch.testing.assert_close(lora.predict(lora.trainable.reference(), x, sigma, cond, 1.0),
                                    base.predict(base.denoiser, x, sigma, cond, 1.0))
         assert not torch.allclose(lora.predict(lora.denoiser, x, sigma, cond, 1.0),
                                   base.predict(base.denoiser, x, sigma, cond, 1.0))

@@ -21,6 +21,7 @@ from trainer.algorithms.ppo_critic import ValueNetwork, condition_vector
 from trainer.ema import EMA
 from trainer.kernels import KernelCounter
 from trainer.models.base import Conditioning
+from trainer.models.reference import ReferenceSpec
 
 
 def test_gae_with_lambda_one_is_reward_minus_value():
@@ -98,15 +99,16 @@ def test_balanced_local_pads_every_rank_to_the_largest_share():
 
 def test_refresh_reference_copies_then_averages():
     policy = nn.Linear(2, 1)
-    ctx = LossContext(None, policy, policy)  # a reference that shares the policy's weights (LoRA-disabled)
+    ctx = LossContext(None, policy, ReferenceSpec().build(policy))  # a view of the policy's weights (LoRA-disabled)
+    assert not ctx.reference.holds_weights and shares_weights(ctx.reference, policy)
     refresh_reference(ctx)
-    assert ctx.reference is not policy and not shares_weights(ctx.reference, policy)
-    assert torch.equal(ctx.reference.weight, policy.weight) and not ctx.reference.weight.requires_grad
-    old = ctx.reference.weight.clone()
+    assert ctx.reference.holds_weights and not shares_weights(ctx.reference, policy)
+    assert torch.equal(ctx.reference.net.weight, policy.weight) and not ctx.reference.net.weight.requires_grad
+    old = ctx.reference.net.weight.clone()
     with torch.no_grad():
         policy.weight.add_(1.0)
     refresh_reference(ctx, decay=0.75)
-    torch.testing.assert_close(ctx.reference.weight, 0.75 * old + 0.25 * policy.weight.detach())
+    torch.testing.assert_close(ctx.reference.net.weight, 0.75 * old + 0.25 * policy.weight.detach())
 
 
 def test_ema_updates_every_k_steps_and_swaps_in_for_evaluation():

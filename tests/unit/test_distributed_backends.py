@@ -87,6 +87,7 @@ def _worker(kind: str, tmp: Path) -> None:
     from trainer.config import ParallelConfig
     from trainer.distributed import init_backend
     from trainer.kernels import KernelCounter
+    from trainer.state import State
 
     backend = init_backend(ParallelConfig(backend=kind), torch.device("cpu"), max_grad_norm=0.05)
     rank, world = backend.world.rank, backend.world.world_size
@@ -208,8 +209,8 @@ def _worker(kind: str, tmp: Path) -> None:
     checkpoints = Checkpoints(tmp / kind, keep=1, is_main=rank == 0)
     ema_like = {"shard": shards[0].clone()}
     critic_state = dict(zip(critic_names, (t.clone() for t in backend.local_shards(critic_params)), strict=True))
-    checkpoints.save(Progress(1, 2, True), Adapter(net), backend, {}, {},
-                     rank_states={"ema": ema_like, "critic": critic_state})
+    checkpoints.save(Progress(1, 2, True), Adapter(net), backend,
+                     {"ema": State(ema_like, per_rank=True), "critic": State(critic_state, per_rank=True)}, {})
     drawn = (torch.rand(3), np.random.rand(3), random.random())  # the global streams as saved
     trainable = backend.trainable_state(net)
     if rank == 0:

@@ -15,9 +15,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer.models import common as models_common
 from trainer.models.base import Conditioning, ModelAdapter
+from trainer.models.reference import FrozenCopy, Reference
+from trainer.models.reference import frozen_copy as plain_copy
 from trainer.rollout import Rollout, SamplerSettings
+from trainer.state import State
 
 
 @dataclass
@@ -33,14 +35,12 @@ class Rewards:
 @dataclass
 class LossContext:
     """What a loss needs to run forwards: the adapter, the policy network (possibly wrapped by the
-    parallel backend) and, when the algorithm asked for one, the frozen reference network."""
+    parallel backend) and, when the algorithm asked for one, the frozen reference network. It keeps the
+    reference in checkpoints (``trainer.state.Stateful``)."""
 
     adapter: ModelAdapter
     policy: nn.Module
-    reference: nn.Module | None
-    reference_owned: bool = False
-    """Whether the reference holds its own weights (a copy, stored in checkpoints) rather than viewing
-    the policy's (the LoRA-disabled base)."""
+    reference: Reference | None
     snapshot: Callable[[nn.Module], nn.Module] = field(default=None)
     """Frozen full copy of a (possibly wrapped or sharded) network: the backend's ``frozen_copy``."""
 
@@ -48,38 +48,19 @@ class LossContext:
         if self.snapshot is None:
             self.snapshot = frozen_copy
 
-    def reference_states(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-        """What a checkpoint must keep of the reference to resume it, as (states the same on every rank, this
-        rank's own): all its weights where it holds its own ("reference"), the weights a view swaps into the
-        policy ("reference_swapped": a trained IP-Adapter's as the reference was taken; this rank's shards of
-        them under a backend that shards them), nothing where it views the policy's own weights (the
-        LoRA-disabled base)."""
-        if self.reference_owned:
-            return {"reference": self.reference.state_dict()}, {}
-        if isinstance(self.reference, models_common.FrozenView) and self.reference.frozen:
-            swapped = {"reference_swapped": self.reference.frozen}
-            return ({}, swapped) if self.reference.shards is not None else (swapped, {})
-        return {}, {}
+    def checkpoint_state(self) -> dict[str, State]:
+        """What the reference keeps: all its weights where it holds its own, the values a view swaps in (a
+        trained IP-Adapter's as the reference was taken), nothing where it views the policy's own weights."""
+        return self.reference.checkpoint_state() if self.reference is not None else {}
 
-    def load_reference_states(self, states: dict[str, dict[str, torch.Tensor]], source: object) -> None:
-        """Restore what ``reference_states`` saved (``states`` may hold other entries) into a reference made
-        for the resumed policy; ``source`` names the checkpoint in errors."""
-        if "reference" in states:  # a copy with its own weights (full fine-tuning, or refreshed)
-            if not self.reference_owned:
-                self.reference, self.reference_owned = self.snapshot(self.policy), True
-            self.reference.load_state_dict(states["reference"])
-        elif "reference_swapped" in states:
-            saved, frozen = states["reference_swapped"], getattr(self.reference, "frozen", {})
-            if saved.keys() != frozen.keys():
-                raise ValueError(f"{source} holds a reference snapshot of {len(saved)} tensors where this run's "
-                                 f"reference swaps in {len(frozen)}: resume with the model.ip_adapter and "
-                                 "model.lora settings the run started with")
-            for name, tensor in saved.items():
-                if tensor.shape != frozen[name].shape:
-                    raise ValueError(f"{source} holds {name} of the reference snapshot as {tuple(tensor.shape)} "
-                                     f"where this rank's is {tuple(frozen[name].shape)}: resume with the "
-                                     "parallel.backend and number of ranks the checkpoint was made with")
-                frozen[name].copy_(tensor)
+    def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
+        """Restore the reference made for the resumed policy; a reference refreshed from the policy since
+        (saved whole) replaces a view of the policy."""
+        if self.reference is None:
+            return
+        if "reference" in saved and not self.reference.holds_weights:
+            self.reference = FrozenCopy(self.snapshot(self.policy))
+        self.reference.load_checkpoint_state(saved, source)
 
 
 class Algorithm(Protocol):
@@ -126,10 +107,11 @@ class Algorithm(Protocol):
         """Per-epoch statistics of the batch (advantages, zero-std share, ...)."""
         ...
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """The live tensors of the algorithm's own networks (a critic's ``state_dict()``; empty when it has none):
-        a checkpoint keeps each rank's shards of them, and a resume writes the saved shards into them in place."""
+    def checkpoint_state(self) -> dict[str, State]:
+        """The algorithm's own networks' state (``trainer.state.Stateful``; a critic's shards on this rank)."""
         ...
+
+    def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None: ...
 
 
 class NoExtras:
@@ -153,14 +135,17 @@ class NoExtras:
     def check_batch(self, samples_per_rank: int) -> None:
         pass
 
-    def state(self) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self) -> dict[str, State]:
         return {}
+
+    def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
+        pass
 
 
 def frozen_copy(net: nn.Module) -> nn.Module:
     """A copy of ``net`` (unwrapped from DDP) with its own weights, frozen and in eval mode (one process;
     the trainer passes its backend's ``frozen_copy`` instead)."""
-    return models_common.frozen_copy(getattr(net, "module", net))
+    return plain_copy(getattr(net, "module", net))
 
 
 @torch.no_grad()
@@ -170,8 +155,8 @@ def refresh_reference(ctx: LossContext, decay: float = 0.0) -> None:
     A reference that views the policy's weights (the LoRA-disabled base) is replaced by a snapshot of the
     policy first: from then on it holds its own weights, and checkpoints store them."""
     current = ctx.snapshot(ctx.policy)
-    if not ctx.reference_owned or decay == 0.0:
-        ctx.reference, ctx.reference_owned = current, True
+    if ctx.reference is None or not ctx.reference.holds_weights or decay == 0.0:
+        ctx.reference = FrozenCopy(current)
         return
     for ref, new in zip(ctx.reference.parameters(), current.parameters(), strict=True):
         ref.lerp_(new, 1.0 - decay)

@@ -32,6 +32,7 @@ from trainer.algorithms.policy_gradient import (
 from trainer.config.fields import NonNegativeFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.rollout import Rollout
+from trainer.state import State
 
 
 @dataclass
@@ -102,10 +103,12 @@ class PPOCritic(ClippedPolicyGradient):
         super().__init__(config)
         self.critic: ValueNetwork | None = None
         self.critic_train: nn.Module | None = None
+        self.backend = None
 
     def setup(self, adapter: ModelAdapter, example: Conditioning, backend) -> None:
         latent_numel = math.prod(adapter.latent_shape)
         device = next(adapter.denoiser.parameters()).device
+        self.backend = backend
         self.critic = ValueNetwork(latent_numel, condition_vector(example).shape[1], self.config.critic_hidden,
                                    self.config.critic_latent_features).to(device)
         self.critic_train = backend.prepare_auxiliary(
@@ -146,5 +149,23 @@ class PPOCritic(ClippedPolicyGradient):
         return {**super().batch_metrics(batch),
                 "value_target_mean": float(batch.returns[:, steps].mean())}
 
-    def state(self) -> dict[str, torch.Tensor]:
-        return {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
+    def _shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of the critic's tensors, by name (under FSDP2 its parameters are sharded)."""
+        live = {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
+        return dict(zip(live, self.backend.local_shards(live.values()), strict=True))
+
+    def checkpoint_state(self) -> dict[str, State]:
+        return {"algorithm": State(self._shards(), per_rank=True)}
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
+        """Write this rank's saved shards into the live ones (whole tensors would not fit sharded ones)."""
+        values = saved.get("algorithm", {})
+        for name, shard in self._shards().items():
+            value = values.get(name)
+            if value is None or value.shape != shard.shape:
+                held = "nothing" if value is None else tuple(value.shape)
+                raise ValueError(f"{source} holds {held} for {name} on rank {self.backend.world.rank}, where this "
+                                 f"run's shard is {tuple(shard.shape)}: resume with the algorithm settings, "
+                                 "parallel.backend and number of ranks the checkpoint was made with")
+            shard.copy_(value)

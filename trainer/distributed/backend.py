@@ -44,13 +44,6 @@ class ParallelBackend(Protocol):
     sharded_optimizer_state: bool
     """True when ``optimizer_state()`` holds only this rank's partition: checkpoints then keep one optimizer
     file per rank and resume needs the same world size. False: rank 0's state is the whole state."""
-    forward_reads_module_weights: bool
-    """True when a forward of the prepared network computes with the tensors its modules hold as parameters,
-    so that a view calling it with some of them replaced (``torch.func.functional_call``) computes with the
-    replacements: a reference that swaps in a snapshot of the IP-Adapter's weights. False where the forward
-    gathers the weights from the backend's own shards (FSDP2, ZeRO-3): such a view writes the snapshot into
-    ``local_shards`` for the call instead."""
-
     def prepare(self, module: nn.Module, params: Iterable[nn.Parameter],
                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                 shard_units: tuple[type[nn.Module], ...] = ()) -> nn.Module:
@@ -122,6 +115,13 @@ class ParallelBackend(Protocol):
         deep-copied, so this is how a full-fine-tuning reference is made under every backend."""
         ...
 
+    def reference(self, module: nn.Module, spec) -> nn.Module:
+        """The reference policy ``spec`` (a ``trainer.models.reference.ReferenceSpec``) describes, of prepared
+        ``module`` as it is now, callable under this backend (collective): a ``frozen_copy``, or a view of
+        ``module`` that puts the swapped parameters' frozen values in place the way this backend's forward
+        reads them."""
+        ...
+
     def main_copy(self, module: nn.Module) -> nn.Module | None:
         """``frozen_copy`` on rank 0's CPU only (None on the other ranks), gathered one parameter at a time
         (collective): what an export writes, without a full copy on any device or on any other rank."""
@@ -152,7 +152,6 @@ class SingleProcess:
     """One process, no collectives."""
 
     sharded_optimizer_state = False
-    forward_reads_module_weights = True
     name = "single"
     """``parallel.backend``'s value for this class, for messages."""
 
@@ -265,6 +264,10 @@ class SingleProcess:
         return materialize(self.skeletons[id(module)], {n: p.detach().clone() for n, p in module.named_parameters()},
                            dict(module.named_buffers()))
 
+    def reference(self, module: nn.Module, spec) -> nn.Module:
+        """Whole weights in every forward: the spec's own single-device view (a functional call)."""
+        return spec.build(module, self.frozen_copy)
+
     @torch.no_grad()
     def main_copy(self, module: nn.Module) -> nn.Module | None:
         module = getattr(module, "module", module)  # DDP's wrapper
@@ -310,7 +313,7 @@ def loss_scaler(module: nn.Module, device: torch.device, compute_dtype: torch.dt
 def refuse_low_precision_updates(params: list[nn.Parameter], backend: str) -> None:
     """ValueError for trainable weights in bf16/fp16 under a backend whose optimizer updates them in place (no
     float32 master copy): bf16 rounds away Adam steps below 1/256 of a weight, and in fp16 Adam's eps underflows.
-    LoRA and IP-Adapter weights are float32 already (``trainer.models.common``); this is full fine-tuning."""
+    LoRA and IP-Adapter weights are float32 already (``trainer.models.trainable``); this is full fine-tuning."""
     low = sorted({str(p.dtype).removeprefix("torch.") for p in params if p.dtype in (torch.bfloat16, torch.float16)})
     if low:
         raise ValueError(

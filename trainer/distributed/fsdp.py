@@ -36,6 +36,7 @@ from trainer.distributed.backend import (
     skeleton,
     trainable,
 )
+from trainer.distributed.swap import ShardSwap
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ class FSDP2(DDP):
     """Fully sharded data parallelism (per-parameter sharding, FSDP2)."""
 
     name = "fsdp2"
-    forward_reads_module_weights = False
 
     def __init__(self, device: torch.device, world: World, dist_backend: str, param_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, cpu_offload: bool, gather_for_sampling: bool = True):
@@ -199,6 +199,10 @@ class FSDP2(DDP):
         call it different numbers of times; it costs one full denoiser per rank."""
         params = {name: _full(p).to(self.device) for name, p in module.named_parameters()}
         return materialize(self.skeletons[id(module)], params, dict(module.named_buffers()))
+
+    def reference(self, module: nn.Module, spec) -> nn.Module:
+        """The forward gathers the weights from this rank's shards: swapped values are written into them."""
+        return spec.build(module, self.frozen_copy, lambda named: ShardSwap(named, self.local_shards))
 
     @torch.no_grad()
     def main_copy(self, module: nn.Module) -> nn.Module | None:

@@ -32,6 +32,7 @@ from trainer.distributed.backend import (
     skeleton,
     trainable,
 )
+from trainer.distributed.swap import ShardSwap
 
 TEMPLATES = Path(__file__).resolve().parent / "deepspeed_configs"
 
@@ -102,7 +103,6 @@ class DeepSpeedZeRO(DDP):
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.stage = stage
         self.name = f"zero{stage}"
-        self.forward_reads_module_weights = stage != 3  # ZeRO-2 keeps whole weights on every rank
         self.config = config
         self.gather_for_sampling = gather_for_sampling
         self.engine = None
@@ -222,6 +222,13 @@ class DeepSpeedZeRO(DDP):
         with self._gather(list(params.values())):
             full = {name: p.detach().clone() for name, p in params.items()}
         return materialize(self.skeletons[id(module)], full, dict(module.named_buffers()))
+
+    def reference(self, module: nn.Module, spec) -> nn.Module:
+        """ZeRO-2 keeps whole weights on every rank (a functional call swaps them); ZeRO-3's forward gathers
+        them from this rank's partitions, so swapped values are written into those."""
+        if self.stage != 3:
+            return super().reference(module, spec)
+        return spec.build(module, self.frozen_copy, lambda named: ShardSwap(named, self.local_shards))
 
     @torch.no_grad()
     def main_copy(self, module: nn.Module) -> nn.Module | None:

@@ -8,12 +8,15 @@ the (possibly wrapped) network to call in ``predict``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from trainer.models.trainable import Trainable
 
 IMAGE_FIELDS = ("image", "mask", "reference", "style")
 """The image tensors of ``Conditioning`` (those besides the text ``embeds``)."""
@@ -119,7 +122,7 @@ class ModelAdapter(Protocol):
     The text path is data on the class, shared by ``encode_prompts`` and ``trainer.precompute``:
     ``text_components`` (subfolder -> class), ``optional_text``, ``text_settings`` (config fields that change
     embeddings), ``encode_text(pipeline, config, device, prompt)`` -> the tensors cached per prompt, and
-    ``prompt_encoder(config, device)``, that path alone without denoiser or VAE (``common.prompt_encoder``).
+    ``prompt_encoder(config, device)``, that path alone without denoiser or VAE (``text.prompt_encoder``).
     """
 
     sampler_kind: str
@@ -136,6 +139,11 @@ class ModelAdapter(Protocol):
 
     shard_units: tuple[type[nn.Module], ...]
     """Block classes that FSDP shards one by one (declared as data, applied by the backend)."""
+
+    trainable: Trainable
+    """The weights the optimizer updates in ``denoiser`` (LoRA, all, or a trainable IP-Adapter): their set-up,
+    saving and loading, and the reference policy they imply (``trainable.reference_spec``), which a parallel
+    backend makes callable under its sharding (``trainer.models.trainable``)."""
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Conditioning for ``prompts`` and optional per-item images (frozen encoders, no grad)."""
@@ -178,25 +186,4 @@ class ModelAdapter(Protocol):
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1], float32, [B, C, H, W]."""
-        ...
-
-    def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters the optimizer updates (LoRA weights only when LoRA is on)."""
-        ...
-
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = ...,
-                  shards: Callable[[list[nn.Parameter]], list[torch.Tensor]] | None = None) -> nn.Module:
-        """A frozen network that computes the reference policy as the policy is at the first call: a view of
-        the policy's weights (LoRA disabled, IP-Adapter weights swapped in), or ``copy(denoiser)`` for full
-        fine-tuning (the trainer passes the backend's ``frozen_copy``). ``shards``: the backend's
-        ``local_shards`` where its forward gathers the weights from its own shards (FSDP2, ZeRO-3), which the
-        swap then writes into (the trainer passes it where ``forward_reads_module_weights`` is False)."""
-        ...
-
-    def save_trainable(self, directory: str) -> None:
-        """Write the trainable weights (safetensors; LoRA in peft format)."""
-        ...
-
-    def load_trainable(self, directory: str) -> None:
-        """Load weights written by ``save_trainable`` into this adapter's denoiser (same LoRA settings)."""
         ...

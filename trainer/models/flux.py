@@ -16,7 +16,7 @@ optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``) co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -29,28 +29,13 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import (
-    DTYPES,
-    DiffusersModelConfig,
-    ImageLatents,
-    PromptEmbeddings,
-    Shards,
-    cfg_combine,
-    denoiser_config,
-    freeze,
-    frozen_copy,
-    load_text_components,
-    load_trainable,
-    prepare_denoiser,
-    prompt_encoder,
-    rectified_flow_target,
-    reference_network,
-    refuse_image_latents,
-    reject_image_inputs,
-    save_trainable,
-    shifted_flow_sigmas,
-)
+from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze
+from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
+from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, refuse_unloadable_flux_tokens, split_style
+from trainer.models.latents import ImageLatents, refuse_image_latents
+from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
+from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
 
 
@@ -126,9 +111,8 @@ class FluxAdapter:
         self.guidance_embeds = bool(self.denoiser.config.guidance_embeds)
 
         self.ip_adapter = IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
-        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
+        self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
-        self._reference: nn.Module | None = None
 
     def _extra_input_channels(self) -> int:
         """Channels a variant concatenates to the packed latents at every forward (none here)."""
@@ -244,21 +228,3 @@ class FluxAdapter:
         x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
         x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
-
-    def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for p in self.denoiser.parameters() if p.requires_grad)
-
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, shards: Shards = None) -> nn.Module:
-        """The policy as it is at the first call: LoRA disabled and / or the IP-Adapter weights copied; full
-        fine-tuning: a frozen copy (one more transformer in memory)."""
-        if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora, self.ip_adapter, copy, shards)
-        return self._reference
-
-    def save_trainable(self, directory: str) -> None:
-        save_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)
-
-    def load_trainable(self, directory: str) -> None:
-        """Load weights written by ``save_trainable`` (same LoRA and IP-Adapter settings) into this adapter's
-        transformer."""
-        load_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)

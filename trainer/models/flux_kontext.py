@@ -15,8 +15,8 @@ import torch
 from diffusers import FluxKontextPipeline
 
 from trainer.models.base import Conditioning, ImageInputs
-from trainer.models.common import reject_image_inputs, require_image_input
 from trainer.models.flux import FluxAdapter, FluxConfig
+from trainer.models.inputs import reject_image_inputs, require_image_input
 
 
 @dataclass

@@ -50,7 +50,7 @@ from torch import nn
 
 from trainer.config.fields import NonNegativeFloat, PositiveInt
 from trainer.models.base import ImageInputs
-from trainer.models.common import require_image_input
+from trainer.models.inputs import require_image_input
 
 IP_WEIGHTS = "ip_adapter.safetensors"
 FLUX_LOADER_ROWS_16 = 65536
@@ -71,7 +71,7 @@ class IPAdapterSettings:
     ``preprocessor_config.json`` whose mean and std normalise the pixels."""
     weights: str | None = None
     """IP-Adapter weights: a safetensors file in the format above, or a directory holding ``ip_adapter.safetensors``
-    (what ``save_trainable`` writes). None: fresh weights that leave the model's output unchanged."""
+    (what ``adapter.trainable.save`` writes). None: fresh weights that leave the model's output unchanged."""
     num_tokens: PositiveInt = 4
     """Image-prompt tokens N per image (4 in XLabs' FLUX IP-Adapter); must match the loaded weights. FLUX: 4, or
     16 on FLUX.1's 4096-wide text features, the counts diffusers' ``FluxPipeline.load_ip_adapter`` reads."""
@@ -256,6 +256,11 @@ class IPAdapter:
             denoiser.register_forward_pre_hook(_project_image_embeds, with_kwargs=True)
         ids = {id(p) for p in self.parameters()}
         self.parameter_names = [name for name, p in denoiser.named_parameters() if id(p) in ids]
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the IP-Adapter trains (``trainer.models.trainable.AddedWeights``)."""
+        return self.settings.trainable
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in (self.projection, *self.processors) for p in m.parameters()]

@@ -15,7 +15,7 @@ Qwen-Image) conditions the image stream on ``ImageInputs.style``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,27 +33,13 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1
-from trainer.models.common import (
-    DTYPES,
-    DiffusersModelConfig,
-    PromptEmbeddings,
-    Shards,
-    cfg_combine,
-    freeze,
-    frozen_copy,
-    load_denoiser,
-    load_text_components,
-    load_trainable,
-    prepare_denoiser,
-    prompt_encoder,
-    rectified_flow_target,
-    reference_network,
-    refuse_image_latents,
-    reject_image_inputs,
-    save_trainable,
-    shifted_flow_sigmas,
-)
+from trainer.models.common import DTYPES, DiffusersModelConfig, freeze, load_denoiser
+from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
+from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
+from trainer.models.latents import refuse_image_latents
+from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
+from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
 
 
@@ -131,9 +117,8 @@ class QwenImageAdapter:
         self.latents_std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
 
         self.ip_adapter = IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
-        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
+        self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
-        self._reference: nn.Module | None = None
         self._padded_negative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
@@ -242,21 +227,3 @@ class QwenImageAdapter:
         x = x * self.latents_std + self.latents_mean
         x = self.vae.decode(x.to(self.dtype), return_dict=False)[0][:, :, 0].float()
         return (x / 2 + 0.5).clamp(0, 1)
-
-    def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for p in self.denoiser.parameters() if p.requires_grad)
-
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, shards: Shards = None) -> nn.Module:
-        """The policy as it is at the first call: LoRA disabled and / or the IP-Adapter weights copied; full
-        fine-tuning: a frozen copy (one more transformer in memory)."""
-        if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora, self.ip_adapter, copy, shards)
-        return self._reference
-
-    def save_trainable(self, directory: str) -> None:
-        save_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)
-
-    def load_trainable(self, directory: str) -> None:
-        """Load weights written by ``save_trainable`` (same LoRA and IP-Adapter settings) into this adapter's
-        transformer."""
-        load_trainable(self.denoiser, self.config.lora is not None, directory, self.ip_adapter)

@@ -13,7 +13,7 @@ supervised loss (which draws u in (0, 1)) share one convention.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,25 +31,12 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from trainer.config.fields import NonNegativeInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import (
-    DTYPES,
-    DiffusersModelConfig,
-    ImageLatents,
-    PromptEmbeddings,
-    Shards,
-    cfg_combine,
-    denoiser_config,
-    freeze,
-    frozen_copy,
-    load_text_components,
-    load_trainable,
-    prepare_denoiser,
-    prompt_encoder,
-    reference_network,
-    reject_image_inputs,
-    require_image_input,
-    save_trainable,
-)
+from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze
+from trainer.models.flow import cfg_combine
+from trainer.models.inputs import reject_image_inputs, require_image_input
+from trainer.models.latents import ImageLatents
+from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
+from trainer.models.trainable import Trainable
 from trainer.samplers import standard_normal
 from trainer.samplers.ddim import ddim_step
 
@@ -108,9 +95,8 @@ class SD15InpaintAdapter:
         self.num_train_timesteps = self.scheduler.config.num_train_timesteps
         self.alphas_cumprod = self.scheduler.alphas_cumprod.to(self.device, torch.float32)
 
-        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
+        self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
         self.prompts = PromptEmbeddings.of(self, config)
-        self._reference: nn.Module | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -201,20 +187,3 @@ class SD15InpaintAdapter:
         x = (latents.float() / self.vae.config.scaling_factor).to(self.dtype)
         x = self.vae.decode(x, return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
-
-    def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for p in self.denoiser.parameters() if p.requires_grad)
-
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, shards: Shards = None) -> nn.Module:
-        """LoRA: the UNet with the adapter disabled. Full fine-tuning: a frozen copy made on the first call. No
-        IP-Adapter here, so ``shards`` changes nothing."""
-        if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora, copy_fn=copy)
-        return self._reference
-
-    def save_trainable(self, directory: str) -> None:
-        save_trainable(self.denoiser, self.config.lora is not None, directory)
-
-    def load_trainable(self, directory: str) -> None:
-        """Load weights written by ``save_trainable`` (same LoRA settings) into this adapter's UNet."""
-        load_trainable(self.denoiser, self.config.lora is not None, directory)

@@ -7,7 +7,7 @@ pixel space (latents are images in [-1, 1]): that is how the tiny embedded model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,25 +24,11 @@ from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderMo
 
 from trainer.config.fields import PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import (
-    DTYPES,
-    DiffusersModelConfig,
-    PromptEmbeddings,
-    Shards,
-    cfg_combine,
-    denoiser_config,
-    dynamic_shift_mu,
-    freeze,
-    frozen_copy,
-    load_denoiser,
-    load_text_components,
-    load_trainable,
-    prepare_denoiser,
-    prompt_encoder,
-    reference_network,
-    refuse_image_latents,
-    save_trainable,
-)
+from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze, load_denoiser
+from trainer.models.flow import cfg_combine, dynamic_shift_mu
+from trainer.models.latents import refuse_image_latents
+from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
+from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
 
 
@@ -90,9 +76,8 @@ class SD3Adapter:
             raise ValueError(f"model.resolution={side} must be a multiple of {vae_factor * self.denoiser.config.patch_size}")
         self.latent_shape = (self.denoiser.config.in_channels, side // vae_factor, side // vae_factor)
 
-        prepare_denoiser(self.denoiser, config.lora, config.gradient_checkpointing)
+        self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
         self.prompts = PromptEmbeddings.of(self, config)
-        self._reference: nn.Module | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
     @classmethod
@@ -190,21 +175,3 @@ class SD3Adapter:
             x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
             x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
-
-    def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for p in self.denoiser.parameters() if p.requires_grad)
-
-    def reference(self, copy: Callable[[nn.Module], nn.Module] = frozen_copy, shards: Shards = None) -> nn.Module:
-        """LoRA: the same network with the adapter disabled (no extra memory). Full fine-tuning: a frozen
-        copy of the weights as they were when this was first called (costs one more denoiser). No IP-Adapter
-        here, so ``shards`` changes nothing."""
-        if self._reference is None:
-            self._reference = reference_network(self.denoiser, self.config.lora, copy_fn=copy)
-        return self._reference
-
-    def save_trainable(self, directory: str) -> None:
-        save_trainable(self.denoiser, self.config.lora is not None, directory)
-
-    def load_trainable(self, directory: str) -> None:
-        """Load weights written by ``save_trainable`` (same LoRA settings) into this adapter's denoiser."""
-        load_trainable(self.denoiser, self.config.lora is not None, directory)

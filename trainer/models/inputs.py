@@ -1,0 +1,43 @@
+"""Checks of the per-item image inputs an adapter is given, with errors that name what it expects."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+
+import torch
+
+from trainer.models.base import ImageInputs
+
+
+def reject_image_inputs(model: str, inputs: ImageInputs | None, allowed: Sequence[str] = ()) -> None:
+    """ValueError when ``inputs`` carries a field that ``model`` does not use."""
+    if inputs is None:
+        return
+    extra = [f.name for f in fields(inputs) if f.name not in allowed and getattr(inputs, f.name) is not None]
+    if extra:
+        raise ValueError(f"the {model} adapter takes no ImageInputs.{', .'.join(extra)}"
+                         + (f" (it uses {', '.join(allowed)})" if allowed else " (it is a text-to-image model)"))
+
+
+def require_image_input(
+    model: str, inputs: ImageInputs | None, name: str, batch_size: int, channels: int,
+    size: tuple[int, int] | None = None, multiple_of: int = 1, because: str = "",
+) -> torch.Tensor:
+    """``inputs.<name>`` checked to be [batch_size, channels, H, W] (H, W = ``size`` if given, else
+    multiples of ``multiple_of``), or a ValueError that names the input, what was expected and ``because``."""
+    value = None if inputs is None else getattr(inputs, name)
+    what = f"ImageInputs.{name}"
+    if value is None:
+        raise ValueError(f"the {model} adapter needs {what} ([B, {channels}, H, W] in [0, 1])"
+                         f"{' because ' + because if because else ''}; none was given")
+    if value.ndim != 4 or value.shape[0] != batch_size or value.shape[1] != channels:
+        raise ValueError(f"{what} has shape {tuple(value.shape)}; the {model} adapter expects "
+                         f"[{batch_size}, {channels}, H, W] (one per prompt)")
+    if size is not None and tuple(value.shape[-2:]) != tuple(size):
+        raise ValueError(f"{what} is {tuple(value.shape[-2:])} pixels; the {model} adapter generates "
+                         f"{tuple(size)} (model.resolution): set data.image_size to model.resolution")
+    if value.shape[-2] % multiple_of or value.shape[-1] % multiple_of:
+        raise ValueError(f"{what} sides {tuple(value.shape[-2:])} must be multiples of {multiple_of}")
+    return value
+
