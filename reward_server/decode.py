@@ -15,7 +15,7 @@ from fastapi import HTTPException, Request
 from pydantic import ValidationError
 
 from reward_server.metrics import ServerMetrics
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.settings import ServerSettings
 from shared.imagecodec import DecodeError, ImageTooLargeError, OpenedImage, open_image
 from shared.protocol import (

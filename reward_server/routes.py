@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from reward_server.batching import JobResult, QueueFullError
 from reward_server.decode import Decoded, decode_items, parse_score_request
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.service import RewardService
 from shared.protocol import (
     JSON_MEDIA_TYPE,

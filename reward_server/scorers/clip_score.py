@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files, weight_files
 
 

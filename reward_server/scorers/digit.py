@@ -24,7 +24,7 @@ import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from shared.protocol import ErrorCode
 
 NUM_DIGITS_SAMPLES = 1797

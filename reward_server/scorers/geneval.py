@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reward_server.scorers import ScoreOutcome
 from reward_server.scorers import geneval_rules as rules
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files, weight_files
 from shared.protocol import ErrorCode
 

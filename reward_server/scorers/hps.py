@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files, weight_files
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)

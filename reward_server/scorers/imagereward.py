@@ -23,8 +23,8 @@ import torch
 from PIL import Image
 from torch import nn
 
-from reward_server.scorers import ScoreOutcome
 from reward_server.scorers.aesthetic import AestheticHead
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files, weight_files
 from reward_server.scorers.hps import OPENAI_MEAN, OPENAI_STD
 

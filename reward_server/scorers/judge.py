@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.ocr import target_text
 from shared.imagecodec import DecodeError, decode_image
 from shared.protocol import ErrorCode

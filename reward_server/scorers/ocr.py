@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files
 from shared.protocol import ErrorCode
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files
 from reward_server.scorers.judge import (
     ANSWER_FORMATS,

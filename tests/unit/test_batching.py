@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from reward_server.batching import ScorerWorker
-from reward_server.scorers import ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from shared.protocol import ErrorCode
 
 

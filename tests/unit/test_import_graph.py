@@ -121,9 +121,8 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     raise AssertionError("a strongly connected component has a cycle")
 
 
-DEFERRED_ALLOWED = ("reward_server.scorers",)
-"""Packages whose deferred cycles are allowed: the scorer registry (``reward_server/scorers/__init__.py``)
-imports each scorer module when that scorer is built, and the scorer modules import ``ScoreOutcome`` from it."""
+DEFERRED_ALLOWED: tuple[str, ...] = ()
+"""Packages whose deferred (function-level) import cycles are allowed: none today."""
 
 
 def graph(deferred: bool) -> dict[str, set[str]]:

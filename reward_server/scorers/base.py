@@ -1,0 +1,107 @@
+"""The scorer contract: what a scorer returns per item (:class:`ScoreOutcome`), what the server needs from it
+(:class:`Scorer`, a Protocol), and :func:`run_scorer`, which turns whatever a scorer does into one valid outcome
+per item. Scorer modules import from here, so that the registry in ``__init__`` imports no scorer eagerly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from shared.protocol import ErrorCode
+
+
+@dataclass(frozen=True)
+class ScoreOutcome:
+    """One scorer's result for one item: ``score`` set and ``error`` None, or the reverse."""
+
+    score: float | None
+    details: dict[str, Any] = field(default_factory=dict)
+    error: ErrorCode | None = None
+    message: str = ""
+
+    @classmethod
+    def failure(cls, code: ErrorCode, message: str, details: dict[str, Any] | None = None) -> ScoreOutcome:
+        return cls(score=None, details=details or {}, error=code, message=message)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """What the reward server needs from a scorer.
+
+    ``score`` is called from one worker thread at a time (never concurrently for the same object), with
+    batches of at most the server's ``max_batch_size`` items. It may raise: the whole batch then fails
+    with INTERNAL (or OOM for out-of-memory errors).
+    """
+
+    name: str
+    description: str
+    score_range: tuple[float | None, float | None]  # None: unbounded on that side
+
+    @property
+    def version(self) -> str:
+        """Model name and a fingerprint of its weights; valid after :meth:`load`."""
+        ...
+
+    def load(self) -> None:
+        """Load weights and warm up (e.g. one dummy batch). Called once, off the event loop."""
+        ...
+
+    def score(
+        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> Sequence[ScoreOutcome | float]:
+        """Score a batch: one outcome per image, in order."""
+        ...
+
+
+def run_scorer(
+    scorer: Scorer, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+) -> list[ScoreOutcome]:
+    """Call ``scorer.score`` and normalise what it returns into one valid :class:`ScoreOutcome` per item.
+
+    Exceptions become per-item INTERNAL errors (OOM for out-of-memory errors), non-finite scores become
+    INTERNAL errors, and a wrong number of outcomes fails the whole batch. Never raises.
+    """
+    try:
+        raw = list(scorer.score(images, prompts, metadata))
+    except Exception as exc:
+        code = ErrorCode.OOM if _is_out_of_memory(exc) else ErrorCode.INTERNAL
+        outcome = ScoreOutcome.failure(code, f"{type(exc).__name__}: {exc}")
+        return [outcome] * len(images)
+    if len(raw) != len(images):
+        outcome = ScoreOutcome.failure(
+            ErrorCode.INTERNAL,
+            f"scorer {scorer.name!r} returned {len(raw)} outcomes for {len(images)} images",
+        )
+        return [outcome] * len(images)
+    return [_normalise(item) for item in raw]
+
+
+def _normalise(item: ScoreOutcome | float) -> ScoreOutcome:
+    if not isinstance(item, ScoreOutcome):
+        item = ScoreOutcome(score=item)
+    if item.error is not None:
+        return ScoreOutcome(score=None, details=item.details, error=item.error, message=item.message)
+    try:
+        value = float(item.score)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return ScoreOutcome.failure(
+            ErrorCode.INTERNAL, f"scorer returned a non-number {item.score!r}", item.details
+        )
+    if not math.isfinite(value):
+        return ScoreOutcome.failure(
+            ErrorCode.INTERNAL, f"scorer returned a non-finite score {value}", item.details
+        )
+    return ScoreOutcome(score=value, details=item.details)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    # torch.cuda.OutOfMemoryError and friends, matched by name so that this module needs no torch.
+    return isinstance(exc, MemoryError) or "OutOfMemory" in type(exc).__name__
