@@ -58,6 +58,12 @@ def _registry() -> dict[str, ModelSpec]:
 MODELS: dict[str, ModelSpec] = _registry()
 
 
+def image_encoding_models() -> list[str]:
+    """Registered models whose adapter VAE-encodes image inputs (``encodes_image_inputs``), so that
+    ``model.image_latents`` can serve them."""
+    return [name for name, spec in MODELS.items() if getattr(spec.load(), "encodes_image_inputs", False)]
+
+
 def build_adapter(config, device):
     """The ModelAdapter that ``config.name`` names, loaded on ``device``. On CUDA, cuDNN attention is switched
     on or off for the process, as ``config.cudnn_attention`` says."""

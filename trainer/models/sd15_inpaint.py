@@ -71,6 +71,7 @@ class SD15InpaintAdapter:
     config_class = SD15InpaintConfig
     model_name = "sd15_inpaint"
     pipeline_class = StableDiffusionInpaintPipeline
+    encodes_image_inputs = True
     text_components = {"text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer}
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype",)
