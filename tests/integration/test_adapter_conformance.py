@@ -25,10 +25,13 @@ Each adapter's tiny model and test facts (guidance, image inputs, how its pipeli
 own file through the registry (``MODELS[name].tiny``, a ``testing.TinySpec``): a newly registered adapter is
 picked up here with nothing to add.
 
-Every test runs per target (device, weights dtype): the CPU in float32, bfloat16 and float16 by default, and
-CUDA in bfloat16 on a GPU machine (``pytest -m gpu``). Generators live on the target device, as a trainer's
-rollout generator does. In bfloat16 the pipelines round their latents to bfloat16 after every step where the
-rollouts keep float32 latents, so parity there is held to ``Target.parity_atol`` instead of 1e-5.
+Tests whose result depends on the weights dtype (parity tolerances, on-policy numerics, float32 outputs and
+masters, normalisation before the cast) run per target (device, weights dtype): the CPU in float32, bfloat16
+and float16 by default, and CUDA in bfloat16 on a GPU machine (``pytest -m gpu``). Structural checks (input
+validation, step kinds, save/load round trips, device reads) run once per device (``@per_device``).
+Generators live on the target device, as a trainer's rollout generator does. In bfloat16 the pipelines round
+their latents to bfloat16 after every step where the rollouts keep float32 latents, so parity there is held to
+``Target.parity_atol`` instead of 1e-5.
 """
 
 from __future__ import annotations
@@ -90,12 +93,16 @@ class Target(NamedTuple):
         return torch.Generator(self.device).manual_seed(seed)
 
 
+CPU_FP32 = pytest.param(Target("cpu", "float32", 1e-5, 1e-6), id="cpu-fp32")
+CUDA_BF16 = pytest.param(Target("cuda", "bfloat16", 0.25, 0.02), id="cuda-bf16", marks=pytest.mark.gpu)
 TARGETS = [
-    pytest.param(Target("cpu", "float32", 1e-5, 1e-6), id="cpu-fp32"),
+    CPU_FP32,
     pytest.param(Target("cpu", "bfloat16", 0.25, 0.02), id="cpu-bf16"),
     pytest.param(Target("cpu", "float16", 0.04, 0.003), id="cpu-fp16"),
-    pytest.param(Target("cuda", "bfloat16", 0.25, 0.02), id="cuda-bf16", marks=pytest.mark.gpu),
+    CUDA_BF16,
 ]
+per_device = pytest.mark.parametrize("target", [CPU_FP32, CUDA_BF16])
+"""For checks whose result does not depend on the weights dtype: one target per device instead of the matrix."""
 
 
 @pytest.fixture(params=TARGETS)
@@ -346,6 +353,7 @@ def test_cudnn_attention_is_off_on_cuda_unless_asked_for(model_root):
 
 
 # --- (d) save / load round trip -----------------------------------------------------------------------
+@per_device
 @pytest.mark.parametrize(("name", "mode"), list(itertools.product(CASES, ("lora", "full"))))
 def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target):
     lora = LoraSettings(rank=4, alpha=4) if mode == "lora" else None
@@ -369,6 +377,7 @@ def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target
 
 
 # --- (e) conditioning validation ----------------------------------------------------------------------
+@per_device
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_image_inputs_are_validated(adapter):
     side = getattr(adapter, "resolution", 16)
@@ -461,6 +470,7 @@ def test_a_text_to_image_unet_is_refused_by_the_inpainting_adapter(model_root, t
         build_adapter(dataclasses.replace(config, path=path), "cpu")
 
 
+@per_device
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_step_kind_is_checked(adapter):
     other = "sde" if adapter.sampler_kind == "ddim" else "ddim"
@@ -504,6 +514,7 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
     torch.testing.assert_close(torch.stack(ratios).cpu(), torch.ones(len(ratios)), rtol=0, atol=tolerance)
 
 
+@per_device
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_rollout_steps_and_train_units_read_no_device_values(adapter, target):
     """A read of a device value (``bool``, ``float`` or ``.item()`` of a tensor) makes the host wait for the
