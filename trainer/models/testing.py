@@ -34,6 +34,7 @@ CLIP_VISION = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, 
 TEXT_LENGTH = 16
 """Tokens per prompt for every tiny text encoder (CLIP model_max_length, T5 max_sequence_length)."""
 
+
 @dataclass(frozen=True)
 class TinySpec:
     """One adapter's tiny test model and the facts the shared tests and benches need about it, declared by
@@ -77,6 +78,9 @@ class TinySpec:
     """Denoiser config changes for about 9 M parameters (bench ``--denoiser 9m``)."""
     denoiser_real: Mapping[str, Any] = field(default_factory=dict)
     """Denoiser config changes to the published widths, heads and depths (bench ``--denoiser real``)."""
+
+    def __post_init__(self):
+        assert (self.components is None) != (self.build is None), "a TinySpec has components or a build, not both"
 
 
 _WORDS = ("a photo of the digit number cat dog red blue green big small image picture text sign handwritten "
