@@ -41,7 +41,7 @@ quotes: 1.00x rollout, 1.02-1.05x train step for a 9 M-parameter SD3 transformer
 and token counts stay tiny, so the denoiser's share of the time is what grows.
 ``--denoiser real`` gives each denoiser the published architecture's widths, heads and depths with random
 weights, for a GPU: 2.23 B parameters for SD3.5 Medium, 11.89 B FLUX.1, 20.42 B Qwen-Image, 0.84 B the SD1.5
-UNet (0.86 B published: its cross-attention reads the tiny text width); see ``DENOISER_REAL``. ``--scale 4``
+UNet (0.86 B published: its cross-attention reads the tiny text width); see each adapter's ``TinySpec``. ``--scale 4``
 then gives 4096 image tokens, as at 1024 px (SD1.5: 64x64 latents, as at 512 px); ``--scale 2`` 1024.
 ``--layers 1`` caps the transformers' depth so that the real widths run on a CPU. ``--gradient-checkpointing``
 recomputes the denoiser's activations in the backward of both train columns, as a real-size run would;
@@ -82,36 +82,13 @@ from trainer.samplers import standard_normal
 
 BATCH = 4
 NUM_STEPS = 4
-RESOLUTION = {"sd3": 16, "flux": 32, "flux_fill": 32, "flux_kontext": 32, "sd15_inpaint": 32, "qwen_image": 128}
-"""256 image tokens (latent positions for the UNet) per sample; ``tiny`` is fixed at 64."""
-GUIDANCE = {"tiny": 4.5, "sd3": 4.5, "flux": 3.5, "flux_fill": 3.5, "flux_kontext": 3.5, "sd15_inpaint": 4.5,
-            "qwen_image": 4.5}
-"""CFG (batched) for sd3, sd15, qwen; the guidance embedding for the FLUX family."""
-_FLUX_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4,
-                axes_dims_rope=[16, 24, 24])
-DENOISER_9M = {
-    "tiny": dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, caption_projection_dim=256),
-    "sd3": dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, caption_projection_dim=256),
-    "flux": _FLUX_9M, "flux_fill": _FLUX_9M, "flux_kontext": _FLUX_9M,
-    "qwen_image": dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, axes_dims_rope=[16, 24, 24]),
-    "sd15_inpaint": dict(block_out_channels=[96, 192]),
-}
-"""``--denoiser 9m``: config changes giving 9.0-9.7 M parameters (the UNet 12.6 M: its widths step by 32)."""
-_FLUX_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=19, num_single_layers=38,
-                  axes_dims_rope=[16, 56, 56])
-_SD3_REAL = dict(attention_head_dim=64, num_attention_heads=24, num_layers=24, caption_projection_dim=1536,
-                 qk_norm="rms_norm", dual_attention_layers=list(range(13)))
-DENOISER_REAL = {
-    "tiny": _SD3_REAL, "sd3": _SD3_REAL,
-    "flux": _FLUX_REAL, "flux_fill": _FLUX_REAL, "flux_kontext": _FLUX_REAL,
-    "qwen_image": dict(attention_head_dim=128, num_attention_heads=24, num_layers=60, axes_dims_rope=[16, 56, 56]),
-    "sd15_inpaint": dict(block_out_channels=[320, 640, 1280, 1280], attention_head_dim=8, norm_num_groups=32,
-                         down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-                         up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3),
-}
-"""``--denoiser real``: the published architectures' widths, heads and depths (SD3.5 Medium, FLUX.1, Qwen-Image,
-the SD1.5 UNet). The widths that face the tiny text encoders and VAEs (joint / pooled / cross-attention
-input widths, latent channels, patch sizes) stay the tiny ones, a few projections' worth of difference."""
+DENOISER_SIZES = {"tiny": None, "9m": "denoiser_9m", "real": "denoiser_real"}
+"""``--denoiser`` -> the ``TinySpec`` field with the denoiser's config changes. 9m: 9.0-9.7 M parameters (the
+UNet 12.6 M: its widths step by 32). real: the published architectures' widths, heads and depths; the widths
+that face the tiny text encoders and VAEs (joint / pooled / cross-attention input widths, latent channels,
+patch sizes) stay the tiny ones, a few projections' worth of difference. Each adapter's ``TinySpec`` also
+gives the resolution (``bench_resolution``: 256 image tokens, latent positions for the UNet, per sample) and
+guidance (``bench_guidance``) used here."""
 DEPTH_KEYS = ("num_layers", "num_single_layers")
 """Config fields that ``--layers`` caps (transformers; the UNet's depth stays)."""
 
@@ -123,7 +100,7 @@ def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | Non
     are drawn on ``device`` in ``dtype`` and saved so: a real-size one in float32 on the CPU would take 82 GB
     of memory and disk for Qwen-Image."""
     testing.tiny_config(name, root)
-    folder = Path(root) / name / ("unet" if name == "sd15_inpaint" else "transformer")
+    folder = next(Path(root) / name / f for f in ("transformer", "unet") if (Path(root) / name / f).is_dir())
     config = {**json.loads((folder / "config.json").read_text()), **overrides}
     if max_layers is not None:
         config.update({k: min(config[k], max_layers) for k in DEPTH_KEYS if k in config})
@@ -195,16 +172,17 @@ class Recorder(nn.Module):
         return self.net(*args, **kwargs)
 
 
-def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: dict | None = None,
+def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: str = "tiny",
                   device: str = "cpu", dtype: str = "float32", max_layers: int | None = None,
                   gradient_checkpointing: bool = False) -> dict[str, float]:
-    """One table row for ``case``; ``denoiser`` maps adapter names to config overrides (None: the tiny one)."""
+    """One table row for ``case``; ``denoiser`` is a ``DENOISER_SIZES`` key."""
     name = case.removesuffix("+ip")
-    if denoiser is not None and not (Path(root) / name / "model_index.json").is_file():
-        resize_denoiser(root, name, denoiser[name], max_layers, device, dtype)
+    spec = testing.tiny(name)
+    if DENOISER_SIZES[denoiser] is not None and not (Path(root) / name / "model_index.json").is_file():
+        resize_denoiser(root, name, getattr(spec, DENOISER_SIZES[denoiser]), max_layers, device, dtype)
     overrides: dict = {"gradient_checkpointing": gradient_checkpointing}
-    if name in RESOLUTION:
-        overrides["resolution"] = RESOLUTION[name] * scale
+    if spec.bench_resolution is not None:
+        overrides["resolution"] = spec.bench_resolution * scale
     if case.endswith("+ip"):
         overrides["ip_adapter"] = testing.tiny_ip_adapter(root)
     adapter = build_adapter(testing.tiny_config(name, root, dtype=dtype, lora=LoraSettings(rank=8, alpha=8),
@@ -216,7 +194,7 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
     group_ids = torch.arange(BATCH) // 2
     inputs = testing.image_inputs(adapter, BATCH)
     ddim = adapter.sampler_kind == "ddim"
-    settings = SamplerSettings(num_steps=NUM_STEPS, guidance_scale=GUIDANCE[name], kind="ddim" if ddim else "sde",
+    settings = SamplerSettings(num_steps=NUM_STEPS, guidance_scale=spec.bench_guidance, kind="ddim" if ddim else "sde",
                                noise_level=1.0 if ddim else 0.7)
     row = {"params": sum(p.numel() for n, p in adapter.denoiser.named_parameters() if "lora" not in n) / 1e6}
 
@@ -227,7 +205,7 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
 
     output_type = "latent" if adapter.vae is None else "pt"
     timing = compare(ours_rollout, lambda: testing.run_pipeline(
-        adapter, prompts, inputs, NUM_STEPS, GUIDANCE[name], torch.Generator(device).manual_seed(0), output_type),
+        adapter, prompts, inputs, NUM_STEPS, spec.bench_guidance, torch.Generator(device).manual_seed(0), output_type),
         repeats)
     row["rollout"], row["rollout_ms"] = timing.ratio, timing.ours_ms
 
@@ -353,7 +331,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scale", type=int, default=1,
                         help="image side x scale (scale^2 x the tokens): how the overheads shrink with the work")
-    parser.add_argument("--denoiser", choices=("tiny", "9m", "real"), default="tiny",
+    parser.add_argument("--denoiser", choices=tuple(DENOISER_SIZES), default="tiny",
                         help="denoiser size: the tests' tiny one, widened to about 9 M parameters, or the real "
                              "architectures' widths and depths (random weights; a GPU's work)")
     parser.add_argument("--layers", type=int, default=None,
@@ -373,7 +351,6 @@ def main() -> None:
         keep_freed_memory()
     columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "sampler_big", "noisy", "scored", "kernels",
                "train_kernels", "rollout_ms", "train_ms", "peak_GiB")
-    sizes = {"tiny": None, "9m": DENOISER_9M, "real": DENOISER_REAL}[args.denoiser]
     print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, {args.dtype} on {args.device}, {args.threads} threads, "
           f"image side x{args.scale}, {args.denoiser} denoiser"
           + (f" capped at {args.layers} blocks per stack" if args.layers else "") + "; ratio = ours / plain, "
@@ -383,13 +360,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for i, case in enumerate(cases):
             try:
-                row = bench_adapter(case, root, args.repeats, args.scale, sizes, args.device, args.dtype, args.layers,
-                                    args.gradient_checkpointing)
+                row = bench_adapter(case, root, args.repeats, args.scale, args.denoiser, args.device, args.dtype,
+                                    args.layers, args.gradient_checkpointing)
                 print(f"{case:<14}{row['params']:>8.1f}M" + "".join(_cell(c, row[c]) for c in columns), flush=True)
             except torch.OutOfMemoryError as error:
                 print(f"{case:<14}  out of memory: {str(error).splitlines()[0]}", flush=True)
             name = case.removesuffix("+ip")
-            if sizes is not None and all(c.removesuffix("+ip") != name for c in cases[i + 1:]):
+            if args.denoiser != "tiny" and all(c.removesuffix("+ip") != name for c in cases[i + 1:]):
                 shutil.rmtree(Path(root) / name)  # real sizes: up to 41 GB of weights each
             gc.collect()
             if args.device != "cpu":

@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.algorithms import ALGORITHMS
+
 REPO = Path(__file__).resolve().parents[1]
-ALGORITHMS = ["grpo", "ppo", "ppo_critic", "dpo", "sft_best", "nft"]
 
 
 def run_job(args: list[str], log: Path) -> float:

@@ -70,7 +70,7 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     returns (inputs encoded, inputs the store already held)."""
     from trainer.build import resolve_device
     from trainer.data import build_task
-    from trainer.models import build_adapter
+    from trainer.models import build_adapter, image_encoding_models
     from trainer.models.latents import LatentStore, vae_fingerprint
 
     task = build_task(config.data)
@@ -81,8 +81,8 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     latents = write_latents(adapter, store, (([task.prompts[i] for i in c], task.inputs(c)) for c in chunks))
     if latents.hits + latents.misses == 0:
         raise ValueError(f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name="
-                         f"{config.data.name!r}: nothing to store with --latents (flux_fill, sd15_inpaint and "
-                         "flux_kontext with an inpainting or editing dataset encode some)")
+                         f"{config.data.name!r}: nothing to store with --latents ({', '.join(image_encoding_models())} "
+                         "with an inpainting or editing dataset encode some)")
     return latents.misses, latents.hits
 
 

@@ -128,7 +128,8 @@ class Trainer:
         for epoch in bar:
             metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
-            shown = [k for k in metrics if k.endswith("accuracy")] + [k for k in _SHOWN if k in metrics]
+            shown = [k for k in metrics if k.endswith("accuracy")]
+            shown += [k for k in self.algorithm.shown_metrics if k in metrics]
             line = (f"epoch {epoch + 1:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
                     + "  ".join(f"{k} {metrics[k]:.3g}" for k in shown) + f"  img/s {metrics['images_per_s']:.1f}")
             bar.write(line) if self._bars() else self._print(line)
@@ -348,10 +349,6 @@ class Trainer:
     def _print(self, text: str) -> None:
         if self.is_main:
             print(text, flush=True)
-
-
-_SHOWN = ("approx_kl", "clip_frac", "value_loss", "dpo_margin", "sft_loss", "nft_loss")
-"""Algorithm statistics shown on the progress line when the algorithm reports them (all are logged)."""
 
 
 def _fmt(metrics: dict[str, float]) -> str:

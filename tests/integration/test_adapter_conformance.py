@@ -21,10 +21,17 @@ and trainable, random weights loaded from a file, one style image per batch) run
 for them mode "full" is the IP-Adapter alone on a frozen base. diffusers has no IP-Adapter for Qwen-Image
 and its FluxFillPipeline takes none, so (a) covers ``flux+ip`` only.
 
-Every test runs per target (device, weights dtype): the CPU in float32, bfloat16 and float16 by default, and
-CUDA in bfloat16 on a GPU machine (``pytest -m gpu``). Generators live on the target device, as a trainer's
-rollout generator does. In bfloat16 the pipelines round their latents to bfloat16 after every step where the
-rollouts keep float32 latents, so parity there is held to ``Target.parity_atol`` instead of 1e-5.
+Each adapter's tiny model and test facts (guidance, image inputs, how its pipeline is called) come from its
+own file through the registry (``MODELS[name].tiny``, a ``testing.TinySpec``): a newly registered adapter is
+picked up here with nothing to add.
+
+Tests whose result depends on the weights dtype (parity tolerances, on-policy numerics, float32 outputs and
+masters, normalisation before the cast) run per target (device, weights dtype): the CPU in float32, bfloat16
+and float16 by default, and CUDA in bfloat16 on a GPU machine (``pytest -m gpu``). Structural checks (input
+validation, step kinds, save/load round trips, device reads) run once per device (``@per_device``).
+Generators live on the target device, as a trainer's rollout generator does. In bfloat16 the pipelines round
+their latents to bfloat16 after every step where the rollouts keep float32 latents, so parity there is held to
+``Target.parity_atol`` instead of 1e-5.
 """
 
 from __future__ import annotations
@@ -51,22 +58,22 @@ from trainer.models import MODELS, build_adapter, testing
 from trainer.models.base import ImageInputs
 from trainer.models.common import DTYPES, LoraSettings
 from trainer.models.ip_adapter import IP_WEIGHTS
-from trainer.models.testing import TINY_NAMES, tiny_config, tiny_ip_adapter
+from trainer.models.testing import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
 from trainer.rollout import Rollout, SamplerSettings, rollout
 from trainer.samplers import standard_normal
 
 NAMES = sorted(MODELS)
-IP_CASES = {"flux+ip": "flux", "flux_fill+ip": "flux_fill", "qwen_image+ip": "qwen_image"}
+IP_CASES = {f"{name}+ip": name for name in NAMES if name in TINY_NAMES and tiny(name).ip_adapter}
 """IP-Adapter configurations: case -> adapter name."""
 CASES = NAMES + sorted(IP_CASES)
-PARITY_CASES = [c for c in CASES if c not in ("flux_fill+ip", "qwen_image+ip")]
+PARITY_CASES = [c for c in CASES if c not in IP_CASES or tiny(IP_CASES[c]).ip_pipeline]
 PROMPTS = ["a photo of a cat", "the digit five"]
 NUM_STEPS = 3
-GUIDANCE = {"tiny": 3.0, "sd3": 3.0, "flux": 3.5, "flux_fill": 3.5, "flux_kontext": 3.5, "sd15_inpaint": 3.0,
-            "qwen_image": 3.0}
-"""CFG scale (sd3, sd15, qwen: batched CFG) or guidance embedding (flux family) used in every test."""
 
 
+def guidance(adapter) -> float:
+    """The adapter's test guidance: CFG scale (batched CFG) or guidance embedding (FLUX family)."""
+    return tiny(adapter.config.name).guidance
 
 
 class Target(NamedTuple):
@@ -86,12 +93,16 @@ class Target(NamedTuple):
         return torch.Generator(self.device).manual_seed(seed)
 
 
+CPU_FP32 = pytest.param(Target("cpu", "float32", 1e-5, 1e-6), id="cpu-fp32")
+CUDA_BF16 = pytest.param(Target("cuda", "bfloat16", 0.25, 0.02), id="cuda-bf16", marks=pytest.mark.gpu)
 TARGETS = [
-    pytest.param(Target("cpu", "float32", 1e-5, 1e-6), id="cpu-fp32"),
+    CPU_FP32,
     pytest.param(Target("cpu", "bfloat16", 0.25, 0.02), id="cpu-bf16"),
     pytest.param(Target("cpu", "float16", 0.04, 0.003), id="cpu-fp16"),
-    pytest.param(Target("cuda", "bfloat16", 0.25, 0.02), id="cuda-bf16", marks=pytest.mark.gpu),
+    CUDA_BF16,
 ]
+per_device = pytest.mark.parametrize("target", [CPU_FP32, CUDA_BF16])
+"""For checks whose result does not depend on the weights dtype: one target per device instead of the matrix."""
 
 
 @pytest.fixture(params=TARGETS)
@@ -149,7 +160,7 @@ def image_inputs(adapter, seed: int = 0) -> ImageInputs | None:
 
 def settings(adapter, noise_level: float) -> SamplerSettings:
     kind = "ddim" if adapter.sampler_kind == "ddim" else "sde"
-    return SamplerSettings(num_steps=NUM_STEPS, guidance_scale=GUIDANCE[adapter.config.name], kind=kind,
+    return SamplerSettings(num_steps=NUM_STEPS, guidance_scale=guidance(adapter), kind=kind,
                            noise_level=noise_level)
 
 
@@ -159,8 +170,7 @@ def test_rollout_at_noise_zero_equals_pipeline(adapter, target):
     inputs = image_inputs(adapter)
     ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
                  target.generator(0), inputs)
-    expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, GUIDANCE[adapter.config.name],
-                                    target.generator(0))
+    expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, guidance(adapter), target.generator(0))
     assert ro.latents.device.type == target.device
     got, expected = ro.latents[:, -1], expected.float().reshape(ro.latents[:, -1].shape)
     torch.testing.assert_close(got, expected, rtol=0, atol=target.parity_atol)
@@ -190,7 +200,7 @@ def test_ddim_rollout_at_noise_zero_equals_pipeline_with_any_timestep_spacing(sp
     inputs = image_inputs(adapter)
     ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
                  target.generator(0), inputs)
-    expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, GUIDANCE["sd15_inpaint"], target.generator(0))
+    expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, guidance(adapter), target.generator(0))
     torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=target.parity_atol)
 
 
@@ -204,7 +214,7 @@ def test_sd3_rollout_at_noise_zero_equals_pipeline_with_dynamic_shifting(model_r
     adapter.pipeline.set_progress_bar_config(disable=True)
     ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
                  target.generator(0))
-    expected = testing.run_pipeline(adapter, PROMPTS, None, NUM_STEPS, GUIDANCE["sd3"], target.generator(0))
+    expected = testing.run_pipeline(adapter, PROMPTS, None, NUM_STEPS, guidance(adapter), target.generator(0))
     torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=target.parity_atol)
     assert not torch.equal(ro.sigmas, make_adapter("sd3", model_root, target).sigmas(NUM_STEPS))
 
@@ -343,6 +353,7 @@ def test_cudnn_attention_is_off_on_cuda_unless_asked_for(model_root):
 
 
 # --- (d) save / load round trip -----------------------------------------------------------------------
+@per_device
 @pytest.mark.parametrize(("name", "mode"), list(itertools.product(CASES, ("lora", "full"))))
 def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target):
     lora = LoraSettings(rank=4, alpha=4) if mode == "lora" else None
@@ -357,15 +368,16 @@ def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target
     cond = trained.encode_prompts(PROMPTS, image_inputs(trained))
     x = trained.prepare_latents(len(PROMPTS), target.generator(6))
     sigma = trained.sigmas(NUM_STEPS)[1].expand(len(PROMPTS))
-    guidance = GUIDANCE[trained.config.name]
+    scale = guidance(trained)
     with torch.no_grad():
-        expected = trained.predict(trained.denoiser, x, sigma, cond, guidance)
-        assert not torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, guidance), expected)
+        expected = trained.predict(trained.denoiser, x, sigma, cond, scale)
+        assert not torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, scale), expected)
         fresh.trainable.load(str(tmp_path / "ckpt"))
-        assert torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, guidance), expected)
+        assert torch.equal(fresh.predict(fresh.denoiser, x, sigma, cond, scale), expected)
 
 
 # --- (e) conditioning validation ----------------------------------------------------------------------
+@per_device
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_image_inputs_are_validated(adapter):
     side = getattr(adapter, "resolution", 16)
@@ -400,9 +412,10 @@ def test_image_inputs_are_validated(adapter):
         adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image, mask=good.mask[:1]))
 
 
-SAME_SHAPES = {frozenset({"flux", "flux_kontext"}), frozenset({"sd3", "tiny"})}
-"""Models whose weights only training tells apart (FLUX.1-dev and Kontext), and the tiny model, an SD3: either
-adapter loads the other's."""
+def same_shapes(name: str, other: str) -> bool:
+    """Whether either adapter declares that it loads the other's weights (``TinySpec.same_shapes``): FLUX.1-dev
+    and Kontext, which only training tells apart, and the tiny model, an SD3."""
+    return other in tiny(name).same_shapes or name in tiny(other).same_shapes
 
 
 def without_denoiser_weights(path: str, dest: Path) -> str:
@@ -421,7 +434,7 @@ def test_another_models_directory_is_refused(name, model_root, tmp_path):
     denoiser's weights are read."""
     config = tiny_config(name, model_root)
     for other in NAMES:
-        if other == name or frozenset((name, other)) in SAME_SHAPES:
+        if other == name or same_shapes(name, other):
             continue
         path = without_denoiser_weights(tiny_config(other, model_root).path, tmp_path / other)
         with pytest.raises(ValueError, match=rf"model\.path={re.escape(repr(path))} .* point model\.path at"):
@@ -457,6 +470,7 @@ def test_a_text_to_image_unet_is_refused_by_the_inpainting_adapter(model_root, t
         build_adapter(dataclasses.replace(config, path=path), "cpu")
 
 
+@per_device
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_step_kind_is_checked(adapter):
     other = "sde" if adapter.sampler_kind == "ddim" else "ddim"
@@ -470,8 +484,7 @@ def test_predictions_are_float32_whatever_the_weights(adapter, target):
     cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
     x = adapter.prepare_latents(len(PROMPTS), target.generator(0))
     with torch.no_grad():
-        out = adapter.predict(adapter.denoiser, x, adapter.sigmas(NUM_STEPS)[:1].expand(2), cond,
-                              GUIDANCE[adapter.config.name])
+        out = adapter.predict(adapter.denoiser, x, adapter.sigmas(NUM_STEPS)[:1].expand(2), cond, guidance(adapter))
     assert out.dtype == torch.float32 and out.shape == x.shape and torch.isfinite(out).all()
 
 
@@ -487,7 +500,7 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
                      testing.image_inputs(adapter, 1, seed=i)) for i, prompt in enumerate(PROMPTS)]
     ro = Rollout.cat(parts)
     lengths = {k: {p.cond.embeds[k].shape[1] for p in parts} for k in ro.cond.ragged}
-    if adapter.config.name == "qwen_image":
+    if ro.cond.ragged:
         assert all(len(v) == 2 for v in lengths.values()), "the test prompts should have different lengths"
         assert ro.cond.padded and not any(p.cond.padded for p in parts)
     algorithm = GRPO(GRPOConfig(group_size=2, sampler=sampler))
@@ -501,6 +514,7 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
     torch.testing.assert_close(torch.stack(ratios).cpu(), torch.ones(len(ratios)), rtol=0, atol=tolerance)
 
 
+@per_device
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_rollout_steps_and_train_units_read_no_device_values(adapter, target):
     """A read of a device value (``bool``, ``float`` or ``.item()`` of a tensor) makes the host wait for the

@@ -32,15 +32,13 @@ from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import build_task
-from trainer.data.testing import IMAGE_TASKS, tiny_dataset
+from trainer.data.testing import tiny_dataset
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
-from trainer.models.testing import TINY_NAMES, tiny_config, tiny_ip_adapter
+from trainer.models.testing import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
 from trainer.trainer import Trainer
 
-MODEL_OVERRIDES = {"qwen_image": {"resolution": 32}}
-"""Qwen-Image at 32 pixels (16 latent tokens): its 3D VAE dominates the run time at the default 64."""
 MARGIN = 0.01
 """Rise of the evaluation reward (mean brightness of the top half, in [0, 1]) that counts as learning.
 Measured over seeds 0-4 with these settings: tiny +0.15..+0.40, sd3 +0.017..+0.028, flux +0.020..+0.052,
@@ -57,15 +55,8 @@ SETTINGS = [
 window puts the exploration where the credit is assigned. With every step stochastic, SD1.5's DDIM steps
 after the first have a noise std of 0.04 against 0.65 (so their log-prob gradients, ~1/std^2, drown the
 first step's) and it does not learn. With groups of 8 at a learning rate of 0.01 the gains of the FLUX
-family and SD3 ranged from -0.006 to +0.046 over seeds: too close to the margin for a test."""
-ADAPTER_SETTINGS = {
-    "sd3": ["algorithm.sampler.sde_window=0"],
-    "sd15_inpaint": ["train.learning_rate=0.003", "algorithm.group_size=32"],
-}
-"""Where an adapter learns differently: the tiny SD3 (8-pixel images) gains more with every step
-stochastic; SD1.5's UNet rises and then collapses at 1e-2, and needs bigger groups for a steady signal."""
-EPOCHS = {"sd15_inpaint": 15, "sd3": 20}
-DEFAULT_EPOCHS = 12
+family and SD3 ranged from -0.006 to +0.046 over seeds: too close to the margin for a test. Where an adapter
+learns differently, its ``TinySpec`` says so (``learning``, ``learning_epochs``, ``learning_config``)."""
 
 
 class TopHalfBrightness:
@@ -115,18 +106,17 @@ def run_grpo(adapter, overrides: list[str], scorer, epochs: int, tmp_path) -> tu
                                   for name in sorted(MODELS)])
 def test_grpo_raises_the_reward(name, model_root, tmp_path):
     torch.manual_seed(0)
-    adapter = build_adapter(tiny_config(name, model_root, dtype="float32", **MODEL_OVERRIDES.get(name, {})), "cpu")
+    spec = tiny(name)
+    adapter = build_adapter(tiny_config(name, model_root, dtype="float32", **spec.learning_config), "cpu")
     side = getattr(adapter, "resolution", 16)
-    data = IMAGE_TASKS.get(name, "prompt_file")
-    overrides = [*SETTINGS, *ADAPTER_SETTINGS.get(name, []), f"data.name={data}", f"data.image_size={side}",
-                 f"data.path={tiny_dataset(data, tmp_path, side)}"]
-    before, after, rewards = run_grpo(adapter, overrides, TopHalfBrightness(), EPOCHS.get(name, DEFAULT_EPOCHS),
-                                      tmp_path)
+    overrides = [*SETTINGS, *spec.learning, f"data.name={spec.data}", f"data.image_size={side}",
+                 f"data.path={tiny_dataset(spec.data, tmp_path, side)}"]
+    before, after, rewards = run_grpo(adapter, overrides, TopHalfBrightness(), spec.learning_epochs, tmp_path)
     assert after > before + MARGIN, f"{name}: evaluation reward {before:.3f} -> {after:.3f}; epochs {rewards}"
 
 
-IP_INPUTS = {"flux": "[style]", "flux_fill": "[image,mask,style]", "qwen_image": "[style]"}
-"""The IP-Adapter models and the triplet-folder inputs each takes (flux_fill inpaints the source as well)."""
+IP_NAMES = sorted(name for name in MODELS if tiny(name).ip_adapter)
+"""The models tested with an IP-Adapter; each takes its triplet-folder inputs and a style image."""
 IP_SETTINGS = ["algorithm.group_size=32", "train.learning_rate=0.05"]
 IP_EPOCHS = 40
 IP_MARGIN = 1.0
@@ -137,19 +127,19 @@ at a learning rate of 0.1 for 24 epochs ranged from -3.6 to +5.7: too noisy for 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(IP_INPUTS))
+@pytest.mark.parametrize("name", IP_NAMES)
 def test_grpo_of_the_ip_adapter_alone_raises_the_reward(name, model_root, tmp_path):
     """The IP-Adapter GRPO setup: the IP-Adapter is the whole policy (fresh weights, base frozen), the style
     images come from a triplet folder, and the reward is the ``colorfulness`` scorer, which the IP path moves
     on these models (the top half's brightness moves by about 0.01 through it, within the noise)."""
     torch.manual_seed(0)
     adapter = build_adapter(tiny_config(name, model_root, dtype="float32", ip_adapter=tiny_ip_adapter(model_root),
-                                        **MODEL_OVERRIDES.get(name, {})), "cpu")
+                                        **tiny(name).learning_config), "cpu")
     trainable = {id(p) for p in adapter.trainable.parameters()}
     assert trainable == {id(p) for p in adapter.ip_adapter.parameters()}
     side = adapter.resolution
     overrides = [*SETTINGS, *IP_SETTINGS, "data.name=triplet_folder", f"data.image_size={side}",
-                 f"data.path={tiny_dataset('triplet_folder', tmp_path, side)}", f"data.image_inputs={IP_INPUTS[name]}"]
+                 f"data.path={tiny_dataset('triplet_folder', tmp_path, side)}", f"data.image_inputs=[{','.join((*tiny(name).inputs, 'style'))}]"]
     scorer = ColorfulnessScorer()
     scorer.load()
     before, after, rewards = run_grpo(adapter, overrides, scorer, IP_EPOCHS, tmp_path)

@@ -58,6 +58,8 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     assert len(full) == 3
     for record in full:
         assert math.isfinite(record[EXPECTED_STATS[algorithm]]) and math.isfinite(record["grad_norm"])
+        assert EXPECTED_STATS[algorithm] in trainer.algorithm.shown_metrics
+        assert all(math.isfinite(record[k]) for k in trainer.algorithm.shown_metrics)  # the progress line's
         assert record["time_train_s"] > 0 and record["images_per_s"] > 0
     changed = [not torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True)]
     assert any(changed)

@@ -33,12 +33,12 @@ from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import build_task
 from trainer.data.sampler import GroupSampler
-from trainer.data.testing import IMAGE_TASKS, tiny_dataset
+from trainer.data.testing import tiny_dataset
 from trainer.distributed import SingleProcess
 from trainer.distributed.backend import refuse_low_precision_updates
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
-from trainer.models.testing import tiny_config, tiny_ip_adapter
+from trainer.models.testing import tiny, tiny_config, tiny_ip_adapter
 from trainer.rollout import rollout
 from trainer.trainer import Trainer
 
@@ -227,7 +227,7 @@ def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_model
     fully fine-tuned, on the data format the model takes: the trainer and the algorithms never ask which model
     they run. A warm-up step where the data has images to learn from (a prompt file has none)."""
     path = REPO / "configs" / "algorithms" / f"{algorithm}.yaml"
-    data = IMAGE_TASKS.get(name, "prompt_file")
+    data = tiny(name).data
     model = [f"model.name={name}", *_model_overrides({"name": name}, tiny_models), "model.dtype=float32"]
     config = load_config(str(path), model)
     side = config.model.resolution or 16

@@ -77,6 +77,8 @@ class Algorithm(Protocol):
     local_groups: bool
     """Whether each prompt group must be sampled whole on one rank (pairs and best-of-group pick among
     a group's own latents); otherwise groups may span ranks and only rewards are gathered."""
+    shown_metrics: tuple[str, ...]
+    """Its statistics shown on the progress line, in this order, where an epoch reports them (all are logged)."""
 
     def setup(self, adapter: ModelAdapter, example: Conditioning, backend: Any) -> None:
         """Build the algorithm's own networks (e.g. a critic) once the policy is prepared; ``example`` is
@@ -119,6 +121,7 @@ class NoExtras:
     without networks of its own or per-epoch work (an algorithm that needs them defines its own)."""
 
     local_groups = False
+    shown_metrics: tuple[str, ...] = ()
 
     def __init__(self, config: Any):
         self.config = config

@@ -66,6 +66,7 @@ class DPO(NoExtras):
     config_class = DPOConfig
     needs_reference = True
     local_groups = True
+    shown_metrics = ("dpo_margin",)
 
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:

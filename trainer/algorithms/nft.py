@@ -53,6 +53,7 @@ class NFT(NoExtras):
 
     config_class = NFTConfig
     needs_reference = True
+    shown_metrics = ("nft_loss",)
 
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:

@@ -137,6 +137,8 @@ class ClippedPolicyGradient(NoExtras):
     """The shared loop of the clipped policy-gradient algorithms; a subclass supplies ``advantages``
     (per sample, this rank's slice of the gathered batch) and may add to ``batch_metrics``."""
 
+    shown_metrics = ("approx_kl", "clip_frac")
+
     def __init__(self, config: PolicyGradientConfig):
         super().__init__(config)
         self.needs_reference = config.kl_beta > 0

@@ -98,6 +98,7 @@ class PPOCritic(ClippedPolicyGradient):
     """Clipped policy optimisation with GAE advantages from a learned value network."""
 
     config_class = PPOCriticConfig
+    shown_metrics = ("approx_kl", "clip_frac", "value_loss")
 
     def __init__(self, config: PPOCriticConfig):
         super().__init__(config)

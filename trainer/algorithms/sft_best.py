@@ -50,6 +50,7 @@ class BestOfGroupSFT(NoExtras):
     config_class = BestOfGroupConfig
     needs_reference = False
     local_groups = True
+    shown_metrics = ("sft_loss",)
 
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> BestBatch:

@@ -1,7 +1,8 @@
 """Tiny datasets in every registered format, written with PIL (tests, benchmarks, trying a preset).
 
 ``tiny_dataset(name, root, size)`` writes a small dataset of format ``name`` under ``root`` and returns
-the ``data.path`` to give it, as ``trainer.models.testing.tiny_config`` does for models. Images are
+the ``data.path`` to give it, as ``trainer.models.testing.tiny_config`` does for models (whose
+``TinySpec.data`` names the format each adapter takes). Images are
 flat colours with a different colour per row; masks keep the right half (white = repaint); references
 are a red centre on a blue border, so a centred style crop is recognisably red.
 """
@@ -15,8 +16,6 @@ from PIL import Image
 
 PROMPTS = ('a sign that says "OPEN"', "a red cat", 'a shop window with "SALE 50%"', "a blue dog")
 COLOURS = ((200, 40, 40), (40, 200, 40), (40, 40, 200), (220, 220, 40))
-IMAGE_TASKS = {"flux_fill": "inpaint_jsonl", "sd15_inpaint": "inpaint_jsonl", "flux_kontext": "edit_jsonl"}
-"""The data format of the adapters that need image inputs; the others sample from a prompt file."""
 
 
 def solid(path: Path, size: tuple[int, int], colour: tuple[int, int, int]) -> Path:
@@ -95,9 +94,8 @@ def tiny_dataset(name: str, root: str | Path, size: int = 16, suffix: str = ".tx
     """Write a tiny dataset of format ``name`` (a ``DATASETS`` key) under ``root``; returns its
     ``data.path`` ("" for ``digits``, which needs no files). ``suffix`` picks .txt or .jsonl prompt files."""
     root = Path(root) / name
-    if name == "digits":
-        return ""
     writers = {
+        "digits": lambda: "",
         "prompt_file": lambda: write_prompt_file(root, suffix),
         "inpaint_jsonl": lambda: write_inpaint_jsonl(root, size),
         "edit_jsonl": lambda: write_edit_jsonl(root, size),

@@ -1,7 +1,10 @@
-"""Model adapters, registered by name. A new model family is one file plus one line here."""
+"""Model adapters, registered by name. A new model family is one file (its adapter, with its tiny test model
+in a ``tiny_spec()``) plus one line here."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import logging
 from dataclasses import dataclass
@@ -16,10 +19,20 @@ class ModelSpec:
     config_class: type  # its config dataclass (has a ``name`` field)
 
     def load(self):
-        import importlib
-
         module, cls = self.adapter.split(":")
         return getattr(importlib.import_module(module), cls)
+
+    @property
+    def tiny(self):
+        """The adapter's tiny test model and test facts (``trainer.models.testing.TinySpec``), from the
+        ``tiny_spec()`` of its module; None when it declares none."""
+        return _tiny_spec(self.adapter.split(":")[0])
+
+
+@functools.cache
+def _tiny_spec(module: str):
+    make = getattr(importlib.import_module(module), "tiny_spec", None)
+    return make() if make is not None else None
 
 
 def _registry() -> dict[str, ModelSpec]:
@@ -43,6 +56,12 @@ def _registry() -> dict[str, ModelSpec]:
 
 
 MODELS: dict[str, ModelSpec] = _registry()
+
+
+def image_encoding_models() -> list[str]:
+    """Registered models whose adapter VAE-encodes image inputs (``encodes_image_inputs``), so that
+    ``model.image_latents`` can serve them."""
+    return [name for name, spec in MODELS.items() if getattr(spec.load(), "encodes_image_inputs", False)]
 
 
 def build_adapter(config, device):

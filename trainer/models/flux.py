@@ -228,3 +228,52 @@ class FluxAdapter:
         x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
         x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["flux"].tiny) ------------------
+_TINY_TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                         axes_dims_rope=[4, 4, 8], guidance_embeds=True)
+_TINY_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                       max_image_seq_len=4096)
+_FLUX_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4,
+                axes_dims_rope=[16, 24, 24])
+"""About 9 M parameters."""
+_FLUX_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=19, num_single_layers=38,
+                  axes_dims_rope=[16, 56, 56])
+"""FLUX.1's widths, heads and depths (11.89 B parameters)."""
+
+
+def tiny_components(path: Path, latent_channels: int = 1, **transformer) -> dict:
+    """A FLUX.1 pipeline's components: CLIP + T5 text encoders, a one-block VAE with ``latent_channels``, the
+    transformer with guidance embedding (``transformer``: config changes, e.g. Fill's channels)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    from trainer.models import testing
+
+    clip = testing.clip_tokenizer(path / "tokenizer")
+    t5 = testing.t5_tokenizer(path / "tokenizer_2")
+    return dict(
+        transformer=FluxTransformer2DModel(**{**_TINY_TRANSFORMER, **transformer}).eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(**_TINY_SCHEDULER),
+        vae=testing.vae_1x(latent_channels),
+        text_encoder=testing.clip_text_encoder(clip), tokenizer=clip, text_encoder_2=testing.t5_encoder(t5),
+        tokenizer_2=t5,
+    )
+
+
+def pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    """The FLUX pipelines' arguments for a text-to-image call at the adapter's resolution."""
+    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
+                max_sequence_length=adapter.config.max_sequence_length)
+
+
+def tiny_spec():
+    """The tiny FLUX.1-dev and its test facts (``trainer.models.testing.TinySpec``)."""
+    from trainer.models import testing
+
+    return testing.TinySpec(
+        components=tiny_components, pipeline_call=pipeline_call,
+        config=dict(resolution=16, max_sequence_length=testing.TEXT_LENGTH), guidance=3.5,
+        ip_adapter=True, ip_pipeline=True,
+        bench_resolution=32, bench_guidance=3.5, denoiser_9m=_FLUX_9M, denoiser_real=_FLUX_REAL)

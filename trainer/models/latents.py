@@ -93,8 +93,8 @@ class LatentStore:
 def refuse_image_latents(model: str, config: DiffusersModelConfig) -> None:
     """ValueError when ``model.image_latents`` is set for an adapter that VAE-encodes no image input."""
     if config.image_latents:
-        raise ValueError(f"model.image_latents is set, but the {model} adapter VAE-encodes no image input "
-                         "(flux_fill, flux_kontext and sd15_inpaint do); unset it")
+        raise ValueError(f"model.image_latents is set, but the {model} adapter VAE-encodes no image input: "
+                         "unset it")
 
 
 class ImageLatents:

@@ -227,3 +227,62 @@ class QwenImageAdapter:
         x = x * self.latents_std + self.latents_mean
         x = self.vae.decode(x.to(self.dtype), return_dict=False)[0][:, :, 0].float()
         return (x / 2 + 0.5).clamp(0, 1)
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image"].tiny) ------------
+_QWEN_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=60, axes_dims_rope=[16, 56, 56])
+"""Qwen-Image's widths, heads and depths (20.42 B parameters)."""
+
+
+def _tiny_components(path: Path) -> dict:
+    """Qwen-Image: a 2-layer Qwen2.5-VL text encoder (hidden 16), the Qwen VAE (z_dim 4, 4x), and the
+    transformer with 2x2 patches."""
+    import math
+
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from trainer.models import testing
+
+    tok = testing.qwen_tokenizer(path / "tokenizer")
+    text_config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=len(tok), rope_theta=1e6, bos_token_id=tok.eos_token_id,
+                         eos_token_id=tok.eos_token_id,
+                         rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
+        hidden_size=16, vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+        vision_start_token_id=len(tok) + 1, vision_end_token_id=len(tok) + 2,
+        vision_token_id=len(tok) + 3, image_token_id=len(tok) + 4, video_token_id=len(tok) + 5,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=math.log(3), max_shift=math.log(3), base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    return dict(
+        transformer=QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=3, joint_attention_dim=16, axes_dims_rope=(8, 4, 4)).eval(),
+        vae=AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                   temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                   latents_std=[1.0] * 4).eval(),
+        text_encoder=Qwen2_5_VLForConditionalGeneration(text_config).eval(), tokenizer=tok, scheduler=scheduler,
+    )
+
+
+def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    return dict(height=adapter.resolution, width=adapter.resolution, true_cfg_scale=guidance_scale,
+                negative_prompt=adapter.config.negative_prompt if guidance_scale > 1 else None,
+                max_sequence_length=adapter.config.max_sequence_length)
+
+
+def tiny_spec():
+    """The tiny Qwen-Image and its test facts (``trainer.models.testing.TinySpec``). diffusers has no
+    IP-Adapter for it; the learning tests run it at 32 pixels, where its 3D VAE no longer dominates."""
+    from trainer.models import testing
+
+    return testing.TinySpec(
+        components=_tiny_components, pipeline_call=_pipeline_call, config=dict(resolution=64), guidance=3.0,
+        ip_adapter=True, learning_config=dict(resolution=32),
+        bench_resolution=128, bench_guidance=4.5,
+        denoiser_9m=dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, axes_dims_rope=[16, 24, 24]),
+        denoiser_real=_QWEN_REAL)

@@ -58,6 +58,7 @@ class SD15InpaintAdapter:
     config_class = SD15InpaintConfig
     model_name = "sd15_inpaint"
     pipeline_class = StableDiffusionInpaintPipeline
+    encodes_image_inputs = True
     text_components = {"text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer}
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype",)
@@ -187,3 +188,50 @@ class SD15InpaintAdapter:
         x = (latents.float() / self.vae.config.scaling_factor).to(self.dtype)
         x = self.vae.decode(x, return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["sd15_inpaint"].tiny) ----------
+_REAL_UNET = dict(block_out_channels=[320, 640, 1280, 1280], attention_head_dim=8, norm_num_groups=32,
+                  down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+                  up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3)
+"""The SD1.5 UNet's widths and blocks (0.84 B parameters: its cross-attention reads the tiny text width)."""
+
+
+def _tiny_components(path: Path) -> dict:
+    """SD1.5 inpainting: a 9-channel UNet, a 2x VAE with 4 latent channels, CLIP, SD1.5's DDIM settings."""
+    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+
+    from trainer.models import testing
+
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=2, sample_size=8, in_channels=9, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+    ).eval()
+    vae = AutoencoderKL(block_out_channels=[32, 64], in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                        sample_size=16).eval()
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1)
+    tok = testing.clip_tokenizer(path / "tokenizer")
+    return dict(vae=vae, text_encoder=testing.clip_text_encoder(tok), tokenizer=tok, unet=unet, scheduler=scheduler,
+                safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale, eta=0.0,
+                image=inputs.image, mask_image=inputs.mask)
+
+
+def tiny_spec():
+    """The tiny SD1.5 inpainting model and its test facts (``trainer.models.testing.TinySpec``). Its UNet
+    learns at a tenth of the others' rate (at 1e-2 it rises, then collapses) and needs bigger groups."""
+    from trainer.models import testing
+
+    return testing.TinySpec(
+        components=_tiny_components, pipeline_call=_pipeline_call, config=dict(resolution=16), guidance=3.0,
+        inputs=("image", "mask"), data="inpaint_jsonl",
+        posterior_draw="diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint.retrieve_latents",
+        learning=("train.learning_rate=0.003", "algorithm.group_size=32"), learning_epochs=15,
+        bench_resolution=32, bench_guidance=4.5, denoiser_9m=dict(block_out_channels=[96, 192]),
+        denoiser_real=_REAL_UNET)

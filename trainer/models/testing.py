@@ -1,21 +1,24 @@
 """Tiny random models for every adapter, saved in diffusers layout (tests and benchmarks).
 
-Each ``build_*`` function creates components from configs (the sizes of ``docs/TINY_MODELS.md``, as
-diffusers' own ``get_dummy_components`` do), with tokenizers trained locally, assembles them into the
-model's diffusers pipeline and writes it with ``save_pretrained``. ``tiny_config(name, root)`` builds the
-model for adapter ``name`` under ``root`` and returns that adapter's config pointing at it, so the adapter
-loads it through the same ``config.path`` code it runs on real weights; ``tiny_ip_adapter(root)`` does the
-same for an IP-Adapter's image encoder (a CLIP vision tower). Nothing here needs a network.
+Each adapter's file declares its own tiny model and test facts in a ``tiny_spec()`` returning a ``TinySpec``
+(as diffusers' per-pipeline tests declare ``get_dummy_components``); the registry exposes it as
+``MODELS[name].tiny``. This module holds what they share: the tokenizers, text encoders and VAE parts the
+components are built from (sizes of ``docs/TINY_MODELS.md``), and the functions that read the specs.
+``tiny_config(name, root)`` builds the model of adapter ``name`` under ``root`` and returns that adapter's
+config pointing at it, so the adapter loads it through the same ``config.path`` code it runs on real
+weights; ``tiny_ip_adapter(root)`` does the same for an IP-Adapter's image encoder. No network needed.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.models import MODELS
 
 CLIP_TEXT = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
                  projection_dim=32, max_position_embeddings=77, hidden_act="gelu")
@@ -25,16 +28,60 @@ VAE_1X = dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=
               norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
               scaling_factor=1.5035)
 """One-block VAE without downsampling: latents have the image's size (fast, and enough to test the code)."""
-FLUX_TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                        axes_dims_rope=[4, 4, 8], guidance_embeds=True)
-FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                      max_image_seq_len=4096)
 CLIP_VISION = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, image_size=32,
                    patch_size=8, projection_dim=24, hidden_act="gelu")
 """16 patches of 8x8 pixels; 24-dim image embeddings (unlike every text width, so a mix-up fails)."""
 TEXT_LENGTH = 16
 """Tokens per prompt for every tiny text encoder (CLIP model_max_length, T5 max_sequence_length)."""
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One adapter's tiny test model and the facts the shared tests and benches need about it, declared by
+    its file's ``tiny_spec()``. Either ``components`` or ``build`` makes the model."""
+
+    pipeline_call: Callable[[Any, Any, float], dict[str, Any]]
+    """(adapter, ImageInputs or None, guidance) -> the diffusers pipeline's arguments besides prompts,
+    steps, generator and output type: the parity reference's call."""
+    components: Callable[[Path], dict[str, Any]] | None = None
+    """Directory -> the adapter's ``pipeline_class`` components (random, tokenizers written there)."""
+    build: Callable[[Path, int], Any] | None = None
+    """(directory, seed) -> writes the model itself: a model that builds its own (the embedded tiny one)."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Config fields besides ``path`` for the tests' size: 64 latent tokens."""
+    guidance: float = 3.0
+    """Guidance scale of the tests: batched CFG, or the FLUX family's guidance embedding."""
+    inputs: tuple[str, ...] = ()
+    """The ``ImageInputs`` fields it needs: ("image", "mask") or ("reference",) (drawn in this order)."""
+    data: str = "prompt_file"
+    """The tiny dataset format that gives those inputs (``trainer.data.testing.tiny_dataset``)."""
+    posterior_draw: str | None = None
+    """The diffusers function with which its pipeline samples the conditioning images' VAE posterior,
+    which the parity check replaces by the posterior's mean (as the adapter takes)."""
+    ip_adapter: bool = False
+    """Whether the suites also run it with a trainable IP-Adapter (``<name>+ip``)."""
+    ip_pipeline: bool = False
+    """Whether its pipeline takes ``ip_adapter_image_embeds``: the ``+ip`` case's parity check runs."""
+    same_shapes: tuple[str, ...] = ()
+    """Registered models whose weights this adapter loads (only training tells them apart)."""
+    learning: tuple[str, ...] = ()
+    """Config overrides of the learning test (tests/integration/test_adapter_learning.py)."""
+    learning_epochs: int = 12
+    """RL epochs of the learning test."""
+    learning_config: Mapping[str, Any] = field(default_factory=dict)
+    """Model config fields of the learning tests, on top of ``config``."""
+    bench_resolution: int | None = None
+    """bench/adapters.py's ``model.resolution``: 256 image tokens; None keeps ``config``'s."""
+    bench_guidance: float = 4.5
+    """bench/adapters.py's guidance scale."""
+    denoiser_9m: Mapping[str, Any] = field(default_factory=dict)
+    """Denoiser config changes for about 9 M parameters (bench ``--denoiser 9m``)."""
+    denoiser_real: Mapping[str, Any] = field(default_factory=dict)
+    """Denoiser config changes to the published widths, heads and depths (bench ``--denoiser real``)."""
+
+    def __post_init__(self):
+        assert (self.components is None) != (self.build is None), "a TinySpec has components or a build, not both"
+
 
 _WORDS = ("a photo of the digit number cat dog red blue green big small image picture text sign handwritten "
           "zero one two three four five six seven eight nine").split()
@@ -88,7 +135,7 @@ def qwen_tokenizer(directory: Path):
     return tok
 
 
-def _clip_text_encoder(tok, cls_name: str = "CLIPTextModel"):
+def clip_text_encoder(tok, cls_name: str = "CLIPTextModel"):
     import transformers
 
     config = transformers.CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
@@ -96,133 +143,18 @@ def _clip_text_encoder(tok, cls_name: str = "CLIPTextModel"):
     return getattr(transformers, cls_name)(config).eval()
 
 
-def _t5_encoder(tok):
+def t5_encoder(tok):
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(T5Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                    eos_token_id=tok.eos_token_id, decoder_start_token_id=0, **T5_ENCODER)).eval()
 
 
-def _save(pipeline, path: Path) -> Path:
-    pipeline.save_pretrained(path)
-    return path
+def vae_1x(latent_channels: int):
+    """The one-block ``AutoencoderKL`` of ``VAE_1X`` with ``latent_channels`` channels."""
+    from diffusers import AutoencoderKL
 
-
-def build_tiny_sd3_with_vae(path: str | Path, seed: int = 0) -> Path:
-    """SD3 in the real layout: two CLIP encoders, a T5 encoder and a (one-block) VAE; 8x8 latent tokens."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-
-    path = Path(path)
-    torch.manual_seed(seed)
-    tokenizers = {s: clip_tokenizer(path / f"tokenizer{s}") for s in ("", "_2")}
-    return _save(StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(
-            sample_size=8, patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
-            num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64,
-        ).eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=AutoencoderKL(latent_channels=4, **VAE_1X).eval(),
-        text_encoder=_clip_text_encoder(tokenizers[""], "CLIPTextModelWithProjection"), tokenizer=tokenizers[""],
-        text_encoder_2=_clip_text_encoder(tokenizers["_2"], "CLIPTextModelWithProjection"),
-        tokenizer_2=tokenizers["_2"],
-        text_encoder_3=_t5_encoder(t5 := t5_tokenizer(path / "tokenizer_3")), tokenizer_3=t5,
-    ), path)
-
-
-def build_tiny_flux(path: str | Path, variant: str = "dev", seed: int = 0, num_layers: int = 1) -> Path:
-    """FLUX.1 ``variant`` "dev", "fill" or "kontext": CLIP + T5 text encoders, one-block VAE, guidance
-    embedding. Fill's transformer takes 20 channels (8 latent + 8 masked-image + 4 mask) and outputs 8."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        FluxFillPipeline,
-        FluxKontextPipeline,
-        FluxPipeline,
-        FluxTransformer2DModel,
-    )
-
-    pipeline_class = {"dev": FluxPipeline, "fill": FluxFillPipeline, "kontext": FluxKontextPipeline}[variant]
-    path = Path(path)
-    torch.manual_seed(seed)
-    transformer = dict(FLUX_TRANSFORMER, num_layers=num_layers, num_single_layers=num_layers)
-    latent_channels = 1
-    if variant == "fill":
-        transformer.update(in_channels=20, out_channels=8)
-        latent_channels = 2
-    clip = clip_tokenizer(path / "tokenizer")
-    t5 = t5_tokenizer(path / "tokenizer_2")
-    return _save(pipeline_class(
-        transformer=FluxTransformer2DModel(**transformer).eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
-        vae=AutoencoderKL(latent_channels=latent_channels, **VAE_1X).eval(),
-        text_encoder=_clip_text_encoder(clip), tokenizer=clip, text_encoder_2=_t5_encoder(t5), tokenizer_2=t5,
-    ), path)
-
-
-def build_tiny_sd15_inpaint(path: str | Path, seed: int = 0) -> Path:
-    """SD1.5 inpainting: a 9-channel UNet, a 2x VAE with 4 latent channels, CLIP, SD1.5's DDIM settings."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionInpaintPipeline, UNet2DConditionModel
-
-    path = Path(path)
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=2, sample_size=8, in_channels=9, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32,
-    ).eval()
-    vae = AutoencoderKL(block_out_channels=[32, 64], in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
-                        sample_size=16).eval()
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1)
-    tok = clip_tokenizer(path / "tokenizer")
-    return _save(StableDiffusionInpaintPipeline(
-        vae=vae, text_encoder=_clip_text_encoder(tok), tokenizer=tok, unet=unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    ), path)
-
-
-def build_tiny_qwen_image(path: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
-    """Qwen-Image: a 2-layer Qwen2.5-VL text encoder (hidden 16), the Qwen VAE (z_dim 4, 4x), and the
-    transformer with 2x2 patches."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    path = Path(path)
-    torch.manual_seed(seed)
-    tok = qwen_tokenizer(path / "tokenizer")
-    text_config = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=len(tok), rope_theta=1e6, bos_token_id=tok.eos_token_id,
-                         eos_token_id=tok.eos_token_id,
-                         rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}),
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
-        hidden_size=16, vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-        vision_start_token_id=len(tok) + 1, vision_end_token_id=len(tok) + 2,
-        vision_token_id=len(tok) + 3, image_token_id=len(tok) + 4, video_token_id=len(tok) + 5,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=math.log(3), max_shift=math.log(3), base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
-    return _save(QwenImagePipeline(
-        transformer=QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers, attention_head_dim=16,
-            num_attention_heads=3, joint_attention_dim=16, axes_dims_rope=(8, 4, 4)).eval(),
-        vae=AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
-                                   temperal_downsample=[False, True], latents_mean=[0.0] * 4,
-                                   latents_std=[1.0] * 4).eval(),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(text_config).eval(), tokenizer=tok, scheduler=scheduler,
-    ), path)
+    return AutoencoderKL(latent_channels=latent_channels, **VAE_1X).eval()
 
 
 def build_tiny_image_encoder(path: str | Path, seed: int = 0) -> Path:
@@ -256,51 +188,38 @@ def randomize_ip_adapter(adapter, seed: int = 0, std: float = 0.5) -> None:
             p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-def _configs() -> dict[str, tuple[Callable[[Path], Path], Callable[[str], Any]]]:
-    """Adapter name -> (builder, config for the built directory at test resolution: 64 latent tokens)."""
-    from trainer.models.flux import FluxConfig
-    from trainer.models.flux_fill import FluxFillConfig
-    from trainer.models.flux_kontext import FluxKontextConfig
-    from trainer.models.qwen_image import QwenImageConfig
-    from trainer.models.sd3 import SD3Config
-    from trainer.models.sd15_inpaint import SD15InpaintConfig
-    from trainer.models.tiny import TinyConfig, build_tiny_sd3
-
-    return {
-        "tiny": (build_tiny_sd3, lambda p: TinyConfig(path=p)),
-        "sd3": (build_tiny_sd3_with_vae, lambda p: SD3Config(path=p, max_sequence_length=TEXT_LENGTH)),
-        "flux": (lambda p: build_tiny_flux(p, "dev"),
-                 lambda p: FluxConfig(path=p, resolution=16, max_sequence_length=TEXT_LENGTH)),
-        "flux_fill": (lambda p: build_tiny_flux(p, "fill"),
-                      lambda p: FluxFillConfig(path=p, resolution=16, max_sequence_length=TEXT_LENGTH)),
-        "flux_kontext": (lambda p: build_tiny_flux(p, "kontext"),
-                         lambda p: FluxKontextConfig(path=p, resolution=16, max_sequence_length=TEXT_LENGTH)),
-        "sd15_inpaint": (build_tiny_sd15_inpaint, lambda p: SD15InpaintConfig(path=p, resolution=16)),
-        "qwen_image": (build_tiny_qwen_image, lambda p: QwenImageConfig(path=p, resolution=64)),
-    }
 
 
-TINY_NAMES = ("tiny", "sd3", "flux", "flux_fill", "flux_kontext", "sd15_inpaint", "qwen_image")
-"""Adapters that ``tiny_config`` can build a model for."""
+TINY_NAMES = tuple(name for name, spec in MODELS.items() if spec.tiny is not None)
+"""Registered adapters that declare a tiny model (every one should)."""
+
+
+def tiny(name: str) -> TinySpec:
+    """The TinySpec of adapter ``name``."""
+    spec = MODELS[name].tiny
+    if spec is None:
+        raise ValueError(f"model.name={name} declares no tiny model: add a tiny_spec() to its adapter file")
+    return spec
+
+
+def build_tiny(name: str, path: str | Path, seed: int = 0) -> Path:
+    """Write the tiny random model of adapter ``name`` to ``path`` in diffusers layout."""
+    spec, path = tiny(name), Path(path)
+    if spec.build is not None:
+        spec.build(path, seed)
+        return path
+    torch.manual_seed(seed)
+    MODELS[name].load().pipeline_class(**spec.components(path)).save_pretrained(path)
+    return path
 
 
 def tiny_config(name: str, root: str | Path, **overrides: Any):
     """Build (once) the tiny model of adapter ``name`` under ``root`` and return its adapter config, with
     ``overrides`` applied (e.g. ``lora=LoraSettings(rank=4)``, ``resolution=32``)."""
-    from dataclasses import replace
-
-    builder, make_config = _configs()[name]
     path = Path(root) / name
     if not (path / "model_index.json").is_file():
-        builder(path)
-    return replace(make_config(str(path)), **overrides)
-
-
-_RETRIEVE_LATENTS = {
-    "flux_fill": "diffusers.pipelines.flux.pipeline_flux_fill.retrieve_latents",
-    "flux_kontext": "diffusers.pipelines.flux.pipeline_flux_kontext.retrieve_latents",
-    "sd15_inpaint": "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint.retrieve_latents",
-}
+        build_tiny(name, path)
+    return replace(MODELS[name].config_class(path=str(path), **tiny(name).config), **overrides)
 
 
 def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_scale: float,
@@ -313,33 +232,16 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
     """
     from unittest import mock
 
-    name = adapter.config.name
+    spec = tiny(adapter.config.name)
     kwargs: dict[str, Any] = dict(prompt=prompts, num_inference_steps=num_steps, generator=generator,
                                   output_type=output_type)
     if getattr(adapter, "ip_adapter", None) is not None:
         kwargs.update(ip_pipeline_kwargs(adapter, inputs))
-    if name in ("tiny", "sd3"):
-        side = adapter.latent_shape[-1] * adapter.pipeline.vae_scale_factor
-        kwargs.update(height=side, width=side, guidance_scale=guidance_scale,
-                      max_sequence_length=adapter.config.max_sequence_length)
-    elif name == "qwen_image":
-        kwargs.update(height=adapter.resolution, width=adapter.resolution, true_cfg_scale=guidance_scale,
-                      negative_prompt=adapter.config.negative_prompt if guidance_scale > 1 else None,
-                      max_sequence_length=adapter.config.max_sequence_length)
-    elif name == "sd15_inpaint":
-        kwargs.update(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale, eta=0.0,
-                      image=inputs.image, mask_image=inputs.mask)
-    else:
-        kwargs.update(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
-                      max_sequence_length=adapter.config.max_sequence_length)
-        if name == "flux_fill":
-            kwargs.update(image=inputs.image, mask_image=inputs.mask)
-        if name == "flux_kontext":
-            kwargs.update(image=inputs.reference, _auto_resize=False, max_area=adapter.resolution**2)
-    if name not in _RETRIEVE_LATENTS:
+    kwargs.update(spec.pipeline_call(adapter, inputs, guidance_scale))
+    if spec.posterior_draw is None:
         return adapter.pipeline(**kwargs).images
     posterior_mean = lambda output, generator=None, sample_mode="sample": output.latent_dist.mode()  # noqa: E731
-    with mock.patch(_RETRIEVE_LATENTS[name], posterior_mean):
+    with mock.patch(spec.posterior_draw, posterior_mean):
         return adapter.pipeline(**kwargs).images
 
 
@@ -347,8 +249,9 @@ def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:
     """``ip_adapter_image_embeds`` for a FLUX-family pipeline: the style embedding of the first item (the
     pipeline repeats one image per IP-Adapter over the batch), and zero embeddings for the negative branch as
     the adapter uses (the pipeline would encode a black image)."""
-    if adapter.config.name == "qwen_image":
-        raise ValueError("QwenImagePipeline has no IP-Adapter: there is no diffusers reference to compare with")
+    if not tiny(adapter.config.name).ip_pipeline:
+        raise ValueError(f"{adapter.pipeline_class.__name__} has no IP-Adapter: there is no diffusers reference "
+                         "to compare with")
     if not all(torch.equal(s, inputs.style[0]) for s in inputs.style):
         raise ValueError("the FLUX pipelines take one style image for the whole batch")
     embeds = adapter.ip_adapter.encoder(inputs.style[:1])[None]  # [1 image, 1 item, D]
@@ -356,19 +259,18 @@ def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:
 
 
 def image_inputs(adapter, batch_size: int, seed: int = 0):
-    """Random ImageInputs of the kind ``adapter`` needs (image + binary mask, or a reference; with an
-    IP-Adapter a style image, the same for every item as the pipelines take one), else None."""
+    """Random ImageInputs of the kinds ``adapter`` needs (``TinySpec.inputs``: images, binary masks,
+    references; with an IP-Adapter a style image, the same for every item as the pipelines take one), else None."""
     from trainer.models.base import ImageInputs
 
     g = torch.Generator().manual_seed(seed)
-    name = adapter.config.name
     side = getattr(adapter, "resolution", 16)
-    inputs = ImageInputs()
-    if name in ("flux_fill", "sd15_inpaint"):
-        inputs = ImageInputs(image=torch.rand(batch_size, 3, side, side, generator=g),
-                             mask=(torch.rand(batch_size, 1, side, side, generator=g) > 0.5).float())
-    if name == "flux_kontext":
-        inputs = ImageInputs(reference=torch.rand(batch_size, 3, side, side, generator=g))
+    draws: dict[str, Callable[[], torch.Tensor]] = {
+        "image": lambda: torch.rand(batch_size, 3, side, side, generator=g),
+        "mask": lambda: (torch.rand(batch_size, 1, side, side, generator=g) > 0.5).float(),
+        "reference": lambda: torch.rand(batch_size, 3, side, side, generator=g),
+    }
+    inputs = ImageInputs(**{kind: draws[kind]() for kind in tiny(adapter.config.name).inputs})
     if getattr(adapter, "ip_adapter", None) is not None:
         inputs.style = torch.rand(1, 3, side, side, generator=g).expand(batch_size, -1, -1, -1)
     return inputs if any(v is not None for v in vars(inputs).values()) else None

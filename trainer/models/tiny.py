@@ -143,3 +143,14 @@ class TinyAdapter(SD3Adapter):
                                  "is built, or at one it was built in")
             build_tiny_sd3(config.path)
         super().__init__(config, device)
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["tiny"].tiny) ----------------
+def tiny_spec():
+    """The embedded model as the tests' tiny model: SD3's facts, built by ``build_tiny_sd3``, at its own size."""
+    from dataclasses import replace
+
+    from trainer.models import sd3
+
+    return replace(sd3.tiny_spec(), components=None, build=build_tiny_sd3, config={}, same_shapes=("sd3",),
+                   learning=(), learning_epochs=12, bench_resolution=None)
