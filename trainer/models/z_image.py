@@ -194,7 +194,7 @@ class ZImageAdapter:
 _CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 """A Qwen3-style chat template for the tiny tokenizer (the pipeline applies one)."""
-_Z_IMAGE_9M = dict(dim=256, n_layers=6, n_refiner_layers=2, n_heads=4, n_kv_heads=4, axes_dims=[16, 24, 24])
+_Z_IMAGE_9M = dict(dim=256, n_layers=5, n_refiner_layers=2, n_heads=4, n_kv_heads=4, axes_dims=[16, 24, 24])
 """About 9 M parameters."""
 _Z_IMAGE_REAL = dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
                      axes_lens=[1024, 512, 512])
@@ -231,9 +231,12 @@ def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
 
 
 def tiny_spec():
-    """The tiny Z-Image and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens."""
+    """The tiny Z-Image and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens. Its
+    learning test trains at lr 0.003 for 24 epochs: at the shared 0.02 the reward fell (full fine-tuning
+    diverges); at 0.003 it rose by 0.039 and 0.045 on seeds 0 and 1."""
     from trainer.models import testing
 
     return testing.TinySpec(
         components=_tiny_components, pipeline_call=_pipeline_call, config=dict(resolution=16, max_sequence_length=64),
-        guidance=3.0, bench_resolution=32, bench_guidance=4.0, denoiser_9m=_Z_IMAGE_9M, denoiser_real=_Z_IMAGE_REAL)
+        guidance=3.0, learning=("train.learning_rate=0.003",), learning_epochs=24,
+        bench_resolution=32, bench_guidance=4.0, denoiser_9m=_Z_IMAGE_9M, denoiser_real=_Z_IMAGE_REAL)
