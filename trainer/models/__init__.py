@@ -43,6 +43,7 @@ def _registry() -> dict[str, ModelSpec]:
     from trainer.models.sd3 import SD3Config
     from trainer.models.sd15_inpaint import SD15InpaintConfig
     from trainer.models.tiny import TinyConfig
+    from trainer.models.z_image import ZImageConfig
 
     return {
         "tiny": ModelSpec("trainer.models.tiny:TinyAdapter", TinyConfig),
@@ -52,6 +53,7 @@ def _registry() -> dict[str, ModelSpec]:
         "flux_kontext": ModelSpec("trainer.models.flux_kontext:FluxKontextAdapter", FluxKontextConfig),
         "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter", SD15InpaintConfig),
         "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter", QwenImageConfig),
+        "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter", ZImageConfig),
     }
 
 

@@ -1,0 +1,242 @@
+"""Z-Image (ZImageTransformer2DModel, flow matching, Qwen3 text encoder) from a local diffusers directory.
+
+Prompts go through the pipeline's own ``encode_prompt`` (Qwen3 chat template, hidden states of the second
+to last layer, padding dropped), so each keeps its own length: a batch is right-padded to its longest prompt
+with ``prompt_mask`` (``Conditioning.ragged``) and cut back into the list of per-prompt tensors the
+transformer takes. Latents are [C, h, w] images of latents as the pipeline draws them; the transformer sees
+time 1 - sigma and predicts the negated velocity. CFG is Z-Image's: CFG whenever ``guidance_scale > 0``,
+pred = cond + scale * (cond - uncond), one batched forward over [prompt; negative].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+from torch import nn
+from transformers import Qwen2Tokenizer, Qwen3Model
+
+from trainer.config.fields import NonNegativeInt, PositiveInt
+from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.common import DTYPES, DiffusersModelConfig, freeze, load_denoiser
+from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
+from trainer.models.inputs import reject_image_inputs
+from trainer.models.latents import refuse_image_latents
+from trainer.models.qwen_image import pad_text
+from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
+from trainer.models.trainable import Trainable
+from trainer.samplers import flow_step, standard_normal
+
+
+@dataclass
+class ZImageConfig(DiffusersModelConfig):
+    """Where the Z-Image weights are (transformer/, vae/, text_encoder/, tokenizer/, scheduler/) and how to
+    run them. ``algorithm.sampler.guidance_scale`` is the pipeline's: 0 runs no CFG (Z-Image-Turbo)."""
+
+    name: str = "z_image"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    resolution: NonNegativeInt = 1024
+    max_sequence_length: PositiveInt = 512
+    """Text tokens kept per prompt, chat template included (the pipeline's default)."""
+    cfg_normalization: float = 0.0
+    """The pipeline's CFG norm clamp; only its default (0: off) is implemented."""
+    cfg_truncation: float = 1.0
+    """The pipeline's CFG cut-off in 1 - sigma; only values >= 1 (never cut, its default) are implemented."""
+
+
+class ZImageAdapter:
+    """ModelAdapter for Z-Image checkpoints (text-to-image)."""
+
+    sampler_kind = "flow"
+    shard_units = (ZImageTransformerBlock,)
+    config_class = ZImageConfig
+    model_name = "z_image"
+    pipeline_class = ZImagePipeline
+    text_components = {"text_encoder": Qwen3Model, "tokenizer": Qwen2Tokenizer}
+    optional_text: tuple[str, ...] = ()
+    text_settings = ("dtype", "max_sequence_length")
+    prompt_encoder = classmethod(prompt_encoder)
+
+    def __init__(self, config: ZImageConfig, device: torch.device | str = "cpu"):
+        if config.cfg_normalization:
+            raise ValueError(f"model.cfg_normalization={config.cfg_normalization} is not implemented by the "
+                             "z_image adapter; set it to 0 (the pipeline's default)")
+        if config.cfg_truncation < 1:
+            raise ValueError(f"model.cfg_truncation={config.cfg_truncation} is not implemented by the z_image "
+                             "adapter; set it to 1.0 (the pipeline's default: CFG at every step)")
+        path = Path(config.path)
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.dtype]
+        load = {"torch_dtype": self.dtype}
+        self.denoiser = load_denoiser(ZImageTransformer2DModel, config, "transformer", "Z-Image", **load)
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
+        self.pipeline = ZImagePipeline(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                       **load_text_components(type(self), config, self.device))
+        self.pipeline.to(self.device)
+        encode = self.pipeline._encode_prompt
+        # the pipeline writes the chat-templated prompts into the caller's list: hand it a copy
+        self.pipeline._encode_prompt = lambda prompt, *a, **k: encode(
+            list(prompt) if isinstance(prompt, list) else prompt, *a, **k)
+        freeze(self.vae)
+        refuse_image_latents(self.model_name, config)
+
+        self.vae_factor = self.pipeline.vae_scale_factor
+        side = config.resolution
+        if side <= 0 or side % (2 * self.vae_factor):
+            raise ValueError(f"model.resolution={side} must be a positive multiple of {2 * self.vae_factor}")
+        self.resolution = side
+        self.patch = self.denoiser.config.all_patch_size[0]
+        h = side // self.vae_factor
+        self.latent_shape = (self.denoiser.config.in_channels, h, h)
+
+        self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
+        self.prompts = PromptEmbeddings.of(self, config)
+
+    # --- conditioning -------------------------------------------------------------------------------
+    @staticmethod
+    def encode_text(pipeline: ZImagePipeline, config: ZImageConfig, device: torch.device,
+                    prompt: str) -> dict[str, torch.Tensor]:
+        """Unpadded [L, D] embeddings of one prompt via the pipeline's encode_prompt."""
+        embeds, _ = pipeline.encode_prompt([prompt], device=device, do_classifier_free_guidance=False,
+                                           max_sequence_length=config.max_sequence_length)
+        return {"prompt_embeds": embeds[0]}
+
+    def _text(self, prompts: list[str]) -> list[torch.Tensor]:
+        return [e["prompt_embeds"] for e in self.prompts(prompts)]
+
+    def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
+        """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``."""
+        reject_image_inputs(self.model_name, inputs)
+        text = self._text(prompts)
+        length = max(len(t) for t in text)
+        embeds, mask = pad_text(text, length)
+        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask},
+                            ragged=("prompt_embeds", "prompt_mask"), text_mask="prompt_mask",
+                            padded=any(len(t) < length for t in text))
+
+    def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
+        """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG (> 0), those the
+        ``model.text_embeddings`` store lacks."""
+        cfg = any(scale > 0 for scale in guidance_scales)
+        return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
+
+    def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Noise [B, C, h, w], drawn as ``ZImagePipeline.prepare_latents`` draws it."""
+        return standard_normal((batch_size, *self.latent_shape), generator, self.device)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The pipeline's schedule: linspace(1, 1/T) shifted for this image token count."""
+        _, h, w = self.latent_shape
+        return shifted_flow_sigmas(self.scheduler, num_steps, (h // 2) * (w // 2), self.device)
+
+    def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
+        """A flow step; sigma_max = schedule[1] replaces sigma where sigma == 1 (no division by zero)."""
+        return flow_step(kind, schedule)
+
+    # --- the network ---------------------------------------------------------------------------------
+    @staticmethod
+    def _captions(cond: Conditioning) -> list[torch.Tensor]:
+        """The per-prompt [L_i, D] embeddings the transformer takes. Cutting a padded batch reads its
+        lengths from the device (``Conditioning`` carries no host-side lengths); an unpadded one reads none."""
+        embeds = cond.embeds["prompt_embeds"]
+        if not cond.padded:
+            return list(embeds.unbind(0))
+        lengths = cond.embeds["prompt_mask"].sum(1).tolist()
+        return [e[:n] for e, n in zip(embeds.unbind(0), lengths, strict=True)]
+
+    def predict(
+        self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> torch.Tensor:
+        """Velocity (the negated transformer output); with ``guidance_scale > 0`` Z-Image's CFG against
+        ``negative_prompt`` in one forward over [prompt; negative], combined in float32."""
+        captions = self._captions(cond)
+        n = latents.shape[0]
+        x = latents.to(self.dtype)
+        timestep = (1000 - sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps) / 1000
+        cfg = guidance_scale > 0
+        if cfg:
+            (neg,) = self._text([self.config.negative_prompt])
+            captions = captions + [neg] * n
+            x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        out = net(x=list(x.unsqueeze(2).unbind(0)), t=timestep, cap_feats=captions, return_dict=False)[0]
+        out = torch.stack(out).squeeze(2)
+        if cfg:
+            return -cfg_combine(out[n:], out[:n], 1 + guidance_scale)
+        return -out.float()
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
+        return rectified_flow_target(x0, noise, sigma)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] [B, C, H, W] -> latents (posterior mean; the inverse of ``decode``) for supervised
+        targets."""
+        x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype)
+        latents = self.vae.encode(x).latent_dist.mode()
+        return (latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = latents.float() / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
+        return (x / 2 + 0.5).clamp(0, 1)
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["z_image"].tiny) ---------------
+_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A Qwen3-style chat template for the tiny tokenizer (the pipeline applies one)."""
+_Z_IMAGE_9M = dict(dim=256, n_layers=5, n_refiner_layers=2, n_heads=4, n_kv_heads=4, axes_dims=[16, 24, 24])
+"""About 9 M parameters."""
+_Z_IMAGE_REAL = dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
+                     axes_lens=[1024, 512, 512])
+"""Z-Image's published widths, heads and depths (diffusers' defaults; the text width stays the tiny
+encoder's instead of Qwen3-4B's 2560)."""
+
+
+def _tiny_components(path: Path) -> dict:
+    """Z-Image: a 2-layer Qwen3 text encoder (hidden 16), a one-block VAE (1x) and the transformer with 2x2
+    patches."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from trainer.models import testing
+
+    tok = testing.qwen_tokenizer(path / "tokenizer")
+    tok.chat_template = _CHAT_TEMPLATE
+    tok.save_pretrained(path / "tokenizer")
+    text = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    transformer = ZImageTransformer2DModel(
+        in_channels=4, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+        axes_dims=[4, 6, 6], axes_lens=[256, 64, 64]).eval()
+    return dict(transformer=transformer, vae=testing.vae_1x(4), text_encoder=Qwen3Model(text).eval(), tokenizer=tok,
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    """The pipeline takes one negative prompt per prompt (a list), and defaults to "" for each."""
+    assert not adapter.config.negative_prompt, "the parity reference runs the default negative prompt"
+    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
+                max_sequence_length=adapter.config.max_sequence_length)
+
+
+def tiny_spec():
+    """The tiny Z-Image and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens. Its
+    learning test trains at lr 0.003 for 24 epochs: at the shared 0.02 the reward fell (full fine-tuning
+    diverges); at 0.003 it rose by 0.039 and 0.045 on seeds 0 and 1."""
+    from trainer.models import testing
+
+    return testing.TinySpec(
+        components=_tiny_components, pipeline_call=_pipeline_call, config=dict(resolution=16, max_sequence_length=64),
+        guidance=3.0, learning=("train.learning_rate=0.003",), learning_epochs=24,
+        bench_resolution=32, bench_guidance=4.0, denoiser_9m=_Z_IMAGE_9M, denoiser_real=_Z_IMAGE_REAL)
