@@ -15,8 +15,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelSpec:
-    adapter: str        # "module:Class" of the ModelAdapter, imported on use
-    config_class: type  # its config dataclass (has a ``name`` field)
+    adapter: str
+    """"module:Class" of the ModelAdapter, imported on use."""
+
+    @property
+    def config_class(self) -> type:
+        """The adapter's config dataclass (``config_class`` on the adapter; it has a ``name`` field)."""
+        return self.load().config_class
 
     def load(self):
         module, cls = self.adapter.split(":")
@@ -35,29 +40,17 @@ def _tiny_spec(module: str):
     return make() if make is not None else None
 
 
-def _registry() -> dict[str, ModelSpec]:
-    from trainer.models.flux import FluxConfig
-    from trainer.models.flux_fill import FluxFillConfig
-    from trainer.models.flux_kontext import FluxKontextConfig
-    from trainer.models.qwen_image import QwenImageConfig
-    from trainer.models.sd3 import SD3Config
-    from trainer.models.sd15_inpaint import SD15InpaintConfig
-    from trainer.models.tiny import TinyConfig
-    from trainer.models.z_image import ZImageConfig
-
-    return {
-        "tiny": ModelSpec("trainer.models.tiny:TinyAdapter", TinyConfig),
-        "sd3": ModelSpec("trainer.models.sd3:SD3Adapter", SD3Config),
-        "flux": ModelSpec("trainer.models.flux:FluxAdapter", FluxConfig),
-        "flux_fill": ModelSpec("trainer.models.flux_fill:FluxFillAdapter", FluxFillConfig),
-        "flux_kontext": ModelSpec("trainer.models.flux_kontext:FluxKontextAdapter", FluxKontextConfig),
-        "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter", SD15InpaintConfig),
-        "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter", QwenImageConfig),
-        "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter", ZImageConfig),
-    }
-
-
-MODELS: dict[str, ModelSpec] = _registry()
+MODELS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec("trainer.models.tiny:TinyAdapter"),
+    "sd3": ModelSpec("trainer.models.sd3:SD3Adapter"),
+    "flux": ModelSpec("trainer.models.flux:FluxAdapter"),
+    "flux_fill": ModelSpec("trainer.models.flux_fill:FluxFillAdapter"),
+    "flux_kontext": ModelSpec("trainer.models.flux_kontext:FluxKontextAdapter"),
+    "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter"),
+    "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
+    "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
+}
+"""Model name -> its adapter. Adding a model: its adapter file and one line here (and a preset)."""
 
 
 def image_encoding_models() -> list[str]:

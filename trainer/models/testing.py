@@ -95,9 +95,9 @@ def clip_tokenizer(directory: Path, max_length: int = TEXT_LENGTH):
     """A CLIPTokenizer over a small local corpus (built deterministically), saved to ``directory``."""
     from transformers import CLIPTokenizer
 
-    from trainer.models.tiny import _clip_tokenizer
+    from trainer.models.tokenizers import clip_bpe_tokenizer
 
-    _clip_tokenizer(directory, max_length)
+    clip_bpe_tokenizer(directory, max_length)
     return CLIPTokenizer.from_pretrained(directory)
 
 

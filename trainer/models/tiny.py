@@ -18,6 +18,7 @@ import torch
 
 from trainer.config.fields import PositiveInt
 from trainer.models.sd3 import SD3Adapter, SD3Config
+from trainer.models.tokenizers import clip_bpe_tokenizer
 
 DEFAULT_TINY_PATH = os.path.join(".cache", "rewardflow", "tiny-sd3-digits")
 
@@ -31,56 +32,6 @@ TINY_TRANSFORMER = dict(
 TINY_CLIP = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
                  projection_dim=32, max_position_embeddings=77, hidden_act="gelu")
 
-_CORPUS = [
-    "a handwritten digit {d}", "a photo of the number {d}", "the digit {d} written by hand",
-    "a picture of a cat and a dog", "a black and white image of a number", "an image", "text on a sign",
-]
-_DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
-
-
-def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """CLIP's BPE on one word: repeatedly join every occurrence of the lowest-ranked adjacent pair."""
-    while len(symbols) > 1:
-        pairs = [(ranks[p], p) for p in zip(symbols, symbols[1:], strict=False) if p in ranks]
-        if not pairs:
-            break
-        first, second = min(pairs)[1]
-        out, i = [], 0
-        while i < len(symbols):
-            if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == (first, second):
-                out.append(first + second)
-                i += 2
-            else:
-                out.append(symbols[i])
-                i += 1
-        symbols = out
-    return symbols
-
-
-def _clip_tokenizer(directory: Path, max_length: int) -> None:
-    """A BPE in which every word of the corpus is one token, saved as a CLIPTokenizer. Built by hand rather
-    than trained: the ``tokenizers`` trainer numbers symbols and orders equal-count merges in hash order,
-    which differs between processes, so two builds would give two models. Words are taken in sorted order;
-    each gets merges of its leftmost pair until it is one token (a new merge ranks after all earlier ones,
-    so it never splits an earlier word). CLIP's BPE marks word ends with "</w>"."""
-    from transformers import CLIPTokenizer
-
-    special = ["<|startoftext|>", "<|endoftext|>"]
-    texts = [t.format(d=d) for t in _CORPUS for d in list("0123456789") + _DIGIT_WORDS]
-    words = sorted({w for text in texts for w in text.lower().split()})
-    chars = sorted({c for w in words for c in w})
-    ranks: dict[tuple[str, str], int] = {}
-    for word in words:
-        symbols = _bpe(list(word[:-1]) + [word[-1] + "</w>"], ranks)
-        while len(symbols) > 1:
-            ranks[(symbols[0], symbols[1])] = len(ranks)
-            symbols = _bpe(symbols, ranks)
-    merged = [a + b for a, b in ranks]
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(special + chars + [c + "</w>" for c in chars] + merged))}
-    tok = CLIPTokenizer(vocab=vocab, merges=list(ranks), model_max_length=max_length)
-    tok.save_pretrained(directory)
-
-
 def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int = 16) -> Path:
     """Write a random tiny SD3 model (pixel space, two CLIP encoders, no T5) to ``path``; atomic."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -93,7 +44,7 @@ def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int 
     SD3Transformer2DModel(**TINY_TRANSFORMER).eval().save_pretrained(tmp / "transformer")
     FlowMatchEulerDiscreteScheduler(shift=1.0).save_pretrained(tmp / "scheduler")
     for suffix in ("", "_2"):
-        _clip_tokenizer(tmp / f"tokenizer{suffix}", text_max_length)
+        clip_bpe_tokenizer(tmp / f"tokenizer{suffix}", text_max_length)
         tok = CLIPTokenizer.from_pretrained(tmp / f"tokenizer{suffix}")
         config = CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id, **TINY_CLIP)
