@@ -89,7 +89,7 @@ that face the tiny text encoders and VAEs (joint / pooled / cross-attention inpu
 patch sizes) stay the tiny ones, a few projections' worth of difference. Each adapter's ``TinySpec`` also
 gives the resolution (``bench_resolution``: 256 image tokens, latent positions for the UNet, per sample) and
 guidance (``bench_guidance``) used here."""
-DEPTH_KEYS = ("num_layers", "num_single_layers")
+DEPTH_KEYS = ("num_layers", "num_single_layers", "n_layers", "n_refiner_layers")
 """Config fields that ``--layers`` caps (transformers; the UNet's depth stays)."""
 
 
@@ -232,7 +232,8 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
         def plain_train(replay=replay):
             for net, args, kwargs in replay:
                 if net is adapter.denoiser:
-                    net(*args, **kwargs)[0].float().square().mean().backward()
+                    out = net(*args, **kwargs)[0]  # a tensor, or one per sample (Z-Image)
+                    (out if isinstance(out, torch.Tensor) else torch.stack(out)).float().square().mean().backward()
                 else:
                     with torch.no_grad():
                         net(*args, **kwargs)
