@@ -77,9 +77,13 @@ def main(spec: str) -> int:
     # One process group for the series: torchrun's store keeps a destroyed group's keys, so a second group
     # created on it would read the first one's addresses and fail to connect.
     with mock.patch.object(dist, "destroy_process_group"):
+        # Rank 0 alone marks the streams: the ranks share torchrun's pipes, and a marker of rank 1, which can
+        # be a job ahead, would cut rank 0's output of the job before it.
+        first = os.environ.get("RANK", "0") == "0"
         for index, argv in enumerate(jobs):
-            print(f"{MARK}{index}", flush=True)
-            print(f"{MARK}{index}", file=sys.stderr, flush=True)
+            if first:
+                print(f"{MARK}{index}", flush=True)
+                print(f"{MARK}{index}", file=sys.stderr, flush=True)
             code = job(argv)
             if code:
                 return code
