@@ -30,7 +30,7 @@ $(PADDLE_STAMP): tests/paddle/requirements.txt pyproject.toml constraints.txt
 # missing and apt-get is usable (root on Debian/Ubuntu); otherwise those tests say what to install.
 SYSTEM_PACKAGES = chromium fonts-dejavu-core
 
-.PHONY: install system-deps paddle-env demo test test-slow test-all gpu-wheels lint
+.PHONY: install system-deps docker-deps paddle-env demo test test-slow test-all gpu-wheels lint
 install: $(STAMP)
 
 system-deps:
@@ -39,6 +39,17 @@ system-deps:
 		echo "installing $(SYSTEM_PACKAGES) with apt-get"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 	else echo "note: install $(SYSTEM_PACKAGES) for the browser and OCR tests"; fi
+
+# The compose test (tests/integration/test_docker_compose.py) builds the reward images with Debian's Docker
+# engine, compose and debootstrap (no Docker Hub here: deploy/offline_base.sh makes the base image).
+DOCKER_PACKAGES = docker.io docker-compose debootstrap
+docker-deps:  ## Docker's engine, compose and debootstrap, from apt-get when missing (root)
+	@if command -v dockerd >/dev/null && command -v debootstrap >/dev/null && \
+		{ docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null; }; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing $(DOCKER_PACKAGES) with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null; \
+	else echo "note: install $(DOCKER_PACKAGES) for the compose test"; fi
 
 paddle-env: $(PADDLE_STAMP)  ## .venv-paddle and the PaddleOCR test models (tests/integration/test_ocr_paddle.py)
 	$(PADDLE_VENV)/bin/python tests/paddle/build_models.py

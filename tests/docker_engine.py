@@ -1,0 +1,118 @@
+"""A Docker engine, an offline base image and a wheelhouse for the compose tests (no Docker Hub here).
+
+The engine is the one running, else a ``dockerd`` this process starts (root only). The base image is
+deploy/offline_base.sh's debootstrap of Debian; the wheels are pip-downloaded on the host once and cached,
+so images build with ``PIP_NO_INDEX=1``. ``unavailable()`` says why any of it cannot be had here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_IMAGE = "rewardflow-base:bookworm"
+WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rewardflow" / "docker-wheels"
+CONTEXT_FILES = ("docker-compose.yml", ".dockerignore", "deploy", "shared", "reward_server")
+
+
+def _run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+
+
+def _engine_up() -> bool:
+    return shutil.which("docker") is not None and _run("docker", "info", timeout=20).returncode == 0
+
+
+def start_engine(log: Path) -> str | None:
+    """Make sure an engine answers; None when it does, else why it cannot here."""
+    if shutil.which("docker") is None:
+        return "no docker client: apt-get install docker.io docker-compose debootstrap (make docker-deps)"
+    if _engine_up():
+        return None
+    if shutil.which("dockerd") is None or os.geteuid() != 0:
+        return "no Docker engine runs, and dockerd cannot be started here (needs root and the docker.io package)"
+    with log.open("ab") as out:
+        subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if _engine_up():
+            return None
+        time.sleep(1)
+    return f"dockerd did not come up within 60 s: see {log}"
+
+
+def compose_command() -> list[str] | None:
+    """Compose v2 (``docker compose``) where installed, else v1 (``docker-compose``, Debian's package)."""
+    if _run("docker", "compose", "version").returncode == 0:
+        return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+def base_image() -> str:
+    """The offline base image, built by deploy/offline_base.sh on first use (about a minute)."""
+    if _run("docker", "image", "inspect", BASE_IMAGE).returncode != 0:
+        built = _run(str(REPO / "deploy" / "offline_base.sh"), BASE_IMAGE, timeout=900)
+        if built.returncode != 0:
+            raise RuntimeError(f"deploy/offline_base.sh failed: {built.stdout}{built.stderr}")
+    return BASE_IMAGE
+
+
+def wheelhouse(requirements: str) -> Path:
+    """deploy/<requirements>'s wheels for this Python, downloaded once into a cache (PyPI is reachable)."""
+    folder = WHEEL_CACHE / Path(requirements).stem
+    stamp = folder / ".complete"
+    wanted = (REPO / "deploy" / requirements).read_text()
+    if not stamp.exists() or stamp.read_text() != wanted:
+        folder.mkdir(parents=True, exist_ok=True)
+        got = _run(sys.executable, "-m", "pip", "download", "-q", "-d", str(folder), "-r",
+                   str(REPO / "deploy" / requirements), timeout=900, cwd=REPO / "deploy")
+        if got.returncode != 0:
+            raise RuntimeError(f"pip download failed: {got.stderr}")
+        stamp.write_text(wanted)
+    return folder
+
+
+def build_context(target: Path, wheels: Path) -> Path:
+    """A copy of what the images are built from, with ``wheels`` linked into deploy/wheels/."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in CONTEXT_FILES:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, target / name, ignore=shutil.ignore_patterns("__pycache__", "*.whl"))
+        else:
+            shutil.copy2(source, target / name)
+    for wheel in wheels.glob("*.whl"):
+        try:
+            os.link(wheel, target / "deploy" / "wheels" / wheel.name)
+        except OSError:  # another file system
+            shutil.copy2(wheel, target / "deploy" / "wheels" / wheel.name)
+    return target
+
+
+def cpu_project(work: Path) -> tuple[list[str], dict[str, str], Path]:
+    """The compose command, environment and build context of the CPU group, built offline from ``work``."""
+    compose = compose_command()
+    if compose is None:
+        raise RuntimeError("no compose: apt-get install docker-compose (or Docker's compose plugin)")
+    project = build_context(work / "project", wheelhouse("requirements-cpu.txt"))
+    env = {**os.environ, "REWARD_IMAGE_BASE": base_image(), "PIP_NO_INDEX": "1"}
+    return [*compose, "--project-directory", str(project), "-f", str(project / "docker-compose.yml")], env, project
+
+
+if __name__ == "__main__":
+    # CI starts this in the background while it installs: the engine, the base image, the wheels and the CPU
+    # image's layers are then ready (cached) when the compose test runs.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        why = start_engine(Path(scratch) / "dockerd.log")
+        if why is not None:
+            sys.exit(f"docker_engine: {why}")
+        command, env, project = cpu_project(Path(scratch))
+        built = subprocess.run([*command, "build", "reward-cpu"], cwd=project, env=env, check=False)
+        sys.exit(built.returncode)
