@@ -94,25 +94,34 @@ def build_context(target: Path, wheels: Path) -> Path:
     return target
 
 
-def cpu_project(work: Path) -> tuple[list[str], dict[str, str], Path]:
-    """The compose command, environment and build context of the CPU group, built offline from ``work``."""
+def compose_project(work: Path, requirements: str) -> tuple[list[str], dict[str, str], Path]:
+    """The compose command, environment and build context for images built offline from ``work``, with the
+    wheels of deploy/``requirements`` (a wheelhouse with the CPU torch wheel gives a CPU model image)."""
     compose = compose_command()
     if compose is None:
         raise RuntimeError("no compose: apt-get install docker-compose (or Docker's compose plugin)")
-    project = build_context(work / "project", wheelhouse("requirements-cpu.txt"))
-    env = {**os.environ, "REWARD_IMAGE_BASE": base_image(), "PIP_NO_INDEX": "1"}
+    wheels = wheelhouse(requirements)
+    torch_wheels = [wheel.name for wheel in wheels.glob("torch-*.whl")]
+    assert all("+cpu" in name for name in torch_wheels), f"a CUDA torch wheel in {wheels}: {torch_wheels}"
+    project = build_context(work / "project", wheels)
+    base = base_image()
+    env = {**os.environ, "REWARD_IMAGE_BASE": base, "REWARD_MODELS_BASE": base, "PIP_NO_INDEX": "1"}
     return [*compose, "--project-directory", str(project), "-f", str(project / "docker-compose.yml")], env, project
 
 
 if __name__ == "__main__":
     # CI starts this in the background while it installs: the engine, the base image, the wheels and the CPU
-    # image's layers are then ready (cached) when the compose test runs.
+    # images' layers are then ready (cached) when the compose test runs.
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
         why = start_engine(Path(scratch) / "dockerd.log")
         if why is not None:
             sys.exit(f"docker_engine: {why}")
-        command, env, project = cpu_project(Path(scratch))
-        built = subprocess.run([*command, "build", "reward-cpu"], cwd=project, env=env, check=False)
-        sys.exit(built.returncode)
+        for requirements, service in (("requirements-cpu.txt", "reward-cpu"),
+                                      ("requirements-models.txt", "reward-models")):
+            command, env, project = compose_project(Path(scratch) / service, requirements)
+            built = subprocess.run([*command, "--profile", "gpu", "build", service], cwd=project, env=env,
+                                   check=False)
+            if built.returncode != 0:
+                sys.exit(built.returncode)
