@@ -119,6 +119,12 @@ def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | Non
     gc.collect()  # a real-size denoiser's weights leave the GPU before the adapter loads its copy
 
 
+def model_root(root: str, case: str) -> Path:
+    """Where ``case``'s model folder lives: a variant's under a folder of its own."""
+    variant = case.removesuffix("+ip").partition("@")[2]
+    return Path(root) / variant if variant else Path(root)
+
+
 def keep_freed_memory() -> None:
     """glibc: serve allocations up to 32 MiB from the heap and return freed memory to the kernel only past
     256 MiB of slack (defaults: mmap from 128 KiB, adaptively, and trim past 128 KiB)."""
@@ -175,11 +181,15 @@ class Recorder(nn.Module):
 def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: str = "tiny",
                   device: str = "cpu", dtype: str = "float32", max_layers: int | None = None,
                   gradient_checkpointing: bool = False) -> dict[str, float]:
-    """One table row for ``case``; ``denoiser`` is a ``DENOISER_SIZES`` key."""
-    name = case.removesuffix("+ip")
+    """One table row for ``case`` (``name``, ``name+ip`` or ``name@variant``); ``denoiser``: a ``DENOISER_SIZES`` key."""
+    name, _, variant = case.removesuffix("+ip").partition("@")
     spec = testing.tiny(name)
-    if DENOISER_SIZES[denoiser] is not None and not (Path(root) / name / "model_index.json").is_file():
-        resize_denoiser(root, name, getattr(spec, DENOISER_SIZES[denoiser]), max_layers, device, dtype)
+    root = str(model_root(root, case))
+    if variant and (denoiser != "real" or variant not in spec.denoiser_variants):
+        raise ValueError(f"{case}: a variant needs --denoiser real and one of {sorted(spec.denoiser_variants)}")
+    shape = spec.denoiser_variants[variant] if variant else getattr(spec, DENOISER_SIZES[denoiser] or "", None)
+    if shape is not None and not (Path(root) / name / "model_index.json").is_file():
+        resize_denoiser(root, name, shape, max_layers, device, dtype)
     overrides: dict = {"gradient_checkpointing": gradient_checkpointing}
     if spec.bench_resolution is not None:
         overrides["resolution"] = spec.bench_resolution * scale
@@ -327,7 +337,8 @@ def _cell(column: str, value) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--names", default=",".join(sorted(MODELS)),
-                        help="comma-separated adapter names, or flux+ip (FLUX with an IP-Adapter)")
+                        help="comma-separated adapter names, flux+ip (FLUX with an IP-Adapter), or name@variant "
+                             "(another published size with --denoiser real: sd3@large)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scale", type=int, default=1,
@@ -368,7 +379,7 @@ def main() -> None:
                 print(f"{case:<14}  out of memory: {str(error).splitlines()[0]}", flush=True)
             name = case.removesuffix("+ip")
             if args.denoiser != "tiny" and all(c.removesuffix("+ip") != name for c in cases[i + 1:]):
-                shutil.rmtree(Path(root) / name)  # real sizes: up to 41 GB of weights each
+                shutil.rmtree(model_root(root, case) / name.partition("@")[0])  # real sizes: up to 41 GB each
             gc.collect()
             if args.device != "cpu":
                 torch.cuda.empty_cache()

@@ -183,6 +183,9 @@ _SD3_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, capti
 _SD3_REAL = dict(attention_head_dim=64, num_attention_heads=24, num_layers=24, caption_projection_dim=1536,
                  qk_norm="rms_norm", dual_attention_layers=list(range(13)))
 """SD3.5 Medium's widths, heads and depths (2.23 B parameters)."""
+_SD35_LARGE = dict(attention_head_dim=64, num_attention_heads=38, num_layers=38, caption_projection_dim=2432,
+                   qk_norm="rms_norm", dual_attention_layers=[])
+"""SD3.5 Large's widths, heads and depths (8.1 B parameters published)."""
 
 
 def _tiny_components(path: Path) -> dict:
@@ -221,4 +224,5 @@ def tiny_spec():
         components=_tiny_components, pipeline_call=_pipeline_call,
         config=dict(max_sequence_length=testing.TEXT_LENGTH), guidance=3.0,
         learning=("algorithm.sampler.sde_window=0",), learning_epochs=20,
-        bench_resolution=16, bench_guidance=4.5, denoiser_9m=_SD3_9M, denoiser_real=_SD3_REAL)
+        bench_resolution=16, bench_guidance=4.5, denoiser_9m=_SD3_9M, denoiser_real=_SD3_REAL,
+        denoiser_variants={"large": _SD35_LARGE})

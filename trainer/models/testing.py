@@ -78,6 +78,9 @@ class TinySpec:
     """Denoiser config changes for about 9 M parameters (bench ``--denoiser 9m``)."""
     denoiser_real: Mapping[str, Any] = field(default_factory=dict)
     """Denoiser config changes to the published widths, heads and depths (bench ``--denoiser real``)."""
+    denoiser_variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Other published sizes of the same architecture by name, as ``denoiser_real`` (bench case ``name@variant``
+    with ``--denoiser real``, e.g. ``sd3@large``)."""
 
     def __post_init__(self):
         assert (self.components is None) != (self.build is None), "a TinySpec has components or a build, not both"
