@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from fixtures_geneval import build_tiny_geneval
 from fixtures_hps import build_tiny_hps
+from fixtures_hpsv3 import build_tiny_hpsv3
 from fixtures_imagereward import build_tiny_imagereward
 
 QWEN_SPECIAL_TOKENS = (
@@ -224,4 +225,5 @@ def build_conformance_model_dir(model_dir: Path) -> Path:
     build_tiny_geneval(model_dir)
     build_tiny_hps(model_dir)
     build_tiny_imagereward(model_dir)
+    build_tiny_hpsv3(model_dir)
     return model_dir

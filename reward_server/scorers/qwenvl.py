@@ -102,10 +102,11 @@ class LocalQwenVL:
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         self.version = f"{config.model_type}+{sha256_files(weights)[:12]}"
 
-    def encode(self, queries: list[JudgeQuery]) -> dict[str, Any]:
-        """Model inputs for a batch: left-padded ids with each image's placeholder expanded to its tokens."""
+    def encode(self, queries: list[JudgeQuery], **image_options: Any) -> dict[str, Any]:
+        """Model inputs for a batch: left-padded ids with each image's placeholder expanded to its tokens
+        (``image_options`` go to the image processor, e.g. ``do_resize=False``)."""
         flat = [image for query in queries for image in query.images]
-        vision = self.image_processor(images=flat, return_tensors="pt")
+        vision = self.image_processor(images=flat, return_tensors="pt", **image_options)
         counts = iter((vision["image_grid_thw"].prod(dim=-1) // self.image_processor.merge_size**2).tolist())
         texts = []
         for query in queries:
