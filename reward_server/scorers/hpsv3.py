@@ -2,7 +2,7 @@
 
 HPSv3 is not a judge that answers: a 3-layer MLP (hidden -> 1024 -> 16 -> 2, ReLU) reads the last hidden state
 at a ``<|Reward|>`` token placed after its training instruction, giving (mu, sigma) of a Gaussian preference;
-the score is mu (unbounded, roughly 0-15 on generated images), sigma is in ``details``. As the reference
+the score is mu (unbounded), sigma is in ``details``. As the reference
 (transformers 4.45) runs it: the chat text of Qwen2-VL with the default system turn, the image resized (PIL
 bicubic) to about 256 * 28 * 28 pixels keeping its aspect ratio, and *sequential* 1-D positions (the reference
 model calls the language model without Qwen2-VL's 3-D M-RoPE positions), counted from each row's first token.
@@ -100,7 +100,7 @@ class Hpsv3Scorer:
     """HPSv3's mu for each image and prompt, from ``<model_dir>/hpsv3``."""
 
     name = "hpsv3"
-    description = "HPSv3 human preference (Qwen2-VL-7B + reward head): mean preference mu, ~0-15"
+    description = "HPSv3 human preference (Qwen2-VL-7B + reward head): mean preference mu, unbounded"
     score_range = (None, None)
 
     def __init__(self, model_dir: Path | None = None, device: str | None = None) -> None:
