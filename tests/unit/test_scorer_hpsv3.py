@@ -36,8 +36,16 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
     return root, src, base
 
 
-def direct_mu_sigma(src: Path, base: Path, image: np.ndarray, prompt: str) -> torch.Tensor:
-    """(mu, sigma) of one item, computed from the reference-layout checkpoint without the project's code paths."""
+@pytest.fixture(scope="module")
+def scorer(converted):
+    loaded = SCORERS["hpsv3"](model_dir=converted[0])
+    loaded.load()
+    return loaded
+
+
+def direct_mu_sigma(src: Path, base: Path, images: list[np.ndarray], prompts: list[str]) -> torch.Tensor:
+    """(mu, sigma) ``[B, 2]`` computed item by item from the reference-layout checkpoint without the project's code
+    paths."""
     from PIL import Image
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, Qwen2VLForConditionalGeneration
@@ -52,34 +60,35 @@ def direct_mu_sigma(src: Path, base: Path, image: np.ndarray, prompt: str) -> to
     model.load_state_dict(renamed, strict=True)
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
-    height, width = fixed_area_size(*image.shape[:2], TEST_PIXELS)
-    pil = Image.fromarray(np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image).resize((width, height),
-                                                                                                 Image.BICUBIC)
-    vision = Qwen2VLImageProcessorPil.from_pretrained(base)(images=[pil], return_tensors="pt", do_resize=False)
-    num_tokens = int(vision["image_grid_thw"].prod()) // 4
-    text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-            + "<|image_pad|>" * num_tokens + "<|vision_end|>" + question(prompt) + "<|im_end|>\n<|im_start|>assistant\n")
-    ids = tokenizer(text, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        embeds = model.model.language_model.embed_tokens(ids)
-        features = model.model.visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
-        embeds[ids == config.image_token_id] = features
-        hidden = model.model.language_model(inputs_embeds=embeds).last_hidden_state[0]
-    (at,) = (ids[0] == tokenizer.convert_tokens_to_ids(REWARD_TOKEN)).nonzero()[0]
-    h = hidden[at].float()
-    for index in (0, 3, 5):
-        h = h @ state[f"rm_head.{index}.weight"].T + state[f"rm_head.{index}.bias"]
-        h = torch.relu(h) if index != 5 else h
-    return h
+    processor = Qwen2VLImageProcessorPil.from_pretrained(base)
+    rows = []
+    for image, prompt in zip(images, prompts, strict=True):
+        height, width = fixed_area_size(*image.shape[:2], TEST_PIXELS)
+        pil = Image.fromarray(np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image)
+        vision = processor(images=[pil.resize((width, height), Image.BICUBIC)], return_tensors="pt", do_resize=False)
+        num_tokens = int(vision["image_grid_thw"].prod()) // 4
+        text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+                + "<|image_pad|>" * num_tokens + "<|vision_end|>" + question(prompt)
+                + "<|im_end|>\n<|im_start|>assistant\n")
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            embeds = model.model.language_model.embed_tokens(ids)
+            features = model.model.visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
+            embeds[ids == config.image_token_id] = features
+            hidden = model.model.language_model(inputs_embeds=embeds).last_hidden_state[0]
+        (at,) = (ids[0] == tokenizer.convert_tokens_to_ids(REWARD_TOKEN)).nonzero()[0]
+        h = hidden[at].float()
+        for index in (0, 3, 5):
+            h = h @ state[f"rm_head.{index}.weight"].T + state[f"rm_head.{index}.bias"]
+            h = torch.relu(h) if index != 5 else h
+        rows.append(h)
+    return torch.stack(rows)
 
 
-def test_converted_checkpoint_scores_as_the_direct_computation(converted) -> None:
-    model_dir, src, base = converted
-    scorer = SCORERS["hpsv3"](model_dir=model_dir)
-    scorer.load()
+def test_converted_checkpoint_scores_as_the_direct_computation(converted, scorer) -> None:
+    _, src, base = converted
     outcomes = run_scorer(scorer, IMAGES, PROMPTS, [{}, {}])
-    expected = torch.stack([direct_mu_sigma(src, base, image, prompt) for image, prompt in zip(IMAGES, PROMPTS,
-                                                                                              strict=True)])
+    expected = direct_mu_sigma(src, base, IMAGES, PROMPTS)
     got = torch.tensor([[o.score, o.details["sigma"]] for o in outcomes])
     max_diff = float((got - expected).abs().max())
     print(f"hpsv3 converted vs direct: max |diff| = {max_diff:.2e} over {expected.numel()} values")
@@ -87,11 +96,8 @@ def test_converted_checkpoint_scores_as_the_direct_computation(converted) -> Non
     assert scorer.version.startswith("hpsv3+qwen2_vl+") and scorer.score_range == (None, None)
 
 
-def test_sequential_positions_are_what_the_head_was_trained_on(converted) -> None:
+def test_sequential_positions_are_what_the_head_was_trained_on(scorer) -> None:
     """Qwen2-VL's own 3-D M-RoPE positions (what the model's forward would use) give another reward."""
-    model_dir, _, _ = converted
-    scorer = SCORERS["hpsv3"](model_dir=model_dir)
-    scorer.load()
     queries = [scorer.query(IMAGES[0], PROMPTS[0])]
     inputs = scorer._judge.encode(queries, do_resize=False)
     with torch.no_grad():
@@ -110,12 +116,10 @@ def test_images_are_resized_to_the_reference_area(size: tuple[int, int], expecte
     assert fixed_area_size(*size, 256 * 28 * 28) == expected
 
 
-def test_prompt_with_the_reward_token_and_bad_inputs(converted, tmp_path: Path) -> None:
+def test_prompt_with_the_reward_token_and_bad_inputs(converted, scorer, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     model_dir, src, base = converted
-    scorer = SCORERS["hpsv3"](model_dir=model_dir)
-    scorer.load()
     outcomes = run_scorer(scorer, [IMAGES[0], IMAGES[0], np.zeros((2, 500, 3), np.uint8)],
                           [f"a {REWARD_TOKEN} cat", "a cat", "a line"], [{}, {}, {}])
     assert [o.error for o in outcomes] == [ErrorCode.BAD_INPUT, None, ErrorCode.BAD_INPUT]
