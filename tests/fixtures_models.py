@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from fixtures_geneval import build_tiny_geneval
 from fixtures_hps import build_tiny_hps
+from fixtures_hpsv3 import build_tiny_hpsv3
 from fixtures_imagereward import build_tiny_imagereward
 
 QWEN_SPECIAL_TOKENS = (
@@ -174,6 +175,33 @@ def rig_digits(model_dir: Path, weights: dict[str, float]) -> Path:
     return model_dir
 
 
+
+def rig_answer(model_dir: Path, answer: str) -> Path:
+    """Rewrite the model so that its greedy answer to any question is ``answer`` then ``<|im_end|>``: attention
+    and MLP outputs are zeroed, so each position's logits depend on its own token alone, and the embeddings and
+    output head form a lookup table from each token to the next ("\n", the prompt's last token, to the first).
+    The answer's characters must be distinct single byte tokens (at most hidden size - 1 of them)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chain = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.tokenize("\n" + answer)] + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert len(chain) == len(set(chain)) == len(answer) + 2, "the answer needs distinct one-byte characters"
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")) and ".visual." not in name:
+                parameter.zero_()
+        embeddings, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        embeddings.zero_()
+        head.zero_()
+        for slot, (token, following) in enumerate(zip(chain[:-1], chain[1:], strict=True)):
+            embeddings[token, slot] = 1.0
+            head[following, slot] = 10.0
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
 # For the registry-wide conformance test: what each model-based scorer needs to score random images.
 CONFORMANCE_METADATA: dict[str, dict[str, Any]] = {"ocr": {"text": "digit"}, "ocr_flow_grpo": {"text": "digit"}}
 CONFORMANCE_METADATA["geneval"] = CONFORMANCE_METADATA["geneval_partial"] = {
@@ -181,17 +209,21 @@ CONFORMANCE_METADATA["geneval"] = CONFORMANCE_METADATA["geneval_partial"] = {
 CONFORMANCE_SKIP: dict[str, str] = {
     "ocr_paddle": "runs under .venv-paddle (PaddleOCR pins its own numpy and OpenCV): tests/integration/test_ocr_paddle.py",
     "qwenvl_api": "needs a judge server (tested in test_scorer_qwenvl.py against a local one)",
+    "unifiedreward_api": "needs a judge server (tested in test_scorer_unifiedreward.py against a local one)",
 }
 
 
 def build_conformance_model_dir(model_dir: Path) -> Path:
     """One ``--model-dir`` serving every model-based scorer that can run offline: a tiny aesthetic
-    predictor, tiny PickScore and CLIP score models, and a tiny Qwen2.5-VL rigged to answer "4" (a random judge's answers are PARSE errors)."""
+    predictor, tiny PickScore and CLIP score models, and tiny Qwen2.5-VLs rigged to answer "4" and
+    "Final Score:4" (a random judge's answers are PARSE errors)."""
     build_tiny_aesthetic(model_dir)
     build_tiny_clip_score(model_dir, "pickscore", processor_subfolder=True)
     build_tiny_clip_score(model_dir, "clipscore", processor_subfolder=False)
     rig_digits(build_tiny_qwen_vl(model_dir / "qwenvl"), {"4": 5.0})
+    rig_answer(build_tiny_qwen_vl(model_dir / "unifiedreward"), "Final Score:4")
     build_tiny_geneval(model_dir)
     build_tiny_hps(model_dir)
     build_tiny_imagereward(model_dir)
+    build_tiny_hpsv3(model_dir)
     return model_dir

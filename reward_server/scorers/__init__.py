@@ -55,6 +55,9 @@ SCORERS: dict[str, ScorerSpec] = {
     "geneval_partial": ScorerSpec("geneval:GenEvalScorer", {"mode": "partial"}),
     "hpsv2": ScorerSpec("hps:HpsScorer"),
     "imagereward": ScorerSpec("imagereward:ImageRewardScorer"),
+    "hpsv3": ScorerSpec("hpsv3:Hpsv3Scorer"),
+    "unifiedreward": ScorerSpec("unifiedreward:UnifiedRewardScorer", {"backend": "local"}),
+    "unifiedreward_api": ScorerSpec("unifiedreward:UnifiedRewardScorer", {"backend": "api"}),
 }
 """Scorer name -> how to build it."""
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from reward_server.scorers.fingerprint import sha256_files, weight_files
+from reward_server.scorers.local_model import fingerprint, load_strict, pick_device, weights_dir
 
 HEAD_FILES = ("head.safetensors", "head.pth")
 
@@ -77,8 +77,8 @@ class AestheticScorer:
         model_dir: the server's ``--model-dir``; weights are read from ``<model_dir>/aesthetic``.
         device: torch device; default CUDA when available, else CPU.
         """
-        self._root = None if model_dir is None else Path(model_dir) / "aesthetic"
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._root = weights_dir(model_dir, "aesthetic")
+        self._device = pick_device(device)
         self._clip: Any = None
         self._processor: Any = None
         self._head: AestheticHead | None = None
@@ -107,12 +107,8 @@ class AestheticScorer:
             vision_config.projection_dim = config.projection_dim
         else:
             vision_config = config
-        clip, info = CLIPVisionModelWithProjection.from_pretrained(
-            clip_dir, config=vision_config, output_loading_info=True
-        )
-        unloaded = list(info["missing_keys"]) + [str(entry) for entry in info["mismatched_keys"]]
-        if unloaded:  # transformers would run with these weights random: refuse instead
-            raise ValueError(f"{clip_dir} lacks or mis-shapes CLIP vision weights: {unloaded[:5]}")
+        # a full CLIPModel's text weights are left unused here
+        clip = load_strict(CLIPVisionModelWithProjection, clip_dir, "CLIP vision", config=vision_config)
         clip = clip.eval().to(self._device)
         head = AestheticHead(clip.config.projection_dim)
         head.load_state_dict(load_head_state(head_path))  # strict: a wrong or partial head fails here
@@ -121,8 +117,7 @@ class AestheticScorer:
             CLIPImageProcessorPil.from_pretrained(clip_dir) if has_processor else CLIPImageProcessorPil()
         )
         self._clip, self._head = clip, head.eval().to(self._device)
-        weights = weight_files(clip_dir) + [head_path]
-        self._version = f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{sha256_files(weights)[:12]}"
+        self._version = f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{fingerprint(clip_dir, [head_path])}"
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [{}])
 
     @torch.no_grad()

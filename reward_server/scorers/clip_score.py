@@ -30,7 +30,14 @@ import numpy as np
 import torch
 
 from reward_server.scorers.base import ScoreOutcome
-from reward_server.scorers.fingerprint import sha256_files, weight_files
+from reward_server.scorers.local_model import (
+    fingerprint,
+    load_strict,
+    pick_device,
+    require_files,
+    tokenize,
+    weights_dir,
+)
 
 
 class ClipScoreScorer:
@@ -48,8 +55,8 @@ class ClipScoreScorer:
         device: torch device; default CUDA when available, else CPU.
         """
         self.name, self.description, self._divisor = name, description, divisor
-        self._root = None if model_dir is None else Path(model_dir) / name
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._root = weights_dir(model_dir, name)
+        self._device = pick_device(device)
         self._model: Any = None
         self._tokenizer: Any = None
         self._processor: Any = None
@@ -69,19 +76,15 @@ class ClipScoreScorer:
         if not (self._root / "config.json").is_file():
             raise FileNotFoundError(f"{self._root} is not a transformers CLIPModel checkpoint (no config.json)")
         processor_dir = self._root / "processor" if (self._root / "processor").is_dir() else self._root
-        for needed in ("preprocessor_config.json", "tokenizer_config.json"):
-            if not (processor_dir / needed).is_file():
-                raise FileNotFoundError(f"no {needed} in {processor_dir}: save the model's CLIP processor "
-                                        f"(tokenizer and image processor) there or in {self._root / 'processor'}")
-        model, info = CLIPModel.from_pretrained(self._root, output_loading_info=True)
-        unloaded = list(info["missing_keys"]) + [str(entry) for entry in info["mismatched_keys"]]
-        if unloaded:  # transformers would run with these weights random: refuse instead
-            raise ValueError(f"{self._root} lacks or mis-shapes CLIPModel weights: {unloaded[:5]}")
+        require_files(processor_dir, ("preprocessor_config.json", "tokenizer_config.json"),
+                      f"save the model's CLIP processor (tokenizer and image processor) there or in "
+                      f"{self._root / 'processor'}")
+        model = load_strict(CLIPModel, self._root, "CLIPModel")
         self._model = model.eval().to(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(processor_dir)
         self._processor = CLIPImageProcessorPil.from_pretrained(processor_dir)
         self._max_tokens = min(self._tokenizer.model_max_length, model.config.text_config.max_position_embeddings)
-        self._version = f"{self.name}+clip-{model.config.vision_config.hidden_size}+{sha256_files(weight_files(self._root))[:12]}"
+        self._version = f"{self.name}+clip-{model.config.vision_config.hidden_size}+{fingerprint(self._root)}"
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [{}])
 
     @torch.no_grad()
@@ -89,12 +92,10 @@ class ClipScoreScorer:
         assert self._model is not None, "load() must be called before score()"
         rgb = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
         pixels_BCHW = self._processor(images=rgb, return_tensors="pt")["pixel_values"].to(self._device)
-        tokens = self._tokenizer(prompts, padding=True, truncation=True, max_length=self._max_tokens,
-                                 return_tensors="pt").to(self._device)
-        lengths = [len(ids) for ids in self._tokenizer(prompts)["input_ids"]]
+        tokens, truncated = tokenize(self._tokenizer, prompts, self._max_tokens, self._device)
         out = self._model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
                           pixel_values=pixels_BCHW)
         cosine_B = (out.image_embeds.float() * out.text_embeds.float()).sum(-1)  # both L2-normalised
         scores_B = self._model.logit_scale.exp().float() * cosine_B / self._divisor
-        return [ScoreOutcome(score=float(score), details={"cosine": float(cosine), "truncated": length > self._max_tokens})
-                for score, cosine, length in zip(scores_B.tolist(), cosine_B.tolist(), lengths, strict=True)]
+        return [ScoreOutcome(score=float(score), details={"cosine": float(cosine), "truncated": cut})
+                for score, cosine, cut in zip(scores_B.tolist(), cosine_B.tolist(), truncated, strict=True)]

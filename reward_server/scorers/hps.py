@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from reward_server.scorers.base import ScoreOutcome
-from reward_server.scorers.fingerprint import sha256_files, weight_files
+from reward_server.scorers.local_model import (
+    fingerprint,
+    load_strict,
+    pick_device,
+    require_files,
+    tokenize,
+    weights_dir,
+)
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -60,8 +67,8 @@ class HpsScorer:
         model_dir: the server's ``--model-dir``; weights are read from ``<model_dir>/hpsv2``.
         device: torch device; default CUDA when available, else CPU.
         """
-        self._root = None if model_dir is None else Path(model_dir) / "hpsv2"
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._root = weights_dir(model_dir, "hpsv2")
+        self._device = pick_device(device)
         self._model: Any = None
         self._tokenizer: Any = None
         self._max_tokens = 0
@@ -76,20 +83,13 @@ class HpsScorer:
 
         if self._root is None:
             raise ValueError("hpsv2 needs --model-dir with hpsv2/ (see python -m reward_server.scorers.convert_hps)")
-        for needed in ("config.json", "tokenizer_config.json"):
-            if not (self._root / needed).is_file():
-                raise FileNotFoundError(f"no {needed} in {self._root}: convert the HPS checkpoint there with "
-                                        "python -m reward_server.scorers.convert_hps --tokenizer ...")
-        model, info = CLIPModel.from_pretrained(self._root, output_loading_info=True)
-        unloaded = list(info["missing_keys"]) + list(info["unexpected_keys"])
-        unloaded += [str(entry) for entry in info["mismatched_keys"]]
-        if unloaded:  # transformers would run with these weights random: refuse instead
-            raise ValueError(f"{self._root} lacks or mis-shapes CLIPModel weights: {unloaded[:5]}")
+        require_files(self._root, ("config.json", "tokenizer_config.json"),
+                      "convert the HPS checkpoint there with python -m reward_server.scorers.convert_hps --tokenizer ...")
+        model = load_strict(CLIPModel, self._root, "CLIPModel", unexpected_ok=False)
         self._model = model.eval().to(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(self._root)
         self._max_tokens = min(self._tokenizer.model_max_length, model.config.text_config.max_position_embeddings)
-        digest = sha256_files(weight_files(self._root))[:12]
-        self._version = f"hpsv2+clip-{model.config.vision_config.hidden_size}+{digest}"
+        self._version = f"hpsv2+clip-{model.config.vision_config.hidden_size}+{fingerprint(self._root)}"
         self.score([np.zeros((64, 48, 3), np.uint8)], [""], [{}])
 
     @torch.no_grad()
@@ -97,15 +97,13 @@ class HpsScorer:
         assert self._model is not None, "load() must be called before score()"
         size = self._model.config.vision_config.image_size
         pixels_BCHW = torch.stack([hps_pixels(image, size) for image in images]).to(self._device)
-        tokens = self._tokenizer(prompts, padding=True, truncation=True, max_length=self._max_tokens,
-                                 return_tensors="pt").to(self._device)
-        lengths = [len(ids) for ids in self._tokenizer(prompts)["input_ids"]]
+        tokens, truncated = tokenize(self._tokenizer, prompts, self._max_tokens, self._device)
         image_BD = self._model.get_image_features(pixel_values=pixels_BCHW)
         text_BD = self._model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
         image_BD, text_BD = (_embeds(x).float() for x in (image_BD, text_BD))
         cosine_B = (F.normalize(image_BD, dim=-1) * F.normalize(text_BD, dim=-1)).sum(-1)
-        return [ScoreOutcome(score=float(value), details={"truncated": length > self._max_tokens})
-                for value, length in zip(cosine_B.tolist(), lengths, strict=True)]
+        return [ScoreOutcome(score=float(value), details={"truncated": cut})
+                for value, cut in zip(cosine_B.tolist(), truncated, strict=True)]
 
 
 def _embeds(output: Any) -> torch.Tensor:

@@ -25,8 +25,8 @@ from torch import nn
 
 from reward_server.scorers.aesthetic import AestheticHead
 from reward_server.scorers.base import ScoreOutcome
-from reward_server.scorers.fingerprint import sha256_files, weight_files
 from reward_server.scorers.hps import OPENAI_MEAN, OPENAI_STD
+from reward_server.scorers.local_model import fingerprint, pick_device, require_files, weights_dir
 
 REWARD_MEAN, REWARD_STD = 0.16717362830052426, 1.0333394966054072  # ImageReward's released normalisation
 MAX_TOKENS = 35  # the reference tokenises with max_length=35
@@ -79,8 +79,8 @@ class ImageRewardScorer:
         model_dir: the server's ``--model-dir``; weights are read from ``<model_dir>/imagereward``.
         device: torch device; default CUDA when available, else CPU.
         """
-        self._root = None if model_dir is None else Path(model_dir) / "imagereward"
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._root = weights_dir(model_dir, "imagereward")
+        self._device = pick_device(device)
         self._model: ImageRewardModel | None = None
         self._tokenizer: Any = None
         self._size = 0
@@ -97,10 +97,9 @@ class ImageRewardScorer:
         if self._root is None:
             raise ValueError("imagereward needs --model-dir with imagereward/ "
                              "(see python -m reward_server.scorers.convert_imagereward)")
-        for needed in ("config.json", "model.safetensors", "tokenizer_config.json"):
-            if not (self._root / needed).is_file():
-                raise FileNotFoundError(f"no {needed} in {self._root}: convert ImageReward.pt there with "
-                                        "python -m reward_server.scorers.convert_imagereward --tokenizer ...")
+        require_files(self._root, ("config.json", "model.safetensors", "tokenizer_config.json"),
+                      "convert ImageReward.pt there with python -m reward_server.scorers.convert_imagereward "
+                      "--tokenizer ...")
         config = BlipConfig.from_pretrained(self._root)
         model = ImageRewardModel(config)
         result = model.load_state_dict(load_file(str(self._root / "model.safetensors")), strict=False)
@@ -110,7 +109,7 @@ class ImageRewardScorer:
         self._model = model.eval().to(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(self._root)
         self._size = config.vision_config.image_size
-        self._version = f"imagereward+blip-{config.vision_config.hidden_size}+{sha256_files(weight_files(self._root))[:12]}"
+        self._version = f"imagereward+blip-{config.vision_config.hidden_size}+{fingerprint(self._root)}"
         self.score([np.zeros((64, 48, 3), np.uint8)], [""], [{}])
 
     @torch.no_grad()

@@ -47,7 +47,7 @@ from reward_server.scorers.judge import (
 from shared.protocol import ErrorCode
 
 _OPTION_KEYS = {"task", "readout", "max_new_tokens"}
-_API_KEYS = _OPTION_KEYS | {"base_url", "model", "api_key_env", "timeout_s", "max_concurrency"}
+_SERVER_KEYS = {"base_url", "model", "api_key_env", "timeout_s", "max_concurrency"}
 
 
 class JudgeBackend(Protocol):
@@ -102,10 +102,11 @@ class LocalQwenVL:
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         self.version = f"{config.model_type}+{sha256_files(weights)[:12]}"
 
-    def encode(self, queries: list[JudgeQuery]) -> dict[str, Any]:
-        """Model inputs for a batch: left-padded ids with each image's placeholder expanded to its tokens."""
+    def encode(self, queries: list[JudgeQuery], **image_options: Any) -> dict[str, Any]:
+        """Model inputs for a batch: left-padded ids with each image's placeholder expanded to its tokens
+        (``image_options`` go to the image processor, e.g. ``do_resize=False``)."""
         flat = [image for query in queries for image in query.images]
-        vision = self.image_processor(images=flat, return_tensors="pt")
+        vision = self.image_processor(images=flat, return_tensors="pt", **image_options)
         counts = iter((vision["image_grid_thw"].prod(dim=-1) // self.image_processor.merge_size**2).tolist())
         texts = []
         for query in queries:
@@ -261,31 +262,12 @@ class QwenVLScorer:
     def load(self) -> None:
         if self._model_dir is None:
             raise ValueError(f"{self.name} needs --model-dir (see reward_server/scorers/qwenvl.py)")
-        options_path = self._model_dir / f"{self.name}.json"
-        if self._backend_kind == "api" and not options_path.is_file():
-            raise FileNotFoundError(f"{options_path} is missing: it names the judge server (base_url, model)")
-        options = json.loads(options_path.read_text()) if options_path.is_file() else {}
-        allowed = _API_KEYS if self._backend_kind == "api" else _OPTION_KEYS
-        unknown = set(options) - allowed
-        if unknown:
-            raise ValueError(f"{options_path}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        options = read_options(self._model_dir, self.name, api=self._backend_kind == "api", keys=_OPTION_KEYS)
         self.task, self.readout = options.get("task", self.task), options.get("readout", self.readout)
         self.max_new_tokens = int(options.get("max_new_tokens", self.max_new_tokens))
         self._check_options()
-        if self._backend_kind == "local":
-            self._backend = LocalQwenVL(
-                self._model_dir / "qwenvl", device=self._device, max_new_tokens=self.max_new_tokens
-            )
-        else:
-            key_env = options.get("api_key_env")
-            self._backend = OpenAIQwenVL(
-                options["base_url"],
-                options["model"],
-                api_key=os.environ.get(key_env) if key_env else None,
-                timeout_s=float(options.get("timeout_s", 120.0)),
-                max_concurrency=int(options.get("max_concurrency", 16)),
-                max_new_tokens=self.max_new_tokens,
-            )
+        self._backend = open_backend(self._model_dir / "qwenvl", options, api=self._backend_kind == "api",
+                                     device=self._device, max_new_tokens=self.max_new_tokens)
         self._backend.answer(
             [JudgeQuery([np.zeros((28, 28, 3), np.uint8)], TASKS["aesthetics"])], self.readout
         )
@@ -321,6 +303,37 @@ class QwenVLScorer:
             raise ValueError(f"unknown task {self.task!r}; one of {sorted(TASKS)}")
         if self.readout not in ANSWER_FORMATS:
             raise ValueError(f"unknown readout {self.readout!r}; one of {sorted(ANSWER_FORMATS)}")
+
+
+def read_options(model_dir: Path, name: str, *, api: bool, keys: set[str]) -> dict[str, Any]:
+    """``<model_dir>/<name>.json`` (required for an API backend: it names the server), checked against
+    ``keys`` plus, for an API backend, the server keys."""
+    path = model_dir / f"{name}.json"
+    if api and not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: it names the judge server (base_url, model)")
+    options = json.loads(path.read_text()) if path.is_file() else {}
+    allowed = keys | _SERVER_KEYS if api else keys
+    unknown = set(options) - allowed
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return options
+
+
+def open_backend(
+    local_path: Path, options: dict[str, Any], *, api: bool, device: str | None, max_new_tokens: int
+) -> JudgeBackend:
+    """The judge in ``local_path`` (transformers), or the server that ``options`` name (chat completions)."""
+    if not api:
+        return LocalQwenVL(local_path, device=device, max_new_tokens=max_new_tokens)
+    key_env = options.get("api_key_env")
+    return OpenAIQwenVL(
+        options["base_url"],
+        options["model"],
+        api_key=os.environ.get(key_env) if key_env else None,
+        timeout_s=float(options.get("timeout_s", 120.0)),
+        max_concurrency=int(options.get("max_concurrency", 16)),
+        max_new_tokens=max_new_tokens,
+    )
 
 
 def _png_data_uri(image: np.ndarray) -> str:

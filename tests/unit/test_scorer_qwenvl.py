@@ -11,15 +11,14 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from chat_server import ChatServer, serve_chat
 from fixtures_models import build_tiny_qwen_vl, rig_digits
 from PIL import Image
 
@@ -195,98 +194,14 @@ def test_load_needs_a_model_dir_and_checks_options(tmp_path: Path) -> None:
 # --- the OpenAI-compatible backend against a real local server running the tiny model -----------------
 
 
-class _ChatServer(ThreadingHTTPServer):
-    """``/v1/models`` and ``/v1/chat/completions`` as vLLM answers them, computed by a LocalQwenVL."""
-
-    daemon_threads = True
-
-    def __init__(self, judge: LocalQwenVL, *, logprobs: bool = True, fail_on: str | None = None) -> None:
-        super().__init__(("127.0.0.1", 0), _ChatHandler)
-        self.judge, self.logprobs, self.fail_on = judge, logprobs, fail_on
-        self.lock = threading.Lock()
-        self.requests: list[dict[str, Any]] = []
-
-    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        (user,) = [m for m in body["messages"] if m["role"] == "user"]
-        images = [
-            _from_data_uri(part["image_url"]["url"])
-            for part in user["content"]
-            if part["type"] == "image_url"
-        ]
-        (question,) = [part["text"] for part in user["content"] if part["type"] == "text"]
-        query = JudgeQuery(images, question)
-        with self.lock, torch.no_grad():
-            if body["max_tokens"] > 1:
-                (answer,) = self.judge.answer([query], "generate")
-                return {
-                    "choices": [{"message": {"role": "assistant", "content": answer.text}, "logprobs": None}]
-                }
-            logits = self.judge.model(**self.judge.encode([query])).logits[0, -1].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logprobs, body.get("top_logprobs", 1))
-        tokens = [self.judge.tokenizer.decode([index]) for index in top.indices.tolist()]
-        content = {
-            "token": tokens[0],
-            "logprob": float(top.values[0]),
-            "top_logprobs": [
-                {"token": token, "logprob": float(value)}
-                for token, value in zip(tokens, top.values, strict=True)
-            ],
-        }
-        logprob_field = {"content": [content]} if self.logprobs and body.get("logprobs") else None
-        return {
-            "choices": [{"message": {"role": "assistant", "content": tokens[0]}, "logprobs": logprob_field}]
-        }
-
-
-class _ChatHandler(BaseHTTPRequestHandler):
-    server: _ChatServer
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self.path != "/v1/models":
-            return self._send(404, {"error": "not found"})
-        self._send(200, {"data": [{"id": "tiny-qwen", "root": "/models/tiny-qwen"}]})
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append(body)
-        if self.path != "/v1/chat/completions" or body["model"] != "tiny-qwen":
-            return self._send(404, {"error": "unknown model or path"})
-        if self.server.fail_on and self.server.fail_on in json.dumps(body["messages"]):
-            return self._send(500, {"error": "engine died"})
-        self._send(200, self.server.complete(body))
-
-    def _send(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet."""
-
-
-def _from_data_uri(uri: str) -> np.ndarray:
-    header, data = uri.split(",", 1)
-    assert header == "data:image/png;base64"
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
-
-
 @pytest.fixture
-def chat_server(rigged_dir: Path, request: pytest.FixtureRequest) -> Iterator[_ChatServer]:
+def chat_server(rigged_dir: Path, request: pytest.FixtureRequest) -> Iterator[ChatServer]:
     judge = LocalQwenVL(rigged_dir / "qwenvl", max_new_tokens=16)
-    server = _ChatServer(judge, **getattr(request, "param", {}))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
+    with serve_chat(judge, **getattr(request, "param", {})) as server:
+        yield server
 
 
-def _api_scorer(server: _ChatServer, tmp_path: Path, **options: Any) -> QwenVLScorer:
+def _api_scorer(server: ChatServer, tmp_path: Path, **options: Any) -> QwenVLScorer:
     host, port = server.server_address[:2]
     config = {"base_url": f"http://{host}:{port}/v1", "model": "tiny-qwen", "timeout_s": 60, **options}
     (tmp_path / "qwenvl_api.json").write_text(json.dumps(config))
@@ -296,7 +211,7 @@ def _api_scorer(server: _ChatServer, tmp_path: Path, **options: Any) -> QwenVLSc
 
 
 def test_api_backend_matches_the_local_backend(
-    chat_server: _ChatServer, rigged_dir: Path, tmp_path: Path
+    chat_server: ChatServer, rigged_dir: Path, tmp_path: Path
 ) -> None:
     api = _api_scorer(chat_server, tmp_path, task="aesthetics")
     local = _scorer(rigged_dir, task="aesthetics")
@@ -314,14 +229,14 @@ def test_api_backend_matches_the_local_backend(
 
 @pytest.mark.parametrize("chat_server", [{"logprobs": False}], indirect=True)
 def test_api_backend_reads_the_digit_when_the_server_gives_no_logprobs(
-    chat_server: _ChatServer, tmp_path: Path
+    chat_server: ChatServer, tmp_path: Path
 ) -> None:
     (outcome,) = _api_scorer(chat_server, tmp_path).score(IMAGES[:1], ["a cat"], [{}])
     assert outcome.score == pytest.approx(0.75) and outcome.details["readout"] == "text"
 
 
 @pytest.mark.parametrize("chat_server", [{"fail_on": "broken"}], indirect=True)
-def test_api_backend_failures_are_per_item(chat_server: _ChatServer, tmp_path: Path) -> None:
+def test_api_backend_failures_are_per_item(chat_server: ChatServer, tmp_path: Path) -> None:
     scorer = _api_scorer(chat_server, tmp_path)
     outcomes = run_scorer(scorer, IMAGES, ["a cat", "a broken cat"], [{}, {}])
     assert outcomes[0].ok and outcomes[0].score == pytest.approx(0.75, abs=1e-4)
@@ -333,7 +248,7 @@ def test_api_backend_failures_are_per_item(chat_server: _ChatServer, tmp_path: P
 
 
 def test_api_backend_refuses_a_model_the_server_does_not_serve(
-    chat_server: _ChatServer, tmp_path: Path
+    chat_server: ChatServer, tmp_path: Path
 ) -> None:
     with pytest.raises(ValueError, match="not 'other-model'"):
         _api_scorer(chat_server, tmp_path, model="other-model")
