@@ -79,6 +79,13 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
     out = capsys.readouterr().out
     which = "before RL" if best["step"] == 0 else f"epoch {best['step']}"
     assert f"best: {which}, reward_mean {best['reward_mean']:.3f}" in out and f"{tmp_path / 'best'}" in out
+    # eval.on_alarm=rollback restores exactly these trained weights and EMA
+    with torch.no_grad():
+        for p in trainer.adapter.trainable.parameters():
+            p.add_(1.0)
+    trainer._restore_best()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.adapter.trainable.parameters(), trained, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(trainer.ema.shadow, evaluated, strict=True))
 
 
 def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, capsys):
