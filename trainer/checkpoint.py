@@ -68,8 +68,6 @@ class Checkpoints:
         it (gathering sharded weights is collective). ``states``: the components' named tensor states (rank
         0 writes the shared ones, every rank its own); returns the directory on rank 0."""
         final = self.directory / f"step-{progress.warmup_steps_done:06d}-{progress.epochs_done:06d}"
-        if self.is_main:
-            self.directory.mkdir(parents=True, exist_ok=True)
         written = write_atomically(final, progress, adapter, backend, states, config)
         if self.is_main:
             self._prune()
@@ -125,9 +123,10 @@ def write_atomically(final: Path, progress: Progress, adapter, backend, states: 
     same progress). Returns ``final`` on rank 0."""
     trainable = backend.trainable_state(adapter.denoiser)
     optimizer_state = backend.optimizer_state() if optimizer else None
-    tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if backend.world.rank == 0
-                                 else None))
     is_main = backend.world.rank == 0
+    if is_main:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if is_main else None))
     if is_main:  # mkdtemp makes it private (0700): give it the mode any directory of this user gets
         umask = os.umask(0)
         os.umask(umask)
