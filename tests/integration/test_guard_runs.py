@@ -39,7 +39,7 @@ def _records(run_dir: Path, phase: str) -> list[dict]:
 
 
 def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model_dir, capsys):
-    trainer = _trainer(tmp_path, tiny_model_dir, "train.epochs=3", "train.select_by=reward_mean",
+    trainer = _trainer(tmp_path, tiny_model_dir, "train.epochs=2", "train.select_by=reward_mean",
                        "train.ema_decay=0.5")
     seen: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     evaluate = trainer.evaluate
@@ -61,7 +61,7 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
     trainer.fit()
     trainer.logger.close()
     evals = _records(tmp_path, "eval")
-    assert [r["step"] for r in evals] == [0, 1, 2, 3]
+    assert [r["step"] for r in evals] == [0, 1, 2]
     best = max(evals, key=lambda r: r["reward_mean"])  # the first of equal ones
     meta = json.loads((tmp_path / "best" / "meta.json").read_text())
     assert (meta["epoch"], meta["value"], meta["evaluated"]) == (best["step"], best["reward_mean"], "ema")
@@ -112,16 +112,15 @@ def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, c
 def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path, tiny_model_dir, capsys):
     """One warm-up, then GRPO twice from it: against the digit reward, the alarm stays quiet; against the
     brightness reward (bright blobs score, digits do not), digit accuracy falls while the reward rises, and
-    the alarm (eval.on_alarm=stop) stops the run; best/ keeps the weights from before the fall."""
+    the alarm (eval.on_alarm=stop) stops the run (epoch 8 of 12 here); best/ keeps the best accuracy's weights."""
     warm = _trainer(tmp_path / "warm", tiny_model_dir, "train.warmup_steps=600", "train.epochs=0")
     warm.fit()
     warm.logger.close()
     start = f"train.init_from={warm.checkpoints.latest()}"
-    rl = ("train.epochs=8", "eval.every=2", "eval.samples_per_prompt=4", "eval.num_steps=10",
-          "algorithm.group_size=8", "algorithm.sampler.num_steps=10", "algorithm.sampler.window_range=[0,3]",
-          "eval.on_alarm=stop", start)
-    for name, reward in ("normal", "digit"), ("hacked", "brightness"):
-        trainer = _trainer(tmp_path / name, tiny_model_dir, *rl, reward=reward)
+    rl = ("eval.every=2", "eval.samples_per_prompt=4", "eval.num_steps=10", "algorithm.group_size=8",
+          "algorithm.sampler.num_steps=10", "algorithm.sampler.window_range=[0,3]", "eval.on_alarm=stop", start)
+    for name, reward, epochs in ("normal", "digit", 8), ("hacked", "brightness", 12):
+        trainer = _trainer(tmp_path / name, tiny_model_dir, *rl, f"train.epochs={epochs}", reward=reward)
         trainer.init_from(warm.checkpoints.latest())
         trainer.fit()
         trainer.logger.close()
@@ -130,7 +129,7 @@ def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path,
     assert alarm["metric"] == "digit_accuracy" and alarm["guard_then"] - alarm["guard_now"] > 0.1
     assert alarm["reward_now"] > alarm["reward_then"]
     evals = _records(tmp_path / "hacked", "eval")
-    assert evals[-1]["step"] < 8  # stopped
+    assert evals[-1]["step"] == alarm["step"] < 12, evals  # stopped there
     best = json.loads((tmp_path / "hacked" / "best" / "meta.json").read_text())
     assert best["value"] == max(r["digit_accuracy"] for r in evals) and not math.isnan(best["value"])
     assert "reward-hacking alarm at epoch" in capsys.readouterr().out
