@@ -29,9 +29,11 @@ TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sa
 
 def _trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit") -> Trainer:
     config = load_config(overrides=[f"model.path={model_dir}", *TINY, *overrides])
+    guards = {name: 0.0 for name in config.eval.guard_scorers}
     return Trainer(config, TinyAdapter(TinyConfig(path=model_dir)), build_algorithm(config.algorithm),
                    SFT(config.warmup), DigitsTask(16), InProcessRewardClient.from_names({reward: 1.0}),
-                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, True, False))
+                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, True, False),
+                   InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None)
 
 
 def _records(run_dir: Path, phase: str) -> list[dict]:
@@ -40,7 +42,7 @@ def _records(run_dir: Path, phase: str) -> list[dict]:
 
 def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model_dir, capsys):
     trainer = _trainer(tmp_path, tiny_model_dir, "train.epochs=2", "train.select_by=reward_mean",
-                       "train.ema_decay=0.5")
+                       "train.ema_decay=0.5", "eval.guard_scorers=[brightness]")
     seen: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     evaluate = trainer.evaluate
 
@@ -62,6 +64,7 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
     trainer.logger.close()
     evals = _records(tmp_path, "eval")
     assert [r["step"] for r in evals] == [0, 1, 2]
+    assert all(0 < r["guard/brightness"] < 1 for r in evals)  # a guard scorer, scored on the same images
     best = max(evals, key=lambda r: r["reward_mean"])  # the first of equal ones
     meta = json.loads((tmp_path / "best" / "meta.json").read_text())
     assert (meta["epoch"], meta["value"], meta["evaluated"]) == (best["step"], best["reward_mean"], "ema")
