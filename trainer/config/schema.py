@@ -209,7 +209,7 @@ class EvalConfig:
     """CFG scale for evaluation samples."""
     seed: Seed = 1234
     """Seed of the evaluation noise: the same images before and after, so they are comparable."""
-    every: NonNegativeInt = 5
+    every: NonNegativeInt = 2
     """Evaluate every N RL epochs (0: only before and after); each evaluation may become train.select_by's best."""
     use_ema: bool = True
     """Evaluate with the EMA weights when ``train.ema_decay`` keeps an EMA."""
