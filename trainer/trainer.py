@@ -185,7 +185,7 @@ class Trainer:
             self._print(f"warning: {verdict.alarm.message()} (eval.on_alarm={action})")
             self.logger.log(epoch, "alarm", {"metric": verdict.alarm.metric, **verdict.alarm.numbers()})
             if action == "stop":
-                stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights are in {self.best_dir}"
+                stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {self.best_dir}"
             elif action == "rollback":
                 self._restore_best()
         if stop:
@@ -199,15 +199,16 @@ class Trainer:
         evaluated = "ema" if self.ema is not None and self.config.eval.use_ema else "trained"
         meta = {"epoch": epoch, "select_by": self.guard.select_by, "value": metrics[self.guard.select_by],
                 "evaluated": evaluated, "metrics": metrics}
-        checkpoint.write_atomically(self.best_dir, self.progress, self.adapter, self.backend, states, saved_dict(self.config),
-                         optimizer=False, meta=meta, replace=True)
+        checkpoint.write_atomically(self.best_dir, self.progress, self.adapter, self.backend, states,
+                                    saved_dict(self.config), optimizer=False, meta=meta, replace=True)
 
     def _restore_best(self) -> None:
         """Roll back to best/: its trained weights and EMA, with fresh optimizer moments."""
         checkpoint.recover(self.best_dir)
         load_weights(self.best_dir, self.adapter.denoiser, self.backend)
         if self.ema is not None:
-            self.ema.load_checkpoint_state(checkpoint.load_states(self.best_dir, self.backend.world.rank), self.best_dir)
+            states = checkpoint.load_states(self.best_dir, self.backend.world.rank)
+            self.ema.load_checkpoint_state(states, self.best_dir)
         self.backend.reset_optimizer()
         self._print(f"rolled back to the weights of epoch {self.guard.best_epoch} ({self.best_dir})")
 
