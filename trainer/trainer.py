@@ -83,8 +83,11 @@ class Trainer:
         if reused:
             raise ValueError(f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
                              "must be independent of the reward; remove it from one of them")
-        self.guard = Guard(train.select_by or (task.metric_names[:1] or (REWARD,))[0], train.early_stop,
-                           ev.alarm_window, ev.alarm_margin)
+        logged = [*task.metric_names, REWARD, *(f"guard/{name}" for name in ev.guard_scorers)]
+        if train.select_by and train.select_by not in logged:
+            raise ValueError(f"train.select_by={train.select_by!r} is not a metric this run's evaluation logs; choose "
+                             f"one of: {', '.join(logged)}")
+        self.guard = Guard(train.select_by or logged[0], train.early_stop, ev.alarm_window, ev.alarm_margin)
         self.best_dir = logger.run_dir / "best"
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank

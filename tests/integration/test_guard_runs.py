@@ -91,6 +91,12 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
     assert all(torch.equal(a, b) for a, b in zip(trainer.ema.shadow, evaluated, strict=True))
 
 
+def test_a_select_by_the_evaluation_does_not_log_is_refused_before_training(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="train.select_by='aesthetic' is not a metric this run's evaluation logs; "
+                                         "choose one of: digit_accuracy, reward_mean, guard/brightness"):
+        _trainer(tmp_path, tiny_model_dir, "train.select_by=aesthetic", "eval.guard_scorers=[brightness]")
+
+
 def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, capsys):
     """With learning rate 0 every evaluation equals the first: two without improvement stop the run at epoch 2
     of 6; resuming its last checkpoint restores the guard, which trains no further epoch."""
