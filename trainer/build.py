@@ -88,16 +88,21 @@ def run(config: Config) -> dict[str, float]:
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient
 
-        client = HttpRewardClient(urls, config.reward.weights, token=reward_token(config.reward),
-                                  timeout_s=config.reward.timeout_s, max_concurrency=config.reward.max_concurrency,
-                                  batch_size=config.reward.batch_size, wire_format=config.reward.wire_format,
-                                  combine_mode=config.reward.combine_mode)
-        stack.callback(client.close)
+        def reward_client(weights: dict[str, float]) -> HttpRewardClient:
+            made = HttpRewardClient(urls, weights, token=reward_token(config.reward), timeout_s=config.reward.timeout_s,
+                                    max_concurrency=config.reward.max_concurrency, batch_size=config.reward.batch_size,
+                                    wire_format=config.reward.wire_format, combine_mode=config.reward.combine_mode)
+            stack.callback(made.close)
+            return made
+
+        client = reward_client(config.reward.weights)
+        guards = {name: 0.0 for name in config.eval.guard_scorers if name not in config.reward.weights}
+        guard_client = reward_client({**config.reward.weights, **guards}) if guards else None
         logger = RunLogger(run_dir, enabled=main, tensorboard=config.logging.tensorboard)
         stack.callback(logger.close)
 
         trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
-                          backend, logger)
+                          backend, logger, guard_client)
         if config.train.resume:
             checkpoint = (trainer.checkpoints.latest() if config.train.resume == "auto"
                           else Path(config.train.resume))
@@ -115,8 +120,8 @@ def run(config: Config) -> dict[str, float]:
             final = backend.main_copy(adapter.denoiser)  # on rank 0's CPU, gathered a parameter at a time
         if main:
             export_denoiser(final, run_dir / "final")
-            print(f"done: {run_dir} (final/: the {'EMA' if ema is not None else 'trained'} weights, as evaluated)",
-                  flush=True)
+            print(f"done: {run_dir} (final/: the last {'EMA' if ema is not None else 'trained'} weights, as evaluated; "
+                  f"best/: the best evaluation's, epoch {trainer.guard.best_epoch})", flush=True)
         backend.barrier()
         return metrics
 
@@ -149,7 +154,7 @@ def new_run_name(output_dir: Path) -> str:
 def reused_run_dir(run_dir: Path) -> str | None:
     """Why a fresh run may not write into ``run_dir``: the checkpoints or metrics of another run are there,
     which its checkpoints would be mixed with (or replaced by); None when it is free."""
-    held = [name for name in ("checkpoints", "metrics.jsonl", "final") if (run_dir / name).exists()]
+    held = [name for name in ("checkpoints", "metrics.jsonl", "final", "best") if (run_dir / name).exists()]
     if not held:
         return None
     return (f"{run_dir} already holds a run ({', '.join(held)}): continue it with train.resume=auto, or start "
@@ -174,6 +179,7 @@ def _start_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack
     env = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_TOKEN"}
     if (token := reward_token(config.reward)) is not None:  # the one the client sends, whatever the shell exports
         env["REWARD_SERVER_TOKEN"] = token
-    pool = LocalRewardPool(sorted(config.reward.weights), replicas=config.reward.replicas, log_dir=log_dir, env=env)
+    scorers = sorted({*config.reward.weights, *config.eval.guard_scorers})
+    pool = LocalRewardPool(scorers, replicas=config.reward.replicas, log_dir=log_dir, env=env)
     stack.enter_context(pool)
     return list(pool.urls)

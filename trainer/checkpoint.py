@@ -68,41 +68,11 @@ class Checkpoints:
         it (gathering sharded weights is collective). ``states``: the components' named tensor states (rank
         0 writes the shared ones, every rank its own); returns the directory on rank 0."""
         final = self.directory / f"step-{progress.warmup_steps_done:06d}-{progress.epochs_done:06d}"
-        trainable = backend.trainable_state(adapter.denoiser)
-        optimizer_state = backend.optimizer_state()
+        written = write_atomically(final, progress, adapter, backend, states, config)
         if self.is_main:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=self.directory) if self.is_main
-                                     else None))
-        if self.is_main:  # mkdtemp makes it private (0700): give it the mode any directory of this user gets
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)
-        mine = tmp / _rank_dir(backend.world.rank)
-        mine.mkdir()
-        torch.save(_rng_state(), mine / "rng.pt")
-        if backend.sharded_optimizer_state:
-            torch.save(optimizer_state, mine / "optimizer.pt")
-        _save_states({name: state.tensors for name, state in states.items() if state.per_rank}, mine)
-        _fsync_tree(mine)
-        if self.is_main:
-            save_file(trainable, tmp / "trainable.safetensors")
-            if not backend.sharded_optimizer_state:
-                torch.save(optimizer_state, tmp / "optimizer.pt")
-            _save_states({name: state.tensors for name, state in states.items() if not state.per_rank}, tmp)
-            (tmp / "backend.json").write_text(json.dumps(_backend_meta(backend)))
-            progress.save(tmp)
-            (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
-            _fsync_tree(tmp)
-        backend.barrier()  # every rank's files are in ``tmp`` before it is renamed
-        if self.is_main:
-            if final.exists():  # the same progress was saved before a resume: that copy is complete
-                shutil.rmtree(tmp)
-            else:
-                os.rename(tmp, final)
             self._prune()
         backend.barrier()
-        return final if self.is_main else None
+        return written
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint (temporary directories of interrupted writes are ignored)."""
@@ -129,9 +99,7 @@ class Checkpoints:
         else:
             backend.load_optimizer_state(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
         progress = Progress.load(path)
-        states = {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")
-                  if f.name != "trainable.safetensors"}
-        states.update({f.name.removesuffix(".safetensors"): load_file(f) for f in mine.glob("*.safetensors")})
+        states = load_states(path, backend.world.rank)
         if (mine / "rng.pt").is_file():  # absent for ranks a run on fewer ranks did not have
             _set_rng_state(torch.load(mine / "rng.pt", weights_only=True))
         return progress, states
@@ -145,6 +113,71 @@ class Checkpoints:
                               key=lambda p: tuple(int(x) for x in _NAME.match(p.name).groups()))
             for old in complete[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def write_atomically(final: Path, progress: Progress, adapter, backend, states: dict[str, State], config: dict,
+                     optimizer: bool = True, meta: dict | None = None, replace: bool = False) -> Path | None:
+    """Write a checkpoint to ``final`` under a temporary name in its parent, renamed when every rank's part is
+    there (every rank calls it). ``optimizer`` False leaves the optimizer state out (weights only); ``meta``
+    is written as ``meta.json``; ``replace``: a previous ``final`` is swapped out (else kept, as a copy of the
+    same progress). Returns ``final`` on rank 0."""
+    trainable = backend.trainable_state(adapter.denoiser)
+    optimizer_state = backend.optimizer_state() if optimizer else None
+    is_main = backend.world.rank == 0
+    if is_main:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if is_main else None))
+    if is_main:  # mkdtemp makes it private (0700): give it the mode any directory of this user gets
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
+    mine = tmp / _rank_dir(backend.world.rank)
+    mine.mkdir()
+    torch.save(_rng_state(), mine / "rng.pt")
+    if optimizer and backend.sharded_optimizer_state:
+        torch.save(optimizer_state, mine / "optimizer.pt")
+    _save_states({name: state.tensors for name, state in states.items() if state.per_rank}, mine)
+    _fsync_tree(mine)
+    if is_main:
+        save_file(trainable, tmp / "trainable.safetensors")
+        if optimizer and not backend.sharded_optimizer_state:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+        _save_states({name: state.tensors for name, state in states.items() if not state.per_rank}, tmp)
+        (tmp / "backend.json").write_text(json.dumps(_backend_meta(backend)))
+        if meta is not None:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        progress.save(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        _fsync_tree(tmp)
+    backend.barrier()  # every rank's files are in ``tmp`` before it is renamed
+    if is_main:
+        if final.exists() and not replace:  # the same progress was saved before a resume: that copy is complete
+            shutil.rmtree(tmp)
+        else:
+            swapped = final.with_name(f".replaced-{final.name}")
+            if final.exists():  # two renames; a kill between them leaves ``swapped``, which recover() renames back
+                shutil.rmtree(swapped, ignore_errors=True)
+                os.rename(final, swapped)
+            os.rename(tmp, final)
+            shutil.rmtree(swapped, ignore_errors=True)
+    backend.barrier()
+    return final if is_main else None
+
+
+def recover(final: Path) -> None:
+    """Undo a replacement by ``write_atomically`` that a kill cut between its two renames."""
+    swapped = final.with_name(f".replaced-{final.name}")
+    if swapped.is_dir() and not final.exists():
+        os.rename(swapped, final)
+
+
+def load_states(path: Path, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The named states of checkpoint ``path``: the shared ones and rank ``rank``'s own."""
+    states = {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")
+              if f.name != "trainable.safetensors"}
+    states.update({f.name.removesuffix(".safetensors"): load_file(f)
+                   for f in (path / _rank_dir(rank)).glob("*.safetensors")})
+    return states
 
 
 def load_weights(path: Path, module: torch.nn.Module, backend) -> None:

@@ -3,6 +3,7 @@
     python -m trainer.export --checkpoint outputs/RUN/checkpoints/step-000600-000030 --out exported/
     python -m trainer.export --checkpoint ... --out ... --model-path /weights/sd3   # the base moved
     python -m trainer.export --checkpoint ... --out ... --ema    # the EMA weights (what the run evaluated)
+    python -m trainer.export --checkpoint outputs/RUN/best --ema --out exported/   # the best evaluation's
 
 The checkpoint's config names the model; its base weights are loaded from ``model.path`` (or
 ``--model-path``), the checkpoint's trainable weights are loaded on top, LoRA is merged into the base, and
@@ -62,7 +63,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
 
     if not (checkpoint / "trainable.safetensors").is_file():
         raise ValueError(f"{checkpoint} is not a complete checkpoint (no trainable.safetensors); pass a "
-                         "<run>/checkpoints/step-* directory")
+                         "<run>/checkpoints/step-* directory or <run>/best")
     raw = json.loads((checkpoint / "config.json").read_text())
     if model_path:
         raw.setdefault("model", {})["path"] = model_path
@@ -111,7 +112,8 @@ def load_ema(checkpoint: Path, trainable: list[nn.Parameter]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, type=Path, help="a <run>/checkpoints/step-* directory")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="a <run>/checkpoints/step-* directory, or <run>/best (the best evaluation's weights)")
     parser.add_argument("--out", required=True, type=Path, help="directory to write the diffusers model to")
     parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
     parser.add_argument("--ema", action="store_true",

@@ -79,7 +79,7 @@ class RunLogger:
         if mark is not None:
             kept = records[: mark + 1]
         else:
-            kept = [r for r in records if r["phase"] in ("warmup", "rl", "eval", "checkpoint")
+            kept = [r for r in records if r["phase"] in ("warmup", "rl", "eval", "alarm", "checkpoint")
                     and r["step"] <= (warmup_steps_done - 1 if r["phase"] == "warmup" else epochs_done)]
         self._jsonl.close()
         tmp = path.with_name(path.name + ".tmp")
@@ -112,9 +112,9 @@ class RunLogger:
             writer.add_image(name, np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB")), step,
                              dataformats="HWC")
 
-    def reward_curve(self) -> None:
-        """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise) to
-        reward_curve.png."""
+    def reward_curve(self, best_epoch: int = -1, select_by: str = "") -> None:
+        """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise: the held-out reward,
+        the task's metric, the guard scorers) to reward_curve.png, marking the best evaluation (by ``select_by``)."""
         if not self.enabled:
             return
         import matplotlib
@@ -129,9 +129,15 @@ class RunLogger:
         for key in sorted({k for r in evals for k in r} - {"phase", "step", "time"}):
             points = [(r["step"], r[key]) for r in evals if key in r]
             ax.plot(*zip(*points, strict=True), "o--", label=f"eval {key}")
+        best = [r for r in evals if r["step"] == best_epoch and select_by in r]
+        if best:
+            ax.axvline(best_epoch, color="grey", linestyle=":", linewidth=1)
+            ax.plot([best_epoch], [best[-1][select_by]], "k*", markersize=12,
+                    label=f"best: epoch {best_epoch} ({select_by} {best[-1][select_by]:.3f})")
         ax.set_xlabel("RL epoch")
+        ax.set_ylabel("mean reward / eval metric")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
         fig.tight_layout()
         fig.savefig(self.run_dir / "reward_curve.png", dpi=100)
         plt.close(fig)

@@ -17,15 +17,17 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.rewards import RewardClient, RewardResult, failed_share
+from trainer import checkpoint
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
 from trainer.config import Config, saved_dict, to_dict
 from trainer.config.building import build
-from trainer.data import Task
+from trainer.data import Task, training_items
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend
 from trainer.ema import EMA
+from trainer.guard import REWARD, Guard
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.rollout import Rollout, SamplerSettings, chunk_bounds, rollout, window_mask
@@ -39,7 +41,8 @@ class RewardFailure(RuntimeError):
 
 class Trainer:
     def __init__(self, config: Config, adapter: ModelAdapter, algorithm: Algorithm, warmup: SFT, task: Task,
-                 reward_client: RewardClient, backend: ParallelBackend, logger: RunLogger):
+                 reward_client: RewardClient, backend: ParallelBackend, logger: RunLogger,
+                 guard_client: RewardClient | None = None):
         build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
         self.config = config
         self.adapter = adapter
@@ -47,6 +50,8 @@ class Trainer:
         self.warmup = warmup
         self.task = task
         self.rewards = reward_client
+        self.eval_rewards = guard_client or reward_client
+        """Scores the evaluation: the reward's scorers and the eval.guard_scorers (weight 0)."""
         self.backend = backend
         self.logger = logger
         self.is_main = backend.world.rank == 0
@@ -61,7 +66,8 @@ class Trainer:
                                              weight_decay=train.weight_decay),
             shard_units=adapter.shard_units,
         )
-        self.sampler = GroupSampler(len(task.prompts), config.data.prompts_per_epoch, algorithm.group_size,
+        self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
+        self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
                                     backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
         algorithm.check_batch(self.sampler.per_rank)
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
@@ -72,6 +78,17 @@ class Trainer:
         self.ema = EMA(shards, train.ema_decay, train.ema_every, sharded) if train.ema_decay > 0 else None
         self.progress = Progress()
         self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", config.train.keep_checkpoints, self.is_main)
+        ev = config.eval
+        reused = sorted(set(ev.guard_scorers) & {k for k, w in config.reward.weights.items() if w})
+        if reused:
+            raise ValueError(f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
+                             "must be independent of the reward; remove it from one of them")
+        logged = [*task.metric_names, REWARD, *(f"guard/{name}" for name in ev.guard_scorers)]
+        if train.select_by and train.select_by not in logged:
+            raise ValueError(f"train.select_by={train.select_by!r} is not a metric this run's evaluation logs; choose "
+                             f"one of: {', '.join(logged)}")
+        self.guard = Guard(train.select_by or logged[0], train.early_stop, ev.alarm_window, ev.alarm_margin)
+        self.best_dir = logger.run_dir / "best"
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
 
@@ -123,9 +140,12 @@ class Trainer:
             if self.algorithm.needs_reference:
                 self._new_reference()
             progress.rl_started = True
+            self._judge(0, before)
         self.backend.set_lr(train.learning_rate)
         bar = tqdm(range(progress.epochs_done, train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
+            if self.guard.stopped:  # a resumed run that had stopped
+                break
             metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
             shown = [k for k in metrics if k.endswith("accuracy")]
@@ -136,20 +156,68 @@ class Trainer:
             progress.epochs_done = epoch + 1
             every = self.config.eval.every
             if every and (epoch + 1) % every == 0 and epoch + 1 < train.epochs:
-                self._print(f"[eval] epoch {epoch + 1}: {_fmt(self.evaluate(epoch + 1, None))}")
+                evaluation = self.evaluate(epoch + 1, None)
+                self._print(f"[eval] epoch {epoch + 1}: {_fmt(evaluation)}")
+                if self._judge(epoch + 1, evaluation):
+                    break
             if train.checkpoint_every and (epoch + 1) % train.checkpoint_every == 0 and epoch + 1 < train.epochs:
                 self.save_checkpoint()
         self.save_checkpoint()
-        after = self.evaluate(train.epochs, "samples_after")
+        done = progress.epochs_done
+        after = self.evaluate(done, "samples_after")
         self._print(f"[eval] after RL: {_fmt(after)}")
+        if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
+            self._judge(done, after)
         spread = self.weights_rank_spread()
-        self.logger.log(train.epochs, "final", {**after, "weights_rank_spread": spread})
-        self.logger.reward_curve()
+        self.logger.log(done, "final", {**after, "weights_rank_spread": spread})
+        self.logger.reward_curve(self.guard.best_epoch, self.guard.select_by)
+        ema = self.ema is not None and self.config.eval.use_ema
+        self._print(self.guard.report(self.best_dir, "--ema " if ema else ""))
         return after
+
+    def _judge(self, epoch: int, metrics: dict[str, float]) -> bool:
+        """Give evaluation ``epoch`` (rank 0's metrics) to the guard, on every rank alike: a new best is written
+        to best/, an alarm printed, logged and acted on (eval.on_alarm). True: stop the run."""
+        metrics = self.backend.broadcast(metrics if self.is_main else None)
+        verdict = self.guard.observe(epoch, metrics)
+        if verdict.improved:
+            self._save_best(epoch, metrics)
+        stop = verdict.stop
+        if verdict.alarm is not None:
+            action = self.config.eval.on_alarm
+            self._print(f"warning: {verdict.alarm.message()} (eval.on_alarm={action})")
+            self.logger.log(epoch, "alarm", {"metric": verdict.alarm.metric, **verdict.alarm.numbers()})
+            if action == "stop":
+                stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {self.best_dir}"
+            elif action == "rollback":
+                self._restore_best()
+        if stop:
+            self._print(stop)
+            self.guard.stopped = True
+        return bool(stop)
+
+    def _save_best(self, epoch: int, metrics: dict[str, float]) -> None:
+        """Write the weights (and EMA) just evaluated to best/, atomically, with what the evaluation measured."""
+        states = self.ema.checkpoint_state() if self.ema is not None else {}
+        evaluated = "ema" if self.ema is not None and self.config.eval.use_ema else "trained"
+        meta = {"epoch": epoch, "select_by": self.guard.select_by, "value": metrics[self.guard.select_by],
+                "evaluated": evaluated, "metrics": metrics}
+        checkpoint.write_atomically(self.best_dir, self.progress, self.adapter, self.backend, states,
+                                    saved_dict(self.config), optimizer=False, meta=meta, replace=True)
+
+    def _restore_best(self) -> None:
+        """Roll back to best/: its trained weights and EMA, with fresh optimizer moments."""
+        checkpoint.recover(self.best_dir)
+        load_weights(self.best_dir, self.adapter.denoiser, self.backend)
+        if self.ema is not None:
+            states = checkpoint.load_states(self.best_dir, self.backend.world.rank)
+            self.ema.load_checkpoint_state(states, self.best_dir)
+        self.backend.reset_optimizer()
+        self._print(f"rolled back to the weights of epoch {self.guard.best_epoch} ({self.best_dir})")
 
     def _stateful(self) -> list[Stateful]:
         """The components that keep their own state in checkpoints (besides weights, optimizer, progress)."""
-        return [self.ctx, self.algorithm, *([self.ema] if self.ema is not None else [])]
+        return [self.ctx, self.algorithm, self.guard, *([self.ema] if self.ema is not None else [])]
 
     def save_checkpoint(self) -> None:
         states = {}
@@ -197,6 +265,7 @@ class Trainer:
         g = self._generator(1, epoch)
         self.algorithm.start_epoch(self.ctx, epoch)
         indices, group_ids = self.sampler.epoch(epoch)
+        indices = self.pool[indices]
         prompts = [self.task.prompts[i] for i in indices.tolist()]
 
         t0 = time.perf_counter()
@@ -226,7 +295,8 @@ class Trainer:
         metrics.update(self.algorithm.batch_metrics(batch))
         for name, values in result.components.items():
             metrics[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
-        metrics.update(self.task.metrics(ro.images, prompts))
+        # the rollouts' task metrics, named apart from the evaluation's (other prompts, noise and weights)
+        metrics.update({f"rollout_{k}": v for k, v in self.task.metrics(ro.images, prompts).items()})
         metrics = self.backend.mean(metrics)
         valid = rewards.all[~torch.isnan(rewards.all)]
         metrics.update({
@@ -326,8 +396,10 @@ class Trainer:
             repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
             items = [i for i in self.task.eval_indices for _ in range(ev.samples_per_prompt)]
             metrics = self.task.metrics(ordered, repeated)
-            scored = self.rewards.score(to_uint8(ordered), repeated, self.task.item_metadata(items))
-            metrics["reward_mean"] = float(np.nanmean(scored.combined))
+            scored = self.eval_rewards.score(to_uint8(ordered), repeated, self.task.item_metadata(items))
+            metrics[REWARD] = float(np.nanmean(scored.combined))
+            for name in ev.guard_scorers:
+                metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
             self.logger.log(step, "eval", metrics)
             self.logger.image_grid(grid_name or f"samples_epoch{step:04d}", ordered, len(prompts), step)
         self.backend.barrier()

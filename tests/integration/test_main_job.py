@@ -48,9 +48,12 @@ def test_the_job_writes_its_outputs(tmp_path, tiny_model_dir):
     That it learns is test_shortened_job_raises_the_reward's (slow) and test_adapter_learning's."""
     run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}",
                 "logging.run_name=toy", "logging.progress=false", "train.warmup_steps=4", "train.epochs=2",
-                "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1"],
-               tmp_path, timeout=600)
-    _check_outputs(run, tmp_path / "toy", epochs=2)
+                "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1",
+                "eval.guard_scorers=[brightness]"], tmp_path, timeout=600)
+    records = _check_outputs(run, tmp_path / "toy", epochs=2)
+    # the guard scorer is served by the job's own replicas and scored on the evaluation's images; best/ is there
+    assert all(0 < r["guard/brightness"] < 1 for r in records if r["phase"] == "eval")
+    assert (tmp_path / "toy" / "best" / "trainable.safetensors").is_file() and "best: " in run.stdout
 
 
 @pytest.mark.slow

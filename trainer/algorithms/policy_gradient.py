@@ -142,6 +142,12 @@ class ClippedPolicyGradient(NoExtras):
     def __init__(self, config: PolicyGradientConfig):
         super().__init__(config)
         self.needs_reference = config.kl_beta > 0
+        # The ratio statistics say how far the policy moved off the rollout's; with one optimizer step per
+        # rollout batch the ratio is exactly 1 (they are logged as 0), so the progress line leaves them out.
+        # The KL to the reference is shown where kl_beta > 0 puts it in the loss.
+        reused = config.inner_epochs > 1 or config.steps_per_epoch > 1
+        self.shown_metrics = (tuple(m for m in type(self).shown_metrics if reused or m not in ("approx_kl", "clip_frac"))
+                              + (("kl",) if config.kl_beta > 0 else ()))
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:
         raise NotImplementedError

@@ -188,11 +188,18 @@ class TrainConfig:
     init_from: str = ""
     """A checkpoint directory whose trainable weights the run starts from (its optimizer and progress are
     not taken): e.g. RL with several algorithms from one warm-up run. Ignored when resuming."""
+    select_by: str = ""
+    """The evaluation metric (maximised) whose best evaluation keeps its weights, EMA included, in <run>/best/:
+    "" is the task's own metric where it has one (digits: digit_accuracy), else reward_mean (the reward on
+    the held-out samples); guard/<scorer> names an eval.guard_scorers one."""
+    early_stop: NonNegativeInt = 0
+    """Stop after this many evaluations (eval.every) without a new best train.select_by; 0: never."""
 
 
 @dataclass
 class EvalConfig:
-    """Fixed-seed evaluation before and after training (and every ``every`` epochs)."""
+    """Fixed-seed evaluation before and after training (and every ``every`` epochs), on prompts RL does not
+    sample where the task has others to train on, with guard metrics beside the reward (trainer/guard.py)."""
 
     samples_per_prompt: PositiveInt = 10
     """Images per evaluation prompt; the grids show one row per prompt."""
@@ -202,10 +209,21 @@ class EvalConfig:
     """CFG scale for evaluation samples."""
     seed: Seed = 1234
     """Seed of the evaluation noise: the same images before and after, so they are comparable."""
-    every: NonNegativeInt = 5
-    """Evaluate every N RL epochs (0: only before and after)."""
+    every: NonNegativeInt = 2
+    """Evaluate every N RL epochs (0: only before and after); each evaluation may become train.select_by's best."""
     use_ema: bool = True
     """Evaluate with the EMA weights when ``train.ema_decay`` keeps an EMA."""
+    guard_scorers: list[str] = field(default_factory=list)
+    """Served scorers also scored on the evaluation's samples, logged as guard/<name> beside the reward (e.g.
+    aesthetic next to a PickScore reward): independent checks for the hacking alarm and train.select_by."""
+    alarm_window: PositiveInt = 2
+    """The reward-hacking alarm compares each evaluation with the one this many evaluations before it."""
+    alarm_margin: NonNegativeFloat = 0.1
+    """The alarm fires when the held-out reward rose over the window while a guard metric (the task's own,
+    guard/<scorer>) fell by more than this."""
+    on_alarm: Literal["warn", "stop", "rollback"] = "warn"
+    """What an alarm does besides being printed and logged: nothing more, stop the run, or restore the best
+    weights (and EMA, with fresh optimizer moments) and go on."""
 
 
 @dataclass

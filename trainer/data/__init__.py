@@ -14,13 +14,15 @@ from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
 from trainer.data.edit_jsonl import read_edit_jsonl
 from trainer.data.inpaint_jsonl import read_inpaint_jsonl
 from trainer.data.prompt_file import PromptFileTask
-from trainer.data.task import SupervisedBatch, Task
+from trainer.data.task import SupervisedBatch, Task, training_items
 from trainer.data.triplet_folder import read_triplet_folder
 from trainer.models.base import ImageInputs
 
 
 class DigitsTask:
     """Generate the handwritten digit named in the prompt (scikit-learn's digits)."""
+
+    metric_names = ("digit_accuracy",)
 
     def __init__(self, image_size: int):
         self.prompts = [digit_prompt(d) for d in range(10)]
@@ -87,4 +89,4 @@ def build_task(config) -> Task:
     return DATASETS[config.name](config)
 
 
-__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "build_task"]
+__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "build_task", "training_items"]

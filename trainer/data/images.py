@@ -129,6 +129,8 @@ class ImageTask:
     ``reference_image``: the reference, uint8 [H, W, 3], which the qwenvl judge compares against (arrays in
     metadata travel as images: the server's size and pixel limits apply to them)."""
 
+    metric_names: tuple[str, ...] = ()
+
     def __init__(self, items: list[ImageItem], image_size: int, source: str, *, style_crop: float = 0.0,
                  edit: bool = False, image_inputs: Sequence[str] = ()):
         if not items:

@@ -47,6 +47,8 @@ class PromptFileTask:
     """Prompts from ``path``; metadata carries the record's fields (GenEval: ``tag``, ``include``,
     ``exclude``, ...) and, for text-rendering prompts, the quoted span as ``text`` (the OCR target)."""
 
+    metric_names: tuple[str, ...] = ()
+
     def __init__(self, path: str, eval_count: int = EVAL_COUNT):
         file = Path(path)
         if not file.is_file():

@@ -30,6 +30,8 @@ class Task(Protocol):
     """Pool items of the fixed evaluation (one sample-grid row each)."""
     eval_prompts: list[str]
     """Their prompts."""
+    metric_names: tuple[str, ...]
+    """The names ``metrics`` returns (the task's own metrics; empty: none), known before any image is made."""
 
     def item_metadata(self, indices: list[int]) -> list[dict]:
         """Per-item metadata of pool items ``indices`` for the reward servers (target text, mask region,
@@ -47,3 +49,12 @@ class Task(Protocol):
     def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
         """Task metrics of generated images (e.g. accuracy by an independent classifier)."""
         ...
+
+
+def training_items(task: Task) -> list[int]:
+    """Pool items RL samples: those whose prompt is not an evaluation prompt, so that the evaluation is on
+    held-out prompts, where at least as many remain as are evaluated; else every item (digits: one prompt per
+    class, whose held-out parts are then the evaluation's noise and the task metric's classifier)."""
+    evaluated = set(task.eval_prompts)
+    rest = [i for i, prompt in enumerate(task.prompts) if prompt not in evaluated]
+    return rest if len(rest) >= len(evaluated) else list(range(len(task.prompts)))

@@ -1,0 +1,144 @@
+"""The guard in real (tiny) runs: best/ holds exactly the weights its evaluation sampled with, early stop stops
+and stays stopped on resume, and the hacking alarm fires on a reward that the task's metric contradicts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from reward_server.inprocess import InProcessRewardClient
+from trainer.algorithms import build_algorithm
+from trainer.algorithms.sft import SFT
+from trainer.config import load_config
+from trainer.data import DigitsTask
+from trainer.distributed import SingleProcess
+from trainer.export import export_checkpoint
+from trainer.logging import RunLogger
+from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.trainer import Trainer
+
+TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
+        "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=1",
+        "train.warmup_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=0", "logging.progress=false"]
+
+
+def _trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit") -> Trainer:
+    config = load_config(overrides=[f"model.path={model_dir}", *TINY, *overrides])
+    guards = {name: 0.0 for name in config.eval.guard_scorers}
+    return Trainer(config, TinyAdapter(TinyConfig(path=model_dir)), build_algorithm(config.algorithm),
+                   SFT(config.warmup), DigitsTask(16), InProcessRewardClient.from_names({reward: 1.0}),
+                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, True, False),
+                   InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None)
+
+
+def _records(run_dir: Path, phase: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["phase"] == phase]
+
+
+def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model_dir, capsys):
+    trainer = _trainer(tmp_path, tiny_model_dir, "train.epochs=2", "train.select_by=reward_mean",
+                       "train.ema_decay=0.5", "eval.guard_scorers=[brightness]")
+    seen: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    evaluate = trainer.evaluate
+
+    def recorded(step, grid_name):  # the trained weights, and those the evaluation's first forward reads
+        trained = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
+
+        def first_forward(module, args) -> None:
+            if step not in seen:
+                seen[step] = trained, [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
+
+        hook = trainer.adapter.denoiser.register_forward_pre_hook(first_forward)
+        try:
+            return evaluate(step, grid_name)
+        finally:
+            hook.remove()
+
+    trainer.evaluate = recorded
+    trainer.fit()
+    trainer.logger.close()
+    evals = _records(tmp_path, "eval")
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert all(0 < r["guard/brightness"] < 1 for r in evals)  # a guard scorer, scored on the same images
+    best = max(evals, key=lambda r: r["reward_mean"])  # the first of equal ones
+    meta = json.loads((tmp_path / "best" / "meta.json").read_text())
+    assert (meta["epoch"], meta["value"], meta["evaluated"]) == (best["step"], best["reward_mean"], "ema")
+    trained, evaluated = seen[best["step"]]
+    assert not all(torch.equal(a, b) for a, b in zip(trained, evaluated, strict=True)) or best["step"] == 0
+    saved = load_file(tmp_path / "best" / "trainable.safetensors")
+    names = [n for n, _ in trainer.adapter.denoiser.named_parameters() if _.requires_grad]
+    assert all(torch.equal(saved[n], t) for n, t in zip(names, trained, strict=True))
+    ema = load_file(tmp_path / "best" / "ema.safetensors")
+    assert all(torch.equal(ema[f"{i:05d}"], t) for i, t in enumerate(evaluated))
+    # export takes best/ as it takes a checkpoint: --ema gives the evaluated weights
+    export_checkpoint(tmp_path / "best", tmp_path / "exported", ema=True)
+    exported = load_file(tmp_path / "exported" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(exported[n], t) for n, t in zip(names, evaluated, strict=True))
+    out = capsys.readouterr().out
+    which = "before RL" if best["step"] == 0 else f"epoch {best['step']}"
+    assert f"best: {which}, reward_mean {best['reward_mean']:.3f}" in out and f"{tmp_path / 'best'}" in out
+    # eval.on_alarm=rollback restores exactly these trained weights and EMA
+    with torch.no_grad():
+        for p in trainer.adapter.trainable.parameters():
+            p.add_(1.0)
+    trainer._restore_best()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.adapter.trainable.parameters(), trained, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(trainer.ema.shadow, evaluated, strict=True))
+
+
+def test_a_select_by_the_evaluation_does_not_log_is_refused_before_training(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="train.select_by='aesthetic' is not a metric this run's evaluation logs; "
+                                         "choose one of: digit_accuracy, reward_mean, guard/brightness"):
+        _trainer(tmp_path, tiny_model_dir, "train.select_by=aesthetic", "eval.guard_scorers=[brightness]")
+
+
+def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, capsys):
+    """With learning rate 0 every evaluation equals the first: two without improvement stop the run at epoch 2
+    of 6; resuming its last checkpoint restores the guard, which trains no further epoch."""
+    args = ("train.epochs=6", "train.learning_rate=0", "train.early_stop=2", "train.ema_decay=0")
+    trainer = _trainer(tmp_path / "run", tiny_model_dir, *args)
+    trainer.fit()
+    trainer.logger.close()
+    assert len(_records(tmp_path / "run", "rl")) == 2 and trainer.progress.epochs_done == 2
+    assert "early stop: digit_accuracy has not improved on epoch 0's" in capsys.readouterr().out
+    (final,) = _records(tmp_path / "run", "final")
+    assert final["step"] == 2
+    resumed = _trainer(tmp_path / "resumed", tiny_model_dir, *args)
+    resumed.resume(trainer.checkpoints.latest())
+    assert vars(resumed.guard) == vars(trainer.guard)  # the tracker: history, best, counters, stopped
+    resumed.fit()
+    resumed.logger.close()
+    assert resumed.progress.epochs_done == 2 and not _records(tmp_path / "resumed", "rl")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path, tiny_model_dir, capsys):
+    """One warm-up, then GRPO twice from it: against the digit reward, the alarm stays quiet; against the
+    brightness reward (bright blobs score, digits do not), digit accuracy falls while the reward rises, and
+    the alarm (eval.on_alarm=stop) stops the run (epoch 8 of 12 here); best/ keeps the best accuracy's weights."""
+    warm = _trainer(tmp_path / "warm", tiny_model_dir, "train.warmup_steps=600", "train.epochs=0")
+    warm.fit()
+    warm.logger.close()
+    start = f"train.init_from={warm.checkpoints.latest()}"
+    rl = ("eval.every=2", "eval.samples_per_prompt=4", "eval.num_steps=10", "algorithm.group_size=8",
+          "algorithm.sampler.num_steps=10", "algorithm.sampler.window_range=[0,3]", "eval.on_alarm=stop", start)
+    for name, reward, epochs in ("normal", "digit", 8), ("hacked", "brightness", 12):
+        trainer = _trainer(tmp_path / name, tiny_model_dir, *rl, f"train.epochs={epochs}", reward=reward)
+        trainer.init_from(warm.checkpoints.latest())
+        trainer.fit()
+        trainer.logger.close()
+    assert not _records(tmp_path / "normal", "alarm")
+    (alarm,) = _records(tmp_path / "hacked", "alarm")
+    assert alarm["metric"] == "digit_accuracy" and alarm["guard_then"] - alarm["guard_now"] > 0.1
+    assert alarm["reward_now"] > alarm["reward_then"]
+    evals = _records(tmp_path / "hacked", "eval")
+    assert evals[-1]["step"] == alarm["step"] < 12, evals  # stopped there
+    best = json.loads((tmp_path / "hacked" / "best" / "meta.json").read_text())
+    assert best["value"] == max(r["digit_accuracy"] for r in evals) and not math.isnan(best["value"])
+    assert "reward-hacking alarm at epoch" in capsys.readouterr().out
