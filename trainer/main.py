@@ -27,12 +27,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "servers) on the CPU.",
         epilog="Overrides: section.key=value, e.g. train.epochs=20 algorithm.group_size=4 "
                "reward.urls=[http://127.0.0.1:8000]. Sections: model, algorithm, warmup, data, reward, "
-               "parallel, train, eval, logging. `--show-config` prints every field with its default.",
+               "parallel, train, eval, logging. `--show-config` prints every field with its value and description.",
     )
     parser.add_argument("--config", action="append", default=[],
                         help="YAML file with any of the sections; repeatable, later files win (e.g. a model "
                              "preset, then configs/algorithms/nft.yaml)")
-    parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--show-config", action="store_true",
+                        help="print the resolved config as YAML, each field with its description, and exit")
     parser.add_argument("--resume", metavar="auto|DIR",
                         help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name "
                              "(same as train.resume=...)")
@@ -42,10 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import yaml
-
     from trainer.build import run
     from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
+    from trainer.config.describe import described_yaml
 
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     if args.show_config:
-        print(yaml.safe_dump(saved_dict(config), sort_keys=False))
+        print(described_yaml(config, saved_dict(config)), end="")
         return 0
     try:
         run(config)
