@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 if __package__ in (None, ""):
     # Run as a script: Python put trainer/ first on sys.path, where trainer/logging.py would shadow the
@@ -35,31 +36,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved config as YAML, each field with its description, and exit")
     parser.add_argument("--resume", metavar="auto|DIR",
-                        help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name "
-                             "(same as train.resume=...)")
+                        help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name, or "
+                             "without it of the unfinished run with the newest checkpoint (same as train.resume=...)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options may come after overrides
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from trainer.quiet import quiet_third_party
+
+    quiet_third_party()
     from trainer.build import run
     from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
     from trainer.config.describe import described_yaml
+    from trainer.launch import RunInterrupted, resume_command
 
+    first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         config = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        if first_here:
+            print(f"config error: {exc}", file=sys.stderr)
         return 2
     if args.show_config:
         print(described_yaml(config, saved_dict(config)), end="")
         return 0
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         run(config)
+    except RunInterrupted as stop:
+        if rank0:
+            print(f"\ninterrupted: {stop.where}\ncontinue with: "
+                  f"{resume_command(args.config, args.overrides, stop.run_dir.name)}", flush=True)
+        return 130
+    except KeyboardInterrupt:
+        if rank0:
+            print("\ninterrupted before training started: nothing to continue", flush=True)
+        return 130
     except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
-        return user_error_exit(exc)
+        status = user_error_exit(exc)
+        if getattr(exc, "every_rank", False) and rank0 and os.environ.get("WORLD_SIZE", "1") != "1":
+            time.sleep(1.0)  # the other ranks end first, with this status, rather than being stopped by torchrun
+        return status
     return 0
 
 
