@@ -52,6 +52,18 @@ def test_the_job_writes_its_outputs(tmp_path, tiny_model_dir):
                tmp_path, timeout=600)
     _check_outputs(run, tmp_path / "toy", epochs=2)
 
+    # python -m trainer.generate: final/ with the evaluation's prompts and noise draws samples_after.png again
+    from PIL import Image
+
+    from trainer.generate import main as generate
+
+    assert generate(["--weights", str(tmp_path / "toy" / "final"), "--out", str(tmp_path / "grid.png")]) == 0
+    assert (tmp_path / "grid.png").read_bytes() == (tmp_path / "toy" / "samples_after.png").read_bytes()
+    assert generate(["--weights", str(tmp_path / "toy" / "final"), "--prompts", "a handwritten digit 3",
+                     "a handwritten digit 8", "--samples", "3", "--out", str(tmp_path / "two.png")]) == 0
+    assert Image.open(tmp_path / "two.png").size == ((3 * 17 + 1) * 4, (2 * 17 + 1) * 4)  # 2 rows of 3 16-px images
+    assert generate(["--weights", str(tmp_path / "toy"), "--out", str(tmp_path / "no.png")]) == 2
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # a 600-step warm-up and 8 epochs: ~3 min alone on 2 cores, far more when shared
