@@ -11,9 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # two short runs as subprocesses (~20 s); resume_command and stopped_at have unit tests
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path, tiny_model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",

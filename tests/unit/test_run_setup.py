@@ -253,3 +253,40 @@ def test_resume_auto_without_a_run_name_takes_the_newest_unfinished_run(tmp_path
     assert choose_run_dir(config, tmp_path) == ("newest", None)
     named = load_config(overrides=["train.resume=auto", "logging.run_name=old"])
     assert choose_run_dir(named, tmp_path) == ("old", None)
+
+
+def test_an_interrupted_run_says_where_it_stopped_and_how_to_continue(tmp_path, monkeypatch):
+    from trainer.launch import resume_command, stopped_at
+
+    config = load_config(overrides=["train.warmup_steps=10", "train.epochs=4"])
+    assert stopped_at(Progress(3, 0), config, None) == ("stopped in the warm-up, 3 of 10 steps done; no checkpoint was "
+                                                        "written yet, so continuing starts the run over")
+    checkpoint = tmp_path / "step-000010-000002"
+    checkpoint.mkdir()
+    Progress(10, 2, True).save(checkpoint)
+    assert stopped_at(Progress(10, 3, True), config, checkpoint) == (
+        f"stopped in RL epoch 4 of 4; continuing starts from the newest checkpoint, {checkpoint} (warm-up steps 10, "
+        "RL epochs 2)")
+    assert stopped_at(Progress(10, 0, False), config, checkpoint).startswith("stopped in the evaluation before RL")
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert resume_command(["a b.yaml"], ["train.epochs=4", "logging.run_name=old", "train.resume=x"], "run-1") == (
+        "python trainer/main.py --config 'a b.yaml' --resume auto train.epochs=4 logging.run_name=run-1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resume_command([], [], "r").startswith("torchrun --nproc_per_node=2 trainer/main.py --resume auto")
+
+
+def test_startup_prints_no_third_party_notices(tmp_path):
+    """transformers' torchvision fallback notices (at every start), DeepSpeed's accelerator line and the loading bars
+    (when the tiny model is built) said nothing about the run."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from trainer.quiet import quiet_third_party; quiet_third_party(); "
+            "from trainer.config import load_config; load_config(); "
+            "from trainer.models.tiny import TinyAdapter, TinyConfig; TinyAdapter(TinyConfig(path=sys.argv[1]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tiny")], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert out.returncode == 0 and (tmp_path / "tiny" / "transformer").is_dir(), out.stderr[-2000:]
+    assert out.stdout + out.stderr == ""
