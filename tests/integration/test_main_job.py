@@ -43,14 +43,18 @@ def _check_outputs(run: subprocess.CompletedProcess, run_dir: Path, epochs: int)
     return records
 
 
-def test_the_job_writes_its_outputs(tmp_path, tiny_model_dir):
-    """The README's job at toy size (its two reward replicas started by the job itself): every output is there.
-    That it learns is test_shortened_job_raises_the_reward's (slow) and test_adapter_learning's."""
-    run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}",
+def test_the_job_writes_its_outputs(tmp_path):
+    """The README's job at toy size (its two reward replicas started by the job itself, the tiny model built by the
+    job as on a first run): every output is there, and no third-party notice (transformers' torchvision fallback,
+    DeepSpeed's accelerator, loading bars) in the output. That it learns is test_shortened_job_raises_the_reward's
+    (slow) and test_adapter_learning's."""
+    run = _run([sys.executable, "trainer/main.py", f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path}",
                 "logging.run_name=toy", "logging.progress=false", "train.warmup_steps=4", "train.epochs=2",
                 "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1"],
                tmp_path, timeout=600)
     _check_outputs(run, tmp_path / "toy", epochs=2)
+    for notice in ("requires torchvision", "Setting accelerator", "Loading weights", "Writing model shards"):
+        assert notice not in run.stdout + run.stderr, notice
 
     # python -m trainer.generate: final/ with the evaluation's prompts and noise draws samples_after.png again
     from PIL import Image
