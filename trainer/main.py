@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __package__ in (None, ""):
     # Run as a script: Python put trainer/ first on sys.path, where trainer/logging.py would shadow the
@@ -76,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\ninterrupted before training started: nothing to continue", flush=True)
         return 130
     except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
-        status = user_error_exit(exc)
-        if getattr(exc, "every_rank", False) and rank0 and os.environ.get("WORLD_SIZE", "1") != "1":
-            time.sleep(1.0)  # the other ranks end first, with this status, rather than being stopped by torchrun
-        return status
+        return user_error_exit(exc)
     return 0
 
 
