@@ -15,6 +15,7 @@ from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_task
+from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
 from trainer.launch import RunDirGuard, RunInterrupted, check_rewards, newest_resumable, stopped_at
@@ -58,7 +59,9 @@ def run(config: Config) -> dict[str, float]:
         for setting, path in ("train.resume", config.train.resume), ("train.init_from", config.train.init_from):
             if path and path != "auto":
                 require_checkpoint(Path(path), setting)
-        check_rewards(config, backend)  # before anything is built: an unreachable server fails in seconds
+        # Before anything is built: how an epoch's samples split over the ranks, then the reward servers.
+        GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, backend.world.world_size, 0, 0)
+        check_rewards(config, backend)
         output = Path(config.logging.output_dir)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
         run_name, refusal = backend.broadcast((run_name, refusal))
