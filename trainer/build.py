@@ -15,8 +15,10 @@ from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_task
+from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
+from trainer.launch import RunDirGuard, RunInterrupted, check_rewards, newest_resumable, stopped_at
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
 from trainer.trainer import Trainer
@@ -54,22 +56,23 @@ def run(config: Config) -> dict[str, float]:
 
     with contextlib.ExitStack() as stack:
         stack.callback(backend.close)
-        if config.train.resume == "auto" and not config.logging.run_name:
-            raise ValueError("train.resume=auto needs logging.run_name: the run whose checkpoints to continue")
         for setting, path in ("train.resume", config.train.resume), ("train.init_from", config.train.init_from):
             if path and path != "auto":
                 require_checkpoint(Path(path), setting)
+        # Before anything is built: how an epoch's samples split over the ranks, then the reward servers.
+        GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, backend.world.world_size, 0, 0)
+        check_rewards(config, backend)
         output = Path(config.logging.output_dir)
-        refusal = None
-        if main:
-            run_name = config.logging.run_name or new_run_name(output)
-            refusal = None if config.train.resume else reused_run_dir(output / run_name)
-        run_dir = output / backend.broadcast(run_name if main else None)
-        if backend.broadcast(refusal):
+        run_name, refusal = choose_run_dir(config, output) if main else (None, None)
+        run_name, refusal = backend.broadcast((run_name, refusal))
+        if refusal:
             raise ValueError(refusal)
+        run_dir = output / run_name
+        made = next((d for d in (output, run_dir) if not d.exists()), None) if main else None  # removed on failure
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
+        guard = stack.enter_context(RunDirGuard(made))
 
         task = build_task(config.data)  # its files are checked before any model loads
         torch.manual_seed(config.train.seed)
@@ -114,7 +117,11 @@ def run(config: Config) -> dict[str, float]:
             trainer.init_from(Path(config.train.init_from))
         if main:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
-        metrics = trainer.fit()
+        guard.started = True
+        try:
+            metrics = trainer.fit()
+        except KeyboardInterrupt:
+            raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir) from None
         ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             final = backend.main_copy(adapter.denoiser)  # on rank 0's CPU, gathered a parameter at a time
@@ -139,6 +146,22 @@ def require_checkpoint(path: Path, setting: str) -> None:
         hint += ", or train.resume=auto with logging.run_name to continue the run's latest"
     raise ValueError(f"{setting}={str(path)!r} is not a complete checkpoint (no progress.json and "
                      f"trainable.safetensors): {hint}")
+
+
+def choose_run_dir(config: Config, output_dir: Path) -> tuple[str, str | None]:
+    """(the run's name in ``output_dir``, why it may not run there or None), on rank 0. ``train.resume=auto``
+    without ``logging.run_name`` continues the newest unfinished run that has a checkpoint."""
+    name, resume = config.logging.run_name, config.train.resume
+    if resume != "auto" or name:
+        name = name or new_run_name(output_dir)
+        return name, None if resume else reused_run_dir(output_dir / name)
+    found = newest_resumable(output_dir)
+    if found is None:
+        return "", (f"--resume auto: no unfinished run in {output_dir} has a checkpoint to continue: start a run "
+                    "without --resume, or name the run to continue with logging.run_name")
+    print(f"--resume auto: continuing {found}, the unfinished run in {output_dir} with the newest checkpoint",
+          flush=True)
+    return found.name, None
 
 
 def new_run_name(output_dir: Path) -> str:

@@ -185,7 +185,8 @@ def load_weights(path: Path, module: torch.nn.Module, backend) -> None:
     backend.load_trainable_state(module, load_file(path / "trainable.safetensors"))
 
 
-RESUME_MAY_CHANGE = ("logging.", "train.resume", "train.epochs", "train.init_from", "train.device", "train.num_threads",
+RESUME_MAY_CHANGE = ("logging.", "train.resume", "train.epochs", "train.init_from", "train.warmup_after_init",
+                     "train.device", "train.num_threads",
                      "train.checkpoint_every", "train.warmup_checkpoint_every", "train.keep_checkpoints",
                      "reward.urls", "reward.token", "reward.timeout_s", "reward.max_concurrency", "reward.replicas",
                      "model.path", "model.text_embeddings", "model.image_latents", "data.path", "eval.every")

@@ -52,9 +52,17 @@ def export_denoiser(denoiser: nn.Module, out: Path) -> None:
 
 def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None, ema: bool = False) -> Path:
     """Build the checkpoint's model on the CPU, load its trainable weights (``ema``: their EMA instead) and
-    export the denoiser to ``out``. The weights do not depend on the run's precomputed stores
-    (``model.text_embeddings``, ``model.image_latents``): one that is not here is left out (the text encoders
-    then load from ``model.path``), one that is spares loading the text encoders."""
+    export the denoiser to ``out``."""
+    _, adapter = load_checkpoint(checkpoint, model_path, ema)
+    export_denoiser(adapter.denoiser, out)
+    return out
+
+
+def load_checkpoint(checkpoint: Path, model_path: str | None = None, ema: bool = False, device: str = "cpu"):
+    """(the run's config, its adapter with the checkpoint's trainable weights, or their EMA if ``ema``) for a
+    ``<run>/checkpoints/step-*`` or ``<run>/best`` directory. The weights do not depend on the run's precomputed
+    stores (``model.text_embeddings``, ``model.image_latents``): one that is not here is left out (the text
+    encoders then load from ``model.path``), one that is spares loading the text encoders."""
     from trainer.checkpoint import load_weights
     from trainer.config import Config
     from trainer.config.building import build
@@ -67,17 +75,18 @@ def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None
     raw = json.loads((checkpoint / "config.json").read_text())
     if model_path:
         raw.setdefault("model", {})["path"] = model_path
-    model = build(Config, raw, "").model
-    model = replace(model, text_embeddings=_store_here(model.text_embeddings), image_latents=_store_here(model.image_latents))
+    config = build(Config, raw, "")
+    model = replace(config.model, text_embeddings=_store_here(config.model.text_embeddings),
+                    image_latents=_store_here(config.model.image_latents))
     if not Path(model.path).exists():
         raise ValueError(f"the base model {model.path!r} named by the checkpoint's config does not exist here; "
                          "pass --model-path")
-    adapter = build_adapter(model, torch.device("cpu"))
-    load_weights(checkpoint, adapter.denoiser, SingleProcess(torch.device("cpu")))
+    adapter = build_adapter(model, torch.device(device))
+    load_weights(checkpoint, adapter.denoiser, SingleProcess(torch.device(device)))
     if ema:
         load_ema(checkpoint, list(adapter.trainable.parameters()))
-    export_denoiser(adapter.denoiser, out)
-    return out
+    adapter.denoiser.eval()
+    return replace(config, model=model), adapter
 
 
 def _store_here(directory: str) -> str:

@@ -27,37 +27,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "servers) on the CPU.",
         epilog="Overrides: section.key=value, e.g. train.epochs=20 algorithm.group_size=4 "
                "reward.urls=[http://127.0.0.1:8000]. Sections: model, algorithm, warmup, data, reward, "
-               "parallel, train, eval, logging. `--show-config` prints every field with its default.",
+               "parallel, train, eval, logging. `--show-config` prints every field with its value and description.",
     )
     parser.add_argument("--config", action="append", default=[],
                         help="YAML file with any of the sections; repeatable, later files win (e.g. a model "
                              "preset, then configs/algorithms/nft.yaml)")
-    parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--show-config", action="store_true",
+                        help="print the resolved config as YAML, each field with its description, and exit")
     parser.add_argument("--resume", metavar="auto|DIR",
-                        help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name "
-                             "(same as train.resume=...)")
+                        help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name, or "
+                             "without it of the unfinished run with the newest checkpoint (same as train.resume=...)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options may come after overrides
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import yaml
+    from trainer.quiet import quiet_third_party
 
+    quiet_third_party()
     from trainer.build import run
     from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
+    from trainer.config.describe import described_yaml
+    from trainer.launch import RunInterrupted, resume_command
 
+    first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         config = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        if first_here:
+            print(f"config error: {exc}", file=sys.stderr)
         return 2
     if args.show_config:
-        print(yaml.safe_dump(saved_dict(config), sort_keys=False))
+        print(described_yaml(config, saved_dict(config)), end="")
         return 0
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         run(config)
+    except RunInterrupted as stop:
+        if rank0:
+            print(f"\ninterrupted: {stop.where}\ncontinue with: "
+                  f"{resume_command(args.config, args.overrides, stop.run_dir.name)}", flush=True)
+        return 130
+    except KeyboardInterrupt:
+        if rank0:
+            print("\ninterrupted before training started: nothing to continue", flush=True)
+        return 130
     except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
         return user_error_exit(exc)
     return 0

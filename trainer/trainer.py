@@ -250,9 +250,14 @@ class Trainer:
         self.ctx.reference = self.backend.reference(self.adapter.denoiser, self.adapter.trainable.reference_spec)
 
     def init_from(self, path: Path) -> None:
-        """Start from the trainable weights of checkpoint ``path`` (nothing else of it)."""
+        """Start from the trainable weights of checkpoint ``path`` (nothing else of it), taken as warmed up
+        unless ``train.warmup_after_init``."""
         load_weights(path, self.adapter.denoiser, self.backend)
-        self._print(f"initialised the trainable weights from {path}")
+        skip = not self.config.train.warmup_after_init and self.config.train.warmup_steps > 0
+        if skip:
+            self.progress.warmup_steps_done = self.config.train.warmup_steps
+        self._print(f"initialised the trainable weights from {path}"
+                    + ("; no warm-up (train.warmup_after_init=true runs it)" if skip else ""))
 
     def warmup_step(self, step: int) -> dict[str, float]:
         g = self._generator(0, step)
@@ -419,8 +424,8 @@ class Trainer:
         return self.is_main and self.config.logging.progress
 
     def _print(self, text: str) -> None:
-        if self.is_main:
-            print(text, flush=True)
+        if self.is_main:  # tqdm.write keeps the line apart from an active progress bar
+            tqdm.write(text) if self._bars() else print(text, flush=True)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

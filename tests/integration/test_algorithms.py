@@ -86,6 +86,7 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     started = _trainer(tmp_path / "init", tiny_model_dir, algorithm, *OFF_POLICY.get(algorithm, ()))
     started.init_from(tmp_path / "full" / "checkpoints" / "step-000002-000003")
     assert started.progress.epochs_done == 0
+    assert started.progress.warmup_steps_done == 2  # taken as warmed up: train.warmup_after_init is off
     for a, b in zip(trainer.adapter.trainable.parameters(), started.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
 

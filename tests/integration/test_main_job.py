@@ -43,10 +43,12 @@ def _check_outputs(run: subprocess.CompletedProcess, run_dir: Path, epochs: int)
     return records
 
 
-def test_the_job_writes_its_outputs(tmp_path, tiny_model_dir):
-    """The README's job at toy size (its two reward replicas started by the job itself): every output is there.
-    That it learns is test_shortened_job_raises_the_reward's (slow) and test_adapter_learning's."""
-    run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}",
+def test_the_job_writes_its_outputs(tmp_path):
+    """The README's job at toy size (its two reward replicas started by the job itself, the tiny model built by the
+    job as on a first run): every output is there, and no third-party notice (transformers' torchvision fallback,
+    DeepSpeed's accelerator, loading bars) in the output. That it learns is test_shortened_job_raises_the_reward's
+    (slow) and test_adapter_learning's."""
+    run = _run([sys.executable, "trainer/main.py", f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path}",
                 "logging.run_name=toy", "logging.progress=false", "train.warmup_steps=4", "train.epochs=2",
                 "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1",
                 "eval.guard_scorers=[brightness]"], tmp_path, timeout=600)
@@ -54,6 +56,24 @@ def test_the_job_writes_its_outputs(tmp_path, tiny_model_dir):
     # the guard scorer is served by the job's own replicas and scored on the evaluation's images; best/ is there
     assert all(0 < r["guard/brightness"] < 1 for r in records if r["phase"] == "eval")
     assert (tmp_path / "toy" / "best" / "trainable.safetensors").is_file() and "best: " in run.stdout
+    for notice in ("requires torchvision", "Setting accelerator", "Loading weights", "Writing model shards"):
+        assert notice not in run.stdout + run.stderr, notice
+
+    # python -m trainer.generate: final/ with the evaluation's prompts and noise draws samples_after.png again
+    from PIL import Image
+
+    from trainer.generate import main as generate
+
+    assert generate(["--weights", str(tmp_path / "toy" / "final"), "--out", str(tmp_path / "grid.png")]) == 0
+    assert (tmp_path / "grid.png").read_bytes() == (tmp_path / "toy" / "samples_after.png").read_bytes()
+    assert generate(["--weights", str(tmp_path / "toy" / "final"), "--prompts", "a handwritten digit 3",
+                     "a handwritten digit 8", "--samples", "3", "--out", str(tmp_path / "two.png")]) == 0
+    assert Image.open(tmp_path / "two.png").size == ((3 * 17 + 1) * 4, (2 * 17 + 1) * 4)  # 2 rows of 3 16-px images
+    assert generate(["--weights", str(tmp_path / "toy"), "--out", str(tmp_path / "no.png")]) == 2
+    # best/ (a checkpoint's layout) draws the grid of the evaluation that chose it
+    best_grid = "samples_before.png" if "best: before RL" in run.stdout else "samples_after.png"
+    assert generate(["--weights", str(tmp_path / "toy" / "best"), "--out", str(tmp_path / "best.png")]) == 0
+    assert (tmp_path / "best.png").read_bytes() == (tmp_path / "toy" / best_grid).read_bytes(), best_grid
 
 
 @pytest.mark.slow

@@ -256,3 +256,33 @@ def test_the_config_package_loads_its_names_on_first_use():
     assert all(getattr(trainer.config, name) is not None for name in trainer.config.__all__)
     with pytest.raises(AttributeError):
         trainer.config.configuration  # noqa: B018
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("train.epoch=3", "did you mean train.epochs?"), ("trian.epochs=3", "did you mean train?"),
+    ("algorithm.sampler.numsteps=4", "did you mean algorithm.sampler.num_steps?"),
+    ("algorithm.name=gpro", "did you mean grpo?")])
+def test_a_misspelt_key_or_name_gets_the_nearest_valid_one(override, suggestion):
+    with pytest.raises(ConfigError, match=re.escape(suggestion)):
+        load_config(overrides=[override])
+    with pytest.raises(ConfigError) as far:
+        load_config(overrides=["train.zzzzz=3"])
+    assert "did you mean" not in str(far.value)
+
+
+def test_show_config_describes_every_field_and_loads_back(tmp_path, capsys):
+    """Each field's docstring is printed above it as a YAML comment; the output is still a --config file."""
+    from trainer.config.describe import field_docs
+    from trainer.config.schema import TrainConfig
+
+    assert main(["--show-config", "model.lora={rank: 4}", "train.epochs=7"]) == 0
+    shown = capsys.readouterr().out
+    assert "  # RL epochs (rollout, reward, update); 0 runs only the warm-up.\n  epochs: 7\n" in shown
+    assert "    # Adapter rank: capacity of the update" in shown  # a nested optional section's own fields
+    assert "# How the trainer reaches the reward pool.\nreward:\n" in shown  # a section by its class docstring
+    described = [line for line in shown.splitlines() if not line.lstrip().startswith("#")]
+    commented = shown.splitlines()
+    assert all(commented[commented.index(line) - 1].lstrip().startswith("#") for line in described)
+    (tmp_path / "shown.yaml").write_text(shown)
+    assert load_config(str(tmp_path / "shown.yaml")) == load_config(overrides=["model.lora={rank: 4}", "train.epochs=7"])
+    assert set(field_docs(TrainConfig)) == {f.name for f in dataclasses.fields(TrainConfig)}

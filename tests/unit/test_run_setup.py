@@ -171,3 +171,108 @@ def test_the_jobs_own_reward_servers_expect_the_token_its_client_sends(tmp_path,
         status = {token: httpx.get(f"{url}/info", headers={"Authorization": f"Bearer {token}"}, trust_env=False).status_code
                   for token in ("from-config", "from-shell")}
     assert status == {"from-config": 200, "from-shell": 401}
+
+
+@pytest.fixture(scope="module")
+def brightness_server(tmp_path_factory):
+    """A real reward server process serving brightness alone, with a bearer token."""
+    from trainer.rewards.launcher import LocalRewardPool
+
+    env = {**os.environ, "REWARD_SERVER_TOKEN": "tok"}
+    with LocalRewardPool(["brightness"], replicas=1, log_dir=tmp_path_factory.mktemp("server"), env=env) as pool:
+        yield pool.urls[0]
+
+
+def _fails_fast(tmp_path, capsys, *overrides: str) -> str:
+    """main's one error line for a run refused before anything is built: no model, no run folder, in seconds."""
+    from trainer.main import main
+
+    model, output = tmp_path / "not-built", tmp_path / "outputs"
+    start = time.monotonic()
+    assert main([f"model.path={model}", f"logging.output_dir={output}", *overrides]) == 2
+    assert time.monotonic() - start < 10
+    assert not model.exists() and not output.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 2  # + RF_TRACEBACK hint
+    return err.splitlines()[0]
+
+
+def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is_built(
+        tmp_path, capsys, monkeypatch, brightness_server):
+    """Each used to show after the warm-up (or 116 s in) as a 35-line traceback ending in RewardUnavailableError."""
+    from servers import free_port
+
+    port = free_port()
+    line = _fails_fast(tmp_path, capsys, f"reward.urls=[http://127.0.0.1:{port}]")
+    assert f"reward server http://127.0.0.1:{port} is unreachable" in line
+    assert f"`python -m reward_server --scorers digit --host 127.0.0.1 --port {port}`" in line
+
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
+    line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={digit: 1, brightness: 1}")
+    assert f"reward server {brightness_server} does not serve digit (it serves brightness): restart it with " in line
+    assert f"--scorers brightness,digit --host 127.0.0.1 --port {brightness_server.rsplit(':', 1)[1]}`" in line
+
+    monkeypatch.delenv("REWARD_SERVER_TOKEN")
+    line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}")
+    assert "refused the bearer token (HTTP 401" in line and "export REWARD_SERVER_TOKEN=" in line
+
+    line = _fails_fast(tmp_path, capsys, "reward.weights={digt: 1}")  # the job's own servers would not start
+    assert "reward.weights names scorer 'digt', which no reward server has (did you mean 'digit'?)" in line
+
+
+def test_a_run_refused_before_training_leaves_no_run_folder(tmp_path, capsys, monkeypatch, brightness_server,
+                                                            tiny_model_dir):
+    """Six typos made six empty run folders: a run that fails after its folder was made (here: a sampler step the
+    model has no math for, found once the model is loaded) removes it."""
+    from trainer.main import main
+
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
+    output = tmp_path / "outputs"
+    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", f"reward.urls=[{brightness_server}]",
+                 "reward.weights={brightness: 1}", "algorithm.sampler.kind=ddim"]) == 2
+    assert "ddim" in capsys.readouterr().err
+    assert not output.exists()
+    (output / "older").mkdir(parents=True)
+    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", "data.name=prompt_file",
+                 f"data.path={tmp_path / 'missing.txt'}", f"reward.urls=[{brightness_server}]",
+                 "reward.weights={brightness: 1}"]) == 2
+    assert [p.name for p in output.iterdir()] == ["older"]
+
+
+def test_resume_auto_without_a_run_name_takes_the_newest_unfinished_run(tmp_path):
+    from trainer.build import choose_run_dir
+
+    config = load_config(overrides=["train.resume=auto", f"logging.output_dir={tmp_path}"])
+    assert "no unfinished run in" in choose_run_dir(config, tmp_path)[1]
+    for i, name in enumerate(("old", "finished", "newest", "no-checkpoint")):
+        if name != "no-checkpoint":
+            checkpoint = _fake_checkpoint(tmp_path / name / "checkpoints" / "step-000004-000002")
+            os.utime(checkpoint, (1000 + i, 1000 + i))
+    (tmp_path / "no-checkpoint").mkdir()
+    (tmp_path / "finished" / "final").mkdir()
+    assert choose_run_dir(config, tmp_path) == ("newest", None)
+    named = load_config(overrides=["train.resume=auto", "logging.run_name=old"])
+    assert choose_run_dir(named, tmp_path) == ("old", None)
+
+
+def test_an_interrupted_run_says_where_it_stopped_and_how_to_continue(tmp_path, monkeypatch):
+    from trainer.launch import resume_command, stopped_at
+
+    config = load_config(overrides=["train.warmup_steps=10", "train.epochs=4"])
+    assert stopped_at(Progress(3, 0), config, None) == ("stopped in the warm-up, 3 of 10 steps done; no checkpoint was "
+                                                        "written yet, so continuing starts the run over")
+    checkpoint = tmp_path / "step-000010-000002"
+    checkpoint.mkdir()
+    Progress(10, 2, True).save(checkpoint)
+    assert stopped_at(Progress(10, 3, True), config, checkpoint) == (
+        f"stopped in RL epoch 4 of 4; continuing starts from the newest checkpoint, {checkpoint} (warm-up steps 10, "
+        "RL epochs 2)")
+    assert stopped_at(Progress(10, 0, False), config, checkpoint).startswith("stopped in the evaluation before RL")
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert resume_command(["a b.yaml"], ["train.epochs=4", "logging.run_name=old", "train.resume=x"], "run-1") == (
+        "python trainer/main.py --config 'a b.yaml' --resume auto train.epochs=4 logging.run_name=run-1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resume_command([], [], "r").startswith("torchrun --nproc_per_node=2 trainer/main.py --resume auto")
+

@@ -9,6 +9,7 @@ with the field's name rather than failing deep inside a run.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Mapping
@@ -71,7 +72,9 @@ def build(cls: type, raw: Any, path: str) -> Any:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
-        raise ConfigError(f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}")
+        close = difflib.get_close_matches(str(unknown[0]), fields, n=1, cutoff=0.6)
+        raise ConfigError(f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}"
+                          + (f"; did you mean {where}{close[0]}?" if close else ""))
     kwargs = {}
     for name, value in raw.items():
         value = _over_default(fields[name], hints[name], value)
@@ -195,7 +198,9 @@ def build_selected(selected: Selected, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected a mapping with a 'name' key, got {value!r}")
     name = value.get("name", selected.default)
     if name not in registry:
-        raise ConfigError(f"{path}.name={name!r} is not registered; choose one of: {', '.join(sorted(registry))}")
+        close = difflib.get_close_matches(str(name), registry, n=1, cutoff=0.6)
+        raise ConfigError(f"{path}.name={name!r} is not registered; choose one of: {', '.join(sorted(registry))}"
+                          + (f"; did you mean {close[0]}?" if close else ""))
     return build(registry[name], {**value, "name": name}, path)
 
 

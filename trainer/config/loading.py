@@ -21,9 +21,12 @@ from trainer.config.schema import Config
 
 def user_error_exit(exc: ValueError) -> int:
     """How a command-line tool ends on a user-fixable ValueError (bad paths, shapes, sizes): the message and
-    exit status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block."""
+    exit status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block.
+    An error raised alike on every rank (``every_rank``) is reported by rank 0 alone."""
     if os.environ.get("RF_TRACEBACK"):
         raise exc
+    if getattr(exc, "every_rank", False) and os.environ.get("RANK", "0") != "0":
+        return 2
     print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
     return 2
 

@@ -168,8 +168,8 @@ class TrainConfig:
     keep_checkpoints: NonNegativeInt = 2
     """Complete checkpoints kept (older ones are deleted once a newer one is complete); 0 keeps all."""
     resume: str = ""
-    """"auto": continue from the newest complete checkpoint of this run (logging.run_name must be set),
-    a checkpoint directory, or "" to start fresh."""
+    """"auto": continue from the newest complete checkpoint of this run (logging.run_name; unset: the unfinished
+    run in logging.output_dir with the newest checkpoint), a checkpoint directory, or "" to start fresh."""
     rollout_chunks: PositiveInt = 2
     """Chunks each epoch's rollout is sampled in (cut at whole reward requests, ``reward.batch_size``); a
     chunk's rewards are scored while the next one samples, so an epoch takes about max(S, R) + min(S, R) /
@@ -194,6 +194,8 @@ class TrainConfig:
     the held-out samples); guard/<scorer> names an eval.guard_scorers one."""
     early_stop: NonNegativeInt = 0
     """Stop after this many evaluations (eval.every) without a new best train.select_by; 0: never."""
+    warmup_after_init: bool = False
+    """Run the supervised warm-up after ``init_from`` too; by default its weights are taken as warmed up."""
 
 
 @dataclass

@@ -1,0 +1,121 @@
+"""Sample a grid of images from a run's trained weights.
+
+    python -m trainer.generate --weights outputs/RUN/final --out grid.png
+    python -m trainer.generate --weights outputs/RUN/final --prompts "a handwritten digit 3" "a handwritten digit 8" --out grid.png
+
+``--weights`` is a run's ``final/`` (the denoiser as the final evaluation sampled it, in diffusers format,
+LoRA merged, with the run's ``config.yaml`` one level up naming the base model) or ``best/`` (the best
+evaluation's trained weights and EMA, in a checkpoint's layout; the EMA when the run evaluated with it). Without ``--prompts`` it samples the run's evaluation items with the
+evaluation's noise, so the grid of ``final/`` is the run's ``samples_after.png``. One row per prompt.
+Runs in one process on the CPU (or ``--device cuda``); no reward servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: see trainer/main.py
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+
+
+def load_trained(weights: Path, model_path: str | None = None, device: str = "cpu"):
+    """(the run's config, its adapter with the denoiser of ``weights`` loaded) for a run's ``final/`` or
+    ``best/`` directory."""
+    import yaml
+
+    from trainer.config import Config
+    from trainer.config.building import build
+    from trainer.export import _store_here
+    from trainer.models import build_adapter
+    from trainer.models.ip_adapter import IP_WEIGHTS
+
+    if (weights / "trainable.safetensors").is_file():  # best/ (a checkpoint's layout): as the run evaluated it
+        from trainer.export import load_checkpoint
+
+        raw = yaml.safe_load((weights / "config.json").read_text())
+        use_ema = raw.get("eval", {}).get("use_ema", True) and (weights / "ema.safetensors").is_file()
+        return load_checkpoint(weights, model_path, ema=use_ema, device=device)
+    config_file = weights.parent / "config.yaml"
+    if not (weights / "config.json").is_file() or not config_file.is_file():
+        raise ValueError(f"--weights {weights} is not a run's final/ or best/ directory (it needs the denoiser's "
+                         "config.json, and the run's config.yaml one level up): pass e.g. outputs/<run>/final")
+    config = build(Config, yaml.safe_load(config_file.read_text()), "")
+    model = replace(config.model, lora=None, path=model_path or config.model.path,
+                    text_embeddings=_store_here(config.model.text_embeddings),
+                    image_latents=_store_here(config.model.image_latents))
+    if getattr(model, "ip_adapter", None) is not None and (weights / IP_WEIGHTS).is_file():
+        model = replace(model, ip_adapter=replace(model.ip_adapter, weights=str(weights)))
+    if not Path(model.path).exists():
+        raise ValueError(f"the run's base model {model.path!r} (model.path in {config_file}) is not here: pass "
+                         "--model-path")
+    adapter = build_adapter(model, torch.device(device))
+    trained = type(adapter.denoiser).from_pretrained(str(weights), torch_dtype=adapter.denoiser.dtype)
+    missing, unexpected = adapter.denoiser.load_state_dict(trained.state_dict(), strict=False)
+    if unexpected or (missing and getattr(model, "ip_adapter", None) is None):
+        raise ValueError(f"the denoiser in {weights} is another architecture than the run's model.path")
+    adapter.denoiser.eval()
+    return replace(config, model=model), adapter
+
+
+@torch.no_grad()
+def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int | None = None, seed: int | None = None,
+             steps: int | None = None, guidance: float | None = None, model_path: str | None = None,
+             device: str = "cpu") -> Path:
+    """Sample ``samples`` images per prompt (default: the run's evaluation settings) and save them as one grid row
+    per prompt at ``out``; without ``prompts``, the run's evaluation items."""
+    from trainer.data import build_task
+    from trainer.logging import save_grid
+    from trainer.rollout import SamplerSettings, rollout
+
+    config, adapter = load_trained(weights, model_path, device)
+    ev = config.eval
+    samples, seed = samples or ev.samples_per_prompt, ev.seed if seed is None else seed
+    settings = SamplerSettings(num_steps=steps or ev.num_steps,
+                               guidance_scale=ev.guidance_scale if guidance is None else guidance, noise_level=0.0)
+    task = None if prompts else build_task(config.data)
+    rows = prompts or task.eval_prompts
+    images = []
+    for k, prompt in enumerate(rows):  # the noise of row k as the run's evaluation draws it for its prompt k
+        inputs = task.inputs([task.eval_indices[k]] * samples) if task is not None else None
+        ro = rollout(adapter, adapter.denoiser, [prompt] * samples, torch.arange(samples), settings,
+                     torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63), inputs)
+        images.append(ro.images)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_grid(torch.cat(images), len(rows), out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weights", required=True, type=Path, help="a run's final/ or best/ directory")
+    parser.add_argument("--prompts", nargs="+", metavar="PROMPT", help="one grid row each (default: the run's "
+                        "evaluation prompts, with the evaluation's noise)")
+    parser.add_argument("--out", required=True, type=Path, help="the PNG to write")
+    parser.add_argument("--samples", type=int, help="images per prompt (default: the run's eval.samples_per_prompt)")
+    parser.add_argument("--seed", type=int, help="noise seed (default: the run's eval.seed)")
+    parser.add_argument("--steps", type=int, help="sampling steps (default: the run's eval.num_steps)")
+    parser.add_argument("--guidance", type=float, help="CFG scale (default: the run's eval.guidance_scale)")
+    parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    args = parser.parse_args(argv)
+    from trainer.config import user_error_exit
+    from trainer.quiet import quiet_third_party
+
+    quiet_third_party()
+    try:
+        generate(args.weights, args.prompts, args.out, args.samples, args.seed, args.steps, args.guidance,
+                 args.model_path, args.device)
+    except ValueError as exc:
+        return user_error_exit(exc)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

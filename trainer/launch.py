@@ -1,0 +1,98 @@
+"""What a run does around its loop, for the person at the terminal: the reward servers checked before anything
+is built, the newest unfinished run found for ``--resume auto``, no run directory left behind by a run that
+never started training, and what Ctrl-C prints (where the run stopped, the command that continues it).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainer.checkpoint import Checkpoints, Progress
+from trainer.config import Config, reward_token
+from trainer.rewards.launcher import RewardPoolError
+from trainer.rewards.preflight import PreflightError, check_reward_servers
+
+
+def check_rewards(config: Config, backend) -> None:
+    """Refuse the run now, on every rank alike, when a rank cannot reach a reward server or one lacks a
+    weighted scorer (each rank checks: machines may see different servers)."""
+    problem = check_reward_servers(config.reward.urls, sorted(config.reward.weights), reward_token(config.reward))
+    found = [(rank, p) for rank, p in enumerate(backend.all_gather_object(problem)) if p]
+    if found:
+        rank, problem = found[0]
+        raise PreflightError(problem if rank == 0 else f"on rank {rank}: {problem}")
+
+
+def newest_resumable(output_dir: Path) -> Path | None:
+    """The run directory in ``output_dir`` whose newest complete checkpoint was written last, among the runs
+    that did not finish (no ``final/``)."""
+    found = []
+    for run in sorted(output_dir.iterdir()) if output_dir.is_dir() else ():
+        if run.is_dir() and not (run / "final").exists():
+            latest = Checkpoints(run / "checkpoints", 0, False).latest()
+            if latest is not None:
+                found.append((latest.stat().st_mtime, run))
+    return max(found)[1] if found else None
+
+
+class RunDirGuard:
+    """Removes the directory this run made (its run directory, or ``logging.output_dir`` when it made that
+    too) when the run fails before training starts (a bad path, a model that does not load, Ctrl-C while
+    loading): it holds nothing but the config then. Kept when a local reward replica failed: the error names
+    its log there."""
+
+    def __init__(self, made: Path | None):
+        self.run_dir = made
+        self.started = False
+
+    def __enter__(self) -> RunDirGuard:
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> None:
+        if kind is not None and not self.started and self.run_dir is not None and not isinstance(exc, RewardPoolError):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training: ``where`` says where the run stopped and what a continuation starts from."""
+
+    def __init__(self, where: str, run_dir: Path):
+        super().__init__(where)
+        self.where = where
+        self.run_dir = run_dir
+
+
+def stopped_at(progress: Progress, config: Config, latest: Path | None) -> str:
+    """Where an interrupted run stood, and the checkpoint a continuation starts from."""
+    train = config.train
+    if progress.warmup_steps_done < train.warmup_steps:
+        where = f"in the warm-up, {progress.warmup_steps_done} of {train.warmup_steps} steps done"
+    elif not progress.rl_started:
+        where = "in the evaluation before RL (warm-up done)"
+    elif progress.epochs_done < train.epochs:
+        where = f"in RL epoch {progress.epochs_done + 1} of {train.epochs}"
+    else:
+        where = "in the final evaluation, every epoch done"
+    if latest is None:
+        return f"stopped {where}; no checkpoint was written yet, so continuing starts the run over"
+    saved = Progress.load(latest)
+    return (f"stopped {where}; continuing starts from the newest checkpoint, {latest} (warm-up steps "
+            f"{saved.warmup_steps_done}, RL epochs {saved.epochs_done})")
+
+
+def resume_command(configs: Sequence[str], overrides: Sequence[str], run_name: str) -> str:
+    """The command line that continues run ``run_name``: this one's config files and overrides with
+    ``--resume auto logging.run_name=...`` (under torchrun: as many processes per machine)."""
+    kept = [o for o in overrides if o.partition("=")[0].strip() not in ("train.resume", "logging.run_name")]
+    args = [*(part for path in configs for part in ("--config", path)), "--resume", "auto", *kept,
+            f"logging.run_name={run_name}"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return shlex.join(["python", "trainer/main.py", *args])
+    per_machine = os.environ.get("LOCAL_WORLD_SIZE", str(world))
+    command = shlex.join(["torchrun", f"--nproc_per_node={per_machine}", "trainer/main.py", *args])
+    return command + ("  (on every machine, with its torchrun rendezvous options)" if per_machine != str(world) else "")

@@ -1,0 +1,85 @@
+"""The pre-flight check of a run's reward servers, before anything is built or warmed up: every configured URL
+answers ``/info`` and serves every weighted scorer (a job's own local pool: every scorer is one a reward server
+has). A problem is one line naming the URL, what is missing and the command that fixes it."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import ValidationError
+
+from shared.protocol import InfoResponse
+from trainer.rewards.wire import detail
+
+
+class PreflightError(ValueError):
+    """The run cannot get its rewards; raised alike on every rank (rank 0 alone reports it)."""
+
+    every_rank = True
+
+
+def server_command(url: str, scorers: Sequence[str]) -> str:
+    """The command that serves ``scorers`` at ``url``."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+    return f"python -m reward_server --scorers {','.join(scorers)} --host {host} --port {port}"
+
+
+def check_reward_servers(urls: Sequence[str], scorers: Sequence[str], token: str | None,
+                         timeout_s: float = 5.0) -> str | None:
+    """Why the servers at ``urls`` cannot score ``scorers`` (the first problem found), or None. Without
+    ``urls`` the job starts its own servers: then every scorer must be registered."""
+    if not urls:
+        return _unknown_scorers(scorers)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
+        for url in (u.rstrip("/") for u in urls):
+            problem = _check_one(client, url, list(scorers), headers)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _check_one(client: httpx.Client, url: str, scorers: list[str], headers: dict[str, str]) -> str | None:
+    try:
+        response = client.get(f"{url}/info", headers=headers)
+    except httpx.TransportError as exc:
+        reason = str(exc) or type(exc).__name__
+        return (f"reward server {url} is unreachable ({reason}): start it with `{server_command(url, scorers)}`, "
+                "or leave reward.urls empty and the job starts its own")
+    if response.status_code == 401:
+        return (f"reward server {url} refused the bearer token (HTTP 401, {detail(response)}): export "
+                "REWARD_SERVER_TOKEN=<the token the server was started with> before the job, or pass reward.token")
+    if response.status_code != 200:
+        return (f"reward server {url}/info answered HTTP {response.status_code} ({detail(response)[:200]}): is "
+                f"{url} a rewardflow reward server? Start one with `{server_command(url, scorers)}`")
+    try:
+        info = InfoResponse.model_validate_json(response.content)
+    except ValidationError:
+        return (f"{url}/info is not a rewardflow reward server's answer: point reward.urls at servers started "
+                f"with `{server_command(url, scorers)}`")
+    served = [s.name for s in info.scorers]
+    missing = [name for name in scorers if name not in served]
+    if missing:
+        return (f"reward server {url} does not serve {', '.join(missing)} (it serves {', '.join(served) or 'nothing'}):"
+                f" restart it with `{server_command(url, [*served, *missing])}`, or take "
+                f"{', '.join(missing)} out of reward.weights")
+    return None
+
+
+def _unknown_scorers(scorers: Sequence[str]) -> str | None:
+    """A local pool's servers would exit at start-up on a scorer name they do not know."""
+    try:
+        from reward_server.scorers import SCORERS
+    except ImportError:  # the pool's own start reports a missing server
+        return None
+    for name in scorers:
+        if name not in SCORERS:
+            close = difflib.get_close_matches(name, SCORERS, n=1)
+            return (f"reward.weights names scorer {name!r}, which no reward server has"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f": use one of {', '.join(SCORERS)}")
+    return None
