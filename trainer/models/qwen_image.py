@@ -37,7 +37,7 @@ from trainer.models.common import DTYPES, DiffusersModelConfig, freeze, load_den
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
-from trainer.models.latents import refuse_image_latents
+from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -84,6 +84,8 @@ class QwenImageAdapter:
     config_class = QwenImageConfig
     model_name = "qwen_image"
     pipeline_class = QwenImagePipeline
+    encodes_image_inputs = False
+    """Whether a variant VAE-encodes per-item inputs (inpainting, editing): ``model.image_latents``."""
     text_components = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer}
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
@@ -98,11 +100,13 @@ class QwenImageAdapter:
         self.denoiser = load_denoiser(QwenImageTransformer2DModel, config, "transformer", "Qwen-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = QwenImagePipeline(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                          **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                            **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         freeze(self.vae)
-        refuse_image_latents(self.model_name, config)
+        if not self.encodes_image_inputs:
+            refuse_image_latents(self.model_name, config)
+        self.image_latents = ImageLatents.of(self.vae, config)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -147,13 +151,18 @@ class QwenImageAdapter:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``; the style image's
         embeddings when there is an IP-Adapter."""
         style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
-        reject_image_inputs(self.model_name, inputs)
+        images = self._image_conditioning(len(prompts), inputs)
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
-        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style,
+        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style, **images,
                             ragged=("prompt_embeds", "prompt_mask"), text_mask="prompt_mask",
                             padded=any(len(t) < length for t in text))
+
+    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """Conditioning image fields from ``inputs``; text-to-image Qwen-Image takes none."""
+        reject_image_inputs(self.model_name, inputs)
+        return {}
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
