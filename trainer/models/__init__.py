@@ -49,6 +49,7 @@ MODELS: dict[str, ModelSpec] = {
     "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter"),
     "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
     "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
+    "qwen_image_edit": ModelSpec("trainer.models.qwen_image_edit:QwenImageEditAdapter"),
     "qwen_image_inpaint": ModelSpec("trainer.models.qwen_image_inpaint:QwenImageInpaintAdapter"),
 }
 """Model name -> its adapter. Adding a model: its adapter file and one line here (and a preset)."""
