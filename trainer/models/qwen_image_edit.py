@@ -10,6 +10,7 @@ The pipeline resizes the reference to about 1024^2 pixels; here it comes at ``mo
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +22,9 @@ from trainer.models.inputs import reject_image_inputs, require_image_input
 from trainer.models.latents import vae_input_key
 from trainer.models.qwen_image import QwenImageAdapter, QwenImageConfig, pad_text
 
-TEXT = ("prompt_embeds", "prompt_mask", "negative_embeds", "negative_mask")
-"""The conditioning's text entries: the instruction's and the negative prompt's, both read with the image and
-padded to one length, so that ``prompt_mask`` (the ``text_mask``) has the length of each."""
+TEXT_CACHE = 256
+"""(prompt, image) pairs whose embeddings are kept between calls (the least recently used are dropped):
+an evaluation's fixed items are encoded once, and the cache stays bounded whatever the dataset's size."""
 
 
 class ImageProcessor(Qwen2VLProcessor):
@@ -59,6 +60,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
     text_components = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer,
                        "processor": ImageProcessor}
 
+    def __init__(self, config: QwenImageEditConfig, device: torch.device | str = "cpu"):
+        super().__init__(config, device)
+        self._text_cache: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+
     @classmethod
     def prompt_encoder(cls, config, device):
         """Refused: there are no prompt embeddings to precompute without the images (``--latents`` works)."""
@@ -73,11 +78,23 @@ class QwenImageEditAdapter(QwenImageAdapter):
                                            max_sequence_length=config.max_sequence_length)
         return {"prompt_embeds": embeds[0]}
 
+    def _encoded(self, prompt: str, key: str, image) -> torch.Tensor:
+        """[L, D] embeddings of ``prompt`` read with the image whose 8-bit pixels hash to ``key``, cached."""
+        cache = self._text_cache
+        if (prompt, key) in cache:
+            cache.move_to_end((prompt, key))
+        else:
+            cache[prompt, key] = self.encode_text(self.pipeline, self.config, self.device, prompt, image)["prompt_embeds"]
+            if len(cache) > TEXT_CACHE:
+                cache.popitem(last=False)
+        return cache[prompt, key]
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Instruction and negative-prompt embeddings read with each item's reference (each distinct pair
-        encoded once, in its own forward), padded to one length with their masks, and the reference's packed
-        latents."""
+        """Instruction embeddings read with each item's reference (each distinct pair encoded once, in its own
+        forward), right-padded to the longest with ``prompt_mask``; the negative prompt's, read with the same
+        image (``negative_embeds``: one length for every image of the model's resolution, so unpadded); the
+        reference's packed latents."""
         from PIL import Image
 
         reject_image_inputs(self.model_name, inputs, allowed=("reference",))
@@ -86,31 +103,27 @@ class QwenImageEditAdapter(QwenImageAdapter):
         pixels = (reference.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
         keys = [vae_input_key(p) for p in pixels]
         images = {key: Image.fromarray(p.permute(1, 2, 0).numpy()) for key, p in zip(keys, pixels, strict=True)}
-        encoded: dict[tuple[str, str], torch.Tensor] = {}
-        for pair in dict.fromkeys([*zip(prompts, keys, strict=True),
-                                   *((self.config.negative_prompt, key) for key in keys)]):
-            encoded[pair] = self.encode_text(self.pipeline, self.config, self.device, pair[0],
-                                             images[pair[1]])["prompt_embeds"]
-        text = [encoded[pair] for pair in zip(prompts, keys, strict=True)]
-        negative = [encoded[self.config.negative_prompt, key] for key in keys]
-        length = max(len(t) for t in text + negative)
+        text = [self._encoded(prompt, key, images[key]) for prompt, key in zip(prompts, keys, strict=True)]
+        negative = [self._encoded(self.config.negative_prompt, key, images[key]) for key in keys]
+        assert len({len(n) for n in negative}) == 1, "images of one size give negative prompts of one length"
+        length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
-        neg_embeds, neg_mask = pad_text(negative, length)
         x = (pixels.to(self.device, torch.float32) / 255 * 2 - 1).to(self.dtype)[:, :, None]
         latents = (self.image_latents(x).mode().float() - self.latents_mean) / self.latents_std
         b, c, _, h, w = latents.shape
         return Conditioning(
-            embeds={"prompt_embeds": embeds, "prompt_mask": mask, "negative_embeds": neg_embeds, "negative_mask": neg_mask},
-            reference=self.pipeline._pack_latents(latents, b, c, h, w), ragged=TEXT, text_mask="prompt_mask",
-            padded=any(len(t) < length for t in text + negative))
+            embeds={"prompt_embeds": embeds, "prompt_mask": mask, "negative_embeds": torch.stack(negative)},
+            reference=self.pipeline._pack_latents(latents, b, c, h, w), ragged=("prompt_embeds", "prompt_mask"),
+            text_mask="prompt_mask", padded=any(len(t) < length for t in text))
 
     def missing_prompts(self, prompts, guidance_scales) -> list[str]:
         """None: the text encoders always encode (``model.text_embeddings`` is refused)."""
         return []
 
     def _negative_text(self, cond: Conditioning, length: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Each item's negative prompt read with its image, padded as its instruction is."""
-        return cond.embeds["negative_embeds"], cond.embeds["negative_mask"], cond.padded
+        """Each item's negative prompt read with its image (no padding: all ones mask)."""
+        negative = cond.embeds["negative_embeds"]
+        return negative, torch.ones(negative.shape[:2], dtype=torch.long, device=negative.device), False
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         if cond.reference is None:
@@ -154,12 +167,13 @@ def _reference_area(adapter) -> dict:
 
 
 def tiny_spec():
-    """Qwen-Image's tiny model and facts with a reference image from an editing dataset. The pipeline sizes
-    references to about 1024^2 pixels, which ``_reference_area`` brings to ``model.resolution`` squared."""
+    """Qwen-Image's tiny model and facts at 32 pixels (as inpainting's) with a reference image from an editing
+    dataset. The pipeline sizes references to about 1024^2 pixels, which ``_reference_area`` brings to
+    ``model.resolution`` squared."""
     from dataclasses import replace
 
     from trainer.models import qwen_image
 
     return replace(qwen_image.tiny_spec(), components=_tiny_components, pipeline_call=_pipeline_call,
-                   pipeline_patches=_reference_area, inputs=("reference",), data="edit_jsonl", ip_adapter=False,
-                   text_store=False, same_shapes=("qwen_image", "qwen_image_inpaint"))
+                   config=dict(resolution=32), pipeline_patches=_reference_area, inputs=("reference",),
+                   data="edit_jsonl", ip_adapter=False, text_store=False, same_shapes=("qwen_image", "qwen_image_inpaint"))
