@@ -23,12 +23,12 @@ from trainer import precompute
 from trainer.config import DataConfig, to_dict
 from trainer.data import build_task
 from trainer.data.testing import write_edit_jsonl, write_inpaint_jsonl, write_prompt_file
-from trainer.models import build_adapter, testing
+from trainer.models import build_adapter, image_encoding_models, testing
 from trainer.models.base import Conditioning, ImageInputs
 from trainer.models.latents import LATENT_INDEX, LatentStore, vae_fingerprint
 from trainer.models.testing import tiny_config
 
-IMAGE_CONDITIONED = ("flux_fill", "flux_kontext", "sd15_inpaint")
+IMAGE_CONDITIONED = tuple(image_encoding_models())
 PROMPTS = ["a photo of a cat", "the digit five"] * 2
 GROUPS = [0, 1, 0, 1]
 """Rows of the test batch: two items, each repeated as a rollout group repeats its item."""

@@ -49,6 +49,8 @@ MODELS: dict[str, ModelSpec] = {
     "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter"),
     "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
     "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
+    "qwen_image_edit": ModelSpec("trainer.models.qwen_image_edit:QwenImageEditAdapter"),
+    "qwen_image_inpaint": ModelSpec("trainer.models.qwen_image_inpaint:QwenImageInpaintAdapter"),
 }
 """Model name -> its adapter. Adding a model: its adapter file and one line here (and a preset)."""
 
@@ -82,7 +84,7 @@ def other_models_pipeline(config, adapter_class: type) -> str | None:
         return None
     saved = json.loads(index.read_text()).get("_class_name")
     ours = adapter_class.pipeline_class.__name__
-    if saved == ours:
+    if saved == ours or saved in getattr(adapter_class, "loads_pipelines", ()):
         return None
     owners = sorted(name for name, spec in MODELS.items() if spec.load().pipeline_class.__name__ == saved)
     if not owners:

@@ -37,7 +37,7 @@ from trainer.models.common import DTYPES, DiffusersModelConfig, freeze, load_den
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
-from trainer.models.latents import refuse_image_latents
+from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -84,6 +84,8 @@ class QwenImageAdapter:
     config_class = QwenImageConfig
     model_name = "qwen_image"
     pipeline_class = QwenImagePipeline
+    encodes_image_inputs = False
+    """Whether a variant VAE-encodes per-item inputs (inpainting, editing): ``model.image_latents``."""
     text_components = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer}
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
@@ -98,11 +100,13 @@ class QwenImageAdapter:
         self.denoiser = load_denoiser(QwenImageTransformer2DModel, config, "transformer", "Qwen-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = QwenImagePipeline(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                          **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                            **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         freeze(self.vae)
-        refuse_image_latents(self.model_name, config)
+        if not self.encodes_image_inputs:
+            refuse_image_latents(self.model_name, config)
+        self.image_latents = ImageLatents.of(self.vae, config)
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -147,13 +151,18 @@ class QwenImageAdapter:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``; the style image's
         embeddings when there is an IP-Adapter."""
         style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
-        reject_image_inputs(self.model_name, inputs)
+        images = self._image_conditioning(len(prompts), inputs)
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
-        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style,
+        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style, **images,
                             ragged=("prompt_embeds", "prompt_mask"), text_mask="prompt_mask",
                             padded=any(len(t) < length for t in text))
+
+    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """Conditioning image fields from ``inputs``; text-to-image Qwen-Image takes none."""
+        reject_image_inputs(self.model_name, inputs)
+        return {}
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
@@ -183,17 +192,17 @@ class QwenImageAdapter:
         image embeddings in the unconditional half when there is an IP-Adapter)."""
         embeds, mask = cond.embeds["prompt_embeds"], cond.embeds["prompt_mask"]
         n = latents.shape[0]
-        x = latents.to(self.dtype)
+        x, shapes = self._model_input(latents.to(self.dtype), cond)
         timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
         cfg = guidance_scale > 1.0
         padded = cond.padded
         if cfg:
-            neg_embeds, neg_mask, neg_length = self._negative(embeds.shape[1])
-            length = neg_embeds.shape[1]
-            padded = padded or neg_length != embeds.shape[1]
-            embeds = torch.cat([neg_embeds.expand(n, -1, -1), pad_dim1(embeds, length)])
+            neg_embeds, neg_mask, neg_padded = self._negative_text(cond, embeds.shape[1])
+            length = max(neg_embeds.shape[1], embeds.shape[1])
+            padded = padded or neg_padded or neg_embeds.shape[1] != embeds.shape[1]
+            embeds = torch.cat([pad_dim1(neg_embeds.expand(n, -1, -1), length), pad_dim1(embeds, length)])
             if padded:
-                mask = torch.cat([neg_mask.expand(n, -1), pad_dim1(mask, length)])
+                mask = torch.cat([pad_dim1(neg_mask.expand(n, -1), length), pad_dim1(mask, length)])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
         extra = {}
         if self.ip_adapter is not None:
@@ -201,13 +210,23 @@ class QwenImageAdapter:
                 raise ValueError("qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts "
                                  "with ImageInputs.style")
             extra["attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
-        img_shapes = [[(1, self.tokens_side, self.tokens_side)]] * x.shape[0]
         out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
-                  encoder_hidden_states_mask=mask if padded else None, img_shapes=img_shapes,
-                  return_dict=False, **extra)[0]
+                  encoder_hidden_states_mask=mask if padded else None, img_shapes=[shapes] * x.shape[0],
+                  return_dict=False, **extra)[0][:, : latents.shape[1]]
         if cfg:
             return true_cfg(*out.chunk(2), guidance_scale)
         return out.float()
+
+    def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """(transformer hidden_states, one sample's img_shapes) for packed latents ``x`` in the model dtype: a
+        variant appends its image tokens (editing's reference) and their grid."""
+        return x, [(1, self.tokens_side, self.tokens_side)]
+
+    def _negative_text(self, cond: Conditioning, length: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """CFG's negative text ([1 or B, L, D] embeddings, [1 or B, L] mask, whether it holds padding), at least
+        ``length`` long: the negative prompt's, one for the whole batch."""
+        neg_embeds, neg_mask, neg_length = self._negative(length)
+        return neg_embeds, neg_mask, neg_length != neg_embeds.shape[1]
 
     def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
@@ -234,9 +253,13 @@ _QWEN_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=60,
 """Qwen-Image's widths, heads and depths (20.42 B parameters)."""
 
 
-def _tiny_components(path: Path) -> dict:
-    """Qwen-Image: a 2-layer Qwen2.5-VL text encoder (hidden 16), the Qwen VAE (z_dim 4, 4x), and the
-    transformer with 2x2 patches."""
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+"""The tokens with which the editing pipelines' prompt template places an image."""
+
+
+def _tiny_components(path: Path, vision: bool = False) -> dict:
+    """Qwen-Image: a 2-layer Qwen2.5-VL text encoder (hidden 16; with ``vision`` its tokenizer places images
+    with ``VISION_TOKENS``), the Qwen VAE (z_dim 4, 4x), and the transformer with 2x2 patches."""
     import math
 
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
@@ -244,7 +267,10 @@ def _tiny_components(path: Path) -> dict:
 
     from trainer.models import testing
 
-    tok = testing.qwen_tokenizer(path / "tokenizer")
+    tok = testing.qwen_tokenizer(path / "tokenizer", VISION_TOKENS if vision else ())
+    ids = dict(vision_start_token_id=len(tok) + 1, vision_end_token_id=len(tok) + 2, image_token_id=len(tok) + 4)
+    if vision:
+        ids = {key: tok.convert_tokens_to_ids(t) for key, t in zip(ids, VISION_TOKENS, strict=True)}
     text_config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=2, vocab_size=len(tok), rope_theta=1e6, bos_token_id=tok.eos_token_id,
@@ -252,8 +278,7 @@ def _tiny_components(path: Path) -> dict:
                          rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}),
         vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
         hidden_size=16, vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-        vision_start_token_id=len(tok) + 1, vision_end_token_id=len(tok) + 2,
-        vision_token_id=len(tok) + 3, image_token_id=len(tok) + 4, video_token_id=len(tok) + 5,
+        vision_token_id=len(tok) + 3, video_token_id=len(tok) + 5, **ids,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=math.log(3), max_shift=math.log(3), base_image_seq_len=256,

@@ -58,10 +58,15 @@ class TinySpec:
     posterior_draw: str | None = None
     """The diffusers function with which its pipeline samples the conditioning images' VAE posterior,
     which the parity check replaces by the posterior's mean (as the adapter takes)."""
+    pipeline_patches: Callable[[Any], Mapping[str, Any]] | None = None
+    """adapter -> {diffusers function: its stand-in} during the parity reference's call, for a pipeline constant
+    the tiny model cannot run at (Qwen-Image-Edit's reference area of 1024^2 pixels)."""
     ip_adapter: bool = False
     """Whether the suites also run it with a trainable IP-Adapter (``<name>+ip``)."""
     ip_pipeline: bool = False
     """Whether its pipeline takes ``ip_adapter_image_embeds``: the ``+ip`` case's parity check runs."""
+    text_store: bool = True
+    """Whether its prompt embeddings can be precomputed (``model.text_embeddings``): not where they read an image."""
     same_shapes: tuple[str, ...] = ()
     """Registered models whose weights this adapter loads (only training tells them apart)."""
     learning: tuple[str, ...] = ()
@@ -115,9 +120,10 @@ def t5_tokenizer(directory: Path, max_length: int = TEXT_LENGTH):
     return tok
 
 
-def qwen_tokenizer(directory: Path):
-    """A byte-level BPE with Qwen's chat special tokens, as a Qwen2Tokenizer. The vocabulary stays small
-    so that the pipeline's prompt template still spans more than its 34 dropped prefix tokens."""
+def qwen_tokenizer(directory: Path, extra_special: tuple[str, ...] = ()):
+    """A byte-level BPE with Qwen's chat special tokens (and ``extra_special``, e.g. the vision tokens of the
+    editing pipelines), as a Qwen2Tokenizer. The vocabulary stays small so that the pipeline's prompt
+    template still spans more than its 34 dropped prefix tokens."""
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -133,7 +139,7 @@ def qwen_tokenizer(directory: Path):
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
     tok = Qwen2Tokenizer(vocab=state["vocab"], merges=merges, unk_token=None, bos_token=None,
                          eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *extra_special]})
     tok.save_pretrained(directory)
     return tok
 
@@ -233,6 +239,7 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
     Image-conditioned pipelines sample the VAE posterior of their conditioning images where the adapters
     take its mean; that draw is replaced by the mean here, the only change to the pipelines.
     """
+    import contextlib
     from unittest import mock
 
     spec = tiny(adapter.config.name)
@@ -241,10 +248,12 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
     if getattr(adapter, "ip_adapter", None) is not None:
         kwargs.update(ip_pipeline_kwargs(adapter, inputs))
     kwargs.update(spec.pipeline_call(adapter, inputs, guidance_scale))
-    if spec.posterior_draw is None:
-        return adapter.pipeline(**kwargs).images
-    posterior_mean = lambda output, generator=None, sample_mode="sample": output.latent_dist.mode()  # noqa: E731
-    with mock.patch(spec.posterior_draw, posterior_mean):
+    patches = dict(spec.pipeline_patches(adapter)) if spec.pipeline_patches is not None else {}
+    if spec.posterior_draw is not None:
+        patches[spec.posterior_draw] = lambda output, generator=None, sample_mode="sample": output.latent_dist.mode()
+    with contextlib.ExitStack() as stack:
+        for target, stand_in in patches.items():
+            stack.enter_context(mock.patch(target, stand_in))
         return adapter.pipeline(**kwargs).images
 
 

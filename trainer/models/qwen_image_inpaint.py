@@ -1,0 +1,88 @@
+"""Qwen-Image inpainting (``QwenImageInpaintPipeline``): the Qwen-Image weights, repainting where the mask is 1.
+
+Qwen-Image's transformer reads no mask: the pipeline keeps the known region on the noised source latents by
+blending after every step, x <- (1 - m) (sigma' eps + (1 - sigma') z) + m x, with eps the initial noise and z
+the source's latents. Here the same trajectory comes from the prediction alone: in the known region the
+velocity is replaced by (x - z) / sigma, the one whose clean estimate x - sigma v is z, so an Euler step from
+sigma eps + (1 - sigma) z lands on sigma' eps + (1 - sigma') z. The rollout equals the pipeline (strength 1)
+up to rounding, and the known region's log-prob terms do not depend on the policy (no gradient, ratio 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import QwenImageInpaintPipeline
+from torch import nn
+
+from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.inputs import reject_image_inputs, require_image_input
+from trainer.models.qwen_image import QwenImageAdapter, QwenImageConfig
+
+
+@dataclass
+class QwenImageInpaintConfig(QwenImageConfig):
+    """Qwen-Image weights (the inpainting pipeline has no weights of its own); same settings as Qwen-Image."""
+
+    name: str = "qwen_image_inpaint"
+    """Registry name of the adapter."""
+
+
+class QwenImageInpaintAdapter(QwenImageAdapter):
+    """ModelAdapter for Qwen-Image inpainting: needs ``ImageInputs.image`` and ``.mask`` (1 = repaint)."""
+
+    config_class = QwenImageInpaintConfig
+    pipeline_class = QwenImageInpaintPipeline
+    model_name = "qwen_image_inpaint"
+    encodes_image_inputs = True
+    loads_pipelines = ("QwenImagePipeline",)
+    """Saved pipelines whose weights are this adapter's own (Qwen-Image's directory; no model-path warning)."""
+
+    @torch.no_grad()
+    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """``image``: the source's normalised, packed latents (posterior mean; read from ``model.image_latents``
+        when it holds them), float32; ``mask``: True where to repaint, per packed latent entry, as the
+        pipeline's ``prepare_mask_latents`` folds the binarised mask to the latent grid."""
+        reject_image_inputs(self.model_name, inputs, allowed=("image", "mask"))
+        size = (self.resolution, self.resolution)
+        image = require_image_input(self.model_name, inputs, "image", batch_size, 3, size)
+        mask = require_image_input(self.model_name, inputs, "mask", batch_size, 1, size)
+        x = (image.to(self.device, torch.float32) * 2 - 1).to(self.dtype)[:, :, None]
+        latents = self.image_latents(x).mode().float()
+        latents = (latents - self.latents_mean) * (1 / self.latents_std)  # the pipeline's rounding
+        b, c, _, h, w = latents.shape
+        side = 2 * self.tokens_side
+        grid = nn.functional.interpolate((mask.to(self.device, torch.float32) >= 0.5).float(), size=(side, side))
+        packed_mask = self.pipeline._pack_latents(grid.repeat(1, c, 1, 1), b, c, side, side)
+        return {"image": self.pipeline._pack_latents(latents, b, c, h, w), "mask": packed_mask > 0.5}
+
+    def predict(
+        self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> torch.Tensor:
+        """Qwen-Image's velocity where the mask is set; (x - z) / sigma elsewhere (see the module docstring)."""
+        if cond.image is None or cond.mask is None:
+            raise ValueError("qwen_image_inpaint needs Conditioning.image and .mask: encode prompts with ImageInputs")
+        v = super().predict(net, latents, sigma, cond, guidance_scale)
+        known = (latents.float() - cond.image) / sigma.float().view(-1, 1, 1)
+        return torch.where(cond.mask, v, known)
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image_inpaint"].tiny) ----
+def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    from trainer.models import qwen_image
+
+    return {**qwen_image._pipeline_call(adapter, inputs, guidance_scale), "image": inputs.image,
+            "mask_image": inputs.mask, "strength": 1.0}
+
+
+def tiny_spec():
+    """Qwen-Image's tiny model and facts at 32 pixels (16 image tokens: its 3D VAE's cost is the suite's) with
+    an inpainting dataset; its pipeline takes no IP-Adapter."""
+    from dataclasses import replace
+
+    from trainer.models import qwen_image
+
+    return replace(qwen_image.tiny_spec(), pipeline_call=_pipeline_call, config=dict(resolution=32),
+                   inputs=("image", "mask"), data="inpaint_jsonl", ip_adapter=False, same_shapes=("qwen_image",),
+                   posterior_draw="diffusers.pipelines.qwenimage.pipeline_qwenimage_inpaint.retrieve_latents")
