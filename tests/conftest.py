@@ -18,8 +18,22 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_sd3(tmp_path_factory.mktemp("models") / "tiny-sd3"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, saying why, where CUDA is missing (they are deselected by default)."""
+    """Conformance cases of adapters whose ``TinySpec.slow_dtype_cases`` is set go to the slow tier on the CPU
+    in reduced precision; tests marked ``gpu`` skip, saying why, where CUDA is missing (deselected by default)."""
+    conformance = [item for item in items if "test_adapter_conformance" in item.nodeid]
+    slow_dtypes = set()
+    if conformance:
+        from trainer.models.testing import TINY_NAMES, tiny
+
+        slow_dtypes = {name for name in TINY_NAMES if tiny(name).slow_dtype_cases}
+    for item in conformance:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        case = str(params.get("adapter", params.get("name", ""))).removesuffix("+ip")
+        target = getattr(params.get("target"), "device", None), getattr(params.get("target"), "dtype", None)
+        if case in slow_dtypes and target[0] == "cpu" and target[1] != "float32":
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: run `pytest -m gpu` on a GPU machine")

@@ -176,4 +176,5 @@ def tiny_spec():
 
     return replace(qwen_image.tiny_spec(), components=_tiny_components, pipeline_call=_pipeline_call,
                    config=dict(resolution=32), pipeline_patches=_reference_area, inputs=("reference",),
-                   data="edit_jsonl", ip_adapter=False, text_store=False, same_shapes=("qwen_image", "qwen_image_inpaint"))
+                   data="edit_jsonl", ip_adapter=False, text_store=False, same_shapes=("qwen_image", "qwen_image_inpaint"),
+                   slow_dtype_cases=True)

@@ -84,5 +84,5 @@ def tiny_spec():
     from trainer.models import qwen_image
 
     return replace(qwen_image.tiny_spec(), pipeline_call=_pipeline_call, config=dict(resolution=32),
-                   inputs=("image", "mask"), data="inpaint_jsonl", ip_adapter=False, same_shapes=("qwen_image",),
+                   inputs=("image", "mask"), data="inpaint_jsonl", ip_adapter=False, same_shapes=("qwen_image",), slow_dtype_cases=True,
                    posterior_draw="diffusers.pipelines.qwenimage.pipeline_qwenimage_inpaint.retrieve_latents")

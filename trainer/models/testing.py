@@ -83,6 +83,9 @@ class TinySpec:
     """Denoiser config changes for about 9 M parameters (bench ``--denoiser 9m``)."""
     denoiser_real: Mapping[str, Any] = field(default_factory=dict)
     """Denoiser config changes to the published widths, heads and depths (bench ``--denoiser real``)."""
+    slow_dtype_cases: bool = False
+    """Its CPU bfloat16 / float16 conformance cases run in the slow tier: for a variant whose reduced-precision
+    numerics are its parent adapter's (tested in the default tier) and whose tiny model is slow on the CPU."""
     denoiser_variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Other published sizes of the same architecture by name, as ``denoiser_real`` (bench case ``name@variant``
     with ``--denoiser real``, e.g. ``sd3@large``)."""
