@@ -55,6 +55,9 @@ class TinySpec:
     """The ``ImageInputs`` fields it needs: ("image", "mask") or ("reference",) (drawn in this order)."""
     data: str = "prompt_file"
     """The tiny dataset format that gives those inputs (``trainer.data.testing.tiny_dataset``)."""
+    pipeline_latents: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    """(adapter, its pipeline's ``output_type="latent"`` result) -> the adapter's latents, for a pipeline that
+    post-processes its latent output (FLUX.2 Klein un-normalises and unpatchifies it); None: they are the same."""
     posterior_draw: str | None = None
     """The diffusers function with which its pipeline samples the conditioning images' VAE posterior,
     which the parity check replaces by the posterior's mean (as the adapter takes)."""
@@ -239,10 +242,14 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
         kwargs.update(ip_pipeline_kwargs(adapter, inputs))
     kwargs.update(spec.pipeline_call(adapter, inputs, guidance_scale))
     if spec.posterior_draw is None:
-        return adapter.pipeline(**kwargs).images
-    posterior_mean = lambda output, generator=None, sample_mode="sample": output.latent_dist.mode()  # noqa: E731
-    with mock.patch(spec.posterior_draw, posterior_mean):
-        return adapter.pipeline(**kwargs).images
+        images = adapter.pipeline(**kwargs).images
+    else:
+        posterior_mean = lambda output, generator=None, sample_mode="sample": output.latent_dist.mode()  # noqa: E731
+        with mock.patch(spec.posterior_draw, posterior_mean):
+            images = adapter.pipeline(**kwargs).images
+    if output_type == "latent" and spec.pipeline_latents is not None:
+        return spec.pipeline_latents(adapter, images)
+    return images
 
 
 def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:
