@@ -49,6 +49,7 @@ MODELS: dict[str, ModelSpec] = {
     "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter"),
     "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
     "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
+    "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter"),
     "flux2_klein": ModelSpec("trainer.models.flux2_klein:Flux2KleinAdapter"),
 }
 """Model name -> its adapter. Adding a model: its adapter file and one line here (and a preset)."""

@@ -244,3 +244,77 @@ class Flux2Adapter:
         x = self.vae.decode(self.vae_latents(latents).to(self.dtype), return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
 
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["flux2"].tiny) -----------------
+_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] != 'system' %}{% for c in m['content'] %}{% if c['type'] == "
+                  "'text' %}<|im_start|>{{ m['role'] }}\n{{ c['text'] }}<|im_end|>\n{% endif %}{% endfor %}{% endif %}"
+                  "{% endfor %}")
+"""A chat template for the tiny tokenizer that drops the system message: the pipeline's long one would leave
+no room for the prompt in the tests' 48 tokens."""
+FLUX2_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4,
+                axes_dims_rope=(16, 16, 16, 16))
+"""About 9 M parameters (FLUX.2 [dev] and Klein)."""
+_FLUX2_REAL = dict(attention_head_dim=128, num_attention_heads=48, num_layers=8, num_single_layers=48,
+                   axes_dims_rope=(32, 32, 32, 32))
+"""FLUX.2 [dev]'s widths, heads and depths (diffusers' defaults; the text width stays the tiny encoder's)."""
+
+
+def tiny_transformer(joint_attention_dim: int, guidance_embeds: bool):
+    """FLUX.2's transformer at test size: 8 input channels (2x2 patches of ``tiny_vae``'s 2 channels)."""
+    return Flux2Transformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                   num_attention_heads=2, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                   joint_attention_dim=joint_attention_dim, guidance_embeds=guidance_embeds).eval()
+
+
+def tiny_vae(seed: int = 0):
+    """A one-block FLUX.2 VAE (1x, 2 latent channels) whose batch-norm statistics are random, so that a test
+    sees a latent normalisation that is missing or inverted."""
+    vae = AutoencoderKLFlux2(block_out_channels=(4,), down_block_types=("DownEncoderBlock2D",),
+                             up_block_types=("UpDecoderBlock2D",), layers_per_block=1, latent_channels=2,
+                             norm_num_groups=1, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+                             mid_block_add_attention=False).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, generator=g))
+    return vae
+
+
+def _tiny_components(path: Path) -> dict:
+    """FLUX.2 [dev]: a 2-layer Mistral 3 (text hidden 24, all three hidden states stacked: 72 channels; a
+    one-layer Pixtral vision tower it does not use), the 1x VAE, the transformer with guidance embedding."""
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+    from trainer.models import testing
+
+    tok = testing.qwen_tokenizer(path / "tokenizer")
+    tok.chat_template = _CHAT_TEMPLATE
+    tok.save_pretrained(path / "tokenizer")
+    text = MistralConfig(vocab_size=len(tok), hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=12, max_position_embeddings=512,
+                         pad_token_id=tok.pad_token_id)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=16, patch_size=8, head_dim=8)
+    encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text.to_dict(),
+                                                              vision_config=vision.to_dict())).eval()
+    return dict(transformer=tiny_transformer(joint_attention_dim=72, guidance_embeds=True), vae=tiny_vae(),
+                text_encoder=encoder, tokenizer=tok,
+                scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0))
+
+
+def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
+                max_sequence_length=adapter.config.max_sequence_length,
+                text_encoder_out_layers=tuple(adapter.config.text_encoder_out_layers))
+
+
+def tiny_spec():
+    """The tiny FLUX.2 [dev] and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens,
+    guidance embedding at 4 (the pipeline's default)."""
+    from trainer.models import testing
+
+    return testing.TinySpec(
+        components=_tiny_components, pipeline_call=_pipeline_call,
+        config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]), guidance=4.0,
+        bench_resolution=32, bench_guidance=4.0, denoiser_9m=FLUX2_9M, denoiser_real=_FLUX2_REAL)

@@ -16,7 +16,7 @@ from typing import Any
 from diffusers import Flux2KleinPipeline
 from transformers import Qwen2Tokenizer, Qwen3ForCausalLM
 
-from trainer.models.flux2 import Flux2Adapter, Flux2Config
+from trainer.models.flux2 import FLUX2_9M, Flux2Adapter, Flux2Config
 
 
 @dataclass
@@ -54,41 +54,18 @@ _CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['con
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
                   "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 """A Qwen3-style chat template for the tiny tokenizer (an empty think block when thinking is off)."""
-_TINY_TRANSFORMER = dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                         num_attention_heads=2, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))
-"""FLUX.2's transformer at test size: 8 input channels (2x2 patches of a 2-channel VAE)."""
-_KLEIN_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4,
-                 axes_dims_rope=(16, 16, 16, 16))
-"""About 9 M parameters."""
 _KLEIN_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=5, num_single_layers=20,
                    axes_dims_rope=(32, 32, 32, 32))
 """FLUX.2 [klein] 4B's widths, heads and depths (the text width stays the tiny encoder's)."""
 
 
-def tiny_vae(seed: int = 0):
-    """A one-block FLUX.2 VAE (1x, 2 latent channels) whose batch-norm statistics are random, so that a test
-    sees a latent normalisation that is missing or inverted."""
-    import torch
-    from diffusers import AutoencoderKLFlux2
-
-    vae = AutoencoderKLFlux2(block_out_channels=(4,), down_block_types=("DownEncoderBlock2D",),
-                             up_block_types=("UpDecoderBlock2D",), layers_per_block=1, latent_channels=2,
-                             norm_num_groups=1, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
-                             mid_block_add_attention=False).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
-        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, generator=g))
-    return vae
-
-
 def tiny_components(path: Path) -> dict:
     """Klein: a 2-layer Qwen3 (hidden 16; all three hidden states stacked: 48 text channels), the 1x FLUX.2
     VAE, and the transformer without guidance embedding."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from trainer.models import testing
+    from trainer.models import flux2, testing
 
     tok = testing.qwen_tokenizer(path / "tokenizer")
     tok.chat_template = _CHAT_TEMPLATE
@@ -96,8 +73,8 @@ def tiny_components(path: Path) -> dict:
     text = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    transformer = Flux2Transformer2DModel(**_TINY_TRANSFORMER, joint_attention_dim=48, guidance_embeds=False).eval()
-    return dict(transformer=transformer, vae=tiny_vae(), text_encoder=Qwen3ForCausalLM(text).eval(), tokenizer=tok,
+    return dict(transformer=flux2.tiny_transformer(joint_attention_dim=48, guidance_embeds=False), vae=flux2.tiny_vae(),
+                text_encoder=Qwen3ForCausalLM(text).eval(), tokenizer=tok,
                 scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0), is_distilled=False)
 
 
@@ -123,4 +100,4 @@ def tiny_spec():
         components=tiny_components, pipeline_call=pipeline_call, pipeline_latents=pipeline_latents,
         config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]), guidance=3.0,
         learning=("train.learning_rate=0.05",), learning_epochs=24,
-        bench_resolution=32, bench_guidance=4.0, denoiser_9m=_KLEIN_9M, denoiser_real=_KLEIN_REAL)
+        bench_resolution=32, bench_guidance=4.0, denoiser_9m=FLUX2_9M, denoiser_real=_KLEIN_REAL)
