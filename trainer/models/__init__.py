@@ -51,6 +51,8 @@ MODELS: dict[str, ModelSpec] = {
     "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
     "qwen_image_edit": ModelSpec("trainer.models.qwen_image_edit:QwenImageEditAdapter"),
     "qwen_image_inpaint": ModelSpec("trainer.models.qwen_image_inpaint:QwenImageInpaintAdapter"),
+    "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter"),
+    "flux2_klein": ModelSpec("trainer.models.flux2_klein:Flux2KleinAdapter"),
 }
 """Model name -> its adapter. Adding a model: its adapter file and one line here (and a preset)."""
 

@@ -55,6 +55,9 @@ class TinySpec:
     """The ``ImageInputs`` fields it needs: ("image", "mask") or ("reference",) (drawn in this order)."""
     data: str = "prompt_file"
     """The tiny dataset format that gives those inputs (``trainer.data.testing.tiny_dataset``)."""
+    pipeline_latents: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    """(adapter, its pipeline's ``output_type="latent"`` result) -> the adapter's latents, for a pipeline that
+    post-processes its latent output (FLUX.2 Klein un-normalises and unpatchifies it); None: they are the same."""
     posterior_draw: str | None = None
     """The diffusers function with which its pipeline samples the conditioning images' VAE posterior,
     which the parity check replaces by the posterior's mean (as the adapter takes)."""
@@ -257,7 +260,10 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
     with contextlib.ExitStack() as stack:
         for target, stand_in in patches.items():
             stack.enter_context(mock.patch(target, stand_in))
-        return adapter.pipeline(**kwargs).images
+        images = adapter.pipeline(**kwargs).images
+    if output_type == "latent" and spec.pipeline_latents is not None:
+        return spec.pipeline_latents(adapter, images)
+    return images
 
 
 def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:

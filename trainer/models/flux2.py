@@ -1,0 +1,320 @@
+"""FLUX.2 [dev] (Flux2Transformer2DModel, flow matching, guidance embedding, Mistral text encoder) from a local
+diffusers directory. The Klein models (``flux2_klein``, ``flux2_klein_inpaint``) are this class with another text
+encoder and guidance: the transformer, VAE, latents and schedule are shared.
+
+Latents live as the transformer sees them: the VAE's latents cut into 2x2 patches [B, 4C, h, w], normalised by
+the VAE's batch-norm statistics, and packed to tokens [B, h*w, 4C]. Text (hidden states of three text encoder
+layers stacked along channels, padded to ``max_sequence_length``), position ids (t, h, w, l) and the schedule
+(shifted by FLUX.2's empirical mu) come from the pipeline itself, so a rollout at noise level 0 reproduces it.
+
+Guidance: FLUX.2 [dev] is guidance-distilled: ``guidance_scale`` feeds the guidance embedding, one forward per
+step, no CFG. The pipeline's reference images (``image``, PIL only, shared by the whole batch) are not taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from diffusers import (
+    AutoencoderKLFlux2,
+    FlowMatchEulerDiscreteScheduler,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
+)
+from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock, Flux2TransformerBlock
+from torch import nn
+from transformers import AutoProcessor, Mistral3ForConditionalGeneration
+
+from trainer.config.fields import NonNegativeInt, PositiveInt
+from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze
+from trainer.models.flow import cfg_combine, rectified_flow_target
+from trainer.models.inputs import reject_image_inputs
+from trainer.models.latents import ImageLatents, refuse_image_latents
+from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
+from trainer.models.trainable import Trainable
+from trainer.samplers import flow_step, standard_normal
+
+
+@dataclass
+class Flux2Config(DiffusersModelConfig):
+    """Where the FLUX.2 weights are (transformer/, vae/, scheduler/, text_encoder/, tokenizer/) and how to run
+    them; resolution must be a multiple of 2x the VAE factor (16 for the real VAE)."""
+
+    name: str = "flux2"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    resolution: NonNegativeInt = 1024
+    max_sequence_length: PositiveInt = 512
+    """Text tokens per prompt, chat template included: every prompt is padded to it (the pipeline's default)."""
+    text_encoder_out_layers: tuple[int, ...] = (10, 20, 30)
+    """Text encoder hidden states stacked into the prompt embeddings (the pipeline's default)."""
+
+
+def flux2_sigmas(scheduler, num_steps: int, image_seq_len: int, device: torch.device) -> torch.Tensor:
+    """FLUX.2's schedule as its pipelines set it: sigmas linspace(1, 1/T, T) time-shifted by the empirical
+    mu(image_seq_len, T) of ``compute_empirical_mu`` (a fit over token counts and step counts); sigmas[0..T]."""
+    import numpy as np
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
+
+    retrieve_timesteps(scheduler, num_steps, device, sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
+                       mu=compute_empirical_mu(image_seq_len, num_steps))
+    return scheduler.sigmas.to(torch.float32)
+
+
+def position_ids(t: int, h: int, w: int, length: int = 1) -> torch.Tensor:
+    """The pipelines' 4-axis position ids [h * w * length, 4] = (t, row, column, l) in row-major order: image
+    tokens (t = 0 for the generated image, 10, 20, ... for conditioning images) and text tokens (h = w = 1)."""
+    return torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w), torch.arange(length))
+
+
+class Flux2Adapter:
+    """ModelAdapter for FLUX.2 [dev] checkpoints (text-to-image)."""
+
+    sampler_kind = "flow"
+    shard_units = (Flux2TransformerBlock, Flux2SingleTransformerBlock)
+    config_class = Flux2Config
+    pipeline_class = Flux2Pipeline
+    model_name = "flux2"
+    label = "FLUX.2 [dev]"
+    guidance_embedded = True
+    """Whether the transformer has a guidance embedding (FLUX.2 [dev]; the Klein models run CFG instead)."""
+    encodes_image_inputs = False
+    text_components: dict[str, Any] = {"text_encoder": Mistral3ForConditionalGeneration, "tokenizer": AutoProcessor}
+    optional_text: tuple[str, ...] = ()
+    text_settings = ("dtype", "max_sequence_length", "text_encoder_out_layers")
+    prompt_encoder = classmethod(prompt_encoder)
+
+    def __init__(self, config: Flux2Config, device: torch.device | str = "cpu"):
+        path = Path(config.path)
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.dtype]
+        load = {"torch_dtype": self.dtype}
+        saved = denoiser_config(Flux2Transformer2DModel, config, "transformer", self.label)
+        if bool(saved.get("guidance_embeds", True)) != self.guidance_embedded:
+            has = "has a guidance embedding (FLUX.2 [dev])" if saved.get("guidance_embeds", True) else "has none (Klein)"
+            raise ValueError(f"model.path={config.path!r} holds a FLUX.2 transformer that {has}, which "
+                             f"model.name={config.name} does not run: point model.path at {self.label} weights, "
+                             "or set model.name to flux2 for FLUX.2 [dev] and flux2_klein for Klein")
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        self.vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", **load)
+        self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # as the pipelines' vae_scale_factor
+        side = config.resolution
+        if side <= 0 or side % (2 * self.vae_factor):
+            raise ValueError(f"model.resolution={side} must be a positive multiple of {2 * self.vae_factor}")
+        self.resolution = side
+        self.tokens_side = side // self.vae_factor // 2
+        self.latent_shape = (self.tokens_side**2, 4 * self.vae.config.latent_channels)
+        fed = self.latent_shape[1]
+        if saved.get("in_channels", 128) != fed:
+            raise ValueError(f"model.path={config.path!r} holds a FLUX.2 transformer reading {saved.get('in_channels')} "
+                             f"channels, and its VAE gives {fed}: point model.path at one complete FLUX.2 directory")
+        self.denoiser = Flux2Transformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                            **load_text_components(type(self), config, self.device),
+                                            **self._pipeline_settings(path))
+        self.pipeline.to(self.device)
+        assert self.pipeline.vae_scale_factor == self.vae_factor
+        freeze(self.vae)
+        if not self.encodes_image_inputs:
+            refuse_image_latents(self.model_name, config)
+        self.image_latents = ImageLatents.of(self.vae, config)
+        bn = self.vae.bn
+        self.bn_mean = bn.running_mean.to(self.device, torch.float32).view(1, -1, 1, 1)
+        self.bn_std = torch.sqrt(bn.running_var.to(self.device, torch.float32) + self.vae.config.batch_norm_eps).view(1, -1, 1, 1)
+        self.img_ids = position_ids(0, self.tokens_side, self.tokens_side).to(self.device)
+        self._txt_ids: dict[int, torch.Tensor] = {}
+
+        self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
+        self.prompts = PromptEmbeddings.of(self, config)
+
+    def _pipeline_settings(self, path: Path) -> dict[str, Any]:
+        """Pipeline arguments besides the components (none for FLUX.2 [dev])."""
+        return {}
+
+    # --- conditioning -------------------------------------------------------------------------------
+    @staticmethod
+    def encode_text(pipeline, config: Flux2Config, device: torch.device, prompt: str) -> dict[str, torch.Tensor]:
+        """The [1, max_sequence_length, 3D] embeddings of one prompt via the pipeline's encode_prompt."""
+        embeds, _ = pipeline.encode_prompt(prompt=[prompt], device=device, max_sequence_length=config.max_sequence_length,
+                                           text_encoder_out_layers=tuple(config.text_encoder_out_layers))
+        return {"prompt_embeds": embeds}
+
+    def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
+        """Text embeddings (cached per prompt) and the image conditioning this variant takes."""
+        images = self._image_conditioning(len(prompts), inputs)
+        return Conditioning(embeds=self.prompts.cat(prompts), **images)
+
+    def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
+        """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
+        ``model.text_embeddings`` store lacks."""
+        cfg = any(self._runs_cfg(scale) for scale in guidance_scales)
+        return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
+
+    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """Conditioning image fields from ``inputs``; text-to-image FLUX.2 takes none."""
+        reject_image_inputs(self.model_name, inputs)
+        return {}
+
+    def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        """(transformer hidden_states, img_ids) for packed latents ``x`` in the model dtype."""
+        return x, self.img_ids
+
+    def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Noise [B, 4C, h, w] packed to tokens, drawn as the pipelines' ``prepare_latents`` draw it."""
+        h = self.tokens_side
+        noise = standard_normal((batch_size, self.latent_shape[1], h, h), generator, self.device)
+        return self.pipeline._pack_latents(noise)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The pipeline's schedule for this image token count (``flux2_sigmas``)."""
+        return flux2_sigmas(self.scheduler, num_steps, self.latent_shape[0], self.device)
+
+    def step_function(self, kind: str, schedule: torch.Tensor) -> StepFunction:
+        """A flow step; sigma_max = schedule[1] replaces sigma where sigma == 1 (no division by zero)."""
+        return flow_step(kind, schedule)
+
+    # --- the network ---------------------------------------------------------------------------------
+    def _runs_cfg(self, guidance_scale: float) -> bool:
+        return False
+
+    def _txt_ids_for(self, length: int) -> torch.Tensor:
+        if length not in self._txt_ids:
+            self._txt_ids[length] = position_ids(0, 1, 1, length).to(self.device)
+        return self._txt_ids[length]
+
+    def predict(
+        self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
+    ) -> torch.Tensor:
+        """Velocity for packed latents. FLUX.2 [dev] gets ``guidance_scale`` as its guidance embedding; a model
+        without one runs CFG over [negative prompt; prompt] as one forward where ``_runs_cfg`` says so."""
+        embeds = cond.embeds["prompt_embeds"]
+        n = latents.shape[0]
+        # (sigma * 1000) / 1000 in the model dtype, exactly as the pipelines round their timestep.
+        timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
+        hidden, img_ids = self._model_input(latents.to(self.dtype), cond)
+        guidance = None
+        if self.guidance_embedded:
+            guidance = torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32)
+        cfg = self._runs_cfg(guidance_scale)
+        if cfg:
+            neg = self.prompts([self.config.negative_prompt])[0]["prompt_embeds"]
+            embeds = torch.cat([neg.expand(n, -1, -1), embeds])
+            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
+        out = net(hidden_states=hidden, timestep=timestep, guidance=guidance, encoder_hidden_states=embeds,
+                  txt_ids=self._txt_ids_for(embeds.shape[1]), img_ids=img_ids, return_dict=False)[0]
+        out = out[:, : latents.shape[1]]
+        if cfg:
+            return cfg_combine(*out.chunk(2), guidance_scale)
+        return out.float()
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
+        return rectified_flow_target(x0, noise, sigma)
+
+    # --- latents and images ----------------------------------------------------------------------------
+    def model_latents(self, vae_latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents [B, C, H, W] -> the packed, normalised tokens [B, HW/4, 4C] the transformer works in
+        (float32): 2x2 patches, (x - bn mean) / bn std, packed, as the pipelines' ``_encode_vae_image``."""
+        patches = self.pipeline._patchify_latents(vae_latents.float())
+        return self.pipeline._pack_latents((patches - self.bn_mean) / self.bn_std)
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``model_latents`` (float32)."""
+        b, _, c = latents.shape
+        h = self.tokens_side
+        patches = latents.float().permute(0, 2, 1).reshape(b, c, h, h) * self.bn_std + self.bn_mean
+        return self.pipeline._unpatchify_latents(patches)
+
+    def _vae_input(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] -> the VAE's input: mapped to [-1, 1] in float32, then cast once."""
+        return (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] -> packed latents (posterior mean; the inverse of ``decode``) for supervised targets."""
+        return self.model_latents(self.vae.encode(self._vae_input(images)).latent_dist.mode())
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = self.vae.decode(self.vae_latents(latents).to(self.dtype), return_dict=False)[0].float()
+        return (x / 2 + 0.5).clamp(0, 1)
+
+
+
+# --- tiny test model and test facts (read by tests and benches through MODELS["flux2"].tiny) -----------------
+_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] != 'system' %}{% for c in m['content'] %}{% if c['type'] == "
+                  "'text' %}<|im_start|>{{ m['role'] }}\n{{ c['text'] }}<|im_end|>\n{% endif %}{% endfor %}{% endif %}"
+                  "{% endfor %}")
+"""A chat template for the tiny tokenizer that drops the system message: the pipeline's long one would leave
+no room for the prompt in the tests' 48 tokens."""
+FLUX2_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4,
+                axes_dims_rope=(16, 16, 16, 16))
+"""About 9 M parameters (FLUX.2 [dev] and Klein)."""
+_FLUX2_REAL = dict(attention_head_dim=128, num_attention_heads=48, num_layers=8, num_single_layers=48,
+                   axes_dims_rope=(32, 32, 32, 32))
+"""FLUX.2 [dev]'s widths, heads and depths (diffusers' defaults; the text width stays the tiny encoder's)."""
+
+
+def tiny_transformer(joint_attention_dim: int, guidance_embeds: bool):
+    """FLUX.2's transformer at test size: 8 input channels (2x2 patches of ``tiny_vae``'s 2 channels)."""
+    return Flux2Transformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                   num_attention_heads=2, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                   joint_attention_dim=joint_attention_dim, guidance_embeds=guidance_embeds).eval()
+
+
+def tiny_vae(seed: int = 0):
+    """A one-block FLUX.2 VAE (1x, 2 latent channels) whose batch-norm statistics are random, so that a test
+    sees a latent normalisation that is missing or inverted."""
+    vae = AutoencoderKLFlux2(block_out_channels=(4,), down_block_types=("DownEncoderBlock2D",),
+                             up_block_types=("UpDecoderBlock2D",), layers_per_block=1, latent_channels=2,
+                             norm_num_groups=1, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+                             mid_block_add_attention=False).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, generator=g))
+    return vae
+
+
+def _tiny_components(path: Path) -> dict:
+    """FLUX.2 [dev]: a 2-layer Mistral 3 (text hidden 24, all three hidden states stacked: 72 channels; a
+    one-layer Pixtral vision tower it does not use), the 1x VAE, the transformer with guidance embedding."""
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+    from trainer.models import testing
+
+    tok = testing.qwen_tokenizer(path / "tokenizer")
+    tok.chat_template = _CHAT_TEMPLATE
+    tok.save_pretrained(path / "tokenizer")
+    text = MistralConfig(vocab_size=len(tok), hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=12, max_position_embeddings=512,
+                         pad_token_id=tok.pad_token_id)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=16, patch_size=8, head_dim=8)
+    encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text.to_dict(),
+                                                              vision_config=vision.to_dict())).eval()
+    return dict(transformer=tiny_transformer(joint_attention_dim=72, guidance_embeds=True), vae=tiny_vae(),
+                text_encoder=encoder, tokenizer=tok,
+                scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0))
+
+
+def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
+                max_sequence_length=adapter.config.max_sequence_length,
+                text_encoder_out_layers=tuple(adapter.config.text_encoder_out_layers))
+
+
+def tiny_spec():
+    """The tiny FLUX.2 [dev] and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens,
+    guidance embedding at 4 (the pipeline's default)."""
+    from trainer.models import testing
+
+    return testing.TinySpec(
+        components=_tiny_components, pipeline_call=_pipeline_call,
+        config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]), guidance=4.0,
+        bench_resolution=32, bench_guidance=4.0, denoiser_9m=FLUX2_9M, denoiser_real=_FLUX2_REAL)
