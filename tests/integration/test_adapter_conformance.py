@@ -48,6 +48,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.dpo import DPO, DPOConfig
@@ -59,6 +61,7 @@ from trainer.models.base import ImageInputs
 from trainer.models.common import DTYPES, LoraSettings
 from trainer.models.ip_adapter import IP_WEIGHTS
 from trainer.models.testing import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
+from trainer.models.trainable import LinearInInputDtype
 from trainer.rollout import Rollout, SamplerSettings, rollout
 from trainer.samplers import standard_normal
 
@@ -342,6 +345,59 @@ def test_lora_and_ip_weights_train_in_float32(name, model_root, target):
         assert torch.isfinite(p).all()
         moved = p.ne(b)[g]
         assert moved.all(), f"{float(moved.float().mean()):.4%} of the weights with a gradient moved"
+
+
+class FloatMatmuls(TorchDispatchMode):
+    """Counts the matrix products with a float32 operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution"):
+            self.count += any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+def _float32_lora_compute(denoiser, on: bool) -> None:
+    """Switch LoRA layers back to peft's own float32 compute (input cast to float32) or to the model dtype."""
+    for layer in denoiser.modules():
+        if isinstance(layer, LoraLayer):
+            layer.cast_input_dtype_enabled = on
+            for linear in (*layer.lora_A.values(), *layer.lora_B.values()):
+                linear.__class__ = torch.nn.Linear if on else LinearInInputDtype
+
+
+@pytest.mark.parametrize("target", [TARGETS[1], CUDA_BF16])
+@pytest.mark.parametrize("name", ["sd3", "flux+ip"])
+def test_lora_and_ip_layers_compute_in_the_model_dtype(name, model_root, target):
+    """LoRA and IP-Adapter layers keep float32 weights and gradients but add no float32 matmul to a bf16
+    forward and backward (peft's float32 LoRA compute adds some), and predict what float32 LoRA compute
+    predicts to bf16 tolerance. LoRA is peft's, the same in every adapter: two cases (one with an IP-Adapter)."""
+    torch.manual_seed(0)
+    adapter = make_adapter(name, model_root, target, lora=LoraSettings(rank=4, alpha=4))
+    with torch.no_grad():
+        for name_, p in adapter.denoiser.named_parameters():
+            if "lora_B" in name_:
+                p.copy_(0.2 * standard_normal(p.shape, target.generator(8), p.device))
+    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
+    x = adapter.prepare_latents(len(PROMPTS), target.generator(1)).requires_grad_()  # a backward with LoRA off
+    sigma = torch.full((len(PROMPTS),), 0.6, device=x.device)
+    counts, outs = {}, {}
+    for mode in ("off", "float32", "model dtype"):
+        adapter.denoiser.disable_adapters() if mode == "off" else adapter.denoiser.enable_adapters()
+        _float32_lora_compute(adapter.denoiser, mode == "float32")
+        with FloatMatmuls() as matmuls:
+            outs[mode] = adapter.predict(adapter.denoiser, x, sigma, cond, guidance(adapter))
+            outs[mode].square().mean().backward()
+        counts[mode] = matmuls.count
+    assert counts["float32"] > counts["off"], "the float32 LoRA path should show float32 matmuls"
+    assert counts["model dtype"] == counts["off"], f"LoRA added {counts['model dtype'] - counts['off']} float32 matmuls"
+    assert {p.grad.dtype for p in adapter.trainable.parameters() if p.grad is not None} == {torch.float32}
+    new, old, base = (outs[m].detach().float() for m in ("model dtype", "float32", "off"))
+    assert (old - base).norm() > 0.05 * base.norm(), "LoRA should change the prediction"
+    assert (new - old).norm() <= 0.01 * base.norm()
 
 
 @pytest.mark.gpu
