@@ -49,7 +49,7 @@ class CompileMonitor:
         self.recompiles = 0
         self._start = self._totals()
         self._seen = {str(m.compile_id) for m in _metrics()}
-        logging.getLogger("torch._dynamo").addHandler(_LimitHandler(self))
+        _LimitHandler.install().monitor = self  # the latest monitor counts (one handler per process)
 
     @staticmethod
     def _totals() -> tuple[int, float]:
@@ -77,13 +77,22 @@ def _metrics() -> list:
 class _LimitHandler(logging.Handler):
     """Turns dynamo's 'hit config.recompile_limit' record into our warning and a counted fallback."""
 
-    def __init__(self, monitor: CompileMonitor):
+    installed: _LimitHandler | None = None
+
+    def __init__(self):
         super().__init__(logging.WARNING)
-        self.monitor = monitor
+        self.monitor: CompileMonitor | None = None
+
+    @classmethod
+    def install(cls) -> _LimitHandler:
+        if cls.installed is None:
+            cls.installed = cls()
+            logging.getLogger("torch._dynamo").addHandler(cls.installed)
+        return cls.installed
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if "hit config." in message and "limit" in message:
+        if self.monitor is not None and "hit config." in message and "limit" in message:
             cause = " ".join(line.strip() for line in message.splitlines()[1:3])
             self.monitor.fallbacks.append(cause)
             logger.warning("warning: model.compile: a compiled block runs eagerly from now on (its recompile limit "
