@@ -141,7 +141,8 @@ class Trainer:
                 self._new_reference()
             progress.rl_started = True
         self.backend.set_lr(train.learning_rate)
-        bar = tqdm(range(progress.epochs_done, train.epochs), desc="RL", disable=not self._bars())
+        first = progress.epochs_done
+        bar = tqdm(range(first, train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
             metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
@@ -151,7 +152,7 @@ class Trainer:
                     + "  ".join(f"{k} {metrics[k]:.3g}" for k in shown) + f"  img/s {metrics['images_per_s']:.2f}"
                     + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
             bar.write(line) if self._bars() else self._print(line)
-            if self.compiled is not None and epoch == progress.epochs_done:  # the first epoch compiled the variants
+            if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
                 self._print(f"model.compile={self.config.model.compile}: {metrics['compile_graphs']:.0f} graphs "
                             f"compiled in {metrics['compile_s']:.1f} s, {metrics['compile_recompiles']:.0f} recompiles "
                             f"(limit {self.compiled.limit}), {metrics['compile_fallbacks']:.0f} fallbacks to eager")
