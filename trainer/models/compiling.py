@@ -4,6 +4,8 @@ A block's ``forward`` is replaced by one compiled function per block class, boun
 names, state dicts, hooks (FSDP2, ZeRO-3, IP-Adapter casts) and gradient checkpointing stay as they are, and a
 deep copy (a frozen reference) binds the copy's own weights. The same compiled code serves the rollout, the
 training forward and the reference, so that they compute identically (the on-policy ratio stays 1).
+Blocks are found without help (``repeated_blocks``); an adapter whose blocks that misses may declare them as a
+class attribute ``compiled_blocks`` (a tuple of block classes).
 """
 
 from __future__ import annotations
