@@ -40,7 +40,7 @@ from trainer.logging import RunLogger, to_uint8  # noqa: E402
 from trainer.models import build_adapter  # noqa: E402
 from trainer.rewards.client import HttpRewardClient  # noqa: E402
 from trainer.rewards.launcher import LocalRewardPool  # noqa: E402
-from trainer.rollout import chunk_bounds, rollout  # noqa: E402
+from trainer.rollout import rollout, rollout_bounds  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 MICRO_BATCH = 8
@@ -59,6 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=320, help="images per epoch (multiple of 16)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--chunks", default="1,2,4,5,10,20,0",
+                        help="train.rollout_chunks values (0: the default, trainer.rollout.rollout_bounds)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     config = load_config(overrides=[f"data.prompts_per_epoch={args.images // 16}", "logging.progress=false"])
@@ -71,7 +73,7 @@ def main() -> None:
 
     def sample_only(chunks: int = 1):
         g = torch.Generator().manual_seed(0)
-        bounds = chunk_bounds(args.images, chunks, MICRO_BATCH)
+        bounds = rollout_bounds(args.images, chunks, MICRO_BATCH)
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             rollout(adapter, adapter.denoiser, prompts[lo:hi], groups[lo:hi], algorithm.sampler, g)
 
@@ -84,7 +86,7 @@ def main() -> None:
         client = HttpRewardClient(pool.urls, {"sleep": 1.0}, batch_size=MICRO_BATCH)
         images = to_uint8(torch.rand(args.images, 1, 16, 16))
         t_reward = best_of(args.repeats, lambda: client.score(images, prompts))
-        for chunks in (1, 2, 4, 5, 10, 20):
+        for chunks in (int(c) for c in args.chunks.split(",")):
             config.train.rollout_chunks = chunks
             trainer = Trainer(config, adapter, algorithm, SFT(config.warmup), task, client,
                               SingleProcess(torch.device("cpu")), RunLogger(Path(tmp), False, False))
@@ -93,7 +95,9 @@ def main() -> None:
             t = best_of(args.repeats, lambda t=trainer, g=g, n=noise: t.sample_and_score(prompts, indices, groups, g, n))
             t_sampling = best_of(args.repeats, lambda c=chunks: sample_only(c))
             bound = max(t_sampling, t_reward)
-            rows.append((chunks, t, t_sampling, t / bound, 1 + min(t_sampling, t_reward) / chunks / bound,
+            cut = len(rollout_bounds(args.images, chunks, MICRO_BATCH)) - 1
+            label = f"{chunks}" if chunks else f"0 (default: {cut})"
+            rows.append((label, t, t_sampling, t / bound, 1 + min(t_sampling, t_reward) / cut / bound,
                          (t_sampling + t_reward) / bound))
         client.close()
     print(f"\nimages/epoch {args.images}; rollout alone {t_rollout:.2f} s; reward alone R {t_reward:.2f} s "

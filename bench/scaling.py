@@ -69,7 +69,7 @@ def main() -> None:
                     epochs = run(backend, nproc, Path(tmp), model_path, pool.urls[0], args.epochs, args.prompts,
                                  args.group, gather)
                     train = statistics.median(r["time_train_s"] for r in epochs)
-                    rollout = statistics.median(r["images_per_s"] for r in epochs)
+                    rollout = statistics.median(images / (r["time_rollout_s"] + r["time_reward_wait_s"]) for r in epochs)
                     whole = statistics.median(images / (r["time_rollout_s"] + r["time_reward_wait_s"]
                                                         + r["time_train_s"]) for r in epochs)
                     label = backend if not sharded else f"{backend}, gather for sampling {'on' if gather else 'off'}"

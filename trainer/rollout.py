@@ -107,6 +107,24 @@ def chunk_bounds(n: int, chunks: int, unit: int) -> list[int]:
     return sorted(set(bounds))
 
 
+MIN_CHUNK = 8
+"""Fewest images a rollout chunk samples at once by default (16 rows with CFG), so that chunking does not
+leave a GPU idle."""
+MAX_CHUNKS = 10
+"""Most chunks by default: the sampling of the first chunk and the scoring of the last overlap nothing, and
+at 10 chunks they are a tenth of the shorter phase, so an epoch takes at most about 1.1 max(S, R)."""
+
+
+def rollout_bounds(n: int, chunks: int, unit: int) -> list[int]:
+    """``train.rollout_chunks``'s cut of ``n`` rollout images: ``chunks`` > 0 as ``chunk_bounds`` cuts at whole
+    reward requests of ``unit``; 0 (the default) into at most ``MAX_CHUNKS`` chunks of a multiple of
+    ``MIN_CHUNK`` images each, the last one possibly smaller. E.g. 160 -> 10 chunks of 16; 32 -> 4 of 8."""
+    if chunks:
+        return chunk_bounds(n, chunks, unit)
+    size = MIN_CHUNK * max(1, math.ceil(n / (MAX_CHUNKS * MIN_CHUNK)))
+    return [*range(0, n, size), n]
+
+
 @torch.no_grad()
 def rollout(
     adapter: ModelAdapter,

@@ -30,7 +30,9 @@ from trainer.ema import EMA
 from trainer.guard import REWARD, Guard
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
-from trainer.rollout import Rollout, SamplerSettings, chunk_bounds, rollout, window_mask
+from trainer.models.compiling import CompileMonitor, compile_for_run
+from trainer.models.stores import require_stored_prompts
+from trainer.rollout import Rollout, SamplerSettings, rollout, rollout_bounds, window_mask
 from trainer.samplers import resolve_kind
 from trainer.state import Stateful
 
@@ -60,16 +62,17 @@ class Trainer:
         adapter.step_function(resolve_kind(rollouts.kind, adapter.sampler_kind),
                               adapter.sigmas(rollouts.num_steps)).check_noise_level(rollouts.noise_level)
         self._require_text_embeddings()
+        self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
+        self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
+                                    backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
+        algorithm.check_batch(self.sampler.per_rank)
+        self.compiled = self._compile()
         self.policy = backend.prepare(
             adapter.denoiser, adapter.trainable.parameters(),
             lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
                                              weight_decay=train.weight_decay),
             shard_units=adapter.shard_units,
         )
-        self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
-        self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
-                                    backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
-        algorithm.check_batch(self.sampler.per_rank)
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
         algorithm.setup(adapter, adapter.encode_prompts(task.prompts[:1], task.inputs([0])), backend)
         trainable = list(adapter.trainable.parameters())
@@ -98,15 +101,15 @@ class Trainer:
         prompts = [*self.task.prompts, *self.task.eval_prompts]
         if self.config.train.warmup_steps and self.warmup.config.cfg_dropout > 0:
             prompts.append("")
-        missing = self.adapter.missing_prompts(
-            prompts, (self.algorithm.sampler.guidance_scale, self.config.eval.guidance_scale))
-        if missing:
-            store, data = self.config.model.text_embeddings, self.config.data
-            raise ValueError(f"model.text_embeddings={store!r} lacks {len(missing)} of the prompts this run encodes "
-                             f"(e.g. {', '.join(repr(p) for p in missing[:3])}): add them with python -m "
-                             f"trainer.precompute --config RUN.yaml --out {store}, RUN.yaml holding this run's data "
-                             f"settings (data.name={data.name}, data.path={data.path!r}): it encodes just the prompts the "
-                             "store lacks")
+        require_stored_prompts(self.adapter, prompts, (self.algorithm.sampler.guidance_scale,
+                               self.config.eval.guidance_scale), self.config.model.text_embeddings, self.config.data)
+
+    def _compile(self) -> CompileMonitor | None:
+        """``model.compile`` before any wrapper (FSDP2, ZeRO, DDP) sees the denoiser, for this run's batch sizes."""
+        bounds = self._rollout_bounds(self.sampler.per_rank)
+        sizes = {hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)} | {self.config.eval.samples_per_prompt}
+        sizes |= {getattr(c, "micro_batch_size", 1) for c in (self.algorithm.config, self.warmup.config)}
+        return compile_for_run(self.adapter, getattr(self.config.model, "compile", "none"), sizes)
 
     def _generator(self, phase: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
         return torch.Generator(device).manual_seed(((self._rank_seed * 4 + phase) * 1_000_003 + step) % (2**63))
@@ -142,7 +145,8 @@ class Trainer:
             progress.rl_started = True
             self._judge(0, before)
         self.backend.set_lr(train.learning_rate)
-        bar = tqdm(range(progress.epochs_done, train.epochs), desc="RL", disable=not self._bars())
+        first = progress.epochs_done
+        bar = tqdm(range(first, train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
             if self.guard.stopped:  # a resumed run that had stopped
                 break
@@ -151,8 +155,13 @@ class Trainer:
             shown = [k for k in metrics if k.endswith("accuracy")]
             shown += [k for k in self.algorithm.shown_metrics if k in metrics]
             line = (f"epoch {epoch + 1:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
-                    + "  ".join(f"{k} {metrics[k]:.3g}" for k in shown) + f"  img/s {metrics['images_per_s']:.1f}")
+                    + "  ".join(f"{k} {metrics[k]:.3g}" for k in shown) + f"  img/s {metrics['images_per_s']:.2f}"
+                    + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
             bar.write(line) if self._bars() else self._print(line)
+            if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
+                self._print(f"model.compile={self.config.model.compile}: {metrics['compile_graphs']:.0f} graphs "
+                            f"compiled in {metrics['compile_s']:.1f} s, {metrics['compile_recompiles']:.0f} recompiles "
+                            f"(limit {self.compiled.limit}), {metrics['compile_fallbacks']:.0f} fallbacks to eager")
             progress.epochs_done = epoch + 1
             every = self.config.eval.every
             if every and (epoch + 1) % every == 0 and epoch + 1 < train.epochs:
@@ -308,10 +317,13 @@ class Trainer:
             "reward_mean": float(valid.mean()) if len(valid) else math.nan,
             "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
             "failed_share": failed,
-            "images_per_s": len(rewards.all) / (t1 - t0),  # sampling + the reward wait not hidden by it
+            "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
+            "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
             "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,
             "lr": self.config.train.learning_rate,
         })
+        if self.compiled is not None:
+            metrics.update(self.compiled.report())
         return metrics
 
     def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
@@ -320,7 +332,7 @@ class Trainer:
         ``g``, the sampling noise with ``noise``); each chunk's rewards are requested
         as soon as it is sampled and are scored while the next chunk samples (all on the same policy).
         Returns the whole rollout, its rewards and the seconds spent waiting for rewards after sampling."""
-        bounds = chunk_bounds(len(prompts), self.config.train.rollout_chunks, self.rewards.batch_size)
+        bounds = self._rollout_bounds(len(prompts))
         settings = self.algorithm.sampler
         stochastic = window_mask(settings, g)
         parts, futures = [], []
@@ -336,6 +348,9 @@ class Trainer:
         results = [f.result() for f in futures]
         t_wait = time.perf_counter() - t_sampled
         return Rollout.cat(parts), self.rewards.merge(results), t_wait
+
+    def _rollout_bounds(self, n: int) -> list[int]:
+        return rollout_bounds(n, self.config.train.rollout_chunks, self.rewards.batch_size)
 
     def _after_rl_step(self) -> None:
         self.progress.rl_steps += 1

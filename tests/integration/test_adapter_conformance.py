@@ -36,18 +36,23 @@ their latents to bfloat16 after every step where the rollouts keep float32 laten
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
 import logging
 import math
+import os
 import re
 import shutil
+import types
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.dpo import DPO, DPOConfig
@@ -57,8 +62,10 @@ from trainer.kernels import KernelCounter
 from trainer.models import MODELS, build_adapter, testing
 from trainer.models.base import ImageInputs
 from trainer.models.common import DTYPES, LoraSettings
+from trainer.models.compiling import CompileMonitor, compile_denoiser, repeated_blocks
 from trainer.models.ip_adapter import IP_WEIGHTS
 from trainer.models.testing import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
+from trainer.models.trainable import LinearInInputDtype
 from trainer.rollout import Rollout, SamplerSettings, rollout
 from trainer.samplers import standard_normal
 
@@ -235,6 +242,76 @@ def test_on_policy_ratio_is_exactly_one(adapter, target):
             assert torch.equal(torch.exp(log_prob - ro.log_probs[:, i]), torch.ones(batch, device=log_prob.device))
 
 
+@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+@per_device
+def test_compiled_blocks_are_the_repeated_blocks(adapter, target):
+    """model.compile=blocks finds each adapter's repeated blocks with no declaration: every block FSDP shards
+    (``shard_units``) is one of them, inside one or holds some (a UNet's down block); none is inside another. A deep copy (a frozen reference)
+    calls its own blocks. Cheap: nothing is compiled until called (the slow tier runs them)."""
+    blocks = repeated_blocks(adapter.denoiser)
+    inside = {id(m) for b in blocks for m in b.modules()}
+    units = [m for m in adapter.denoiser.modules() if isinstance(m, adapter.shard_units)]
+    assert blocks and units and all(any(id(m) in inside for m in u.modules()) for u in units)
+    assert len(inside) == sum(len(list(b.modules())) for b in blocks), "a block inside another"
+    net = copy.deepcopy(adapter.denoiser)
+    compiled = compile_denoiser(net, "blocks")
+    assert [type(b) for b in compiled] == [type(b) for b in blocks]
+    twin = copy.deepcopy(net)
+    pairs = list(zip(repeated_blocks(net), repeated_blocks(twin), strict=True))
+    assert all(a.forward.__func__ is b.forward.__func__ and b.forward.__self__ is b for a, b in pairs)
+
+
+COMPILE_CASES = CASES if os.environ.get("RF_COMPILE_MATRIX") else ["sd3"]
+"""Inductor compiles for minutes on 2 cores: the slow tier compiles SD3's blocks; RF_COMPILE_MATRIX=1 every case
+(IP-Adapter ones included; bench/RESULTS.md has the measured |ratio - 1| of each)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPILE_CASES)
+@pytest.mark.parametrize("backend", ["inductor"])
+def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root):
+    """model.compile=blocks: a rollout (no grad, eval mode) and the training re-evaluation (grad, train mode)
+    run the same compiled blocks with LoRA on, and the reference forward the LoRA-disabled variant; the
+    on-policy ratio stays 1 to float32 round-off (max and mean |ratio - 1| printed: bench/RESULTS.md)."""
+    target = CPU_FP32.values[0]
+    torch.manual_seed(0)
+    adapter = make_adapter(case, model_root, target, lora=LoraSettings(rank=4, alpha=4))
+    with torch.no_grad():
+        for name_, p in adapter.denoiser.named_parameters():
+            if "lora_B" in name_:
+                p.copy_(0.2 * standard_normal(p.shape, target.generator(8), p.device))
+    monitor = CompileMonitor(16)
+    blocks = compile_denoiser(adapter.denoiser, "blocks", getattr(adapter, "compiled_blocks", ()), 16, backend)
+    assert blocks and all(isinstance(b.forward, types.MethodType) and b.forward.__self__ is b for b in blocks)
+    adapter.denoiser.eval()
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.zeros(2, dtype=torch.long), settings(adapter, 1.0),
+                 target.generator(1), image_inputs(adapter))
+    step = adapter.step_function(ro.kind, ro.sigmas)
+    adapter.denoiser.train()
+    deviations = []
+    for i in ro.trainable_steps().tolist():
+        out = adapter.predict(adapter.denoiser, ro.latents[:, i], ro.sigmas[i].expand(2), ro.cond, ro.guidance_scale)
+        _, log_prob, _, _ = step(out, ro.latents[:, i], torch.full((2,), i), ro.noise_level,
+                                 prev_sample=ro.latents[:, i + 1])
+        deviations.append((torch.exp(log_prob - ro.log_probs[:, i]) - 1).abs().detach())
+    algorithm = GRPO(GRPOConfig(group_size=2, sampler=settings(adapter, 1.0), kl_beta=0.04))
+    rewards = torch.tensor([0.0, 1.0])
+    batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
+    ctx = LossContext(adapter, adapter.denoiser, adapter.trainable.reference())
+    for units in algorithm.plan(batch, torch.Generator().manual_seed(0)):
+        for unit in units:
+            loss, stats = algorithm.loss(ctx, unit)
+            loss.backward()
+            assert torch.isfinite(loss) and float(stats["kl"]) > 0  # the reference: LoRA off, compiled too
+    deviation = torch.cat(deviations)
+    report = monitor.report()
+    print(f"\n{case} {backend}: |ratio - 1| max {float(deviation.max()):.3g} mean {float(deviation.mean()):.3g}; "
+          f"{report}")
+    assert float(deviation.max()) <= 1e-6
+    assert report["compile_fallbacks"] == 0  # graphs may be 0: blocks of a class an earlier case compiled
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.trainable.parameters())
+
+
 # --- (c) training steps touch only the trainable parameters ------------------------------------------
 def _snapshot(adapter) -> dict[str, torch.Tensor]:
     modules = {"denoiser": adapter.denoiser, "vae": adapter.vae, "text": adapter.pipeline.text_encoder}
@@ -342,6 +419,59 @@ def test_lora_and_ip_weights_train_in_float32(name, model_root, target):
         assert torch.isfinite(p).all()
         moved = p.ne(b)[g]
         assert moved.all(), f"{float(moved.float().mean()):.4%} of the weights with a gradient moved"
+
+
+class FloatMatmuls(TorchDispatchMode):
+    """Counts the matrix products with a float32 operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution"):
+            self.count += any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+def _float32_lora_compute(denoiser, on: bool) -> None:
+    """Switch LoRA layers back to peft's own float32 compute (input cast to float32) or to the model dtype."""
+    for layer in denoiser.modules():
+        if isinstance(layer, LoraLayer):
+            layer.cast_input_dtype_enabled = on
+            for linear in (*layer.lora_A.values(), *layer.lora_B.values()):
+                linear.__class__ = torch.nn.Linear if on else LinearInInputDtype
+
+
+@pytest.mark.parametrize("target", [TARGETS[1], CUDA_BF16])
+@pytest.mark.parametrize("name", ["sd3", "flux+ip"])
+def test_lora_and_ip_layers_compute_in_the_model_dtype(name, model_root, target):
+    """LoRA and IP-Adapter layers keep float32 weights and gradients but add no float32 matmul to a bf16
+    forward and backward (peft's float32 LoRA compute adds some), and predict what float32 LoRA compute
+    predicts to bf16 tolerance. LoRA is peft's, the same in every adapter: two cases (one with an IP-Adapter)."""
+    torch.manual_seed(0)
+    adapter = make_adapter(name, model_root, target, lora=LoraSettings(rank=4, alpha=4))
+    with torch.no_grad():
+        for name_, p in adapter.denoiser.named_parameters():
+            if "lora_B" in name_:
+                p.copy_(0.2 * standard_normal(p.shape, target.generator(8), p.device))
+    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
+    x = adapter.prepare_latents(len(PROMPTS), target.generator(1)).requires_grad_()  # a backward with LoRA off
+    sigma = torch.full((len(PROMPTS),), 0.6, device=x.device)
+    counts, outs = {}, {}
+    for mode in ("off", "float32", "model dtype"):
+        adapter.denoiser.disable_adapters() if mode == "off" else adapter.denoiser.enable_adapters()
+        _float32_lora_compute(adapter.denoiser, mode == "float32")
+        with FloatMatmuls() as matmuls:
+            outs[mode] = adapter.predict(adapter.denoiser, x, sigma, cond, guidance(adapter))
+            outs[mode].square().mean().backward()
+        counts[mode] = matmuls.count
+    assert counts["float32"] > counts["off"], "the float32 LoRA path should show float32 matmuls"
+    assert counts["model dtype"] == counts["off"], f"LoRA added {counts['model dtype'] - counts['off']} float32 matmuls"
+    assert {p.grad.dtype for p in adapter.trainable.parameters() if p.grad is not None} == {torch.float32}
+    new, old, base = (outs[m].detach().float() for m in ("model dtype", "float32", "off"))
+    assert (old - base).norm() > 0.05 * base.norm(), "LoRA should change the prediction"
+    assert (new - old).norm() <= 0.01 * base.norm()
 
 
 @pytest.mark.gpu

@@ -65,7 +65,7 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
         assert math.isfinite(record[EXPECTED_STATS[algorithm]]) and math.isfinite(record["grad_norm"])
         assert EXPECTED_STATS[algorithm] in trainer.algorithm.shown_metrics
         assert all(math.isfinite(record[k]) for k in trainer.algorithm.shown_metrics)  # the progress line's
-        assert record["time_train_s"] > 0 and record["images_per_s"] > 0
+        assert record["time_train_s"] > 0 and 0 < record["images_per_s"] < record["rollout_images_per_s"]
     changed = [not torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True)]
     assert any(changed)
 
@@ -77,7 +77,7 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     resumed.fit()
     resumed.logger.close()
     (last,) = _rl_records(tmp_path / "resumed")
-    drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "images_per_s"}
+    drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "images_per_s", "rollout_images_per_s"}
     assert {k: v for k, v in last.items() if k not in drop} == {k: v for k, v in full[2].items() if k not in drop}
     for a, b in zip(trainer.adapter.trainable.parameters(), resumed.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.rollout import chunk_bounds
+from trainer.rollout import chunk_bounds, rollout_bounds
 
 
 @pytest.mark.parametrize(("n", "chunks", "unit", "expected"), [
@@ -29,3 +29,21 @@ def test_requests_are_never_split(n, chunks, unit):
     assert all(b % unit == 0 for b in bounds[:-1])
     requests = sum(-(-(b - a) // unit) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
     assert requests == -(-n // unit)
+
+
+@pytest.mark.parametrize(("n", "expected"), [
+    (160, list(range(0, 161, 16))),  # the demo: 10 chunks of 16
+    (320, list(range(0, 321, 32))),  # bench/overlap.py: 10 of 32
+    (32, [0, 8, 16, 24, 32]),  # never below 8 images a chunk
+    (5, [0, 5]),
+    (100, [0, 16, 32, 48, 64, 80, 96, 100]),  # 16s: 10 x 8 would not hold 100
+])
+def test_default_bounds_take_at_most_ten_chunks_of_at_least_eight(n, expected):
+    bounds = rollout_bounds(n, 0, 32)
+    assert bounds == expected
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    assert len(sizes) <= 10 and all(s >= 8 for s in sizes[:-1])
+
+
+def test_explicit_chunks_cut_at_reward_requests():
+    assert rollout_bounds(160, 2, 32) == chunk_bounds(160, 2, 32) == [0, 96, 160]

@@ -47,7 +47,7 @@ def test_yaml_and_overrides(tmp_path):
     ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of"),
     ("algorithm.group_size=1", "algorithm.group_size must be >= 2"),
     ("algorithm.timestep_fraction=0", "algorithm.timestep_fraction=0.0 must be in (0, 1]"),
-    ("train.rollout_chunks=0", "train.rollout_chunks=0 must be >= 1"),
+    ("train.rollout_chunks=-1", "train.rollout_chunks=-1 must be >= 0"),
     ("train.learning_rate=.nan", "train.learning_rate=nan must be >= 0"),
     ("reward.weights={digit: .inf}", "reward.weights.digit=inf must be a finite number"),
     ("train.adam_betas=[0.9, 1.0]", "train.adam_betas[1]=1.0 must be in [0, 1)"),
@@ -110,7 +110,7 @@ OPTIONAL_SECTIONS = {"model.lora": "", "model.ip_adapter": ", image_encoder: /en
 def test_every_out_of_range_value_is_refused_naming_its_field(section, select, cls):
     """Each range-checked field of every section (each registered model's and algorithm's included), set just
     outside its range (or NaN, or infinite), is refused as the config is read, by a message naming it: such
-    values otherwise failed deep inside a run (an AssertionError for train.rollout_chunks=0, IndexError for
+    values otherwise failed deep inside a run (an AssertionError for a chunk count of 0, IndexError for
     eval.samples_per_prompt=0) or ran silently (a negative warm-up learning rate)."""
     fields = list(_bounded_fields(cls, section))
     assert fields, f"{section} has no range-checked field"

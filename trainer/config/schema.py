@@ -170,11 +170,12 @@ class TrainConfig:
     resume: str = ""
     """"auto": continue from the newest complete checkpoint of this run (logging.run_name; unset: the unfinished
     run in logging.output_dir with the newest checkpoint), a checkpoint directory, or "" to start fresh."""
-    rollout_chunks: PositiveInt = 2
+    rollout_chunks: NonNegativeInt = 0
     """Chunks each epoch's rollout is sampled in (cut at whole reward requests, ``reward.batch_size``); a
     chunk's rewards are scored while the next one samples, so an epoch takes about max(S, R) + min(S, R) /
     chunks for sampling time S and scoring time R, rather than S + R. More chunks hide more but sample in
-    smaller batches (bench/overlap.py)."""
+    smaller batches (bench/overlap.py). 0: up to 10 chunks of at least 8 images (``rollout.rollout_bounds``):
+    at most about 1.1 max(S, R)."""
     device: str = "auto"
     """auto: cuda:<local rank> when CUDA is available, else cpu."""
     num_threads: NonNegativeInt = 0

@@ -65,11 +65,13 @@ def image_encoding_models() -> list[str]:
 
 def build_adapter(config, device):
     """The ModelAdapter that ``config.name`` names, loaded on ``device``. On CUDA, cuDNN attention is switched
-    on or off for the process, as ``config.cudnn_attention`` says."""
+    on or off for the process, as ``config.cudnn_attention`` says, and float32 matmuls may use TF32."""
     import torch
 
     if torch.device(device).type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
+        torch.backends.cuda.matmul.allow_tf32 = True  # the float32 matmuls left (LoRA computes in model.dtype)
+        torch.backends.cudnn.allow_tf32 = True
     adapter_class = MODELS[config.name].load()
     hint = other_models_pipeline(config, adapter_class)
     if hint:

@@ -43,6 +43,10 @@ class DiffusersModelConfig:
     when a trainable IP-Adapter (``ip_adapter.trainable``) is the policy."""
     gradient_checkpointing: bool = False
     """Recompute block activations in backward: less memory, about 30% more compute."""
+    compile: Literal["none", "blocks", "full"] = "none"
+    """torch.compile the denoiser: "blocks" compiles each repeated block (transformer blocks, a UNet's
+    resnets and attentions; one compile per block class), "full" its whole forward (a little faster, about 3x
+    the compile time), "none" runs eagerly. Rollout, training and reference use the same compiled code."""
     cudnn_attention: bool = False
     """Let PyTorch run attention with cuDNN's fused kernels on CUDA (its default there). Off by default: their
     backward gave NaN gradients for FLUX models (bench/RESULTS_GPU.md); flash and memory-efficient attention

@@ -57,3 +57,13 @@ def write_index(file: Path, index: dict) -> None:
     tmp.write_text(json.dumps(index, indent=0, ensure_ascii=False))
     os.replace(tmp, file)
 
+
+def require_stored_prompts(adapter, prompts: list[str], guidance_scales, store: str, data) -> None:
+    """Refuse a ``model.text_embeddings`` store that lacks one of ``prompts``, naming the command that adds them."""
+    missing = adapter.missing_prompts(prompts, guidance_scales)
+    if missing:
+        raise ValueError(f"model.text_embeddings={store!r} lacks {len(missing)} of the prompts this run encodes "
+                         f"(e.g. {', '.join(repr(p) for p in missing[:3])}): add them with python -m "
+                         f"trainer.precompute --config RUN.yaml --out {store}, RUN.yaml holding this run's data "
+                         f"settings (data.name={data.name}, data.path={data.path!r}): it encodes just the prompts the "
+                         "store lacks")

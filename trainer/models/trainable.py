@@ -72,6 +72,22 @@ class ComputeInWeightDtype:
         return output.to(self.activation_dtype)
 
 
+class LinearInInputDtype(nn.Linear):
+    """An ``nn.Linear`` whose matmul runs in its input's dtype: float32 master weights are cast to bf16/fp16
+    per call (autograd returns their gradients in float32), so a trained layer costs a low-precision GEMM
+    instead of casts plus a float32 GEMM. Set on existing layers by ``compute_in_input_dtype``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+def compute_in_input_dtype(layer: nn.Linear) -> None:
+    """Make ``layer`` a ``LinearInInputDtype`` in place: same parameters, names and state dict."""
+    assert type(layer) in (nn.Linear, LinearInInputDtype), type(layer)
+    layer.__class__ = LinearInInputDtype
+
+
 class Trainable:
     """Makes ``denoiser`` trainable as configured, on construction: LoRA adapters (``lora``) on a frozen base,
     or every weight, or no base weight when ``added`` weights train by themselves; ``added`` train exactly
@@ -102,16 +118,30 @@ class Trainable:
     def _train_in_float32(self) -> None:
         """Store the trainable LoRA / added weights in float32 when the denoiser is bf16 or fp16, the base
         staying in that dtype (what peft's ``autocast_adapter_dtype`` does): an optimizer updates a weight in
-        its own dtype, where bf16 rounds small Adam steps away and fp16 underflows Adam's eps. LoRA layers cast
-        their input to their weights' dtype and back (peft); the added layers get ``ComputeInWeightDtype``."""
+        its own dtype, where bf16 rounds small Adam steps away and fp16 underflows Adam's eps. LoRA layers run
+        their matmuls in the model's dtype all the same (``LinearInInputDtype``: no float32 GEMM, no cast of
+        activations); the added layers' other modules (the IP-Adapter's per-image projection) compute in
+        float32 (``ComputeInWeightDtype``)."""
         low = [p for p in self.denoiser.parameters() if p.requires_grad and p.dtype in LOW_PRECISION]
         if not low:
             return
         for p in low:
             p.data = p.data.float()
+        if self.lora is not None:
+            from peft.tuners.lora import LoraLayer
+
+            for layer in self.denoiser.modules():
+                linears = [*layer.lora_A.values(), *layer.lora_B.values()] if isinstance(layer, LoraLayer) else []
+                if linears and all(type(m) in (nn.Linear, LinearInInputDtype) for m in linears):
+                    layer.cast_input_dtype_enabled = False  # peft would cast x to float32 before lora_A
+                    for linear in linears:
+                        compute_in_input_dtype(linear)
         if self.trains_added:
             for layer in self.added.trainable_layers():
-                ComputeInWeightDtype(layer)
+                if type(layer) is nn.Linear:
+                    compute_in_input_dtype(layer)
+                else:
+                    ComputeInWeightDtype(layer)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters the optimizer updates."""

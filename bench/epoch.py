@@ -1,0 +1,185 @@
+"""The real trainer's RL epoch at a chosen shape, with ``model.compile`` and attention variants side by side.
+
+Defaults follow issue 20's recipe: 10 steps, guidance 4.5, noise level 0.7, groups of 8, 4 prompts an epoch
+(32 images), KL beta 0.04, clip 1e-4, LoRA rank 32 / alpha 64, lr 3e-4, reward ``jpeg_compressibility`` served
+by a local replica, on the model's tiny test dataset. ``--denoiser tiny`` runs the adapter's tiny test model (CPU);
+``--denoiser real`` its published architecture with random weights (bench/adapters.py; a GPU). Per variant:
+median of the epochs after the first (which compiles), with
+
+    epoch s, img/s (whole epoch), rollout / reward-wait / update s, TFLOP/s (the epoch's FLOPs counted once in
+    eager mode by torch's FlopCounterMode, over the epoch's time), the fraction of a GEMM peak measured here,
+    peak memory (GPU: allocated; CPU: the process's peak RSS, which only grows), compile s and recompiles.
+
+    python bench/epoch.py [--model sd3] [--denoiser tiny|real] [--compile none,blocks] [--attention default]
+                          [--epochs 3] [section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from bench.adapters import DENOISER_SIZES, resize_denoiser  # noqa: E402
+from trainer.algorithms import build_algorithm  # noqa: E402
+from trainer.algorithms.sft import SFT  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.data import build_task  # noqa: E402
+from trainer.data.testing import tiny_dataset  # noqa: E402
+from trainer.distributed import SingleProcess  # noqa: E402
+from trainer.logging import RunLogger  # noqa: E402
+from trainer.models import build_adapter, testing  # noqa: E402
+from trainer.models.common import LoraSettings  # noqa: E402
+from trainer.rewards.client import HttpRewardClient  # noqa: E402
+from trainer.rewards.launcher import LocalRewardPool  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+RECIPE = ["algorithm.name=grpo", "algorithm.group_size=8", "data.prompts_per_epoch=4", "algorithm.kl_beta=0.04",
+          "algorithm.clip_range=1e-4", "algorithm.sampler.num_steps=10", "algorithm.sampler.guidance_scale=4.5",
+          "algorithm.sampler.noise_level=0.7", "algorithm.sampler.sde_window=0", "algorithm.sampler.window_range=[0, 0]",
+          "train.learning_rate=3e-4", "train.warmup_steps=0",
+          "train.ema_decay=0", "reward.weights={jpeg_compressibility: 1.0}", "reward.replicas=1",
+          "logging.progress=false"]
+ATTENTION = {"default": None, "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def gemm_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """TFLOP/s of a large square matmul in ``dtype`` here (best of a few): the peak the epoch is held to."""
+    side = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(side, side, device=device, dtype=dtype) for _ in range(2))
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * side**3 / best / 1e12
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_trainer(config, device: torch.device, client, run_dir: Path) -> Trainer:
+    torch.manual_seed(config.train.seed)
+    adapter = build_adapter(config.model, device)
+    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
+                      client, SingleProcess(device), RunLogger(run_dir, False, False))
+    trainer.backend.set_lr(config.train.learning_rate)
+    if trainer.algorithm.needs_reference:
+        trainer._new_reference()
+    return trainer
+
+
+def epoch_flops(config, device, client, run_dir: Path) -> float:
+    """FLOPs of one RL epoch (rollout, reward encoding aside, update and reference), counted in eager mode."""
+    config.model.compile = "none"
+    trainer = make_trainer(config, device, client, run_dir / "flops")
+    with FlopCounterMode(display=False) as counter:
+        trainer.rl_epoch(0)
+    del trainer
+    gc.collect()
+    return float(counter.get_total_flops())
+
+
+def run_variant(config, device, client, run_dir: Path, epochs: int, attention: str) -> dict[str, float]:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch._dynamo.reset()  # a compile cache made under one attention backend is not reused for another
+    backend = ATTENTION[attention]
+    trainer = make_trainer(config, device, client, run_dir)
+    records = []
+    with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+        for epoch in range(epochs):
+            sync(device)
+            start = time.perf_counter()
+            metrics = trainer.rl_epoch(epoch)
+            sync(device)
+            records.append({**metrics, "epoch_s": time.perf_counter() - start})
+    steady = records[1:] or records
+    row = {k: statistics.median(r[k] for r in steady) for k in
+           ("epoch_s", "time_rollout_s", "time_reward_wait_s", "time_train_s", "rollout_images_per_s")}
+    row["images"] = len(trainer.sampler.epoch(0)[0])
+    row["compile_s"] = records[-1].get("compile_s", 0.0)
+    row["recompiles"] = records[-1].get("compile_recompiles", 0)
+    row["fallbacks"] = records[-1].get("compile_fallbacks", 0)
+    row["peak_gib"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+    del trainer
+    gc.collect()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="sd3", help="a registered text-to-image model (its tiny spec)")
+    parser.add_argument("--denoiser", choices=sorted(DENOISER_SIZES), default="tiny")
+    parser.add_argument("--compile", default="none,blocks", help="model.compile values, comma-separated")
+    parser.add_argument("--attention", default="default", help=f"comma-separated of {', '.join(ATTENTION)}")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per variant; the first is not counted")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="model.dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--config", action="append", default=[], help="YAML files applied before the overrides")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    config = load_config(args.config, RECIPE + args.overrides)
+    with tempfile.TemporaryDirectory() as root, LocalRewardPool(sorted(config.reward.weights), replicas=1,
+                                                                log_dir=Path(root) / "replicas") as pool:
+        spec = testing.tiny(args.model)
+        if DENOISER_SIZES[args.denoiser]:
+            resize_denoiser(root, args.model, getattr(spec, DENOISER_SIZES[args.denoiser]), None, args.device, dtype)
+        config.model = testing.tiny_config(args.model, root, dtype=dtype, lora=LoraSettings(rank=32, alpha=64),
+                                           **({"resolution": 512} if args.denoiser == "real" else {}))
+        config.data.name, config.data.path = spec.data, tiny_dataset(spec.data, root)
+        client = HttpRewardClient(pool.urls, config.reward.weights, batch_size=config.reward.batch_size)
+        flops = epoch_flops(config, device, client, Path(root))
+        peak = gemm_peak_tflops(device, getattr(torch, dtype))
+        rows = []
+        for mode in args.compile.split(","):
+            for attention in args.attention.split(","):
+                config.model.compile = mode
+                try:
+                    row = run_variant(config, device, client, Path(root) / f"{mode}-{attention}", args.epochs,
+                                      attention)
+                except RuntimeError as error:  # e.g. an attention backend this device lacks
+                    print(f"{mode} / {attention}: failed: {str(error).splitlines()[0]}", flush=True)
+                    continue
+                rows.append((mode, attention, row))
+                print(f"{mode} / {attention}: done", file=sys.stderr, flush=True)
+        client.close()
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else "?"
+    print(f"\n{args.model}, {args.denoiser} denoiser, {dtype} on {device} ({torch.get_num_threads()} threads), "
+          f"{rows[0][2]['images'] if rows else '?'} images an epoch, {config.algorithm.sampler.num_steps} steps; "
+          f"epoch FLOPs {flops:.3g}; GEMM peak {peak:.3g} TFLOP/s; median of epochs 2-{args.epochs}; "
+          f"load average {' '.join(load)}\n")
+    print("| compile | attention | epoch s | img/s | rollout img/s | rollout s | reward wait s | update s "
+          "| TFLOP/s | of peak | peak GiB | compile s | recompiles | fallbacks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, attention, r in rows:
+        tflops = flops / r["epoch_s"] / 1e12
+        print(f"| {mode} | {attention} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
+              f"| {r['rollout_images_per_s']:.2f} | {r['time_rollout_s']:.2f} | {r['time_reward_wait_s']:.2f} "
+              f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {r['peak_gib']:.2f} "
+              f"| {r['compile_s']:.1f} | {r['recompiles']:.0f} | {r['fallbacks']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
