@@ -23,7 +23,8 @@ class SamplerSettings:
     """CFG scale during rollouts and training forwards; 1 disables CFG (one forward per step)."""
     kind: str = "auto"
     """Step math: "auto" (the model's default: "sde" for flow models, "ddim" for epsilon models), or for
-    flow models "sde" (Flow-GRPO), "cps" (coefficient-preserving) or "eta" (constant eta)."""
+    flow models "sde" (Flow-GRPO), "cps" (coefficient-preserving), "eta" (constant eta) or "cps_mse" (cps
+    scored by Flow-GRPO's -mean((x - mean)^2) instead of the Gaussian log-density)."""
     noise_level: NonNegativeFloat = 0.7
     """a in std_t = a sqrt(sigma / (1 - sigma)) (sde); sin(a pi/2) fraction (cps); eta (eta)."""
     sde_window: NonNegativeInt = 0
