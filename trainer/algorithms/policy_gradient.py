@@ -11,6 +11,7 @@ with the KL in the latent-mean form without the dt factor (``gaussian_mean_kl``)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -96,9 +97,15 @@ def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
     return set_shares(steps, lambda unit: int(kept[unit.indices, unit.steps].sum()))
 
 
-def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+LogRatio = Callable[[StepUnit, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(unit, x_next [m, ...], the policy's step mean [m, ...], the step's std [m, 1, ...]) -> log-ratio [m]."""
+
+
+def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig,
+              log_ratio: LogRatio | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (plus beta KL) of one unit, a mean over its samples (not scaled by its
-    ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy."""
+    ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy; ``log_ratio`` replaces
+    log p_theta - log p_old in the ratio where an algorithm defines its own."""
     batch, ro = unit.batch, unit.batch.rollout
     # Every tensor indexed below lives on the rollout's device; host indices would be copied there by each
     # indexing op, every copy waiting for the device to finish its queued work.
@@ -111,10 +118,12 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) ->
     step_fn = batch.step_fn
     v = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, ro.guidance_scale)
     _, log_prob, mean, std = step_fn(v, x_t, step, ro.noise_level, prev_sample=x_next)
+    new, old = log_prob, ro.log_probs[idx, step]
+    if log_ratio is not None:
+        new, old = log_ratio(unit, x_next, mean, step_fn.std(step, ro.noise_level, x_t)), torch.zeros_like(log_prob)
     advantages = batch.advantages[idx, step]
     weights = (advantages != 0).float() if config.drop_zero_advantage else None
-    loss, stats = clipped_policy_loss(advantages, log_prob, ro.log_probs[idx, step],
-                                      config.clip_range, weights)
+    loss, stats = clipped_policy_loss(advantages, new, old, config.clip_range, weights)
     stats["policy_loss"] = loss.detach()
     if config.kl_beta > 0:
         with torch.no_grad():
