@@ -79,7 +79,7 @@ class DGPO(NoExtras):
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
         every = self.config.ref_refresh_every
-        if every and epoch % every == 0:
+        if ctx.reference is None or (every and epoch % every == 0):  # none: RL not started by Trainer.fit
             refresh_reference(ctx)
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> DGPOBatch:
