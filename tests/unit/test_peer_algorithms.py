@@ -34,7 +34,6 @@ def test_guard_log_ratio_is_the_debiased_rescaled_gaussian_log_ratio():
     assert torch.equal(guard_log_ratio(x_next, mean_old, mean_old, s), torch.zeros(3))
     # the plain log-ratio is biased below 0 (its first term); the normalised one is not, and is s times smaller
     assert bool((logp - logp_old < expected / s).all())
-    assert math.isfinite(float(expected.sum()))
 
 
 @pytest.mark.parametrize(("wrap", "starts"), [(False, [0, 0, 1, 1, 2, 2, 2, 2]), (True, [0, 0, 1, 1, 2, 2, 0, 0])])
