@@ -23,7 +23,8 @@ class SamplerSettings:
     """CFG scale during rollouts and training forwards; 1 disables CFG (one forward per step)."""
     kind: str = "auto"
     """Step math: "auto" (the model's default: "sde" for flow models, "ddim" for epsilon models), or for
-    flow models "sde" (Flow-GRPO), "cps" (coefficient-preserving) or "eta" (constant eta)."""
+    flow models "sde" (Flow-GRPO), "cps" (coefficient-preserving), "eta" (constant eta) or "cps_mse" (cps
+    scored by Flow-GRPO's -mean((x - mean)^2) instead of the Gaussian log-density)."""
     noise_level: NonNegativeFloat = 0.7
     """a in std_t = a sqrt(sigma / (1 - sigma)) (sde); sin(a pi/2) fraction (cps); eta (eta)."""
     sde_window: NonNegativeInt = 0
@@ -66,6 +67,7 @@ class Rollout:
     noise_level: float
     kind: str
     guidance_scale: float
+    means: torch.Tensor | None = None  # [B, T, *latent_shape] float32: each step's mean, when asked for
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
@@ -78,6 +80,7 @@ class Rollout:
             log_probs=torch.cat([p.log_probs for p in parts]), sigmas=first.sigmas, stochastic=first.stochastic,
             images=torch.cat([p.images for p in parts]), noise_level=first.noise_level, kind=first.kind,
             guidance_scale=first.guidance_scale,
+            means=torch.cat([p.means for p in parts]) if first.means is not None else None,
         )
 
     def trainable_steps(self) -> torch.Tensor:
@@ -135,11 +138,12 @@ def rollout(
     generator: torch.Generator | None,
     inputs: ImageInputs | None = None,
     stochastic: torch.Tensor | None = None,
+    record_means: bool = False,
 ) -> Rollout:
     """Sample ``len(prompts)`` images with ``net`` and record the trajectory (no gradients).
 
     ``stochastic`` [T] bool fixes which steps use noise (chunks of one batch share it); by default it is
-    drawn with ``window_mask``.
+    drawn with ``window_mask``. ``record_means``: keep each step's Gaussian mean too (``Rollout.means``).
     """
     cond = adapter.encode_prompts(prompts, inputs)
     sigmas = adapter.sigmas(settings.num_steps)
@@ -148,18 +152,20 @@ def rollout(
     if stochastic is None:
         stochastic = window_mask(settings, generator)
     x = adapter.prepare_latents(len(prompts), generator)
-    latents, log_probs = [x], []
+    latents, log_probs, means = [x], [], []
     batch = x.shape[0]
     levels = [settings.noise_level if s else 0.0 for s in stochastic.tolist()]
     for i, level in enumerate(levels):
         sigma = sigmas[i].expand(batch)
         v = adapter.predict(net, x, sigma, cond, settings.guidance_scale)
-        x, logp, _, _ = step(v, x, i, level, generator=generator)
+        x, logp, mean, _ = step(v, x, i, level, generator=generator)
         latents.append(x)
         log_probs.append(logp)
+        if record_means:
+            means.append(mean)
     return Rollout(
         prompts=list(prompts), group_ids=group_ids, cond=cond, latents=torch.stack(latents, dim=1),
         log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas, stochastic=stochastic,
         images=adapter.decode(x), noise_level=settings.noise_level, kind=kind,
-        guidance_scale=settings.guidance_scale,
+        guidance_scale=settings.guidance_scale, means=torch.stack(means, dim=1) if record_means else None,
     )

@@ -340,7 +340,7 @@ class Trainer:
         with self.backend.sampling():
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
                 part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, noise,
-                               self.task.inputs(indices[lo:hi].tolist()), stochastic)
+                               self.task.inputs(indices[lo:hi].tolist()), stochastic, self.algorithm.records_means)
                 futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
                                                    self.task.item_metadata(indices[lo:hi].tolist())))
                 parts.append(part)

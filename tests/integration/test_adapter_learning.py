@@ -144,3 +144,29 @@ def test_grpo_of_the_ip_adapter_alone_raises_the_reward(name, model_root, tmp_pa
     scorer.load()
     before, after, rewards = run_grpo(adapter, overrides, scorer, IP_EPOCHS, tmp_path)
     assert after > before + IP_MARGIN, f"{name}: evaluation reward {before:.2f} -> {after:.2f}; epochs {rewards}"
+
+
+PEER_SETTINGS = {
+    "grpo_guard": [],
+    "mixgrpo": ["algorithm.shift_every=4"],
+    "awm": ["algorithm.sampler.noise_level=0.0", "algorithm.sampler.sde_window=0"],
+    "dgpo": ["algorithm.sampler.noise_level=0.0", "algorithm.sampler.sde_window=0"],
+}
+"""The newer algorithms on the tiny model's learning run (``SETTINGS``, one prompt in groups of 16): the
+policy-gradient ones with its SDE window (MixGRPO's slides from the first step to the second after 4
+epochs), AWM and DGPO on deterministic rollouts."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", sorted(PEER_SETTINGS))
+def test_each_newer_algorithm_raises_the_reward(algorithm, model_root, tmp_path):
+    """GRPO-Guard, MixGRPO, AWM and DGPO each raise the top half's brightness of the tiny model by ``MARGIN``
+    in the tiny model's learning run, as GRPO does (test_grpo_raises_the_reward)."""
+    torch.manual_seed(0)
+    spec = tiny("tiny")
+    adapter = build_adapter(tiny_config("tiny", model_root, dtype="float32", **spec.learning_config), "cpu")
+    overrides = [f"algorithm.name={algorithm}", *SETTINGS, *spec.learning, *PEER_SETTINGS[algorithm],
+                 f"data.name={spec.data}", "data.image_size=16", f"data.path={tiny_dataset(spec.data, tmp_path, 16)}"]
+    before, after, rewards = run_grpo(adapter, overrides, TopHalfBrightness(), spec.learning_epochs, tmp_path)
+    print(f"{algorithm}: evaluation reward {before:.3f} -> {after:.3f}; epochs {rewards}")
+    assert after > before + MARGIN, f"{algorithm}: evaluation reward {before:.3f} -> {after:.3f}; epochs {rewards}"

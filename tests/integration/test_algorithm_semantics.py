@@ -99,6 +99,27 @@ def test_the_kl_penalty_enters_the_policy_loss_and_its_gradient(tmp_path, tiny_m
     assert float(after["kl"]) < float(kl)
 
 
+def test_dropping_zero_advantage_samples_averages_over_the_others(tmp_path, tiny_model_dir):
+    """One of the two groups is flat (advantage 0): with ``drop_zero_advantage`` the step's loss is the mean
+    over the other group's samples only, so its gradient is the default's (mean over all four) times 4 / 2,
+    as in Flow-GRPO, which drops such samples before averaging."""
+    trainer = _trainer(tmp_path, tiny_model_dir, "grpo", "algorithm.micro_batch_size=1")
+    algo = trainer.algorithm
+    ro, group_ids = _rollout(trainer)
+    rewards = torch.where(group_ids == group_ids[0], 0.5, torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    grads = []
+    for drop in (False, True):
+        algo.config.drop_zero_advantage = drop
+        (units,) = algo.plan(algo.make_batch(ro, Rewards(rewards, rewards, group_ids, 0)),
+                             torch.Generator().manual_seed(2))
+        trainer.policy.zero_grad()
+        sum(algo.loss(trainer.ctx, unit)[0] for unit in units).backward()
+        grads.append(_grads(trainer))
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    for kept, everything in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(kept, 2 * everything, rtol=1e-5, atol=1e-9)
+
+
 # --- rank offsets -----------------------------------------------------------------------------------
 
 EVERY = torch.tensor([0.0, 1.0, 0.7, 0.2, 0.4, 0.9, 0.5, 0.1, 0.3, 0.35, 0.8, 0.05])
@@ -196,14 +217,17 @@ def _pairs(group_ids: torch.Tensor) -> list[tuple[int, int]]:
     return pairs
 
 
-@pytest.mark.parametrize("algorithm", ["dpo", "nft", "sft_best"])
+@pytest.mark.parametrize("algorithm", ["dpo", "nft", "sft_best", "awm", "dgpo"])
 def test_one_step_lowers_the_denoising_loss_of_the_favoured_samples(tmp_path, tiny_model_dir, algorithm):
     """In each group, one optimizer step lowers the denoising loss (at fixed noise) of the sample the rewards
     favour relative to the other's, more than the step on the reversed rewards does: DPO trains its pair's
     winner over its loser, NFT pulls towards samples of optimality above 1/2 and pushes from those below,
-    best-of-group SFT regresses on the best. (Within a group the two samples share a prompt, and a step
-    towards one lowers the other's loss too: hence the comparison with the reversed step.)"""
+    best-of-group SFT regresses on the best, AWM weights the matching loss by the advantages, DGPO prefers
+    the group's better part. (Within a group the two samples share a prompt, and a step towards one lowers
+    the other's loss too: hence the comparison with the reversed step.)"""
     trainer = _trainer(tmp_path, tiny_model_dir, algorithm)
+    if trainer.algorithm.needs_reference:
+        trainer._new_reference()  # as RL starts (DGPO keeps it; the others refresh it from the policy)
     ro, group_ids = _rollout(trainer)
     _, (favoured, reversed_) = _step_each_way(trainer, ro, group_ids, lambda: _denoising_losses(trainer, ro))
     change = favoured - reversed_
@@ -211,7 +235,7 @@ def test_one_step_lowers_the_denoising_loss_of_the_favoured_samples(tmp_path, ti
         assert change[better] < change[worse], (better, worse, change)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "ppo_critic"])
+@pytest.mark.parametrize("algorithm", ["ppo", "ppo_critic", "grpo_guard"])
 def test_one_step_raises_the_log_prob_of_positive_advantages(tmp_path, tiny_model_dir, algorithm):
     """In each group, one optimizer step raises the re-evaluated log-probability of the transitions (mean over
     the trained steps) of the sample with positive advantages relative to the other's, more than the step on

@@ -23,7 +23,8 @@ from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.trainer import Trainer
 
 EXPECTED_STATS = {"grpo": "clip_frac", "ppo": "clip_frac", "ppo_critic": "value_loss", "dpo": "dpo_margin",
-                  "sft_best": "sft_loss", "nft": "nft_loss"}
+                  "sft_best": "sft_loss", "nft": "nft_loss", "grpo_guard": "clip_frac", "mixgrpo": "clip_frac",
+                  "awm": "matching_loss", "dgpo": "dgpo_loss"}
 
 
 def _trainer(run_dir: Path, model_dir: str, algorithm: str, *extra: str) -> Trainer:
@@ -55,12 +56,12 @@ OFF_POLICY = {name: ("algorithm.steps_per_epoch=2",) for name in ("grpo", "ppo",
 
 @pytest.mark.parametrize("algorithm", sorted(EXPECTED_STATS))
 def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorithm):
-    trainer = _trainer(tmp_path / "full", tiny_model_dir, algorithm, *OFF_POLICY.get(algorithm, ()))
+    trainer = _trainer(tmp_path / "full", tiny_model_dir, algorithm, "train.epochs=2", *OFF_POLICY.get(algorithm, ()))
     before = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
     trainer.fit()
     trainer.logger.close()
     full = _rl_records(tmp_path / "full")
-    assert len(full) == 3
+    assert len(full) == 2
     for record in full:
         assert math.isfinite(record[EXPECTED_STATS[algorithm]]) and math.isfinite(record["grad_norm"])
         assert EXPECTED_STATS[algorithm] in trainer.algorithm.shown_metrics
@@ -69,26 +70,60 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     changed = [not torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True)]
     assert any(changed)
 
-    # a second run resumes from the checkpoint after epoch 2 and must reproduce epoch 3 exactly
-    checkpoint = tmp_path / "full" / "checkpoints" / "step-000002-000002"
+    # a second run resumes from the checkpoint after epoch 1 (the algorithm's state moved by a whole epoch: a
+    # refreshed reference, a trained critic, the EMA, MixGRPO's window) and must reproduce epoch 2 exactly
+    checkpoint = tmp_path / "full" / "checkpoints" / "step-000002-000001"
     assert checkpoint.is_dir()
-    resumed = _trainer(tmp_path / "resumed", tiny_model_dir, algorithm, *OFF_POLICY.get(algorithm, ()))
+    resumed = _trainer(tmp_path / "resumed", tiny_model_dir, algorithm, "train.epochs=2", *OFF_POLICY.get(algorithm, ()))
     resumed.resume(checkpoint)
     resumed.fit()
     resumed.logger.close()
     (last,) = _rl_records(tmp_path / "resumed")
     drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "images_per_s", "rollout_images_per_s"}
-    assert {k: v for k, v in last.items() if k not in drop} == {k: v for k, v in full[2].items() if k not in drop}
+    assert {k: v for k, v in last.items() if k not in drop} == {k: v for k, v in full[1].items() if k not in drop}
     for a, b in zip(trainer.adapter.trainable.parameters(), resumed.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
 
     # train.init_from takes only the weights of a checkpoint (here the final one): equal weights, fresh progress
     started = _trainer(tmp_path / "init", tiny_model_dir, algorithm, *OFF_POLICY.get(algorithm, ()))
-    started.init_from(tmp_path / "full" / "checkpoints" / "step-000002-000003")
+    started.init_from(tmp_path / "full" / "checkpoints" / "step-000002-000002")
     assert started.progress.epochs_done == 0
     assert started.progress.warmup_steps_done == 2  # taken as warmed up: train.warmup_after_init is off
     for a, b in zip(trainer.adapter.trainable.parameters(), started.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo_guard", "mixgrpo", "awm", "dgpo"])
+def test_the_first_step_of_an_epoch_is_on_policy(tmp_path, tiny_model_dir, algorithm):
+    """Before the first update the policy is the sampling policy (and DGPO's reference): every unit's ratio is
+    exactly 1 (GRPO-Guard's normalised one included), DGPO's preference weight exactly 1/2. GRPO-Guard's
+    rollout keeps each step's mean (x_next itself at ODE steps); MixGRPO's SDE steps are its window of the
+    epoch, which moves one step per epoch."""
+    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "data.prompts_per_epoch=2", "train.warmup_steps=0",
+                       "algorithm.sampler.sde_window=2")
+    trainer._new_reference()  # as RL starts
+    indices, group_ids = trainer.sampler.epoch(0)
+    prompts = [trainer.task.prompts[i] for i in indices.tolist()]
+    for epoch in (1, 0):
+        trainer.algorithm.start_epoch(trainer.ctx, epoch)
+        ro, result, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
+                                                 torch.Generator().manual_seed(1))
+        if algorithm == "mixgrpo":  # 4 steps, a window of 2 that starts at the epoch's step
+            assert ro.stochastic.tolist() == [i in (epoch, epoch + 1) for i in range(4)]
+    assert (ro.means is not None) == (algorithm == "grpo_guard")
+    if ro.means is not None:
+        ode = ~ro.stochastic
+        assert torch.equal(ro.means[:, ode], ro.latents[:, 1:][:, ode]) and ode.any()
+        assert not torch.equal(ro.means[:, ro.stochastic], ro.latents[:, 1:][:, ro.stochastic])
+    rewards = (torch.arange(len(indices)) % 3) / 2.0  # a spread in every group of 4
+    batch = trainer.algorithm.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
+    (units,) = trainer.algorithm.plan(batch, torch.Generator().manual_seed(2))
+    for unit in units:
+        _, stats = trainer.algorithm.loss(trainer.ctx, unit)
+        if algorithm == "dgpo":
+            assert stats["dgpo_weight"].item() == 0.5 and stats["dgpo_loss"].item() == pytest.approx(math.log(2))
+        else:
+            assert stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0
 
 
 def test_evaluation_before_rl_reads_the_warmed_up_weights_with_an_ema(tmp_path, tiny_model_dir):
@@ -131,6 +166,8 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
     g = torch.Generator().manual_seed(0)
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
+    if trainer.algorithm.needs_reference:
+        trainer._new_reference()  # as RL starts (DGPO keeps it; DPO, NFT and AWM refresh it from the policy)
     trainer.algorithm.start_epoch(trainer.ctx, 0)
     ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, g, torch.Generator().manual_seed(1))
     local = torch.tensor([0.0, 1.0, 0.2, 0.3, 0.5, 0.1])  # groups' advantage weights differ (sft_best)

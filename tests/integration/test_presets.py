@@ -212,12 +212,13 @@ def test_images_of_another_size_than_the_model_generates_are_refused_before_trai
 
 
 def _adapter_algorithm_pairs() -> list:
-    """Every (adapter, algorithm config) pair. The default tier runs the tiny model with every algorithm and each
-    other adapter with one (each algorithm once among them); the other pairs are in the slow tier."""
+    """Every (adapter, algorithm config) pair. The default tier runs each adapter other than the tiny model with
+    one algorithm (each algorithm once among them, while there are as many adapters); the other pairs are in
+    the slow tier, the tiny model's too: its job of every algorithm config is
+    test_config_runs_a_whole_job_and_resumes_exactly's (configs/algorithms name no model)."""
     others = [name for name in sorted(MODELS) if name != "tiny"]
     default = {(name, ALGORITHM_CONFIGS[i % len(ALGORITHM_CONFIGS)]) for i, name in enumerate(others)}
-    return [pytest.param(name, algorithm, marks=() if name == "tiny" or (name, algorithm) in default
-                         else pytest.mark.slow)
+    return [pytest.param(name, algorithm, marks=() if (name, algorithm) in default else pytest.mark.slow)
             for name, algorithm in itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)]
 
 

@@ -112,3 +112,20 @@ def test_denoising_loss_and_logit_normal():
     assert denoising_loss(pred, target, torch.tensor([3.0, 1.0])).item() == pytest.approx((3 + 4) / 4)
     s = logit_normal_sigmas(20000, 0.0, 1.0, torch.Generator().manual_seed(0))
     assert 0 < s.min() and s.max() < 1 and s.median().item() == pytest.approx(0.5, abs=0.02)
+
+
+def test_clipped_policy_loss_with_weights_averages_over_the_kept_samples():
+    """Flow-GRPO drops zero-advantage samples before averaging: weights 0 leave them out of the mean, so
+    the loss (and gradient) is the kept samples' mean, 3/2 times the mean over all three here."""
+    adv = torch.tensor([1.0, 0.0, -2.0])
+    logp = torch.log(torch.tensor([1.5, 1.0, 0.5])).requires_grad_()
+    loss, _ = clipped_policy_loss(adv, logp, torch.zeros(3), 0.2, weights=torch.tensor([1.0, 0.0, 1.0]))
+    # sample 0: max(-1.5, -1.2) = -1.2; sample 2: max(1.0, 1.6) = 1.6
+    assert loss.item() == pytest.approx((-1.2 + 1.6) / 2, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, 0.0, 0.0]))  # both clipped
+    kept, _ = clipped_policy_loss(adv, torch.zeros(3), torch.zeros(3), 0.2, weights=torch.tensor([1.0, 0.0, 1.0]))
+    full, _ = clipped_policy_loss(adv, torch.zeros(3), torch.zeros(3), 0.2)
+    assert kept.item() == pytest.approx(1.5 * full.item())
+    empty, _ = clipped_policy_loss(adv, torch.zeros(3), torch.zeros(3), 0.2, weights=torch.zeros(3))
+    assert empty.item() == 0.0

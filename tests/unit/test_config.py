@@ -52,7 +52,7 @@ def test_yaml_and_overrides(tmp_path):
     ("reward.weights={digit: .inf}", "reward.weights.digit=inf must be a finite number"),
     ("train.adam_betas=[0.9, 1.0]", "train.adam_betas[1]=1.0 must be in [0, 1)"),
     ("algorithm.clip_range=.inf", None),
-    ("algorithm.sampler.kind=sdee", "algorithm.sampler: kind='sdee' is not one of auto, cps, ddim, eta, sde"),
+    ("algorithm.sampler.kind=sdee", "algorithm.sampler: kind='sdee' is not one of auto, cps, cps_mse, ddim, eta, sde"),
     ("algorithm.sampler.window_range=[0, 9]",
      "algorithm.sampler: window_range=(0, 9) does not fit num_steps=10 with sde_window=2"),
     ("train.seed=-1", "train.seed=-1 must be in [0, 9.22337e+18]"),

@@ -265,3 +265,24 @@ def test_shaped_constants_are_kept_per_layout():
     torch.testing.assert_close(flat[1], nested[1], rtol=0, atol=0)
     torch.testing.assert_close(flat[2], nested[2].reshape(3, 2, 16), rtol=0, atol=0)
     torch.testing.assert_close(single[1], nested[1][:1], rtol=0, atol=0)
+
+
+def test_cps_mse_scores_minus_the_mean_square_and_its_log_ratio_is_2_std_squared_times_the_gaussian():
+    """Flow-GRPO's CPS convention: the same step (mean, noise, draw), scored by -mean((x_next - mean)^2). Its
+    log-ratio between two means is the Gaussian one times 2 std^2 (std = sigma_next sin(a pi / 2))."""
+    from trainer.samplers.flow_sde import cps_mse_step_with_logprob
+
+    x, v, sigma, sigma_next = _inputs()
+    draw = dict(generator=torch.Generator().manual_seed(0))
+    prev, gaussian, mean, std = cps_step_with_logprob(v, x, sigma, sigma_next, 0.6, **draw)
+    prev_mse, mse, mean_mse, std_mse = cps_mse_step_with_logprob(v, x, sigma, sigma_next, 0.6,
+                                                                 generator=torch.Generator().manual_seed(0))
+    assert torch.equal(prev, prev_mse) and torch.equal(mean, mean_mse) and torch.equal(std, std_mse)
+    torch.testing.assert_close(mse, -((prev - mean) ** 2).mean(dim=(1, 2, 3)))
+    _, gaussian_other, _, _ = cps_step_with_logprob(v + 0.1, x, sigma, sigma_next, 0.6, prev_sample=prev)
+    _, mse_other, _, _ = cps_mse_step_with_logprob(v + 0.1, x, sigma, sigma_next, 0.6, prev_sample=prev)
+    scale = 2 * (sigma_next * math.sin(0.6 * math.pi / 2)) ** 2
+    torch.testing.assert_close(mse_other - mse, scale * (gaussian_other - gaussian), rtol=1e-4, atol=1e-6)
+    # a deterministic step scores 0, as every kind's does
+    _, zero, _, _ = cps_mse_step_with_logprob(v, x, sigma, sigma_next, 0.0)
+    assert torch.equal(zero, torch.zeros(3))

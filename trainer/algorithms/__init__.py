@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.algorithms.awm import AWM, AWMConfig
+from trainer.algorithms.dgpo import DGPO, DGPOConfig
 from trainer.algorithms.dpo import DPO, DPOConfig
 from trainer.algorithms.grpo import GRPO, GRPOConfig
+from trainer.algorithms.grpo_guard import GRPOGuard, GRPOGuardConfig
+from trainer.algorithms.mixgrpo import MixGRPO, MixGRPOConfig
 from trainer.algorithms.nft import NFT, NFTConfig
 from trainer.algorithms.ppo import PPO, PPOConfig
 from trainer.algorithms.ppo_critic import PPOCritic, PPOCriticConfig
@@ -25,6 +29,10 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     "dpo": AlgorithmSpec(DPO, DPOConfig),
     "sft_best": AlgorithmSpec(BestOfGroupSFT, BestOfGroupConfig),
     "nft": AlgorithmSpec(NFT, NFTConfig),
+    "grpo_guard": AlgorithmSpec(GRPOGuard, GRPOGuardConfig),
+    "mixgrpo": AlgorithmSpec(MixGRPO, MixGRPOConfig),
+    "awm": AlgorithmSpec(AWM, AWMConfig),
+    "dgpo": AlgorithmSpec(DGPO, DGPOConfig),
 }
 
 

@@ -47,13 +47,15 @@ def zero_std_share(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
 
 
 def clipped_policy_loss(
-    advantages: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor, clip_range: float
+    advantages: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor, clip_range: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip: ratio = exp(logp - logp_old); L = mean(max(-A ratio, -A clamp(ratio, 1-eps, 1+eps))).
 
     Computed as L = mean(-|A| min(s ratio, s + eps)) with s = sign(A): for A > 0 the max is
     -A min(ratio, 1+eps), for A < 0 it is -A max(ratio, 1-eps), for A = 0 it is 0; the same value and
-    gradient in about half the kernels of the two-branch form, backward included.
+    gradient in about half the kernels of the two-branch form, backward included. With ``weights`` the
+    mean is sum(w L_i) / max(sum(w), 1) (e.g. 0 for samples dropped for their zero advantage).
 
     Returns the loss and detached diagnostics: ``approx_kl`` = 0.5 mean((logp - logp_old)^2) and
     ``clip_frac`` = mean(|ratio - 1| > eps).
@@ -61,7 +63,11 @@ def clipped_policy_loss(
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     sign = advantages.sign()
-    loss = (torch.minimum(ratio * sign, sign + clip_range) * advantages.abs()).mean().neg()
+    per_sample = torch.minimum(ratio * sign, sign + clip_range) * advantages.abs()
+    if weights is None:
+        loss = per_sample.mean().neg()
+    else:
+        loss = (per_sample * weights).sum().neg() / weights.sum().clamp_min(1.0)
     with torch.no_grad():
         stats = {
             "approx_kl": 0.5 * log_ratio.square().mean(),

@@ -79,6 +79,8 @@ class Algorithm(Protocol):
     a group's own latents); otherwise groups may span ranks and only rewards are gathered."""
     shown_metrics: tuple[str, ...]
     """Its statistics shown on the progress line, in this order, where an epoch reports them (all are logged)."""
+    records_means: bool
+    """Whether its rollouts keep each step's Gaussian mean (``Rollout.means``: as much memory as the latents)."""
 
     def setup(self, adapter: ModelAdapter, example: Conditioning, backend: Any) -> None:
         """Build the algorithm's own networks (e.g. a critic) once the policy is prepared; ``example`` is
@@ -122,6 +124,7 @@ class NoExtras:
 
     local_groups = False
     shown_metrics: tuple[str, ...] = ()
+    records_means = False
 
     def __init__(self, config: Any):
         self.config = config

@@ -7,6 +7,7 @@ rollouts' final latents dpo, sft_best, nft): the config fields, noise draws, mic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,16 @@ class NoiseDraws:
         sigma = logit_normal_sigmas(draws * len(x0), mean, std, generator).reshape(draws, len(x0))
         noise = torch.randn((draws, *x0.shape), generator=generator)
         return NoiseDraws(sigma.to(x0.device), noise.to(x0.device))
+
+
+def draw_units(x0: torch.Tensor, config: CleanSampleConfig, generator: torch.Generator, per_unit: int,
+               make_unit: Callable[[torch.Tensor, NoiseDraws], Any]) -> list:
+    """Loss units of every row of ``x0`` under each of ``config.noise_draws`` (noise level, noise) draws, in
+    shuffled chunks of ``per_unit`` rows: ``make_unit(rows, their draw)`` for each chunk, draw after draw."""
+    draws = NoiseDraws.draw(config.noise_draws, x0, config.logit_mean, config.logit_std, generator)
+    return [make_unit(rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
+            for d in range(config.noise_draws)
+            for rows in torch.randperm(len(x0), generator=generator).split(per_unit)]
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
 from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, set_shares
-from trainer.algorithms.clean_sample import CleanSampleConfig, CleanUnit, NoiseDraws, split_units
+from trainer.algorithms.clean_sample import CleanSampleConfig, CleanUnit, draw_units, split_units
 from trainer.config.fields import Decay, PositiveFloat
 from trainer.rollout import Rollout
 
@@ -69,11 +69,8 @@ class NFT(NoExtras):
         """Every sample under each of ``noise_draws`` draws, in shuffled micro-batches, cut into
         ``steps_per_epoch`` optimizer steps (fewer where there are fewer micro-batches); a step's loss is the
         mean over its samples with a reward."""
-        x0 = batch.rollout.latents[:, -1]
-        draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
-        units = [CleanUnit(batch, idx, NoiseDraws(draws.sigma[d, idx], draws.noise[d, idx]))
-                 for d in range(self.config.noise_draws)
-                 for idx in torch.randperm(len(x0), generator=generator).split(self.config.micro_batch_size)]
+        units = draw_units(batch.rollout.latents[:, -1], self.config, generator, self.config.micro_batch_size,
+                           lambda rows, draw: CleanUnit(batch, rows, draw))
         return set_shares(split_units(units, self.config.steps_per_epoch),
                           lambda unit: float(batch.weights[unit.rows].sum()))
 

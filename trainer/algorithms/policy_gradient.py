@@ -11,6 +11,7 @@ with the KL in the latent-mean form without the dt factor (``gaussian_mean_kl``)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -45,6 +46,9 @@ class PolicyGradientConfig:
     """Optimizer steps per inner epoch (the per-rank batch is split into this many)."""
     micro_batch_size: PositiveInt = 32
     """Samples per forward/backward; gradients accumulate over micro-batches and timesteps."""
+    drop_zero_advantage: bool = False
+    """Average the loss over the samples of non-zero advantage only, as Flow-GRPO drops the rest before
+    training; the default keeps them in the mean, so a batch's update does not grow as groups go flat."""
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     """Rollout sampling (steps, CFG, SDE kind and noise level, SDE window)."""
 
@@ -87,12 +91,21 @@ def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
     steps = []
     for micro_batches in split_steps(n, config.steps_per_epoch, config.micro_batch_size, generator):
         steps.append([StepUnit(batch, idx, order[idx, j]) for idx in micro_batches for j in range(per_sample)])
-    return set_shares(steps, lambda unit: len(unit.indices))
+    if not config.drop_zero_advantage:
+        return set_shares(steps, lambda unit: len(unit.indices))
+    kept = (batch.advantages != 0).cpu()  # one read of the device for the whole plan
+    return set_shares(steps, lambda unit: int(kept[unit.indices, unit.steps].sum()))
 
 
-def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+LogRatio = Callable[[StepUnit, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(unit, x_next [m, ...], the policy's step mean [m, ...], the step's std [m, 1, ...]) -> log-ratio [m]."""
+
+
+def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig,
+              log_ratio: LogRatio | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (plus beta KL) of one unit, a mean over its samples (not scaled by its
-    ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy."""
+    ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy; ``log_ratio`` replaces
+    log p_theta - log p_old in the ratio where an algorithm defines its own."""
     batch, ro = unit.batch, unit.batch.rollout
     # Every tensor indexed below lives on the rollout's device; host indices would be copied there by each
     # indexing op, every copy waiting for the device to finish its queued work.
@@ -105,14 +118,19 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig) ->
     step_fn = batch.step_fn
     v = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, ro.guidance_scale)
     _, log_prob, mean, std = step_fn(v, x_t, step, ro.noise_level, prev_sample=x_next)
-    loss, stats = clipped_policy_loss(batch.advantages[idx, step], log_prob, ro.log_probs[idx, step],
-                                      config.clip_range)
+    new, old = log_prob, ro.log_probs[idx, step]
+    if log_ratio is not None:
+        new, old = log_ratio(unit, x_next, mean, step_fn.std(step, ro.noise_level, x_t)), torch.zeros_like(log_prob)
+    advantages = batch.advantages[idx, step]
+    weights = (advantages != 0).float() if config.drop_zero_advantage else None
+    loss, stats = clipped_policy_loss(advantages, new, old, config.clip_range, weights)
     stats["policy_loss"] = loss.detach()
     if config.kl_beta > 0:
         with torch.no_grad():
             v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, ro.guidance_scale)
             ref_mean, _ = step_fn.mean(v_ref, x_t, step, ro.noise_level)
-        kl = gaussian_mean_kl(mean, ref_mean, std).mean()
+        kl_i = gaussian_mean_kl(mean, ref_mean, std)
+        kl = kl_i.mean() if weights is None else (kl_i * weights).sum() / weights.sum().clamp_min(1.0)
         loss = loss + config.kl_beta * kl
         stats["kl"] = kl.detach()
     return loss, stats

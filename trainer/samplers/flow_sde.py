@@ -84,6 +84,16 @@ def cps_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level:
     return _coefficients(1 - sigma_next + r, r * (1 - sigma) - (1 - sigma_next) * sigma, std, std)
 
 
+def cps_mse_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
+                         sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+    """The CPS step scored as Flow-GRPO and FlowCPS score it: log_prob = -mean_elements((x_next - mean)^2),
+    i.e. lp_scale = -1 and lp_const = 0 where std > 0 (no 1 / (2 std^2), no normaliser); same mean and noise.
+    Its log-ratios are 2 std^2 times the Gaussian ones, so a clip range tuned for their code transfers."""
+    c = cps_coefficients(sigma, sigma_next, noise_level, sigma_max)
+    stochastic = (c.std > 0).to(c.std.dtype)
+    return c._replace(lp_scale=-stochastic, lp_const=torch.zeros_like(c.std))
+
+
 def eta_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
                      sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
     """The SDE step with a constant std_dev_t = kl_std = eta = ``noise_level``:
@@ -181,6 +191,23 @@ def cps_step_with_logprob(
                  sigma_max)
 
 
+def cps_mse_step_with_logprob(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    noise_level: float = 0.7,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    sigma_max: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cps_step_with_logprob`` with Flow-GRPO's CPS log-probability, -mean((x_next - mean)^2) (not a density;
+    see ``cps_mse_coefficients``). The Gaussian "cps" stays the default: its log-ratios mean the same as
+    every other kind's, so one clip range and KL weight hold across step kinds and noise levels."""
+    return _step(cps_mse_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
+                 sigma_max)
+
+
 def eta_step_with_logprob(
     velocity: torch.Tensor,
     sample: torch.Tensor,
@@ -205,10 +232,12 @@ STEP_FUNCTIONS = {
     "sde": sde_step_with_logprob,
     "cps": cps_step_with_logprob,
     "eta": eta_step_with_logprob,
+    "cps_mse": cps_mse_step_with_logprob,
 }
 """Registry of flow step functions, chosen by ``sampler.kind`` in the algorithm config."""
 
-COEFFICIENTS = {"sde": sde_coefficients, "cps": cps_coefficients, "eta": eta_coefficients}
+COEFFICIENTS = {"sde": sde_coefficients, "cps": cps_coefficients, "eta": eta_coefficients,
+                "cps_mse": cps_mse_coefficients}
 """The same steps' constants, for ``scheduled_flow_step``."""
 
 

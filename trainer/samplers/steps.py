@@ -91,6 +91,10 @@ class ScheduledStep:
         c = self._shaped_constants(index, noise_level, sample)
         return self._mean(c, output, sample), c.kl_std
 
+    def std(self, index: int | torch.Tensor, noise_level: float, like: torch.Tensor) -> torch.Tensor:
+        """The step's standard deviation (x_next = mean + std eps), [B, 1, ...] float32 over ``like``."""
+        return self._shaped_constants(index, noise_level, like).std
+
     def _shaped_constants(self, index: int | torch.Tensor, noise_level: float, sample: torch.Tensor) -> NamedTuple:
         key = (noise_level, index, sample.shape[0], sample.ndim) if isinstance(index, int) else None
         coefficients = self._shaped.get(key) if key is not None else None
