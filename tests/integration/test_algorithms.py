@@ -56,7 +56,8 @@ OFF_POLICY = {name: ("algorithm.steps_per_epoch=2",) for name in ("grpo", "ppo",
 
 @pytest.mark.parametrize("algorithm", sorted(EXPECTED_STATS))
 def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorithm):
-    trainer = _trainer(tmp_path / "full", tiny_model_dir, algorithm, "train.epochs=2", *OFF_POLICY.get(algorithm, ()))
+    trainer = _trainer(tmp_path / "full", tiny_model_dir, algorithm, "train.epochs=2",
+                       *OFF_POLICY.get(algorithm, ()))
     before = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
     trainer.fit()
     trainer.logger.close()
@@ -74,7 +75,8 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     # refreshed reference, a trained critic, the EMA, MixGRPO's window) and must reproduce epoch 2 exactly
     checkpoint = tmp_path / "full" / "checkpoints" / "step-000002-000001"
     assert checkpoint.is_dir()
-    resumed = _trainer(tmp_path / "resumed", tiny_model_dir, algorithm, "train.epochs=2", *OFF_POLICY.get(algorithm, ()))
+    resumed = _trainer(tmp_path / "resumed", tiny_model_dir, algorithm, "train.epochs=2",
+                       *OFF_POLICY.get(algorithm, ()))
     resumed.resume(checkpoint)
     resumed.fit()
     resumed.logger.close()
