@@ -181,7 +181,7 @@ class Recorder(nn.Module):
 def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: str = "tiny",
                   device: str = "cpu", dtype: str = "float32", max_layers: int | None = None,
                   gradient_checkpointing: bool = False) -> dict[str, float]:
-    """One table row for ``case`` (``name``, ``name+ip`` or ``name@variant``); ``denoiser``: a ``DENOISER_SIZES`` key."""
+    """One table row for ``case`` (``name``, ``name+ip`` or ``name@variant``); ``denoiser``: a DENOISER_SIZES key."""
     name, _, variant = case.removesuffix("+ip").partition("@")
     spec = testing.tiny(name)
     root = str(model_root(root, case))
