@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m reward_server", description="Serve reward scorers over HTTP."
     )
+    parser.add_argument("--list-scorers", action=_ListScorers, nargs=0,
+                        help="print the registered scorer names, one per line, and exit")
     parser.add_argument(
         "--scorers",
         type=_scorer_list,
@@ -137,6 +139,14 @@ class _DrainingServer(uvicorn.Server):
         """Exit with status 1 (a scorer failed to load)."""
         self.exit_code = 1
         self.should_exit = True
+
+
+class _ListScorers(argparse.Action):
+    """``--list-scorers``: the registry's names (the trainer's pre-flight reads them without importing us)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("\n".join(_available()))
+        parser.exit()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

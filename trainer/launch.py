@@ -14,13 +14,13 @@ from pathlib import Path
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, reward_token
 from trainer.rewards.launcher import RewardPoolError
-from trainer.rewards.preflight import PreflightError, check_reward_servers
+from trainer.rewards.preflight import PreflightError, check_reward_urls
 
 
 def check_rewards(config: Config, backend) -> None:
     """Refuse the run now, on every rank alike, when a rank cannot reach a reward server or one lacks a
     weighted scorer (each rank checks: machines may see different servers)."""
-    problem = check_reward_servers(config.reward.urls, sorted(config.reward.weights), reward_token(config.reward))
+    problem = check_reward_urls(config.reward.urls, sorted(config.reward.weights), reward_token(config.reward))
     found = [(rank, p) for rank, p in enumerate(backend.all_gather_object(problem)) if p]
     if found:
         rank, problem = found[0]

@@ -106,6 +106,8 @@ class Trainer:
 
     def _compile(self) -> CompileMonitor | None:
         """``model.compile`` before any wrapper (FSDP2, ZeRO, DDP) sees the denoiser, for this run's batch sizes."""
+        if getattr(self.config.model, "compile", "none") == "none":
+            return None
         bounds = self._rollout_bounds(self.sampler.per_rank)
         sizes = {hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)} | {self.config.eval.samples_per_prompt}
         sizes |= {getattr(c, "micro_batch_size", 1) for c in (self.algorithm.config, self.warmup.config)}

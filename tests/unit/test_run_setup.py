@@ -205,7 +205,7 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
     port = free_port()
     line = _fails_fast(tmp_path, capsys, f"reward.urls=[http://127.0.0.1:{port}]")
     assert f"reward server http://127.0.0.1:{port} is unreachable" in line
-    assert f"`python -m reward_server --scorers digit --host 127.0.0.1 --port {port}`" in line
+    assert f"`rewardflow-reward-server --scorers digit --host 127.0.0.1 --port {port}`" in line
 
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
     line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={digit: 1, brightness: 1}")

@@ -51,10 +51,13 @@ def test_api_backend_sends_the_prompt_and_reads_the_same_rating(model_dir: Path,
         scorer.load()
         outcomes = run_scorer(scorer, IMAGES, PROMPT_TEXTS, [{}, {}])
     assert [(o.ok, o.score) for o in outcomes] == [(True, 4.0)] * 2
-    sent = server.requests[-1]
-    (question,) = [part["text"] for part in sent["messages"][-1]["content"] if part["type"] == "text"]
-    assert question == PROMPTS["flow_grpo"].format(prompt=PROMPT_TEXTS[1]) and sent["max_tokens"] == 32
-    assert question.startswith("<image>\n") and question.endswith(f"Text Caption: [{PROMPT_TEXTS[1]}]")
+    sent = server.requests[-len(PROMPT_TEXTS):]  # one request per image, sent concurrently: in any order
+    questions = sorted(part["text"] for request in sent for part in request["messages"][-1]["content"]
+                       if part["type"] == "text")
+    assert questions == sorted(PROMPTS["flow_grpo"].format(prompt=text) for text in PROMPT_TEXTS)
+    assert all(request["max_tokens"] == 32 for request in sent)
+    assert all(question.startswith("<image>\n") for question in questions)
+    assert {question.rsplit("Text Caption: ", 1)[1] for question in questions} == {f"[{t}]" for t in PROMPT_TEXTS}
 
 
 @pytest.mark.parametrize(("task", "text", "score"), [

@@ -5,6 +5,8 @@ has). A problem is one line naming the URL, what is missing and the command that
 from __future__ import annotations
 
 import difflib
+import subprocess
+import sys
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -12,6 +14,7 @@ import httpx
 from pydantic import ValidationError
 
 from shared.protocol import InfoResponse
+from trainer.rewards.launcher import SERVER_SCRIPT, RewardPoolError, server_module
 from trainer.rewards.wire import detail
 
 
@@ -25,10 +28,10 @@ def server_command(url: str, scorers: Sequence[str]) -> str:
     """The command that serves ``scorers`` at ``url``."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
-    return f"python -m reward_server --scorers {','.join(scorers)} --host {host} --port {port}"
+    return f"{SERVER_SCRIPT} --scorers {','.join(scorers)} --host {host} --port {port}"
 
 
-def check_reward_servers(urls: Sequence[str], scorers: Sequence[str], token: str | None,
+def check_reward_urls(urls: Sequence[str], scorers: Sequence[str], token: str | None,
                          timeout_s: float = 5.0) -> str | None:
     """Why the servers at ``urls`` cannot score ``scorers`` (the first problem found), or None. Without
     ``urls`` the job starts its own servers: then every scorer must be registered."""
@@ -71,15 +74,20 @@ def _check_one(client: httpx.Client, url: str, scorers: list[str], headers: dict
 
 
 def _unknown_scorers(scorers: Sequence[str]) -> str | None:
-    """A local pool's servers would exit at start-up on a scorer name they do not know."""
+    """A local pool's servers would exit at start-up on a scorer name they do not know: the installed server's
+    ``--list-scorers`` names the ones it has."""
     try:
-        from reward_server.scorers import SCORERS
-    except ImportError:  # the pool's own start reports a missing server
+        listed = subprocess.run([sys.executable, "-m", server_module(), "--list-scorers"], capture_output=True,
+                                text=True, timeout=120, check=False)
+    except (RewardPoolError, subprocess.TimeoutExpired):  # the pool's own start reports a missing server
+        return None
+    known = listed.stdout.split()
+    if listed.returncode != 0 or not known:
         return None
     for name in scorers:
-        if name not in SCORERS:
-            close = difflib.get_close_matches(name, SCORERS, n=1)
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
             return (f"reward.weights names scorer {name!r}, which no reward server has"
                     + (f" (did you mean {close[0]!r}?)" if close else "")
-                    + f": use one of {', '.join(SCORERS)}")
+                    + f": use one of {', '.join(known)}")
     return None
