@@ -23,13 +23,13 @@ from typing import Annotated, Literal
 import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, group_advantages
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, set_shares
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference
 from trainer.algorithms.clean_sample import (
     CleanSampleConfig,
     CleanUnit,
-    draw_units,
     per_sample_mse,
-    split_units,
+    policy_and_reference,
+    weighted_plan,
 )
 from trainer.config.fields import Bounds
 from trainer.rollout import Rollout
@@ -84,21 +84,12 @@ class AWM(NoExtras):
         return AWMBatch(rollout, adv[mine], (~torch.isnan(rewards.local)).float(), rewards)
 
     def plan(self, batch: AWMBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
-        """Every sample under each of ``noise_draws`` draws, in shuffled micro-batches, cut into
-        ``steps_per_epoch`` optimizer steps; a step's loss is the mean over its samples with a reward."""
-        units = draw_units(batch.rollout.latents[:, -1], self.config, generator, self.config.micro_batch_size,
-                           lambda rows, draw: CleanUnit(batch, rows, draw))
-        return set_shares(split_units(units, self.config.steps_per_epoch),
-                          lambda unit: float(batch.weights[unit.rows].sum()))
+        """The batch's clean samples, weighted by reward (``clean_sample.weighted_plan``)."""
+        return weighted_plan(batch, self.config, generator)
 
     def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch, idx, draw = unit.batch, unit.rows, unit.draw
-        ro = batch.rollout
-        x_t, target = ctx.adapter.training_target(ro.latents[idx, -1], draw.noise, draw.sigma)
-        cond = ro.cond.select(idx)
-        v_theta = ctx.adapter.predict(ctx.policy, x_t, draw.sigma, cond, 1.0)
-        with torch.no_grad():
-            v_old = ctx.adapter.predict(ctx.reference, x_t, draw.sigma, cond, 1.0)
+        target, v_theta, v_old = policy_and_reference(ctx, unit)
         time_weight = draw.sigma.float() if self.config.time_weighting == "sigma" else torch.ones_like(draw.sigma)
         weights = batch.weights[idx].to(v_theta.device)  # host-side rewards
         loss, stats = awm_loss(v_theta, v_old, target, batch.advantages[idx].to(v_theta.device),

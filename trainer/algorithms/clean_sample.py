@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from trainer.algorithms.base import set_shares
 from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveInt
 from trainer.rollout import SamplerSettings
 
@@ -93,6 +94,27 @@ class CleanUnit:
     draw: NoiseDraws      # the rows' noise levels and noises
     share: float = 0.0    # the unit's share of its optimizer step's loss (``set_shares``)
     step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
+
+
+def weighted_plan(batch: Any, config: CleanSampleConfig, generator: torch.Generator) -> list[list[CleanUnit]]:
+    """Every clean sample of ``batch`` under each of ``noise_draws`` draws, in shuffled micro-batches cut into
+    ``steps_per_epoch`` optimizer steps; a step's loss is the mean over its samples, weighted by
+    ``batch.weights`` (0: no reward)."""
+    units = draw_units(batch.rollout.latents[:, -1], config, generator, config.micro_batch_size,
+                       lambda rows, draw: CleanUnit(batch, rows, draw))
+    return set_shares(split_units(units, config.steps_per_epoch), lambda unit: float(batch.weights[unit.rows].sum()))
+
+
+def policy_and_reference(ctx: Any, unit: CleanUnit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flow-matching target, policy velocity, reference velocity without grad) at ``unit``'s noised clean
+    samples: what the clean-sample losses that compare the policy with a frozen copy read."""
+    ro = unit.batch.rollout
+    x_t, target = ctx.adapter.training_target(ro.latents[unit.rows, -1], unit.draw.noise, unit.draw.sigma)
+    cond = ro.cond.select(unit.rows)
+    v_theta = ctx.adapter.predict(ctx.policy, x_t, unit.draw.sigma, cond, 1.0)
+    with torch.no_grad():
+        v_old = ctx.adapter.predict(ctx.reference, x_t, unit.draw.sigma, cond, 1.0)
+    return target, v_theta, v_old
 
 
 def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

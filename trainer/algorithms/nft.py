@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, set_shares
-from trainer.algorithms.clean_sample import CleanSampleConfig, CleanUnit, draw_units, split_units
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference
+from trainer.algorithms.clean_sample import CleanSampleConfig, CleanUnit, policy_and_reference, weighted_plan
 from trainer.config.fields import Decay, PositiveFloat
 from trainer.rollout import Rollout
 
@@ -66,22 +66,12 @@ class NFT(NoExtras):
                         (~torch.isnan(rewards.local)).float(), rewards)
 
     def plan(self, batch: NFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
-        """Every sample under each of ``noise_draws`` draws, in shuffled micro-batches, cut into
-        ``steps_per_epoch`` optimizer steps (fewer where there are fewer micro-batches); a step's loss is the
-        mean over its samples with a reward."""
-        units = draw_units(batch.rollout.latents[:, -1], self.config, generator, self.config.micro_batch_size,
-                           lambda rows, draw: CleanUnit(batch, rows, draw))
-        return set_shares(split_units(units, self.config.steps_per_epoch),
-                          lambda unit: float(batch.weights[unit.rows].sum()))
+        """The batch's clean samples, weighted by reward (``clean_sample.weighted_plan``)."""
+        return weighted_plan(batch, self.config, generator)
 
     def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch, idx, draw = unit.batch, unit.rows, unit.draw
-        ro = batch.rollout
-        x_t, target = ctx.adapter.training_target(ro.latents[idx, -1], draw.noise, draw.sigma)
-        cond = ro.cond.select(idx)
-        v_theta = ctx.adapter.predict(ctx.policy, x_t, draw.sigma, cond, 1.0)
-        with torch.no_grad():
-            v_old = ctx.adapter.predict(ctx.reference, x_t, draw.sigma, cond, 1.0)
+        batch, idx = unit.batch, unit.rows
+        target, v_theta, v_old = policy_and_reference(ctx, unit)
         # optimality and weights come from the host-side rewards
         per_sample = nft_loss(v_theta.float(), v_old.float(), target.float(), batch.optimality[idx].to(v_theta.device),
                               self.config.beta)
