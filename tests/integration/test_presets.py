@@ -238,6 +238,11 @@ def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_model
     _fit(config, tmp_path)
 
 
+def _relative_data(path: Path) -> bool:
+    data = load_config(str(path)).data.path
+    return bool(data) and not Path(data).is_absolute()
+
+
 def _header(path: Path) -> str:
     lines = path.read_text().splitlines()
     return "\n".join(lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
@@ -276,10 +281,19 @@ def test_preset_header_says_what_to_set_and_which_servers_to_start(path):
     weighted = {name for name, weight in config.reward.weights.items() if weight != 0}
     assert weighted <= served, (f"{path.name}: reward.weights resolve to {config.reward.weights}, but the header "
                                 f"starts {sorted(served)}")
-    data_path = Path(config.data.path)
-    if config.data.path and not data_path.is_absolute():  # absolute paths are placeholders for the user's data
-        assert (REPO / data_path).exists(), f"{path.name}: data.path {data_path} is not there from the repo root"
-        build_task(dataclasses.replace(config.data, path=str(REPO / data_path)))
+
+
+@pytest.mark.parametrize("path", [p for p in PRESETS if _relative_data(p)], ids=_id)
+def test_preset_data_path_relative_to_the_repository_loads(path):
+    """A relative data.path (absolute ones are placeholders for the user's data) is read from the repository root,
+    where the job starts: inside the checkout it must exist; one beside it (../shared/data) is checked where the
+    checkout has it beside."""
+    config = load_config(str(path))
+    data_path = (REPO / config.data.path).resolve()
+    if not data_path.is_relative_to(REPO.resolve()) and not data_path.parent.exists():
+        pytest.skip(f"{config.data.path} is beside the checkout, and this checkout has no {data_path.parent}")
+    assert data_path.exists(), f"{path.name}: data.path {config.data.path} is not there from the repo root"
+    build_task(dataclasses.replace(config.data, path=str(data_path)))
 
 
 def test_a_step_kind_the_model_has_no_math_for_is_refused_as_the_trainer_is_built(tiny_models, tmp_path):
