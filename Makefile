@@ -59,8 +59,10 @@ demo: $(STAMP)  ## the embedded default: SFT warm-up on digits, then GRPO agains
 
 # The suite in two tiers: `make test` is the default one (pyproject's addopts leave out tests marked slow or
 # gpu); `make test-slow` runs the slow tier (long training runs, job matrices), CI both. pytest exits 5 when
-# a tier selects nothing (e.g. ARGS naming files without slow tests): that is no failure.
-PYTEST_TIER = status=0; $(VENV)/bin/python -m pytest $(1) $(ARGS) || status=$$?; \
+# a tier selects nothing (e.g. ARGS naming files without slow tests): that is no failure. pytest-xdist runs
+# one worker per core (TEST_WORKERS=0: one process); most tests are single-threaded Python at these sizes.
+TEST_WORKERS ?= auto
+PYTEST_TIER = status=0; $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(1) $(ARGS) || status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest: no test of this tier selected"; else exit $$status; fi
 
 test: $(STAMP) system-deps  ## the default tier (~10.5 min on 2 cores; tests marked slow or gpu excluded)

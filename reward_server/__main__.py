@@ -6,7 +6,8 @@ benchmark stand-in :class:`reward_server.sleep_scorer.SleepScorer`.
 On SIGTERM (or Ctrl-C) the server drains: ``/readyz`` and ``/score`` answer 503 for ``--drain-grace-s``
 seconds while in-flight requests finish, then the listener closes, uvicorn waits for open requests and
 the process exits with status 0. A second signal exits at once. If a scorer fails to load the process
-exits with status 1.
+exits with status 1. With ``--parent-pid`` it also drains when that process is gone (the trainer's own
+replicas: they outlive no trainer, even one killed with SIGKILL).
 """
 
 from __future__ import annotations
@@ -109,18 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue-items", type=int, default=_DEFAULTS.max_queue_items)
     parser.add_argument("--drain-grace-s", type=float, default=_DEFAULTS.drain_grace_s)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--parent-pid", type=int, default=0,
+                        help="drain and exit once this process (the one that started the server) is gone")
     return parser
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT starts a drain instead of closing the listener at once."""
 
-    def __init__(self, config: uvicorn.Config, service: RewardService, drain_grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, service: RewardService, drain_grace_s: float,
+                 parent_pid: int = 0) -> None:
         super().__init__(config)
         self.service = service
         self.drain_grace_s = drain_grace_s
         self.drain_deadline: float | None = None
         self.exit_code = 0
+        self.parent_pid = parent_pid
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_deadline is not None:  # second signal: stop now
@@ -133,6 +138,9 @@ class _DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
             self.should_exit = True
+        # uvicorn ticks every 0.1 s: once a second, a parent that is gone (we were re-parented) starts the drain
+        if self.parent_pid and counter % 10 == 0 and self.drain_deadline is None and os.getppid() != self.parent_pid:
+            self.handle_exit(0, None)
         return await super().on_tick(counter)
 
     def fail(self, exc: BaseException) -> None:
@@ -183,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         access_log=args.log_level == "debug",
     )
-    server = _DrainingServer(config, app.state.service, settings.drain_grace_s)
+    server = _DrainingServer(config, app.state.service, settings.drain_grace_s, args.parent_pid)
     server.run()
     return server.exit_code
 

@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("RF_TEST_THREADS", "2")))
+# Two threads, split among pytest-xdist workers (`make test` runs one per core, two on this machine).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("RF_TEST_THREADS", max(1, 2 // _WORKERS))))
 
 
 @pytest.fixture(scope="session")

@@ -185,10 +185,14 @@ class LocalRewardPool:
             "--port", str(port),
             "--instance-id", instance,
             "--drain-grace-s", "0",  # only our own trainer talks to these replicas
+            "--parent-pid", str(os.getpid()),
             *self.extra_args,
         ]  # fmt: skip
+        # A session of their own: the terminal's Ctrl-C reaches the trainer alone, which stops them after
+        # it has said where it stopped (they used to stop first, failing the rollout that was waiting on them).
         with open(self.log_paths[index], "ab") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env)
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env,
+                                    start_new_session=True)
 
     def _wait_ready(self, indices: Iterable[int]) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
