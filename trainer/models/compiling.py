@@ -69,6 +69,12 @@ class CompileMonitor:
         return {"compile_graphs": graphs - self._start[0], "compile_recompiles": self.recompiles,
                 "compile_s": seconds - self._start[1], "compile_fallbacks": len(self.fallbacks)}
 
+    def summary(self, mode: str, metrics: dict[str, float]) -> str:
+        """One line on what compiling ``mode`` cost, from an epoch's ``metrics`` (``report()``'s keys)."""
+        return (f"model.compile={mode}: {metrics['compile_graphs']:.0f} graphs compiled in {metrics['compile_s']:.1f} "
+                f"s, {metrics['compile_recompiles']:.0f} recompiles (limit {self.limit}), "
+                f"{metrics['compile_fallbacks']:.0f} fallbacks to eager")
+
 
 def _metrics() -> list:
     from torch._dynamo.utils import get_compilation_metrics
@@ -114,6 +120,7 @@ def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Mod
     if not modules:
         raise ValueError(f"model.compile=blocks found no repeated blocks in {type(denoiser).__name__}: use "
                          "model.compile=full, or declare the adapter's compiled_blocks")
+    tag_compile_caches()
     compiled: dict[type, types.FunctionType] = {}
     for module in modules:
         cls = type(module)
@@ -121,6 +128,17 @@ def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Mod
             compiled[cls] = torch.compile(cls.forward, backend=backend, recompile_limit=recompile_limit)
         module.forward = types.MethodType(compiled[cls], module)
     return modules
+
+
+def tag_compile_caches() -> None:
+    """Name the enabled SDPA kernels in ``torch.compiler.config.cache_key_tag``, which inductor's FX graph and
+    AOTAutograd cache keys include: a compiled graph bakes in the kernel that was enabled when it compiled, and
+    those keys leave the kernel out (pytorch/pytorch#185449), so another run's graph could be reused."""
+    cuda = torch.backends.cuda
+    enabled = {"math": cuda.math_sdp_enabled(), "flash": cuda.flash_sdp_enabled(),
+               "efficient": cuda.mem_efficient_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+    tag = torch.compiler.config.cache_key_tag.split("|sdpa=")[0]
+    torch.compiler.config.cache_key_tag = f"{tag}|sdpa={','.join(k for k, on in enabled.items() if on)}"
 
 
 def recompile_limit(batch_sizes: Iterable[int], reference_view: bool) -> int:
