@@ -272,7 +272,8 @@ COMPILE_CASES = CASES if os.environ.get("RF_COMPILE_MATRIX") else ["sd3"]
 def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root):
     """model.compile=blocks: a rollout (no grad, eval mode) and the training re-evaluation (grad, train mode)
     run the same compiled blocks with LoRA on, and the reference forward the LoRA-disabled variant; the
-    on-policy ratio stays 1 to float32 round-off (max and mean |ratio - 1| printed: bench/RESULTS.md)."""
+    on-policy ratio stays 1 to float32 round-off (max and mean |ratio - 1| printed: bench/RESULTS.md; 0 where
+    measured, except sd15_inpaint's static-shape UNet blocks, whose two graphs round differently: 1.7e-6)."""
     target = CPU_FP32.values[0]
     torch.manual_seed(0)
     adapter = make_adapter(case, model_root, target, lora=LoraSettings(rank=4, alpha=4))
@@ -307,7 +308,7 @@ def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root):
     report = monitor.report()
     print(f"\n{case} {backend}: |ratio - 1| max {float(deviation.max()):.3g} mean {float(deviation.mean()):.3g}; "
           f"{report}")
-    assert float(deviation.max()) <= 1e-6
+    assert float(deviation.max()) <= tiny(IP_CASES.get(case, case)).compiled_ratio_atol
     assert report["compile_fallbacks"] == 0  # graphs may be 0: blocks of a class an earlier case compiled
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.trainable.parameters())
 

@@ -121,13 +121,23 @@ def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Mod
         raise ValueError(f"model.compile=blocks found no repeated blocks in {type(denoiser).__name__}: use "
                          "model.compile=full, or declare the adapter's compiled_blocks")
     tag_compile_caches()
-    compiled: dict[type, types.FunctionType] = {}
+    by_class: dict[type, list[nn.Module]] = {}
     for module in modules:
-        cls = type(module)
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, backend=backend, recompile_limit=recompile_limit)
-        module.forward = types.MethodType(compiled[cls], module)
+        by_class.setdefault(type(module), []).append(module)
+    for cls, members in by_class.items():
+        # Blocks of one class at several widths (a UNet's resnets and attentions, which also run at several
+        # resolutions) compile for static shapes: inductor's code generation for their symbolic sizes fails
+        # (sd15_inpaint on the CPU), and each instance may meet shapes of its own, so the limit grows with them.
+        static = len({_widths(m) for m in members}) > 1
+        compiled = torch.compile(cls.forward, backend=backend, dynamic=False if static else None,
+                                 recompile_limit=recompile_limit * (len(members) if static else 1))
+        for module in members:
+            module.forward = types.MethodType(compiled, module)
     return modules
+
+
+def _widths(module: nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
 
 
 def tag_compile_caches() -> None:
