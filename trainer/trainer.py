@@ -114,7 +114,7 @@ class Trainer:
         bounds = self._rollout_bounds(self.sampler.per_rank)
         sizes = {hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)} | {self.config.eval.samples_per_prompt}
         sizes |= {getattr(c, "micro_batch_size", 1) for c in (self.algorithm.config, self.warmup.config)}
-        return compile_for_run(self.adapter, model.compile, sizes)
+        return compile_for_run(self.adapter, model.compile, sizes, model.compile_backend)
 
     def _generator(self, phase: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
         return torch.Generator(device).manual_seed(((self._rank_seed * 4 + phase) * 1_000_003 + step) % (2**63))

@@ -50,6 +50,10 @@ class DiffusersModelConfig:
     """torch.compile the denoiser: "blocks" compiles each repeated block (transformer blocks, a UNet's
     resnets and attentions; one compile per block class), "full" its whole forward (a little faster, about 3x
     the compile time), "none" runs eagerly. Rollout, training and reference use the same compiled code."""
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    """The torch.compile backend of ``model.compile``: "inductor" generates fused kernels (the speed-up);
+    "aot_eager" captures the same forward and backward graphs and runs torch's own kernels, without code
+    generation: a quick check that compiling composes with the rest of a run (tests, bisecting a failure)."""
     attention: Literal["auto", "math", "flash", "efficient", "cudnn"] = "auto"
     """The SDPA kernel of the whole run (rollout, training, reference, evaluation). "auto": on CUDA, the
     fastest of cudnn / flash / efficient / math whose forward+backward of this model's blocks is finite and

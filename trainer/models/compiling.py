@@ -159,12 +159,12 @@ def recompile_limit(batch_sizes: Iterable[int], reference_view: bool) -> int:
     return max(8, 2 * variants)
 
 
-def compile_for_run(adapter, mode: str, batch_sizes: Iterable[int]) -> CompileMonitor | None:
-    """``mode`` applied to ``adapter``'s denoiser with a recompile limit sized for ``batch_sizes``; the monitor
-    reports what compiling cost (None for ``"none"``)."""
+def compile_for_run(adapter, mode: str, batch_sizes: Iterable[int], backend: str = "inductor") -> CompileMonitor | None:
+    """``mode`` applied to ``adapter``'s denoiser with torch.compile's ``backend`` and a recompile limit sized for
+    ``batch_sizes``; the monitor reports what compiling cost (None for ``"none"``)."""
     if mode == "none":
         return None
     limit = recompile_limit(batch_sizes, not adapter.trainable.reference_spec.copy)
     monitor = CompileMonitor(limit)
-    compile_denoiser(adapter.denoiser, mode, getattr(adapter, "compiled_blocks", ()), limit)
+    compile_denoiser(adapter.denoiser, mode, getattr(adapter, "compiled_blocks", ()), limit, backend)
     return monitor
