@@ -219,7 +219,7 @@ def attention_for_run(adapter, mode: str, cond, sampler,
         choice = probe(step, [check_attention(mode)], dtype, repeats=1, sync=sync)
         (verdict,) = choice.verdicts
         if not verdict.runs:
-            usable = ", ".join(k for k in KERNELS if k != mode)
+            usable = ", ".join(k for k in (KERNELS if device.type == "cuda" else ("math", "flash")) if k != mode)
             raise ValueError(f"model.attention={mode} cannot run this model's blocks on {device.type} "
                              f"({verdict.reason}); use auto or one of {usable}")
         if not verdict.passed:
