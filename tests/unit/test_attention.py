@@ -85,7 +85,7 @@ def test_probe_rejects_a_kernel_whose_blocks_give_nan_or_drift(adapter):
         return results
 
     for broken, reason in ((nan_under_flash, "non-finite values in tensor 1"),
-                           (drift_under_flash, "relative error 0.05 > 0.002")):
+                           (drift_under_flash, "relative error 0.05 > 0.005")):
         choice = probe(broken, ["flash", "math"], torch.float32, repeats=1)
         flash = choice.verdicts[0]
         assert choice.kernel == "math" and not flash.passed and flash.runs, choice.summary()

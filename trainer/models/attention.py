@@ -33,7 +33,7 @@ KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 CUDA_CANDIDATES = ("cudnn", "flash", "efficient", "math")
 """What ``auto`` tries on CUDA (math last: it is also the reference the others are checked against)."""
-TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 """Largest relative error ||x - math|| / ||math|| of any block output or input gradient, by the run's dtype:
 a few roundings of the dtype through softmax and the block's matmuls (TF32 ones in float32)."""
 _SWITCHES = {"math": torch.backends.cuda.enable_math_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
