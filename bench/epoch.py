@@ -10,14 +10,16 @@ median of the epochs after the first (which compiles), with
     eager mode by torch's FlopCounterMode, over the epoch's time), the fraction of a GEMM peak measured here,
     peak memory (GPU: allocated; CPU: the process's peak RSS, which only grows), compile s and recompiles.
 
-    python bench/epoch.py [--model sd3] [--denoiser tiny|real] [--compile none,blocks] [--attention default]
+Attention variants are ``model.attention`` values, set as a run sets them (``auto`` probes on CUDA; its row
+names the kernel it chose).
+
+    python bench/epoch.py [--model sd3] [--denoiser tiny|real] [--compile none,blocks] [--attention auto,flash]
                           [--epochs 3] [section.key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import resource
 import statistics
@@ -29,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from bench.adapters import DENOISER_SIZES, resize_denoiser  # noqa: E402
@@ -41,6 +42,7 @@ from trainer.data.testing import tiny_dataset  # noqa: E402
 from trainer.distributed import SingleProcess  # noqa: E402
 from trainer.logging import RunLogger  # noqa: E402
 from trainer.models import build_adapter, testing  # noqa: E402
+from trainer.models.attention import ATTENTION_CHOICES  # noqa: E402
 from trainer.models.common import LoraSettings  # noqa: E402
 from trainer.rewards.client import HttpRewardClient  # noqa: E402
 from trainer.rewards.launcher import LocalRewardPool  # noqa: E402
@@ -52,8 +54,6 @@ RECIPE = ["algorithm.name=grpo", "algorithm.group_size=8", "data.prompts_per_epo
           "train.learning_rate=3e-4", "train.warmup_steps=0",
           "train.ema_decay=0", "reward.weights={jpeg_compressibility: 1.0}", "reward.replicas=1",
           "logging.progress=false"]
-ATTENTION = {"default": None, "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
 def gemm_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
@@ -89,8 +89,10 @@ def make_trainer(config, device: torch.device, client, run_dir: Path) -> Trainer
 
 def epoch_flops(config, device, client, run_dir: Path) -> float:
     """FLOPs of one RL epoch (rollout, reward encoding aside, update and reference), counted in eager mode."""
-    config.model.compile = "none"
+    config.model.compile, attention = "none", config.model.attention
+    config.model.attention = "math"  # no probe (its forwards are not the epoch's); FLOPs do not depend on the kernel
     trainer = make_trainer(config, device, client, run_dir / "flops")
+    config.model.attention = attention
     with FlopCounterMode(display=False) as counter:
         trainer.rl_epoch(0)
     del trainer
@@ -98,24 +100,23 @@ def epoch_flops(config, device, client, run_dir: Path) -> float:
     return float(counter.get_total_flops())
 
 
-def run_variant(config, device, client, run_dir: Path, epochs: int, attention: str) -> dict[str, float]:
+def run_variant(config, device, client, run_dir: Path, epochs: int) -> dict[str, float]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    torch._dynamo.reset()  # a compile cache made under one attention backend is not reused for another
-    backend = ATTENTION[attention]
+    torch._dynamo.reset()  # dynamo does not guard on the attention kernel: no graph of the last variant is reused
     trainer = make_trainer(config, device, client, run_dir)
     records = []
-    with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
-        for epoch in range(epochs):
-            sync(device)
-            start = time.perf_counter()
-            metrics = trainer.rl_epoch(epoch)
-            sync(device)
-            records.append({**metrics, "epoch_s": time.perf_counter() - start})
+    for epoch in range(epochs):
+        sync(device)
+        start = time.perf_counter()
+        metrics = trainer.rl_epoch(epoch)
+        sync(device)
+        records.append({**metrics, "epoch_s": time.perf_counter() - start})
     steady = records[1:] or records
     row = {k: statistics.median(r[k] for r in steady) for k in
            ("epoch_s", "time_rollout_s", "time_reward_wait_s", "time_train_s", "rollout_images_per_s")}
     row["images"] = len(trainer.sampler.epoch(0)[0])
+    row["kernel"] = trainer.attention.kernel
     row["compile_s"] = records[-1].get("compile_s", 0.0)
     row["recompiles"] = records[-1].get("compile_recompiles", 0)
     row["fallbacks"] = records[-1].get("compile_fallbacks", 0)
@@ -131,7 +132,8 @@ def main() -> None:
     parser.add_argument("--model", default="sd3", help="a registered text-to-image model (its tiny spec)")
     parser.add_argument("--denoiser", choices=sorted(DENOISER_SIZES), default="tiny")
     parser.add_argument("--compile", default="none,blocks", help="model.compile values, comma-separated")
-    parser.add_argument("--attention", default="default", help=f"comma-separated of {', '.join(ATTENTION)}")
+    parser.add_argument("--attention", default="auto",
+                        help=f"model.attention values, comma-separated, of {', '.join(ATTENTION_CHOICES)}")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per variant; the first is not counted")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="model.dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -155,11 +157,10 @@ def main() -> None:
         rows = []
         for mode in args.compile.split(","):
             for attention in args.attention.split(","):
-                config.model.compile = mode
+                config.model.compile, config.model.attention = mode, attention
                 try:
-                    row = run_variant(config, device, client, Path(root) / f"{mode}-{attention}", args.epochs,
-                                      attention)
-                except RuntimeError as error:  # e.g. an attention backend this device lacks
+                    row = run_variant(config, device, client, Path(root) / f"{mode}-{attention}", args.epochs)
+                except (RuntimeError, ValueError) as error:  # e.g. an attention kernel this device lacks
                     print(f"{mode} / {attention}: failed: {str(error).splitlines()[0]}", flush=True)
                     continue
                 rows.append((mode, attention, row))
@@ -175,7 +176,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, attention, r in rows:
         tflops = flops / r["epoch_s"] / 1e12
-        print(f"| {mode} | {attention} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
+        shown = attention if attention == r["kernel"] else f"{attention} ({r['kernel']})"
+        print(f"| {mode} | {shown} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
               f"| {r['rollout_images_per_s']:.2f} | {r['time_rollout_s']:.2f} | {r['time_reward_wait_s']:.2f} "
               f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {r['peak_gib']:.2f} "
               f"| {r['compile_s']:.1f} | {r['recompiles']:.0f} | {r['fallbacks']:.0f} |")

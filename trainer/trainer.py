@@ -29,7 +29,8 @@ from trainer.distributed import ParallelBackend
 from trainer.ema import EMA
 from trainer.guard import REWARD, Guard
 from trainer.logging import RunLogger, to_uint8
-from trainer.models.base import ModelAdapter
+from trainer.models.attention import attention_for_run
+from trainer.models.base import Conditioning, ModelAdapter
 from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
 from trainer.rollout import Rollout, SamplerSettings, rollout, rollout_bounds, window_mask
@@ -46,16 +47,11 @@ class Trainer:
                  reward_client: RewardClient, backend: ParallelBackend, logger: RunLogger,
                  guard_client: RewardClient | None = None):
         build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
-        self.config = config
-        self.adapter = adapter
-        self.algorithm = algorithm
-        self.warmup = warmup
-        self.task = task
+        self.config, self.adapter, self.algorithm, self.warmup, self.task = config, adapter, algorithm, warmup, task
         self.rewards = reward_client
         self.eval_rewards = guard_client or reward_client
         """Scores the evaluation: the reward's scorers and the eval.guard_scorers (weight 0)."""
-        self.backend = backend
-        self.logger = logger
+        self.backend, self.logger = backend, logger
         self.is_main = backend.world.rank == 0
         train = config.train
         rollouts = algorithm.sampler  # a step kind or noise level the model cannot use fails now, not after the warm-up
@@ -66,7 +62,8 @@ class Trainer:
         self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
                                     backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
         algorithm.check_batch(self.sampler.per_rank)
-        self.compiled = self._compile()
+        first = adapter.encode_prompts(task.prompts[:1], task.inputs([0]))
+        self.compiled = self._compile(first)
         self.policy = backend.prepare(
             adapter.denoiser, adapter.trainable.parameters(),
             lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
@@ -74,7 +71,7 @@ class Trainer:
             shard_units=adapter.shard_units,
         )
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
-        algorithm.setup(adapter, adapter.encode_prompts(task.prompts[:1], task.inputs([0])), backend)
+        algorithm.setup(adapter, first, backend)
         trainable = list(adapter.trainable.parameters())
         shards = backend.local_shards(trainable)
         sharded = any(s.shape != p.shape for s, p in zip(shards, trainable, strict=True))
@@ -104,14 +101,20 @@ class Trainer:
         require_stored_prompts(self.adapter, prompts, (self.algorithm.sampler.guidance_scale,
                                self.config.eval.guidance_scale), self.config.model.text_embeddings, self.config.data)
 
-    def _compile(self) -> CompileMonitor | None:
-        """``model.compile`` before any wrapper (FSDP2, ZeRO, DDP) sees the denoiser, for this run's batch sizes."""
-        if getattr(self.config.model, "compile", "none") == "none":
+    def _compile(self, first: Conditioning) -> CompileMonitor | None:
+        """``model.attention`` (probed on ``first``), then ``model.compile``, whose graphs bake that kernel in."""
+        model = self.config.model
+        self.attention = attention_for_run(self.adapter, model.attention, first, self.algorithm.sampler,
+                                           self.backend.broadcast)
+        if self.attention.verdicts:  # probed (CUDA) or named: said and logged; auto elsewhere is torch's order
+            self._print(self.attention.summary())
+            self.logger.log(0, "attention", self.attention.record())
+        if model.compile == "none":  # both before any wrapper (FSDP2, ZeRO, DDP) sees the denoiser
             return None
         bounds = self._rollout_bounds(self.sampler.per_rank)
         sizes = {hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)} | {self.config.eval.samples_per_prompt}
         sizes |= {getattr(c, "micro_batch_size", 1) for c in (self.algorithm.config, self.warmup.config)}
-        return compile_for_run(self.adapter, getattr(self.config.model, "compile", "none"), sizes)
+        return compile_for_run(self.adapter, model.compile, sizes, model.compile_backend)
 
     def _generator(self, phase: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
         return torch.Generator(device).manual_seed(((self._rank_seed * 4 + phase) * 1_000_003 + step) % (2**63))
@@ -161,9 +164,7 @@ class Trainer:
                     + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
             bar.write(line) if self._bars() else self._print(line)
             if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
-                self._print(f"model.compile={self.config.model.compile}: {metrics['compile_graphs']:.0f} graphs "
-                            f"compiled in {metrics['compile_s']:.1f} s, {metrics['compile_recompiles']:.0f} recompiles "
-                            f"(limit {self.compiled.limit}), {metrics['compile_fallbacks']:.0f} fallbacks to eager")
+                self._print(self.compiled.summary(self.config.model.compile, metrics))
             progress.epochs_done = epoch + 1
             every = self.config.eval.every
             if every and (epoch + 1) % every == 0 and epoch + 1 < train.epochs:

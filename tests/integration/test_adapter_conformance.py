@@ -272,7 +272,8 @@ COMPILE_CASES = CASES if os.environ.get("RF_COMPILE_MATRIX") else ["sd3"]
 def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root):
     """model.compile=blocks: a rollout (no grad, eval mode) and the training re-evaluation (grad, train mode)
     run the same compiled blocks with LoRA on, and the reference forward the LoRA-disabled variant; the
-    on-policy ratio stays 1 to float32 round-off (max and mean |ratio - 1| printed: bench/RESULTS.md)."""
+    on-policy ratio stays 1 to float32 round-off (max and mean |ratio - 1| printed: bench/RESULTS.md; 0 where
+    measured, except sd15_inpaint's static-shape UNet blocks, whose two graphs round differently: 1.7e-6)."""
     target = CPU_FP32.values[0]
     torch.manual_seed(0)
     adapter = make_adapter(case, model_root, target, lora=LoraSettings(rank=4, alpha=4))
@@ -307,7 +308,7 @@ def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root):
     report = monitor.report()
     print(f"\n{case} {backend}: |ratio - 1| max {float(deviation.max()):.3g} mean {float(deviation.mean()):.3g}; "
           f"{report}")
-    assert float(deviation.max()) <= 1e-6
+    assert float(deviation.max()) <= tiny(IP_CASES.get(case, case)).compiled_ratio_atol
     assert report["compile_fallbacks"] == 0  # graphs may be 0: blocks of a class an earlier case compiled
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.trainable.parameters())
 
@@ -475,11 +476,28 @@ def test_lora_and_ip_layers_compute_in_the_model_dtype(name, model_root, target)
 
 
 @pytest.mark.gpu
-def test_cudnn_attention_is_off_on_cuda_unless_asked_for(model_root):
-    """cuDNN's attention backward returned NaN gradients for the FLUX family on an H100 (torch 2.11)."""
-    for wanted in (True, False):
-        build_adapter(tiny_config("sd3", model_root, dtype="bfloat16", cudnn_attention=wanted), "cuda")
-        assert torch.backends.cuda.cudnn_sdp_enabled() is wanted
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_attention_auto_probes_the_cuda_kernels_and_sets_a_passing_one(name, model_root):
+    """model.attention=auto on CUDA: each candidate kernel's forward+backward of the blocks, checked against math
+    (cuDNN's backward gave NaN gradients for FLUX with torch 2.11: it must pass the check or be rejected), and
+    the fastest passing one set for the process (math for the calls it cannot take)."""
+    from trainer.models.attention import CUDA_CANDIDATES, attention_for_run, use_attention
+
+    adapter = build_adapter(tiny_config(name, model_root, dtype="bfloat16"), "cuda")
+    try:
+        choice = attention_for_run(adapter, "auto", adapter.encode_prompts(PROMPTS[:1], image_inputs(adapter)),
+                                   settings(adapter, 1.0))
+        print(f"\n{name}: {choice.summary()}")
+        assert [v.kernel for v in choice.verdicts] == list(CUDA_CANDIDATES)
+        verdicts = {v.kernel: v for v in choice.verdicts}
+        assert verdicts[choice.kernel].passed and verdicts["math"].passed
+        assert choice.kernel == min((v for v in choice.verdicts if v.passed), key=lambda v: v.seconds).kernel
+        enabled = {"flash": torch.backends.cuda.flash_sdp_enabled(), "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                   "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(), "math": True}
+        assert {k for k, on in enabled.items() if on} == {choice.kernel, "math"}
+        assert torch.backends.cuda.math_sdp_enabled()
+    finally:
+        use_attention("auto")
 
 
 # --- (d) save / load round trip -----------------------------------------------------------------------

@@ -91,3 +91,34 @@ def test_recompile_limit_counts_the_run_s_variants():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="model.compile='fast': use one of none, blocks, full"):
         compile_denoiser(Net(), "fast")
+
+
+class Widths(nn.Module):
+    """One block class at two widths (a UNet's resnets), then one width three times (transformer blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unet = nn.ModuleList([Block(4), Block(6)])
+        self.transformer = nn.ModuleList([Wide(), Wide(), Wide()])
+
+
+class Wide(Block):
+    def forward(self, x):  # its own code: dynamo keeps compiled variants per code object
+        return self.parts[0](self.inner(x).relu())
+
+
+def test_blocks_of_several_widths_compile_for_static_shapes():
+    """A block class at several widths compiles one graph per shape (inductor fails on a UNet's symbolic sizes)
+    with a limit per instance; a class of one width becomes dynamic at its second shape, as torch does."""
+    torch._dynamo.reset()
+    net = Widths()
+    monitor = CompileMonitor(limit=4)
+    compile_denoiser(net, "blocks", recompile_limit=4, backend="eager")
+    for batch in (1, 2, 3, 5):
+        net.unet[0](torch.randn(batch, 4))
+    static = monitor.report()["compile_graphs"]
+    for batch in (1, 2, 3, 5):
+        net.transformer[0](torch.randn(batch, 4))
+    report = monitor.report()
+    assert static == 4 and report["compile_graphs"] - static == 2, report  # dynamic from batch 2 on: 1, then s0
+    assert report["compile_fallbacks"] == 0  # 4 shapes of the static class within its limit of 4 x 2 instances

@@ -77,3 +77,14 @@ def test_sampling_gathers_unless_offloading_or_told(gather, offload, expected):
     """Unset, gather_for_sampling follows cpu_offload: offloading exists not to hold the full weights on the
     device, which gathering them for a rollout would do."""
     assert gathers_for_sampling(ParallelConfig(gather_for_sampling=gather, cpu_offload=offload)) is expected
+
+
+def test_compiling_under_zero3_is_refused_as_the_config_is_read():
+    """ZeRO-3's per-layer gather hooks split compiled blocks into per-layer graphs (the tiny SD3 under 2 gloo
+    processes: 94 graphs and fallbacks to eager); the other sharded backends compile (tests/integration)."""
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"model.compile=blocks does not compose with parallel.backend=zero3: .*; "
+                                          r"use parallel.backend=fsdp2 .* or zero2, or model.compile=none$"):
+        load_config(overrides=["parallel.backend=zero3", "model.compile=blocks"])
+    assert load_config(overrides=["parallel.backend=zero2", "model.compile=blocks"]).model.compile == "blocks"

@@ -67,6 +67,8 @@ def build(cls: type, raw: Any, path: str) -> Any:
         return raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path or 'config'}: expected a mapping of {cls.__name__} fields, got {raw!r}")
+    if hasattr(cls, "migrate"):  # a class reads its retired keys itself (renamed fields)
+        raw = cls.migrate(raw)
     hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(raw) - set(fields))

@@ -260,6 +260,15 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def __post_init__(self):
+        compile_mode = getattr(self.model, "compile", "none")
+        if compile_mode != "none" and self.parallel.backend == "zero3":
+            raise ValueError(f"model.compile={compile_mode} does not compose with parallel.backend=zero3: DeepSpeed "
+                             "gathers ZeRO-3 weights in a hook on every layer, which splits each compiled block into "
+                             "per-layer graphs (no fusion; graphs, recompiles and compile time multiply); use "
+                             "parallel.backend=fsdp2 (whole blocks sharded, each one graph) or zero2, or "
+                             "model.compile=none")
+
 
 def reward_token(config: RewardConfig) -> str | None:
     """The bearer token the servers expect: ``reward.token``, else $REWARD_SERVER_TOKEN (None if neither)."""

@@ -64,12 +64,15 @@ def image_encoding_models() -> list[str]:
 
 
 def build_adapter(config, device):
-    """The ModelAdapter that ``config.name`` names, loaded on ``device``. On CUDA, cuDNN attention is switched
-    on or off for the process, as ``config.cudnn_attention`` says, and float32 matmuls may use TF32."""
+    """The ModelAdapter that ``config.name`` names, loaded on ``device``, with the process's attention kernel set
+    as ``config.attention`` names it (``auto``: torch's order, until a trainer's probe chooses; see
+    ``trainer.models.attention``). On CUDA float32 matmuls may use TF32."""
     import torch
 
+    from trainer.models.attention import use_attention
+
+    use_attention(getattr(config, "attention", "auto"))
     if torch.device(device).type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
         torch.backends.cuda.matmul.allow_tf32 = True  # the float32 matmuls left (LoRA computes in model.dtype)
         torch.backends.cudnn.allow_tf32 = True
     adapter_class = MODELS[config.name].load()

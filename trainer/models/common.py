@@ -9,6 +9,7 @@ top to bottom as one model family's story.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +19,8 @@ from torch import nn
 
 from trainer.config.fields import NonNegativeInt
 from trainer.models.trainable import LoraSettings
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,10 +50,15 @@ class DiffusersModelConfig:
     """torch.compile the denoiser: "blocks" compiles each repeated block (transformer blocks, a UNet's
     resnets and attentions; one compile per block class), "full" its whole forward (a little faster, about 3x
     the compile time), "none" runs eagerly. Rollout, training and reference use the same compiled code."""
-    cudnn_attention: bool = False
-    """Let PyTorch run attention with cuDNN's fused kernels on CUDA (its default there). Off by default: their
-    backward gave NaN gradients for FLUX models (bench/RESULTS_GPU.md); flash and memory-efficient attention
-    remain."""
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    """The torch.compile backend of ``model.compile``: "inductor" generates fused kernels (the speed-up);
+    "aot_eager" captures the same forward and backward graphs and runs torch's own kernels, without code
+    generation: a quick check that compiling composes with the rest of a run (tests, bisecting a failure)."""
+    attention: Literal["auto", "math", "flash", "efficient", "cudnn"] = "auto"
+    """The SDPA kernel of the whole run (rollout, training, reference, evaluation). "auto": on CUDA, the
+    fastest of cudnn / flash / efficient / math whose forward+backward of this model's blocks is finite and
+    matches math's, probed at start-up (printed and logged); elsewhere torch's own order. A named kernel runs
+    every call it supports, math the rest (trainer/models/attention.py)."""
     negative_prompt: str = ""
     """The prompt of CFG's unconditional branch (the pipelines' default: the empty prompt)."""
     text_embeddings: str = ""
@@ -62,6 +70,19 @@ class DiffusersModelConfig:
     image inputs (flux_fill's and sd15_inpaint's masked image, flux_kontext's reference), read instead of
     VAE-encoding the same images at every rollout; an input not in it is encoded (the VAE stays loaded:
     rollouts decode with it). Adapters that VAE-encode no image input refuse it. "" encodes every input."""
+
+    @classmethod
+    def migrate(cls, raw: dict) -> dict:
+        """Older configs (a run's saved config.yaml) had ``cudnn_attention``: true reads as attention=cudnn,
+        false as the attention given (auto chooses by a probe, which rejects a failing cuDNN), with a warning."""
+        if "cudnn_attention" not in raw:
+            return raw
+        raw = dict(raw)
+        if raw.pop("cudnn_attention"):
+            raw["attention"] = "cudnn"
+        logger.warning("warning: model.cudnn_attention is deprecated and read as model.attention=%s: replace it by "
+                       "model.attention (one of auto, math, flash, efficient, cudnn)", raw.get("attention", "auto"))
+        return raw
 
 
 def denoiser_config(cls: type, config: Any, subfolder: str, label: str) -> dict[str, Any]:

@@ -69,6 +69,12 @@ class CompileMonitor:
         return {"compile_graphs": graphs - self._start[0], "compile_recompiles": self.recompiles,
                 "compile_s": seconds - self._start[1], "compile_fallbacks": len(self.fallbacks)}
 
+    def summary(self, mode: str, metrics: dict[str, float]) -> str:
+        """One line on what compiling ``mode`` cost, from an epoch's ``metrics`` (``report()``'s keys)."""
+        return (f"model.compile={mode}: {metrics['compile_graphs']:.0f} graphs compiled in {metrics['compile_s']:.1f} "
+                f"s, {metrics['compile_recompiles']:.0f} recompiles (limit {self.limit}), "
+                f"{metrics['compile_fallbacks']:.0f} fallbacks to eager")
+
 
 def _metrics() -> list:
     from torch._dynamo.utils import get_compilation_metrics
@@ -114,13 +120,35 @@ def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Mod
     if not modules:
         raise ValueError(f"model.compile=blocks found no repeated blocks in {type(denoiser).__name__}: use "
                          "model.compile=full, or declare the adapter's compiled_blocks")
-    compiled: dict[type, types.FunctionType] = {}
+    tag_compile_caches()
+    by_class: dict[type, list[nn.Module]] = {}
     for module in modules:
-        cls = type(module)
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, backend=backend, recompile_limit=recompile_limit)
-        module.forward = types.MethodType(compiled[cls], module)
+        by_class.setdefault(type(module), []).append(module)
+    for cls, members in by_class.items():
+        # Blocks of one class at several widths (a UNet's resnets and attentions, which also run at several
+        # resolutions) compile for static shapes: inductor's code generation for their symbolic sizes fails
+        # (sd15_inpaint on the CPU), and each instance may meet shapes of its own, so the limit grows with them.
+        static = len({_widths(m) for m in members}) > 1
+        compiled = torch.compile(cls.forward, backend=backend, dynamic=False if static else None,
+                                 recompile_limit=recompile_limit * (len(members) if static else 1))
+        for module in members:
+            module.forward = types.MethodType(compiled, module)
     return modules
+
+
+def _widths(module: nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+
+
+def tag_compile_caches() -> None:
+    """Name the enabled SDPA kernels in ``torch.compiler.config.cache_key_tag``, which inductor's FX graph and
+    AOTAutograd cache keys include: a compiled graph bakes in the kernel that was enabled when it compiled, and
+    those keys leave the kernel out (pytorch/pytorch#185449), so another run's graph could be reused."""
+    cuda = torch.backends.cuda
+    enabled = {"math": cuda.math_sdp_enabled(), "flash": cuda.flash_sdp_enabled(),
+               "efficient": cuda.mem_efficient_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+    tag = torch.compiler.config.cache_key_tag.split("|sdpa=")[0]
+    torch.compiler.config.cache_key_tag = f"{tag}|sdpa={','.join(k for k, on in enabled.items() if on)}"
 
 
 def recompile_limit(batch_sizes: Iterable[int], reference_view: bool) -> int:
@@ -131,12 +159,12 @@ def recompile_limit(batch_sizes: Iterable[int], reference_view: bool) -> int:
     return max(8, 2 * variants)
 
 
-def compile_for_run(adapter, mode: str, batch_sizes: Iterable[int]) -> CompileMonitor | None:
-    """``mode`` applied to ``adapter``'s denoiser with a recompile limit sized for ``batch_sizes``; the monitor
-    reports what compiling cost (None for ``"none"``)."""
+def compile_for_run(adapter, mode: str, batch_sizes: Iterable[int], backend: str = "inductor") -> CompileMonitor | None:
+    """``mode`` applied to ``adapter``'s denoiser with torch.compile's ``backend`` and a recompile limit sized for
+    ``batch_sizes``; the monitor reports what compiling cost (None for ``"none"``)."""
     if mode == "none":
         return None
     limit = recompile_limit(batch_sizes, not adapter.trainable.reference_spec.copy)
     monitor = CompileMonitor(limit)
-    compile_denoiser(adapter.denoiser, mode, getattr(adapter, "compiled_blocks", ()), limit)
+    compile_denoiser(adapter.denoiser, mode, getattr(adapter, "compiled_blocks", ()), limit, backend)
     return monitor

@@ -86,6 +86,9 @@ class TinySpec:
     """Denoiser config changes for about 9 M parameters (bench ``--denoiser 9m``)."""
     denoiser_real: Mapping[str, Any] = field(default_factory=dict)
     """Denoiser config changes to the published widths, heads and depths (bench ``--denoiser real``)."""
+    compiled_ratio_atol: float = 1e-6
+    """Largest |ratio - 1| of the on-policy check under ``model.compile=blocks`` (CPU float32): inductor's
+    no-grad rollout graphs and grad training graphs may round differently where it fuses them differently."""
     slow_dtype_cases: bool = False
     """Its CPU bfloat16 / float16 conformance cases run in the slow tier: for a variant whose reduced-precision
     numerics are its parent adapter's (tested in the default tier) and whose tiny model is slow on the CPU."""
