@@ -53,6 +53,7 @@ MODELS: dict[str, ModelSpec] = {
     "qwen_image_inpaint": ModelSpec("trainer.models.qwen_image_inpaint:QwenImageInpaintAdapter"),
     "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter"),
     "flux2_klein": ModelSpec("trainer.models.flux2_klein:Flux2KleinAdapter"),
+    "flux2_klein_inpaint": ModelSpec("trainer.models.flux2_klein_inpaint:Flux2KleinInpaintAdapter"),
 }
 """Model name -> its adapter. Adding a model: its adapter file and one line here (and a preset)."""
 
