@@ -100,7 +100,8 @@ class Conditioning:
 @dataclass
 class ImageInputs:
     """Per-item pixel inputs a task provides, in [0, 1], [B, C, H, W]: the image and mask to inpaint
-    (mask 1 = repaint), the reference image to edit, the IP-Adapter style image. The adapter encodes them
+    (mask 1 = repaint), the reference image to edit ([B, N, C, H, W] for N per item, where the adapter takes
+    several), the IP-Adapter style image. The adapter encodes them
     into ``Conditioning``; an adapter that needs one that is missing raises a ValueError naming it."""
 
     image: torch.Tensor | None = None
