@@ -66,3 +66,28 @@ def test_edit_refuses_a_prompt_store_and_an_ip_adapter(root):
         dataclasses.replace(config, ip_adapter=IPAdapterSettings(image_encoder=str(root)))
     with pytest.raises(ValueError, match=r"nothing to precompute with --out.*--latents"):
         MODELS["qwen_image_edit"].load().prompt_encoder(config, "cpu")
+
+
+def test_edit_plus_reads_every_reference(root):
+    """Qwen-Image-Edit-Plus: the second reference changes the text embeddings (the encoder reads it as
+    "Picture 2") and the transformer's reference tokens (appended after the first's); one reference alone
+    ([B, 3, H, W]) works; too many references, or several for qwen_image_edit, name the count it takes."""
+    adapter = build_adapter(tiny_config("qwen_image_edit_plus", root, dtype="float32"), "cpu")
+    inputs = testing.image_inputs(adapter, 1)
+    assert inputs.reference.shape[1] == 2
+    other = inputs.reference.clone()
+    other[:, 1] = 1 - other[:, 1]
+    a = adapter.encode_prompts(PROMPTS[:1], inputs)
+    b = adapter.encode_prompts(PROMPTS[:1], dataclasses.replace(inputs, reference=other))
+    tokens = adapter.latent_shape[0]
+    assert a.reference.shape[1] == 2 * tokens
+    assert torch.equal(a.reference[:, :tokens], b.reference[:, :tokens])
+    assert not torch.equal(a.reference[:, tokens:], b.reference[:, tokens:])
+    assert not torch.equal(a.embeds["prompt_embeds"], b.embeds["prompt_embeds"])
+    one = adapter.encode_prompts(PROMPTS[:1], dataclasses.replace(inputs, reference=inputs.reference[:, 0]))
+    assert one.reference.shape[1] == tokens and torch.equal(one.reference, a.reference[:, :tokens])
+    with pytest.raises(ValueError, match=r"ImageInputs\.reference holds 5 images per item; .* takes 1 to 4"):
+        adapter.encode_prompts(PROMPTS[:1], dataclasses.replace(inputs, reference=inputs.reference[:, [0] * 5]))
+    edit = build_adapter(tiny_config("qwen_image_edit", root, dtype="float32"), "cpu")
+    with pytest.raises(ValueError, match=r"holds 2 images per item; the qwen_image_edit adapter takes one"):
+        edit.encode_prompts(PROMPTS[:1], inputs)
