@@ -152,6 +152,8 @@ def rollout(
     if stochastic is None:
         stochastic = window_mask(settings, generator)
     x = adapter.prepare_latents(len(prompts), generator)
+    if getattr(adapter, "reads_trajectory", False):  # its predict reads the initial noise and the schedule
+        cond = cond.starting_at(x, sigmas)
     latents, log_probs, means = [x], [], []
     batch = x.shape[0]
     levels = [settings.noise_level if s else 0.0 for s in stochastic.tolist()]

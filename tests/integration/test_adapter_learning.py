@@ -109,8 +109,8 @@ def test_grpo_raises_the_reward(name, model_root, tmp_path):
     spec = tiny(name)
     adapter = build_adapter(tiny_config(name, model_root, dtype="float32", **spec.learning_config), "cpu")
     side = getattr(adapter, "resolution", 16)
-    overrides = [*SETTINGS, *spec.learning, f"data.name={spec.data}", f"data.image_size={side}",
-                 f"data.path={tiny_dataset(spec.data, tmp_path, side)}"]
+    data = tiny_dataset(spec.data, tmp_path, side, references=spec.references)
+    overrides = [*SETTINGS, *spec.learning, f"data.name={spec.data}", f"data.image_size={side}", f"data.path={data}"]
     before, after, rewards = run_grpo(adapter, overrides, TopHalfBrightness(), spec.learning_epochs, tmp_path)
     assert after > before + MARGIN, f"{name}: evaluation reward {before:.3f} -> {after:.3f}; epochs {rewards}"
 

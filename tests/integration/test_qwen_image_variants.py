@@ -1,11 +1,14 @@
 """Qwen-Image's inpainting and editing adapters beyond the conformance suite (which covers their parity with
 the pipelines, on-policy ratios, training, save/load and input checks): inpainting's known region is not the
 policy's (its velocity points at the source latents, without gradient), and editing's text embeddings read
-the image to edit, so that a store of prompt embeddings is refused with a message naming what works."""
+the image to edit, so that a store of prompt embeddings is refused with a message naming what works;
+editing-plus reads every reference and runs 2511's transformer as well."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch
 from trainer.models import MODELS, build_adapter, testing
 from trainer.models.ip_adapter import IPAdapterSettings
 from trainer.models.testing import tiny_config
+from trainer.rollout import SamplerSettings, rollout
 
 PROMPTS = ["a photo of a cat", "the digit five"]
 
@@ -66,3 +70,45 @@ def test_edit_refuses_a_prompt_store_and_an_ip_adapter(root):
         dataclasses.replace(config, ip_adapter=IPAdapterSettings(image_encoder=str(root)))
     with pytest.raises(ValueError, match=r"nothing to precompute with --out.*--latents"):
         MODELS["qwen_image_edit"].load().prompt_encoder(config, "cpu")
+
+
+def test_edit_plus_reads_every_reference(root):
+    """Qwen-Image-Edit-Plus: the second reference changes the text embeddings (the encoder reads it as
+    "Picture 2") and the transformer's reference tokens (appended after the first's); one reference alone
+    ([B, 3, H, W]) works; too many references, or several for qwen_image_edit, name the count it takes."""
+    adapter = build_adapter(tiny_config("qwen_image_edit_plus", root, dtype="float32"), "cpu")
+    inputs = testing.image_inputs(adapter, 1)
+    assert inputs.reference.shape[1] == 2
+    other = inputs.reference.clone()
+    other[:, 1] = 1 - other[:, 1]
+    a = adapter.encode_prompts(PROMPTS[:1], inputs)
+    b = adapter.encode_prompts(PROMPTS[:1], dataclasses.replace(inputs, reference=other))
+    tokens = adapter.latent_shape[0]
+    assert a.reference.shape[1] == 2 * tokens
+    assert torch.equal(a.reference[:, :tokens], b.reference[:, :tokens])
+    assert not torch.equal(a.reference[:, tokens:], b.reference[:, tokens:])
+    assert not torch.equal(a.embeds["prompt_embeds"], b.embeds["prompt_embeds"])
+    one = adapter.encode_prompts(PROMPTS[:1], dataclasses.replace(inputs, reference=inputs.reference[:, 0]))
+    assert one.reference.shape[1] == tokens and torch.equal(one.reference, a.reference[:, :tokens])
+    with pytest.raises(ValueError, match=r"ImageInputs\.reference holds 5 images per item; .* takes 1 to 4"):
+        adapter.encode_prompts(PROMPTS[:1], dataclasses.replace(inputs, reference=inputs.reference[:, [0] * 5]))
+    edit = build_adapter(tiny_config("qwen_image_edit", root, dtype="float32"), "cpu")
+    with pytest.raises(ValueError, match=r"holds 2 images per item; the qwen_image_edit adapter takes one"):
+        edit.encode_prompts(PROMPTS[:1], inputs)
+
+
+def test_edit_plus_runs_2511s_transformer(root, tmp_path):
+    """Qwen-Image-Edit-2511's transformer (``zero_cond_t``: the reference tokens modulated at timestep 0) reads
+    the same img_shapes: a rollout at noise level 0 equals its pipeline."""
+    config = tiny_config("qwen_image_edit_plus", root, dtype="float32")
+    shutil.copytree(config.path, tmp_path / "2511")
+    saved = tmp_path / "2511" / "transformer" / "config.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "zero_cond_t": True}))
+    adapter = build_adapter(dataclasses.replace(config, path=str(tmp_path / "2511")), "cpu")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    assert adapter.denoiser.config.zero_cond_t
+    inputs = testing.image_inputs(adapter, len(PROMPTS))
+    settings = SamplerSettings(num_steps=3, guidance_scale=3.0, noise_level=0.0)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0), inputs)
+    expected = testing.run_pipeline(adapter, PROMPTS, inputs, 3, 3.0, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=1e-5)

@@ -261,3 +261,24 @@ def test_unknown_dataset_names_the_choices():
     with pytest.raises(ValueError, match=r"data.name='webdataset' is not registered; choose one of: digits, "):
         build_task(DataConfig(name="webdataset"))
 
+
+
+def test_edit_rows_with_several_references(tmp_path):
+    """A list of ``image_path``: [B, N, 3, H, W] references (Qwen-Image-Edit-Plus), the first one the judge's;
+    a row with another count of references names its line."""
+    for name, colour in (("a.png", (255, 0, 0)), ("b.png", (0, 255, 0)), ("c.png", (0, 0, 255))):
+        solid(tmp_path / name, (16, 16), colour)
+    path = _jsonl(tmp_path / "plus.jsonl", [
+        {"image_path": ["a.png", "b.png"], "prompt": "put the first on the second"},
+        {"image_path": ["c.png", "a.png"], "prompt": "swap them"},
+    ])
+    task = read_edit_jsonl(str(path), SIZE)
+    references = task.inputs([1, 0, 1]).reference
+    assert references.shape == (3, 2, 3, SIZE, SIZE)
+    assert torch.allclose(references[0, 0], torch.tensor([0, 0, 1.0]).view(3, 1, 1))
+    assert torch.allclose(references[1, 1], torch.tensor([0, 1.0, 0]).view(3, 1, 1))
+    assert (task.item_metadata([1])[0]["reference_image"] == [0, 0, 255]).all()
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"image_path": ["a.png", "b.png"], "prompt": "x"},
+                                          {"image_path": "c.png", "prompt": "y"}])
+    with pytest.raises(ValueError, match=rf"{bad}:2: 1 image_path entries, but the first row has 2"):
+        read_edit_jsonl(str(bad), SIZE)

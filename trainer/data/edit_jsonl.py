@@ -1,5 +1,7 @@
 """The editing jsonl: one row per example, ``{"image_path": ..., "prompt": ...[, "target_path": ...]
-[, other fields]}``; the prompt is the edit instruction and the image the one to edit.
+[, other fields]}``; the prompt is the edit instruction and the image the one to edit. ``image_path`` may
+be a list of paths: several reference images per row (Qwen-Image-Edit-Plus's "Picture 1", "Picture 2", ...),
+as many in every row; the first is the one edited.
 
 Paths are relative to the jsonl's folder, or absolute. ``target_path`` (the edited image, the same size)
 is needed only for supervised training. The reward servers get ``judge_task: "edit"`` and the original as
@@ -24,11 +26,18 @@ def read_edit_jsonl(path: str, image_size: int, image_inputs: Sequence[str] = ()
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"data.path={path!r}: no such file (an editing .jsonl with image_path and prompt per row)")
-    items = []
+    items, count = [], 0
     for number, record in read_jsonl(file):
         where = f"{file}:{number}"
-        image = resolve(file.parent, record.get("image_path"), "image_path", where)
-        size = image_size_of(image, where)
+        paths = record.get("image_path")
+        several = isinstance(paths, list) and bool(paths)
+        images = tuple(resolve(file.parent, p, "image_path", where) for p in (paths if several else [paths]))
+        count = count or len(images)
+        if len(images) != count:
+            raise ValueError(f"{where}: {len(images)} image_path entries, but the first row has {count}; every row "
+                             "needs as many reference images")
+        image = images if several else images[0]
+        size = image_size_of(images[0], where)
         target = None
         if record.get("target_path") is not None:
             target = resolve(file.parent, record["target_path"], "target_path", where)

@@ -77,6 +77,13 @@ def load_rgb(path: Path, size: int, where: str, crop: float = 1.0) -> torch.Tens
     return _to_tensor(image.resize((size, size), Image.Resampling.BICUBIC)).clamp(0, 1)
 
 
+def load_references(paths: Path | tuple[Path, ...], size: int, where: str) -> torch.Tensor:
+    """[3, size, size] for one reference image, [N, 3, size, size] for a tuple of N."""
+    if isinstance(paths, tuple):
+        return torch.stack([load_rgb(path, size, where) for path in paths])
+    return load_rgb(paths, size, where)
+
+
 def load_mask(path: Path, size: int, where: str) -> torch.Tensor:
     """[1, size, size] of 0/1: the mask's luminance resized and binarised at 0.5 (1 = repaint)."""
     image = _open(path, "L", where).resize((size, size), Image.Resampling.BILINEAR)
@@ -109,8 +116,9 @@ class ImageItem:
     image: Path | None = None
     """Inpainting source (the image inside the mask is repainted; it is also the supervised target)."""
     mask: Path | None = None
-    reference: Path | None = None
-    """Editing: the image to edit. IP-Adapter: the reference the style image is cropped from."""
+    reference: Path | tuple[Path, ...] | None = None
+    """Editing: the image to edit (a tuple: several references, the first edited). IP-Adapter: the reference
+    the style image is cropped from."""
     target: Path | None = None
     """Supervised target when it is not ``image`` (editing: the edited image)."""
     metadata: dict = field(default_factory=dict)
@@ -162,7 +170,7 @@ class ImageTask:
         load = {
             "image": lambda: load_rgb(item.image, size, item.where),
             "mask": lambda: load_mask(item.mask, size, item.where),
-            "reference": lambda: load_rgb(item.reference, size, item.where),
+            "reference": lambda: load_references(item.reference, size, item.where),
             "style": lambda: load_rgb(item.reference, size, item.where, self.style_crop),
         }
         return {name: load[name]() for name in self.image_inputs}
@@ -187,7 +195,8 @@ class ImageTask:
             meta["mask"] = to_uint8_hwc(load_mask(item.mask, self.image_size, item.where))
         if self.edit:
             meta["judge_task"] = "edit"
-            meta["reference_image"] = to_uint8_hwc(load_rgb(item.reference, self.image_size, item.where))
+            first = item.reference[0] if isinstance(item.reference, tuple) else item.reference
+            meta["reference_image"] = to_uint8_hwc(load_rgb(first, self.image_size, item.where))
         return meta
 
     def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:

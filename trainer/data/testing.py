@@ -66,12 +66,16 @@ def write_inpaint_jsonl(root: Path, size: int = 16, count: int = 4) -> Path:
     return path
 
 
-def write_edit_jsonl(root: Path, size: int = 16, count: int = 4) -> Path:
+def write_edit_jsonl(root: Path, size: int = 16, count: int = 4, references: int = 1) -> Path:
+    """Rows of one flat-coloured image to edit (``references`` > 1: a list of that many, in rotated colours)."""
     rows = []
     for i in range(count):
-        solid(root / "images" / f"{i}.png", (size, size), COLOURS[i % len(COLOURS)])
+        paths = []
+        for j in range(references):
+            solid(root / "images" / f"{i}_{j}.png", (size, size), COLOURS[(i + j) % len(COLOURS)])
+            paths.append(f"images/{i}_{j}.png")
         solid(root / "targets" / f"{i}.png", (size, size), COLOURS[(i + 1) % len(COLOURS)])
-        rows.append({"image_path": f"images/{i}.png", "target_path": f"targets/{i}.png",
+        rows.append({"image_path": paths if references > 1 else paths[0], "target_path": f"targets/{i}.png",
                      "prompt": f"make it {('green', 'blue', 'yellow', 'red')[i % 4]}"})
     path = root / "edit.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -90,15 +94,16 @@ def write_triplet_folder(root: Path, size: int = 16, count: int = 4) -> Path:
     return root
 
 
-def tiny_dataset(name: str, root: str | Path, size: int = 16, suffix: str = ".txt") -> str:
+def tiny_dataset(name: str, root: str | Path, size: int = 16, suffix: str = ".txt", references: int = 1) -> str:
     """Write a tiny dataset of format ``name`` (a ``DATASETS`` key) under ``root``; returns its
-    ``data.path`` ("" for ``digits``, which needs no files). ``suffix`` picks .txt or .jsonl prompt files."""
+    ``data.path`` ("" for ``digits``, which needs no files). ``suffix`` picks .txt or .jsonl prompt files;
+    ``references``, the images per editing row."""
     root = Path(root) / name
     writers = {
         "digits": lambda: "",
         "prompt_file": lambda: write_prompt_file(root, suffix),
         "inpaint_jsonl": lambda: write_inpaint_jsonl(root, size),
-        "edit_jsonl": lambda: write_edit_jsonl(root, size),
+        "edit_jsonl": lambda: write_edit_jsonl(root, size, references=references),
         "triplet_folder": lambda: write_triplet_folder(root, size),
     }
     if name not in writers:

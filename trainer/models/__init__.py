@@ -50,9 +50,11 @@ MODELS: dict[str, ModelSpec] = {
     "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
     "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
     "qwen_image_edit": ModelSpec("trainer.models.qwen_image_edit:QwenImageEditAdapter"),
+    "qwen_image_edit_plus": ModelSpec("trainer.models.qwen_image_edit_plus:QwenImageEditPlusAdapter"),
     "qwen_image_inpaint": ModelSpec("trainer.models.qwen_image_inpaint:QwenImageInpaintAdapter"),
     "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter"),
     "flux2_klein": ModelSpec("trainer.models.flux2_klein:Flux2KleinAdapter"),
+    "flux2_klein_inpaint": ModelSpec("trainer.models.flux2_klein_inpaint:Flux2KleinInpaintAdapter"),
 }
 """Model name -> its adapter. Adding a model: its adapter file and one line here (and a preset)."""
 

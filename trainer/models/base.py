@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 IMAGE_FIELDS = ("image", "mask", "reference", "style")
 """The image tensors of ``Conditioning`` (those besides the text ``embeds``)."""
+TRAJECTORY_FIELDS = ("noise", "schedule")
+"""The tensors of ``Conditioning`` that bind it to one sampled trajectory (``Conditioning.starting_at``)."""
 
 
 def pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -43,6 +45,11 @@ class Conditioning:
     mask: torch.Tensor | None = None
     reference: torch.Tensor | None = None
     style: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+    """[B, *latent_shape]: the trajectory's initial latents, for an adapter whose ``reads_trajectory`` is True
+    (inpainting that blends its known region with the initial noise, as its pipeline does); set by ``rollout``."""
+    schedule: torch.Tensor | None = None
+    """[B, T + 1]: the trajectory's schedule (``sigmas``), set with ``noise``."""
     ragged: tuple[str, ...] = ()
     """Entries of ``embeds`` holding text right-padded along dim 1 to the batch's longest prompt, for models
     whose prompts each keep their own length (Qwen-Image); ``text_mask`` among them. ``cat`` zero-pads them
@@ -56,8 +63,13 @@ class Conditioning:
 
     def _map(self, fn) -> Conditioning:
         changes = {k: fn(v) for k, v in self.embeds.items()}
-        images = {name: fn(getattr(self, name)) for name in IMAGE_FIELDS if getattr(self, name) is not None}
+        images = {name: fn(getattr(self, name)) for name in (*IMAGE_FIELDS, *TRAJECTORY_FIELDS)
+                  if getattr(self, name) is not None}
         return replace(self, embeds=changes, **images)
+
+    def starting_at(self, noise: torch.Tensor, schedule: torch.Tensor) -> Conditioning:
+        """This conditioning bound to the trajectory that starts at ``noise`` [B, ...] on ``schedule`` [T + 1]."""
+        return replace(self, noise=noise, schedule=schedule.expand(noise.shape[0], -1))
 
     def select(self, index: torch.Tensor | slice) -> Conditioning:
         """Rows ``index`` of every tensor."""
@@ -74,7 +86,7 @@ class Conditioning:
         length = {k: max(p.embeds[k].shape[1] for p in parts) for k in first.ragged}
         embeds = {k: torch.cat([pad_dim1(p.embeds[k], length[k]) if k in length else p.embeds[k] for p in parts])
                   for k in first.embeds}
-        images = {name: torch.cat([getattr(p, name) for p in parts]) for name in IMAGE_FIELDS
+        images = {name: torch.cat([getattr(p, name) for p in parts]) for name in (*IMAGE_FIELDS, *TRAJECTORY_FIELDS)
                   if getattr(first, name) is not None}
         padded = any(p.padded or p.embeds[k].shape[1] < length[k] for p in parts for k in first.ragged)
         return Conditioning(embeds=embeds, **images, ragged=first.ragged, text_mask=first.text_mask, padded=padded)
@@ -88,7 +100,8 @@ class Conditioning:
 @dataclass
 class ImageInputs:
     """Per-item pixel inputs a task provides, in [0, 1], [B, C, H, W]: the image and mask to inpaint
-    (mask 1 = repaint), the reference image to edit, the IP-Adapter style image. The adapter encodes them
+    (mask 1 = repaint), the reference image to edit ([B, N, C, H, W] for N per item, where the adapter takes
+    several), the IP-Adapter style image. The adapter encodes them
     into ``Conditioning``; an adapter that needs one that is missing raises a ValueError naming it."""
 
     image: torch.Tensor | None = None

@@ -14,6 +14,27 @@ def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch
 
 
 
+def inpaint_velocity(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, known: torch.Tensor, mask: torch.Tensor,
+                     noise: torch.Tensor | None = None, schedule: torch.Tensor | None = None) -> torch.Tensor:
+    """The velocity that reproduces an inpainting pipeline's blend after each step, x' <- (1 - m) k(sigma') +
+    m x', with k(s) = s noise + (1 - s) known and a mask m in [0, 1] (1 = repaint): m v + (1 - m) u, where u
+    is the Euler step from x to k(sigma'). So a rollout at noise level 0 equals the pipeline, and where m = 0
+    the velocity does not depend on the policy (no gradient, ratio 1).
+
+    sigma' is the step after sigma on the trajectory's ``schedule`` [B, T + 1] (which ``noise``, its initial
+    latents, starts); a sigma not on it (a supervised target's) or no trajectory takes sigma' = 0, where u =
+    (x - known) / sigma, the velocity whose clean estimate is ``known``."""
+    x, s = x.float(), sigma.float().reshape(-1, *([1] * (x.ndim - 1)))
+    if noise is None or schedule is None:
+        target, s_next = known, torch.zeros_like(s)
+    else:
+        on_step = schedule[:, :-1] == sigma.float()[:, None]  # [B, T]; no step matches off the schedule
+        s_next = (schedule[:, 1:] * on_step).sum(1).reshape(s.shape)
+        target = s_next * noise.float() + (1 - s_next) * known
+    m = mask.to(v.dtype)
+    return m * v + (1 - m) * ((target - x) / (s_next - s))
+
+
 def rectified_flow_target(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x_sigma = (1 - sigma) x0 + sigma noise and the velocity target noise - x0 (flow models)."""
     s = sigma.float().reshape(-1, *([1] * (x0.ndim - 1)))

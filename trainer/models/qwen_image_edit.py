@@ -57,6 +57,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_class = QwenImageEditPipeline
     model_name = "qwen_image_edit"
     encodes_image_inputs = True
+    max_references = 1
+    """Reference images per item its pipeline takes."""
     text_components = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer,
                        "processor": ImageProcessor}
 
@@ -73,7 +75,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     @staticmethod
     def encode_text(pipeline: QwenImageEditPipeline, config: QwenImageEditConfig, device: torch.device, prompt: str,
                     image=None) -> dict[str, torch.Tensor]:
-        """Unpadded [L, D] embeddings of one prompt read with its image (a PIL image) via encode_prompt."""
+        """Unpadded [L, D] embeddings of one prompt read with its image (a PIL image, or a list) via encode_prompt."""
         embeds, _ = pipeline.encode_prompt([prompt], image=image, device=device,
                                            max_sequence_length=config.max_sequence_length)
         return {"prompt_embeds": embeds[0]}
@@ -91,30 +93,48 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Instruction embeddings read with each item's reference (each distinct pair encoded once, in its own
+        """Instruction embeddings read with each item's references (each distinct pair encoded once, in its own
         forward), right-padded to the longest with ``prompt_mask``; the negative prompt's, read with the same
-        image (``negative_embeds``: one length for every image of the model's resolution, so unpadded); the
-        reference's packed latents."""
-        from PIL import Image
-
+        images (``negative_embeds``: one length for every image of the model's resolution, so unpadded); the
+        references' packed latents, one after the other along the tokens."""
         reject_image_inputs(self.model_name, inputs, allowed=("reference",))
-        size = (self.resolution, self.resolution)
-        reference = require_image_input(self.model_name, inputs, "reference", len(prompts), 3, size)
-        pixels = (reference.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
-        keys = [vae_input_key(p) for p in pixels]
-        images = {key: Image.fromarray(p.permute(1, 2, 0).numpy()) for key, p in zip(keys, pixels, strict=True)}
+        references = self._references(inputs, len(prompts))
+        pixels = (references.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)  # [B, N, 3, H, W]
+        keys = ["|".join(vae_input_key(p) for p in row) for row in pixels]
+        images = {key: self._text_images(row) for key, row in zip(keys, pixels, strict=True)}
         text = [self._encoded(prompt, key, images[key]) for prompt, key in zip(prompts, keys, strict=True)]
         negative = [self._encoded(self.config.negative_prompt, key, images[key]) for key in keys]
         assert len({len(n) for n in negative}) == 1, "images of one size give negative prompts of one length"
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
-        x = (pixels.to(self.device, torch.float32) / 255 * 2 - 1).to(self.dtype)[:, :, None]
+        x = (pixels.flatten(0, 1).to(self.device, torch.float32) / 255 * 2 - 1).to(self.dtype)[:, :, None]
         latents = (self.image_latents(x).mode().float() - self.latents_mean) / self.latents_std
         b, c, _, h, w = latents.shape
+        packed = self.pipeline._pack_latents(latents, b, c, h, w)
         return Conditioning(
             embeds={"prompt_embeds": embeds, "prompt_mask": mask, "negative_embeds": torch.stack(negative)},
-            reference=self.pipeline._pack_latents(latents, b, c, h, w), ragged=("prompt_embeds", "prompt_mask"),
+            reference=packed.reshape(len(prompts), -1, packed.shape[-1]), ragged=("prompt_embeds", "prompt_mask"),
             text_mask="prompt_mask", padded=any(len(t) < length for t in text))
+
+    def _references(self, inputs: ImageInputs | None, batch_size: int) -> torch.Tensor:
+        """``ImageInputs.reference`` checked, as [B, N, 3, H, W] (N = 1 for [B, 3, H, W]; at most
+        ``max_references``)."""
+        size = (self.resolution, self.resolution)
+        value = None if inputs is None else inputs.reference
+        if value is None or value.ndim != 5:
+            return require_image_input(self.model_name, inputs, "reference", batch_size, 3, size)[:, None]
+        if not 1 <= value.shape[1] <= self.max_references:
+            most = "one" if self.max_references == 1 else f"1 to {self.max_references}"
+            raise ValueError(f"ImageInputs.reference holds {value.shape[1]} images per item; the {self.model_name} "
+                             f"adapter takes {most} ({self.pipeline_class.__name__}): give each row that many")
+        return torch.stack([require_image_input(self.model_name, ImageInputs(reference=value[:, i]), "reference",
+                                                batch_size, 3, size) for i in range(value.shape[1])], dim=1)
+
+    def _text_images(self, pixels):
+        """What the text encoder reads of one item's references (uint8 [N, 3, H, W]): the one PIL image."""
+        from PIL import Image
+
+        return Image.fromarray(pixels[0].permute(1, 2, 0).numpy())
 
     def missing_prompts(self, prompts, guidance_scales) -> list[str]:
         """None: the text encoders always encode (``model.text_embeddings`` is refused)."""
@@ -129,7 +149,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
         if cond.reference is None:
             raise ValueError("qwen_image_edit needs Conditioning.reference: encode prompts with ImageInputs.reference")
         grid = (1, self.tokens_side, self.tokens_side)
-        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), [grid, grid]
+        references = cond.reference.shape[1] // x.shape[1]
+        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), [grid] * (1 + references)
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image_edit"].tiny) -------

@@ -6,6 +6,7 @@ the source's latents. Here the same trajectory comes from the prediction alone: 
 velocity is replaced by (x - z) / sigma, the one whose clean estimate x - sigma v is z, so an Euler step from
 sigma eps + (1 - sigma) z lands on sigma' eps + (1 - sigma') z. The rollout equals the pipeline (strength 1)
 up to rounding, and the known region's log-prob terms do not depend on the policy (no gradient, ratio 1).
+Its mask is binary, so the velocity needs no trajectory (``flow.inpaint_velocity`` without the initial noise).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from diffusers import QwenImageInpaintPipeline
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.flow import inpaint_velocity
 from trainer.models.inputs import reject_image_inputs, require_image_input
 from trainer.models.qwen_image import QwenImageAdapter, QwenImageConfig
 
@@ -64,8 +66,7 @@ class QwenImageInpaintAdapter(QwenImageAdapter):
         if cond.image is None or cond.mask is None:
             raise ValueError("qwen_image_inpaint needs Conditioning.image and .mask: encode prompts with ImageInputs")
         v = super().predict(net, latents, sigma, cond, guidance_scale)
-        known = (latents.float() - cond.image) / sigma.float().view(-1, 1, 1)
-        return torch.where(cond.mask, v, known)
+        return inpaint_velocity(v, latents, sigma, cond.image, cond.mask)
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image_inpaint"].tiny) ----

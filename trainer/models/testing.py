@@ -53,6 +53,8 @@ class TinySpec:
     """Guidance scale of the tests: batched CFG, or the FLUX family's guidance embedding."""
     inputs: tuple[str, ...] = ()
     """The ``ImageInputs`` fields it needs: ("image", "mask") or ("reference",) (drawn in this order)."""
+    references: int = 1
+    """Reference images per item the tiny inputs draw: several give ``reference`` [B, N, 3, H, W]."""
     data: str = "prompt_file"
     """The tiny dataset format that gives those inputs (``trainer.data.testing.tiny_dataset``)."""
     pipeline_latents: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
@@ -64,6 +66,9 @@ class TinySpec:
     pipeline_patches: Callable[[Any], Mapping[str, Any]] | None = None
     """adapter -> {diffusers function: its stand-in} during the parity reference's call, for a pipeline constant
     the tiny model cannot run at (Qwen-Image-Edit's reference area of 1024^2 pixels)."""
+    pipeline_one_prompt: bool = False
+    """Whether its pipeline takes one prompt per call (QwenImageEditPlusPipeline): the parity reference calls it
+    per prompt, in order, on the same generator (the noise of a batch is its items' draws in turn)."""
     ip_adapter: bool = False
     """Whether the suites also run it with a trainable IP-Adapter (``<name>+ip``)."""
     ip_pipeline: bool = False
@@ -252,6 +257,14 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
     from unittest import mock
 
     spec = tiny(adapter.config.name)
+    if spec.pipeline_one_prompt and len(prompts) > 1:
+        from trainer.models.base import ImageInputs
+
+        def item(i: int):
+            return None if inputs is None else ImageInputs(**{k: v if v is None else v[i : i + 1]
+                                                              for k, v in vars(inputs).items()})
+        return torch.cat([run_pipeline(adapter, [p], item(i), num_steps, guidance_scale, generator, output_type)
+                          for i, p in enumerate(prompts)])
     kwargs: dict[str, Any] = dict(prompt=prompts, num_inference_steps=num_steps, generator=generator,
                                   output_type=output_type)
     if getattr(adapter, "ip_adapter", None) is not None:
@@ -292,9 +305,11 @@ def image_inputs(adapter, batch_size: int, seed: int = 0):
     draws: dict[str, Callable[[], torch.Tensor]] = {
         "image": lambda: torch.rand(batch_size, 3, side, side, generator=g),
         "mask": lambda: (torch.rand(batch_size, 1, side, side, generator=g) > 0.5).float(),
-        "reference": lambda: torch.rand(batch_size, 3, side, side, generator=g),
+        "reference": lambda: torch.rand(batch_size, *references, 3, side, side, generator=g),
     }
-    inputs = ImageInputs(**{kind: draws[kind]() for kind in tiny(adapter.config.name).inputs})
+    spec = tiny(adapter.config.name)
+    references = (spec.references,) if spec.references > 1 else ()
+    inputs = ImageInputs(**{kind: draws[kind]() for kind in spec.inputs})
     if getattr(adapter, "ip_adapter", None) is not None:
         inputs.style = torch.rand(1, 3, side, side, generator=g).expand(batch_size, -1, -1, -1)
     return inputs if any(v is not None for v in vars(inputs).values()) else None
