@@ -1,8 +1,9 @@
 """The embedded text task: render a short word named in the prompt, judged by the served ``ocr`` scorer (PP-OCR).
 
 Supervised examples are the vocabulary's words drawn with Debian's DejaVu fonts, dark on white; the warm-up
-is short, so that PP-OCR reads its renderings only sometimes and RL has room to sharpen them. RL and the warm-up see the training phrasings; the evaluation asks for every word with a
-phrasing neither saw (held-out prompts, as ``training_items`` keeps them out of RL).
+is short, so that PP-OCR reads its renderings only sometimes and RL has room to sharpen them. One prompt per word,
+as digits has one per class: the evaluation asks for every word, and its held-out part is the fixed noise (a
+phrasing the warm-up never saw does not transfer through the tiny random text encoders: bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ shifts in many more (bench/RESULTS.md); Sans and Serif Bold must also shrink to 
 VOCABULARY = ("cat", "dog", "sun", "red", "box", "car", "hat", "pen", "cup", "map", "bus", "fox",
               "key", "egg", "ice", "owl")
 """Three-letter words whose letters the tiny model's tokenizer knows (no j or q)."""
-TRAIN_TEMPLATES = ("text {word}", "the text {word}", "a picture of the text {word}")
-EVAL_TEMPLATE = "an image of the text {word}"
-"""The held-out phrasing the evaluation asks every word with."""
+TEMPLATE = "the text {word}"
 SHIFTS = ((0, 0),)
 """Pixel offsets (x, y) of the supervised renders from the centre."""
 MARGIN_PX = 1
@@ -76,10 +75,9 @@ class WordsTask:
 
     def __init__(self, image_size: int):
         self.words = list(VOCABULARY)
-        self.prompts = [t.format(word=w) for t in TRAIN_TEMPLATES for w in self.words]
-        self.prompts += [EVAL_TEMPLATE.format(word=w) for w in self.words]
-        self.eval_indices = list(range(len(self.prompts) - len(self.words), len(self.prompts)))
-        self.eval_prompts = [self.prompts[i] for i in self.eval_indices]
+        self.prompts = [TEMPLATE.format(word=w) for w in self.words]
+        self.eval_indices = list(range(len(self.prompts)))
+        self.eval_prompts = list(self.prompts)
         self._word = {p: p.rsplit(" ", 1)[1] for p in self.prompts}
         # every word in every face and shift: [words, faces * shifts, 1, H, W]
         self._images = torch.from_numpy(np.stack([
@@ -94,15 +92,12 @@ class WordsTask:
         return None
 
     def supervised_batch(self, batch_size: int, generator: torch.Generator):
-        """Renders of random words in random faces and shifts, with training phrasings only."""
+        """Renders of random words in random faces and shifts, with their prompts."""
         from trainer.data.task import SupervisedBatch
 
         word = torch.randint(len(self.words), (batch_size,), generator=generator)
         style = torch.randint(self._images.shape[1], (batch_size,), generator=generator)
-        template = torch.randint(len(TRAIN_TEMPLATES), (batch_size,), generator=generator)
-        prompts = [TRAIN_TEMPLATES[t].format(word=self.words[w]) for t, w in zip(template.tolist(), word.tolist(),
-                                                                                  strict=True)]
-        return SupervisedBatch(self._images[word, style], prompts)
+        return SupervisedBatch(self._images[word, style], [self.prompts[w] for w in word.tolist()])
 
     def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict[str, np.ndarray]) -> dict[str, float]:
         """Exact-match share (an ``ocr`` score of 1: PP-OCR read the word; a failed score is a miss) and mean
