@@ -313,7 +313,8 @@ class Trainer:
         for name, values in result.components.items():
             metrics[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
         # the rollouts' task metrics, named apart from the evaluation's (other prompts, noise and weights)
-        metrics.update({f"rollout_{k}": v for k, v in self.task.metrics(ro.images, prompts).items()})
+        task_metrics = self.task.metrics(ro.images, prompts, result.components)
+        metrics.update({f"rollout_{k}": v for k, v in task_metrics.items()})
         metrics = self.backend.mean(metrics)
         valid = rewards.all[~torch.isnan(rewards.all)]
         metrics.update({
@@ -418,8 +419,8 @@ class Trainer:
             ordered = gathered[order].flatten(0, 1)
             repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
             items = [i for i in self.task.eval_indices for _ in range(ev.samples_per_prompt)]
-            metrics = self.task.metrics(ordered, repeated)
             scored = self.eval_rewards.score(to_uint8(ordered), repeated, self.task.item_metadata(items))
+            metrics = self.task.metrics(ordered, repeated, scored.components)
             metrics[REWARD] = float(np.nanmean(scored.combined))
             for name in ev.guard_scorers:
                 metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))

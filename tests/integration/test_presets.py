@@ -130,13 +130,16 @@ micro-batches of 2."""
 
 def _run(config, run_dir: Path, resume: Path | None = None) -> tuple[Trainer, list[torch.Tensor]]:
     """``Trainer.fit`` of ``config`` (continuing from checkpoint ``resume``) with the in-process ``brightness``
-    scorer standing in for its reward servers, the model built as ``trainer.build`` builds it; returns the
+    scorer standing in for its reward servers under their scorers' names (a task whose metrics read a scorer,
+    the words task's ``ocr``, finds its scores), the model built as ``trainer.build`` builds it; returns the
     trainer and the trainable weights as built."""
     torch.manual_seed(config.train.seed)  # LoRA's initial weights
     adapter = build_adapter(config.model, torch.device("cpu"))
     built = [p.detach().clone() for p in adapter.trainable.parameters()]
     scorer = BrightnessScorer()
-    client = InProcessRewardClient({scorer.name: scorer}, {scorer.name: 1.0}, batch_size=config.reward.batch_size)
+    names = list(config.reward.weights) or [scorer.name]
+    client = InProcessRewardClient({name: scorer for name in names}, dict.fromkeys(names, 1.0),
+                                   batch_size=config.reward.batch_size)
     trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
                       client, SingleProcess(torch.device("cpu")), RunLogger(run_dir, False, False))
     try:

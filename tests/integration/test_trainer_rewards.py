@@ -30,7 +30,7 @@ class _NoDigitTask(DigitsTask):
     def metadata(self, prompt: str) -> dict:
         return {}
 
-    def metrics(self, images, prompts):
+    def metrics(self, images, prompts, scores):
         return {}
 
 

@@ -54,7 +54,7 @@ class DataConfig:
     """Where prompts (for rollouts) and supervised examples (for warm-up) come from."""
 
     name: str = "digits"
-    """Registered task/dataset name (``trainer.data.DATASETS``): digits, prompt_file, inpaint_jsonl,
+    """Registered task/dataset name (``trainer.data.DATASETS``): digits, words, prompt_file, inpaint_jsonl,
     edit_jsonl, triplet_folder."""
     path: str = ""
     """File or folder of file-based tasks (prompt_file: .txt or GenEval-style .jsonl; inpaint_jsonl /

@@ -1,6 +1,6 @@
 """Tasks and datasets, registered by name: where prompts, supervised examples and task metrics come from.
 
-Formats (``data.name``): ``digits`` (the embedded task), ``prompt_file`` (.txt prompts or GenEval-style
+Formats (``data.name``): ``digits`` (the embedded task), ``words`` (the embedded text task), ``prompt_file`` (.txt prompts or GenEval-style
 .jsonl), ``inpaint_jsonl`` (image, mask, prompt rows), ``edit_jsonl`` (image to edit, instruction rows),
 ``triplet_folder`` (IP-Adapter source / mask / reference triplets). A bad row fails when the task is built,
 before training, naming its file and line.
@@ -16,6 +16,7 @@ from trainer.data.inpaint_jsonl import read_inpaint_jsonl
 from trainer.data.prompt_file import PromptFileTask
 from trainer.data.task import SupervisedBatch, Task, training_items
 from trainer.data.triplet_folder import read_triplet_folder
+from trainer.data.words import WordsTask
 from trainer.models.base import ImageInputs
 
 
@@ -44,7 +45,7 @@ class DigitsTask:
         images, prompts = self._images.batch(batch_size, generator)
         return SupervisedBatch(images, prompts)
 
-    def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+    def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict) -> dict[str, float]:
         if self._accuracy is None:
             self._accuracy = DigitAccuracy()
         return {"digit_accuracy": self._accuracy(images, prompts)}
@@ -57,6 +58,14 @@ def _digits_task(config) -> DigitsTask:
                          "triplet_folder) or remove data.path")
     _refuse_image_inputs(config)
     return DigitsTask(config.image_size)
+
+
+def _words_task(config) -> WordsTask:
+    if config.path:
+        raise ValueError(f"data.path={config.path!r} is not read by data.name='words' (the embedded text task, "
+                         "whose vocabulary is built in); remove data.path")
+    _refuse_image_inputs(config)
+    return WordsTask(config.image_size)
 
 
 def _prompt_file_task(config) -> PromptFileTask:
@@ -73,6 +82,7 @@ def _refuse_image_inputs(config) -> None:
 
 DATASETS = {
     "digits": _digits_task,
+    "words": _words_task,
     "prompt_file": _prompt_file_task,
     "inpaint_jsonl": lambda config: read_inpaint_jsonl(config.path, config.image_size, list(config.image_inputs)),
     "edit_jsonl": lambda config: read_edit_jsonl(config.path, config.image_size, list(config.image_inputs)),
@@ -89,4 +99,4 @@ def build_task(config) -> Task:
     return DATASETS[config.name](config)
 
 
-__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "build_task", "training_items"]
+__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "WordsTask", "build_task", "training_items"]

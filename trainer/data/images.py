@@ -212,5 +212,5 @@ class ImageTask:
                                         self.items[i].where) for i in indices])
         return SupervisedBatch(targets, [self.prompts[i] for i in indices], self.inputs(indices))
 
-    def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+    def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict) -> dict[str, float]:
         return {}

@@ -88,5 +88,5 @@ class PromptFileTask:
     def supervised_batch(self, batch_size: int, generator: torch.Generator):
         raise ValueError("a prompt file has no images for supervised warm-up; set train.warmup_steps=0")
 
-    def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+    def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict) -> dict[str, float]:
         return {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from trainer.models.base import ImageInputs
@@ -46,8 +47,9 @@ class Task(Protocol):
         """Target images, prompts and image inputs for supervised training (warm-up, SFT)."""
         ...
 
-    def metrics(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-        """Task metrics of generated images (e.g. accuracy by an independent classifier)."""
+    def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict[str, np.ndarray]) -> dict[str, float]:
+        """Task metrics of generated images (e.g. accuracy by an independent classifier, or read off
+        ``scores``: each served scorer's scores of these images, NaN where one failed)."""
         ...
 
 

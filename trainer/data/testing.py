@@ -1,7 +1,7 @@
 """Tiny datasets in every registered format, written with PIL (tests, benchmarks, trying a preset).
 
 ``tiny_dataset(name, root, size)`` writes a small dataset of format ``name`` under ``root`` and returns
-the ``data.path`` to give it, as ``trainer.models.testing.tiny_config`` does for models (whose
+the ``data.path`` to give it ("" for the built-in digits and words), as ``trainer.models.testing.tiny_config`` does for models (whose
 ``TinySpec.data`` names the format each adapter takes). Images are
 flat colours with a different colour per row; masks keep the right half (white = repaint); references
 are a red centre on a blue border, so a centred style crop is recognisably red.
@@ -101,6 +101,7 @@ def tiny_dataset(name: str, root: str | Path, size: int = 16, suffix: str = ".tx
     root = Path(root) / name
     writers = {
         "digits": lambda: "",
+        "words": lambda: "",
         "prompt_file": lambda: write_prompt_file(root, suffix),
         "inpaint_jsonl": lambda: write_inpaint_jsonl(root, size),
         "edit_jsonl": lambda: write_edit_jsonl(root, size, references=references),
