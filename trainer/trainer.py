@@ -313,8 +313,7 @@ class Trainer:
         for name, values in result.components.items():
             metrics[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
         # the rollouts' task metrics, named apart from the evaluation's (other prompts, noise and weights)
-        task_metrics = self.task.metrics(ro.images, prompts, result.components)
-        metrics.update({f"rollout_{k}": v for k, v in task_metrics.items()})
+        metrics.update({f"rollout_{k}": v for k, v in self.task.metrics(ro.images, prompts, result.components).items()})
         metrics = self.backend.mean(metrics)
         valid = rewards.all[~torch.isnan(rewards.all)]
         metrics.update({
