@@ -32,8 +32,7 @@ from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
-from trainer.rollout import Rollout, SamplerSettings, rollout, rollout_bounds, window_mask
-from trainer.samplers import resolve_kind
+from trainer.rollout import Rollout, SamplerSettings, check_sampler, rollout, rollout_bounds, window_mask
 from trainer.state import Stateful
 
 
@@ -58,9 +57,7 @@ class Trainer:
         self.logger = logger
         self.is_main = backend.world.rank == 0
         train = config.train
-        rollouts = algorithm.sampler  # a step kind or noise level the model cannot use fails now, not after the warm-up
-        adapter.step_function(resolve_kind(rollouts.kind, adapter.sampler_kind),
-                              adapter.sigmas(rollouts.num_steps)).check_noise_level(rollouts.noise_level)
+        check_sampler(adapter, algorithm.sampler)  # a step the model cannot take fails now, not after the warm-up
         self._require_text_embeddings()
         self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
         self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
