@@ -81,7 +81,8 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     resumed.fit()
     resumed.logger.close()
     (last,) = _rl_records(tmp_path / "resumed")
-    drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "images_per_s", "rollout_images_per_s"}
+    drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "time_epoch_s", "time_epoch_cpu_s",
+            "images_per_s", "rollout_images_per_s"}
     assert {k: v for k, v in last.items() if k not in drop} == {k: v for k, v in full[1].items() if k not in drop}
     for a, b in zip(trainer.adapter.trainable.parameters(), resumed.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
