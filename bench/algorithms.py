@@ -187,14 +187,15 @@ def plot(runs: dict[str, list[dict]], metric: str, target: float, path: Path) ->
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, figures in runs.items():
+    for i, (name, figures) in enumerate(runs.items()):
         length = min(len(f["curve"]) for f in figures)
         points = [[f["curve"][i] for f in figures] for i in range(length)]
         med = [[statistics.median(p[k] for p in column) for k in range(4)] for column in points]
-        line, = left.plot([m[1] for m in med], [m[3] for m in med], "-", label=name)
+        line, = left.plot([m[1] for m in med], [m[3] for m in med], "-", label=name, color=plt.cm.tab20(i % 20),
+                          linestyle="-" if i < 10 else "--")
         left.fill_between([m[1] for m in med], [min(p[3] for p in c) for c in points],
                           [max(p[3] for p in c) for c in points], color=line.get_color(), alpha=0.1)
-        right.plot([m[2] for m in med], [m[3] for m in med], "-", color=line.get_color(), label=name)
+        right.plot([m[2] for m in med], [m[3] for m in med], color=line.get_color(), linestyle=line.get_linestyle())
     left.set(xlabel="RL images sampled", ylabel=f"{metric} (median of seeds; band: min-max)", title="load-free")
     right.set(xlabel="RL wall seconds (median of seeds, evaluations excluded)", ylabel=metric, title="wall time")
     for ax in (left, right):
