@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import nn
 
-from trainer.config.fields import NonNegativeFloat, NonNegativeInt, PositiveInt
+from trainer.config.fields import Bounds, NonNegativeFloat, NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 from trainer.samplers import DEFAULT_KIND, STEP_FUNCTIONS, generator_device, resolve_kind
+from trainer.samplers.multistep import compress_after_window, dpm_solver_2m_step, second_order_steps
 
 
 @dataclass
@@ -34,6 +36,12 @@ class SamplerSettings:
     """[lo, hi) of window starts, hi <= T - sde_window: a window ends before the last step, which is never
     trained, so every draw trains ``sde_window`` steps (on every rank alike: sharded backends need the same
     number of forwards on each). (0, 0) means anywhere in [0, T - 1 - sde_window]."""
+    ode_order: Annotated[int, Bounds(1, 2)] = 1
+    """Order of the ODE steps after the SDE window: 2 takes DPM-Solver++(2M) steps there (MixGRPO-Flash), which
+    stay accurate with fewer steps; 1 is Euler. Steps before the window stay Euler (trainer/samplers/multistep.py)."""
+    ode_compress: Annotated[float, Bounds(0, 1, low_open=True)] = 1.0
+    """Fraction of the ODE steps after the SDE window that are taken (MixGRPO-Flash's compression; 1: all):
+    fewer forwards per rollout where nothing is trained."""
 
     def __post_init__(self):
         kinds = sorted({"auto", *DEFAULT_KIND.values(), *STEP_FUNCTIONS})
@@ -44,6 +52,9 @@ class SamplerSettings:
             raise ValueError(f"window_range={tuple(self.window_range)} does not fit num_steps={self.num_steps} with "
                              f"sde_window={self.sde_window}: starts must lie in [0, {self.num_steps - self.sde_window}) "
                              "so that a window ends before the last step, which is never trained")
+        if (self.ode_order != 1 or self.ode_compress != 1) and self.sde_window == 0:
+            raise ValueError(f"ode_order={self.ode_order} and ode_compress={self.ode_compress} act on the ODE steps "
+                             "after an SDE window: set sampler.sde_window > 0, or leave them at 1")
 
     def window_starts(self) -> tuple[int, int]:
         """[lo, hi) of the SDE window's start (``window_range``, or its default for (0, 0))."""
@@ -87,6 +98,21 @@ class Rollout:
         """Stochastic steps except the last denoising step (its variance is near zero)."""
         steps = torch.nonzero(self.stochastic, as_tuple=False).flatten()
         return steps[steps < len(self.stochastic) - 1]
+
+
+def check_ode_steps(settings: SamplerSettings, sampler_kind: str) -> None:
+    """Refuse ``ode_order`` / ``ode_compress`` for models whose steps are not flow steps (DDIM)."""
+    if sampler_kind != "flow" and (settings.ode_order != 1 or settings.ode_compress != 1):
+        raise ValueError(f"sampler.ode_order={settings.ode_order} / ode_compress={settings.ode_compress} need a flow "
+                         f"model; this one samples with {sampler_kind} steps: leave them at 1")
+
+
+def check_sampler(adapter: ModelAdapter, settings: SamplerSettings) -> None:
+    """Raise now the ValueError that the first rollout with ``settings`` would raise: a step kind, noise level
+    or ODE option the model cannot use."""
+    check_ode_steps(settings, adapter.sampler_kind)
+    adapter.step_function(resolve_kind(settings.kind, adapter.sampler_kind),
+                          adapter.sigmas(settings.num_steps)).check_noise_level(settings.noise_level)
 
 
 def window_mask(settings: SamplerSettings, generator: torch.Generator | None) -> torch.Tensor:
@@ -146,21 +172,31 @@ def rollout(
     drawn with ``window_mask``. ``record_means``: keep each step's Gaussian mean too (``Rollout.means``).
     """
     cond = adapter.encode_prompts(prompts, inputs)
-    sigmas = adapter.sigmas(settings.num_steps)
     kind = resolve_kind(settings.kind, adapter.sampler_kind)
-    step = adapter.step_function(kind, sigmas)
+    check_ode_steps(settings, adapter.sampler_kind)
     if stochastic is None:
         stochastic = window_mask(settings, generator)
+    sigmas, stochastic = compress_after_window(adapter.sigmas(settings.num_steps), stochastic, settings.ode_compress)
+    step = adapter.step_function(kind, sigmas)
+    multistep = second_order_steps(stochastic, settings.ode_order).tolist()
+    host = sigmas.cpu().tolist() if any(multistep) else []  # one read per rollout, only for the multistep
     x = adapter.prepare_latents(len(prompts), generator)
     if getattr(adapter, "reads_trajectory", False):  # its predict reads the initial noise and the schedule
         cond = cond.starting_at(x, sigmas)
-    latents, log_probs, means = [x], [], []
+    latents, log_probs, means, x0 = [x], [], [], None
     batch = x.shape[0]
     levels = [settings.noise_level if s else 0.0 for s in stochastic.tolist()]
     for i, level in enumerate(levels):
         sigma = sigmas[i].expand(batch)
         v = adapter.predict(net, x, sigma, cond, settings.guidance_scale)
-        x, logp, mean, _ = step(v, x, i, level, generator=generator)
+        if multistep[i]:  # deterministic, after the window: scored 0 like every ODE step, never trained
+            x_next = dpm_solver_2m_step(v, x, x0, host[i - 1], host[i], host[i + 1])
+            logp, mean = torch.zeros(batch, device=x.device), x_next.float()
+        else:
+            x_next, logp, mean, _ = step(v, x, i, level, generator=generator)
+        if host:  # the data prediction, the multistep's history
+            x0 = x.float() - host[i] * v.float()
+        x = x_next
         latents.append(x)
         log_probs.append(logp)
         if record_means:

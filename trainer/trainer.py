@@ -33,8 +33,7 @@ from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
-from trainer.rollout import Rollout, SamplerSettings, rollout, rollout_bounds, window_mask
-from trainer.samplers import resolve_kind
+from trainer.rollout import Rollout, SamplerSettings, check_sampler, rollout, rollout_bounds, window_mask
 from trainer.state import Stateful
 
 
@@ -54,9 +53,7 @@ class Trainer:
         self.backend, self.logger = backend, logger
         self.is_main = backend.world.rank == 0
         train = config.train
-        rollouts = algorithm.sampler  # a step kind or noise level the model cannot use fails now, not after the warm-up
-        adapter.step_function(resolve_kind(rollouts.kind, adapter.sampler_kind),
-                              adapter.sigmas(rollouts.num_steps)).check_noise_level(rollouts.noise_level)
+        check_sampler(adapter, algorithm.sampler)  # a step the model cannot take fails now, not after the warm-up
         self._require_text_embeddings()
         self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
         self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
@@ -285,7 +282,7 @@ class Trainer:
         indices = self.pool[indices]
         prompts = [self.task.prompts[i] for i in indices.tolist()]
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()  # process CPU: load-independent, unlike wall time
         # the rollout's noise comes from a generator on the model's device (one kernel per draw on a GPU)
         noise = self._generator(2, epoch, self.adapter.device)
         ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g, noise)
@@ -306,7 +303,7 @@ class Trainer:
         for _ in range(self.algorithm.inner_epochs):
             for k, v in self._update(self.algorithm, batch, g, self._after_rl_step).items():
                 stats[k].append(v)
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.process_time()
 
         metrics = {k: float(np.mean(v)) for k, v in stats.items()}
         metrics.update(self.algorithm.batch_metrics(batch))
@@ -323,6 +320,7 @@ class Trainer:
             "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
             "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
             "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,
+            "time_epoch_s": t2 - t0, "time_epoch_cpu_s": cpu2 - cpu0, "images": len(rewards.all),
             "lr": self.config.train.learning_rate,
         })
         if self.compiled is not None:

@@ -81,7 +81,8 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     resumed.fit()
     resumed.logger.close()
     (last,) = _rl_records(tmp_path / "resumed")
-    drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "images_per_s", "rollout_images_per_s"}
+    drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "time_epoch_s", "time_epoch_cpu_s",
+            "images_per_s", "rollout_images_per_s"}
     assert {k: v for k, v in last.items() if k not in drop} == {k: v for k, v in full[1].items() if k not in drop}
     for a, b in zip(trainer.adapter.trainable.parameters(), resumed.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -126,6 +127,35 @@ def test_the_first_step_of_an_epoch_is_on_policy(tmp_path, tiny_model_dir, algor
             assert stats["dgpo_weight"].item() == 0.5 and stats["dgpo_loss"].item() == pytest.approx(math.log(2))
         else:
             assert stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0
+
+
+def test_mixgrpo_flash_compresses_the_steps_after_its_window_and_stays_on_policy(tmp_path, tiny_model_dir):
+    """MixGRPO-Flash (second-order, compressed ODE steps after the window): the window and the steps before it
+    are MixGRPO's, sample for sample, and the first update's ratio is exactly 1 at every trained step."""
+    flash = ("algorithm.sampler.ode_order=2", "algorithm.sampler.ode_compress=0.5")
+    rollouts = {}
+    for name, extra in (("plain", ()), ("flash", flash)):
+        trainer = _trainer(tmp_path / name, tiny_model_dir, "mixgrpo", "data.prompts_per_epoch=2",
+                           "train.warmup_steps=0", "algorithm.sampler.num_steps=8", *extra)
+        indices, group_ids = trainer.sampler.epoch(0)
+        prompts = [trainer.task.prompts[i] for i in indices.tolist()]
+        trainer.algorithm.start_epoch(trainer.ctx, 1)  # the window: steps 1 and 2 of 8
+        ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
+                                            torch.Generator().manual_seed(1))
+        rollouts[name] = ro
+    plain, ro = rollouts["plain"], rollouts["flash"]
+    assert ro.stochastic.tolist() == [False, True, True, False, False]  # 5 steps after the window -> 2
+    assert torch.equal(ro.sigmas, plain.sigmas[[0, 1, 2, 3, 5, 8]])
+    assert torch.equal(ro.latents[:, :4], plain.latents[:, :4]) and torch.equal(ro.log_probs[:, :3],
+                                                                                plain.log_probs[:, :3])
+    assert not torch.equal(ro.latents[:, -1], plain.latents[:, -1])
+    rewards = (torch.arange(len(indices)) % 3) / 2.0
+    batch = trainer.algorithm.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
+    (units,) = trainer.algorithm.plan(batch, torch.Generator().manual_seed(2))
+    assert {int(s) for unit in units for s in unit.steps} == {1, 2}
+    for unit in units:
+        _, stats = trainer.algorithm.loss(trainer.ctx, unit)
+        assert stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0
 
 
 def test_evaluation_before_rl_reads_the_warmed_up_weights_with_an_ema(tmp_path, tiny_model_dir):

@@ -5,9 +5,15 @@ Rollouts take SDE steps (recording log-probs) only inside a window of w = ``samp
 clipped loss. The window starts at the first (noisiest) step and moves by ``stride`` every ``shift_every``
 RL epochs, stopping at the last start whose window ends before the final step (never trained):
     l(epoch) = min(stride floor(epoch / shift_every), T - w - 1)     (with ``wrap``: modulo T - w)
+MixGRPO-Flash (``configs/algorithms/mixgrpo_flash.yaml``) is two sampler options: ``sampler.ode_order=2`` takes
+DPM-Solver++(2M) steps after the window (x0 = x - sigma v, lambda = log((1 - sigma) / sigma)),
+    x_next = (sigma_next / sigma) x + (1 - sigma_next)(1 - e^-h)(x0 + (x0 - x0_prev) / (2 r))
+(trainer/samplers/multistep.py), and ``sampler.ode_compress`` keeps that fraction of those steps; the window's
+steps and log-probs are untouched, so the on-policy ratio stays 1.
 Departures from the paper: the window moves per RL epoch rather than per optimizer iteration; the step
-kind is the sampler's ("eta" is the DanceGRPO SDE the paper builds on); MixGRPO-Flash's higher-order ODE
-steps outside the window are not offered (a rollout step here is a one-step Markov kernel).
+kind is the sampler's ("eta" is the DanceGRPO SDE the paper builds on); Flash's compressed steps are a subset of
+the model's own schedule (the paper builds a new shifted linspace, int(r (n + 1)) - 1 steps for n; we take
+round(r n)), and steps before the window stay Euler, as in the paper's "post" strategy.
 """
 
 from __future__ import annotations
