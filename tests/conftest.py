@@ -20,12 +20,6 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_sd3(tmp_path_factory.mktemp("models") / "tiny-sd3"))
 
 
-FIRST = ("test_backends.py", "test_checkpoint_resume.py", "test_main_job.py", "test_guard_runs.py",
-         "test_distributed_backends.py", "test_bench_algorithms.py", "test_interrupt.py", "test_docker_compose.py")
-"""Files of whole jobs and torchrun series (a minute or more per test on 2 cores) run first, so that pytest-xdist's
-workers do not end a tier on one of them while the other worker idles."""
-
-
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Conformance cases of adapters whose ``TinySpec.slow_dtype_cases`` is set go to the slow tier on the CPU
@@ -42,7 +36,6 @@ def pytest_collection_modifyitems(config, items):
         target = getattr(params.get("target"), "device", None), getattr(params.get("target"), "dtype", None)
         if case in slow_dtypes and target[0] == "cpu" and target[1] != "float32":
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the same order on every worker
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: run `pytest -m gpu` on a GPU machine")
