@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+# Workers and the jobs tests start share 2 cores: OpenMP threads that spin while waiting take the CPU from the
+# other worker (set before torch loads its OpenMP; subprocesses inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 # Two threads, split among pytest-xdist workers (`make test` runs one per core, two on this machine).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
