@@ -68,7 +68,7 @@ PYTEST_TIER = status=0; $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist w
 test: $(STAMP) system-deps  ## the default tier (~8 min on 2 cores; tests marked slow or gpu excluded)
 	@$(call PYTEST_TIER,)
 
-test-slow: $(STAMP) system-deps  ## the slow tier alone (~8 min on 2 cores without the compose test)
+test-slow: $(STAMP) system-deps  ## the slow tier alone (~7 min on 2 cores without the compose test)
 	@$(call PYTEST_TIER,-m "slow and not gpu")
 
 test-all: $(STAMP) system-deps  ## both tiers in one run
