@@ -75,9 +75,12 @@ test-all: $(STAMP) system-deps  ## both tiers in one run
 	@$(call PYTEST_TIER,-m "not gpu")
 
 GPU_PYTHON ?= 3.12
-gpu-wheels: $(STAMP)  ## .gpu-wheels/: our diffusers, transformers and peft for a CUDA image's Python (GPU_PYTHON)
-	$(VENV)/bin/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d .gpu-wheels importlib_metadata zipp \
-		$$(for p in diffusers transformers peft; do echo "$$p==$$($(VENV)/bin/python -c "from importlib.metadata import version; print(version('$$p'))")"; done)
+# What a CUDA image with torch lacks to run the trainer, its reward replicas and the GPU suite: our pinned versions.
+GPU_WHEELS = diffusers transformers peft importlib_metadata zipp typing_extensions pydantic pydantic_core \
+	annotated_types typing_inspection fastapi starlette uvicorn python-multipart opentelemetry-api
+gpu-wheels: $(STAMP)  ## .gpu-wheels/: those wheels for a CUDA image's Python (GPU_PYTHON); pip install --no-deps there
+	rm -rf .gpu-wheels && $(VENV)/bin/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d .gpu-wheels \
+		$$(for p in $(GPU_WHEELS); do echo "$$p==$$($(VENV)/bin/python -c "from importlib.metadata import version; print(version('$$p'))")"; done)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -87,17 +87,22 @@ def make_trainer(config, device: torch.device, client, run_dir: Path) -> Trainer
     return trainer
 
 
-def epoch_flops(config, device, client, run_dir: Path) -> float:
-    """FLOPs of one RL epoch (rollout, reward encoding aside, update and reference), counted in eager mode."""
+def epoch_flops(config, device, client, run_dir: Path, prompts: int | None = None) -> float:
+    """FLOPs of one RL epoch (rollout, reward encoding aside, update and reference), counted in eager mode;
+    ``prompts``: count an epoch of that many prompts and scale (every FLOP of an epoch is per prompt's group)."""
     config.model.compile, attention = "none", config.model.attention
-    config.model.attention = "math"  # no probe (its forwards are not the epoch's); FLOPs do not depend on the kernel
+    # No probe; FLOPs do not depend on the kernel, memory does: math's attention matrices overflowed an H100's
+    # 80 GB at SD3.5-Medium's shape (batch 16, 1229 tokens, 24 layers kept for the backward)
+    config.model.attention = "flash" if device.type == "cuda" else "math"
+    full = config.data.prompts_per_epoch
+    config.data.prompts_per_epoch = prompts or full
     trainer = make_trainer(config, device, client, run_dir / "flops")
-    config.model.attention = attention
+    config.model.attention, config.data.prompts_per_epoch = attention, full
     with FlopCounterMode(display=False) as counter:
         trainer.rl_epoch(0)
     del trainer
     gc.collect()
-    return float(counter.get_total_flops())
+    return float(counter.get_total_flops()) * full / (prompts or full)
 
 
 def run_variant(config, device, client, run_dir: Path, epochs: int) -> dict[str, float]:
@@ -134,6 +139,9 @@ def main() -> None:
     parser.add_argument("--compile", default="none,blocks", help="model.compile values, comma-separated")
     parser.add_argument("--attention", default="auto",
                         help=f"model.attention values, comma-separated, of {', '.join(ATTENTION_CHOICES)}")
+    parser.add_argument("--layers", type=int, default=None, help="cap the denoiser's depth (real widths on a CPU)")
+    parser.add_argument("--flops-prompts", type=int, default=None,
+                        help="count FLOPs on an epoch of this many prompts, scaled (default: the whole epoch)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per variant; the first is not counted")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="model.dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -147,13 +155,17 @@ def main() -> None:
                                                                 log_dir=Path(root) / "replicas") as pool:
         spec = testing.tiny(args.model)
         if DENOISER_SIZES[args.denoiser]:
-            resize_denoiser(root, args.model, getattr(spec, DENOISER_SIZES[args.denoiser]), None, args.device, dtype)
+            resize_denoiser(root, args.model, getattr(spec, DENOISER_SIZES[args.denoiser]), args.layers, args.device,
+                            dtype)
+        # Real shapes: 1024 image tokens, as at 512 px with SD3's VAE (the tiny VAE downsamples less)
         config.model = testing.tiny_config(args.model, root, dtype=dtype, lora=LoraSettings(rank=32, alpha=64),
-                                           **({"resolution": 512} if args.denoiser == "real" else {}))
+                                           **({"resolution": 2 * spec.bench_resolution} if args.denoiser == "real"
+                                              else {}))
         config.data.name, config.data.path = spec.data, tiny_dataset(spec.data, root)
         client = HttpRewardClient(pool.urls, config.reward.weights, batch_size=config.reward.batch_size)
-        flops = epoch_flops(config, device, client, Path(root))
+        flops = epoch_flops(config, device, client, Path(root), args.flops_prompts)
         peak = gemm_peak_tflops(device, getattr(torch, dtype))
+        print(f"epoch FLOPs {flops:.4g}; GEMM peak {peak:.4g} TFLOP/s", file=sys.stderr, flush=True)
         rows = []
         for mode in args.compile.split(","):
             for attention in args.attention.split(","):
@@ -164,7 +176,8 @@ def main() -> None:
                     print(f"{mode} / {attention}: failed: {str(error).splitlines()[0]}", flush=True)
                     continue
                 rows.append((mode, attention, row))
-                print(f"{mode} / {attention}: done", file=sys.stderr, flush=True)
+                print(f"{mode} / {attention}: {table_row(mode, attention, row, flops, peak)}", file=sys.stderr,
+                      flush=True)  # a run cut short still shows the variants it measured
         client.close()
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else "?"
     print(f"\n{args.model}, {args.denoiser} denoiser, {dtype} on {device} ({torch.get_num_threads()} threads), "
@@ -175,12 +188,16 @@ def main() -> None:
           "| TFLOP/s | of peak | peak GiB | compile s | recompiles | fallbacks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, attention, r in rows:
-        tflops = flops / r["epoch_s"] / 1e12
-        shown = attention if attention == r["kernel"] else f"{attention} ({r['kernel']})"
-        print(f"| {mode} | {shown} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
-              f"| {r['rollout_images_per_s']:.2f} | {r['time_rollout_s']:.2f} | {r['time_reward_wait_s']:.2f} "
-              f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {r['peak_gib']:.2f} "
-              f"| {r['compile_s']:.1f} | {r['recompiles']:.0f} | {r['fallbacks']:.0f} |")
+        print(table_row(mode, attention, r, flops, peak))
+
+
+def table_row(mode: str, attention: str, r: dict[str, float], flops: float, peak: float) -> str:
+    tflops = flops / r["epoch_s"] / 1e12
+    shown = attention if attention == r["kernel"] else f"{attention} ({r['kernel']})"
+    return (f"| {mode} | {shown} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
+            f"| {r['rollout_images_per_s']:.2f} | {r['time_rollout_s']:.2f} | {r['time_reward_wait_s']:.2f} "
+            f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {r['peak_gib']:.2f} "
+            f"| {r['compile_s']:.1f} | {r['recompiles']:.0f} | {r['fallbacks']:.0f} |")
 
 
 if __name__ == "__main__":

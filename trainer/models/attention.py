@@ -28,7 +28,7 @@ from trainer.models.compiling import repeated_blocks
 logger = logging.getLogger(__name__)
 
 ATTENTION_CHOICES = ("auto", "math", "flash", "efficient", "cudnn")
-"""``model.attention`` values: ``auto`` chooses (a probe on CUDA, torch's default order elsewhere)."""
+"""``model.attention`` values: ``auto`` chooses (a probe on CUDA; :data:`UNPROBED` elsewhere)."""
 KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 CUDA_CANDIDATES = ("cudnn", "flash", "efficient", "math")
@@ -64,7 +64,7 @@ class AttentionChoice:
         """One line for the run's output: the choice and each candidate's time or reason."""
         head = f"model.attention={self.mode}: {self.kernel}"
         if not self.verdicts:
-            return head + (" (torch's default order)" if self.kernel == "default" else "")
+            return head + (" (torch's order without cuDNN)" if self.kernel == "default" else "")
         parts = [f"{v.kernel} {v.seconds * 1e3:.2f} ms" if v.passed else f"{v.kernel} rejected ({v.reason})"
                  for v in self.verdicts]
         return f"{head} (blocks forward+backward: {'; '.join(parts)})"
@@ -86,10 +86,15 @@ def check_attention(value: str) -> str:
     return value
 
 
+UNPROBED = ("flash", "efficient", "math")
+"""``auto`` until a probe chooses (or where none runs: tests, benchmarks, scripts): torch's order without
+cuDNN, whose backward gave NaN gradients for the FLUX.1 family on an H100 (bench/RESULTS_GPU.md)."""
+
+
 def use_attention(kernel: str) -> None:
-    """Make ``kernel`` the process's attention (``default``/``auto``: torch's own order, every kernel on). A
-    named kernel runs every call it supports; math takes the rest (a text encoder's masked attention)."""
-    enabled = set(KERNELS) if kernel in ("default", "auto") else {check_attention(kernel), "math"}
+    """Make ``kernel`` the process's attention (``default``/``auto``: :data:`UNPROBED`). A named kernel runs
+    every call it supports; math takes the rest (a text encoder's masked attention)."""
+    enabled = set(UNPROBED) if kernel in ("default", "auto") else {check_attention(kernel), "math"}
     for name, switch in _SWITCHES.items():
         switch(name in enabled)
 
@@ -205,7 +210,7 @@ def attention_for_run(adapter, mode: str, cond, sampler,
     if mode == "auto" and device.type != "cuda":
         use_attention("auto")
         return AttentionChoice("default", mode)
-    use_attention("auto")  # the probe sets each candidate itself; the reference forward runs in torch's order
+    use_attention("auto")  # the probe sets each candidate itself
     blocks = repeated_blocks(adapter.denoiser, getattr(adapter, "compiled_blocks", ()))
     sigma = adapter.sigmas(sampler.num_steps)[:1]
     generator = torch.Generator(device).manual_seed(0)

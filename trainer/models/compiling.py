@@ -10,6 +10,7 @@ class attribute ``compiled_blocks`` (a tuple of block classes).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 from collections.abc import Iterable
@@ -129,8 +130,13 @@ def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Mod
         # resolutions) compile for static shapes: inductor's code generation for their symbolic sizes fails
         # (sd15_inpaint on the CPU), and each instance may meet shapes of its own, so the limit grows with them.
         static = len({_widths(m) for m in members}) > 1
-        compiled = torch.compile(cls.forward, backend=backend, dynamic=False if static else None,
-                                 recompile_limit=recompile_limit * (len(members) if static else 1))
+        limit = recompile_limit * (len(members) if static else 1)
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:
+            compiled = torch.compile(cls.forward, backend=backend, dynamic=False if static else None,
+                                     recompile_limit=limit)
+        else:  # torch < 2.13 (CUDA images that ship their own torch): the process-wide limit
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            compiled = torch.compile(cls.forward, backend=backend, dynamic=False if static else None)
         for module in members:
             module.forward = types.MethodType(compiled, module)
     return modules

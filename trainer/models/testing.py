@@ -246,7 +246,8 @@ def tiny_config(name: str, root: str | Path, **overrides: Any):
 
 
 def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_scale: float,
-                 generator: torch.Generator, output_type: str = "latent") -> torch.Tensor:
+                 generator: torch.Generator, output_type: str = "latent", latents: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Sample with the adapter's own diffusers pipeline (same components) as a rollout would: same prompts,
     image inputs, steps, guidance and generator; the reference for parity tests and benchmarks.
 
@@ -263,10 +264,12 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
         def item(i: int):
             return None if inputs is None else ImageInputs(**{k: v if v is None else v[i : i + 1]
                                                               for k, v in vars(inputs).items()})
-        return torch.cat([run_pipeline(adapter, [p], item(i), num_steps, guidance_scale, generator, output_type)
-                          for i, p in enumerate(prompts)])
+        # The rollout's one draw for the batch: on CUDA, two draws of one item's noise differ from it
+        noise = adapter.prepare_latents(len(prompts), generator)
+        return torch.cat([run_pipeline(adapter, [p], item(i), num_steps, guidance_scale, generator, output_type,
+                                       noise[i : i + 1]) for i, p in enumerate(prompts)])
     kwargs: dict[str, Any] = dict(prompt=prompts, num_inference_steps=num_steps, generator=generator,
-                                  output_type=output_type)
+                                  output_type=output_type, **({} if latents is None else {"latents": latents}))
     if getattr(adapter, "ip_adapter", None) is not None:
         kwargs.update(ip_pipeline_kwargs(adapter, inputs))
     kwargs.update(spec.pipeline_call(adapter, inputs, guidance_scale))
