@@ -8,7 +8,9 @@ layers stacked along channels, padded to ``max_sequence_length``), position ids 
 (shifted by FLUX.2's empirical mu) come from the pipeline itself, so a rollout at noise level 0 reproduces it.
 
 Guidance: FLUX.2 [dev] is guidance-distilled: ``guidance_scale`` feeds the guidance embedding, one forward per
-step, no CFG. The pipeline's reference images (``image``, PIL only, shared by the whole batch) are not taken.
+step, no CFG. Reference images (the pipelines' ``image``, multi-reference editing) are optional per item: their
+latents follow the generated tokens with time ids 10, 20, ... (``ImageInputs.reference``, at ``model.resolution``,
+where the pipelines keep up to 1024^2 pixels; they share one list across a batch, the adapter takes each item's).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze
 from trainer.models.flow import cfg_combine, rectified_flow_target
-from trainer.models.inputs import reject_image_inputs
-from trainer.models.latents import ImageLatents, refuse_image_latents
+from trainer.models.inputs import reject_image_inputs, require_references
+from trainer.models.latents import ImageLatents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -82,7 +84,9 @@ class Flux2Adapter:
     label = "FLUX.2 [dev]"
     guidance_embedded = True
     """Whether the transformer has a guidance embedding (FLUX.2 [dev]; the Klein models run CFG instead)."""
-    encodes_image_inputs = False
+    encodes_image_inputs = True
+    max_references = 10
+    """Reference images per item: FLUX.2's multi-reference editing takes up to 10."""
     text_components: dict[str, Any] = {"text_encoder": Mistral3ForConditionalGeneration, "tokenizer": AutoProcessor}
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length", "text_encoder_out_layers")
@@ -120,14 +124,13 @@ class Flux2Adapter:
         self.pipeline.to(self.device)
         assert self.pipeline.vae_scale_factor == self.vae_factor
         freeze(self.vae)
-        if not self.encodes_image_inputs:
-            refuse_image_latents(self.model_name, config)
         self.image_latents = ImageLatents.of(self.vae, config)
         bn = self.vae.bn
         self.bn_mean = bn.running_mean.to(self.device, torch.float32).view(1, -1, 1, 1)
         self.bn_std = torch.sqrt(bn.running_var.to(self.device, torch.float32) + self.vae.config.batch_norm_eps).view(1, -1, 1, 1)
         self.img_ids = position_ids(0, self.tokens_side, self.tokens_side).to(self.device)
         self._txt_ids: dict[int, torch.Tensor] = {}
+        self._reference_ids: dict[int, torch.Tensor] = {}
 
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
         self.prompts = PromptEmbeddings.of(self, config)
@@ -155,14 +158,30 @@ class Flux2Adapter:
         cfg = any(self._runs_cfg(scale) for scale in guidance_scales)
         return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
+    @torch.no_grad()
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """Conditioning image fields from ``inputs``; text-to-image FLUX.2 takes none."""
-        reject_image_inputs(self.model_name, inputs)
-        return {}
+        """``reference``: each item's reference images as packed, normalised latents one after the other
+        [B, N * L, 4C] (posterior mode, as the pipelines' argmax; from ``model.image_latents`` when it holds
+        them), float32; none without references (text-to-image)."""
+        reject_image_inputs(self.model_name, inputs, allowed=("reference",))
+        if inputs is None or inputs.reference is None:
+            return {}
+        references = require_references(self.model_name, inputs, batch_size, (self.resolution, self.resolution),
+                                         self.max_references, self.pipeline_class.__name__)
+        return {"reference": torch.cat([self.model_latents(self.image_latents(self._vae_input(references[:, i])).mode())
+                                        for i in range(references.shape[1])], dim=1)}
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
-        """(transformer hidden_states, img_ids) for packed latents ``x`` in the model dtype."""
-        return x, self.img_ids
+        """(transformer hidden_states, img_ids) for packed latents ``x`` in the model dtype: the latents, then
+        the references' tokens, if any (time ids 10, 20, ... as the pipelines' ``_prepare_image_ids``)."""
+        if cond.reference is None:
+            return x, self.img_ids
+        n = cond.reference.shape[1] // x.shape[1]
+        if n not in self._reference_ids:
+            side = self.tokens_side
+            self._reference_ids[n] = torch.cat([self.img_ids, *(position_ids(10 * (i + 1), side, side).to(self.device)
+                                                               for i in range(n))])
+        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), self._reference_ids[n]
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, 4C, h, w] packed to tokens, drawn as the pipelines' ``prepare_latents`` draw it."""

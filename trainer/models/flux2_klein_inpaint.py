@@ -37,7 +37,6 @@ class Flux2KleinInpaintAdapter(Flux2KleinAdapter):
     config_class = Flux2KleinInpaintConfig
     pipeline_class = Flux2KleinInpaintPipeline
     model_name = "flux2_klein_inpaint"
-    encodes_image_inputs = True
     reads_trajectory = True
     """``predict`` reads the rollout's initial noise and schedule (``Conditioning.noise``, ``.schedule``)."""
     loads_pipelines = ("Flux2KleinPipeline",)

@@ -41,3 +41,18 @@ def require_image_input(
         raise ValueError(f"{what} sides {tuple(value.shape[-2:])} must be multiples of {multiple_of}")
     return value
 
+
+
+def require_references(model: str, inputs: ImageInputs | None, batch_size: int, size: tuple[int, int], most: int,
+                       pipeline: str) -> torch.Tensor:
+    """``inputs.reference`` checked, as [B, N, 3, H, W] (N = 1 for [B, 3, H, W]; 1 to ``most`` per item, the
+    number ``pipeline`` takes), each at ``size``; a ValueError naming what is wrong otherwise."""
+    value = None if inputs is None else inputs.reference
+    if value is None or value.ndim != 5:
+        return require_image_input(model, inputs, "reference", batch_size, 3, size)[:, None]
+    if not 1 <= value.shape[1] <= most:
+        allowed = "one" if most == 1 else f"1 to {most}"
+        raise ValueError(f"ImageInputs.reference holds {value.shape[1]} images per item; the {model} adapter takes "
+                         f"{allowed} ({pipeline}): give each row that many")
+    return torch.stack([require_image_input(model, ImageInputs(reference=value[:, i]), "reference", batch_size, 3, size)
+                        for i in range(value.shape[1])], dim=1)

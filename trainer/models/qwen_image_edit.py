@@ -18,7 +18,7 @@ from diffusers import QwenImageEditPipeline
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
 
 from trainer.models.base import Conditioning, ImageInputs
-from trainer.models.inputs import reject_image_inputs, require_image_input
+from trainer.models.inputs import reject_image_inputs, require_references
 from trainer.models.latents import vae_input_key
 from trainer.models.qwen_image import QwenImageAdapter, QwenImageConfig, pad_text
 
@@ -117,18 +117,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
             text_mask="prompt_mask", padded=any(len(t) < length for t in text))
 
     def _references(self, inputs: ImageInputs | None, batch_size: int) -> torch.Tensor:
-        """``ImageInputs.reference`` checked, as [B, N, 3, H, W] (N = 1 for [B, 3, H, W]; at most
-        ``max_references``)."""
-        size = (self.resolution, self.resolution)
-        value = None if inputs is None else inputs.reference
-        if value is None or value.ndim != 5:
-            return require_image_input(self.model_name, inputs, "reference", batch_size, 3, size)[:, None]
-        if not 1 <= value.shape[1] <= self.max_references:
-            most = "one" if self.max_references == 1 else f"1 to {self.max_references}"
-            raise ValueError(f"ImageInputs.reference holds {value.shape[1]} images per item; the {self.model_name} "
-                             f"adapter takes {most} ({self.pipeline_class.__name__}): give each row that many")
-        return torch.stack([require_image_input(self.model_name, ImageInputs(reference=value[:, i]), "reference",
-                                                batch_size, 3, size) for i in range(value.shape[1])], dim=1)
+        """``ImageInputs.reference`` checked, as [B, N, 3, H, W] (1 to ``max_references`` per item)."""
+        return require_references(self.model_name, inputs, batch_size, (self.resolution, self.resolution),
+                                  self.max_references, self.pipeline_class.__name__)
 
     def _text_images(self, pixels):
         """What the text encoder reads of one item's references (uint8 [N, 3, H, W]): the one PIL image."""
