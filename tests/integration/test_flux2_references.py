@@ -1,4 +1,4 @@
-"""FLUX.2 reference images (multi-reference editing, the pipelines' ``image``): a rollout at noise level 0 with
+"""FLUX.2 reference images (multi-reference editing, the pipelines' ``image``; inpainting's ``image_reference``): a rollout at noise level 0 with
 each item's references equals the pipeline called with them, the on-policy ratio stays exactly 1, references
 change the prediction, and references the adapter cannot take are refused with the reason."""
 
@@ -58,12 +58,36 @@ def test_rollout_with_references_at_noise_zero_equals_the_pipeline(name, model_r
     assert (plain.latents[:, -1] - ro.latents[:, -1]).abs().max() > 1e-3, "the references changed nothing"
 
 
-@pytest.mark.parametrize("name", NAMES)
+def test_inpainting_with_references_at_noise_zero_equals_the_pipeline(model_root):
+    """FLUX.2 [klein] inpainting with the pipeline's ``image_reference``: one item (the pipeline reads a list of
+    as many references as prompts as one per prompt), two references after the source's tokens."""
+    name = "flux2_klein_inpaint"
+    adapter, spec = _adapter(name, model_root), tiny(name)
+    side, g = adapter.resolution, torch.Generator().manual_seed(3)
+    references = _references(adapter, 2)
+    inputs = ImageInputs(image=torch.rand(1, 3, side, side, generator=g), reference=references[None],
+                         mask=(torch.rand(1, 1, side, side, generator=g) > 0.5).float())
+    ro = rollout(adapter, adapter.denoiser, PROMPTS[:1], torch.arange(1), _settings(name, 0.0),
+                 torch.Generator().manual_seed(0), inputs)
+    images = [Image.fromarray((r.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()) for r in references]
+    latents = adapter.pipeline(prompt=PROMPTS[:1], image_reference=images, num_inference_steps=3,
+                               output_type="latent", generator=torch.Generator().manual_seed(0),
+                               **spec.pipeline_call(adapter, inputs, spec.guidance)).images
+    expected = spec.pipeline_latents(adapter, latents).float().reshape(ro.latents[:, -1].shape)
+    torch.testing.assert_close(ro.latents[:, -1], expected, rtol=0, atol=1e-5)
+    assert ro.cond.reference.shape[1] == 2 * ro.latents.shape[2]
+
+
+@pytest.mark.parametrize("name", [*NAMES, "flux2_klein_inpaint"])
 def test_on_policy_ratio_is_exactly_one_with_each_items_own_references(name, model_root):
     adapter = _adapter(name, model_root)
     references = torch.stack([_references(adapter, 3, seed) for seed in range(len(PROMPTS))])  # [B, 3, 3, H, W]
+    inputs = ImageInputs(reference=references)
+    if name == "flux2_klein_inpaint":
+        side = adapter.resolution
+        inputs.image, inputs.mask = torch.rand(2, 3, side, side), (torch.rand(2, 1, side, side) > 0.5).float()
     ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), _settings(name, 1.0),
-                 torch.Generator().manual_seed(1), ImageInputs(reference=references))
+                 torch.Generator().manual_seed(1), inputs)
     assert ro.cond.reference.shape[1] == 3 * ro.latents.shape[2]  # three references' tokens per item
     step = adapter.step_function(ro.kind, ro.sigmas)
     with torch.no_grad():

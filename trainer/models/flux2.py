@@ -130,7 +130,7 @@ class Flux2Adapter:
         self.bn_std = torch.sqrt(bn.running_var.to(self.device, torch.float32) + self.vae.config.batch_norm_eps).view(1, -1, 1, 1)
         self.img_ids = position_ids(0, self.tokens_side, self.tokens_side).to(self.device)
         self._txt_ids: dict[int, torch.Tensor] = {}
-        self._reference_ids: dict[int, torch.Tensor] = {}
+        self._image_ids: dict[int, torch.Tensor] = {}
 
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
         self.prompts = PromptEmbeddings.of(self, config)
@@ -158,12 +158,16 @@ class Flux2Adapter:
         cfg = any(self._runs_cfg(scale) for scale in guidance_scales)
         return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
-    @torch.no_grad()
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """``reference``: each item's reference images as packed, normalised latents one after the other
-        [B, N * L, 4C] (posterior mode, as the pipelines' argmax; from ``model.image_latents`` when it holds
-        them), float32; none without references (text-to-image)."""
+        """``reference``: each item's reference images' latents (``_reference_latents``), if it has any."""
         reject_image_inputs(self.model_name, inputs, allowed=("reference",))
+        return self._reference_latents(batch_size, inputs)
+
+    @torch.no_grad()
+    def _reference_latents(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """``reference``: the reference images as packed, normalised latents one after the other [B, N * L, 4C]
+        (posterior mode, as the pipelines' argmax; from ``model.image_latents`` when it holds them), float32;
+        nothing without references."""
         if inputs is None or inputs.reference is None:
             return {}
         references = require_references(self.model_name, inputs, batch_size, (self.resolution, self.resolution),
@@ -171,17 +175,21 @@ class Flux2Adapter:
         return {"reference": torch.cat([self.model_latents(self.image_latents(self._vae_input(references[:, i])).mode())
                                         for i in range(references.shape[1])], dim=1)}
 
+    def _conditioning_ids(self, images: int) -> torch.Tensor:
+        """Position ids of the generated tokens followed by ``images`` conditioning images' (time ids 10, 20,
+        ... as the pipelines' ``_prepare_image_ids``)."""
+        if images not in self._image_ids:
+            side = self.tokens_side
+            self._image_ids[images] = torch.cat([self.img_ids, *(position_ids(10 * (i + 1), side, side).to(self.device)
+                                                                for i in range(images))])
+        return self._image_ids[images]
+
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
         """(transformer hidden_states, img_ids) for packed latents ``x`` in the model dtype: the latents, then
-        the references' tokens, if any (time ids 10, 20, ... as the pipelines' ``_prepare_image_ids``)."""
+        the references' tokens, if any."""
         if cond.reference is None:
             return x, self.img_ids
-        n = cond.reference.shape[1] // x.shape[1]
-        if n not in self._reference_ids:
-            side = self.tokens_side
-            self._reference_ids[n] = torch.cat([self.img_ids, *(position_ids(10 * (i + 1), side, side).to(self.device)
-                                                               for i in range(n))])
-        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), self._reference_ids[n]
+        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), self._conditioning_ids(cond.reference.shape[1] // x.shape[1])
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, 4C, h, w] packed to tokens, drawn as the pipelines' ``prepare_latents`` draw it."""

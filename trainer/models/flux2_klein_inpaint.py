@@ -5,8 +5,9 @@ time id 10), and the pipeline keeps the known region by blending after every ste
 (1 - sigma') z) + m x', with eps the initial noise and m the binarised mask made soft by bilinear interpolation
 to the token grid. Here that blend comes from the prediction alone (``flow.inpaint_velocity``, which reads eps
 and the schedule that ``rollout`` binds to the conditioning): a rollout at noise level 0 equals the pipeline
-(strength 1), and where m = 0 the velocity does not depend on the policy (no gradient, ratio 1). The
-pipeline's optional ``image_reference`` is not taken.
+(strength 1), and where m = 0 the velocity does not depend on the policy (no gradient, ratio 1). Reference
+images (the pipeline's ``image_reference``; ``ImageInputs.reference``, optional) follow the source's tokens
+with time ids 20, 30, ...
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
 from trainer.models.flow import inpaint_velocity
-from trainer.models.flux2 import position_ids
 from trainer.models.flux2_klein import Flux2KleinAdapter, Flux2KleinConfig
 from trainer.models.inputs import reject_image_inputs, require_image_input
 
@@ -42,30 +42,28 @@ class Flux2KleinInpaintAdapter(Flux2KleinAdapter):
     loads_pipelines = ("Flux2KleinPipeline",)
     """Saved pipelines whose weights are this adapter's own (Klein's directory; no model-path warning)."""
 
-    def __init__(self, config: Flux2KleinInpaintConfig, device: torch.device | str = "cpu"):
-        super().__init__(config, device)
-        side = self.tokens_side
-        self.inpaint_ids = torch.cat([self.img_ids, position_ids(10, side, side).to(self.device)])
-
     @torch.no_grad()
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
         """``image``: the source's packed, normalised latents z (posterior mean, as the pipeline's argmax; read
         from ``model.image_latents`` when it holds them), float32; ``mask`` [B, L, 1]: the mask binarised at
-        0.5, then interpolated bilinearly to the token grid, as ``prepare_mask_latents`` does."""
-        reject_image_inputs(self.model_name, inputs, allowed=("image", "mask"))
+        0.5, then interpolated bilinearly to the token grid, as ``prepare_mask_latents`` does; ``reference``
+        as FLUX.2's, if given."""
+        reject_image_inputs(self.model_name, inputs, allowed=("image", "mask", "reference"))
         size = (self.resolution, self.resolution)
         image = require_image_input(self.model_name, inputs, "image", batch_size, 3, size)
         mask = require_image_input(self.model_name, inputs, "mask", batch_size, 1, size)
         known = self.model_latents(self.image_latents(self._vae_input(image)).mode())
         binary = (mask.to(self.device, torch.float32) >= 0.5).float()
         soft = nn.functional.interpolate(binary, size=(self.tokens_side, self.tokens_side), mode="bilinear")
-        return {"image": known, "mask": self.pipeline._pack_latents(soft)}
+        return {"image": known, "mask": self.pipeline._pack_latents(soft), **self._reference_latents(batch_size, inputs)}
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
-        """The latents followed by the source's tokens, and their position ids."""
+        """The latents followed by the source's tokens and the references', and their position ids."""
         if cond.image is None or cond.mask is None:
             raise ValueError("flux2_klein_inpaint needs Conditioning.image and .mask: encode prompts with ImageInputs")
-        return torch.cat([x, cond.image.to(x.dtype)], dim=1), self.inpaint_ids
+        images = [cond.image] + ([] if cond.reference is None else [cond.reference])
+        tokens = torch.cat([x, *(t.to(x.dtype) for t in images)], dim=1)
+        return tokens, self._conditioning_ids(tokens.shape[1] // x.shape[1] - 1)
 
     def predict(
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
