@@ -13,7 +13,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PHASES=${PHASES:-suite epoch ratio adapters}
-ADAPTERS=${ADAPTERS:-qwen_image_edit,qwen_image_inpaint,qwen_image_edit_plus}
+ADAPTERS=${ADAPTERS:-qwen_image_edit,qwen_image_inpaint,qwen_image_edit_plus,qwen_image_edit_inpaint}
 start=$(date +%s)
 left() { echo $(( ${BUDGET_S:-540} - ($(date +%s) - start) )); }
 

@@ -52,6 +52,7 @@ MODELS: dict[str, ModelSpec] = {
     "qwen_image_edit": ModelSpec("trainer.models.qwen_image_edit:QwenImageEditAdapter"),
     "qwen_image_edit_plus": ModelSpec("trainer.models.qwen_image_edit_plus:QwenImageEditPlusAdapter"),
     "qwen_image_inpaint": ModelSpec("trainer.models.qwen_image_inpaint:QwenImageInpaintAdapter"),
+    "qwen_image_edit_inpaint": ModelSpec("trainer.models.qwen_image_edit_inpaint:QwenImageEditInpaintAdapter"),
     "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter"),
     "flux2_klein": ModelSpec("trainer.models.flux2_klein:Flux2KleinAdapter"),
     "flux2_klein_inpaint": ModelSpec("trainer.models.flux2_klein_inpaint:Flux2KleinInpaintAdapter"),

@@ -54,10 +54,7 @@ class QwenImageInpaintAdapter(QwenImageAdapter):
         latents = self.image_latents(x).mode().float()
         latents = (latents - self.latents_mean) * (1 / self.latents_std)  # the pipeline's rounding
         b, c, _, h, w = latents.shape
-        side = 2 * self.tokens_side
-        grid = nn.functional.interpolate((mask.to(self.device, torch.float32) >= 0.5).float(), size=(side, side))
-        packed_mask = self.pipeline._pack_latents(grid.repeat(1, c, 1, 1), b, c, side, side)
-        return {"image": self.pipeline._pack_latents(latents, b, c, h, w), "mask": packed_mask > 0.5}
+        return {"image": self.pipeline._pack_latents(latents, b, c, h, w), "mask": packed_mask(self, mask)}
 
     def predict(
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
@@ -67,6 +64,14 @@ class QwenImageInpaintAdapter(QwenImageAdapter):
             raise ValueError("qwen_image_inpaint needs Conditioning.image and .mask: encode prompts with ImageInputs")
         v = super().predict(net, latents, sigma, cond, guidance_scale)
         return inpaint_velocity(v, latents, sigma, cond.image, cond.mask)
+
+
+def packed_mask(adapter, mask: torch.Tensor) -> torch.Tensor:
+    """True where to repaint, per packed latent entry: ``mask`` [B, 1, H, W] binarised at 0.5 and folded to the
+    latent grid as the Qwen-Image pipelines' ``prepare_mask_latents`` do."""
+    side, c = 2 * adapter.tokens_side, adapter.latent_channels
+    grid = nn.functional.interpolate((mask.to(adapter.device, torch.float32) >= 0.5).float(), size=(side, side))
+    return adapter.pipeline._pack_latents(grid.repeat(1, c, 1, 1), mask.shape[0], c, side, side) > 0.5
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image_inpaint"].tiny) ----
