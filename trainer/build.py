@@ -75,6 +75,10 @@ def run(config: Config) -> dict[str, float]:
         guard = stack.enter_context(RunDirGuard(made))
 
         task = build_task(config.data)  # its files are checked before any model loads
+        unscored = [s for s in task.metric_scorers if s not in {*config.reward.weights, *config.eval.guard_scorers}]
+        if unscored:
+            raise ValueError(f"the {config.data.name} task's metrics read the {', '.join(unscored)} scorer: add it to "
+                             "reward.weights or eval.guard_scorers")
         torch.manual_seed(config.train.seed)
         if main:  # rank 0 first: it may build (tiny) or cache files the others then read
             adapter = build_adapter(config.model, device)

@@ -220,6 +220,16 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
     assert "reward.weights names scorer 'digt', which no reward server has (did you mean 'digit'?)" in line
 
 
+def test_a_task_whose_metrics_read_a_scorer_the_run_does_not_use_is_refused_before_building(
+        tmp_path, capsys, monkeypatch, brightness_server):
+    """The text task's metrics are read off ``ocr`` scores: without it they were NaN, with no word why."""
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
+    line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}",
+                       "data.name=words")
+    assert line == ("error: the words task's metrics read the ocr scorer: add it to reward.weights or "
+                    "eval.guard_scorers")
+
+
 def test_a_run_refused_before_training_leaves_no_run_folder(tmp_path, capsys, monkeypatch, brightness_server,
                                                             tiny_model_dir):
     """Six typos made six empty run folders: a run that fails after its folder was made (here: a sampler step the

@@ -24,6 +24,7 @@ class DigitsTask:
     """Generate the handwritten digit named in the prompt (scikit-learn's digits)."""
 
     metric_names = ("digit_accuracy",)
+    metric_scorers = ()
 
     def __init__(self, image_size: int):
         self.prompts = [digit_prompt(d) for d in range(10)]

@@ -138,6 +138,7 @@ class ImageTask:
     metadata travel as images: the server's size and pixel limits apply to them)."""
 
     metric_names: tuple[str, ...] = ()
+    metric_scorers: tuple[str, ...] = ()
 
     def __init__(self, items: list[ImageItem], image_size: int, source: str, *, style_crop: float = 0.0,
                  edit: bool = False, image_inputs: Sequence[str] = ()):

@@ -48,6 +48,7 @@ class PromptFileTask:
     ``exclude``, ...) and, for text-rendering prompts, the quoted span as ``text`` (the OCR target)."""
 
     metric_names: tuple[str, ...] = ()
+    metric_scorers: tuple[str, ...] = ()
 
     def __init__(self, path: str, eval_count: int = EVAL_COUNT):
         file = Path(path)

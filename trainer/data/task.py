@@ -33,6 +33,8 @@ class Task(Protocol):
     """Their prompts."""
     metric_names: tuple[str, ...]
     """The names ``metrics`` returns (the task's own metrics; empty: none), known before any image is made."""
+    metric_scorers: tuple[str, ...]
+    """Served scorers whose scores ``metrics`` reads: a run must score with them (reward or guard)."""
 
     def item_metadata(self, indices: list[int]) -> list[dict]:
         """Per-item metadata of pool items ``indices`` for the reward servers (target text, mask region,

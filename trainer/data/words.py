@@ -72,6 +72,7 @@ class WordsTask:
     """Render the word named in the prompt; metrics are read off the ``ocr`` scores of the images."""
 
     metric_names = ("ocr_accuracy", "ocr_score")
+    metric_scorers = ("ocr",)
 
     def __init__(self, image_size: int):
         self.words = list(VOCABULARY)
