@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -436,8 +437,8 @@ class Trainer:
         every = self.backend.gather(torch.as_tensor(checksum, dtype=torch.float64).reshape(1))
         return float(every.max() - every.min())
 
-    def _bars(self) -> bool:
-        return self.is_main and self.config.logging.progress
+    def _bars(self) -> bool:  # on a terminal only: in a log file a bar's redraws run into the printed lines
+        return self.is_main and self.config.logging.progress and sys.stderr.isatty()
 
     def _print(self, text: str) -> None:
         if self.is_main:  # tqdm.write keeps the line apart from an active progress bar

@@ -46,17 +46,18 @@ def _check_outputs(run: subprocess.CompletedProcess, run_dir: Path, epochs: int)
 def test_the_job_writes_its_outputs(tmp_path):
     """The README's job at toy size (its two reward replicas started by the job itself, the tiny model built by the
     job as on a first run): every output is there, and no third-party notice (transformers' torchvision fallback,
-    DeepSpeed's accelerator, loading bars) in the output. That it learns is test_shortened_job_raises_the_reward's
+    DeepSpeed's accelerator, loading bars) nor progress bar in the output (not a terminal). That it learns is test_shortened_job_raises_the_reward's
     (slow) and test_adapter_learning's."""
     run = _run([sys.executable, "trainer/main.py", f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path}",
-                "logging.run_name=toy", "logging.progress=false", "train.warmup_steps=4", "train.epochs=2",
+                "logging.run_name=toy", "train.warmup_steps=4", "train.epochs=2",
                 "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1",
                 "eval.guard_scorers=[brightness]"], tmp_path, timeout=600)
     records = _check_outputs(run, tmp_path / "toy", epochs=2)
     # the guard scorer is served by the job's own replicas and scored on the evaluation's images; best/ is there
     assert all(0 < r["guard/brightness"] < 1 for r in records if r["phase"] == "eval")
     assert (tmp_path / "toy" / "best" / "trainable.safetensors").is_file() and "best: " in run.stdout
-    for notice in ("requires torchvision", "Setting accelerator", "Loading weights", "Writing model shards"):
+    for notice in ("requires torchvision", "Setting accelerator", "Loading weights", "Writing model shards",
+                   "%|"):  # the last: our progress bars (logging.progress) show on a terminal, not in a log
         assert notice not in run.stdout + run.stderr, notice
 
     # python -m trainer.generate: final/ with the evaluation's prompts and noise draws samples_after.png again

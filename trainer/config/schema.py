@@ -240,7 +240,7 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write a TensorBoard event log."""
     progress: bool = True
-    """Show progress bars (rank 0)."""
+    """Show progress bars (rank 0, when stderr is a terminal)."""
 
 
 @dataclass
