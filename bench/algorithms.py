@@ -191,7 +191,7 @@ def plot(runs: dict[str, list[dict]], metric: str, target: float, path: Path) ->
         length = min(len(f["curve"]) for f in figures)
         points = [[f["curve"][i] for f in figures] for i in range(length)]
         med = [[statistics.median(p[k] for p in column) for k in range(4)] for column in points]
-        line, = left.plot([m[1] for m in med], [m[3] for m in med], "-", label=name, color=plt.cm.tab20(i % 20),
+        line, = left.plot([m[1] for m in med], [m[3] for m in med], label=name, color=plt.cm.tab20(i % 20),
                           linestyle="-" if i < 10 else "--")
         left.fill_between([m[1] for m in med], [min(p[3] for p in c) for c in points],
                           [max(p[3] for p in c) for c in points], color=line.get_color(), alpha=0.1)
