@@ -77,8 +77,9 @@ def write_config(path: Path, model, data: dict) -> Path:
 def test_stored_latents_equal_the_encoded_ones_and_spare_the_vae(name, root, tmp_path, caplog):
     config = tiny_config(name, root, dtype="float32")
     encoding = build_adapter(config, "cpu")
-    inputs = rows(testing.image_inputs(encoding, 2), GROUPS)
-    per_item = testing.tiny(name).references  # VAE inputs per item (several references: Qwen-Image-Edit-Plus)
+    inputs = rows(testing.image_inputs(encoding, 2, optional=True), GROUPS)
+    # VAE inputs per item: the image (inpainting) and each reference (several: Qwen-Image-Edit-Plus)
+    per_item = (inputs.image is not None) + (inputs.reference is not None) * testing.tiny(name).references
     encoded = count_vae_encodes(encoding)
     live = encoding.encode_prompts(PROMPTS, inputs)
     assert encoded == [1] * 2 * per_item
@@ -95,7 +96,7 @@ def test_stored_latents_equal_the_encoded_ones_and_spare_the_vae(name, root, tmp
     assert_same(live, reading.encode_prompts(PROMPTS, inputs))
     assert calls == [] and (reading.image_latents.hits, reading.image_latents.misses) == (2 * per_item, 0)
 
-    new = testing.image_inputs(encoding, 1, seed=1)
+    new = testing.image_inputs(encoding, 1, seed=1, optional=True)
     with caplog.at_level(logging.WARNING, logger="rewardflow.latents"):
         assert_same(encoding.encode_prompts(PROMPTS[:1], new), reading.encode_prompts(PROMPTS[:1], new))
     assert calls == [1] * per_item and reading.image_latents.misses == per_item

@@ -344,4 +344,4 @@ def tiny_spec():
     return testing.TinySpec(
         components=_tiny_components, pipeline_call=_pipeline_call,
         config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]), guidance=4.0,
-        bench_resolution=32, bench_guidance=4.0, denoiser_9m=FLUX2_9M, denoiser_real=_FLUX2_REAL)
+        optional_inputs=("reference",), bench_resolution=32, bench_guidance=4.0, denoiser_9m=FLUX2_9M, denoiser_real=_FLUX2_REAL)

@@ -99,5 +99,5 @@ def tiny_spec():
     return testing.TinySpec(
         components=tiny_components, pipeline_call=pipeline_call, pipeline_latents=pipeline_latents,
         config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]), guidance=3.0,
-        learning=("train.learning_rate=0.05",), learning_epochs=24,
+        learning=("train.learning_rate=0.05",), learning_epochs=24, optional_inputs=("reference",),
         bench_resolution=32, bench_guidance=4.0, denoiser_9m=FLUX2_9M, denoiser_real=_KLEIN_REAL)

@@ -53,6 +53,8 @@ class TinySpec:
     """Guidance scale of the tests: batched CFG, or the FLUX family's guidance embedding."""
     inputs: tuple[str, ...] = ()
     """The ``ImageInputs`` fields it needs: ("image", "mask") or ("reference",) (drawn in this order)."""
+    optional_inputs: tuple[str, ...] = ()
+    """``ImageInputs`` fields it takes without needing them (FLUX.2's reference images): drawn on request."""
     references: int = 1
     """Reference images per item the tiny inputs draw: several give ``reference`` [B, N, 3, H, W]."""
     data: str = "prompt_file"
@@ -298,9 +300,10 @@ def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:
     return {"ip_adapter_image_embeds": [embeds], "negative_ip_adapter_image_embeds": [torch.zeros_like(embeds)]}
 
 
-def image_inputs(adapter, batch_size: int, seed: int = 0):
+def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False):
     """Random ImageInputs of the kinds ``adapter`` needs (``TinySpec.inputs``: images, binary masks,
-    references; with an IP-Adapter a style image, the same for every item as the pipelines take one), else None."""
+    references; ``optional``: also those it only takes; with an IP-Adapter a style image, the same for every item
+    as the pipelines take one), else None."""
     from trainer.models.base import ImageInputs
 
     g = torch.Generator().manual_seed(seed)
@@ -312,7 +315,8 @@ def image_inputs(adapter, batch_size: int, seed: int = 0):
     }
     spec = tiny(adapter.config.name)
     references = (spec.references,) if spec.references > 1 else ()
-    inputs = ImageInputs(**{kind: draws[kind]() for kind in spec.inputs})
+    kinds = spec.inputs + (spec.optional_inputs if optional else ())
+    inputs = ImageInputs(**{kind: draws[kind]() for kind in kinds})
     if getattr(adapter, "ip_adapter", None) is not None:
         inputs.style = torch.rand(1, 3, side, side, generator=g).expand(batch_size, -1, -1, -1)
     return inputs if any(v is not None for v in vars(inputs).values()) else None
