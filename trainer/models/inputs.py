@@ -42,7 +42,6 @@ def require_image_input(
     return value
 
 
-
 def require_references(model: str, inputs: ImageInputs | None, batch_size: int, size: tuple[int, int], most: int,
                        pipeline: str) -> torch.Tensor:
     """``inputs.reference`` checked, as [B, N, 3, H, W] (N = 1 for [B, 3, H, W]; 1 to ``most`` per item, the
