@@ -4,11 +4,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PIP = $(VENV)/bin/pip install -q -c constraints.txt
 STAMP = $(VENV)/.installed
+# pip installs torch (from the machine's own CPU wheel where there is one: uv would not look there), then uv, which
+# installs the rest in seconds where pip takes minutes; where uv cannot be had or fails, pip installs it.
+# $(call INSTALL,venv,arguments)
+INSTALL = $(1)/bin/pip install -q uv && $(1)/bin/uv pip install -q --python $(1)/bin/python -c constraints.txt $(2) \
+	|| { echo "uv unavailable: installing with pip"; $(1)/bin/pip install -q -c constraints.txt $(2); }
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev]"
+	$(call INSTALL,$(VENV),-e ".[dev]")
 	@if $(VENV)/bin/pip list 2>/dev/null | grep -qi '^nvidia-'; then echo "CUDA packages were pulled in: check constraints.txt" >&2; exit 1; fi
 	touch $(STAMP)
 
@@ -16,13 +21,12 @@ $(STAMP): pyproject.toml constraints.txt
 # runs the reward server under a venv of its own; the test models are PP-OCRv6 from the rapidocr wheel,
 # converted by tests/paddle/build_models.py (rapidocr without its dependencies: only its model files).
 PADDLE_VENV ?= .venv-paddle
-PADDLE_PIP = $(PADDLE_VENV)/bin/pip install -q -c constraints.txt
 PADDLE_STAMP = $(PADDLE_VENV)/.installed
 
 $(PADDLE_STAMP): tests/paddle/requirements.txt pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(PADDLE_VENV)
-	$(PADDLE_PIP) -r tests/paddle/requirements.txt
-	$(PADDLE_PIP) --no-deps rapidocr==3.10.0 -e .
+	$(call INSTALL,$(PADDLE_VENV),-r tests/paddle/requirements.txt)
+	$(call INSTALL,$(PADDLE_VENV),--no-deps rapidocr==3.10.0 -e .)
 	@if $(PADDLE_VENV)/bin/pip list 2>/dev/null | grep -qi '^nvidia-\|^torch '; then echo "torch or CUDA packages in $(PADDLE_VENV)" >&2; exit 1; fi
 	touch $(PADDLE_STAMP)
 

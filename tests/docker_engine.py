@@ -2,22 +2,38 @@
 
 The engine is the one running, else a ``dockerd`` this process starts (root only). The base image is
 deploy/offline_base.sh's debootstrap of Debian; the wheels are pip-downloaded on the host once and cached,
-so images build with ``PIP_NO_INDEX=1``. ``unavailable()`` says why any of it cannot be had here.
+so images build with ``PIP_NO_INDEX=1``. ``start_engine()`` says why an engine cannot be had here. CI prepares
+all of it in the background (``python3 tests/docker_engine.py --install``) under ``PREP_LOCK``, which the compose
+tests wait for.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "rewardflow-base:bookworm"
 WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rewardflow" / "docker-wheels"
+PREP_LOCK = WHEEL_CACHE.parent / "docker-prep.lock"
+"""Held while ``__main__`` prepares; ``prepared()`` waits for it."""
 CONTEXT_FILES = ("docker-compose.yml", ".dockerignore", "deploy", "shared", "reward_server")
+
+
+@contextlib.contextmanager
+def prepared() -> Iterator[None]:
+    """Hold PREP_LOCK: wait for a preparation running in the background, and keep another from starting."""
+    PREP_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with PREP_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # unlocked as the file closes
 
 
 def _run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
@@ -110,11 +126,13 @@ def compose_project(work: Path, requirements: str) -> tuple[list[str], dict[str,
 
 
 if __name__ == "__main__":
-    # CI starts this in the background while it installs: the engine, the base image, the wheels and the CPU
-    # images' layers are then ready (cached) when the compose test runs.
+    # CI starts this in the background while it installs: Docker's packages (--install: make docker-deps), the
+    # engine, the base image, the wheels and the CPU images' layers are then ready (cached) for the compose tests.
     import tempfile
 
-    with tempfile.TemporaryDirectory() as scratch:
+    with prepared(), tempfile.TemporaryDirectory() as scratch:
+        if "--install" in sys.argv[1:]:
+            subprocess.run(["make", "-C", str(REPO), "docker-deps"], check=False)
         why = start_engine(Path(scratch) / "dockerd.log")
         if why is not None:
             sys.exit(f"docker_engine: {why}")

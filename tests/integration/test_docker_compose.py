@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import yaml
-from docker_engine import compose_project, start_engine
+from docker_engine import compose_project, prepared, start_engine
 from fixtures_models import CONFORMANCE_METADATA, build_conformance_model_dir
 from text_images import render
 
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("docker")
-    why = start_engine(work / "dockerd.log")
+    with prepared():  # CI's background preparation first, if it is still running
+        why = start_engine(work / "dockerd.log")
     if why is not None:  # also in CI: a sandbox without the privileges dockerd needs says so and goes on
         pytest.skip(f"no Docker engine: {why}")
     return work
