@@ -24,10 +24,20 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_sd3(tmp_path_factory.mktemp("models") / "tiny-sd3"))
 
 
+@pytest.fixture(scope="session")
+def warmed_tiny_checkpoint(tmp_path_factory, tiny_model_dir) -> str:
+    """tiny_model_dir after the default 600-step digits warm-up: a checkpoint for ``train.init_from``, made once
+    per run (tests/warm_start.py)."""
+    from warm_start import warmed_checkpoint
+
+    return str(warmed_checkpoint(tmp_path_factory, tiny_model_dir))
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Conformance cases of adapters whose ``TinySpec.slow_dtype_cases`` is set go to the slow tier on the CPU
-    in reduced precision; tests marked ``gpu`` skip, saying why, where CUDA is missing (deselected by default)."""
+    in reduced precision; tests marked ``gpu`` skip, saying why, where CUDA is missing (deselected by default).
+    Runs the order of a few tests (below)."""
     conformance = [item for item in items if "test_adapter_conformance" in item.nodeid]
     slow_dtypes = set()
     if conformance:
@@ -40,6 +50,11 @@ def pytest_collection_modifyitems(config, items):
         target = getattr(params.get("target"), "device", None), getattr(params.get("target"), "dtype", None)
         if case in slow_dtypes and target[0] == "cpu" and target[1] != "float32":
             item.add_marker(pytest.mark.slow)
+    # First, the runs from the shared warm-up, one after another: pytest-xdist's work stealing takes tests from the
+    # end of a worker's queue, so one worker makes the warm-up and runs them all, and none waits for another's.
+    # Last, the compose tests: CI prepares their Docker images meanwhile.
+    items.sort(key=lambda item: (0 if "warmed_tiny_checkpoint" in getattr(item, "fixturenames", ()) else
+                                 2 if "test_docker_compose" in item.nodeid else 1))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: run `pytest -m gpu` on a GPU machine")

@@ -10,16 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from warm_start import tiny_trainer
 
-from reward_server.inprocess import InProcessRewardClient
-from trainer.algorithms import build_algorithm
-from trainer.algorithms.sft import SFT
-from trainer.config import load_config
-from trainer.data import DigitsTask
-from trainer.distributed import SingleProcess
 from trainer.export import export_checkpoint
-from trainer.logging import RunLogger
-from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.trainer import Trainer
 
 TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
@@ -28,12 +21,7 @@ TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sa
 
 
 def _trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit") -> Trainer:
-    config = load_config(overrides=[f"model.path={model_dir}", *TINY, *overrides])
-    guards = {name: 0.0 for name in config.eval.guard_scorers}
-    return Trainer(config, TinyAdapter(TinyConfig(path=model_dir)), build_algorithm(config.algorithm),
-                   SFT(config.warmup), DigitsTask(16), InProcessRewardClient.from_names({reward: 1.0}),
-                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, True, False),
-                   InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None)
+    return tiny_trainer(run_dir, model_dir, *TINY, *overrides, reward=reward)
 
 
 def _records(run_dir: Path, phase: str) -> list[dict]:
@@ -118,19 +106,17 @@ def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, c
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path, tiny_model_dir, capsys):
-    """One warm-up, then GRPO twice from it: against the digit reward, the alarm stays quiet; against the
+def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path, tiny_model_dir,
+                                                                       warmed_tiny_checkpoint, capsys):
+    """GRPO twice from the warmed-up model: against the digit reward, the alarm stays quiet; against the
     brightness reward (bright blobs score, digits do not), digit accuracy falls while the reward rises, and
     the alarm (eval.on_alarm=stop) stops the run (epoch 8 of 12 here); best/ keeps the best accuracy's weights."""
-    warm = _trainer(tmp_path / "warm", tiny_model_dir, "train.warmup_steps=600", "train.epochs=0")
-    warm.fit()
-    warm.logger.close()
-    start = f"train.init_from={warm.checkpoints.latest()}"
+    start = f"train.init_from={warmed_tiny_checkpoint}"
     rl = ("eval.every=2", "eval.samples_per_prompt=4", "eval.num_steps=10", "algorithm.group_size=8",
           "algorithm.sampler.num_steps=10", "algorithm.sampler.window_range=[0,3]", "eval.on_alarm=stop", start)
     for name, reward, epochs in ("normal", "digit", 8), ("hacked", "brightness", 12):
         trainer = _trainer(tmp_path / name, tiny_model_dir, *rl, f"train.epochs={epochs}", reward=reward)
-        trainer.init_from(warm.checkpoints.latest())
+        trainer.init_from(Path(warmed_tiny_checkpoint))
         trainer.fit()
         trainer.logger.close()
     assert not _records(tmp_path / "normal", "alarm")

@@ -29,15 +29,16 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_outputs(run: subprocess.CompletedProcess, run_dir: Path, epochs: int) -> list[dict]:
+def _check_outputs(run: subprocess.CompletedProcess, run_dir: Path, epochs: int,
+                   phases: tuple[str, ...] = ("warmup", "rl")) -> list[dict]:
     """What a single-process job leaves: every epoch scored with no failed request, the sample grids, the
-    reward curve, the config, TensorBoard events of both phases, the final weights and the progress lines."""
+    reward curve, the config, TensorBoard events of each phase it ran, the final weights and the progress lines."""
     records = _records(run_dir)
     rl = [r for r in records if r["phase"] == "rl"]
     assert len(rl) == epochs and all(r["failed_share"] == 0.0 for r in rl)
     for name in ("samples_before.png", "samples_after.png", "reward_curve.png", "config.yaml"):
         assert (run_dir / name).is_file(), name
-    assert all(list((run_dir / "tensorboard" / axis).glob("events.out.tfevents.*")) for axis in ("warmup", "rl"))
+    assert all(list((run_dir / "tensorboard" / axis).glob("events.out.tfevents.*")) for axis in phases)
     assert (run_dir / "final" / "diffusion_pytorch_model.safetensors").is_file()
     assert f"epoch {epochs:3d}  reward" in run.stdout and "digit_accuracy" in run.stdout
     return records
@@ -78,15 +79,17 @@ def test_the_job_writes_its_outputs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # a 600-step warm-up and 8 epochs: ~3 min alone on 2 cores, far more when shared
-def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir):
-    """Warm-up then GRPO against two digit-reward replicas the job starts itself: the evaluation reward
-    (fixed prompts and noise) after RL beats the warmed-up model's."""
+@pytest.mark.timeout(1500)  # the shared warm-up (~2 min alone on 2 cores) and 8 epochs, far more when shared
+def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir, warmed_tiny_checkpoint):
+    """GRPO from the warmed-up model (the default warm-up, shared with other slow runs) against two digit-reward
+    replicas the job starts itself: the evaluation reward (fixed prompts and noise) after RL beats the warmed-up
+    model's. Warm-up and RL in one job are test_the_job_writes_its_outputs'."""
     run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}",
                 f"logging.output_dir={tmp_path}", "logging.run_name=short", "logging.progress=false",
-                "train.warmup_steps=600", "train.epochs=8", "eval.every=0", "eval.samples_per_prompt=5"],
-               tmp_path, timeout=1400)
-    records = _check_outputs(run, tmp_path / "short", epochs=8)
+                f"train.init_from={warmed_tiny_checkpoint}", "train.epochs=8", "eval.every=0",
+                "eval.samples_per_prompt=5"], tmp_path, timeout=1400)
+    assert "no warm-up" in run.stdout
+    records = _check_outputs(run, tmp_path / "short", epochs=8, phases=("rl",))
     evals = [r for r in records if r["phase"] == "eval"]
     before, after = evals[0], evals[-1]
     assert after["reward_mean"] > before["reward_mean"] + 0.05, (before, after)

@@ -1,0 +1,49 @@
+"""The tiny model warmed up on digits (the default 600-step warm-up), made once per test run for the slow runs
+that need a model that already draws digits: a warm-up costs about 110 CPU seconds, and pytest-xdist's workers
+share one through a file lock."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from reward_server.inprocess import InProcessRewardClient
+from trainer.algorithms import build_algorithm
+from trainer.algorithms.sft import SFT
+from trainer.config import load_config
+from trainer.data import DigitsTask
+from trainer.distributed import SingleProcess
+from trainer.logging import RunLogger
+from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.trainer import Trainer
+
+
+def tiny_trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit") -> Trainer:
+    """The default job's Trainer on the tiny model, built in-process (rewards scored in-process too)."""
+    config = load_config(overrides=[f"model.path={model_dir}", *overrides])
+    guards = {name: 0.0 for name in config.eval.guard_scorers}
+    return Trainer(config, TinyAdapter(TinyConfig(path=model_dir)), build_algorithm(config.algorithm),
+                   SFT(config.warmup), DigitsTask(16), InProcessRewardClient.from_names({reward: 1.0}),
+                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, True, False),
+                   InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None)
+
+
+def warmed_checkpoint(factory: pytest.TempPathFactory, model_dir: str) -> Path:
+    """The checkpoint after the default warm-up of the tiny model in ``model_dir`` (built with seed 0, so every
+    worker's copy has the same weights), for ``train.init_from``; the first worker to ask makes it."""
+    root = factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, above the workers'
+    done = shared / "warm-tiny.path"
+    with (shared / "warm-tiny.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        if not done.is_file():
+            trainer = tiny_trainer(shared / "warm-tiny", model_dir, "train.epochs=0", "logging.progress=false",
+                                   "eval.samples_per_prompt=1", "eval.num_steps=2")
+            trainer.fit()
+            trainer.logger.close()
+            done.write_text(str(trainer.checkpoints.latest()))
+        return Path(done.read_text())
