@@ -1,5 +1,5 @@
 """The tiny model warmed up on digits (the default 600-step warm-up), made once per test run for the slow runs
-that need a model that already draws digits: a warm-up costs about 110 CPU seconds, and pytest-xdist's workers
+that need a model that already draws digits: a warm-up takes about 110 s on this machine, and pytest-xdist's workers
 share one through a file lock."""
 
 from __future__ import annotations
