@@ -8,7 +8,7 @@ STAMP = $(VENV)/.installed
 # installs the rest in seconds where pip takes minutes; where uv cannot be had or fails, pip installs it.
 # $(call INSTALL,venv,arguments)
 INSTALL = $(1)/bin/pip install -q uv && $(1)/bin/uv pip install -q --python $(1)/bin/python -c constraints.txt $(2) \
-	|| { echo "uv unavailable: installing with pip"; $(1)/bin/pip install -q -c constraints.txt $(2); }
+	|| { echo "uv failed or is unavailable: installing with pip"; $(1)/bin/pip install -q -c constraints.txt $(2); }
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
