@@ -37,7 +37,7 @@ def warmed_tiny_checkpoint(tmp_path_factory, tiny_model_dir) -> str:
 def pytest_collection_modifyitems(config, items):
     """Conformance cases of adapters whose ``TinySpec.slow_dtype_cases`` is set go to the slow tier on the CPU
     in reduced precision; tests marked ``gpu`` skip, saying why, where CUDA is missing (deselected by default).
-    Runs the order of a few tests (below)."""
+    Sets the order of a few tests (below)."""
     conformance = [item for item in items if "test_adapter_conformance" in item.nodeid]
     slow_dtypes = set()
     if conformance:
