@@ -16,6 +16,17 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("RF_TEST_THREADS", max(1, 2 // _WORKERS))))
 
 
+@pytest.fixture(autouse=True)
+def _same_threads_after():
+    """Restore torch's thread count after a test that changed it (``trainer.build.run``, called in-process, sets
+    one per core): the tests after it on that worker would otherwise compute with other round-off, and share
+    the cores with the other worker's threads."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random tiny SD3 model saved with save_pretrained, loaded back by tests through the adapter."""

@@ -56,7 +56,7 @@ window puts the exploration where the credit is assigned. With every step stocha
 after the first have a noise std of 0.04 against 0.65 (so their log-prob gradients, ~1/std^2, drown the
 first step's) and it does not learn. With groups of 8 at a learning rate of 0.01 the gains of the FLUX
 family and SD3 ranged from -0.006 to +0.046 over seeds: too close to the margin for a test. Where an adapter
-learns differently, its ``TinySpec`` says so (``learning``, ``learning_epochs``, ``learning_config``)."""
+learns differently, its ``TinySpec`` says so (``learning``, ``learning_epochs``)."""
 
 
 class TopHalfBrightness:
@@ -107,7 +107,7 @@ def run_grpo(adapter, overrides: list[str], scorer, epochs: int, tmp_path) -> tu
 def test_grpo_raises_the_reward(name, model_root, tmp_path):
     torch.manual_seed(0)
     spec = tiny(name)
-    adapter = build_adapter(tiny_config(name, model_root, dtype="float32", **spec.learning_config), "cpu")
+    adapter = build_adapter(tiny_config(name, model_root, dtype="float32"), "cpu")
     side = getattr(adapter, "resolution", 16)
     data = tiny_dataset(spec.data, tmp_path, side, references=spec.references)
     overrides = [*SETTINGS, *spec.learning, f"data.name={spec.data}", f"data.image_size={side}", f"data.path={data}"]
@@ -133,8 +133,7 @@ def test_grpo_of_the_ip_adapter_alone_raises_the_reward(name, model_root, tmp_pa
     images come from a triplet folder, and the reward is the ``colorfulness`` scorer, which the IP path moves
     on these models (the top half's brightness moves by about 0.01 through it, within the noise)."""
     torch.manual_seed(0)
-    adapter = build_adapter(tiny_config(name, model_root, dtype="float32", ip_adapter=tiny_ip_adapter(model_root),
-                                        **tiny(name).learning_config), "cpu")
+    adapter = build_adapter(tiny_config(name, model_root, dtype="float32", ip_adapter=tiny_ip_adapter(model_root)), "cpu")
     trainable = {id(p) for p in adapter.trainable.parameters()}
     assert trainable == {id(p) for p in adapter.ip_adapter.parameters()}
     side = adapter.resolution
@@ -164,7 +163,7 @@ def test_each_newer_algorithm_raises_the_reward(algorithm, model_root, tmp_path)
     in the tiny model's learning run, as GRPO does (test_grpo_raises_the_reward)."""
     torch.manual_seed(0)
     spec = tiny("tiny")
-    adapter = build_adapter(tiny_config("tiny", model_root, dtype="float32", **spec.learning_config), "cpu")
+    adapter = build_adapter(tiny_config("tiny", model_root, dtype="float32"), "cpu")
     overrides = [f"algorithm.name={algorithm}", *SETTINGS, *spec.learning, *PEER_SETTINGS[algorithm],
                  f"data.name={spec.data}", "data.image_size=16", f"data.path={tiny_dataset(spec.data, tmp_path, 16)}"]
     before, after, rewards = run_grpo(adapter, overrides, TopHalfBrightness(), spec.learning_epochs, tmp_path)

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,20 +76,25 @@ def _records(run_dir: Path, phase: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reward_url(tmp_path_factory) -> Iterator[str]:
-    """One digit-reward server for every run of this module (a job would start its own each time)."""
+    """One reward server (digit for the GRPO jobs, brightness for the IP-Adapter's) for every run of this module
+    (a job would start its own each time)."""
     from trainer.rewards.launcher import LocalRewardPool
 
-    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path_factory.mktemp("reward")) as pool:
+    with LocalRewardPool(["digit", "brightness"], replicas=1, log_dir=tmp_path_factory.mktemp("reward")) as pool:
         yield pool.urls[0]
 
 
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory, tiny_model_dir, reward_url) -> dict[str, Path]:
-    """One uninterrupted run per backend, all in one torchrun series (DeepSpeed's last)."""
+def straight_runs(tmp_path_factory, tiny_model_dir, reward_url, ip_job) -> dict[str, Path]:
+    """One uninterrupted run per backend and per ``ip/<backend>`` (the IP-Adapter job), all in one torchrun series
+    (DeepSpeed's last); run directories by name."""
     out = tmp_path_factory.mktemp("backends")
-    order = ("ddp", "fsdp2", *VARIANTS, "zero2", "zero3")
-    _series({backend: _job(tiny_model_dir, out, backend, backend, reward_url) for backend in order}, out)
-    return {backend: out / backend for backend in (*BACKENDS, *VARIANTS)}
+    jobs = {}
+    for group in ("ddp", "fsdp2", *VARIANTS), ("zero2", "zero3"):
+        jobs.update({backend: _job(tiny_model_dir, out, backend, backend, reward_url) for backend in group})
+        jobs.update({f"ip/{b}": ip_job(out, f"ip-{b}", b) for b in group if b in BACKENDS})
+    _series(jobs, out)
+    return {name: out / name.replace("/", "-") for name in jobs}
 
 
 def test_every_backend_gives_the_same_losses_and_equal_weights_on_every_rank(straight_runs):
@@ -132,10 +137,10 @@ checkpoint instead (the same restore of their extra state, without two more torc
 
 
 @pytest.fixture(scope="module")
-def resumed_runs(tmp_path_factory, tiny_model_dir, reward_url, straight_runs) -> dict[str, tuple[Path, str]]:
+def resumed_runs(tmp_path_factory, tiny_model_dir, reward_url, ip_job, straight_runs) -> dict[str, tuple[Path, str]]:
     """Per backend of KILLED: its run killed with -9 (torchrun and both ranks) once it logged an RL epoch; then in
-    one torchrun series, those runs continued with ``--resume auto`` and each of VARIANTS resumed into a run of its
-    own from its uninterrupted run's epoch-1 checkpoint; (run directory, its stdout)."""
+    one torchrun series, those runs continued with ``--resume auto``, and each of VARIANTS and IP_RESUMED resumed
+    into a run of its own from its uninterrupted run's epoch-1 checkpoint; (run directory, its stdout) by name."""
     out = tmp_path_factory.mktemp("killed")
     for backend in KILLED:
         victim = subprocess.Popen(_torchrun(_job(tiny_model_dir, out, backend, backend, reward_url)), cwd=REPO,
@@ -155,8 +160,11 @@ def resumed_runs(tmp_path_factory, tiny_model_dir, reward_url, straight_runs) ->
     for variant in VARIANTS:
         first = next((straight_runs[variant] / "checkpoints").glob("step-*-000001"))
         jobs[variant] = [*_job(tiny_model_dir, out, variant, variant, reward_url), f"train.resume={first}"]
+    for backend in IP_RESUMED:
+        first = next((straight_runs[f"ip/{backend}"] / "checkpoints").glob("step-*-000001"))
+        jobs[f"ip/{backend}"] = ip_job(out, f"ip-{backend}", backend, f"train.resume={first}")
     stdout = _series(jobs, out)
-    return {backend: (out / backend, stdout[backend]) for backend in jobs}
+    return {name: (out / name.replace("/", "-"), stdout[name]) for name in jobs}
 
 
 @pytest.mark.parametrize("backend", (*KILLED, *VARIANTS))
@@ -177,56 +185,59 @@ def test_kill9_or_a_resume_reproduces_the_uninterrupted_run(straight_runs, resum
                     assert a[key] == b[key], (phase, a["step"], key)  # bit-identical on the CPU
 
 
+IP_RESUMED = ("fsdp2", "zero3")
+"""Backends whose IP-Adapter run is resumed after its first epoch: they shard the reference's snapshot."""
+
+
 @pytest.fixture(scope="module")
-def ip_job(tmp_path_factory) -> Iterator[list[str]]:
-    """Arguments of a FLUX job that trains its IP-Adapter alone (fresh weights) on a triplet folder, with the
-    KL to the reference on and a learning rate that moves the policy away from it within an epoch. Each rank
-    draws its own SDE window among 3 starts (the last one ends next to the final step: a window that reached
-    it would train one step fewer on that rank, and FSDP2 would hang on the unmatched forward)."""
+def ip_job(tmp_path_factory, reward_url) -> Callable[..., list[str]]:
+    """``ip_job(out, name, backend, *extra)``: the arguments of a FLUX job that trains its IP-Adapter alone (fresh
+    weights) on a triplet folder, with the KL to the reference on and a learning rate that moves the policy away
+    from it within an epoch. Each rank draws its own SDE window among 3 starts (the last one ends next to the
+    final step: a window that reached it would train one step fewer on that rank, and FSDP2 would hang on the
+    unmatched forward)."""
     from trainer.data.testing import tiny_dataset
     from trainer.models import testing
-    from trainer.rewards.launcher import LocalRewardPool
 
     root = tmp_path_factory.mktemp("ip-backends")
     model = testing.tiny_config("flux", root)
     encoder = testing.tiny_ip_adapter(root).image_encoder
-    with LocalRewardPool(["brightness"], replicas=1, log_dir=root / "reward") as pool:
-        yield ["model.name=flux", f"model.path={model.path}", f"model.resolution={model.resolution}",
-               f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
-               f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.num_tokens=4",
-               "data.name=triplet_folder", f"data.path={tiny_dataset('triplet_folder', root, model.resolution)}",
-               f"data.image_size={model.resolution}", "data.image_inputs=[style]", "data.prompts_per_epoch=2",
-               "algorithm.group_size=4", "algorithm.micro_batch_size=2", "algorithm.kl_beta=0.04",
-               "algorithm.sampler.num_steps=5", "algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,3]",
-               "train.warmup_steps=0", "train.epochs=2", "train.learning_rate=0.05",
-               "eval.num_steps=2", "eval.samples_per_prompt=1", "logging.progress=false", "logging.tensorboard=false",
-               "reward.weights={brightness: 1.0}", f"reward.urls=[{pool.urls[0]}]"]
+    data = tiny_dataset("triplet_folder", root, model.resolution)
+    common = ["model.name=flux", f"model.path={model.path}", f"model.resolution={model.resolution}",
+              f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
+              f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.num_tokens=4",
+              "data.name=triplet_folder", f"data.path={data}", f"data.image_size={model.resolution}",
+              "data.image_inputs=[style]", "data.prompts_per_epoch=2", "algorithm.group_size=4",
+              "algorithm.micro_batch_size=2", "algorithm.kl_beta=0.04", "algorithm.sampler.num_steps=5",
+              "algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,3]", "train.warmup_steps=0",
+              "train.epochs=2", "train.learning_rate=0.05", "train.checkpoint_every=1", "train.keep_checkpoints=0",
+              "eval.num_steps=2", "eval.samples_per_prompt=1", "logging.progress=false", "logging.tensorboard=false",
+              "reward.weights={brightness: 1.0}", f"reward.urls=[{reward_url}]"]
+
+    def job(out: Path, name: str, backend: str, *extra: str) -> list[str]:
+        return [*common, f"parallel.backend={backend}", f"logging.output_dir={out}", f"logging.run_name={name}",
+                *extra]
+
+    return job
 
 
-def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(ip_job, tmp_path):
+def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(straight_runs, resumed_runs):
     """The reference of IP-Adapter training is the policy with the IP-Adapter's weights as RL started. Where
     the forward gathers the backend's own shards (FSDP2, ZeRO-3) a view passing those weights to the call cannot
     work (FSDP2 computed with the live weights, a KL of 0 forever; ZeRO-3 failed), so the view writes this rank's
     shards of them into the shards around the call: every backend reports the same KL, 0 in the first epoch and
     > 0 once the policy has moved. Resumed after the first epoch, the sharded backends repeat the second (each
     rank's snapshot shards are in the checkpoint)."""
-    def job(backend: str, name: str, *extra: str) -> list[str]:
-        return [*ip_job, f"parallel.backend={backend}", f"logging.output_dir={tmp_path}", f"logging.run_name={name}",
-                "train.checkpoint_every=1", "train.keep_checkpoints=0", *extra]
+    def kl(run_dir: Path) -> list[float]:
+        return [r["kl"] for r in _records(run_dir, "rl")]
 
-    def kl(name: str) -> list[float]:
-        return [r["kl"] for r in _records(tmp_path / name, "rl")]
-
-    _series({backend: job(backend, backend) for backend in BACKENDS}, tmp_path / "series-1")
-    assert kl("ddp")[0] == 0.0 and kl("ddp")[1] > 1e-3, kl("ddp")
+    ddp = kl(straight_runs["ip/ddp"])
+    assert ddp[0] == 0.0 and ddp[1] > 1e-3, ddp
     for backend in BACKENDS:
-        assert kl(backend) == pytest.approx(kl("ddp"), rel=TOL, abs=ATOL), (backend, kl(backend), kl("ddp"))
-    resumed = ("fsdp2", "zero3")
-    _series({backend: job(backend, f"{backend}-resumed",
-                          f"train.resume={next((tmp_path / backend / 'checkpoints').glob('step-*-000001'))}")
-             for backend in resumed}, tmp_path / "series-2")
-    for backend in resumed:
-        assert kl(f"{backend}-resumed") == kl(backend)[1:], backend
+        got = kl(straight_runs[f"ip/{backend}"])
+        assert got == pytest.approx(ddp, rel=TOL, abs=ATOL), (backend, got, ddp)
+    for backend in IP_RESUMED:
+        assert kl(resumed_runs[f"ip/{backend}"][0]) == kl(straight_runs[f"ip/{backend}"])[1:], backend
 
 
 @pytest.mark.slow

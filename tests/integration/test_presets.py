@@ -123,10 +123,10 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
 
 ONE_EPOCH = ["train.epochs=1", "algorithm.group_size=4", "data.prompts_per_epoch=2", "train.rollout_chunks=4",
              "reward.batch_size=2", "algorithm.micro_batch_size=2", "algorithm.sampler.num_steps=4",
-             "eval.num_steps=2", "eval.samples_per_prompt=1"]
+             "eval.num_steps=2", "eval.samples_per_prompt=1", "warmup.batch_size=4", "warmup.micro_batch_size=2"]
 """A whole job at toy size: 2 prompts x 4 samples sampled in 4 chunks of 2 (Qwen-Image's chunks pad their text
 to different lengths when a chunk draws only the shorter prompt, as one does here), 4 sampling steps,
-micro-batches of 2."""
+micro-batches of 2; warm-up steps of 4 images in micro-batches of 2 (64 took most of a job's time)."""
 
 
 def _run(config, run_dir: Path, resume: Path | None = None) -> tuple[Trainer, list[torch.Tensor]]:

@@ -83,8 +83,6 @@ class TinySpec:
     """Config overrides of the learning test (tests/integration/test_adapter_learning.py)."""
     learning_epochs: int = 12
     """RL epochs of the learning test."""
-    learning_config: Mapping[str, Any] = field(default_factory=dict)
-    """Model config fields of the learning tests, on top of ``config``."""
     bench_resolution: int | None = None
     """bench/adapters.py's ``model.resolution``: 256 image tokens; None keeps ``config``'s."""
     bench_guidance: float = 4.5
