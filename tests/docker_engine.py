@@ -110,13 +110,14 @@ def build_context(target: Path, wheels: Path) -> Path:
     return target
 
 
-def compose_project(work: Path, requirements: str) -> tuple[list[str], dict[str, str], Path]:
+def compose_project(work: Path) -> tuple[list[str], dict[str, str], Path]:
     """The compose command, environment and build context for images built offline from ``work``, with the
-    wheels of deploy/``requirements`` (a wheelhouse with the CPU torch wheel gives a CPU model image)."""
+    wheels of deploy/requirements-models.txt (with the CPU torch wheel: a CPU model image). Those include the CPU
+    image's, so both images build from equal contexts on one base: the model image reuses the CPU image's layers."""
     compose = compose_command()
     if compose is None:
         raise RuntimeError("no compose: apt-get install docker-compose (or Docker's compose plugin)")
-    wheels = wheelhouse(requirements)
+    wheels = wheelhouse("requirements-models.txt")
     torch_wheels = [wheel.name for wheel in wheels.glob("torch-*.whl")]
     assert all("+cpu" in name for name in torch_wheels), f"a CUDA torch wheel in {wheels}: {torch_wheels}"
     project = build_context(work / "project", wheels)
@@ -136,9 +137,8 @@ if __name__ == "__main__":
         why = start_engine(Path(scratch) / "dockerd.log")
         if why is not None:
             sys.exit(f"docker_engine: {why}")
-        for requirements, service in (("requirements-cpu.txt", "reward-cpu"),
-                                      ("requirements-models.txt", "reward-models")):
-            command, env, project = compose_project(Path(scratch) / service, requirements)
+        command, env, project = compose_project(Path(scratch) / "project")
+        for service in ("reward-cpu", "reward-models"):  # the second reuses the first one's layers
             built = subprocess.run([*command, "--profile", "gpu", "build", service], cwd=project, env=env,
                                    check=False)
             if built.returncode != 0:

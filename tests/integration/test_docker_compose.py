@@ -61,7 +61,7 @@ def _wait_healthy(container: str, logs: Callable[[], str], timeout: float = 240)
 @pytest.fixture(scope="module")
 def cpu_group(engine: Path) -> Iterator[tuple[str, str]]:
     """The CPU group brought up by compose from a copy of the repository; (its URL, its token)."""
-    compose, env, project = compose_project(engine / "cpu", "requirements-cpu.txt")
+    compose, env, project = compose_project(engine / "cpu")
     token = secrets.token_hex(8)
     env.update(REWARD_CPU_PORT="", REWARD_SERVER_TOKEN=token, REWARD_CPU_SCORERS="ocr,digit")
     run = _runner([*compose, "--project-name", f"rftest{secrets.token_hex(3)}"], env, project)
@@ -95,7 +95,7 @@ def test_compose_serves_ocr_with_a_token(cpu_group: tuple[str, str]) -> None:
 def test_model_image_scores_mounted_tiny_models_as_the_host_does(engine: Path) -> None:
     """compose builds the GPU groups' image (here on the CPU torch wheel); it serves the default scorers of
     both model services from tiny random models mounted read-only, with the same scores as a host server."""
-    compose, env, project = compose_project(engine / "models", "requirements-models.txt")
+    compose, env, project = compose_project(engine / "models")
     run = _runner([*compose, "--profile", "gpu"], env, project)
     run("build", "reward-models", timeout=1200)
     services = yaml.safe_load(run("config"))["services"]
