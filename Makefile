@@ -9,7 +9,7 @@ STAMP = $(VENV)/.installed
 # compiles the bytecode as pip does: without it, every process compiled diffusers, transformers, ... on import
 # wherever PYTHONDONTWRITEBYTECODE is set (as on this machine: 10 s instead of 6 s to import the trainer).
 # $(call INSTALL,venv,arguments)
-INSTALL = $(1)/bin/pip install -q uv && $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python \
+INSTALL = { [ -x $(1)/bin/uv ] || $(1)/bin/pip install -q uv; } && $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python \
 	-c constraints.txt $(2) \
 	|| { echo "uv failed or is unavailable: installing with pip"; $(1)/bin/pip install -q -c constraints.txt $(2); }
 

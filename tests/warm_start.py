@@ -22,13 +22,15 @@ from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.trainer import Trainer
 
 
-def tiny_trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit") -> Trainer:
-    """The default job's Trainer on the tiny model, built in-process (rewards scored in-process too)."""
+def tiny_trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit", task: DigitsTask | None = None,
+                 log: bool = True) -> Trainer:
+    """The default job's Trainer on the tiny model, built in-process (rewards scored in-process too) on the digits
+    task (or ``task``); ``log=False``: no metrics.jsonl or images."""
     config = load_config(overrides=[f"model.path={model_dir}", *overrides])
     guards = {name: 0.0 for name in config.eval.guard_scorers}
     return Trainer(config, TinyAdapter(TinyConfig(path=model_dir)), build_algorithm(config.algorithm),
-                   SFT(config.warmup), DigitsTask(16), InProcessRewardClient.from_names({reward: 1.0}),
-                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, True, False),
+                   SFT(config.warmup), task or DigitsTask(16), InProcessRewardClient.from_names({reward: 1.0}),
+                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, log, False),
                    InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None)
 
 

@@ -9,32 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm_start import tiny_trainer
 
-from reward_server.inprocess import InProcessRewardClient
-from trainer.algorithms import build_algorithm
 from trainer.algorithms.advantages import batch_advantages, gae, group_advantages
 from trainer.algorithms.base import Rewards
 from trainer.algorithms.clean_sample import per_sample_mse
-from trainer.algorithms.sft import SFT
-from trainer.config import load_config
-from trainer.data import DigitsTask
-from trainer.distributed import SingleProcess
-from trainer.logging import RunLogger
-from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.rollout import Rollout
 from trainer.trainer import Trainer
 
 
 def _trainer(run_dir: Path, model_dir: str, algorithm: str, *extra: str) -> Trainer:
     """Two prompts of two samples each (unless ``extra`` says otherwise), sampled in four denoising steps."""
-    config = load_config(overrides=[
-        f"model.path={model_dir}", f"algorithm.name={algorithm}", "algorithm.group_size=2",
+    return tiny_trainer(
+        run_dir, model_dir, f"algorithm.name={algorithm}", "algorithm.group_size=2",
         "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "data.prompts_per_epoch=2",
-        "train.warmup_steps=0", "train.epochs=1", "eval.every=0", "logging.progress=false", *extra])
-    adapter = TinyAdapter(TinyConfig(path=model_dir))
-    return Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), DigitsTask(16),
-                   InProcessRewardClient.from_names({"digit": 1.0}), SingleProcess(torch.device("cpu")),
-                   RunLogger(run_dir, False, False))
+        "train.warmup_steps=0", "train.epochs=1", "eval.every=0", "logging.progress=false", *extra, log=False)
 
 
 def _rollout(trainer: Trainer) -> tuple[Rollout, torch.Tensor]:

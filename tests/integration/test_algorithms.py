@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm_start import tiny_trainer
 
 from reward_server.inprocess import InProcessRewardClient
 from trainer.algorithms import ALGORITHMS, build_algorithm
@@ -28,16 +29,12 @@ EXPECTED_STATS = {"grpo": "clip_frac", "ppo": "clip_frac", "ppo_critic": "value_
 
 
 def _trainer(run_dir: Path, model_dir: str, algorithm: str, *extra: str) -> Trainer:
-    config = load_config(overrides=[
-        f"model.path={model_dir}", f"algorithm.name={algorithm}", "algorithm.group_size=4",
+    return tiny_trainer(
+        run_dir, model_dir, f"algorithm.name={algorithm}", "algorithm.group_size=4",
         "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "data.prompts_per_epoch=4",
         "train.warmup_steps=2", "warmup.batch_size=8", "train.epochs=3",
         "train.checkpoint_every=1", "train.keep_checkpoints=0", "eval.samples_per_prompt=1", "eval.num_steps=2",
-        "eval.every=0", "train.ema_decay=0.5", "logging.progress=false", *extra])
-    adapter = TinyAdapter(TinyConfig(path=model_dir))
-    return Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), DigitsTask(16),
-                   InProcessRewardClient.from_names({"digit": 1.0}), SingleProcess(torch.device("cpu")),
-                   RunLogger(run_dir, True, False))
+        "eval.every=0", "train.ema_decay=0.5", "logging.progress=false", *extra)
 
 
 def _rl_records(run_dir: Path) -> list[dict]:

@@ -7,16 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm_start import tiny_trainer
 
-from reward_server.inprocess import InProcessRewardClient
-from trainer.algorithms import build_algorithm
 from trainer.algorithms.advantages import group_advantages
-from trainer.algorithms.sft import SFT
-from trainer.config import load_config
 from trainer.data import DigitsTask
-from trainer.distributed import SingleProcess
-from trainer.logging import RunLogger
-from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.trainer import RewardFailure, Trainer
 
 
@@ -35,13 +29,9 @@ class _NoDigitTask(DigitsTask):
 
 
 def _trainer(tmp_path: Path, tiny_model_dir: str, failing: int, limit: float) -> Trainer:
-    config = load_config(overrides=[f"model.path={tiny_model_dir}", "algorithm.group_size=2",
-                                    "data.prompts_per_epoch=10", f"reward.max_failed_share={limit}",
-                                    "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]"])
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
-    return Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), _NoDigitTask(failing),
-                   InProcessRewardClient.from_names({"digit": 1.0}), SingleProcess(torch.device("cpu")),
-                   RunLogger(tmp_path, False, False))
+    return tiny_trainer(tmp_path, tiny_model_dir, "algorithm.group_size=2", "data.prompts_per_epoch=10",
+                        f"reward.max_failed_share={limit}", "algorithm.sampler.num_steps=4",
+                        "algorithm.sampler.window_range=[0,2]", task=_NoDigitTask(failing), log=False)
 
 
 def test_failed_rewards_are_counted_and_get_no_advantage(tmp_path, tiny_model_dir):

@@ -116,19 +116,9 @@ def test_named_kernel_is_checked_then_set_for_the_process(adapter):
 
 def test_a_trainer_sets_the_named_kernel_before_compiling_and_says_so(tmp_path, tiny_model_dir, capsys):
     """The run's choice is made as the Trainer is built (before model.compile), printed and logged."""
-    from reward_server.inprocess import InProcessRewardClient
-    from trainer.algorithms import build_algorithm
-    from trainer.algorithms.sft import SFT
-    from trainer.data import DigitsTask
-    from trainer.distributed import SingleProcess
-    from trainer.logging import RunLogger
-    from trainer.models.tiny import TinyAdapter, TinyConfig
-    from trainer.trainer import Trainer
+    from warm_start import tiny_trainer
 
-    config = load_config(overrides=[f"model.path={tiny_model_dir}", "model.attention=flash"])
-    trainer = Trainer(config, TinyAdapter(TinyConfig(path=tiny_model_dir)), build_algorithm(config.algorithm),
-                      SFT(config.warmup), DigitsTask(16), InProcessRewardClient.from_names({"digit": 1.0}),
-                      SingleProcess(torch.device("cpu")), RunLogger(tmp_path, True, False))
+    trainer = tiny_trainer(tmp_path, tiny_model_dir, "model.attention=flash")
     assert trainer.attention.kernel == "flash" and not torch.backends.cuda.mem_efficient_sdp_enabled()
     assert "model.attention=flash: flash (blocks forward+backward: flash " in capsys.readouterr().out
     (record,) = [r for r in trainer.logger.history if r["phase"] == "attention"]
