@@ -79,6 +79,11 @@ def run(config: Config) -> dict[str, float]:
         if unscored:
             raise ValueError(f"the {config.data.name} task's metrics read the {', '.join(unscored)} scorer: add it to "
                              "reward.weights or eval.guard_scorers")
+        trackers, refusal = start_trackers(config, run_dir) if main else ([], None)
+        refusal = backend.broadcast(refusal)  # before any model loads: a W&B login that fails says so at once
+        if refusal:
+            raise ValueError(refusal)
+        trackers = [stack.enter_context(tracker) for tracker in trackers]  # each ends as the run does, failed or not
         torch.manual_seed(config.train.seed)
         if main:  # rank 0 first: it may build (tiny) or cache files the others then read
             adapter = build_adapter(config.model, device)
@@ -105,7 +110,7 @@ def run(config: Config) -> dict[str, float]:
         client = reward_client(config.reward.weights)
         guards = {name: 0.0 for name in config.eval.guard_scorers if name not in config.reward.weights}
         guard_client = reward_client({**config.reward.weights, **guards}) if guards else None
-        logger = RunLogger(run_dir, enabled=main, tensorboard=config.logging.tensorboard)
+        logger = RunLogger(run_dir, enabled=main, tensorboard=config.logging.tensorboard, trackers=trackers)
         stack.callback(logger.close)
 
         trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
@@ -135,6 +140,19 @@ def run(config: Config) -> dict[str, float]:
                   f"best/: the best evaluation's, epoch {trainer.guard.best_epoch})", flush=True)
         backend.barrier()
         return metrics
+
+
+def start_trackers(config: Config, run_dir: Path) -> tuple[list, str | None]:
+    """Rank 0's trackers besides TensorBoard (W&B when ``logging.wandb`` asks), or why one cannot start."""
+    if config.logging.wandb == "none":
+        return [], None
+    from trainer.trackers import WandbTracker
+
+    try:
+        return [WandbTracker(run_dir, config.logging.wandb, config.logging.wandb_project,
+                             config.logging.wandb_entity, saved_dict(config))], None
+    except ValueError as exc:
+        return [], str(exc)
 
 
 def require_checkpoint(path: Path, setting: str) -> None:

@@ -1,4 +1,5 @@
-"""Run outputs: JSONL metrics, TensorBoard, image grids and the reward curve (rank 0 writes)."""
+"""Run outputs: JSONL metrics, image grids and the reward curve, and the trackers (TensorBoard, W&B) fed from
+them (rank 0 writes)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+
+from trainer.trackers import TensorBoardTracker, Tracker, finite_numbers
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -33,32 +37,20 @@ def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike, scale: i
 
 
 class RunLogger:
-    """Writes metrics to ``metrics.jsonl`` and TensorBoard under the run directory (no-op off rank 0)."""
+    """Writes metrics to ``metrics.jsonl`` under the run directory and passes them on to TensorBoard (when
+    ``tensorboard``) and the other ``trackers``, which their maker closes (no-op off rank 0)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, trackers: Sequence[Tracker] = ()):
         self.run_dir = run_dir
         self.enabled = enabled
-        # TensorBoard writers by step axis, each its own run under tensorboard/ so that a resume can hide the
-        # redone steps of each: "warmup" (warm-up steps) and "rl" (RL epochs: RL, evaluations, images).
-        self.writers: dict[str, object] = {}
         self.history: list[dict] = []
+        self.trackers: list[Tracker] = []
+        self._tensorboard = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(run_dir / "metrics.jsonl", "a")
-            if tensorboard:
-                self._open_writers({})
-
-    def _open_writers(self, purge: dict[str, int]) -> None:
-        """(Re)open the TensorBoard writers; ``purge``: axis -> first step whose earlier events are hidden."""
-        from torch.utils.tensorboard import SummaryWriter
-
-        for writer in self.writers.values():
-            writer.close()
-        self.writers = {axis: SummaryWriter(str(self.run_dir / "tensorboard" / axis), purge_step=purge.get(axis))
-                        for axis in ("warmup", "rl")}
-
-    def _writer(self, phase: str):
-        return self.writers.get("warmup" if phase == "warmup" else "rl")
+            self._tensorboard = TensorBoardTracker(run_dir) if tensorboard else None
+            self.trackers = [self._tensorboard, *trackers] if tensorboard else list(trackers)
 
     def truncate(self, warmup_steps_done: int, epochs_done: int) -> None:
         """After a resume: keep only the records of work the checkpoint holds, the ones written before its own
@@ -87,8 +79,8 @@ class RunLogger:
         os.replace(tmp, path)
         self._jsonl = open(path, "a")
         self.history = kept
-        if self.writers:  # a warm-up checkpoint (no epoch done) holds no RL-axis event: the evaluation before RL
-            self._open_writers({"warmup": warmup_steps_done, "rl": epochs_done + 1 if epochs_done else 0})
+        for tracker in self.trackers:
+            tracker.rewind(warmup_steps_done, epochs_done)
 
     def log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
         record = {"phase": phase, "step": step, "time": time.time(), **metrics}
@@ -97,20 +89,18 @@ class RunLogger:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        writer = self._writer(phase)
-        if writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    writer.add_scalar(f"{phase}/{key}", value, step)
+        numbers = finite_numbers(metrics)
+        for tracker in self.trackers if numbers else ():
+            tracker.scalars(phase, numbers, step)
 
     def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int) -> None:
         if not self.enabled:
             return
         save_grid(images, rows, self.run_dir / f"{name}.png")
-        writer = self._writer("rl")
-        if writer is not None:
-            writer.add_image(name, np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB")), step,
-                             dataformats="HWC")
+        if self.trackers:
+            pixels = np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB"))
+            for tracker in self.trackers:
+                tracker.image(name, pixels, step)
 
     def reward_curve(self, best_epoch: int = -1, select_by: str = "") -> None:
         """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise: the held-out reward,
@@ -145,5 +135,5 @@ class RunLogger:
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
-            for writer in self.writers.values():
-                writer.close()
+            if self._tensorboard is not None:
+                self._tensorboard.close()

@@ -241,6 +241,20 @@ class LoggingConfig:
     """Write a TensorBoard event log."""
     progress: bool = True
     """Show progress bars (rank 0, when stderr is a terminal)."""
+    wandb: Literal["none", "online", "offline"] = "none"
+    """Also log to Weights & Biases (``pip install -e ".[wandb]"``): online (``wandb login`` first) or offline
+    (``wandb sync <run>/wandb/offline-run-*`` uploads it later). A resumed run continues its W&B run."""
+    wandb_project: str = "rewardflow"
+    """The W&B project the run is logged in (its run name: the run directory's)."""
+    wandb_entity: str = ""
+    """W&B team or user; empty: your default entity."""
+
+    def __post_init__(self):
+        import importlib.util
+
+        if self.wandb != "none" and importlib.util.find_spec("wandb") is None:
+            raise ValueError(f"logging.wandb={self.wandb} needs the wandb package: pip install -c constraints.txt "
+                             "-e \".[wandb]\"")
 
 
 @dataclass

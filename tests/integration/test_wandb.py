@@ -1,0 +1,129 @@
+"""Weights & Biases logging, offline as a user without a network runs it: a job logs to W&B what metrics.jsonl
+holds, on the same two step axes; a resumed job continues its W&B run; a W&B login that cannot work stops the job
+before any model loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+
+from trainer.main import main
+
+
+@pytest.fixture(autouse=True)
+def _wandb_home(tmp_path, monkeypatch):
+    """W&B's settings, cache and credentials in the test's own folder, never the user's."""
+    home = tmp_path / "wandb-home"
+    for name in ("HOME", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(home))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def _records(path: Path):
+    """The messages of an offline run's .wandb file: a 7-byte file header, then LevelDB's log format (32 KiB
+    blocks of records, each [crc32, length, type] and its bytes; types 2-4 split a message over blocks)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, pos, part = path.read_bytes(), 7, b""
+    assert data.startswith(b":W&B")
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        part += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole message, or its last piece
+            record = Record()
+            record.ParseFromString(part)
+            part = b""
+            yield record
+
+
+def _wandb_runs(run_dir: Path) -> list[tuple[dict, list[dict]]]:
+    """(config, history rows) of each W&B run segment logged in ``run_dir``, oldest first."""
+    runs = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        config, rows = {}, []
+        for record in _records(path):
+            kind = record.WhichOneof("record_type")
+            if kind in ("run", "config"):  # the run's config, then any updates of it
+                update = record.run.config.update if kind == "run" else record.config.update
+                config.update({item.key: json.loads(item.value_json) for item in update})
+            elif kind == "history":  # an image is a few keys under its name: "images/<name>/path", ...
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+        runs.append((config, rows))
+    return runs
+
+
+def _exit_codes(run_dir: Path) -> list[int]:
+    return [record.exit.exit_code for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+            for record in _records(path) if record.WhichOneof("record_type") == "exit"]
+
+
+def _job(tmp_path: Path, model_dir: str, *extra: str) -> list[str]:
+    return [f"model.path={model_dir}", f"logging.output_dir={tmp_path}", "logging.run_name=w",
+            "logging.progress=false", "logging.tensorboard=false", "logging.wandb=offline",
+            "logging.wandb_project=rf-test", "train.warmup_steps=2", "warmup.batch_size=4", "train.checkpoint_every=1",
+            "data.prompts_per_epoch=2", "algorithm.group_size=2", "eval.samples_per_prompt=1", "eval.num_steps=2",
+            "eval.every=1", "reward.replicas=1", "reward.token=secret-token", *extra]
+
+
+def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path, tiny_model_dir):
+    assert main(_job(tmp_path, tiny_model_dir, "train.epochs=1")) == 0
+    run_dir = tmp_path / "w"
+    run_id = (run_dir / "wandb-run-id").read_text()
+    ((config, rows),) = _wandb_runs(run_dir)
+    assert config["model"]["name"] == "tiny" and config["train"]["epochs"] == 1
+    assert "secret-token" not in json.dumps(config)  # the config as config.yaml saves it
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if r["phase"] in ("warmup", "rl", "eval")]
+    assert {r["phase"] for r in logged} == {"warmup", "rl", "eval"}
+    for record in logged:  # each record is one W&B row on its axis, with every finite number it holds
+        phase, axis = record["phase"], "warmup/step" if record["phase"] == "warmup" else "rl/epoch"
+        (row,) = [row for row in rows if row.get(axis) == record["step"]
+                  and any(key.startswith(f"{phase}/") and key != axis for key in row)]
+        numbers = {f"{phase}/{key}": value for key, value in record.items() if key not in ("phase", "step", "time")
+                   and isinstance(value, int | float) and math.isfinite(value)}
+        assert numbers and {key: row[key] for key in numbers} == numbers
+    grids = {key.rsplit("/", 1)[0]: row["rl/epoch"] for row in rows for key in row if key.startswith("images/")}
+    assert grids == {"images/samples_before": 0, "images/samples_after": 1}
+
+    assert main(_job(tmp_path, tiny_model_dir, "train.epochs=2", "train.resume=auto")) == 0
+    assert (run_dir / "wandb-run-id").read_text() == run_id
+    first, second = _wandb_runs(run_dir)
+    assert [p.name.endswith(f"-{run_id}") for p in run_dir.glob("wandb/offline-run-*")] == [True, True]
+    assert second[0]["train"]["epochs"] == 2
+    assert {row["rl/epoch"] for row in second[1] if "rl/reward_mean" in row} == {2}
+    assert {row["rl/epoch"] for row in first[1] if "rl/reward_mean" in row} == {1}
+    assert _exit_codes(run_dir) == [0, 0]
+
+
+def test_a_wandb_run_ends_failed_when_its_job_fails(tmp_path):
+    from trainer.trackers import WandbTracker
+
+    with pytest.raises(RuntimeError, match="boom"), WandbTracker(tmp_path, "offline", "rf-test", "", {}) as tracker:
+        tracker.scalars("rl", {"reward_mean": 0.5}, 1)
+        raise RuntimeError("boom")
+    ((_, rows),) = _wandb_runs(tmp_path)
+    assert [(row["rl/epoch"], row["rl/reward_mean"]) for row in rows] == [(1, 0.5)]
+    assert _exit_codes(tmp_path) == [1]
+
+
+def test_a_wandb_login_that_cannot_work_stops_the_job_before_the_model_loads(tmp_path, capsys):
+    model = tmp_path / "not-built"  # the tiny model would be built there
+    assert main([f"model.path={model}", f"logging.output_dir={tmp_path}", "logging.wandb=online",
+                 "reward.replicas=1"]) == 2
+    err = capsys.readouterr().err
+    assert "logging.wandb=online: W&B did not start (No API key configured. Use `wandb login` to log in.): run " \
+           "`wandb login` or set WANDB_API_KEY, or use logging.wandb=offline" in err, err[-2000:]
+    assert not model.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name != "wandb-home"]  # no run folder left behind

@@ -1,0 +1,119 @@
+"""Where a run's scalars and image grids go besides metrics.jsonl: TensorBoard and Weights & Biases (rank 0).
+Both plot on two step axes, warm-up steps and RL epochs (evaluations, checkpoints and alarms are on the RL one)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+AXES = ("warmup", "rl")
+STEP_KEYS = {"warmup": "warmup/step", "rl": "rl/epoch"}
+"""W&B: the key of each axis's step, logged with every row of it."""
+
+
+def axis_of(phase: str) -> str:
+    return "warmup" if phase == "warmup" else "rl"
+
+
+def finite_numbers(metrics: dict) -> dict[str, float]:
+    """The values a chart can show: finite ints and floats (NaN marks a missing value in metrics.jsonl)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+
+
+class Tracker(Protocol):
+    def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None: ...
+
+    def image(self, name: str, pixels: np.ndarray, step: int) -> None:
+        """``pixels``: an [H, W, 3] uint8 grid, on the RL axis."""
+
+    def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
+        """After a resume: what comes next redoes the steps after these."""
+
+
+class TensorBoardTracker:
+    """One event log per step axis under ``tensorboard/``, so that a resume hides each axis's redone steps."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.writers: dict[str, object] = {}
+        self._open({})
+
+    def _open(self, purge: dict[str, int]) -> None:
+        """(Re)open the writers; ``purge``: axis -> first step whose earlier events are hidden."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        for writer in self.writers.values():
+            writer.close()
+        self.writers = {axis: SummaryWriter(str(self.run_dir / "tensorboard" / axis), purge_step=purge.get(axis))
+                        for axis in AXES}
+
+    def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writers[axis_of(phase)].add_scalar(f"{phase}/{key}", value, step)
+
+    def image(self, name: str, pixels: np.ndarray, step: int) -> None:
+        self.writers["rl"].add_image(name, pixels, step, dataformats="HWC")
+
+    def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
+        # a warm-up checkpoint (no epoch done) holds no RL-axis event: the evaluation before RL is redone
+        self._open({"warmup": warmup_steps_done, "rl": epochs_done + 1 if epochs_done else 0})
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+
+
+class WandbTracker:
+    """A W&B run kept in ``<run>/wandb/``; its id, in ``<run>/wandb-run-id``, lets a resumed job continue it.
+    W&B cannot drop history, so a resume logs the redone steps again at the same x: resume is exact, so with the
+    same values. ``mode`` offline: upload later with ``wandb sync <run>/wandb/offline-run-*``."""
+
+    ID_FILE = "wandb-run-id"
+
+    def __init__(self, run_dir: Path, mode: str, project: str, entity: str, config: dict):
+        import wandb
+
+        id_file = run_dir / self.ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        try:
+            self.run = wandb.init(project=project, entity=entity or None, name=run_dir.name, id=run_id,
+                                  resume="allow", dir=str(run_dir), mode=mode, config=config,
+                                  settings=wandb.Settings(init_timeout=60))
+        except Exception as exc:  # wandb raises its own types, and network errors as they come
+            cause = " ".join(str(exc).split()) or type(exc).__name__
+            raise ValueError(f"logging.wandb={mode}: W&B did not start ({cause}): run `wandb login` or set "
+                             "WANDB_API_KEY, or use logging.wandb=offline and upload later with `wandb sync`") from None
+        id_file.write_text(run_id)
+        self._wandb = wandb
+        self._defined: set[str] = set()
+        for axis in AXES:
+            self.run.define_metric(STEP_KEYS[axis])
+            self._define(axis)
+
+    def _define(self, prefix: str) -> None:
+        """Plot ``prefix/*`` against its axis's step (phases and images are defined on first use)."""
+        if prefix not in self._defined:
+            self._defined.add(prefix)
+            self.run.define_metric(f"{prefix}/*", step_metric=STEP_KEYS[axis_of(prefix)])
+
+    def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None:
+        self._define(phase)
+        self.run.log({**{f"{phase}/{key}": value for key, value in metrics.items()}, STEP_KEYS[axis_of(phase)]: step})
+
+    def image(self, name: str, pixels: np.ndarray, step: int) -> None:
+        self._define("images")
+        self.run.log({f"images/{name}": self._wandb.Image(pixels, caption=name), STEP_KEYS["rl"]: step})
+
+    def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
+        pass  # see the class docstring
+
+    def __enter__(self) -> WandbTracker:
+        return self
+
+    def __exit__(self, failure, *_) -> None:
+        """The W&B run ends as the job does: failed (exit code 1) when an exception ends it."""
+        self.run.finish(exit_code=1 if failure is not None else 0)
