@@ -82,8 +82,10 @@ class RunLogger:
         for tracker in self.trackers:
             tracker.rewind(warmup_steps_done, epochs_done)
 
-    def log(self, step: int, phase: str, metrics: dict[str, float]) -> None:
-        record = {"phase": phase, "step": step, "time": time.time(), **metrics}
+    def log(self, step: int, phase: str, metrics: dict[str, float], alert: str = "") -> None:
+        """Record ``metrics`` of ``phase`` at ``step``; ``alert``: a warning the trackers also send on (W&B's
+        alerts reach Slack or email), with the record's ``alert`` field."""
+        record = {"phase": phase, "step": step, "time": time.time(), **metrics, **({"alert": alert} if alert else {})}
         self.history.append(record)
         if not self.enabled:
             return
@@ -92,6 +94,8 @@ class RunLogger:
         numbers = finite_numbers(metrics)
         for tracker in self.trackers if numbers else ():
             tracker.scalars(phase, numbers, step)
+        for tracker in self.trackers if alert else ():
+            tracker.alert(phase, alert)
 
     def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int) -> None:
         if not self.enabled:

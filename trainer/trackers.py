@@ -30,6 +30,9 @@ class Tracker(Protocol):
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
         """``pixels``: an [H, W, 3] uint8 grid, on the RL axis."""
 
+    def alert(self, phase: str, text: str) -> None:
+        """A warning of ``phase`` for whoever watches the run."""
+
     def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
         """After a resume: what comes next redoes the steps after these."""
 
@@ -57,6 +60,9 @@ class TensorBoardTracker:
 
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
         self.writers["rl"].add_image(name, pixels, step, dataformats="HWC")
+
+    def alert(self, phase: str, text: str) -> None:
+        pass  # TensorBoard has no alerts: the record and the printed warning say it
 
     def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
         # a warm-up checkpoint (no epoch done) holds no RL-axis event: the evaluation before RL is redone
@@ -107,6 +113,9 @@ class WandbTracker:
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
         self._define("images")
         self.run.log({f"images/{name}": self._wandb.Image(pixels, caption=name), STEP_KEYS["rl"]: step})
+
+    def alert(self, phase: str, text: str) -> None:
+        self.run.alert(title=f"rewardflow {phase}: {self.run.name}", text=text, level=self._wandb.AlertLevel.WARN)
 
     def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
         pass  # see the class docstring

@@ -195,8 +195,9 @@ class Trainer:
         stop = verdict.stop
         if verdict.alarm is not None:
             action = self.config.eval.on_alarm
-            self._print(f"warning: {verdict.alarm.message()} (eval.on_alarm={action})")
-            self.logger.log(epoch, "alarm", {"metric": verdict.alarm.metric, **verdict.alarm.numbers()})
+            warning = f"{verdict.alarm.message()} (eval.on_alarm={action})"
+            self._print(f"warning: {warning}")
+            self.logger.log(epoch, "alarm", {"metric": verdict.alarm.metric, **verdict.alarm.numbers()}, alert=warning)
             if action == "stop":
                 stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {self.best_dir}"
             elif action == "rollback":

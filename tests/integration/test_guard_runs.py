@@ -123,6 +123,7 @@ def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path,
     (alarm,) = _records(tmp_path / "hacked", "alarm")
     assert alarm["metric"] == "digit_accuracy" and alarm["guard_then"] - alarm["guard_now"] > 0.1
     assert alarm["reward_now"] > alarm["reward_then"]
+    assert alarm["alert"].startswith(f"reward-hacking alarm at epoch {alarm['step']}: ")  # what W&B sends on
     evals = _records(tmp_path / "hacked", "eval")
     assert evals[-1]["step"] == alarm["step"] < 12, evals  # stopped there
     best = json.loads((tmp_path / "hacked" / "best" / "meta.json").read_text())

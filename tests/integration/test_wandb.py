@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -25,18 +26,29 @@ def _wandb_home(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
-def _records(path: Path):
-    """The messages of an offline run's .wandb file: a 7-byte file header, then LevelDB's log format (32 KiB
-    blocks of records, each [crc32, length, type] and its bytes; types 2-4 split a message over blocks)."""
+def _records(path: Path) -> list:
+    """The messages of an offline run's .wandb file, once its last one (exit) is there: W&B's own process writes
+    the file after ``finish`` returns. The file: a 7-byte header, then LevelDB's log format (32 KiB blocks of
+    records, each [crc32, length, type] and its bytes; types 2-4 split a message over blocks)."""
+    deadline = time.monotonic() + 60
+    while not (records := list(_parse(path.read_bytes()))) or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, f"{path} has no exit record after 60 s"
+        time.sleep(0.1)
+    return records
+
+
+def _parse(data: bytes):
     from wandb.proto.wandb_internal_pb2 import Record
 
-    data, pos, part = path.read_bytes(), 7, b""
+    pos, part = 7, b""
     assert data.startswith(b":W&B")
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):
+            return  # still being written
         part += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a whole message, or its last piece
@@ -107,14 +119,26 @@ def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path
     assert _exit_codes(run_dir) == [0, 0]
 
 
-def test_a_wandb_run_ends_failed_when_its_job_fails(tmp_path):
+def test_an_alarm_becomes_a_wandb_alert_and_a_failed_job_a_failed_run(tmp_path):
+    """The reward-hacking alarm reaches W&B as an alert (W&B sends those on to Slack or email) besides its row;
+    a job that ends with an exception ends its W&B run with exit code 1."""
+    from trainer.logging import RunLogger
     from trainer.trackers import WandbTracker
 
     with pytest.raises(RuntimeError, match="boom"), WandbTracker(tmp_path, "offline", "rf-test", "", {}) as tracker:
-        tracker.scalars("rl", {"reward_mean": 0.5}, 1)
+        logger = RunLogger(tmp_path, enabled=True, tensorboard=False, trackers=[tracker])
+        logger.log(1, "rl", {"reward_mean": 0.5})
+        logger.log(2, "alarm", {"metric": "digit_accuracy", "reward_now": 0.9}, alert="reward-hacking alarm at 2")
+        logger.close()
         raise RuntimeError("boom")
     ((_, rows),) = _wandb_runs(tmp_path)
-    assert [(row["rl/epoch"], row["rl/reward_mean"]) for row in rows] == [(1, 0.5)]
+    assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows] == [
+        {"rl/epoch": 1, "rl/reward_mean": 0.5}, {"rl/epoch": 2, "alarm/reward_now": 0.9}]
+    (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    alerts = [r.alert for r in _records(path) if r.WhichOneof("record_type") == "alert"]
+    assert [(a.title, a.text, a.level) for a in alerts] == [(f"rewardflow alarm: {tmp_path.name}",
+                                                            "reward-hacking alarm at 2", "WARN")]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])["alert"] == "reward-hacking alarm at 2"
     assert _exit_codes(tmp_path) == [1]
 
 
