@@ -178,8 +178,8 @@ class Trainer:
         self._print(f"[eval] after RL: {_fmt(after)}")
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self._judge(done, after)
-        spread = self.weights_rank_spread()
-        self.logger.log(done, "final", {**after, "weights_rank_spread": spread})
+        self.logger.log(done, "final", {**after, "weights_rank_spread": self.weights_rank_spread(),
+                                        "best_epoch": self.guard.best_epoch, "best_value": self.guard.best_value})
         self.logger.reward_curve(self.guard.best_epoch, self.guard.select_by)
         ema = self.ema is not None and self.config.eval.use_ema
         self._print(self.guard.report(self.best_dir, "--ema " if ema else ""))

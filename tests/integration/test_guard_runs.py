@@ -95,7 +95,7 @@ def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, c
     assert len(_records(tmp_path / "run", "rl")) == 2 and trainer.progress.epochs_done == 2
     assert "early stop: digit_accuracy has not improved on epoch 0's" in capsys.readouterr().out
     (final,) = _records(tmp_path / "run", "final")
-    assert final["step"] == 2
+    assert final["step"] == 2 and (final["best_epoch"], final["best_value"]) == (0, final["digit_accuracy"])
     resumed = _trainer(tmp_path / "resumed", tiny_model_dir, *args)
     resumed.resume(trainer.checkpoints.latest())
     assert vars(resumed.guard) == vars(trainer.guard)  # the tracker: history, best, counters, stopped

@@ -97,8 +97,8 @@ def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path
     assert "secret-token" not in json.dumps(config)  # the config as config.yaml saves it
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in records if r["phase"] in ("warmup", "rl", "eval")]
-    assert {r["phase"] for r in logged} == {"warmup", "rl", "eval"}
+    logged = [r for r in records if r["phase"] in ("warmup", "rl", "eval", "final")]
+    assert {r["phase"] for r in logged} == {"warmup", "rl", "eval", "final"}
     for record in logged:  # each record is one W&B row on its axis, with every finite number it holds
         phase, axis = record["phase"], "warmup/step" if record["phase"] == "warmup" else "rl/epoch"
         (row,) = [row for row in rows if row.get(axis) == record["step"]
