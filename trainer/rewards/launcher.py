@@ -189,7 +189,7 @@ class LocalRewardPool:
             *self.extra_args,
         ]  # fmt: skip
         # A session of their own: the terminal's Ctrl-C reaches the trainer alone, which stops them after
-        # it has said where it stopped (they used to stop first, failing the rollout that was waiting on them).
+        # it has said where it stopped (stopping first, they would fail the rollout that waits on them).
         with open(self.log_paths[index], "ab") as log:
             return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env,
                                     start_new_session=True)
