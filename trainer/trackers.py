@@ -4,6 +4,7 @@ Both plot on two step axes, warm-up steps and RL epochs (evaluations, checkpoint
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from pathlib import Path
 from typing import Protocol
@@ -85,6 +86,7 @@ class WandbTracker:
 
         id_file = run_dir / self.ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        project = project or os.environ.get("WANDB_PROJECT") or "rewardflow"
         try:
             self.run = wandb.init(project=project, entity=entity or None, name=run_dir.name, id=run_id,
                                   resume="allow", dir=str(run_dir), mode=mode, config=config,

@@ -119,13 +119,15 @@ def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path
     assert _exit_codes(run_dir) == [0, 0]
 
 
-def test_an_alarm_becomes_a_wandb_alert_and_a_failed_job_a_failed_run(tmp_path):
+def test_an_alarm_becomes_a_wandb_alert_and_a_failed_job_a_failed_run(tmp_path, monkeypatch):
     """The reward-hacking alarm reaches W&B as an alert (W&B sends those on to Slack or email) besides its row;
-    a job that ends with an exception ends its W&B run with exit code 1."""
+    a job that ends with an exception ends its W&B run with exit code 1. Without logging.wandb_project, the
+    project is $WANDB_PROJECT's, as W&B users set it."""
     from trainer.logging import RunLogger
     from trainer.trackers import WandbTracker
 
-    with pytest.raises(RuntimeError, match="boom"), WandbTracker(tmp_path, "offline", "rf-test", "", {}) as tracker:
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    with pytest.raises(RuntimeError, match="boom"), WandbTracker(tmp_path, "offline", "", "", {}) as tracker:
         logger = RunLogger(tmp_path, enabled=True, tensorboard=False, trackers=[tracker])
         logger.log(1, "rl", {"reward_mean": 0.5})
         logger.log(2, "alarm", {"metric": "digit_accuracy", "reward_now": 0.9}, alert="reward-hacking alarm at 2")
@@ -136,6 +138,7 @@ def test_an_alarm_becomes_a_wandb_alert_and_a_failed_job_a_failed_run(tmp_path):
         {"rl/epoch": 1, "rl/reward_mean": 0.5}, {"rl/epoch": 2, "alarm/reward_now": 0.9}]
     (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     alerts = [r.alert for r in _records(path) if r.WhichOneof("record_type") == "alert"]
+    assert [r.run.project for r in _records(path) if r.WhichOneof("record_type") == "run"] == ["from-env"]
     assert [(a.title, a.text, a.level) for a in alerts] == [(f"rewardflow alarm: {tmp_path.name}",
                                                             "reward-hacking alarm at 2", "WARN")]
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])["alert"] == "reward-hacking alarm at 2"

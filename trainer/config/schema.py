@@ -244,10 +244,11 @@ class LoggingConfig:
     wandb: Literal["none", "online", "offline"] = "none"
     """Also log to Weights & Biases (``pip install -e ".[wandb]"``): online (``wandb login`` first) or offline
     (``wandb sync <run>/wandb/offline-run-*`` uploads it later). A resumed run continues its W&B run."""
-    wandb_project: str = "rewardflow"
-    """The W&B project the run is logged in (its run name: the run directory's)."""
+    wandb_project: str = ""
+    """The W&B project the run is logged in (its run name: the run directory's); empty: $WANDB_PROJECT, else
+    rewardflow."""
     wandb_entity: str = ""
-    """W&B team or user; empty: your default entity."""
+    """W&B team or user; empty: $WANDB_ENTITY, else your default entity."""
 
     def __post_init__(self):
         import importlib.util
