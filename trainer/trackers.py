@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -77,7 +79,8 @@ class TensorBoardTracker:
 class WandbTracker:
     """A W&B run kept in ``<run>/wandb/``; its id, in ``<run>/wandb-run-id``, lets a resumed job continue it.
     W&B cannot drop history, so a resume logs the redone steps again at the same x: resume is exact, so with the
-    same values. ``mode`` offline: upload later with ``wandb sync <run>/wandb/offline-run-*``."""
+    same values. ``mode`` offline: upload later with ``wandb sync <run>/wandb/offline-run-*``. W&B failing mid-run
+    (its service killed, its disk full) costs the run its W&B rows, never the run: one warning, then W&B is off."""
 
     ID_FILE = "wandb-run-id"
 
@@ -97,6 +100,7 @@ class WandbTracker:
                              "WANDB_API_KEY, or use logging.wandb=offline and upload later with `wandb sync`") from None
         id_file.write_text(run_id)
         self._wandb = wandb
+        self.failed = False
         self._defined: set[str] = set()
         for axis in AXES:
             self.run.define_metric(STEP_KEYS[axis])
@@ -108,16 +112,32 @@ class WandbTracker:
             self._defined.add(prefix)
             self.run.define_metric(f"{prefix}/*", step_metric=STEP_KEYS[axis_of(prefix)])
 
+    def _safely(self, send: Callable[[], object]) -> None:
+        if self.failed:
+            return
+        try:
+            send()
+        except Exception as exc:  # whatever W&B raises: the training run goes on
+            self.failed = True
+            cause = " ".join(str(exc).split()) or type(exc).__name__
+            print(f"warning: W&B logging failed ({cause}) and is off for the rest of the run; metrics.jsonl holds "
+                  "every record", file=sys.stderr, flush=True)
+
+    def _log(self, prefix: str, row: dict) -> None:
+        self._define(prefix)
+        self.run.log(row)
+
     def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None:
-        self._define(phase)
-        self.run.log({**{f"{phase}/{key}": value for key, value in metrics.items()}, STEP_KEYS[axis_of(phase)]: step})
+        row = {**{f"{phase}/{key}": value for key, value in metrics.items()}, STEP_KEYS[axis_of(phase)]: step}
+        self._safely(lambda: self._log(phase, row))
 
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
-        self._define("images")
-        self.run.log({f"images/{name}": self._wandb.Image(pixels, caption=name), STEP_KEYS["rl"]: step})
+        self._safely(lambda: self._log("images", {f"images/{name}": self._wandb.Image(pixels, caption=name),
+                                                  STEP_KEYS["rl"]: step}))
 
     def alert(self, phase: str, text: str) -> None:
-        self.run.alert(title=f"rewardflow {phase}: {self.run.name}", text=text, level=self._wandb.AlertLevel.WARN)
+        self._safely(lambda: self.run.alert(title=f"rewardflow {phase}: {self.run.name}", text=text,
+                                            level=self._wandb.AlertLevel.WARN))
 
     def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
         pass  # see the class docstring
@@ -127,4 +147,4 @@ class WandbTracker:
 
     def __exit__(self, failure, *_) -> None:
         """The W&B run ends as the job does: failed (exit code 1) when an exception ends it."""
-        self.run.finish(exit_code=1 if failure is not None else 0)
+        self._safely(lambda: self.run.finish(exit_code=1 if failure is not None else 0))

@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import math
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from trainer.main import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -143,6 +147,41 @@ def test_an_alarm_becomes_a_wandb_alert_and_a_failed_job_a_failed_run(tmp_path, 
                                                             "reward-hacking alarm at 2", "WARN")]
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])["alert"] == "reward-hacking alarm at 2"
     assert _exit_codes(tmp_path) == [1]
+
+
+_KILL_WANDB_MIDWAY = """
+import os, signal, sys, time
+from pathlib import Path
+from trainer.logging import RunLogger
+from trainer.trackers import WandbTracker
+
+run_dir = Path(sys.argv[1])
+with WandbTracker(run_dir, "offline", "rf-test", "", {}) as tracker:
+    logger = RunLogger(run_dir, enabled=True, tensorboard=False, trackers=[tracker])
+    logger.log(1, "rl", {"reward_mean": 0.5})
+    (core,) = [int(p.name) for p in Path("/proc").glob("[0-9]*") if b"wandb-core" in (p / "cmdline").read_bytes()
+               and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+    os.kill(core, signal.SIGKILL)
+    while (Path("/proc") / str(core) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)  # a zombie: dead, not yet reaped
+    logger.log(2, "rl", {"reward_mean": 0.6})
+    logger.log(3, "alarm", {"reward_now": 0.9}, alert="reward-hacking alarm at 3")
+    logger.close()
+print("the run went on")
+"""
+
+
+def test_wandb_dying_midway_costs_the_run_its_wandb_rows_not_the_run(tmp_path):
+    """W&B's service killed mid-run (out of memory, say): W&B raised from every later call, and a log call
+    raising would have ended a training run over its dashboard. One warning; every record still in metrics.jsonl.
+    In a subprocess, so that no other test's W&B service is the one killed."""
+    run = subprocess.run([sys.executable, "-c", _KILL_WANDB_MIDWAY, str(tmp_path)], cwd=REPO, text=True,
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0 and "the run went on" in run.stdout, run.stderr[-3000:]
+    assert run.stderr.count("warning: W&B logging failed (") == 1, run.stderr[-3000:]
+    assert "and is off for the rest of the run; metrics.jsonl holds every record" in run.stderr
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [(r["phase"], r["step"]) for r in map(json.loads, lines)] == [("rl", 1), ("rl", 2), ("alarm", 3)]
 
 
 def test_a_wandb_login_that_cannot_work_stops_the_job_before_the_model_loads(tmp_path, capsys):
