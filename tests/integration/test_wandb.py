@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -174,8 +175,10 @@ print("the run went on")
 def test_wandb_dying_midway_costs_the_run_its_wandb_rows_not_the_run(tmp_path):
     """W&B's service killed mid-run (out of memory, say): W&B raised from every later call, and a log call
     raising would have ended a training run over its dashboard. One warning; every record still in metrics.jsonl.
-    In a subprocess, so that no other test's W&B service is the one killed."""
-    run = subprocess.run([sys.executable, "-c", _KILL_WANDB_MIDWAY, str(tmp_path)], cwd=REPO, text=True,
+    In a subprocess with a W&B service of its own (not the one WANDB_SERVICE names, which another test of this
+    process started), so that no other test's service is the one killed."""
+    env = {name: value for name, value in os.environ.items() if name != "WANDB_SERVICE"}
+    run = subprocess.run([sys.executable, "-c", _KILL_WANDB_MIDWAY, str(tmp_path)], cwd=REPO, env=env, text=True,
                          capture_output=True, timeout=120)
     assert run.returncode == 0 and "the run went on" in run.stdout, run.stderr[-3000:]
     assert run.stderr.count("warning: W&B logging failed (") == 1, run.stderr[-3000:]
