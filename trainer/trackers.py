@@ -90,21 +90,21 @@ class WandbTracker:
         id_file = run_dir / self.ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
         project = project or os.environ.get("WANDB_PROJECT") or "rewardflow"
+        self._wandb = wandb
+        self.failed = False
+        self._defined: set[str] = set()
         try:
             self.run = wandb.init(project=project, entity=entity or None, name=run_dir.name, id=run_id,
                                   resume="allow", dir=str(run_dir), mode=mode, config=config,
                                   settings=wandb.Settings(init_timeout=60))
+            for axis in AXES:
+                self.run.define_metric(STEP_KEYS[axis])
+                self._define(axis)
         except Exception as exc:  # wandb raises its own types, and network errors as they come
             cause = " ".join(str(exc).split()) or type(exc).__name__
             raise ValueError(f"logging.wandb={mode}: W&B did not start ({cause}): run `wandb login` or set "
                              "WANDB_API_KEY, or use logging.wandb=offline and upload later with `wandb sync`") from None
         id_file.write_text(run_id)
-        self._wandb = wandb
-        self.failed = False
-        self._defined: set[str] = set()
-        for axis in AXES:
-            self.run.define_metric(STEP_KEYS[axis])
-            self._define(axis)
 
     def _define(self, prefix: str) -> None:
         """Plot ``prefix/*`` against its axis's step (phases and images are defined on first use)."""

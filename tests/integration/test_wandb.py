@@ -156,12 +156,18 @@ from pathlib import Path
 from trainer.logging import RunLogger
 from trainer.trackers import WandbTracker
 
+def wandb_core_child(proc):
+    try:  # a process may end while /proc is read
+        ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        return ppid == str(os.getpid()) and b"wandb-core" in (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+
 run_dir = Path(sys.argv[1])
 with WandbTracker(run_dir, "offline", "rf-test", "", {}) as tracker:
     logger = RunLogger(run_dir, enabled=True, tensorboard=False, trackers=[tracker])
     logger.log(1, "rl", {"reward_mean": 0.5})
-    (core,) = [int(p.name) for p in Path("/proc").glob("[0-9]*") if b"wandb-core" in (p / "cmdline").read_bytes()
-               and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+    (core,) = [int(p.name) for p in Path("/proc").glob("[0-9]*") if wandb_core_child(p)]
     os.kill(core, signal.SIGKILL)
     while (Path("/proc") / str(core) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
         time.sleep(0.05)  # a zombie: dead, not yet reaped
