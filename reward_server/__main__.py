@@ -7,7 +7,8 @@ On SIGTERM (or Ctrl-C) the server drains: ``/readyz`` and ``/score`` answer 503 
 seconds while in-flight requests finish, then the listener closes, uvicorn waits for open requests and
 the process exits with status 0. A second signal exits at once. If a scorer fails to load the process
 exits with status 1. With ``--parent-pid`` it also drains when that process is gone (the trainer's own
-replicas: they outlive no trainer, even one killed with SIGKILL).
+replicas: they outlive no trainer, even one killed with SIGKILL). With ``--fd`` it serves on a socket its
+parent bound and passed down (``LocalRewardPool``), so no other process can take the port in between.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -84,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--fd", type=int, default=None,
+                        help="serve on this inherited, already bound TCP socket instead of binding --host:--port "
+                             "(which then only name it in the log)")
     parser.add_argument(
         "--token",
         default=os.environ.get("REWARD_SERVER_TOKEN"),
@@ -157,6 +162,17 @@ class _ListScorers(argparse.Action):
         parser.exit()
 
 
+def _inherited(fd: int) -> socket.socket:
+    """The bound TCP socket on file descriptor ``fd`` (uvicorn's own ``fd`` option takes it for a Unix socket)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise SystemExit(f"--fd {fd}: not an open socket ({exc.strerror})") from None
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        raise SystemExit(f"--fd {fd}: not a TCP socket")
+    return sock
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -177,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         build_parser().error(str(exc))
+    sockets = None if args.fd is None else [_inherited(args.fd)]  # checked before any scorer loads
     scorers = _build(args.scorers, args.model_dir, args.sleep_ms, args.sleep_load_s)
 
     def exit_on_load_failure(exc: BaseException) -> None:
@@ -192,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         access_log=args.log_level == "debug",
     )
     server = _DrainingServer(config, app.state.service, settings.drain_grace_s, args.parent_pid)
-    server.run()
+    server.run(sockets=sockets)
     return server.exit_code
 
 

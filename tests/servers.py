@@ -1,8 +1,11 @@
-"""Real servers for tests: uvicorn on a free loopback port, in a thread, stopped on exit."""
+"""Real servers for tests: uvicorn on a free loopback port, in a thread (``serve``) or a process
+(``spawn_reward_server``). Each port stays bound from its choice on: no concurrent test can take it."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,9 +17,26 @@ from fastapi import FastAPI
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now (for a URL that must refuse connections)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def bound_socket() -> socket.socket:
+    """A loopback TCP socket bound to a free port, for a server to listen on."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def spawn_reward_server(args: list[str], **popen: object) -> tuple[subprocess.Popen, str]:
+    """``python -m reward_server *args`` serving on a port bound here (``--fd``); the process and its URL."""
+    with bound_socket() as sock:
+        port = sock.getsockname()[1]
+        process = subprocess.Popen([sys.executable, "-m", "reward_server", *args, "--port", str(port),
+                                    "--fd", str(sock.fileno())], pass_fds=(sock.fileno(),), **popen)
+    return process, f"http://127.0.0.1:{port}"
 
 
 def wait_for(url: str, status: int = 200, timeout_s: float = 30.0) -> None:
@@ -36,14 +56,15 @@ def wait_for(url: str, status: int = 200, timeout_s: float = 30.0) -> None:
 @contextmanager
 def serve(app: FastAPI, *, wait_ready: bool = True) -> Iterator[str]:
     """Run ``app`` under uvicorn on a free loopback port in a thread; yield its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = bound_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
         wait_for(f"{url}/readyz" if wait_ready else f"{url}/livez")
         yield url
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()

@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -22,6 +23,9 @@ from trainer.launch import RunDirGuard, RunInterrupted, check_rewards, newest_re
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
 from trainer.trainer import Trainer
+
+if TYPE_CHECKING:
+    from trainer.rewards.launcher import LocalRewardPool
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -84,6 +88,12 @@ def run(config: Config) -> dict[str, float]:
         if refusal:
             raise ValueError(refusal)
         trackers = [stack.enter_context(tracker) for tracker in trackers]  # each ends as the run does, failed or not
+        # Each machine's first process starts replicas on its loopback for its machine's processes (no
+        # reward.urls); they load their scorers while the model loads here.
+        world = backend.world
+        pool = (_launch_local_pool(config, run_dir / "reward_replicas" / (f"node-{world.node}" if world.spans_machines
+                                                                           else ""), stack)
+                if not config.reward.urls and world.local_rank == 0 else None)
         torch.manual_seed(config.train.seed)
         if main:  # rank 0 first: it may build (tiny) or cache files the others then read
             adapter = build_adapter(config.model, device)
@@ -93,10 +103,10 @@ def run(config: Config) -> dict[str, float]:
             adapter = build_adapter(config.model, device)
 
         urls = list(config.reward.urls)
-        if not urls:  # each machine's first process starts replicas on its loopback, for its machine's processes
-            world = backend.world
-            logs = run_dir / "reward_replicas" / (f"node-{world.node}" if world.spans_machines else "")
-            mine = _start_local_pool(config, logs, stack) if world.local_rank == 0 else None
+        if not urls:
+            if pool is not None:
+                pool.wait_ready()
+            mine = list(pool.urls) if pool is not None else None
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient
 
@@ -216,9 +226,9 @@ def require_shared_run_dir(run_dir: Path, rank: int) -> None:
                          "every rank)")
 
 
-def _start_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack) -> list[str]:
-    """Start reward-server replicas on loopback for the configured scorers, logging to ``log_dir``; stopped when
-    the run ends."""
+def _launch_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack) -> LocalRewardPool:
+    """Launch reward-server replicas on loopback for the configured scorers, logging to ``log_dir`` (the caller
+    waits for them with ``wait_ready``); stopped when the run ends."""
     from trainer.rewards.launcher import LocalRewardPool
 
     env = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_TOKEN"}
@@ -226,5 +236,6 @@ def _start_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack
         env["REWARD_SERVER_TOKEN"] = token
     scorers = sorted({*config.reward.weights, *config.eval.guard_scorers})
     pool = LocalRewardPool(scorers, replicas=config.reward.replicas, log_dir=log_dir, env=env)
-    stack.enter_context(pool)
-    return list(pool.urls)
+    stack.callback(pool.stop)
+    pool.launch()
+    return pool

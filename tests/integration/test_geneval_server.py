@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import httpx
 import numpy as np
 import pytest
 from fixtures_geneval import build_tiny_geneval
-from servers import free_port, wait_for
+from servers import spawn_reward_server, wait_for
 
 from shared.imagecodec import encode_image
 
@@ -24,15 +23,13 @@ ROWS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = build_tiny_geneval(tmp_path_factory.mktemp("geneval-server-models"), favour="cup")
-    port = free_port()
     log = model_dir / "server.log"
-    command = [sys.executable, "-m", "reward_server", "--scorers", "geneval,geneval_partial", "--model-dir",
-               str(model_dir), "--port", str(port), "--log-level", "warning"]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process, url = spawn_reward_server(["--scorers", "geneval,geneval_partial", "--model-dir", str(model_dir),
+                                            "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_for(f"http://127.0.0.1:{port}/readyz", timeout_s=120)
-        yield f"http://127.0.0.1:{port}"
+        wait_for(f"{url}/readyz", timeout_s=120)
+        yield url
     except TimeoutError:
         raise AssertionError(log.read_text()[-3000:]) from None
     finally:

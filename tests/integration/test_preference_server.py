@@ -6,7 +6,6 @@ scores the scorer computes in-process."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -15,7 +14,7 @@ from fixtures_hps import build_tiny_hps
 from fixtures_hpsv3 import build_tiny_hpsv3
 from fixtures_imagereward import build_tiny_imagereward
 from fixtures_models import build_tiny_qwen_vl, rig_answer
-from servers import free_port, wait_for
+from servers import spawn_reward_server, wait_for
 
 from reward_server.scorers import SCORERS
 from shared.imagecodec import encode_image
@@ -31,15 +30,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     build_tiny_imagereward(model_dir)
     build_tiny_hpsv3(model_dir)
     rig_answer(build_tiny_qwen_vl(model_dir / "unifiedreward"), "Final Score:4")
-    port = free_port()
     log = model_dir / "server.log"
-    command = [sys.executable, "-m", "reward_server", "--scorers", ",".join(NAMES + VLM_NAMES), "--model-dir", str(model_dir),
-               "--port", str(port), "--log-level", "warning"]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process, url = spawn_reward_server(["--scorers", ",".join(NAMES + VLM_NAMES), "--model-dir", str(model_dir),
+                                            "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_for(f"http://127.0.0.1:{port}/readyz", timeout_s=120)
-        yield f"http://127.0.0.1:{port}", model_dir
+        wait_for(f"{url}/readyz", timeout_s=120)
+        yield url, model_dir
     except TimeoutError:
         raise AssertionError(log.read_text()[-3000:]) from None
     finally:

@@ -26,7 +26,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, serve, wait_for
+from servers import free_port, serve, spawn_reward_server, wait_for
 from sklearn.datasets import load_digits
 
 from reward_server.__main__ import main as server_main
@@ -586,6 +586,36 @@ def test_check_replicas(pool: LocalRewardPool) -> None:
                 client.check_replicas()
 
 
+def test_launcher_holds_each_port_from_its_choice_on(tmp_path) -> None:
+    """A replica's port is bound by the launcher and the socket passed to it (``--fd``): from launch on, no other
+    process can take it (the launcher used to pick a free port, release it and let the replica bind it later,
+    which a concurrent job could win). Until the replica listens, a connection is refused, not left waiting."""
+    pool = LocalRewardPool(["brightness"], replicas=2, log_dir=tmp_path)
+    try:
+        pool.launch()
+        ports = list(pool.ports)
+        assert len(set(ports)) == 2
+        for port in ports:
+            with socket.socket() as rival, pytest.raises(OSError, match="Address already in use"):
+                rival.bind(("127.0.0.1", port))
+        pool.wait_ready()
+        assert [httpx.get(f"{url}/readyz", trust_env=False).status_code for url in pool.urls] == [200, 200]
+    finally:
+        pool.stop()
+    for port in ports:  # released with the replicas
+        with socket.socket() as after:
+            after.bind(("127.0.0.1", port))
+
+
+def test_a_server_given_an_fd_that_is_not_a_tcp_socket_exits_with_one_line(tmp_path) -> None:
+    with open(tmp_path / "file", "w") as not_a_socket:
+        fd = not_a_socket.fileno()
+        result = subprocess.run([sys.executable, "-m", "reward_server", "--scorers", "brightness", "--fd", str(fd)],
+                                pass_fds=(fd,), capture_output=True, text=True, timeout=60)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and last == f"--fd {fd}: not an open socket (Socket operation on non-socket)", last
+
+
 def test_launcher_reports_a_replica_that_dies(tmp_path) -> None:
     with pytest.raises(RewardPoolError, match="exited with status 2(.|\n)*unrecognized arguments: --bogus"):
         with LocalRewardPool(["brightness"], replicas=1, log_dir=tmp_path, extra_args=["--bogus"]):
@@ -1029,13 +1059,10 @@ def test_a_dead_scorer_worker_fails_its_items_and_makes_the_server_unready() -> 
 
 @pytest.mark.parametrize(("signals", "drain_grace_s"), [(2, 30.0), (1, 0.5)])
 def test_signals_during_a_long_load_exit_without_waiting_for_it(signals: int, drain_grace_s: float) -> None:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "reward_server", "--scorers", "sleep", "--sleep-load-s", "60",
-        "--port", str(port), "--drain-grace-s", str(drain_grace_s), "--log-level", "error",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/readyz"
+    process, base = spawn_reward_server(
+        ["--scorers", "sleep", "--sleep-load-s", "60", "--drain-grace-s", str(drain_grace_s), "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"{base}/readyz"
     try:
         wait_for(url, status=503)  # up, loading
         process.send_signal(signal.SIGTERM)

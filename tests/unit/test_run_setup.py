@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from trainer.build import _start_local_pool, require_checkpoint, resolve_device, reused_run_dir
+from trainer.build import _launch_local_pool, require_checkpoint, resolve_device, reused_run_dir
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import load_config
 from trainer.distributed import SingleProcess
@@ -167,10 +167,38 @@ def test_the_jobs_own_reward_servers_expect_the_token_its_client_sends(tmp_path,
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "from-shell")
     config = load_config(overrides=["reward.token=from-config", "reward.replicas=1", "reward.weights={brightness: 1}"])
     with contextlib.ExitStack() as stack:
-        (url,) = _start_local_pool(config, tmp_path, stack)
+        pool = _launch_local_pool(config, tmp_path, stack)
+        pool.wait_ready()
+        (url,) = pool.urls
         status = {token: httpx.get(f"{url}/info", headers={"Authorization": f"Bearer {token}"}, trust_env=False).status_code
                   for token in ("from-config", "from-shell")}
     assert status == {"from-config": 200, "from-shell": 401}
+
+
+def test_the_reward_replicas_load_while_the_model_loads(tmp_path, monkeypatch):
+    """The job launches its replicas before it builds the model, so that a slow model load and slow scorer loads
+    overlap: here the model load waits until a replica has loaded its scorer (the replicas used to be launched
+    after the model was built, and this wait could only time out)."""
+    import trainer.build
+    from trainer.main import main
+
+    build_adapter, waited = trainer.build.build_adapter, []
+
+    def after_a_replica_loaded(config, device):
+        logs = tmp_path / "outputs" / "run" / "reward_replicas"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                "Application startup complete" in log.read_text() for log in logs.glob("replica-*.log")):
+            time.sleep(0.05)
+        waited.append(time.monotonic() < deadline)
+        return build_adapter(config, device)
+
+    monkeypatch.setattr(trainer.build, "build_adapter", after_a_replica_loaded)
+    assert main([f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'outputs'}", "logging.run_name=run",
+                 "logging.progress=false", "logging.tensorboard=false", "reward.replicas=1", "train.warmup_steps=0",
+                 "train.epochs=1", "data.prompts_per_epoch=1", "algorithm.group_size=2", "algorithm.sampler.num_steps=4",
+                 "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1", "eval.num_steps=1"]) == 0
+    assert waited == [True]
 
 
 @pytest.fixture(scope="module")

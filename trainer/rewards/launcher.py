@@ -6,6 +6,10 @@ and stops them (SIGTERM, then SIGKILL after a grace period) on exit::
     with LocalRewardPool(["digit"], replicas=2) as pool:
         client = HttpRewardClient(pool.urls, {"digit": 1.0})
 
+Each port is bound here and the bound socket passed to its replica (``--fd``): no other process can take it
+between the choice and the replica's start. ``launch()`` then ``wait_ready()`` let the caller build its model
+while the replicas load theirs.
+
 Failure drills (tests, benchmarks): ``pool.kill(i)`` sends a signal to replica ``i`` and
 ``pool.restart(i)`` starts it again on the same port (instance id ``local-<i>-<port>-r<n>`` for the
 n-th restart).
@@ -38,10 +42,19 @@ class RewardPoolError(RuntimeError):
     """A replica of the local pool died or did not become ready in time."""
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def _bind(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: a free port), not yet listening: until its replica listens,
+    connections are refused rather than left waiting."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        if port:  # a restart: its port may still hold the killed replica's connections in TIME_WAIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def server_module() -> str:
@@ -127,6 +140,11 @@ class LocalRewardPool:
             RewardPoolError: a replica exited or was not ready within ``ready_timeout_s`` (the pool is
                 stopped and the message includes the end of that replica's log).
         """
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start every replica on a port bound here (``urls`` are set); ``wait_ready`` waits for them."""
         if self._processes:
             raise RuntimeError("the pool is already started")
         if self.log_dir is None:
@@ -141,11 +159,19 @@ class LocalRewardPool:
         self._env = env
         try:
             for index in range(self.replicas):
-                port = _free_port(self.host)
-                self.ports.append(port)
-                self.urls.append(f"http://{self.host}:{port}")
-                self._restarts.append(0)
-                self._processes.append(self._spawn(index))
+                with _bind(self.host) as sock:
+                    port = sock.getsockname()[1]
+                    self.ports.append(port)
+                    self.urls.append(f"http://{self.host}:{port}")
+                    self._restarts.append(0)
+                    self._processes.append(self._spawn(index, sock))
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self) -> None:
+        """Wait until every replica answers ``/readyz`` (raises as ``start`` does)."""
+        try:
             self._wait_ready(range(self.replicas))
         except BaseException:
             self.stop()
@@ -168,14 +194,21 @@ class LocalRewardPool:
         if self._processes[index].poll() is None:
             raise RuntimeError(f"replica {index} is still running; kill it first")
         self._restarts[index] += 1
-        self._processes[index] = self._spawn(index)
+        try:
+            sock = _bind(self.host, self.ports[index])
+        except OSError as exc:
+            raise RewardPoolError(f"reward replica {index} cannot restart on port {self.ports[index]}, which "
+                                  f"another process took meanwhile ({exc.strerror})") from None
+        with sock:
+            self._processes[index] = self._spawn(index, sock)
         self._wait_ready([index])
 
     def pid(self, index: int) -> int:
         """Process id of replica ``index``."""
         return self._processes[index].pid
 
-    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+    def _spawn(self, index: int, sock: socket.socket) -> subprocess.Popen[bytes]:
+        """Start replica ``index`` serving on ``sock`` (bound to its port; the child keeps its own copy)."""
         port = self.ports[index]
         instance = f"local-{index}-{port}" + (f"-r{self._restarts[index]}" if self._restarts[index] else "")
         command = [
@@ -183,6 +216,7 @@ class LocalRewardPool:
             "--scorers", ",".join(self.scorers),
             "--host", self.host,
             "--port", str(port),
+            "--fd", str(sock.fileno()),
             "--instance-id", instance,
             "--drain-grace-s", "0",  # only our own trainer talks to these replicas
             "--parent-pid", str(os.getpid()),
@@ -192,7 +226,7 @@ class LocalRewardPool:
         # it has said where it stopped (stopping first, they would fail the rollout that waits on them).
         with open(self.log_paths[index], "ab") as log:
             return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env,
-                                    start_new_session=True)
+                                    start_new_session=True, pass_fds=(sock.fileno(),))
 
     def _wait_ready(self, indices: Iterable[int]) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
