@@ -15,7 +15,7 @@ from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, reward_token, saved_dict
-from trainer.data import build_task
+from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
@@ -78,7 +78,7 @@ def run(config: Config) -> dict[str, float]:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
         guard = stack.enter_context(RunDirGuard(made))
 
-        task = build_task(config.data)  # its files are checked before any model loads
+        task, eval_task = build_tasks(config.data, config.eval)  # their files are checked before any model loads
         unscored = [s for s in task.metric_scorers if s not in {*config.reward.weights, *config.eval.guard_scorers}]
         if unscored:
             raise ValueError(f"the {config.data.name} task's metrics read the {', '.join(unscored)} scorer: add it to "
@@ -124,7 +124,7 @@ def run(config: Config) -> dict[str, float]:
         stack.callback(logger.close)
 
         trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
-                          backend, logger, guard_client)
+                          backend, logger, guard_client, eval_task)
         if config.train.resume:
             checkpoint = (trainer.checkpoints.latest() if config.train.resume == "auto"
                           else Path(config.train.resume))

@@ -6,7 +6,7 @@
 ``--weights`` is a run's ``final/`` (the denoiser as the final evaluation sampled it, in diffusers format,
 LoRA merged, with the run's ``config.yaml`` one level up naming the base model) or ``best/`` (the best
 evaluation's trained weights and EMA, in a checkpoint's layout; the EMA when the run evaluated with it). Without ``--prompts`` it samples the run's evaluation items with the
-evaluation's noise, so the grid of ``final/`` is the run's ``samples_after.png``. One row per prompt.
+evaluation's noise (the first 16, as its grids show), so the grid of ``final/`` is the run's ``samples_after.png``. One row per prompt.
 Runs in one process on the CPU (or ``--device cuda``); no reward servers.
 """
 
@@ -69,7 +69,8 @@ def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int |
              device: str = "cpu") -> Path:
     """Sample ``samples`` images per prompt (default: the run's evaluation settings) and save them as one grid row
     per prompt at ``out``; without ``prompts``, the run's evaluation items."""
-    from trainer.data import build_task
+    from trainer.data import build_tasks
+    from trainer.evaluation import GRID_PROMPTS
     from trainer.logging import save_grid
     from trainer.rollout import SamplerSettings, rollout
 
@@ -78,8 +79,8 @@ def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int |
     samples, seed = samples or ev.samples_per_prompt, ev.seed if seed is None else seed
     settings = SamplerSettings(num_steps=steps or ev.num_steps,
                                guidance_scale=ev.guidance_scale if guidance is None else guidance, noise_level=0.0)
-    task = None if prompts else build_task(config.data)
-    rows = prompts or task.eval_prompts
+    task = None if prompts else build_tasks(config.data, config.eval)[1]
+    rows = prompts or task.eval_prompts[:GRID_PROMPTS]
     images = []
     for k, prompt in enumerate(rows):  # the noise of row k as the run's evaluation draws it for its prompt k
         inputs = task.inputs([task.eval_indices[k]] * samples) if task is not None else None

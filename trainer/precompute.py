@@ -5,7 +5,7 @@ same few thousand prompts), and the VAE latents of the dataset's image inputs (r
     python -m trainer.precompute --config CONFIG.yaml [--out DIR] [--latents LATENTS_DIR] [section.key=value ...]
 
 ``--out DIR`` loads only the configured model's text encoders and tokenizers (no denoiser, no VAE), encodes
-every prompt of the configured dataset (its ``prompts`` and ``eval_prompts``), the empty prompt and
+every prompt of the configured dataset and of its evaluation (``eval.path``), the empty prompt and
 ``model.negative_prompt``, one prompt per forward as the adapters encode them, and writes them to DIR with an
 index (see ``trainer.models.text.TextEmbeddingStore``; a DIR of the same model gains the prompts it lacks
 and encodes no other). Then
@@ -15,7 +15,7 @@ settings.
 
 ``--latents LATENTS_DIR`` loads the model as training does (with the text embeddings of ``--out`` or
 ``model.text_embeddings`` when given, and then no text encoder), hands it the image inputs of every dataset
-item as a rollout does, and writes the VAE posterior of each distinct VAE input to LATENTS_DIR, keyed by the
+item (and evaluation item) as a rollout does, and writes the VAE posterior of each distinct VAE input to LATENTS_DIR, keyed by the
 input's sha256 (see ``trainer.models.latents.LatentStore``; a LATENTS_DIR of the same VAE gains the new
 inputs). Then train with ``model.image_latents=LATENTS_DIR``: flux_fill and sd15_inpaint read their masked
 images' posteriors and flux_kontext its references' from it, bit-identical to encoding them on this run's
@@ -45,12 +45,12 @@ def precompute(config, out: str) -> tuple[int, int]:
     import torch
 
     from trainer.build import resolve_device
-    from trainer.data import build_task
+    from trainer.data import build_tasks
     from trainer.models import MODELS
     from trainer.models.text import TextEmbeddingStore, text_fingerprint
 
-    task = build_task(config.data)
-    prompts = list(dict.fromkeys([*task.prompts, *task.eval_prompts, "", config.model.negative_prompt]))
+    task, evaluated = build_tasks(config.data, config.eval)
+    prompts = list(dict.fromkeys([*task.prompts, *evaluated.eval_prompts, "", config.model.negative_prompt]))
     adapter_class = MODELS[config.model.name].load()
     store = TextEmbeddingStore.create(out, text_fingerprint(adapter_class, config.model))
     todo = store.missing(prompts)
@@ -69,16 +69,16 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     """VAE-encode the image inputs of every item of ``config``'s dataset into the latent store ``directory``;
     returns (inputs encoded, inputs the store already held)."""
     from trainer.build import resolve_device
-    from trainer.data import build_task
+    from trainer.data import build_tasks
     from trainer.models import build_adapter, image_encoding_models
     from trainer.models.latents import LatentStore, vae_fingerprint
 
-    task = build_task(config.data)
+    task, evaluated = build_tasks(config.data, config.eval)
     store = LatentStore.create(directory, vae_fingerprint(config.model))
     adapter = build_adapter(replace(config.model, image_latents=""), resolve_device(config.train.device, 0))
-    count = len(task.prompts)
-    chunks = [list(range(k, min(k + ITEMS_PER_BATCH, count))) for k in range(0, count, ITEMS_PER_BATCH)]
-    latents = write_latents(adapter, store, (([task.prompts[i] for i in c], task.inputs(c)) for c in chunks))
+    items = [(task, range(len(task.prompts)))] + ([(evaluated, evaluated.eval_indices)] if evaluated is not task else [])
+    chunks = [(t, list(ids[k:k + ITEMS_PER_BATCH])) for t, ids in items for k in range(0, len(ids), ITEMS_PER_BATCH)]
+    latents = write_latents(adapter, store, (([t.prompts[i] for i in c], t.inputs(c)) for t, c in chunks))
     if latents.hits + latents.misses == 0:
         raise ValueError(f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name="
                          f"{config.data.name!r}: nothing to store with --latents ({', '.join(image_encoding_models())} "

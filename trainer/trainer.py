@@ -28,13 +28,14 @@ from trainer.data import Task, training_items
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend
 from trainer.ema import EMA
+from trainer.evaluation import Evaluation
 from trainer.guard import REWARD, Guard
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
-from trainer.rollout import Rollout, SamplerSettings, check_sampler, rollout, rollout_bounds, window_mask
+from trainer.rollout import Rollout, check_sampler, rollout, rollout_bounds, window_mask
 from trainer.state import Stateful
 
 
@@ -45,12 +46,14 @@ class RewardFailure(RuntimeError):
 class Trainer:
     def __init__(self, config: Config, adapter: ModelAdapter, algorithm: Algorithm, warmup: SFT, task: Task,
                  reward_client: RewardClient, backend: ParallelBackend, logger: RunLogger,
-                 guard_client: RewardClient | None = None):
+                 guard_client: RewardClient | None = None, eval_task: Task | None = None):
+        """``guard_client`` scores the evaluation (the reward's scorers and eval.guard_scorers at weight 0);
+        ``eval_task`` holds its items (default: ``task``'s held-out ones)."""
         build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
         self.config, self.adapter, self.algorithm, self.warmup, self.task = config, adapter, algorithm, warmup, task
         self.rewards = reward_client
-        self.eval_rewards = guard_client or reward_client
-        """Scores the evaluation: the reward's scorers and the eval.guard_scorers (weight 0)."""
+        self.evaluation = Evaluation(config.eval, eval_task or task, adapter, backend, logger,
+                                     guard_client or reward_client)
         self.backend, self.logger = backend, logger
         self.is_main = backend.world.rank == 0
         train = config.train
@@ -93,7 +96,7 @@ class Trainer:
     def _require_text_embeddings(self) -> None:
         """Refuse a ``model.text_embeddings`` store that lacks a prompt this run encodes, now rather than when
         the prompt is first drawn (epochs in)."""
-        prompts = [*self.task.prompts, *self.task.eval_prompts]
+        prompts = [*self.task.prompts, *self.evaluation.task.eval_prompts]
         if self.config.train.warmup_steps and self.warmup.config.cfg_dropout > 0:
             prompts.append("")
         require_stored_prompts(self.adapter, prompts, (self.algorithm.sampler.guidance_scale,
@@ -383,50 +386,10 @@ class Trainer:
             means["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return means
 
-    @torch.no_grad()
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
-        """Deterministic samples of the evaluation prompts with fixed noise, with the EMA weights when
-        there is an EMA. Prompt i is sampled by rank i mod world size from noise seeded by (eval seed, i) and
-        drawn on the CPU, so that noise depends on neither the world size nor the device; every rank runs the
-        same number of forwards (sharded backends need all ranks in each), rank 0 gathers the images, scores
-        them and logs."""
-        ev = self.config.eval
-        prompts, world = self.task.eval_prompts, self.backend.world
-        settings = SamplerSettings(num_steps=ev.num_steps, guidance_scale=ev.guidance_scale, noise_level=0.0)
-        use_ema = self.ema is not None and ev.use_ema
-        was_training = self.adapter.denoiser.training
-        self.adapter.denoiser.eval()
-        images = []
-        # The EMA weights are swapped in before the sampling context gathers them, and back after it reshards.
-        with self.ema.swapped() if use_ema else contextlib.nullcontext(), self.backend.sampling():
-            for slot in range(-(-len(prompts) // world.world_size)):
-                i = slot * world.world_size + world.rank
-                real = i < len(prompts)  # ranks past the end sample the first prompt and drop it
-                k = i if real else 0
-                items = [self.task.eval_indices[k]] * ev.samples_per_prompt
-                ro = rollout(self.adapter, self.adapter.denoiser, [prompts[k]] * ev.samples_per_prompt,
-                             torch.arange(ev.samples_per_prompt), settings,
-                             torch.Generator().manual_seed((ev.seed * 1_000_003 + k) % 2**63), self.task.inputs(items))
-                images.append(ro.images)
-        self.adapter.denoiser.train(was_training)
-        # [slots * world, S, C, H, W]: rank-major, so prompt i sits at row (i mod world) * slots + i // world
-        gathered = self.backend.gather(torch.stack(images).contiguous())
-        metrics: dict[str, float] = {}
-        if self.is_main:
-            slots = len(images)
-            order = [(i % world.world_size) * slots + i // world.world_size for i in range(len(prompts))]
-            ordered = gathered[order].flatten(0, 1)
-            repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
-            items = [i for i in self.task.eval_indices for _ in range(ev.samples_per_prompt)]
-            scored = self.eval_rewards.score(to_uint8(ordered), repeated, self.task.item_metadata(items))
-            metrics = self.task.metrics(ordered, repeated, scored.components)
-            metrics[REWARD] = float(np.nanmean(scored.combined))
-            for name in ev.guard_scorers:
-                metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
-            self.logger.log(step, "eval", metrics)
-            self.logger.image_grid(grid_name or f"samples_epoch{step:04d}", ordered, len(prompts), step)
-        self.backend.barrier()
-        return metrics
+        """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""
+        use_ema = self.ema is not None and self.config.eval.use_ema
+        return self.evaluation(step, grid_name, self.ema.swapped if use_ema else contextlib.nullcontext)
 
     @torch.no_grad()
     def weights_rank_spread(self) -> float:

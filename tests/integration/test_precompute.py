@@ -97,6 +97,12 @@ def test_precompute_cli_encodes_the_configured_dataset(root, tmp_path, capsys):
     assert reading.pipeline.text_encoder is None and reading.pipeline.tokenizer is None
     assert_same_conditioning(build_adapter(config, "cpu"), reading, prompts)
 
+    (tmp_path / "test.txt").write_text("a test prompt\nanother test prompt\n")  # the evaluation's own file
+    assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
+                            f"eval.path={tmp_path / 'test.txt'}"]) == 0
+    index = json.loads((tmp_path / "text" / TEXT_INDEX).read_text())
+    assert sorted(index["prompts"]) == sorted([*prompts, "", " ", "a test prompt", "another test prompt"])
+
     assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
                             "model.max_sequence_length=8"]) == 2
     assert "holds embeddings of other text encoders" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 
 from trainer.algorithms import build_algorithm
 from trainer.config import load_config
-from trainer.data import DigitsTask, PromptFileTask, training_items
+from trainer.data import DigitsTask, PromptFileTask, build_tasks, training_items
 from trainer.guard import REWARD, Guard, hacking_alarm
 
 
@@ -76,6 +76,34 @@ def test_evaluation_prompts_are_held_out_of_training(tmp_path):
     prompts.write_text("".join(f"prompt {i}\n" for i in range(12)))  # 4 others for 8 evaluated: all are trained
     assert training_items(PromptFileTask(str(prompts))) == list(range(12))
     assert training_items(DigitsTask(16)) == list(range(10))  # one prompt per class
+
+
+def test_an_evaluation_file_or_count_sets_what_is_evaluated_and_what_rl_keeps(tmp_path):
+    """eval.prompts cuts or widens the held-out items; eval.path evaluates another file of the same format (the
+    test split) and gives RL every item of data.path; an embedded task keeps its own prompts."""
+    train, test = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text("".join(f"prompt {i}\n" for i in range(30)))
+    test.write_text("".join(f"test {i}\n" for i in range(20)))
+
+    def tasks(*overrides: str):
+        config = load_config(overrides=["data.name=prompt_file", f"data.path={train}", *overrides])
+        return build_tasks(config.data, config.eval)
+
+    task, evaluated = tasks("eval.prompts=12")
+    assert evaluated is task and task.eval_prompts == [f"prompt {i}" for i in range(12)]
+    assert training_items(task) == list(range(12, 30))
+    task, evaluated = tasks(f"eval.path={test}")
+    assert evaluated.eval_prompts == [f"test {i}" for i in range(20)] and evaluated.eval_indices == list(range(20))
+    assert task.eval_prompts == [] and training_items(task) == list(range(30))
+    assert tasks(f"eval.path={test}", "eval.prompts=5")[1].eval_prompts == [f"test {i}" for i in range(5)]
+    config = load_config(overrides=["eval.prompts=4"])
+    task, evaluated = build_tasks(config.data, config.eval)
+    assert evaluated is task and task.eval_prompts == task.prompts[:4] and training_items(task) == list(range(10))
+    with pytest.raises(ValueError, match=r"eval.path='.*test.txt' is not read by data.name='digits', an embedded task "
+                                         r"that evaluates its own prompts; remove eval.path"):
+        build_tasks(config.data, load_config(overrides=[f"eval.path={test}"]).eval)
+    with pytest.raises(ValueError, match=r"^eval.path='.*missing.txt': no such file"):
+        tasks(f"eval.path={tmp_path / 'missing.txt'}")
 
 
 @pytest.mark.parametrize(("overrides", "shown"), [

@@ -204,8 +204,14 @@ class EvalConfig:
     """Fixed-seed evaluation before and after training (and every ``every`` epochs), on prompts RL does not
     sample where the task has others to train on, with guard metrics beside the reward (trainer/guard.py)."""
 
+    path: str = ""
+    """A file (or folder) of evaluation items in data.name's format, e.g. a test split of prompts; RL then samples
+    every item of data.path. Empty: the evaluation holds data.path's first items out of RL."""
+    prompts: NonNegativeInt = 0
+    """How many items are evaluated: the first N of eval.path, else of data.path (held out); 0: every item of
+    eval.path, else data.path's first 8, or an embedded task's own set (digits: one prompt per digit)."""
     samples_per_prompt: PositiveInt = 10
-    """Images per evaluation prompt; the grids show one row per prompt."""
+    """Images per evaluation prompt; the grids show one row per prompt (the first 16 prompts)."""
     num_steps: PositiveInt = 10
     """Deterministic (ODE) steps for evaluation samples."""
     guidance_scale: NonNegativeFloat = 1.0

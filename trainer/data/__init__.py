@@ -8,6 +8,8 @@ before training, naming its file and line.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
@@ -25,6 +27,7 @@ class DigitsTask:
 
     metric_names = ("digit_accuracy",)
     metric_scorers = ()
+    holds_out = False
 
     def __init__(self, image_size: int):
         self.prompts = [digit_prompt(d) for d in range(10)]
@@ -100,4 +103,32 @@ def build_task(config) -> Task:
     return DATASETS[config.name](config)
 
 
-__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "WordsTask", "build_task", "training_items"]
+def build_tasks(data, ev) -> tuple[Task, Task]:
+    """(the task RL samples, the task the evaluation samples) of a DataConfig and an EvalConfig: the second is
+    ``eval.path`` read in ``data.name``'s format (RL then keeps every item of ``data.path``), or else the first
+    itself with its held-out items; its evaluation is cut to the first ``eval.prompts`` items."""
+    task = build_task(data)
+    if not ev.path:
+        _evaluate_first(task, ev.prompts)
+        return task, task
+    if data.name in ("digits", "words"):
+        raise ValueError(f"eval.path={ev.path!r} is not read by data.name={data.name!r}, an embedded task that "
+                         "evaluates its own prompts; remove eval.path")
+    try:
+        evaluated = build_task(replace(data, path=ev.path))
+    except ValueError as exc:  # its reader names the file as data.path
+        raise ValueError(str(exc).replace(f"data.path={ev.path!r}", f"eval.path={ev.path!r}")) from None
+    _evaluate_first(evaluated, ev.prompts or len(evaluated.prompts))
+    task.eval_indices, task.eval_prompts = [], []
+    return task, evaluated
+
+
+def _evaluate_first(task: Task, count: int) -> None:
+    """Evaluate ``task``'s first ``count`` items (0: keep its own choice)."""
+    if count:
+        task.eval_indices = list(range(min(count, len(task.prompts))))
+        task.eval_prompts = [task.prompts[i] for i in task.eval_indices]
+
+
+__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "WordsTask", "build_task", "build_tasks",
+           "training_items"]

@@ -49,6 +49,7 @@ class PromptFileTask:
 
     metric_names: tuple[str, ...] = ()
     metric_scorers: tuple[str, ...] = ()
+    holds_out = True
 
     def __init__(self, path: str, eval_count: int = EVAL_COUNT):
         file = Path(path)

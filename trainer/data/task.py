@@ -35,6 +35,9 @@ class Task(Protocol):
     """The names ``metrics`` returns (the task's own metrics; empty: none), known before any image is made."""
     metric_scorers: tuple[str, ...]
     """Served scorers whose scores ``metrics`` reads: a run must score with them (reward or guard)."""
+    holds_out: bool
+    """Whether RL leaves the evaluation's prompts out (files of prompts); False where the prompts are the task's
+    classes (digits, words), which RL must all train."""
 
     def item_metadata(self, indices: list[int]) -> list[dict]:
         """Per-item metadata of pool items ``indices`` for the reward servers (target text, mask region,
@@ -57,8 +60,11 @@ class Task(Protocol):
 
 def training_items(task: Task) -> list[int]:
     """Pool items RL samples: those whose prompt is not an evaluation prompt, so that the evaluation is on
-    held-out prompts, where at least as many remain as are evaluated; else every item (digits: one prompt per
-    class, whose held-out parts are then the evaluation's noise and the task metric's classifier)."""
+    held-out prompts, where the task holds out and at least as many remain as are evaluated; else every item
+    (digits: one prompt per class, whose held-out parts are then the evaluation's noise and the task metric's
+    classifier)."""
+    if not task.holds_out:
+        return list(range(len(task.prompts)))
     evaluated = set(task.eval_prompts)
     rest = [i for i, prompt in enumerate(task.prompts) if prompt not in evaluated]
     return rest if len(rest) >= len(evaluated) else list(range(len(task.prompts)))

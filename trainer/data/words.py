@@ -73,6 +73,7 @@ class WordsTask:
 
     metric_names = ("ocr_accuracy", "ocr_score")
     metric_scorers = ("ocr",)
+    holds_out = False
 
     def __init__(self, image_size: int):
         self.words = list(VOCABULARY)

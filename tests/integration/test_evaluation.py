@@ -1,0 +1,36 @@
+"""The evaluation in a real (tiny) run: an evaluation file (a test split) is what it samples and scores, RL samples
+every item of the training file, and the grids show the first 16 prompts."""
+
+from __future__ import annotations
+
+import json
+
+from warm_start import tiny_trainer
+
+from trainer.evaluation import GRID_PROMPTS
+
+
+def test_an_evaluation_file_is_sampled_and_rl_trains_on_every_training_prompt(tmp_path, tiny_model_dir):
+    train, test = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text("".join(f"train {i}\n" for i in range(6)))
+    test.write_text("".join(f"test {i}\n" for i in range(20)))
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, "data.name=prompt_file", f"data.path={train}",
+                           f"eval.path={test}", "eval.prompts=18", "train.warmup_steps=0", "train.epochs=1",
+                           "data.prompts_per_epoch=6", "algorithm.group_size=2", "algorithm.sampler.num_steps=4",
+                           "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1", "eval.num_steps=1",
+                           "eval.every=1", "eval.guard_scorers=[colorfulness]", "logging.progress=false",
+                           reward="brightness")  # the guard: the evaluation has a client of its own
+    scored, trained, grids = [], [], []
+    score, submit, grid = trainer.evaluation.rewards.score, trainer.rewards.submit, trainer.logger.image_grid
+    trainer.evaluation.rewards.score = lambda images, prompts, *a, **k: scored.append(prompts) or score(
+        images, prompts, *a, **k)
+    trainer.rewards.submit = lambda images, prompts, *a, **k: trained.extend(prompts) or submit(images, prompts, *a, **k)
+    trainer.logger.image_grid = lambda name, images, rows, step: grids.append((name, rows, len(images))) or grid(
+        name, images, rows, step)
+    trainer.fit()
+    trainer.logger.close()
+    assert scored == [[f"test {i}" for i in range(18)]] * 2  # before and after the one epoch
+    assert sorted(set(trained)) == [f"train {i}" for i in range(6)] and len(trained) == 12
+    assert grids == [("samples_before", GRID_PROMPTS, GRID_PROMPTS), ("samples_after", GRID_PROMPTS, GRID_PROMPTS)]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["phase"] == "eval"] == [0, 1]

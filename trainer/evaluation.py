@@ -1,0 +1,79 @@
+"""The fixed evaluation: a task's evaluation items sampled deterministically with fixed noise, scored by the reward
+and guard scorers, logged with a grid. What the best weights, early stop and the hacking alarm judge by."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from shared.rewards import RewardClient
+from trainer.config.schema import EvalConfig
+from trainer.data import Task
+from trainer.distributed import ParallelBackend
+from trainer.guard import REWARD
+from trainer.logging import RunLogger, to_uint8
+from trainer.models.base import ModelAdapter
+from trainer.rollout import SamplerSettings, rollout
+
+GRID_PROMPTS = 16
+"""Rows of an evaluation's grid at most (its first prompts): a test split of hundreds would make an image
+too large to open."""
+
+
+class Evaluation:
+    """Samples ``task.eval_prompts`` (``eval.samples_per_prompt`` each) with ``eval.num_steps`` ODE steps and
+    scores them with ``rewards`` (the reward's scorers and the guard scorers)."""
+
+    def __init__(self, config: EvalConfig, task: Task, adapter: ModelAdapter, backend: ParallelBackend,
+                 logger: RunLogger, rewards: RewardClient):
+        self.config, self.task, self.adapter, self.backend, self.logger = config, task, adapter, backend, logger
+        self.rewards = rewards
+
+    @torch.no_grad()
+    def __call__(self, step: int, grid_name: str | None,
+                 weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float]:
+        """Evaluate with the weights ``weights()`` swaps in (e.g. the EMA). Prompt i is sampled by rank i mod world
+        size from noise seeded by (eval seed, i) and drawn on the CPU, so that noise depends on neither the world
+        size nor the device; every rank runs the same number of forwards (sharded backends need all ranks in
+        each), rank 0 gathers the images, scores them and logs; returns the metrics there ({} elsewhere)."""
+        ev, task = self.config, self.task
+        prompts, world = task.eval_prompts, self.backend.world
+        settings = SamplerSettings(num_steps=ev.num_steps, guidance_scale=ev.guidance_scale, noise_level=0.0)
+        denoiser = self.adapter.denoiser
+        was_training = denoiser.training
+        denoiser.eval()
+        images = []
+        # The weights are swapped in before the sampling context gathers them, and back after it reshards.
+        with weights(), self.backend.sampling():
+            for slot in range(-(-len(prompts) // world.world_size)):
+                i = slot * world.world_size + world.rank
+                k = i if i < len(prompts) else 0  # ranks past the end sample the first prompt and drop it
+                items = [task.eval_indices[k]] * ev.samples_per_prompt
+                ro = rollout(self.adapter, denoiser, [prompts[k]] * ev.samples_per_prompt,
+                             torch.arange(ev.samples_per_prompt), settings,
+                             torch.Generator().manual_seed((ev.seed * 1_000_003 + k) % 2**63), task.inputs(items))
+                images.append(ro.images)
+        denoiser.train(was_training)
+        # [slots * world, S, C, H, W]: rank-major, so prompt i sits at row (i mod world) * slots + i // world
+        gathered = self.backend.gather(torch.stack(images).contiguous())
+        metrics: dict[str, float] = {}
+        if world.rank == 0:
+            slots = len(images)
+            order = [(i % world.world_size) * slots + i // world.world_size for i in range(len(prompts))]
+            ordered = gathered[order].flatten(0, 1)
+            repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
+            items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
+            scored = self.rewards.score(to_uint8(ordered), repeated, task.item_metadata(items))
+            metrics = task.metrics(ordered, repeated, scored.components)
+            metrics[REWARD] = float(np.nanmean(scored.combined))
+            for name in ev.guard_scorers:
+                metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
+            self.logger.log(step, "eval", metrics)
+            rows = min(len(prompts), GRID_PROMPTS)
+            self.logger.image_grid(grid_name or f"samples_epoch{step:04d}", ordered[:rows * ev.samples_per_prompt],
+                                   rows, step)
+        self.backend.barrier()
+        return metrics
