@@ -44,6 +44,19 @@ def warmed_tiny_checkpoint(tmp_path_factory, tiny_model_dir) -> str:
     return str(warmed_checkpoint(tmp_path_factory, tiny_model_dir))
 
 
+LONG_MODULE_FIXTURES = ("test_backends.py", "test_ocr_paddle.py", "test_preference_server.py",
+                        "test_geneval_server.py")
+"""Test modules whose module-scoped fixtures take 5 s (reward servers with models) to 200 s (torchrun series)."""
+
+
+def _queue_position(item: pytest.Item) -> int:
+    if "warmed_tiny_checkpoint" in getattr(item, "fixturenames", ()):
+        return 0
+    if item.path.name in LONG_MODULE_FIXTURES:
+        return 1
+    return 3 if "test_docker_compose" in item.nodeid else 2
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Conformance cases of adapters whose ``TinySpec.slow_dtype_cases`` is set go to the slow tier on the CPU
@@ -61,11 +74,12 @@ def pytest_collection_modifyitems(config, items):
         target = getattr(params.get("target"), "device", None), getattr(params.get("target"), "dtype", None)
         if case in slow_dtypes and target[0] == "cpu" and target[1] != "float32":
             item.add_marker(pytest.mark.slow)
-    # First, the runs from the shared warm-up, one after another: pytest-xdist's work stealing takes tests from the
-    # end of a worker's queue, so one worker makes the warm-up and runs them all, and none waits for another's.
-    # Last, the compose tests: CI prepares their Docker images meanwhile.
-    items.sort(key=lambda item: (0 if "warmed_tiny_checkpoint" in getattr(item, "fixturenames", ()) else
-                                 2 if "test_docker_compose" in item.nodeid else 1))
+    # First, the runs from the shared warm-up, then the modules whose module fixtures are long to make, each
+    # contiguous: pytest-xdist's work stealing hands a worker the first half of the queue and steals from the end
+    # of a queue, so one worker makes each and runs all its tests. (A module fixture is made once per worker that
+    # runs one of its tests: test_backends' torchrun series, made twice when the split fell in that module, cost
+    # 190 s.) Last, the compose tests: CI prepares their Docker images meanwhile.
+    items.sort(key=_queue_position)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: run `pytest -m gpu` on a GPU machine")

@@ -49,7 +49,8 @@ def _job(model_dir: str, out: Path, name: str, backend: str, reward_url: str) ->
     return [*extra, f"model.path={model_dir}", f"logging.output_dir={out}", f"logging.run_name={name}",
             "logging.progress=false", "logging.tensorboard=false", f"parallel.backend={backend}",
             "train.warmup_steps=4", "train.warmup_checkpoint_every=2", "train.epochs=2", "train.checkpoint_every=1",
-            "data.prompts_per_epoch=4", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.every=1",
+            "data.prompts_per_epoch=4", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.num_steps=2",
+            "eval.every=1",
             "train.ema_decay=0.5",
             f"reward.urls=[{reward_url}]"]
 

@@ -26,7 +26,7 @@ def _args(model_dir: str, out: Path, name: str) -> list[str]:
             f"logging.run_name={name}", "logging.progress=false", "logging.tensorboard=false",
             "train.warmup_steps=6", "train.warmup_checkpoint_every=3", "train.epochs=6", "train.checkpoint_every=1",
             "data.prompts_per_epoch=4", "algorithm.group_size=4", "algorithm.kl_beta=0.01",
-            "eval.samples_per_prompt=1", "eval.every=0", "reward.replicas=1"]
+            "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=0", "reward.replicas=1"]
 
 
 def _records(run_dir: Path, phase: str) -> list[dict]:

@@ -52,7 +52,7 @@ def test_the_job_writes_its_outputs(tmp_path):
     run = _run([sys.executable, "trainer/main.py", f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path}",
                 "logging.run_name=toy", "train.warmup_steps=4", "train.epochs=2",
                 "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1",
-                "eval.guard_scorers=[brightness]"], tmp_path, timeout=600)
+                "eval.num_steps=2", "eval.guard_scorers=[brightness]"], tmp_path, timeout=600)
     records = _check_outputs(run, tmp_path / "toy", epochs=2)
     # the guard scorer is served by the job's own replicas and scored on the evaluation's images; best/ is there
     assert all(0 < r["guard/brightness"] < 1 for r in records if r["phase"] == "eval")
@@ -101,7 +101,7 @@ def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
           "trainer/main.py", f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}",
           "logging.run_name=ddp", "logging.progress=false", "train.warmup_steps=4", "train.epochs=2",
-          "data.prompts_per_epoch=3", "algorithm.group_size=4", "eval.samples_per_prompt=1"],
+          "data.prompts_per_epoch=3", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.num_steps=2"],
          tmp_path, timeout=600)
     records = _records(tmp_path / "ddp")
     rl = [r for r in records if r["phase"] == "rl"]
@@ -133,7 +133,7 @@ def test_two_machines_through_the_multinode_launch_script(tmp_path, tiny_model_d
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.run_name=two",
             "logging.progress=false", "train.warmup_steps=2", "train.epochs=2", "data.prompts_per_epoch=2",
-            "algorithm.group_size=2", "eval.samples_per_prompt=1", "reward.replicas=1"]
+            "algorithm.group_size=2", "eval.samples_per_prompt=1", "eval.num_steps=2", "reward.replicas=1"]
     machines = [subprocess.Popen(["bash", "deploy/launch_multinode.sh", *args], cwd=REPO,
                                  env={**env, "NODE_RANK": str(node)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True) for node in range(2)]
