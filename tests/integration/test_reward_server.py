@@ -607,6 +607,16 @@ def test_launcher_holds_each_port_from_its_choice_on(tmp_path) -> None:
             after.bind(("127.0.0.1", port))
 
 
+def test_a_killed_replica_restarts_on_its_port_while_a_client_holds_a_connection_to_it() -> None:
+    """The connections a killed replica had accepted linger (FIN_WAIT) while their clients keep them; the bound
+    socket's SO_REUSEADDR, which they inherit, lets the restart bind the port again (without it: EADDRINUSE)."""
+    with LocalRewardPool(["brightness"], replicas=1) as pool, httpx.Client(trust_env=False) as client:
+        assert client.get(f"{pool.urls[0]}/readyz").status_code == 200  # a kept-alive connection
+        pool.kill(0)
+        pool.restart(0)
+        assert client.get(f"{pool.urls[0]}/readyz").status_code == 200
+
+
 def test_a_server_given_an_fd_that_is_not_a_tcp_socket_exits_with_one_line(tmp_path) -> None:
     with open(tmp_path / "file", "w") as not_a_socket:
         fd = not_a_socket.fileno()

@@ -48,8 +48,9 @@ def _bind(host: str, port: int = 0) -> socket.socket:
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
-        if port:  # a restart: its port may still hold the killed replica's connections in TIME_WAIT
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # As uvicorn sets it on the sockets it binds: the connections a killed replica accepted inherit it, and
+        # without it they (in FIN_WAIT or TIME_WAIT) would keep its restart from binding the port again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except BaseException:
         sock.close()
@@ -197,8 +198,8 @@ class LocalRewardPool:
         try:
             sock = _bind(self.host, self.ports[index])
         except OSError as exc:
-            raise RewardPoolError(f"reward replica {index} cannot restart on port {self.ports[index]}, which "
-                                  f"another process took meanwhile ({exc.strerror})") from None
+            raise RewardPoolError(f"reward replica {index} cannot restart on its port {self.ports[index]} "
+                                  f"({exc.strerror}): another process took it meanwhile") from None
         with sock:
             self._processes[index] = self._spawn(index, sock)
         self._wait_ready([index])
