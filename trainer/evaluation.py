@@ -16,7 +16,7 @@ from trainer.distributed import ParallelBackend
 from trainer.guard import REWARD
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
-from trainer.rollout import SamplerSettings, rollout
+from trainer.rollout import SamplerSettings, rollout, window_mask
 
 GRID_PROMPTS = 16
 """Rows of an evaluation's grid at most (its first prompts): a test split of hundreds would make an image
@@ -32,30 +32,46 @@ class Evaluation:
         self.config, self.task, self.adapter, self.backend, self.logger = config, task, adapter, backend, logger
         self.rewards = rewards
 
+    def slots(self) -> int:
+        """Prompts each rank samples (the last ones pad with the first prompt)."""
+        return -(-len(self.task.eval_prompts) // self.backend.world.world_size)
+
+    def batch_sizes(self) -> set[int]:
+        """The rollout batch sizes an evaluation runs (for the compiled blocks' variants)."""
+        slots, per = self.slots(), self.config.batch_size
+        return {n * self.config.samples_per_prompt for n in (min(per, slots), slots % per) if n}
+
     @torch.no_grad()
     def __call__(self, step: int, grid_name: str | None,
                  weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float]:
         """Evaluate with the weights ``weights()`` swaps in (e.g. the EMA). Prompt i is sampled by rank i mod world
         size from noise seeded by (eval seed, i) and drawn on the CPU, so that noise depends on neither the world
-        size nor the device; every rank runs the same number of forwards (sharded backends need all ranks in
-        each), rank 0 gathers the images, scores them and logs; returns the metrics there ({} elsewhere)."""
+        size nor the device, nor (up to float round-off) on ``eval.batch_size``; every rank runs the same number
+        of forwards (sharded backends need all ranks in each), rank 0 gathers the images, scores them and logs;
+        returns the metrics there ({} elsewhere)."""
         ev, task = self.config, self.task
         prompts, world = task.eval_prompts, self.backend.world
         settings = SamplerSettings(num_steps=ev.num_steps, guidance_scale=ev.guidance_scale, noise_level=0.0)
         denoiser = self.adapter.denoiser
         was_training = denoiser.training
         denoiser.eval()
+        samples = ev.samples_per_prompt
+        # This rank's prompts (ranks past the end sample the first prompt and drop it), ev.batch_size at a time.
+        mine = [i if i < len(prompts) else 0 for i in range(world.rank, self.slots() * world.world_size,
+                                                              world.world_size)]
         images = []
         # The weights are swapped in before the sampling context gathers them, and back after it reshards.
         with weights(), self.backend.sampling():
-            for slot in range(-(-len(prompts) // world.world_size)):
-                i = slot * world.world_size + world.rank
-                k = i if i < len(prompts) else 0  # ranks past the end sample the first prompt and drop it
-                items = [task.eval_indices[k]] * ev.samples_per_prompt
-                ro = rollout(self.adapter, denoiser, [prompts[k]] * ev.samples_per_prompt,
-                             torch.arange(ev.samples_per_prompt), settings,
-                             torch.Generator().manual_seed((ev.seed * 1_000_003 + k) % 2**63), task.inputs(items))
-                images.append(ro.images)
+            for lo in range(0, len(mine), ev.batch_size):
+                ks = mine[lo:lo + ev.batch_size]
+                generators = [torch.Generator().manual_seed((ev.seed * 1_000_003 + k) % 2**63) for k in ks]
+                stochastic = [window_mask(settings, g) for g in generators][0]  # all steps: noise level 0
+                initial = torch.cat([self.adapter.prepare_latents(samples, g) for g in generators])
+                items = [task.eval_indices[k] for k in ks for _ in range(samples)]
+                ro = rollout(self.adapter, denoiser, [prompts[k] for k in ks for _ in range(samples)],
+                             torch.arange(len(items)), settings, generators[0], task.inputs(items), stochastic,
+                             initial=initial)
+                images.extend(ro.images.unflatten(0, (len(ks), samples)))
         denoiser.train(was_training)
         # [slots * world, S, C, H, W]: rank-major, so prompt i sits at row (i mod world) * slots + i // world
         gathered = self.backend.gather(torch.stack(images).contiguous())

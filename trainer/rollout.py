@@ -165,11 +165,13 @@ def rollout(
     inputs: ImageInputs | None = None,
     stochastic: torch.Tensor | None = None,
     record_means: bool = False,
+    initial: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample ``len(prompts)`` images with ``net`` and record the trajectory (no gradients).
 
     ``stochastic`` [T] bool fixes which steps use noise (chunks of one batch share it); by default it is
     drawn with ``window_mask``. ``record_means``: keep each step's Gaussian mean too (``Rollout.means``).
+    ``initial``: the starting noise (default: ``adapter.prepare_latents`` from ``generator``).
     """
     cond = adapter.encode_prompts(prompts, inputs)
     kind = resolve_kind(settings.kind, adapter.sampler_kind)
@@ -180,7 +182,7 @@ def rollout(
     step = adapter.step_function(kind, sigmas)
     multistep = second_order_steps(stochastic, settings.ode_order).tolist()
     host = sigmas.cpu().tolist() if any(multistep) else []  # one read per rollout, only for the multistep
-    x = adapter.prepare_latents(len(prompts), generator)
+    x = adapter.prepare_latents(len(prompts), generator) if initial is None else initial
     if getattr(adapter, "reads_trajectory", False):  # its predict reads the initial noise and the schedule
         cond = cond.starting_at(x, sigmas)
     latents, log_probs, means, x0 = [x], [], [], None

@@ -113,7 +113,7 @@ class Trainer:
         if model.compile == "none":  # both before any wrapper (FSDP2, ZeRO, DDP) sees the denoiser
             return None
         bounds = self._rollout_bounds(self.sampler.per_rank)
-        sizes = {hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)} | {self.config.eval.samples_per_prompt}
+        sizes = {hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)} | self.evaluation.batch_sizes()
         sizes |= {getattr(c, "micro_batch_size", 1) for c in (self.algorithm.config, self.warmup.config)}
         return compile_for_run(self.adapter, model.compile, sizes, model.compile_backend)
 

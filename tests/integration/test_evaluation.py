@@ -34,3 +34,24 @@ def test_an_evaluation_file_is_sampled_and_rl_trains_on_every_training_prompt(tm
     assert grids == [("samples_before", GRID_PROMPTS, GRID_PROMPTS), ("samples_after", GRID_PROMPTS, GRID_PROMPTS)]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["phase"] == "eval"] == [0, 1]
+
+
+def test_prompts_batched_per_forward_keep_their_own_noise(tmp_path, tiny_model_dir, monkeypatch):
+    """eval.batch_size=4 samples the 10 digit prompts in 3 forwards instead of 10, and each prompt's images are
+    those it gets alone up to float round-off (its noise is drawn from its own seed either way)."""
+    import torch
+
+    from trainer import evaluation
+
+    calls, grids = [], {}
+    rollout = evaluation.rollout
+    monkeypatch.setattr(evaluation, "rollout", lambda *a, **k: calls.append(len(a[2])) or rollout(*a, **k))
+    for batch in (1, 4):
+        trainer = tiny_trainer(tmp_path / f"batch{batch}", tiny_model_dir, f"eval.batch_size={batch}",
+                               "eval.samples_per_prompt=2", "eval.num_steps=2", "train.warmup_steps=0", log=False)
+        trainer.logger.image_grid = lambda name, images, rows, step, batch=batch: grids.__setitem__(batch, images)
+        calls.clear()
+        trainer.evaluate(0, "samples_before")
+        assert calls == ([2] * 10 if batch == 1 else [8, 8, 4]), calls
+    assert grids[1].shape == grids[4].shape == (20, 1, 16, 16)  # grey digits
+    torch.testing.assert_close(grids[4], grids[1], rtol=0, atol=1e-6)  # batched kernels: float round-off

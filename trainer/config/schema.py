@@ -212,6 +212,10 @@ class EvalConfig:
     eval.path, else data.path's first 8, or an embedded task's own set (digits: one prompt per digit)."""
     samples_per_prompt: PositiveInt = 10
     """Images per evaluation prompt; the grids show one row per prompt (the first 16 prompts)."""
+    batch_size: PositiveInt = 1
+    """Prompts sampled per forward (each with samples_per_prompt images): more keep a GPU busy on a test split of
+    one sample per prompt. Each prompt keeps its own noise: its images are those of batch 1 up to float
+    round-off (batched kernels), so keep it fixed across the runs you compare."""
     num_steps: PositiveInt = 10
     """Deterministic (ODE) steps for evaluation samples."""
     guidance_scale: NonNegativeFloat = 1.0
