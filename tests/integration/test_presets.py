@@ -31,7 +31,7 @@ from reward_server.scorers.brightness import BrightnessScorer
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
-from trainer.data import build_task
+from trainer.data import build_task, build_tasks
 from trainer.data.sampler import GroupSampler
 from trainer.data.testing import tiny_dataset
 from trainer.distributed import SingleProcess
@@ -123,10 +123,12 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
 
 ONE_EPOCH = ["train.epochs=1", "algorithm.group_size=4", "data.prompts_per_epoch=2", "train.rollout_chunks=4",
              "reward.batch_size=2", "algorithm.micro_batch_size=2", "algorithm.sampler.num_steps=4",
-             "eval.num_steps=2", "eval.samples_per_prompt=1", "warmup.batch_size=4", "warmup.micro_batch_size=2"]
+             "eval.num_steps=2", "eval.samples_per_prompt=1", "eval.prompts=1", "warmup.batch_size=4",
+             "warmup.micro_batch_size=2"]
 """A whole job at toy size: 2 prompts x 4 samples sampled in 4 chunks of 2 (Qwen-Image's chunks pad their text
 to different lengths when a chunk draws only the shorter prompt, as one does here), 4 sampling steps,
-micro-batches of 2; warm-up steps of 4 images in micro-batches of 2 (64 took most of a job's time)."""
+micro-batches of 2; warm-up steps of 4 images in micro-batches of 2 (64 took most of a job's time); one
+evaluation prompt (its rollouts were a third of a job's time)."""
 
 
 def _run(config, run_dir: Path, resume: Path | None = None) -> tuple[Trainer, list[torch.Tensor]]:
@@ -141,8 +143,9 @@ def _run(config, run_dir: Path, resume: Path | None = None) -> tuple[Trainer, li
     names = list(config.reward.weights) or [scorer.name]
     client = InProcessRewardClient({name: scorer for name in names}, dict.fromkeys(names, 1.0),
                                    batch_size=config.reward.batch_size)
-    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
-                      client, SingleProcess(torch.device("cpu")), RunLogger(run_dir, False, False))
+    task, evaluated = build_tasks(config.data, config.eval)
+    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
+                      SingleProcess(torch.device("cpu")), RunLogger(run_dir, False, False), eval_task=evaluated)
     try:
         if resume is not None:
             trainer.resume(resume)
