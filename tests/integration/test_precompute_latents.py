@@ -15,9 +15,11 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from trainer import precompute
 from trainer.config import DataConfig, to_dict
@@ -156,6 +158,18 @@ def test_precompute_latents_of_a_growing_editing_dataset(root, tmp_path, capsys)
     calls = count_vae_encodes(reading)
     reading.encode_prompts(task.prompts, task.inputs(list(range(4))))
     assert calls == [] and reading.image_latents.hits == 4
+
+    evaluation = write_edit_jsonl(tmp_path / "test", size=SIZE, count=3)  # a test split of other images
+    for i in range(3):
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(
+            tmp_path / "test" / "images" / f"{i}_0.png")
+    assert precompute.main(["--config", str(run), "--latents", latents, f"eval.path={evaluation}"]) == 0
+    assert "3 image inputs of flux_kontext" in capsys.readouterr().out
+    test = build_task(DataConfig(image_size=SIZE, name="edit_jsonl", path=str(evaluation)))
+    reading = build_adapter(dataclasses.replace(config, image_latents=latents), "cpu")  # reads the grown store
+    calls = count_vae_encodes(reading)
+    reading.encode_prompts(test.prompts, test.inputs(list(range(3))))
+    assert calls == [] and reading.image_latents.hits == 3
 
     assert precompute.main(["--config", str(run), "--latents", latents, "model.dtype=bfloat16"]) == 2
     assert "holds latents of another VAE or settings" in capsys.readouterr().err
