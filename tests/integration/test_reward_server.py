@@ -602,8 +602,9 @@ def test_launcher_holds_each_port_from_its_choice_on(tmp_path) -> None:
         assert [httpx.get(f"{url}/readyz", trust_env=False).status_code for url in pool.urls] == [200, 200]
     finally:
         pool.stop()
-    for port in ports:  # released with the replicas
+    for port in ports:  # released with the replicas (SO_REUSEADDR: past connections' TIME_WAIT, never a listener)
         with socket.socket() as after:
+            after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             after.bind(("127.0.0.1", port))
 
 
