@@ -15,6 +15,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from trainer.rewards.launcher import bound_socket
+
 
 def free_port() -> int:
     """A loopback port nothing listens on now (for a URL that must refuse connections)."""
@@ -23,16 +25,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def bound_socket() -> socket.socket:
-    """A loopback TCP socket bound to a free port, for a server to listen on."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 def spawn_reward_server(args: list[str], **popen: object) -> tuple[subprocess.Popen, str]:
     """``python -m reward_server *args`` serving on a port bound here (``--fd``); the process and its URL."""
-    with bound_socket() as sock:
+    with bound_socket("127.0.0.1") as sock:
         port = sock.getsockname()[1]
         process = subprocess.Popen([sys.executable, "-m", "reward_server", *args, "--port", str(port),
                                     "--fd", str(sock.fileno())], pass_fds=(sock.fileno(),), **popen)
@@ -56,7 +51,7 @@ def wait_for(url: str, status: int = 200, timeout_s: float = 30.0) -> None:
 @contextmanager
 def serve(app: FastAPI, *, wait_ready: bool = True) -> Iterator[str]:
     """Run ``app`` under uvicorn on a free loopback port in a thread; yield its base URL."""
-    sock = bound_socket()
+    sock = bound_socket("127.0.0.1")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -104,9 +104,10 @@ def run(config: Config) -> dict[str, float]:
 
         urls = list(config.reward.urls)
         if not urls:
+            mine = None
             if pool is not None:
                 pool.wait_ready()
-            mine = list(pool.urls) if pool is not None else None
+                mine = list(pool.urls)
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient
 

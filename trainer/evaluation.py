@@ -65,7 +65,7 @@ class Evaluation:
             for lo in range(0, len(mine), ev.batch_size):
                 ks = mine[lo:lo + ev.batch_size]
                 generators = [torch.Generator().manual_seed((ev.seed * 1_000_003 + k) % 2**63) for k in ks]
-                stochastic = [window_mask(settings, g) for g in generators][0]  # all steps: noise level 0
+                stochastic = window_mask(settings, generators[0])  # sde_window 0: every step, nothing drawn
                 initial = torch.cat([self.adapter.prepare_latents(samples, g) for g in generators])
                 items = [task.eval_indices[k] for k in ks for _ in range(samples)]
                 ro = rollout(self.adapter, denoiser, [prompts[k] for k in ks for _ in range(samples)],

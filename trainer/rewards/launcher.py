@@ -42,7 +42,7 @@ class RewardPoolError(RuntimeError):
     """A replica of the local pool died or did not become ready in time."""
 
 
-def _bind(host: str, port: int = 0) -> socket.socket:
+def bound_socket(host: str, port: int = 0) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (0: a free port), not yet listening: until its replica listens,
     connections are refused rather than left waiting."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -160,7 +160,7 @@ class LocalRewardPool:
         self._env = env
         try:
             for index in range(self.replicas):
-                with _bind(self.host) as sock:
+                with bound_socket(self.host) as sock:
                     port = sock.getsockname()[1]
                     self.ports.append(port)
                     self.urls.append(f"http://{self.host}:{port}")
@@ -196,7 +196,7 @@ class LocalRewardPool:
             raise RuntimeError(f"replica {index} is still running; kill it first")
         self._restarts[index] += 1
         try:
-            sock = _bind(self.host, self.ports[index])
+            sock = bound_socket(self.host, self.ports[index])
         except OSError as exc:
             raise RewardPoolError(f"reward replica {index} cannot restart on its port {self.ports[index]} "
                                   f"({exc.strerror}): another process took it meanwhile") from None
