@@ -47,7 +47,8 @@ class Evaluation:
         """Evaluate with the weights ``weights()`` swaps in (e.g. the EMA). Prompt i is sampled by rank i mod world
         size from noise seeded by (eval seed, i) and drawn on the CPU, so that noise depends on neither the world
         size nor the device, nor (up to float round-off) on ``eval.batch_size``; every rank runs the same number
-        of forwards (sharded backends need all ranks in each), rank 0 gathers the images, scores them and logs;
+        of forwards (sharded backends need all ranks in each), rank 0 gathers the images after each forward onto the
+        host (device memory does not grow with the number of prompts), scores them and logs;
         returns the metrics there ({} elsewhere)."""
         ev, task = self.config, self.task
         prompts, world = task.eval_prompts, self.backend.world
@@ -59,7 +60,7 @@ class Evaluation:
         # This rank's prompts (ranks past the end sample the first prompt and drop it), ev.batch_size at a time.
         mine = [i if i < len(prompts) else 0 for i in range(world.rank, self.slots() * world.world_size,
                                                               world.world_size)]
-        images = []
+        by_prompt: dict[int, torch.Tensor] = {}  # rank 0: prompt index -> its images, on the CPU
         # The weights are swapped in before the sampling context gathers them, and back after it reshards.
         with weights(), self.backend.sampling():
             for lo in range(0, len(mine), ev.batch_size):
@@ -71,15 +72,17 @@ class Evaluation:
                 ro = rollout(self.adapter, denoiser, [prompts[k] for k in ks for _ in range(samples)],
                              torch.arange(len(items)), settings, generators[0], task.inputs(items), stochastic,
                              initial=initial)
-                images.extend(ro.images.unflatten(0, (len(ks), samples)))
+                # Gathered batch by batch and kept on the host: the device holds one batch of every rank, not
+                # the whole evaluation. Rank-major: row n is rank n // len(ks)'s prompt at position lo + n % len(ks)
+                # of its share, i.e. prompt (lo + n % len(ks)) * world size + rank.
+                gathered = self.backend.gather(ro.images.unflatten(0, (len(ks), samples)).contiguous())
+                if world.rank == 0:
+                    for n, image in enumerate(gathered.cpu()):
+                        by_prompt[(lo + n % len(ks)) * world.world_size + n // len(ks)] = image
         denoiser.train(was_training)
-        # [slots * world, S, C, H, W]: rank-major, so prompt i sits at row (i mod world) * slots + i // world
-        gathered = self.backend.gather(torch.stack(images).contiguous())
         metrics: dict[str, float] = {}
         if world.rank == 0:
-            slots = len(images)
-            order = [(i % world.world_size) * slots + i // world.world_size for i in range(len(prompts))]
-            ordered = gathered[order].flatten(0, 1)
+            ordered = torch.stack([by_prompt[i] for i in range(len(prompts))]).flatten(0, 1)  # padding dropped
             repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
             items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
             scored = self.rewards.score(to_uint8(ordered), repeated, task.item_metadata(items))

@@ -97,11 +97,13 @@ def test_shortened_job_raises_the_reward(tmp_path, tiny_model_dir, warmed_tiny_c
 
 def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
     """The same entry point under torchrun: gloo DDP, rank 0 starts the reward pool, groups span ranks,
-    and both ranks end with identical weights."""
+    and both ranks end with identical weights. The evaluation of 7 prompts (4 per rank, the last padded) in
+    forwards of 3 prompts gathers them in the order one process samples them."""
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
           "trainer/main.py", f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}",
           "logging.run_name=ddp", "logging.progress=false", "train.warmup_steps=4", "train.epochs=2",
-          "data.prompts_per_epoch=3", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.num_steps=2"],
+          "data.prompts_per_epoch=3", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.num_steps=2",
+          "eval.prompts=7", "eval.batch_size=3"],
          tmp_path, timeout=600)
     records = _records(tmp_path / "ddp")
     rl = [r for r in records if r["phase"] == "rl"]
@@ -116,6 +118,18 @@ def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
     assert exported.keys() == written.keys()
     for name, tensor in written.items():
         torch.testing.assert_close(tensor, exported[name], rtol=0, atol=1e-6)
+    # One process sampling final/ one prompt at a time draws the ranks' grid again, row for row (up to a rounded
+    # pixel value: batched kernels round off differently); a prompt out of place would be another digit.
+    import numpy as np
+    from PIL import Image
+
+    from trainer.generate import main as generate
+
+    assert generate(["--weights", str(tmp_path / "ddp" / "final"), "--out", str(tmp_path / "one.png")]) == 0
+    one, ranks = (np.asarray(Image.open(p), dtype=np.int16) for p in (tmp_path / "one.png",
+                                                                       tmp_path / "ddp" / "samples_after.png"))
+    assert one.shape == ranks.shape == ((7 * 17 + 1) * 4, (17 + 1) * 4)  # 7 rows of one 16-px grey image
+    assert np.abs(one - ranks).max() <= 1
 
 
 def _free_port() -> int:
