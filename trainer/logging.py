@@ -22,8 +22,15 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
-def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike, scale: int = 4) -> None:
-    """Save a grid of ``rows`` rows (one per prompt) with nearest-neighbour upscaling for small images."""
+GRID_ENLARGES_BELOW = 128
+"""Images whose larger side is under this many pixels are enlarged in grids (nearest neighbour, up to 4x: a
+16-pixel digit becomes visible); larger ones keep their size (16 rows of 1024-pixel images at 4x would be 270 M
+pixels, more than PIL opens)."""
+
+
+def grid_pixels(images: torch.Tensor, rows: int) -> np.ndarray:
+    """[N, C, H, W] in [0, 1] -> a grid of ``rows`` rows (one per prompt) with 1-pixel borders, uint8 [H', W', C],
+    small images enlarged (``GRID_ENLARGES_BELOW``)."""
     pixels = to_uint8(images)
     n, h, w, c = pixels.shape
     cols = math.ceil(n / rows)
@@ -31,9 +38,16 @@ def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike, scale: i
     for i, img in enumerate(pixels):
         r, col = divmod(i, cols)
         grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + col * (w + 1) : 1 + col * (w + 1) + w] = img
-    mode = "L" if c == 1 else "RGB"
-    out = Image.fromarray(grid[..., 0] if c == 1 else grid, mode)
-    out.resize((out.width * scale, out.height * scale), Image.NEAREST).save(path)
+    scale = max(1, min(4, GRID_ENLARGES_BELOW // max(h, w)))
+    return grid.repeat(scale, axis=0).repeat(scale, axis=1)
+
+
+def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike) -> np.ndarray:
+    """Save ``grid_pixels(images, rows)`` as a PNG (greyscale for one channel); returns it as RGB [H, W, 3]."""
+    grid = grid_pixels(images, rows)
+    grey = grid.shape[-1] == 1
+    Image.fromarray(grid[..., 0] if grey else grid, "L" if grey else "RGB").save(path)
+    return np.repeat(grid, 3, axis=-1) if grey else grid
 
 
 class RunLogger:
@@ -100,11 +114,9 @@ class RunLogger:
     def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int) -> None:
         if not self.enabled:
             return
-        save_grid(images, rows, self.run_dir / f"{name}.png")
-        if self.trackers:
-            pixels = np.asarray(Image.open(self.run_dir / f"{name}.png").convert("RGB"))
-            for tracker in self.trackers:
-                tracker.image(name, pixels, step)
+        pixels = save_grid(images, rows, self.run_dir / f"{name}.png")
+        for tracker in self.trackers:
+            tracker.image(name, pixels, step)
 
     def reward_curve(self, best_epoch: int = -1, select_by: str = "") -> None:
         """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise: the held-out reward,
