@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from trainer.trackers import TensorBoardTracker, Tracker, finite_numbers
+from trainer.trackers import Picture, TensorBoardTracker, Tracker, finite_numbers
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -42,12 +42,18 @@ def grid_pixels(images: torch.Tensor, rows: int) -> np.ndarray:
     return grid.repeat(scale, axis=0).repeat(scale, axis=1)
 
 
-def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike) -> np.ndarray:
-    """Save ``grid_pixels(images, rows)`` as a PNG (greyscale for one channel); returns it as RGB [H, W, 3]."""
+def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike) -> Picture:
+    """Save ``grid_pixels(images, rows)`` (greyscale for one channel) as a PNG, or a JPEG where ``path`` ends in .jpg
+    (quality 90: a view, encoded 20x faster). PNGs use zlib level 1: 4x faster than PIL's default for 20% more
+    bytes, and a 1024-px evaluation grid took seconds on rank 0 at the default."""
     grid = grid_pixels(images, rows)
-    grey = grid.shape[-1] == 1
-    Image.fromarray(grid[..., 0] if grey else grid, "L" if grey else "RGB").save(path)
-    return np.repeat(grid, 3, axis=-1) if grey else grid
+    height, width, channels = grid.shape
+    image = Image.fromarray(grid[..., 0] if channels == 1 else grid, "L" if channels == 1 else "RGB")
+    if str(path).endswith(".jpg"):
+        image.save(path, quality=90)
+    else:
+        image.save(path, compress_level=1)
+    return Picture(Path(path), height, width, channels)
 
 
 class RunLogger:
@@ -114,9 +120,31 @@ class RunLogger:
     def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int) -> None:
         if not self.enabled:
             return
-        pixels = save_grid(images, rows, self.run_dir / f"{name}.png")
+        picture = save_grid(images, rows, self.run_dir / f"{name}.png")
         for tracker in self.trackers:
-            tracker.image(name, pixels, step)
+            tracker.image(name, picture, step)
+
+    def rollout_samples(self, step: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
+                        scores: dict[str, list[float]]) -> None:
+        """RL epoch ``step``'s ``images`` [N, C, H, W] with their prompts, rewards and each scorer's scores (NaN: it
+        failed): a one-row grid ``rollouts/epochNNNN.jpg``, a row per image in ``rollouts/epochNNNN.jsonl``, and
+        each image captioned "prompt | reward (scores)" for the trackers."""
+        if not self.enabled or not len(images):
+            return
+        folder = self.run_dir / "rollouts"
+        folder.mkdir(exist_ok=True)
+        grid = save_grid(images, 1, folder / f"epoch{step:04d}.jpg")
+        rows = [{"prompt": prompt, "reward": reward, **{name: values[i] for name, values in scores.items()}}
+                for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True))]
+        (folder / f"epoch{step:04d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        if not self.trackers:
+            return
+        shown = [f" ({', '.join(f'{name} {values[i]:.3f}' for name, values in scores.items())})" if len(scores) > 1
+                 else "" for i in range(len(rows))]
+        captions = [f"{prompt[:200]} | reward {reward:.3f}{extra}"
+                    for prompt, reward, extra in zip(prompts, rewards, shown, strict=True)]
+        for tracker in self.trackers:
+            tracker.samples("samples", grid, list(to_uint8(images)), captions, step)
 
     def reward_curve(self, best_epoch: int = -1, select_by: str = "") -> None:
         """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise: the held-out reward,

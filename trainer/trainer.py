@@ -294,6 +294,7 @@ class Trainer:
         t1 = time.perf_counter()
 
         local = torch.as_tensor(result.combined, dtype=torch.float32)
+        self._log_samples(epoch, ro.images, prompts, result.combined, result.components)
         gathered = self.backend.gather(torch.stack([local, group_ids.float()], dim=1))
         rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
         failed = failed_share(rewards.all.cpu())
@@ -331,6 +332,15 @@ class Trainer:
         if self.compiled is not None:
             metrics.update(self.compiled.report())
         return metrics
+
+    def _log_samples(self, epoch: int, images: torch.Tensor, prompts: list[str], rewards: np.ndarray,
+                     scores: dict[str, np.ndarray]) -> None:
+        """Rank 0's first ``logging.rollout_samples`` rollouts of every ``logging.rollout_samples_every``-th epoch
+        and the last, with their prompts and rewards (before a reward failure stops the run: they show it)."""
+        n, every = self.config.logging.rollout_samples, self.config.logging.rollout_samples_every
+        if n and ((epoch + 1) % every == 0 or epoch + 1 == self.config.train.epochs):
+            self.logger.rollout_samples(epoch + 1, images[:n], prompts[:n], np.asarray(rewards, dtype=float)[:n].tolist(),
+                                        {name: np.asarray(v, dtype=float)[:n].tolist() for name, v in scores.items()})
 
     def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
                           g: torch.Generator, noise: torch.Generator) -> tuple[Rollout, RewardResult, float]:

@@ -113,6 +113,11 @@ def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path
         assert numbers and {key: row[key] for key in numbers} == numbers
     grids = {key.rsplit("/", 1)[0]: row["rl/epoch"] for row in rows for key in row if key.startswith("images/")}
     assert grids == {"images/samples_before": 0, "images/samples_after": 1}
+    # the epoch's rollout samples (2 prompts x 2), each image captioned with its prompt and reward
+    (samples,) = [row for row in rows if "rollouts/samples/captions" in row]
+    logged = [json.loads(line) for line in (run_dir / "rollouts" / "epoch0001.jsonl").read_text().splitlines()]
+    assert samples["rl/epoch"] == 1 and samples["rollouts/samples/format"] == "jpg" and len(logged) == 4
+    assert samples["rollouts/samples/captions"] == [f"{r['prompt']} | reward {r['reward']:.3f}" for r in logged]
 
     assert main(_job(tmp_path, tiny_model_dir, "train.epochs=2", "train.resume=auto")) == 0
     assert (run_dir / "wandb-run-id").read_text() == run_id

@@ -1,16 +1,17 @@
-"""A run's image outputs: grids keep large images at their size and enlarge small ones, and what the trackers get
-is the PNG's own pixels (TensorBoard's events read back)."""
+"""A run's image outputs: grids keep large images at their size and enlarge small ones; trackers get the files'
+bytes, never a second encoding (TensorBoard's events read back); rollout samples with their prompts and rewards."""
 
 from __future__ import annotations
 
-import io
+import json
+import math
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from trainer.logging import RunLogger, save_grid
+from trainer.logging import RunLogger, grid_pixels, save_grid
 
 
 def _events(run_dir, axis: str):
@@ -24,22 +25,48 @@ def _events(run_dir, axis: str):
 @pytest.mark.parametrize(("side", "scale"), [(16, 4), (40, 3), (64, 2), (200, 1), (1024, 1)])
 def test_a_grid_enlarges_only_small_images(tmp_path, side, scale):
     images = torch.rand(6, 3, side, side if side < 1024 else 8)  # 2 rows of 3; a 1024 x 8 strip: its larger side
-    pixels = save_grid(images, 2, tmp_path / "grid.png")
     width = 3 * ((side if side < 1024 else 8) + 1) + 1
+    picture = save_grid(images, 2, tmp_path / "grid.png")
+    pixels = grid_pixels(images, 2)
     assert pixels.shape == ((2 * (side + 1) + 1) * scale, width * scale, 3)
-    saved = np.asarray(Image.open(tmp_path / "grid.png"))
-    assert np.array_equal(saved, pixels)
+    assert (picture.height, picture.width, picture.channels) == pixels.shape
+    assert np.array_equal(np.asarray(Image.open(picture.path)), pixels)  # lossless
     first = (images[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
     assert np.array_equal(pixels[scale: scale * (1 + first.shape[0]): scale, scale: scale * (1 + first.shape[1]): scale],
                           first)
 
 
-def test_a_grey_grid_is_saved_grey_and_given_to_trackers_as_rgb(tmp_path):
+def test_a_grey_grid_is_saved_once_and_tensorboard_holds_its_bytes(tmp_path):
     logger = RunLogger(tmp_path, True, True)
     logger.image_grid("samples_before", torch.rand(4, 1, 16, 16), 2, 0)
     logger.trackers[0].close()
     saved = Image.open(tmp_path / "samples_before.png")
     assert saved.mode == "L" and saved.size == ((2 * 17 + 1) * 4, (2 * 17 + 1) * 4)
     (event,) = _events(tmp_path, "rl").Images("samples_before")
-    shown = np.asarray(Image.open(io.BytesIO(event.encoded_image_string)))
-    assert shown.shape == (*np.asarray(saved).shape, 3) and all(np.array_equal(shown[..., c], saved) for c in range(3))
+    assert event.encoded_image_string == (tmp_path / "samples_before.png").read_bytes()
+    assert (event.width, event.height) == saved.size
+
+
+def test_rollout_samples_are_written_with_their_prompts_and_rewards(tmp_path):
+    """A one-row JPEG grid and a row per image (prompt, reward, each scorer's score; NaN where one failed), and in
+    TensorBoard the grid with a caption per image (prompt | reward (scores))."""
+    logger = RunLogger(tmp_path, True, True)
+    images = torch.tensor([[0.9, 0.1, 0.1], [0.1, 0.9, 0.1], [0.1, 0.1, 0.9]])[:, :, None, None].repeat(1, 1, 40, 24)
+    scores = {"ocr": [0.5, float("nan"), 1.0], "pickscore": [0.2, 0.3, 0.4]}
+    logger.rollout_samples(7, images, ["a cat", "a dog", "a sign saying hi"], [0.35, float("nan"), 0.7], scores)
+    logger.trackers[0].close()
+    grid = Image.open(tmp_path / "rollouts" / "epoch0007.jpg")
+    assert grid.format == "JPEG" and grid.size == ((3 * 25 + 1) * 3, 42 * 3)  # 40 px: enlarged 3x
+    inside = np.asarray(grid, dtype=np.float64)[12:114, 12:66] / 255  # the first image, away from its edges
+    assert np.abs(inside - [0.9, 0.1, 0.1]).max() < 0.05  # JPEG: lossy
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "epoch0007.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["a cat", "a dog", "a sign saying hi"]
+    assert rows[0] == {"prompt": "a cat", "reward": 0.35, "ocr": 0.5, "pickscore": 0.2}
+    assert math.isnan(rows[1]["reward"]) and math.isnan(rows[1]["ocr"])
+    events = _events(tmp_path, "rl")
+    (image,) = events.Images("rollouts/samples")
+    assert image.step == 7 and image.encoded_image_string == (tmp_path / "rollouts" / "epoch0007.jpg").read_bytes()
+    (text,) = events.Tensors("rollouts/samples/text_summary")
+    assert text.tensor_proto.string_val[0].decode().splitlines() == [
+        "1. a cat | reward 0.350 (ocr 0.500, pickscore 0.200)", "2. a dog | reward nan (ocr nan, pickscore 0.300)",
+        "3. a sign saying hi | reward 0.700 (ocr 1.000, pickscore 0.400)"]
