@@ -4,6 +4,7 @@ and guard scorers, logged with a grid. What the best weights, early stop and the
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +22,26 @@ from trainer.rollout import SamplerSettings, rollout, window_mask
 GRID_PROMPTS = 16
 """Rows of an evaluation's grid at most (its first prompts): a test split of hundreds would make an image
 too large to open."""
+
+
+def breakdown(field: str, metadata: list[dict], scores: dict[str, np.ndarray]) -> dict[str, float]:
+    """Each scorer's mean over the items whose ``field`` has each value, ``by_<field>/<scorer>/<value>``, and the
+    unweighted mean of those, ``by_<field>/<scorer>/mean`` (a benchmark's overall score over its categories, as
+    GenEval's over its tags); failed scores (NaN) are left out. Items without ``field`` are in no group."""
+    values = [str(m[field]) if field and isinstance(m.get(field), str | int) else None for m in metadata]
+    groups = sorted({v for v in values if v is not None})
+    metrics: dict[str, float] = {}
+    for name, scored in scores.items():
+        scored = np.asarray(scored, dtype=np.float64)
+        means = []
+        for group in groups:
+            chosen = scored[[v == group for v in values]]
+            chosen = chosen[np.isfinite(chosen)]
+            means.append(float(chosen.mean()) if len(chosen) else math.nan)
+            metrics[f"by_{field}/{name}/{group}"] = means[-1]
+        if groups:
+            metrics[f"by_{field}/{name}/mean"] = float(np.mean(means))
+    return metrics
 
 
 class Evaluation:
@@ -85,9 +106,11 @@ class Evaluation:
             ordered = torch.stack([by_prompt[i] for i in range(len(prompts))]).flatten(0, 1)  # padding dropped
             repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
             items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
-            scored = self.rewards.score(to_uint8(ordered), repeated, task.item_metadata(items))
+            metadata = task.item_metadata(items)
+            scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
             metrics = task.metrics(ordered, repeated, scored.components)
             metrics[REWARD] = float(np.nanmean(scored.combined))
+            metrics.update(breakdown(ev.breakdown, metadata, scored.components))
             for name in ev.guard_scorers:
                 metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
             self.logger.log(step, "eval", metrics)

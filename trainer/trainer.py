@@ -420,4 +420,5 @@ class Trainer:
 
 
 def _fmt(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+    """An evaluation's line: its metrics, of a breakdown only the means (every value's is in metrics.jsonl)."""
+    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith("by_") or k.endswith("/mean"))

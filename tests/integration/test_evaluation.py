@@ -1,10 +1,13 @@
 """The evaluation in a real (tiny) run: an evaluation file (a test split) is what it samples and scores, RL samples
-every item of the training file, and the grids show the first 16 prompts."""
+every item of the training file, and the grids show the first 16 prompts; GenEval-style records' tags break the
+scores down."""
 
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 from warm_start import tiny_trainer
 
 from trainer.evaluation import GRID_PROMPTS
@@ -55,3 +58,31 @@ def test_prompts_batched_per_forward_keep_their_own_noise(tmp_path, tiny_model_d
         assert calls == ([2] * 10 if batch == 1 else [8, 8, 4]), calls
     assert grids[1].shape == grids[4].shape == (20, 1, 16, 16)  # grey digits
     torch.testing.assert_close(grids[4], grids[1], rtol=0, atol=1e-6)  # batched kernels: float round-off
+
+
+def test_scores_are_broken_down_by_the_records_tags_and_printed_as_their_mean(tmp_path, tiny_model_dir, capsys):
+    """A GenEval-style evaluation file: each scorer's mean per tag and their unweighted mean (GenEval's overall
+    score) are logged with the evaluation, from the very scores the evaluation got; the printed line shows the
+    mean, not every tag."""
+    test = tmp_path / "test.jsonl"
+    tags = ["counting", "colors", "counting", "position", "colors", "counting"]
+    test.write_text("".join(json.dumps({"tag": tag, "prompt": f"a photo of thing {i}"}) + "\n"
+                            for i, tag in enumerate(tags)))
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, "data.name=prompt_file", f"data.path={test}",
+                           f"eval.path={test}", "train.warmup_steps=0", "train.epochs=0", "eval.samples_per_prompt=2",
+                           "eval.num_steps=1", "logging.progress=false", reward="brightness")
+    scored = []
+    score = trainer.evaluation.rewards.score
+    trainer.evaluation.rewards.score = lambda *a, **k: scored.append(score(*a, **k)) or scored[-1]
+    trainer.fit()
+    trainer.logger.close()
+    brightness = scored[0].components["brightness"]  # 2 samples of each prompt, in order
+    per_tag = {tag: float(np.mean([brightness[2 * i + j] for i, t in enumerate(tags) if t == tag for j in (0, 1)]))
+               for tag in set(tags)}
+    (record, _) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+                   if r["phase"] == "eval"]
+    for tag, mean in per_tag.items():
+        assert math.isclose(record[f"by_tag/brightness/{tag}"], mean, rel_tol=1e-12), tag
+    assert math.isclose(record["by_tag/brightness/mean"], np.mean(list(per_tag.values())), rel_tol=1e-12)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] before RL"))
+    assert "by_tag/brightness/mean" in line and "by_tag/brightness/counting" not in line

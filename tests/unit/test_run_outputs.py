@@ -70,3 +70,21 @@ def test_rollout_samples_are_written_with_their_prompts_and_rewards(tmp_path):
     assert text.tensor_proto.string_val[0].decode().splitlines() == [
         "1. a cat | reward 0.350 (ocr 0.500, pickscore 0.200)", "2. a dog | reward nan (ocr nan, pickscore 0.300)",
         "3. a sign saying hi | reward 0.700 (ocr 1.000, pickscore 0.400)"]
+
+
+def test_a_breakdown_gives_each_values_mean_and_their_unweighted_mean():
+    from trainer.evaluation import breakdown
+
+    metadata = [{"tag": "counting"}, {"tag": "counting"}, {"tag": "colors"}, {}, {"tag": "position"},
+                {"tag": "position"}, {"tag": 3}]
+    scores = {"geneval": np.array([1.0, 0.0, 1.0, 1.0, np.nan, 0.0, 1.0]),
+              "aesthetic": np.array([5.0, 6.0, 4.0, 9.0, np.nan, np.nan, 2.0])}
+    got = breakdown("tag", metadata, scores)
+    assert got == {"by_tag/geneval/3": 1.0, "by_tag/geneval/colors": 1.0, "by_tag/geneval/counting": 0.5,
+                   "by_tag/geneval/position": 0.0, "by_tag/geneval/mean": (1.0 + 1.0 + 0.5 + 0.0) / 4,
+                   "by_tag/aesthetic/3": 2.0, "by_tag/aesthetic/colors": 4.0, "by_tag/aesthetic/counting": 5.5,
+                   "by_tag/aesthetic/position": got["by_tag/aesthetic/position"],
+                   "by_tag/aesthetic/mean": got["by_tag/aesthetic/mean"]}
+    # a category whose every score failed is NaN, and so is the overall score: never a silent 0
+    assert math.isnan(got["by_tag/aesthetic/position"]) and math.isnan(got["by_tag/aesthetic/mean"])
+    assert breakdown("", metadata, scores) == {} and breakdown("category", metadata, scores) == {}
