@@ -57,6 +57,11 @@ class Evaluation:
         """Prompts each rank samples (the last ones pad with the first prompt)."""
         return -(-len(self.task.eval_prompts) // self.backend.world.world_size)
 
+    def breakdown_names(self, scorers: list[str]) -> list[str]:
+        """The metrics ``breakdown`` logs for these scorers on this evaluation's items (for train.select_by)."""
+        metadata = self.task.item_metadata(self.task.eval_indices)
+        return list(breakdown(self.config.breakdown, metadata, {name: np.zeros(len(metadata)) for name in scorers}))
+
     def batch_sizes(self) -> set[int]:
         """The rollout batch sizes an evaluation runs (for the compiled blocks' variants)."""
         slots, per = self.slots(), self.config.batch_size

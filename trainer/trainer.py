@@ -84,7 +84,8 @@ class Trainer:
         if reused:
             raise ValueError(f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
                              "must be independent of the reward; remove it from one of them")
-        logged = [*task.metric_names, REWARD, *(f"guard/{name}" for name in ev.guard_scorers)]
+        logged = [*task.metric_names, REWARD, *(f"guard/{name}" for name in ev.guard_scorers),
+                  *self.evaluation.breakdown_names([*config.reward.weights, *ev.guard_scorers])]
         if train.select_by and train.select_by not in logged:
             raise ValueError(f"train.select_by={train.select_by!r} is not a metric this run's evaluation logs; choose "
                              f"one of: {', '.join(logged)}")

@@ -8,6 +8,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 from warm_start import tiny_trainer
 
 from trainer.evaluation import GRID_PROMPTS
@@ -63,14 +64,19 @@ def test_prompts_batched_per_forward_keep_their_own_noise(tmp_path, tiny_model_d
 def test_scores_are_broken_down_by_the_records_tags_and_printed_as_their_mean(tmp_path, tiny_model_dir, capsys):
     """A GenEval-style evaluation file: each scorer's mean per tag and their unweighted mean (GenEval's overall
     score) are logged with the evaluation, from the very scores the evaluation got; the printed line shows the
-    mean, not every tag."""
+    mean, not every tag; train.select_by may name the mean, and a tag the file lacks is refused as the trainer is
+    built."""
     test = tmp_path / "test.jsonl"
     tags = ["counting", "colors", "counting", "position", "colors", "counting"]
     test.write_text("".join(json.dumps({"tag": tag, "prompt": f"a photo of thing {i}"}) + "\n"
                             for i, tag in enumerate(tags)))
-    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, "data.name=prompt_file", f"data.path={test}",
-                           f"eval.path={test}", "train.warmup_steps=0", "train.epochs=0", "eval.samples_per_prompt=2",
-                           "eval.num_steps=1", "logging.progress=false", reward="brightness")
+    job = ["data.name=prompt_file", f"data.path={test}", f"eval.path={test}", "train.warmup_steps=0", "train.epochs=0",
+           "eval.samples_per_prompt=2", "eval.num_steps=1", "logging.progress=false", "reward.weights={brightness: 1}"]
+    with pytest.raises(ValueError, match=r"train.select_by='by_tag/brightness/size' is not a metric .* "
+                                         r"by_tag/brightness/colors, .* by_tag/brightness/mean"):
+        tiny_trainer(tmp_path / "no", tiny_model_dir, *job, "train.select_by=by_tag/brightness/size", reward="brightness")
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *job, "train.select_by=by_tag/brightness/mean",
+                           reward="brightness")
     scored = []
     score = trainer.evaluation.rewards.score
     trainer.evaluation.rewards.score = lambda *a, **k: scored.append(score(*a, **k)) or scored[-1]
@@ -86,3 +92,4 @@ def test_scores_are_broken_down_by_the_records_tags_and_printed_as_their_mean(tm
     assert math.isclose(record["by_tag/brightness/mean"], np.mean(list(per_tag.values())), rel_tol=1e-12)
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] before RL"))
     assert "by_tag/brightness/mean" in line and "by_tag/brightness/counting" not in line
+    assert json.loads((tmp_path / "run" / "best" / "meta.json").read_text())["select_by"] == "by_tag/brightness/mean"

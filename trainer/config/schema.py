@@ -229,8 +229,8 @@ class EvalConfig:
     breakdown: str = "tag"
     """A field of the evaluation items' records by whose values each scorer's mean is also logged, as
     by_<field>/<scorer>/<value>, with the unweighted mean over the values as by_<field>/<scorer>/mean: for
-    GenEval's ``tag`` (counting, colors, position, ...) that mean is GenEval's overall score. Items without the
-    field are left out of it; empty: no breakdown."""
+    GenEval's ``tag`` (counting, colors, position, ...) that mean is GenEval's overall score, and train.select_by
+    may name it. Items without the field are left out of it; empty: no breakdown."""
     guard_scorers: list[str] = field(default_factory=list)
     """Served scorers also scored on the evaluation's samples, logged as guard/<name> beside the reward (e.g.
     aesthetic next to a PickScore reward): independent checks for the hacking alarm and train.select_by."""
