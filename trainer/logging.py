@@ -28,10 +28,9 @@ GRID_ENLARGES_BELOW = 128
 pixels, more than PIL opens)."""
 
 
-def grid_pixels(images: torch.Tensor, rows: int) -> np.ndarray:
-    """[N, C, H, W] in [0, 1] -> a grid of ``rows`` rows (one per prompt) with 1-pixel borders, uint8 [H', W', C],
+def grid_pixels(pixels: np.ndarray, rows: int) -> np.ndarray:
+    """Images [N, H, W, C] uint8 -> a grid of ``rows`` rows (one per prompt) with 1-pixel borders, [H', W', C],
     small images enlarged (``GRID_ENLARGES_BELOW``)."""
-    pixels = to_uint8(images)
     n, h, w, c = pixels.shape
     cols = math.ceil(n / rows)
     grid = np.full((rows * (h + 1) + 1, cols * (w + 1) + 1, c), 64, dtype=np.uint8)
@@ -42,18 +41,22 @@ def grid_pixels(images: torch.Tensor, rows: int) -> np.ndarray:
     return grid.repeat(scale, axis=0).repeat(scale, axis=1)
 
 
-def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike) -> Picture:
-    """Save ``grid_pixels(images, rows)`` (greyscale for one channel) as a PNG, or a JPEG where ``path`` ends in .jpg
-    (quality 90: a view, encoded 20x faster). PNGs use zlib level 1: 4x faster than PIL's default for 20% more
-    bytes, and a 1024-px evaluation grid took seconds on rank 0 at the default."""
-    grid = grid_pixels(images, rows)
-    height, width, channels = grid.shape
-    image = Image.fromarray(grid[..., 0] if channels == 1 else grid, "L" if channels == 1 else "RGB")
+def save_image(pixels: np.ndarray, path: str | os.PathLike) -> Picture:
+    """Save [H, W, C] uint8 (greyscale for one channel) as a PNG, or a JPEG where ``path`` ends in .jpg (quality 90:
+    a view, encoded 20x faster). PNGs use zlib level 1: 4x faster than PIL's default for 20% more bytes (a
+    1024-px evaluation grid took seconds on rank 0 at the default; bench/outputs.py)."""
+    height, width, channels = pixels.shape
+    image = Image.fromarray(pixels[..., 0] if channels == 1 else pixels, "L" if channels == 1 else "RGB")
     if str(path).endswith(".jpg"):
         image.save(path, quality=90)
     else:
         image.save(path, compress_level=1)
     return Picture(Path(path), height, width, channels)
+
+
+def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike) -> Picture:
+    """Save images [N, C, H, W] in [0, 1] as a grid of ``rows`` rows (``grid_pixels``, ``save_image``)."""
+    return save_image(grid_pixels(to_uint8(images), rows), path)
 
 
 class RunLogger:
@@ -133,7 +136,8 @@ class RunLogger:
             return
         folder = self.run_dir / "rollouts"
         folder.mkdir(exist_ok=True)
-        grid = save_grid(images, 1, folder / f"epoch{step:04d}.jpg")
+        pixels = to_uint8(images)
+        grid = save_image(grid_pixels(pixels, 1), folder / f"epoch{step:04d}.jpg")
         rows = [{"prompt": prompt, "reward": reward, **{name: values[i] for name, values in scores.items()}}
                 for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True))]
         (folder / f"epoch{step:04d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -144,7 +148,7 @@ class RunLogger:
         captions = [f"{prompt[:200]} | reward {reward:.3f}{extra}"
                     for prompt, reward, extra in zip(prompts, rewards, shown, strict=True)]
         for tracker in self.trackers:
-            tracker.samples("samples", grid, list(to_uint8(images)), captions, step)
+            tracker.samples("samples", grid, list(pixels), captions, step)
 
     def reward_curve(self, best_epoch: int = -1, select_by: str = "") -> None:
         """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise: the held-out reward,

@@ -259,7 +259,7 @@ class LoggingConfig:
     rollout_samples: NonNegativeInt = 8
     """Rollout images shown per logged RL epoch (rank 0's first, with their prompts and rewards): in
     <run>/rollouts/epochNNNN.jpg and .jsonl, TensorBoard and W&B; 0: none. What RL really samples, beside the
-    evaluation's fixed prompts (at 512 px, 8 images: about 0.4 MB of JPEG, 0.2 s on one CPU core)."""
+    evaluation's fixed prompts (8 images at 512 px: 0.4 MB of JPEG, 0.3 s of one slow CPU core; bench/outputs.py)."""
     rollout_samples_every: PositiveInt = 1
     """Log rollout samples every this many RL epochs (and in the last)."""
     wandb: Literal["none", "online", "offline"] = "none"
