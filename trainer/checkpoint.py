@@ -46,6 +46,7 @@ class Progress:
     epochs_done: int = 0
     rl_started: bool = False
     rl_steps: int = 0
+    skipped_in_a_row: int = 0  # optimizer steps with non-finite gradients since the last finite one
 
     def save(self, directory: Path) -> None:
         (directory / "progress.json").write_text(json.dumps(asdict(self)))

@@ -43,6 +43,10 @@ class RewardFailure(RuntimeError):
     """Too many samples of an epoch have no reward; training on the rest would be biased."""
 
 
+class TrainingDiverged(RuntimeError):
+    """``train.max_skipped_steps`` optimizer steps in a row had non-finite gradients."""
+
+
 class Trainer:
     def __init__(self, config: Config, adapter: ModelAdapter, algorithm: Algorithm, warmup: SFT, task: Task,
                  reward_client: RewardClient, backend: ParallelBackend, logger: RunLogger,
@@ -164,6 +168,8 @@ class Trainer:
             line = (f"epoch {epoch + 1:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
                     + "  ".join(f"{k} {metrics[k]:.3g}" for k in shown) + f"  img/s {metrics['images_per_s']:.2f}"
                     + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
+            if metrics.get("skipped_steps"):
+                line += f"  ({metrics['skipped_steps']:.0f} steps skipped: gradients not finite)"
             bar.write(line) if self._bars() else self._print(line)
             if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
                 self._print(self.compiled.summary(self.config.model.compile, metrics))
@@ -389,13 +395,27 @@ class Trainer:
                     self.backend.backward(loss)
                 for k, v in stats.items():  # kept on the device: reading each one would wait for the GPU per unit
                     values[k].append(torch.as_tensor(v).detach().reshape(()))
-            grad_norms.append(self.backend.step(self.config.train.max_grad_norm))
+            grad_norms.append(self.backend.step(self.config.train.max_grad_norm))  # not finite: skipped
+            self._check_diverged(grad_norms[-1])
             if after_step is not None:
                 after_step()
         means = {k: float(torch.stack([x.to(v[0].device, torch.float64) for x in v]).mean()) for k, v in values.items()}
         if grad_norms:
-            means["grad_norm"] = sum(grad_norms) / len(grad_norms)
+            finite = [n for n in grad_norms if math.isfinite(n)]
+            means["grad_norm"] = sum(finite) / len(finite) if finite else math.nan
+            means["skipped_steps"] = len(grad_norms) - len(finite)
         return means
+
+    def _check_diverged(self, norm: float) -> None:
+        progress, limit = self.progress, self.config.train.max_skipped_steps
+        progress.skipped_in_a_row = 0 if math.isfinite(norm) else progress.skipped_in_a_row + 1
+        if progress.skipped_in_a_row >= limit:
+            where = (f"RL epoch {progress.epochs_done + 1}" if progress.rl_started
+                     else f"warm-up step {progress.warmup_steps_done + 1}")
+            raise TrainingDiverged(f"{limit} optimizer steps in a row had non-finite gradients (inf or NaN), the last "
+                                   f"in {where}: the run diverged and stops (those steps were skipped: the weights are "
+                                   "the last finite step's); lower the learning rate or set train.max_grad_norm, and "
+                                   "start again or continue from a checkpoint before it (train.resume)")
 
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
         """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""

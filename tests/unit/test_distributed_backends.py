@@ -6,12 +6,13 @@ the backend must reproduce the replica's gradient norms and weights. It also che
 (what the EMA keeps and swaps), ``gathered``, ``frozen_copy``, loading full trainable weights, the optimizer
 state round trip and a checkpoint written and read through ``trainer.checkpoint`` (each rank's global RNG
 streams are restored). An auxiliary network (a critic: ``prepare_auxiliary``) trains in the same backward with
-its own optimizer and must match its replica too.
+its own optimizer and must match its replica too. A step with non-finite gradients on one rank is skipped by all.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import random
 import subprocess
@@ -247,6 +248,17 @@ def _worker(kind: str, tmp: Path) -> None:
     replica.load_state_dict(shifted, strict=False)
     train_step(12)
     check_weights("after loading shifted weights and a step")
+
+    # A step whose gradients are not finite (rank 0's alone here: reduced, they are NaN on every rank) is skipped
+    # by every rank alike, policy and critic: the weights and the optimizers' moments stay as they were.
+    for unit in range(2):
+        rows = torch.arange(4) + 4 * unit
+        with backend.sync(unit == 1):
+            backend.backward(losses(policy, critic_train, rows[rank::world], 13) * (math.nan if rank == 0 else 0.5))
+    assert not math.isfinite(backend.step(0.05)), kind
+    check_weights("after a skipped step")
+    train_step(14)
+    check_weights("after a step following a skipped one")
     backend.barrier()
     print(f"ok {kind} rank {rank}", flush=True)
 

@@ -161,6 +161,10 @@ class TrainConfig:
     """AdamW betas."""
     max_grad_norm: NonNegativeFloat = 1.0
     """Gradient clipping by global norm; 0 disables clipping."""
+    max_skipped_steps: PositiveInt = 20
+    """An optimizer step whose gradients are not finite (inf or NaN) is skipped, on every rank alike, and counted
+    (``skipped_steps``); this many in a row stop the run: it diverged. fp16's loss scaling skips a few steps
+    while it finds its scale."""
     checkpoint_every: NonNegativeInt = 5
     """Write a checkpoint every N RL epochs (and at the end); 0 writes only the final one."""
     warmup_checkpoint_every: NonNegativeInt = 200

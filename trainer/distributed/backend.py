@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -194,12 +195,11 @@ class SingleProcess:
         self.scaler.scale(loss).backward()
 
     def step(self, max_grad_norm: float) -> float:
-        """With loss scaling, a step whose gradients overflowed is skipped (the norm returned is then inf or
-        nan) and the scale halves; 2000 clean steps double it."""
+        """A step whose gradients are not finite is skipped (the norm returned is then inf or nan); with loss
+        scaling the scale also halves, and 2000 clean steps double it."""
         self.scaler.unscale_(self.optimizer)
         norm = clip_gradients(self.params, max_grad_norm)
-        self.scaler.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        finite_step(self.scaler, self.optimizer, norm)
         self._step_auxiliary(max_grad_norm)
         self.scaler.update()
         return norm
@@ -208,9 +208,7 @@ class SingleProcess:
         """Clip and step each auxiliary network (replicated: its gradients are whole on every rank)."""
         for params, opt in self.auxiliary:
             self.scaler.unscale_(opt)
-            clip_gradients(params, max_grad_norm)
-            self.scaler.step(opt)
-            opt.zero_grad(set_to_none=True)
+            finite_step(self.scaler, opt, clip_gradients(params, max_grad_norm))
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -291,6 +289,15 @@ class SingleProcess:
 
     def close(self) -> None:
         pass
+
+
+def finite_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, norm: float) -> None:
+    """Step ``optimizer`` through ``scaler`` unless the gradients' ``norm`` (the same on every rank: taken over
+    the reduced gradients) is not finite, then zero the gradients. An enabled scaler skips such a step itself; in
+    bf16 or float32 one NaN would otherwise make every weight NaN."""
+    if scaler.is_enabled() or math.isfinite(norm):
+        scaler.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def clip_gradients(params: list[nn.Parameter], max_grad_norm: float) -> float:

@@ -29,6 +29,7 @@ from trainer.distributed.backend import (
     World,
     check_auxiliary_count,
     checked_trainable,
+    finite_step,
     loss_scaler,
     main_only_copy,
     materialize,
@@ -142,14 +143,12 @@ class FSDP2(DDP):
     def step(self, max_grad_norm: float) -> float:
         for opt in self._optimizers():
             self.scaler.unscale_(opt)  # ShardedGradScaler: whether any rank's shard overflowed, agreed by all
-        norm = _clip_sharded(self.params, max_grad_norm)
-        for params, _ in self.auxiliary:
-            _clip_sharded(params, max_grad_norm)
-        for opt in self._optimizers():
-            self.scaler.step(opt)
-            opt.zero_grad(set_to_none=True)
+        norms = [_clip_sharded(self.params, max_grad_norm)]
+        norms += [_clip_sharded(params, max_grad_norm) for params, _ in self.auxiliary]
+        for opt, norm in zip(self._optimizers(), norms, strict=True):
+            finite_step(self.scaler, opt, norm)  # a norm reduced over every rank's shards: one decision
         self.scaler.update()
-        return norm
+        return norms[0]
 
     def optimizer_state(self) -> dict:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -1,0 +1,87 @@
+"""Non-finite gradients in a real (tiny) run, injected into the loss as a fault: each such optimizer step is
+skipped and counted, and ``train.max_skipped_steps`` of them in a row stop the run with a message naming where and
+what to change, the weights those of the last finite step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from warm_start import tiny_trainer
+
+from trainer.trainer import TrainingDiverged
+
+JOB = ("train.max_skipped_steps=3", "warmup.batch_size=4", "data.prompts_per_epoch=2", "algorithm.group_size=4",
+       "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1",
+       "eval.num_steps=1", "eval.every=0", "logging.progress=false")
+
+
+def _poison(objective, bad) -> None:
+    """Multiply ``objective``'s loss by NaN in the optimizer steps for which ``bad()`` is true."""
+    loss = objective.loss
+    objective.loss = lambda ctx, unit: (lambda value, stats: (value * math.nan if bad() else value, stats))(
+        *loss(ctx, unit))
+
+
+def _records(run_dir, phase: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["phase"] == phase]
+
+
+def test_steps_with_non_finite_gradients_are_skipped_and_counted(tmp_path, tiny_model_dir, capsys):
+    """Warm-up steps 2-3 and RL epoch 2's steps are poisoned (fewer in a row than the limit): those steps leave
+    the weights as they were, are counted in skipped_steps and on the epoch's line, and the run goes on."""
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=5", "train.epochs=3")
+    _poison(trainer.warmup, lambda: trainer.progress.warmup_steps_done in (1, 2))
+    _poison(trainer.algorithm, lambda: trainer.progress.epochs_done == 1)
+    weights = {}
+    step = trainer.warmup_step
+
+    def recorded(i):  # the trainable weights after each warm-up step
+        stats = step(i)
+        weights[i] = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
+        return stats
+
+    trainer.warmup_step = recorded
+    trainer.fit()
+    trainer.logger.close()
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[2], strict=True))  # steps 1 and 2 skipped
+    assert not all(torch.equal(a, b) for a, b in zip(weights[2], weights[3], strict=True))
+    rl = _records(tmp_path / "run", "rl")
+    assert [r["skipped_steps"] for r in rl] == [0, 1, 0] and math.isnan(rl[1]["grad_norm"])
+    assert all(math.isfinite(r["grad_norm"]) for r in (rl[0], rl[2]))
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.adapter.trainable.parameters())
+    assert "(1 steps skipped: gradients not finite)" in capsys.readouterr().out
+    assert trainer.progress.skipped_in_a_row == 0
+
+
+@pytest.mark.parametrize("phase", ["warm-up", "RL"])
+def test_as_many_in_a_row_as_the_limit_stop_the_run_where_it_diverged(tmp_path, tiny_model_dir, phase):
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=6", "train.epochs=6",
+                           "algorithm.steps_per_epoch=2")
+    if phase == "warm-up":
+        _poison(trainer.warmup, lambda: trainer.progress.warmup_steps_done >= 1)
+        where = "warm-up step 4"  # steps 2, 3 and 4
+    else:
+        _poison(trainer.algorithm, lambda: trainer.progress.epochs_done >= 1)
+        where = "RL epoch 3"  # 2 steps in epoch 2, the first of epoch 3
+    before = None
+    if phase == "warm-up":
+        step = trainer.warmup_step
+
+        def first(i):
+            nonlocal before
+            stats = step(i)
+            before = before or [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
+            return stats
+
+        trainer.warmup_step = first
+    with pytest.raises(TrainingDiverged, match=rf"3 optimizer steps in a row had non-finite gradients .*, the last in "
+                                               rf"{where}: .* lower the learning rate or set train.max_grad_norm"):
+        trainer.fit()
+    trainer.logger.close()
+    if before is not None:  # the weights are the last finite step's: warm-up step 1's
+        assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True))
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.adapter.trainable.parameters())
