@@ -30,6 +30,7 @@ from trainer.distributed import ParallelBackend
 from trainer.ema import EMA
 from trainer.evaluation import Evaluation
 from trainer.guard import REWARD, Guard
+from trainer.health import check_rewards, check_samples, count_skipped
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
@@ -37,14 +38,6 @@ from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
 from trainer.rollout import Rollout, check_sampler, rollout, rollout_bounds, window_mask
 from trainer.state import Stateful
-
-
-class RewardFailure(RuntimeError):
-    """Too many samples of an epoch have no reward; training on the rest would be biased."""
-
-
-class TrainingDiverged(RuntimeError):
-    """``train.max_skipped_steps`` optimizer steps in a row had non-finite gradients."""
 
 
 class Trainer:
@@ -302,13 +295,12 @@ class Trainer:
 
         local = torch.as_tensor(result.combined, dtype=torch.float32)
         self._log_samples(epoch, ro.images, prompts, result.combined, result.components)
-        gathered = self.backend.gather(torch.stack([local, group_ids.float()], dim=1))
+        finite = torch.isfinite(ro.images.flatten(1)).all(1).float().cpu()  # each rank's, gathered: one verdict
+        gathered = self.backend.gather(torch.stack([local, group_ids.float(), finite], dim=1))
         rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
+        check_samples(gathered[:, 2], epoch + 1)
         failed = failed_share(rewards.all.cpu())
-        limit = self.config.reward.max_failed_share
-        if failed > limit:
-            raise RewardFailure(f"epoch {epoch + 1}: {failed:.0%} of samples have no reward (reward.max_failed_share "
-                                f"= {limit:.0%}); check the reward servers' logs")
+        check_rewards(failed, self.config.reward.max_failed_share, epoch + 1)
 
         self.policy.train()
         batch = self.algorithm.make_batch(ro, rewards)
@@ -396,7 +388,11 @@ class Trainer:
                 for k, v in stats.items():  # kept on the device: reading each one would wait for the GPU per unit
                     values[k].append(torch.as_tensor(v).detach().reshape(()))
             grad_norms.append(self.backend.step(self.config.train.max_grad_norm))  # not finite: skipped
-            self._check_diverged(grad_norms[-1])
+            progress = self.progress
+            where = (f"RL epoch {progress.epochs_done + 1}" if progress.rl_started
+                     else f"warm-up step {progress.warmup_steps_done + 1}")
+            progress.skipped_in_a_row = count_skipped(progress.skipped_in_a_row, grad_norms[-1],
+                                                      self.config.train.max_skipped_steps, where)
             if after_step is not None:
                 after_step()
         means = {k: float(torch.stack([x.to(v[0].device, torch.float64) for x in v]).mean()) for k, v in values.items()}
@@ -405,17 +401,6 @@ class Trainer:
             means["grad_norm"] = sum(finite) / len(finite) if finite else math.nan
             means["skipped_steps"] = len(grad_norms) - len(finite)
         return means
-
-    def _check_diverged(self, norm: float) -> None:
-        progress, limit = self.progress, self.config.train.max_skipped_steps
-        progress.skipped_in_a_row = 0 if math.isfinite(norm) else progress.skipped_in_a_row + 1
-        if progress.skipped_in_a_row >= limit:
-            where = (f"RL epoch {progress.epochs_done + 1}" if progress.rl_started
-                     else f"warm-up step {progress.warmup_steps_done + 1}")
-            raise TrainingDiverged(f"{limit} optimizer steps in a row had non-finite gradients (inf or NaN), the last "
-                                   f"in {where}: the run diverged and stops (those steps were skipped: the weights are "
-                                   "the last finite step's); lower the learning rate or set train.max_grad_norm, and "
-                                   "start again or continue from a checkpoint before it (train.resume)")
 
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
         """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""

@@ -1,6 +1,7 @@
-"""Non-finite gradients in a real (tiny) run, injected into the loss as a fault: each such optimizer step is
+"""A diverging real (tiny) run. Non-finite gradients, injected into the loss as a fault: each such optimizer step is
 skipped and counted, and ``train.max_skipped_steps`` of them in a row stop the run with a message naming where and
-what to change, the weights those of the last finite step."""
+what to change, the weights those of the last finite step. Weights that overflowed: their non-finite samples stop
+the run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from warm_start import tiny_trainer
 
-from trainer.trainer import TrainingDiverged
+from trainer.health import TrainingDiverged
 
 JOB = ("train.max_skipped_steps=3", "warmup.batch_size=4", "data.prompts_per_epoch=2", "algorithm.group_size=4",
        "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1",
@@ -85,3 +86,16 @@ def test_as_many_in_a_row_as_the_limit_stop_the_run_where_it_diverged(tmp_path, 
     if before is not None:  # the weights are the last finite step's: warm-up step 1's
         assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True))
     assert all(bool(torch.isfinite(p).all()) for p in trainer.adapter.trainable.parameters())
+
+
+def test_a_policy_that_samples_non_finite_images_stops_the_run_before_they_are_trained_on(tmp_path, tiny_model_dir):
+    """A learning rate of 1e30: the first RL step's gradients are finite, its update overflows the weights, and the
+    next epoch's rollouts are NaN; the run stops there, on every rank alike (the verdict is gathered), before its
+    rewards (of 8-bit zeros) or the task's metric read them."""
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=0", "train.epochs=4",
+                           "train.learning_rate=1e30")
+    with pytest.raises(TrainingDiverged, match=r"RL epoch 2: the policy sampled 8 non-finite images .* lower the "
+                                               r"learning rate"):
+        trainer.fit()
+    trainer.logger.close()
+    assert [r["step"] for r in _records(tmp_path / "run", "rl")] == [1]

@@ -11,7 +11,8 @@ from warm_start import tiny_trainer
 
 from trainer.algorithms.advantages import group_advantages
 from trainer.data import DigitsTask
-from trainer.trainer import RewardFailure, Trainer
+from trainer.health import RewardFailure
+from trainer.trainer import Trainer
 
 
 class _NoDigitTask(DigitsTask):

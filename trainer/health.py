@@ -1,0 +1,47 @@
+"""Checks that stop a run which went wrong, with a message saying where and what to change: too many samples
+without a reward, non-finite samples, and optimizer steps with non-finite gradients too many times in a row."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class RewardFailure(RuntimeError):
+    """Too many samples of an epoch have no reward; training on the rest would be biased."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The policy's weights or gradients are no longer finite."""
+
+
+ADVICE = ("lower the learning rate or set train.max_grad_norm, and start again or continue from a checkpoint "
+          "before it (train.resume)")
+
+
+def check_rewards(failed: float, limit: float, epoch: int) -> None:
+    """RewardFailure when a share ``failed`` of RL epoch ``epoch``'s samples (1-based) has no reward, over ``limit``."""
+    if failed > limit:
+        raise RewardFailure(f"epoch {epoch}: {failed:.0%} of samples have no reward (reward.max_failed_share "
+                            f"= {limit:.0%}); check the reward servers' logs")
+
+
+def check_samples(finite: torch.Tensor, epoch: int) -> None:
+    """TrainingDiverged unless every rollout image of RL epoch ``epoch`` is finite (``finite``: a flag per sample of
+    every rank, so that all ranks stop alike): weights that overflowed sample NaN, and the rewards would be scored
+    on its 8-bit conversion (0)."""
+    if not bool(finite.all()):
+        raise TrainingDiverged(f"RL epoch {epoch}: the policy sampled {int((finite == 0).sum())} non-finite images (its "
+                               f"weights or activations overflowed): the run diverged and stops; {ADVICE}")
+
+
+def count_skipped(skipped_in_a_row: int, norm: float, limit: int, where: str) -> int:
+    """The count of optimizer steps in a row whose gradient ``norm`` was not finite (the backend skipped them), after
+    this one; TrainingDiverged when it reaches ``limit`` (``where``: the step, for the message)."""
+    skipped_in_a_row = 0 if math.isfinite(norm) else skipped_in_a_row + 1
+    if skipped_in_a_row >= limit:
+        raise TrainingDiverged(f"{limit} optimizer steps in a row had non-finite gradients (inf or NaN), the last in "
+                               f"{where}: the run diverged and stops (those steps were skipped: the weights are the last "
+                               f"finite step's); {ADVICE}")
+    return skipped_in_a_row
