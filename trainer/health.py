@@ -29,8 +29,8 @@ def check_rewards(failed: float, limit: float, epoch: int) -> None:
 
 def check_samples(finite: torch.Tensor, epoch: int) -> None:
     """TrainingDiverged unless every rollout image of RL epoch ``epoch`` is finite (``finite``: a flag per sample of
-    every rank, so that all ranks stop alike): weights that overflowed sample NaN, and the rewards would be scored
-    on its 8-bit conversion (0)."""
+    every rank, so that all ranks stop alike): weights that overflowed sample NaN, whose rewards are those of its
+    8-bit conversion (0); called before the epoch trains on them."""
     if not bool(finite.all()):
         raise TrainingDiverged(f"RL epoch {epoch}: the policy sampled {int((finite == 0).sum())} non-finite images (its "
                                f"weights or activations overflowed): the run diverged and stops; {ADVICE}")

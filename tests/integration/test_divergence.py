@@ -90,8 +90,8 @@ def test_as_many_in_a_row_as_the_limit_stop_the_run_where_it_diverged(tmp_path, 
 
 def test_a_policy_that_samples_non_finite_images_stops_the_run_before_they_are_trained_on(tmp_path, tiny_model_dir):
     """A learning rate of 1e30: the first RL step's gradients are finite, its update overflows the weights, and the
-    next epoch's rollouts are NaN; the run stops there, on every rank alike (the verdict is gathered), before its
-    rewards (of 8-bit zeros) or the task's metric read them."""
+    next epoch's rollouts are NaN; the run stops there, on every rank alike (the verdict is gathered), before it
+    trains on them or the task's metric reads them."""
     trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=0", "train.epochs=4",
                            "train.learning_rate=1e30")
     with pytest.raises(TrainingDiverged, match=r"RL epoch 2: the policy sampled 8 non-finite images .* lower the "
