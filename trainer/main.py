@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.build import run
     from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
     from trainer.config.describe import described_yaml
+    from trainer.health import RewardFailure, TrainingDiverged
     from trainer.launch import RunInterrupted, resume_command
 
     first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
         return user_error_exit(exc)
+    except (RewardFailure, TrainingDiverged) as exc:  # the run went wrong (trainer/health.py), alike on every rank
+        exc.every_rank = True
+        user_error_exit(exc)
+        return 1
     return 0
 
 

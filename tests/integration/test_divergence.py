@@ -99,3 +99,15 @@ def test_a_policy_that_samples_non_finite_images_stops_the_run_before_they_are_t
         trainer.fit()
     trainer.logger.close()
     assert [r["step"] for r in _records(tmp_path / "run", "rl")] == [1]
+
+
+def test_the_job_ends_with_the_message_in_one_line_and_exit_status_1(tmp_path, tiny_model_dir, capsys):
+    """trainer/main.py (its reward replicas started by the job): a diverged run is reported as an error line, not
+    a traceback, and the job exits 1 (a configuration it refuses exits 2)."""
+    from trainer.main import main
+
+    job = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.run_name=lr", "reward.replicas=1",
+           "train.warmup_steps=0", "train.epochs=3", "train.learning_rate=1e30", *JOB]
+    assert main(job) == 1
+    err = capsys.readouterr().err
+    assert "error: RL epoch 2: the policy sampled 8 non-finite images" in err and "Traceback" not in err

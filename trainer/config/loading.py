@@ -19,9 +19,10 @@ from trainer.config.fields import ConfigError
 from trainer.config.schema import Config
 
 
-def user_error_exit(exc: ValueError) -> int:
-    """How a command-line tool ends on a user-fixable ValueError (bad paths, shapes, sizes): the message and
-    exit status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block.
+def user_error_exit(exc: Exception) -> int:
+    """How a command-line tool ends on a user-fixable ValueError (bad paths, shapes, sizes): the message and exit
+    status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block. (The trainer
+    reports a run that went wrong, trainer/health.py, the same way and exits 1.)
     An error raised alike on every rank (``every_rank``) is reported by rank 0 alone."""
     if os.environ.get("RF_TRACEBACK"):
         raise exc
