@@ -28,18 +28,17 @@ def breakdown(field: str, metadata: list[dict], scores: dict[str, np.ndarray]) -
     """Each scorer's mean over the items whose ``field`` has each value, ``by_<field>/<scorer>/<value>``, and the
     unweighted mean of those, ``by_<field>/<scorer>/mean`` (a benchmark's overall score over its categories, as
     GenEval's over its tags); failed scores (NaN) are left out. Items without ``field`` are in no group."""
-    values = [str(m[field]) if field and isinstance(m.get(field), str | int) else None for m in metadata]
-    groups = sorted({v for v in values if v is not None})
+    values = np.array([str(m[field]) if field and isinstance(m.get(field), str | int) else "" for m in metadata])
+    masks = {group: values == group for group in sorted(set(values) - {""})}
     metrics: dict[str, float] = {}
     for name, scored in scores.items():
         scored = np.asarray(scored, dtype=np.float64)
         means = []
-        for group in groups:
-            chosen = scored[[v == group for v in values]]
-            chosen = chosen[np.isfinite(chosen)]
+        for group, mask in masks.items():
+            chosen = scored[mask & np.isfinite(scored)]
             means.append(float(chosen.mean()) if len(chosen) else math.nan)
             metrics[f"by_{field}/{name}/{group}"] = means[-1]
-        if groups:
+        if masks:
             metrics[f"by_{field}/{name}/mean"] = float(np.mean(means))
     return metrics
 

@@ -36,12 +36,13 @@ def check_samples(finite: torch.Tensor, epoch: int) -> None:
                                f"weights or activations overflowed): the run diverged and stops; {ADVICE}")
 
 
-def count_skipped(skipped_in_a_row: int, norm: float, limit: int, where: str) -> int:
-    """The count of optimizer steps in a row whose gradient ``norm`` was not finite (the backend skipped them), after
-    this one; TrainingDiverged when it reaches ``limit`` (``where``: the step, for the message)."""
-    skipped_in_a_row = 0 if math.isfinite(norm) else skipped_in_a_row + 1
-    if skipped_in_a_row >= limit:
+def count_skipped(progress, norm: float, limit: int) -> None:
+    """Count in ``progress.skipped_in_a_row`` the optimizer steps in a row whose gradient ``norm`` was not finite
+    (the backend skipped them); TrainingDiverged when it reaches ``limit``, naming the step ``progress`` is at."""
+    progress.skipped_in_a_row = 0 if math.isfinite(norm) else progress.skipped_in_a_row + 1
+    if progress.skipped_in_a_row >= limit:
+        where = (f"RL epoch {progress.epochs_done + 1}" if progress.rl_started
+                 else f"warm-up step {progress.warmup_steps_done + 1}")
         raise TrainingDiverged(f"{limit} optimizer steps in a row had non-finite gradients (inf or NaN), the last in "
                                f"{where}: the run diverged and stops (those steps were skipped: the weights are the last "
                                f"finite step's); {ADVICE}")
-    return skipped_in_a_row

@@ -143,10 +143,10 @@ class RunLogger:
         (folder / f"epoch{step:04d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         if not self.trackers:
             return
-        shown = [f" ({', '.join(f'{name} {values[i]:.3f}' for name, values in scores.items())})" if len(scores) > 1
-                 else "" for i in range(len(rows))]
-        captions = [f"{prompt[:200]} | reward {reward:.3f}{extra}"
-                    for prompt, reward, extra in zip(prompts, rewards, shown, strict=True)]
+        captions = []
+        for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True)):
+            each = ", ".join(f"{name} {values[i]:.3f}" for name, values in scores.items())
+            captions.append(f"{prompt[:200]} | reward {reward:.3f}" + (f" ({each})" if len(scores) > 1 else ""))
         for tracker in self.trackers:
             tracker.samples("samples", grid, list(pixels), captions, step)
 

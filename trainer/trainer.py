@@ -388,11 +388,7 @@ class Trainer:
                 for k, v in stats.items():  # kept on the device: reading each one would wait for the GPU per unit
                     values[k].append(torch.as_tensor(v).detach().reshape(()))
             grad_norms.append(self.backend.step(self.config.train.max_grad_norm))  # not finite: skipped
-            progress = self.progress
-            where = (f"RL epoch {progress.epochs_done + 1}" if progress.rl_started
-                     else f"warm-up step {progress.warmup_steps_done + 1}")
-            progress.skipped_in_a_row = count_skipped(progress.skipped_in_a_row, grad_norms[-1],
-                                                      self.config.train.max_skipped_steps, where)
+            count_skipped(self.progress, grad_norms[-1], self.config.train.max_skipped_steps)
             if after_step is not None:
                 after_step()
         means = {k: float(torch.stack([x.to(v[0].device, torch.float64) for x in v]).mean()) for k, v in values.items()}
