@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from trainer.models.base import ImageInputs
 from trainer.trackers import Picture, TensorBoardTracker, Tracker, finite_numbers
 
 
@@ -57,6 +58,39 @@ def save_image(pixels: np.ndarray, path: str | os.PathLike) -> Picture:
 def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike) -> Picture:
     """Save images [N, C, H, W] in [0, 1] as a grid of ``rows`` rows (``grid_pixels``, ``save_image``)."""
     return save_image(grid_pixels(to_uint8(images), rows), path)
+
+
+MASK_TINT = (1.0, 0.0, 1.0)
+"""The colour half-blended into an inpainting source image where its mask says repaint (magenta)."""
+
+
+def input_rows(inputs: ImageInputs | None, like: torch.Tensor) -> list[torch.Tensor]:
+    """The images a rollout was conditioned on, as grid rows [N, C, H, W] shaped ``like`` (its outputs): the
+    inpainting source with the repaint region tinted (``MASK_TINT``), each reference image, the style image."""
+    if inputs is None:
+        return []
+    n, channels, size = len(like), like.shape[1], like.shape[-2:]
+    rows = []
+    if inputs.image is not None:
+        image = inputs.image[:n].float()
+        if inputs.mask is not None:
+            mask = 0.5 * inputs.mask[:n].float()
+            image = image * (1 - mask) + mask * torch.tensor(MASK_TINT[: image.shape[1]]).view(1, -1, 1, 1)
+        rows.append(image)
+    if inputs.reference is not None:
+        reference = inputs.reference[:n].float()
+        rows.extend(reference.unbind(1) if reference.dim() == 5 else [reference])
+    if inputs.style is not None:
+        rows.append(inputs.style[:n].float())
+    fitted = []
+    for row in rows:
+        row = row.cpu()
+        if row.shape[1] != channels:  # a greyscale model's view of an RGB input, or the other way round
+            row = row.mean(1, keepdim=True) if channels == 1 else row.expand(-1, channels, -1, -1)
+        if row.shape[-2:] != size:
+            row = torch.nn.functional.interpolate(row, size=tuple(size), mode="bilinear", antialias=True)
+        fitted.append(row)
+    return fitted
 
 
 class RunLogger:
@@ -128,16 +162,18 @@ class RunLogger:
             tracker.image(name, picture, step)
 
     def rollout_samples(self, step: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
-                        scores: dict[str, list[float]]) -> None:
+                        scores: dict[str, list[float]], inputs: ImageInputs | None = None) -> None:
         """RL epoch ``step``'s ``images`` [N, C, H, W] with their prompts, rewards and each scorer's scores (NaN: it
-        failed): a one-row grid ``rollouts/epochNNNN.jpg``, a row per image in ``rollouts/epochNNNN.jsonl``, and
-        each image captioned "prompt | reward (scores)" for the trackers."""
+        failed): a grid ``rollouts/epochNNNN.jpg`` (the images, then a row per image input they were conditioned
+        on: ``input_rows``), a row per image in ``rollouts/epochNNNN.jsonl``, and each image captioned
+        "prompt | reward (scores)" for the trackers."""
         if not self.enabled or not len(images):
             return
         folder = self.run_dir / "rollouts"
         folder.mkdir(exist_ok=True)
         pixels = to_uint8(images)
-        grid = save_image(grid_pixels(pixels, 1), folder / f"epoch{step:04d}.jpg")
+        shown = [pixels, *map(to_uint8, input_rows(inputs, images))]
+        grid = save_image(grid_pixels(np.concatenate(shown), len(shown)), folder / f"epoch{step:04d}.jpg")
         rows = [{"prompt": prompt, "reward": reward, **{name: values[i] for name, values in scores.items()}}
                 for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True))]
         (folder / f"epoch{step:04d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

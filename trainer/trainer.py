@@ -294,7 +294,7 @@ class Trainer:
         t1 = time.perf_counter()
 
         local = torch.as_tensor(result.combined, dtype=torch.float32)
-        self._log_samples(epoch, ro.images, prompts, result.combined, result.components)
+        self._log_samples(epoch, ro.images, indices, result.combined, result.components)
         finite = torch.isfinite(ro.images.flatten(1)).all(1).float().cpu()  # each rank's, gathered: one verdict
         gathered = self.backend.gather(torch.stack([local, group_ids.float(), finite], dim=1))
         rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
@@ -332,14 +332,18 @@ class Trainer:
             metrics.update(self.compiled.report())
         return metrics
 
-    def _log_samples(self, epoch: int, images: torch.Tensor, prompts: list[str], rewards: np.ndarray,
+    def _log_samples(self, epoch: int, images: torch.Tensor, indices: torch.Tensor, rewards: np.ndarray,
                      scores: dict[str, np.ndarray]) -> None:
         """Rank 0's first ``logging.rollout_samples`` rollouts of every ``logging.rollout_samples_every``-th epoch
-        and the last, with their prompts and rewards (before a reward failure stops the run: they show it)."""
+        and the last, with their prompts, rewards and image inputs (before a reward failure stops the run: they
+        show it)."""
         n, every = self.config.logging.rollout_samples, self.config.logging.rollout_samples_every
-        if n and ((epoch + 1) % every == 0 or epoch + 1 == self.config.train.epochs):
-            self.logger.rollout_samples(epoch + 1, images[:n], prompts[:n], np.asarray(rewards, dtype=float)[:n].tolist(),
-                                        {name: np.asarray(v, dtype=float)[:n].tolist() for name, v in scores.items()})
+        if n and self.logger.enabled and ((epoch + 1) % every == 0 or epoch + 1 == self.config.train.epochs):
+            shown = indices[:n].tolist()
+            self.logger.rollout_samples(epoch + 1, images[:n], [self.task.prompts[i] for i in shown],
+                                        np.asarray(rewards, dtype=float)[:n].tolist(),
+                                        {name: np.asarray(v, dtype=float)[:n].tolist() for name, v in scores.items()},
+                                        self.task.inputs(shown))
 
     def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
                           g: torch.Generator, noise: torch.Generator) -> tuple[Rollout, RewardResult, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 from PIL import Image
 from warm_start import tiny_trainer
 
@@ -40,3 +41,54 @@ def test_the_logged_samples_are_the_epochs_first_rollouts_with_their_rewards(tmp
         for i in range(3):  # each image where it belongs (JPEG: up to its loss)
             shown = grid[4:68:4, 4 + 68 * i:68 * (i + 1):4]
             assert np.abs(shown - images[i, 0].numpy()).mean() < 0.03, i
+
+
+def test_an_inpainting_runs_samples_show_the_source_and_its_mask_below_each_rollout(tmp_path):
+    """A tiny FLUX.1 Fill job on inpainting rows: the grid's second row is each rollout's source image with its
+    repaint region tinted (the task's own inputs for those items)."""
+    from reward_server.inprocess import InProcessRewardClient
+    from trainer.algorithms import build_algorithm
+    from trainer.algorithms.sft import SFT
+    from trainer.config import load_config
+    from trainer.data import build_task
+    from trainer.data.testing import tiny_dataset
+    from trainer.distributed import SingleProcess
+    from trainer.logging import RunLogger, input_rows
+    from trainer.models import build_adapter
+    from trainer.models.testing import tiny_config
+    from trainer.trainer import Trainer
+
+    adapter = build_adapter(tiny_config("flux_fill", tmp_path / "model", dtype="float32"), "cpu")
+    side = adapter.resolution
+    data = tiny_dataset("inpaint_jsonl", tmp_path, side)
+    config = load_config(overrides=["data.name=inpaint_jsonl", f"data.path={data}", f"data.image_size={side}",
+                                    "data.prompts_per_epoch=1", "algorithm.group_size=2", "train.epochs=1",
+                                    "algorithm.sampler.num_steps=3", "algorithm.sampler.sde_window=1",
+                                    "algorithm.sampler.window_range=[0,1]",
+                                    "logging.rollout_samples=2"])
+    client = InProcessRewardClient.from_names({"brightness": 1.0})
+    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
+                      client, SingleProcess(torch.device("cpu")), RunLogger(tmp_path / "run", True, False))
+    sampled = {}
+    sample_and_score = trainer.sample_and_score
+
+    def recorded(prompts, indices, *args):
+        ro, result, wait = sample_and_score(prompts, indices, *args)
+        sampled.update(indices=indices.tolist(), images=ro.images)
+        return ro, result, wait
+
+    trainer.sample_and_score = recorded
+    try:
+        trainer.rl_epoch(0)
+    finally:
+        client.close()
+    trainer.logger.close()
+    grid = np.asarray(Image.open(tmp_path / "run" / "rollouts" / "epoch0001.jpg"), dtype=np.float64) / 255
+    scale = max(1, min(4, 128 // side))
+    assert grid.shape == ((2 * (side + 1) + 1) * scale, (2 * (side + 1) + 1) * scale, 3)  # rollouts, then sources
+    (source,) = input_rows(trainer.task.inputs(sampled["indices"][:2]), sampled["images"][:2])
+    assert not torch.equal(source, sampled["images"][:2])
+    for i in range(2):
+        top, left = (side + 2) * scale, (1 + i * (side + 1)) * scale
+        shown = grid[top: top + side * scale: scale, left: left + side * scale: scale]
+        assert np.abs(shown - source[i].permute(1, 2, 0).numpy()).mean() < 0.05, i

@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.logging import RunLogger, grid_pixels, save_grid, to_uint8
+from trainer.logging import MASK_TINT, RunLogger, grid_pixels, input_rows, save_grid, to_uint8
+from trainer.models.base import ImageInputs
 
 
 def _events(run_dir, axis: str):
@@ -70,6 +71,35 @@ def test_rollout_samples_are_written_with_their_prompts_and_rewards(tmp_path):
     assert text.tensor_proto.string_val[0].decode().splitlines() == [
         "1. a cat | reward 0.350 (ocr 0.500, pickscore 0.200)", "2. a dog | reward nan (ocr nan, pickscore 0.300)",
         "3. a sign saying hi | reward 0.700 (ocr 1.000, pickscore 0.400)"]
+
+
+def test_rollout_samples_show_what_each_image_was_conditioned_on(tmp_path):
+    """Below the rollouts, a row per image input: the inpainting source with its repaint region tinted, then each
+    reference image (several per item: a row each), in the rollouts' own size and channels."""
+    outputs = torch.full((2, 3, 24, 24), 0.5)
+    ramp = torch.linspace(0, 1, 24)
+    source = torch.stack([ramp.view(1, 24).expand(24, 24), ramp.view(24, 1).expand(24, 24),
+                          torch.full((24, 24), 0.2)]).repeat(2, 1, 1, 1)  # smooth: JPEG keeps it
+    mask = torch.zeros(2, 1, 24, 24)
+    mask[:, :, 8:16, 8:16] = 1
+    references = torch.rand(2, 2, 3, 48, 48)  # two per item, larger than the outputs
+    rows = input_rows(ImageInputs(image=source, mask=mask, reference=references), outputs)
+    assert [tuple(r.shape) for r in rows] == [(2, 3, 24, 24)] * 3
+    tint = torch.tensor(MASK_TINT).view(1, 3, 1, 1)
+    assert torch.equal(rows[0][..., :8, :], source[..., :8, :])  # kept where nothing is repainted
+    assert torch.allclose(rows[0][..., 8:16, 8:16], 0.5 * source[..., 8:16, 8:16] + 0.5 * tint)
+    for i in (0, 1):  # resized to the outputs' size: the mean colour stays
+        assert torch.allclose(rows[1 + i].mean((2, 3)), references[:, i].mean((2, 3)), atol=1e-2)
+    grey = input_rows(ImageInputs(reference=references[:, 0]), torch.zeros(2, 1, 24, 24))
+    assert [tuple(r.shape) for r in grey] == [(2, 1, 24, 24)] and input_rows(None, outputs) == []
+
+    logger = RunLogger(tmp_path, True, False)
+    logger.rollout_samples(1, outputs, ["fill it", "fill it"], [0.1, 0.2], {"ocr": [0.1, 0.2]},
+                           ImageInputs(image=source, mask=mask, reference=references))
+    grid = np.asarray(Image.open(tmp_path / "rollouts" / "epoch0001.jpg"), dtype=np.float64) / 255
+    assert grid.shape == ((4 * 25 + 1) * 4, (2 * 25 + 1) * 4, 3)  # outputs, then 3 input rows; 24 px: 4x
+    second_row = grid[4 * 26: 4 * 50, 4: 4 * 25].reshape(24, 4, 24, 4, 3).mean((1, 3))
+    assert np.abs(second_row - rows[0][0].permute(1, 2, 0).numpy()).mean() < 0.03  # JPEG: lossy
 
 
 def test_a_breakdown_gives_each_values_mean_and_their_unweighted_mean():
