@@ -120,6 +120,6 @@ class Evaluation:
             self.logger.log(step, "eval", metrics)
             rows = min(len(prompts), GRID_PROMPTS)
             self.logger.image_grid(grid_name or f"samples_epoch{step:04d}", ordered[:rows * ev.samples_per_prompt],
-                                   rows, step)
+                                   rows, step, prompts[:rows], task.inputs(task.eval_indices[:rows]))
         self.backend.barrier()
         return metrics

@@ -68,10 +68,11 @@ def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int |
              steps: int | None = None, guidance: float | None = None, model_path: str | None = None,
              device: str = "cpu") -> Path:
     """Sample ``samples`` images per prompt (default: the run's evaluation settings) and save them as one grid row
-    per prompt at ``out``; without ``prompts``, the run's evaluation items."""
+    per prompt at ``out``; without ``prompts``, the run's evaluation items, each row led by its item's image
+    inputs as the run's grids show them."""
     from trainer.data import build_tasks
     from trainer.evaluation import GRID_PROMPTS
-    from trainer.logging import save_grid
+    from trainer.logging import save_grid, with_inputs
     from trainer.rollout import SamplerSettings, rollout
 
     config, adapter = load_trained(weights, model_path, device)
@@ -88,7 +89,8 @@ def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int |
                      torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63), inputs)
         images.append(ro.images)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_grid(torch.cat(images), len(rows), out)
+    shown = task.inputs(task.eval_indices[: len(rows)]) if task is not None else None  # as the run's grids show
+    save_grid(with_inputs(torch.cat(images), len(rows), shown), len(rows), out)
     return out
 
 

@@ -93,6 +93,16 @@ def input_rows(inputs: ImageInputs | None, like: torch.Tensor) -> list[torch.Ten
     return fitted
 
 
+def with_inputs(images: torch.Tensor, rows: int, inputs: ImageInputs | None) -> torch.Tensor:
+    """``rows`` rows of samples [rows * S, C, H, W] with each row's image inputs (one item per row: ``input_rows``)
+    put before its samples: [rows * (k + S), C, H, W] for k input images per item."""
+    shown = input_rows(inputs, images[:: len(images) // rows])
+    if not shown:
+        return images
+    return torch.cat([torch.cat([*(row[r : r + 1] for row in shown), samples])
+                      for r, samples in enumerate(images.chunk(rows))])
+
+
 class RunLogger:
     """Writes metrics to ``metrics.jsonl`` under the run directory and passes them on to TensorBoard (when
     ``tensorboard``) and the other ``trackers``, which their maker closes (no-op off rank 0)."""
@@ -154,12 +164,16 @@ class RunLogger:
         for tracker in self.trackers if alert else ():
             tracker.alert(phase, alert)
 
-    def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int) -> None:
+    def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int, prompts: Sequence[str] = (),
+                   inputs: ImageInputs | None = None) -> None:
+        """``images`` [N, C, H, W] as ``name``.png in ``rows`` rows, each row's image ``inputs`` first
+        (``with_inputs``); the trackers caption it with each row's prompt."""
         if not self.enabled:
             return
-        picture = save_grid(images, rows, self.run_dir / f"{name}.png")
+        picture = save_grid(with_inputs(images, rows, inputs), rows, self.run_dir / f"{name}.png")
+        caption = "\n".join(f"row {i}: {prompt[:200]}" for i, prompt in enumerate(prompts, 1))
         for tracker in self.trackers:
-            tracker.image(name, picture, step)
+            tracker.image(name, picture, step, caption)
 
     def rollout_samples(self, step: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
                         scores: dict[str, list[float]], inputs: ImageInputs | None = None) -> None:

@@ -42,8 +42,8 @@ class Picture:
 class Tracker(Protocol):
     def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None: ...
 
-    def image(self, name: str, picture: Picture, step: int) -> None:
-        """A grid, on the RL axis."""
+    def image(self, name: str, picture: Picture, step: int, caption: str = "") -> None:
+        """A grid, on the RL axis, with what its rows show (``caption``: a line per row)."""
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
         """Rollout images of RL epoch ``step``: their one-row grid, and each image ([H, W, C] uint8) with its
@@ -77,12 +77,14 @@ class TensorBoardTracker:
         for key, value in metrics.items():
             self.writers[axis_of(phase)].add_scalar(f"{phase}/{key}", value, step)
 
-    def image(self, name: str, picture: Picture, step: int) -> None:
+    def image(self, name: str, picture: Picture, step: int, caption: str = "") -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         image = Summary.Image(height=picture.height, width=picture.width, colorspace=picture.channels,
                               encoded_image_string=picture.path.read_bytes())
         self.writers["rl"].file_writer.add_summary(Summary(value=[Summary.Value(tag=name, image=image)]), step)
+        if caption:
+            self.writers["rl"].add_text(name, caption, step)
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
         self.image(f"rollouts/{name}", grid, step)
@@ -156,9 +158,12 @@ class WandbTracker:
         row = {**{f"{phase}/{key}": value for key, value in metrics.items()}, STEP_KEYS[axis_of(phase)]: step}
         self._safely(lambda: self._log(phase, row))
 
-    def image(self, name: str, picture: Picture, step: int) -> None:
-        self._safely(lambda: self._log("images", {f"images/{name}": self._wandb.Image(str(picture.path), caption=name),
-                                                  STEP_KEYS["rl"]: step}))
+    def image(self, name: str, picture: Picture, step: int, caption: str = "") -> None:
+        def send():
+            image = self._wandb.Image(str(picture.path), caption=caption or name)
+            self._log("images", {f"images/{name}": image, STEP_KEYS["rl"]: step})
+
+        self._safely(send)
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
         from PIL import Image

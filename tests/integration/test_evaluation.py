@@ -29,13 +29,14 @@ def test_an_evaluation_file_is_sampled_and_rl_trains_on_every_training_prompt(tm
     trainer.evaluation.rewards.score = lambda images, prompts, *a, **k: scored.append(prompts) or score(
         images, prompts, *a, **k)
     trainer.rewards.submit = lambda images, prompts, *a, **k: trained.extend(prompts) or submit(images, prompts, *a, **k)
-    trainer.logger.image_grid = lambda name, images, rows, step: grids.append((name, rows, len(images))) or grid(
-        name, images, rows, step)
+    trainer.logger.image_grid = lambda name, images, rows, step, prompts, inputs: grids.append(
+        (name, rows, len(images), list(prompts), inputs)) or grid(name, images, rows, step, prompts, inputs)
     trainer.fit()
     trainer.logger.close()
     assert scored == [[f"test {i}" for i in range(18)]] * 2  # before and after the one epoch
     assert sorted(set(trained)) == [f"train {i}" for i in range(6)] and len(trained) == 12
-    assert grids == [("samples_before", GRID_PROMPTS, GRID_PROMPTS), ("samples_after", GRID_PROMPTS, GRID_PROMPTS)]
+    shown = [f"test {i}" for i in range(GRID_PROMPTS)]  # each grid row's prompt, for the trackers' captions
+    assert grids == [(name, GRID_PROMPTS, GRID_PROMPTS, shown, None) for name in ("samples_before", "samples_after")]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["phase"] == "eval"] == [0, 1]
 
@@ -53,7 +54,7 @@ def test_prompts_batched_per_forward_keep_their_own_noise(tmp_path, tiny_model_d
     for batch in (1, 4):
         trainer = tiny_trainer(tmp_path / f"batch{batch}", tiny_model_dir, f"eval.batch_size={batch}",
                                "eval.samples_per_prompt=2", "eval.num_steps=2", "train.warmup_steps=0", log=False)
-        trainer.logger.image_grid = lambda name, images, rows, step, batch=batch: grids.__setitem__(batch, images)
+        trainer.logger.image_grid = lambda name, images, *shown, batch=batch: grids.__setitem__(batch, images)
         calls.clear()
         trainer.evaluate(0, "samples_before")
         assert calls == ([2] * 10 if batch == 1 else [8, 8, 4]), calls

@@ -43,9 +43,9 @@ def test_the_logged_samples_are_the_epochs_first_rollouts_with_their_rewards(tmp
             assert np.abs(shown - images[i, 0].numpy()).mean() < 0.03, i
 
 
-def test_an_inpainting_runs_samples_show_the_source_and_its_mask_below_each_rollout(tmp_path):
-    """A tiny FLUX.1 Fill job on inpainting rows: the grid's second row is each rollout's source image with its
-    repaint region tinted (the task's own inputs for those items)."""
+def test_an_inpainting_runs_grids_show_the_source_and_its_mask_beside_each_image(tmp_path):
+    """A tiny FLUX.1 Fill job on inpainting rows: the rollout grid's second row is each rollout's source image with
+    its repaint region tinted (the task's own inputs for those items); each evaluation grid row starts with it."""
     from reward_server.inprocess import InProcessRewardClient
     from trainer.algorithms import build_algorithm
     from trainer.algorithms.sft import SFT
@@ -65,7 +65,8 @@ def test_an_inpainting_runs_samples_show_the_source_and_its_mask_below_each_roll
                                     "data.prompts_per_epoch=1", "algorithm.group_size=2", "train.epochs=1",
                                     "algorithm.sampler.num_steps=3", "algorithm.sampler.sde_window=1",
                                     "algorithm.sampler.window_range=[0,1]",
-                                    "logging.rollout_samples=2"])
+                                    "logging.rollout_samples=2", "eval.prompts=2", "eval.samples_per_prompt=1",
+                                    "eval.num_steps=2"])
     client = InProcessRewardClient.from_names({"brightness": 1.0})
     trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
                       client, SingleProcess(torch.device("cpu")), RunLogger(tmp_path / "run", True, False))
@@ -80,6 +81,7 @@ def test_an_inpainting_runs_samples_show_the_source_and_its_mask_below_each_roll
     trainer.sample_and_score = recorded
     try:
         trainer.rl_epoch(0)
+        trainer.evaluate(1, "samples_after")
     finally:
         client.close()
     trainer.logger.close()
@@ -92,3 +94,13 @@ def test_an_inpainting_runs_samples_show_the_source_and_its_mask_below_each_roll
         top, left = (side + 2) * scale, (1 + i * (side + 1)) * scale
         shown = grid[top: top + side * scale: scale, left: left + side * scale: scale]
         assert np.abs(shown - source[i].permute(1, 2, 0).numpy()).mean() < 0.05, i
+    # the evaluation grid: a row per evaluation item, its tinted source first, then its sample
+    evaluated = trainer.evaluation.task
+    rows = len(evaluated.eval_prompts)
+    grid = np.asarray(Image.open(tmp_path / "run" / "samples_after.png"), dtype=np.float64) / 255
+    assert grid.shape == ((rows * (side + 1) + 1) * scale, (2 * (side + 1) + 1) * scale, 3)
+    (sources,) = input_rows(evaluated.inputs(evaluated.eval_indices[:rows]), torch.zeros(rows, 3, side, side))
+    for r in range(rows):
+        top = (1 + r * (side + 1)) * scale
+        shown = grid[top: top + side * scale: scale, scale: scale + side * scale: scale]
+        assert np.abs(shown - sources[r].permute(1, 2, 0).numpy()).max() <= 0.5 / 255 + 1e-6, r  # PNG: lossless

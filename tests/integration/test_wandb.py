@@ -113,6 +113,9 @@ def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path
         assert numbers and {key: row[key] for key in numbers} == numbers
     grids = {key.rsplit("/", 1)[0]: row["rl/epoch"] for row in rows for key in row if key.startswith("images/")}
     assert grids == {"images/samples_before": 0, "images/samples_after": 1}
+    (before,) = [row for row in rows if "images/samples_before/caption" in row]  # the prompt of each grid row
+    assert before["images/samples_before/caption"] == "\n".join(f"row {d + 1}: a handwritten digit {d}"
+                                                                for d in range(10))
     # the epoch's rollout samples (2 prompts x 2), each image captioned with its prompt and reward
     (samples,) = [row for row in rows if "rollouts/samples/captions" in row]
     logged = [json.loads(line) for line in (run_dir / "rollouts" / "epoch0001.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.logging import MASK_TINT, RunLogger, grid_pixels, input_rows, save_grid, to_uint8
+from trainer.logging import MASK_TINT, RunLogger, grid_pixels, input_rows, save_grid, to_uint8, with_inputs
 from trainer.models.base import ImageInputs
 
 
@@ -39,13 +39,15 @@ def test_a_grid_enlarges_only_small_images(tmp_path, side, scale):
 
 def test_a_grey_grid_is_saved_once_and_tensorboard_holds_its_bytes(tmp_path):
     logger = RunLogger(tmp_path, True, True)
-    logger.image_grid("samples_before", torch.rand(4, 1, 16, 16), 2, 0)
+    logger.image_grid("samples_before", torch.rand(4, 1, 16, 16), 2, 0, ["a handwritten digit 3", "a digit 8"])
     logger.trackers[0].close()
     saved = Image.open(tmp_path / "samples_before.png")
     assert saved.mode == "L" and saved.size == ((2 * 17 + 1) * 4, (2 * 17 + 1) * 4)
     (event,) = _events(tmp_path, "rl").Images("samples_before")
     assert event.encoded_image_string == (tmp_path / "samples_before.png").read_bytes()
     assert (event.width, event.height) == saved.size
+    (text,) = _events(tmp_path, "rl").Tensors("samples_before/text_summary")  # what each row shows
+    assert text.tensor_proto.string_val[0].decode() == "row 1: a handwritten digit 3\nrow 2: a digit 8"
 
 
 def test_rollout_samples_are_written_with_their_prompts_and_rewards(tmp_path):
@@ -100,6 +102,19 @@ def test_rollout_samples_show_what_each_image_was_conditioned_on(tmp_path):
     assert grid.shape == ((4 * 25 + 1) * 4, (2 * 25 + 1) * 4, 3)  # outputs, then 3 input rows; 24 px: 4x
     second_row = grid[4 * 26: 4 * 50, 4: 4 * 25].reshape(24, 4, 24, 4, 3).mean((1, 3))
     assert np.abs(second_row - rows[0][0].permute(1, 2, 0).numpy()).mean() < 0.03  # JPEG: lossy
+
+
+def test_an_evaluation_grid_puts_each_rows_inputs_before_its_samples():
+    """3 rows of 2 samples, each row's item with two references: a row is [reference 1, reference 2, sample 1,
+    sample 2]; without inputs the samples stay as they are."""
+    samples = torch.arange(6.0).view(6, 1, 1, 1).expand(6, 3, 8, 8) / 10
+    references = torch.rand(3, 2, 3, 8, 8)
+    shown = with_inputs(samples, 3, ImageInputs(reference=references))
+    assert shown.shape == (12, 3, 8, 8)
+    for r in range(3):
+        assert torch.equal(shown[4 * r], references[r, 0]) and torch.equal(shown[4 * r + 1], references[r, 1])
+        assert torch.equal(shown[4 * r + 2: 4 * r + 4], samples[2 * r: 2 * r + 2])
+    assert with_inputs(samples, 3, None) is samples
 
 
 def test_a_breakdown_gives_each_values_mean_and_their_unweighted_mean():
