@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from trainer.models.base import ImageInputs
-from trainer.trackers import Picture, TensorBoardTracker, Tracker, finite_numbers
+from trainer.trackers import Picture, TensorBoardTracker, Tracker, finite_numbers, pil_image
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -47,7 +46,7 @@ def save_image(pixels: np.ndarray, path: str | os.PathLike) -> Picture:
     a view, encoded 20x faster). PNGs use zlib level 1: 4x faster than PIL's default for 20% more bytes (a
     1024-px evaluation grid took seconds on rank 0 at the default; bench/outputs.py)."""
     height, width, channels = pixels.shape
-    image = Image.fromarray(pixels[..., 0] if channels == 1 else pixels, "L" if channels == 1 else "RGB")
+    image = pil_image(pixels)
     if str(path).endswith(".jpg"):
         image.save(path, quality=90)
     else:

@@ -39,6 +39,13 @@ class Picture:
     channels: int  # 1: greyscale, 3: RGB
 
 
+def pil_image(pixels: np.ndarray):
+    """[H, W, C] uint8 as a PIL image: greyscale ("L") for one channel, else RGB."""
+    from PIL import Image
+
+    return Image.fromarray(pixels[..., 0], "L") if pixels.shape[-1] == 1 else Image.fromarray(pixels, "RGB")
+
+
 class Tracker(Protocol):
     def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None: ...
 
@@ -166,11 +173,8 @@ class WandbTracker:
         self._safely(send)
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
-        from PIL import Image
-
         def send():
-            pictures = [self._wandb.Image(Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image),
-                                          caption=caption, file_type="jpg")
+            pictures = [self._wandb.Image(pil_image(image), caption=caption, file_type="jpg")
                         for image, caption in zip(images, captions, strict=True)]
             self._log("rollouts", {f"rollouts/{name}": pictures, STEP_KEYS["rl"]: step})
 
