@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from shared.rewards import RewardClient, RewardResult, failed_share
 from trainer import checkpoint
+from trainer.algorithms.advantages import zero_std_share
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
@@ -163,6 +164,8 @@ class Trainer:
                     + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
             if metrics.get("skipped_steps"):
                 line += f"  ({metrics['skipped_steps']:.0f} steps skipped: gradients not finite)"
+            if metrics["zero_std_share"] == 1.0:  # a saturated reward, or one blind to what differs within a group
+                line += "  (no group's rewards differ: nothing to learn from them)"
             bar.write(line) if self._bars() else self._print(line)
             if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
                 self._print(self.compiled.summary(self.config.model.compile, metrics))
@@ -322,6 +325,7 @@ class Trainer:
             "reward_mean": float(valid.mean()) if len(valid) else math.nan,
             "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
             "failed_share": failed,
+            "zero_std_share": zero_std_share(rewards.all, rewards.group_ids_all),  # no spread: advantage 0
             "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
             "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
             "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,

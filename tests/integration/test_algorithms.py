@@ -337,6 +337,38 @@ def test_an_epoch_without_any_reward_spread_makes_no_step(tmp_path, tiny_model_d
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True))
 
 
+class PromptOnly:
+    """A scorer blind to the images: the digit its prompt asks for, over 10 (a scorer bug, or a reward read off
+    metadata alone)."""
+
+    name, description, score_range, version = "digit", "the prompt's digit / 10", (0.0, 1.0), "prompt-only"
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def score(self, images, prompts, metadata) -> list[float]:
+        return [int(prompt[-1]) / 10 for prompt in prompts]
+
+
+def test_rewards_that_do_not_tell_a_groups_images_apart_are_reported(tmp_path, tiny_model_dir, capsys):
+    """Rewards that differ between prompts but not within any group: the epoch's reward has a spread, yet every
+    group-relative advantage is 0. The record's zero_std_share is 1 and the epoch line says so; with the digit
+    classifier's rewards (which do tell images apart) it does not."""
+    trainer = _trainer(tmp_path / "blind", tiny_model_dir, "grpo", "train.warmup_steps=0", "train.epochs=1",
+                       "data.prompts_per_epoch=3")
+    trainer.rewards = InProcessRewardClient({"digit": PromptOnly()}, {"digit": 1.0})
+    trainer.fit()
+    trainer.logger.close()
+    (record,) = _rl_records(tmp_path / "blind")
+    assert record["zero_std_share"] == 1.0 and record["reward_std"] > 0
+    assert "no group's rewards differ: nothing to learn from them" in capsys.readouterr().out
+    seeing = _trainer(tmp_path / "seeing", tiny_model_dir, "grpo", "train.warmup_steps=0", "train.epochs=1")
+    seeing.fit()
+    seeing.logger.close()
+    (record,) = _rl_records(tmp_path / "seeing")
+    assert record["zero_std_share"] < 1.0 and "nothing to learn" not in capsys.readouterr().out
+
+
 def test_warmup_images_of_another_size_than_the_model_generates_are_refused(tiny_model_dir):
     """data.image_size=24 with a 16-pixel model: the warm-up trained at 24x24 what RL then sampled at 16x16."""
     from trainer.algorithms.sft import SFTConfig

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algorithms.advantages import group_advantages, zero_std_share
+from trainer.algorithms.advantages import group_advantages
 from trainer.algorithms.base import Rewards
 from trainer.algorithms.policy_gradient import (
     ClippedPolicyGradient,
-    PolicyGradientBatch,
     PolicyGradientConfig,
 )
 
@@ -45,7 +44,3 @@ class GRPO(ClippedPolicyGradient):
     def advantages(self, rewards: Rewards) -> torch.Tensor:
         adv_all = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, self.config.adv_clip)
         return adv_all[rewards.offset : rewards.offset + len(rewards.local)]
-
-    def batch_metrics(self, batch: PolicyGradientBatch) -> dict[str, float]:
-        return {**super().batch_metrics(batch),
-                "zero_std_share": zero_std_share(batch.rewards.all, batch.rewards.group_ids_all)}
