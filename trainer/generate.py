@@ -2,11 +2,13 @@
 
     python -m trainer.generate --weights outputs/RUN/final --out grid.png
     python -m trainer.generate --weights outputs/RUN/final --prompts "a handwritten digit 3" "a handwritten digit 8" --out grid.png
+    python -m trainer.generate --weights outputs/RUN/final --prompts "a sign saying OPEN" --image shop.png --mask sign.png --out grid.png
 
 ``--weights`` is a run's ``final/`` (the denoiser as the final evaluation sampled it, in diffusers format,
 LoRA merged, with the run's ``config.yaml`` one level up naming the base model) or ``best/`` (the best
 evaluation's trained weights and EMA, in a checkpoint's layout; the EMA when the run evaluated with it). Without ``--prompts`` it samples the run's evaluation items with the
 evaluation's noise (the first 16, as its grids show), so the grid of ``final/`` is the run's ``samples_after.png``. One row per prompt.
+Editing and inpainting models take the files every prompt is conditioned on (``--image``, ``--mask``, ``--reference``).
 Runs in one process on the CPU (or ``--device cuda``); no reward servers.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +25,8 @@ if __package__ in (None, ""):  # run as a script: see trainer/main.py
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
+
+from trainer.models.base import ImageInputs
 
 
 def load_trained(weights: Path, model_path: str | None = None, device: str = "cpu"):
@@ -63,13 +68,28 @@ def load_trained(weights: Path, model_path: str | None = None, device: str = "cp
     return replace(config, model=model), adapter
 
 
+def given_inputs(files: dict[str, Path | list[Path] | None], size: int) -> ImageInputs | None:
+    """One item's image inputs from files (``image``, ``mask``, ``reference``: one or several, ``style``), read as
+    the datasets read them at ``size`` pixels; None when no file is given."""
+    from trainer.data.images import load_mask, load_references, load_rgb
+
+    if not any(files.values()):
+        return None
+    load = {"image": lambda path: load_rgb(path, size, "--image"), "mask": lambda path: load_mask(path, size, "--mask"),
+            "reference": lambda paths: load_references(paths[0] if len(paths) == 1 else tuple(paths), size,
+                                                       "--reference"),
+            "style": lambda path: load_rgb(path, size, "--style")}
+    return ImageInputs(**{name: load[name](value)[None] for name, value in files.items() if value})
+
+
 @torch.no_grad()
 def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int | None = None, seed: int | None = None,
              steps: int | None = None, guidance: float | None = None, model_path: str | None = None,
-             device: str = "cpu") -> Path:
+             device: str = "cpu", inputs: dict[str, Path | list[Path] | None] | None = None) -> Path:
     """Sample ``samples`` images per prompt (default: the run's evaluation settings) and save them as one grid row
     per prompt at ``out``; without ``prompts``, the run's evaluation items, each row led by its item's image
-    inputs as the run's grids show them."""
+    inputs as the run's grids show them. ``inputs``: files (``given_inputs``) every prompt is conditioned on, for
+    editing and inpainting models."""
     from trainer.data import build_tasks
     from trainer.evaluation import GRID_PROMPTS
     from trainer.logging import save_grid, with_inputs
@@ -80,17 +100,26 @@ def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int |
     samples, seed = samples or ev.samples_per_prompt, ev.seed if seed is None else seed
     settings = SamplerSettings(num_steps=steps or ev.num_steps,
                                guidance_scale=ev.guidance_scale if guidance is None else guidance, noise_level=0.0)
+    given = given_inputs(inputs or {}, config.data.image_size)
+    if given is not None and not prompts:
+        raise ValueError("--image, --mask, --reference and --style need --prompts (without them each evaluation item "
+                         "brings its own inputs)")
     task = None if prompts else build_tasks(config.data, config.eval)[1]
     rows = prompts or task.eval_prompts[:GRID_PROMPTS]
+
+    def row_inputs(items: list[int]) -> ImageInputs | None:  # every row's own item, or the given files for each
+        if task is not None:
+            return task.inputs([task.eval_indices[k] for k in items])
+        return given and ImageInputs(**{name: value.expand(len(items), *value.shape[1:])
+                                        for name, value in vars(given).items() if value is not None})
+
     images = []
     for k, prompt in enumerate(rows):  # the noise of row k as the run's evaluation draws it for its prompt k
-        inputs = task.inputs([task.eval_indices[k]] * samples) if task is not None else None
         ro = rollout(adapter, adapter.denoiser, [prompt] * samples, torch.arange(samples), settings,
-                     torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63), inputs)
+                     torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63), row_inputs([k] * samples))
         images.append(ro.images)
     out.parent.mkdir(parents=True, exist_ok=True)
-    shown = task.inputs(task.eval_indices[: len(rows)]) if task is not None else None  # as the run's grids show
-    save_grid(with_inputs(torch.cat(images), len(rows), shown), len(rows), out)
+    save_grid(with_inputs(torch.cat(images), len(rows), row_inputs(list(range(len(rows))))), len(rows), out)
     return out
 
 
@@ -104,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="noise seed (default: the run's eval.seed)")
     parser.add_argument("--steps", type=int, help="sampling steps (default: the run's eval.num_steps)")
     parser.add_argument("--guidance", type=float, help="CFG scale (default: the run's eval.guidance_scale)")
+    parser.add_argument("--image", type=Path, help="the image to inpaint or edit, for every prompt (with --prompts)")
+    parser.add_argument("--mask", type=Path, help="the inpainting mask (white: repaint), for every prompt")
+    parser.add_argument("--reference", type=Path, nargs="+", metavar="IMAGE",
+                        help="the reference image(s) an editing model edits, for every prompt")
+    parser.add_argument("--style", type=Path, help="the IP-Adapter's image prompt, for every prompt")
     parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     args = parser.parse_args(argv)
@@ -113,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()
     try:
         generate(args.weights, args.prompts, args.out, args.samples, args.seed, args.steps, args.guidance,
-                 args.model_path, args.device)
-    except ValueError as exc:
-        return user_error_exit(exc)
+                 args.model_path, args.device,
+                 {"image": args.image, "mask": args.mask, "reference": args.reference, "style": args.style})
+    except ValueError as exc:  # an adapter names its inputs as ImageInputs' fields: here they are options
+        return user_error_exit(ValueError(re.sub(r"ImageInputs\.(\w+)", r"--\1", str(exc))) if args.prompts else exc)
     print(f"wrote {args.out}")
     return 0
 

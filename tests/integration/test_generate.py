@@ -1,0 +1,66 @@
+"""python -m trainer.generate on an inpainting model with the user's own files: every prompt is conditioned on the
+given image and mask, each grid row starts with them, and a missing or misplaced input is one line naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import yaml
+from PIL import Image
+
+from trainer.config import load_config, saved_dict
+from trainer.export import export_denoiser
+from trainer.generate import main
+from trainer.logging import MASK_TINT
+from trainer.models import build_adapter
+from trainer.models.testing import tiny_config
+
+
+def _run(tmp_path) -> tuple[str, int]:
+    """A run folder as a job leaves it (final/ and config.yaml) for the tiny FLUX.1 Fill model; its side."""
+    model = tiny_config("flux_fill", tmp_path / "model", dtype="float32")
+    adapter = build_adapter(model, "cpu")
+    side = adapter.resolution
+    config = load_config(overrides=["model.name=flux_fill", f"model.path={model.path}", f"model.resolution={side}",
+                                    f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
+                                    "data.name=inpaint_jsonl", f"data.image_size={side}"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
+    export_denoiser(adapter.denoiser, tmp_path / "run" / "final")
+    return str(tmp_path / "run" / "final"), side
+
+
+def test_an_inpainting_model_fills_the_given_image_where_the_given_mask_says(tmp_path, capsys):
+    weights, side = _run(tmp_path)
+    ramp = np.linspace(0, 255, side, dtype=np.float64)
+    source = np.stack([ramp[None, :].repeat(side, 0), ramp[:, None].repeat(side, 1), np.full((side, side), 60.0)], -1)
+    Image.fromarray(source.round().astype(np.uint8)).save(tmp_path / "source.png")
+    for name, rows in ("top", slice(0, side // 2)), ("bottom", slice(side // 2, side)):
+        mask = np.zeros((side, side), dtype=np.uint8)
+        mask[rows] = 255
+        Image.fromarray(mask).save(tmp_path / f"{name}.png")
+    common = ["--weights", weights, "--prompts", "a sign saying OPEN", "--samples", "2", "--steps", "2",
+              "--image", str(tmp_path / "source.png")]
+    grids = {}
+    for name in ("top", "bottom"):
+        out = tmp_path / f"grid-{name}.png"
+        assert main([*common, "--mask", str(tmp_path / f"{name}.png"), "--out", str(out)]) == 0
+        grids[name] = np.asarray(Image.open(out), dtype=np.float64) / 255
+    scale = max(1, min(4, 128 // side))
+    assert grids["top"].shape == ((side + 2) * scale, (3 * (side + 1) + 1) * scale, 3)  # the source, then 2 samples
+
+    def cell(grid: np.ndarray, column: int) -> np.ndarray:
+        left = (1 + column * (side + 1)) * scale
+        return grid[scale: scale + side * scale: scale, left: left + side * scale: scale]
+
+    # the first cell: the source with the repaint region tinted (the upper half for the "top" mask)
+    tinted = source / 255
+    tinted[: side // 2] = 0.5 * tinted[: side // 2] + 0.5 * np.array(MASK_TINT)
+    assert np.abs(cell(grids["top"], 0) - tinted).max() <= 1 / 255
+    # the mask reaches the model: another mask gives other images
+    assert not np.array_equal(cell(grids["top"], 1), cell(grids["bottom"], 1))
+    capsys.readouterr()
+    # an inpainting model without its mask, and files without --prompts: one line each, exit status 2
+    assert main([*common, "--out", str(tmp_path / "no-mask.png")]) == 2
+    assert "error: the flux_fill adapter needs --mask" in capsys.readouterr().err
+    assert main(["--weights", weights, "--image", str(tmp_path / "source.png"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "--image, --mask, --reference and --style need --prompts" in capsys.readouterr().err
