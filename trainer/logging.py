@@ -179,7 +179,7 @@ class RunLogger:
         """RL epoch ``step``'s ``images`` [N, C, H, W] with their prompts, rewards and each scorer's scores (NaN: it
         failed): a grid ``rollouts/epochNNNN.jpg`` (the images, then a row per image input they were conditioned
         on: ``input_rows``), a row per image in ``rollouts/epochNNNN.jsonl``, and each image captioned
-        "prompt | reward (scores)" for the trackers."""
+        "prompt | reward (scores)" for the trackers (beside its inputs)."""
         if not self.enabled or not len(images):
             return
         folder = self.run_dir / "rollouts"
@@ -196,8 +196,9 @@ class RunLogger:
         for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True)):
             each = ", ".join(f"{name} {values[i]:.3f}" for name, values in scores.items())
             captions.append(f"{prompt[:200]} | reward {reward:.3f}" + (f" ({each})" if len(scores) > 1 else ""))
+        each_image = [np.concatenate(views, axis=1) for views in zip(*shown[1:], pixels, strict=True)]  # inputs, image
         for tracker in self.trackers:
-            tracker.samples("samples", grid, list(pixels), captions, step)
+            tracker.samples("samples", grid, each_image, captions, step)
 
     def reward_curve(self, best_epoch: int = -1, select_by: str = "") -> None:
         """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise: the held-out reward,

@@ -95,9 +95,18 @@ def test_rollout_samples_show_what_each_image_was_conditioned_on(tmp_path):
     grey = input_rows(ImageInputs(reference=references[:, 0]), torch.zeros(2, 1, 24, 24))
     assert [tuple(r.shape) for r in grey] == [(2, 1, 24, 24)] and input_rows(None, outputs) == []
 
-    logger = RunLogger(tmp_path, True, False)
+    class Recorder:  # what a tracker is handed (the Tracker protocol)
+        def samples(self, name, grid, images, captions, step):
+            self.images = images
+
+    recorder = Recorder()
+    logger = RunLogger(tmp_path, True, False, [recorder])
     logger.rollout_samples(1, outputs, ["fill it", "fill it"], [0.1, 0.2], {"ocr": [0.1, 0.2]},
                            ImageInputs(image=source, mask=mask, reference=references))
+    # each image for the trackers: its inputs, then itself, side by side
+    assert [image.shape for image in recorder.images] == [(24, 4 * 24, 3)] * 2
+    for i, image in enumerate(recorder.images):
+        assert np.array_equal(image[:, :24], to_uint8(rows[0])[i]) and np.array_equal(image[:, 72:], to_uint8(outputs)[i])
     grid = np.asarray(Image.open(tmp_path / "rollouts" / "epoch0001.jpg"), dtype=np.float64) / 255
     assert grid.shape == ((4 * 25 + 1) * 4, (2 * 25 + 1) * 4, 3)  # outputs, then 3 input rows; 24 px: 4x
     second_row = grid[4 * 26: 4 * 50, 4: 4 * 25].reshape(24, 4, 24, 4, 3).mean((1, 3))
