@@ -53,8 +53,9 @@ def start_engine(log: Path) -> str | None:
         return None
     if shutil.which("dockerd") is None or os.geteuid() != 0:
         return "no Docker engine runs, and dockerd cannot be started here (needs root and the docker.io package)"
-    with log.open("ab") as out:  # niced, with its builds and containers: CI builds the images beside the tests
-        subprocess.Popen(["nice", "-n", "10", "dockerd"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with log.open("ab") as out:  # at nice 10, with its builds and containers: CI builds the images beside the tests
+        subprocess.Popen(["nice", "-n", str(max(0, 10 - os.nice(0))), "dockerd"], stdout=out, stderr=subprocess.STDOUT,
+                         start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if _engine_up():
