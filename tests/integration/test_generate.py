@@ -3,6 +3,8 @@ given image and mask, each grid row starts with them, and a missing or misplaced
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import yaml
 from PIL import Image
@@ -15,14 +17,14 @@ from trainer.models import build_adapter
 from trainer.models.testing import tiny_config
 
 
-def _run(tmp_path) -> tuple[str, int]:
-    """A run folder as a job leaves it (final/ and config.yaml) for the tiny FLUX.1 Fill model; its side."""
-    model = tiny_config("flux_fill", tmp_path / "model", dtype="float32")
+def _run(tmp_path, name: str, data: str) -> tuple[str, int]:
+    """A run folder as a job leaves it (final/ and config.yaml) for the tiny model of adapter ``name`` trained on
+    ``data``; its side."""
+    model = tiny_config(name, tmp_path / "model", dtype="float32")
     adapter = build_adapter(model, "cpu")
     side = adapter.resolution
-    config = load_config(overrides=["model.name=flux_fill", f"model.path={model.path}", f"model.resolution={side}",
-                                    f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
-                                    "data.name=inpaint_jsonl", f"data.image_size={side}"])
+    config = replace(load_config(overrides=[f"model.name={name}", f"data.name={data}", f"data.image_size={side}"]),
+                     model=model)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
     export_denoiser(adapter.denoiser, tmp_path / "run" / "final")
@@ -30,7 +32,7 @@ def _run(tmp_path) -> tuple[str, int]:
 
 
 def test_an_inpainting_model_fills_the_given_image_where_the_given_mask_says(tmp_path, capsys):
-    weights, side = _run(tmp_path)
+    weights, side = _run(tmp_path, "flux_fill", "inpaint_jsonl")
     ramp = np.linspace(0, 255, side, dtype=np.float64)
     source = np.stack([ramp[None, :].repeat(side, 0), ramp[:, None].repeat(side, 1), np.full((side, side), 60.0)], -1)
     Image.fromarray(source.round().astype(np.uint8)).save(tmp_path / "source.png")
@@ -64,3 +66,23 @@ def test_an_inpainting_model_fills_the_given_image_where_the_given_mask_says(tmp
     assert "error: the flux_fill adapter needs --mask" in capsys.readouterr().err
     assert main(["--weights", weights, "--image", str(tmp_path / "source.png"), "--out", str(tmp_path / "x.png")]) == 2
     assert "--image, --mask, --reference and --style need --prompts" in capsys.readouterr().err
+
+
+def test_an_editing_model_edits_the_given_references(tmp_path):
+    """Qwen-Image-Edit-Plus with two references given: each row starts with both, and the samples depend on them."""
+    weights, side = _run(tmp_path, "qwen_image_edit_plus", "edit_jsonl")
+    rng = np.random.default_rng(0)
+    for name in ("a", "b", "c"):
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(tmp_path / f"{name}.png")
+    grids = {}
+    for pair in ("ab", "ac"):
+        out = tmp_path / f"grid-{pair}.png"
+        assert main(["--weights", weights, "--prompts", "make it blue", "--samples", "1", "--steps", "2",
+                     "--reference", *(str(tmp_path / f"{name}.png") for name in pair), "--out", str(out)]) == 0
+        grids[pair] = np.asarray(Image.open(out))
+    scale = max(1, min(4, 128 // side))
+    assert grids["ab"].shape == ((side + 2) * scale, (3 * (side + 1) + 1) * scale, 3)  # 2 references, 1 sample
+    first = grids["ab"][scale: scale + side * scale: scale, scale: scale + side * scale: scale]
+    assert np.array_equal(first, np.asarray(Image.open(tmp_path / "a.png")))  # at the model's size: unchanged
+    last = slice((1 + 2 * (side + 1)) * scale, (1 + 2 * (side + 1) + side) * scale, scale)
+    assert not np.array_equal(grids["ab"][scale::scale][:side, last], grids["ac"][scale::scale][:side, last])
