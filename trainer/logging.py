@@ -166,13 +166,14 @@ class RunLogger:
     def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int, prompts: Sequence[str] = (),
                    inputs: ImageInputs | None = None) -> None:
         """``images`` [N, C, H, W] as ``name``.png in ``rows`` rows, each row's image ``inputs`` first
-        (``with_inputs``); the trackers caption it with each row's prompt."""
+        (``with_inputs``); the trackers log every evaluation's grid as ``eval/samples`` (one series over the run)
+        captioned with each row's prompt."""
         if not self.enabled:
             return
         picture = save_grid(with_inputs(images, rows, inputs), rows, self.run_dir / f"{name}.png")
         caption = "\n".join(f"row {i}: {prompt[:200]}" for i, prompt in enumerate(prompts, 1))
         for tracker in self.trackers:
-            tracker.image(name, picture, step, caption)
+            tracker.image("eval/samples", picture, step, caption)
 
     def rollout_samples(self, step: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
                         scores: dict[str, list[float]], inputs: ImageInputs | None = None) -> None:

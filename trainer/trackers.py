@@ -50,7 +50,7 @@ class Tracker(Protocol):
     def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None: ...
 
     def image(self, name: str, picture: Picture, step: int, caption: str = "") -> None:
-        """A grid, on the RL axis, with what its rows show (``caption``: a line per row)."""
+        """A grid named ``section/name``, on the RL axis, with what its rows show (``caption``: a line per row)."""
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
         """Rollout images of RL epoch ``step``: their one-row grid, and each image ([H, W, C] uint8) with its
@@ -168,7 +168,7 @@ class WandbTracker:
     def image(self, name: str, picture: Picture, step: int, caption: str = "") -> None:
         def send():
             image = self._wandb.Image(str(picture.path), caption=caption or name)
-            self._log("images", {f"images/{name}": image, STEP_KEYS["rl"]: step})
+            self._log(name.split("/")[0], {name: image, STEP_KEYS["rl"]: step})
 
         self._safely(send)
 

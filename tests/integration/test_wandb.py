@@ -106,16 +106,16 @@ def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path
     assert {r["phase"] for r in logged} == {"warmup", "rl", "eval", "final"}
     for record in logged:  # each record is one W&B row on its axis, with every finite number it holds
         phase, axis = record["phase"], "warmup/step" if record["phase"] == "warmup" else "rl/epoch"
-        (row,) = [row for row in rows if row.get(axis) == record["step"]
+        (row,) = [row for row in rows if row.get(axis) == record["step"] and "eval/samples/caption" not in row
                   and any(key.startswith(f"{phase}/") and key != axis for key in row)]
         numbers = {f"{phase}/{key}": value for key, value in record.items() if key not in ("phase", "step", "time")
                    and isinstance(value, int | float) and math.isfinite(value)}
         assert numbers and {key: row[key] for key in numbers} == numbers
-    grids = {key.rsplit("/", 1)[0]: row["rl/epoch"] for row in rows for key in row if key.startswith("images/")}
-    assert grids == {"images/samples_before": 0, "images/samples_after": 1}
-    (before,) = [row for row in rows if "images/samples_before/caption" in row]  # the prompt of each grid row
-    assert before["images/samples_before/caption"] == "\n".join(f"row {d + 1}: a handwritten digit {d}"
-                                                                for d in range(10))
+    # the evaluation grids (before and after RL): one image series, each captioned with the prompt of each row
+    grids = [row for row in rows if "eval/samples/caption" in row]
+    assert [row["rl/epoch"] for row in grids] == [0, 1]
+    assert {row["eval/samples/caption"] for row in grids} == {"\n".join(f"row {d + 1}: a handwritten digit {d}"
+                                                                        for d in range(10))}
     # the epoch's rollout samples (2 prompts x 2), each image captioned with its prompt and reward
     (samples,) = [row for row in rows if "rollouts/samples/captions" in row]
     logged = [json.loads(line) for line in (run_dir / "rollouts" / "epoch0001.jsonl").read_text().splitlines()]

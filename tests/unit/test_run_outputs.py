@@ -43,10 +43,10 @@ def test_a_grey_grid_is_saved_once_and_tensorboard_holds_its_bytes(tmp_path):
     logger.trackers[0].close()
     saved = Image.open(tmp_path / "samples_before.png")
     assert saved.mode == "L" and saved.size == ((2 * 17 + 1) * 4, (2 * 17 + 1) * 4)
-    (event,) = _events(tmp_path, "rl").Images("samples_before")
+    (event,) = _events(tmp_path, "rl").Images("eval/samples")  # every evaluation's grid: one series
     assert event.encoded_image_string == (tmp_path / "samples_before.png").read_bytes()
     assert (event.width, event.height) == saved.size
-    (text,) = _events(tmp_path, "rl").Tensors("samples_before/text_summary")  # what each row shows
+    (text,) = _events(tmp_path, "rl").Tensors("eval/samples/text_summary")  # what each row shows
     assert text.tensor_proto.string_val[0].decode() == "row 1: a handwritten digit 3\nrow 2: a digit 8"
 
 
