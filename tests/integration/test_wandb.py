@@ -73,7 +73,7 @@ def _wandb_runs(run_dir: Path) -> list[tuple[dict, list[dict]]]:
             if kind in ("run", "config"):  # the run's config, then any updates of it
                 update = record.run.config.update if kind == "run" else record.config.update
                 config.update({item.key: json.loads(item.value_json) for item in update})
-            elif kind == "history":  # an image is a few keys under its name: "images/<name>/path", ...
+            elif kind == "history":  # an image is a few keys under its name: "eval/samples/path", ...
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
         runs.append((config, rows))
