@@ -356,8 +356,12 @@ def test_rewards_that_do_not_tell_a_groups_images_apart_are_reported(tmp_path, t
     classifier's rewards (which do tell images apart) it does not."""
     trainer = _trainer(tmp_path / "blind", tiny_model_dir, "grpo", "train.warmup_steps=0", "train.epochs=1",
                        "data.prompts_per_epoch=3")
-    trainer.rewards = InProcessRewardClient({"digit": PromptOnly()}, {"digit": 1.0})
-    trainer.fit()
+    # RL's rewards come from the blind scorer; the evaluation keeps the digit client it shares with the trainer
+    blind = trainer.rewards = InProcessRewardClient({"digit": PromptOnly()}, {"digit": 1.0})
+    try:
+        trainer.fit()
+    finally:
+        blind.close()
     trainer.logger.close()
     (record,) = _rl_records(tmp_path / "blind")
     assert record["zero_std_share"] == 1.0 and record["reward_std"] > 0
