@@ -302,7 +302,8 @@ class Trainer:
         gathered = self.backend.gather(torch.stack([local, group_ids.float(), finite], dim=1))
         rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
         check_samples(gathered[:, 2], epoch + 1)
-        failed = failed_share(rewards.all.cpu())
+        scored = rewards.all.cpu()  # gathered on the device under NCCL: read once
+        failed = failed_share(scored)
         check_rewards(failed, self.config.reward.max_failed_share, epoch + 1)
 
         self.policy.train()
@@ -325,7 +326,7 @@ class Trainer:
             "reward_mean": float(valid.mean()) if len(valid) else math.nan,
             "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
             "failed_share": failed,
-            "zero_std_share": zero_std_share(rewards.all, rewards.group_ids_all),  # no spread: advantage 0
+            "zero_std_share": zero_std_share(scored, rewards.group_ids_all.cpu()),  # no spread: advantage 0
             "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
             "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
             "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,
