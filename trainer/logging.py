@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -174,6 +175,12 @@ class RunLogger:
         caption = "\n".join(f"row {i}: {prompt[:200]}" for i, prompt in enumerate(prompts, 1))
         for tracker in self.trackers:
             tracker.image("eval/samples", picture, step, caption)
+
+    def copy_grid(self, name: str, copy: str) -> None:
+        """The grid ``name``.png saved again as ``copy``.png (the same evaluation under a second name; the
+        trackers have it once)."""
+        if self.enabled:
+            shutil.copyfile(self.run_dir / f"{name}.png", self.run_dir / f"{copy}.png")
 
     def rollout_samples(self, step: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
                         scores: dict[str, list[float]], inputs: ImageInputs | None = None) -> None:

@@ -124,6 +124,7 @@ class Trainer:
         """Run the whole schedule (continuing from ``progress`` after a resume); returns final metrics."""
         train = self.config.train
         progress = self.progress
+        self._evaluated: tuple[int, dict[str, float]] | None = None  # the last evaluation in the loop
         if progress.warmup_steps_done < train.warmup_steps:
             self.backend.set_lr(train.warmup_learning_rate)
             steps = range(progress.warmup_steps_done, train.warmup_steps)
@@ -174,13 +175,18 @@ class Trainer:
             if every and (epoch + 1) % every == 0 and epoch + 1 < train.epochs:
                 evaluation = self.evaluate(epoch + 1, None)
                 self._print(f"[eval] epoch {epoch + 1}: {_fmt(evaluation)}")
+                self._evaluated = epoch + 1, evaluation  # until a rollback changes the weights
                 if self._judge(epoch + 1, evaluation):
                     break
             if train.checkpoint_every and (epoch + 1) % train.checkpoint_every == 0 and epoch + 1 < train.epochs:
                 self.save_checkpoint()
         self.save_checkpoint()
         done = progress.epochs_done
-        after = self.evaluate(done, "samples_after")
+        if self._evaluated is not None and self._evaluated[0] == done:  # a stop: these weights were just evaluated
+            after = self._evaluated[1]
+            self.logger.copy_grid(f"samples_epoch{done:04d}", "samples_after")
+        else:
+            after = self.evaluate(done, "samples_after")
         self._print(f"[eval] after RL: {_fmt(after)}")
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self._judge(done, after)
@@ -230,6 +236,7 @@ class Trainer:
             states = checkpoint.load_states(self.best_dir, self.backend.world.rank)
             self.ema.load_checkpoint_state(states, self.best_dir)
         self.backend.reset_optimizer()
+        self._evaluated = None
         self._print(f"rolled back to the weights of epoch {self.guard.best_epoch} ({self.best_dir})")
 
     def _stateful(self) -> list[Stateful]:

@@ -96,6 +96,11 @@ def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, c
     assert "early stop: digit_accuracy has not improved on epoch 0's" in capsys.readouterr().out
     (final,) = _records(tmp_path / "run", "final")
     assert final["step"] == 2 and (final["best_epoch"], final["best_value"]) == (0, final["digit_accuracy"])
+    # the weights that stopped were evaluated at epoch 2: the final evaluation is that one, not run again
+    assert [r["step"] for r in _records(tmp_path / "run", "eval")] == [0, 1, 2]
+    assert final["digit_accuracy"] == _records(tmp_path / "run", "eval")[-1]["digit_accuracy"]
+    grids = tmp_path / "run" / "samples_after.png", tmp_path / "run" / "samples_epoch0002.png"
+    assert grids[0].read_bytes() == grids[1].read_bytes()
     resumed = _trainer(tmp_path / "resumed", tiny_model_dir, *args)
     resumed.resume(trainer.checkpoints.latest())
     assert vars(resumed.guard) == vars(trainer.guard)  # the tracker: history, best, counters, stopped
