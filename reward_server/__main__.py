@@ -7,7 +7,9 @@ On SIGTERM (or Ctrl-C) the server drains: ``/readyz`` and ``/score`` answer 503 
 seconds while in-flight requests finish, then the listener closes, uvicorn waits for open requests and
 the process exits with status 0. A second signal exits at once. If a scorer fails to load the process
 exits with status 1. With ``--parent-pid`` it also drains when that process is gone (the trainer's own
-replicas: they outlive no trainer, even one killed with SIGKILL). With ``--fd`` it serves on a socket its
+replicas: they outlive no trainer, even one killed with SIGKILL), and while it lives ignores SIGTERM and SIGUSR1
+(a scheduler signals every process of a job: the trainer still needs its rewards to end its epoch, and then stops
+them with SIGINT). With ``--fd`` it serves on a socket its
 parent bound and passed down (``LocalRewardPool``), so no other process can take the port in between.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -133,6 +136,8 @@ class _DrainingServer(uvicorn.Server):
         self.parent_pid = parent_pid
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.parent_pid and os.getppid() == self.parent_pid:
+            return  # a trainer's own replica: the trainer stops it (SIGINT) once its own SIGTERM has been handled
         if self.drain_deadline is not None:  # second signal: stop now
             self.should_exit = True
             self.force_exit = True
@@ -194,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         build_parser().error(str(exc))
     sockets = None if args.fd is None else [_inherited(args.fd)]  # checked before any scorer loads
+    if args.parent_pid:  # a trainer's own replica: the scheduler's signals to the job are the trainer's to act on
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until uvicorn's handler (handle_exit) takes it over
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     scorers = _build(args.scorers, args.model_dir, args.sleep_ms, args.sleep_load_s)
 
     def exit_on_load_failure(exc: BaseException) -> None:

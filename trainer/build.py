@@ -19,9 +19,17 @@ from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
-from trainer.launch import RunDirGuard, RunInterrupted, check_rewards, newest_resumable, stopped_at
+from trainer.launch import (
+    RunDirGuard,
+    RunInterrupted,
+    check_rewards,
+    newest_resumable,
+    signalled_at,
+    stopped_at,
+)
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
+from trainer.stopping import StopSignalled, ignore_stop_signals
 from trainer.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -139,7 +147,12 @@ def run(config: Config) -> dict[str, float]:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
         guard.started = True
         try:
-            metrics = trainer.fit()
+            with trainer.stops:  # SIGTERM, SIGUSR1: checkpoint at the next step, then stop
+                metrics = trainer.fit()
+        except StopSignalled as stop:
+            ignore_stop_signals()
+            raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
+                                 f"{stop} received", 128 + stop.signum) from None
         except KeyboardInterrupt:
             raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir) from None
         ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with

@@ -47,6 +47,7 @@ class Progress:
     rl_started: bool = False
     rl_steps: int = 0
     skipped_in_a_row: int = 0  # optimizer steps with non-finite gradients since the last finite one
+    eval_due: bool = False  # stopped by a signal before the evaluation after epoch ``epochs_done``
 
     def save(self, directory: Path) -> None:
         (directory / "progress.json").write_text(json.dumps(asdict(self)))

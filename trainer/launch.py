@@ -58,12 +58,12 @@ class RunDirGuard:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during training: ``where`` says where the run stopped and what a continuation starts from."""
+    """Ctrl-C (or a stop signal: ``how``, exit status ``code``) during training: ``where`` says where the run
+    stopped and what a continuation starts from."""
 
-    def __init__(self, where: str, run_dir: Path):
+    def __init__(self, where: str, run_dir: Path, how: str = "interrupted", code: int = 130):
         super().__init__(where)
-        self.where = where
-        self.run_dir = run_dir
+        self.where, self.run_dir, self.how, self.code = where, run_dir, how, code
 
 
 def stopped_at(progress: Progress, config: Config, latest: Path | None) -> str:
@@ -82,6 +82,20 @@ def stopped_at(progress: Progress, config: Config, latest: Path | None) -> str:
     saved = Progress.load(latest)
     return (f"stopped {where}; continuing starts from the newest checkpoint, {latest} (warm-up steps "
             f"{saved.warmup_steps_done}, RL epochs {saved.epochs_done})")
+
+
+def signalled_at(progress: Progress, config: Config, latest: Path) -> str:
+    """Where a run stopped by a signal (trainer/stopping.py) stood: after a warm-up step or an RL epoch, whose
+    checkpoint ``latest`` is."""
+    train = config.train
+    if not progress.rl_started:
+        where = f"warm-up step {progress.warmup_steps_done} of {train.warmup_steps}"
+    elif progress.epochs_done == 0:
+        where = "the evaluation before RL"
+    else:
+        where = f"RL epoch {progress.epochs_done} of {train.epochs}" + (
+            " (its evaluation runs first when the run continues)" if progress.eval_due else "")
+    return f"stopped after {where}; its checkpoint: {latest}"
 
 
 def resume_command(configs: Sequence[str], overrides: Sequence[str], run_name: str) -> str:

@@ -103,6 +103,20 @@ def with_inputs(images: torch.Tensor, rows: int, inputs: ImageInputs | None) -> 
                       for r, samples in enumerate(images.chunk(rows))])
 
 
+def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> str:
+    """RL epoch ``epoch``'s printed line: its reward, accuracies, the algorithm's ``shown`` metrics, the rates, and
+    what went wrong (skipped steps; no group whose rewards differ)."""
+    keys = [k for k in metrics if k.endswith("accuracy")] + [k for k in shown if k in metrics]
+    line = (f"epoch {epoch:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
+            + "  ".join(f"{k} {metrics[k]:.3g}" for k in keys) + f"  img/s {metrics['images_per_s']:.2f}"
+            + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
+    if metrics.get("skipped_steps"):
+        line += f"  ({metrics['skipped_steps']:.0f} steps skipped: gradients not finite)"
+    if metrics["zero_std_share"] == 1.0:  # a saturated reward, or one blind to what differs within a group
+        line += "  (no group's rewards differ: nothing to learn from them)"
+    return line
+
+
 class RunLogger:
     """Writes metrics to ``metrics.jsonl`` under the run directory and passes them on to TensorBoard (when
     ``tensorboard``) and the other ``trackers``, which their maker closes (no-op off rank 0)."""

@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         run(config)
     except RunInterrupted as stop:
         if rank0:
-            print(f"\ninterrupted: {stop.where}\ncontinue with: "
+            print(f"\n{stop.how}: {stop.where}\ncontinue with: "
                   f"{resume_command(args.config, args.overrides, stop.run_dir.name)}", flush=True)
-        return 130
+        return stop.code
     except KeyboardInterrupt:
         if rank0:
             print("\ninterrupted before training started: nothing to continue", flush=True)

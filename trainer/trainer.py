@@ -27,18 +27,19 @@ from trainer.config import Config, saved_dict, to_dict
 from trainer.config.building import build
 from trainer.data import Task, training_items
 from trainer.data.sampler import GroupSampler
-from trainer.distributed import ParallelBackend
+from trainer.distributed import ParallelBackend, weights_rank_spread
 from trainer.ema import EMA
 from trainer.evaluation import Evaluation
 from trainer.guard import REWARD, Guard
 from trainer.health import check_rewards, check_samples, count_skipped
-from trainer.logging import RunLogger, to_uint8
+from trainer.logging import RunLogger, epoch_line, to_uint8
 from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
 from trainer.rollout import Rollout, check_sampler, rollout, rollout_bounds, window_mask
 from trainer.state import Stateful
+from trainer.stopping import StopRequests, StopSignalled
 
 
 class Trainer:
@@ -91,6 +92,7 @@ class Trainer:
         self.best_dir = logger.run_dir / "best"
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
+        self.stops = StopRequests(backend, announce=self.is_main)  # the signals: entered around fit() by build
 
     def _require_text_embeddings(self) -> None:
         """Refuse a ``model.text_embeddings`` store that lacks a prompt this run encodes, now rather than when
@@ -136,6 +138,7 @@ class Trainer:
                 every = train.warmup_checkpoint_every
                 if every and progress.warmup_steps_done % every == 0 and progress.warmup_steps_done < train.warmup_steps:
                     self.save_checkpoint()
+                self._stop_if_asked()
         if not progress.rl_started:
             if self.ema is not None:  # before the evaluation, which reads the EMA weights
                 self.ema.reset()
@@ -152,32 +155,25 @@ class Trainer:
             self._judge(0, before)
         self.backend.set_lr(train.learning_rate)
         first = progress.epochs_done
+        if progress.eval_due:  # a stop signal came before this epoch's evaluation: it runs now
+            self._evaluate_epoch(first)
         bar = tqdm(range(first, train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
             if self.guard.stopped:  # a resumed run that had stopped
                 break
+            self._stop_if_asked()
             metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
-            shown = [k for k in metrics if k.endswith("accuracy")]
-            shown += [k for k in self.algorithm.shown_metrics if k in metrics]
-            line = (f"epoch {epoch + 1:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
-                    + "  ".join(f"{k} {metrics[k]:.3g}" for k in shown) + f"  img/s {metrics['images_per_s']:.2f}"
-                    + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
-            if metrics.get("skipped_steps"):
-                line += f"  ({metrics['skipped_steps']:.0f} steps skipped: gradients not finite)"
-            if metrics["zero_std_share"] == 1.0:  # a saturated reward, or one blind to what differs within a group
-                line += "  (no group's rewards differ: nothing to learn from them)"
+            line = epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics)
             bar.write(line) if self._bars() else self._print(line)
             if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
                 self._print(self.compiled.summary(self.config.model.compile, metrics))
             progress.epochs_done = epoch + 1
             every = self.config.eval.every
-            if every and (epoch + 1) % every == 0 and epoch + 1 < train.epochs:
-                evaluation = self.evaluate(epoch + 1, None)
-                self._print(f"[eval] epoch {epoch + 1}: {_fmt(evaluation)}")
-                self._evaluated = epoch + 1, evaluation  # until a rollback changes the weights
-                if self._judge(epoch + 1, evaluation):
-                    break
+            due = bool(every) and (epoch + 1) % every == 0 and epoch + 1 < train.epochs
+            self._stop_if_asked(eval_due=due)
+            if due and self._evaluate_epoch(epoch + 1):
+                break
             if train.checkpoint_every and (epoch + 1) % train.checkpoint_every == 0 and epoch + 1 < train.epochs:
                 self.save_checkpoint()
         self.save_checkpoint()
@@ -190,12 +186,30 @@ class Trainer:
         self._print(f"[eval] after RL: {_fmt(after)}")
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self._judge(done, after)
-        self.logger.log(done, "final", {**after, "weights_rank_spread": self.weights_rank_spread(),
+        spread = weights_rank_spread(self.backend, self.adapter.trainable.parameters())
+        self.logger.log(done, "final", {**after, "weights_rank_spread": spread,
                                         "best_epoch": self.guard.best_epoch, "best_value": self.guard.best_value})
         self.logger.reward_curve(self.guard.best_epoch, self.guard.select_by)
         ema = self.ema is not None and self.config.eval.use_ema
         self._print(self.guard.report(self.best_dir, "--ema " if ema else ""))
         return after
+
+    def _evaluate_epoch(self, epoch: int) -> bool:
+        """The periodic evaluation after RL epoch ``epoch``, judged by the guard; True: stop the run."""
+        self.progress.eval_due = False
+        evaluation = self.evaluate(epoch, None)
+        self._print(f"[eval] epoch {epoch}: {_fmt(evaluation)}")
+        self._evaluated = epoch, evaluation  # until a rollback changes the weights
+        return self._judge(epoch, evaluation)
+
+    def _stop_if_asked(self, eval_due: bool = False) -> None:
+        """Write a checkpoint here and stop when a rank received a stop signal (trainer/stopping.py), alike on
+        every rank; ``eval_due``: this epoch's evaluation has not run, and runs first when the run continues."""
+        signum = self.stops.asked()
+        if signum:
+            self.progress.eval_due = eval_due
+            self.save_checkpoint()
+            raise StopSignalled(signum)
 
     def _judge(self, epoch: int, metrics: dict[str, float]) -> bool:
         """Give evaluation ``epoch`` (rank 0's metrics) to the guard, on every rank alike: a new best is written
@@ -418,16 +432,6 @@ class Trainer:
         """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""
         use_ema = self.ema is not None and self.config.eval.use_ema
         return self.evaluation(step, grid_name, self.ema.swapped if use_ema else contextlib.nullcontext)
-
-    @torch.no_grad()
-    def weights_rank_spread(self) -> float:
-        """Largest difference between ranks of a float64 checksum of the trainable weights (0 when every
-        rank holds the same weights, as data parallelism requires). Sharded backends compare the gathered
-        full weights."""
-        with self.backend.gathered(self.adapter.trainable.parameters()) as full:
-            checksum = sum(t.double().sum() * (i + 1) for i, t in enumerate(full))
-        every = self.backend.gather(torch.as_tensor(checksum, dtype=torch.float64).reshape(1))
-        return float(every.max() - every.min())
 
     def _bars(self) -> bool:  # on a terminal only: in a log file a bar's redraws run into the printed lines
         return self.is_main and self.config.logging.progress and sys.stderr.isatty()

@@ -3,10 +3,12 @@ command, run as printed, continues the run from its newest checkpoint to the end
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,3 +83,72 @@ def test_ctrl_c_in_rl_leaves_the_reward_replicas_to_the_trainer(tmp_path, tiny_m
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "RewardUnavailable" not in out + err, err[-3000:]
     assert "interrupted: stopped in RL epoch " in out, out[-2000:]
+
+
+def _processes(match) -> list[int]:
+    """Pids of live processes whose (argument list, environment) ``match`` accepts."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and match(args, env):
+            found.append(int(proc.name))
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # one torchrun job of two ranks (~25 s)
+def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_the_epoch_with_a_checkpoint(
+        tmp_path, tiny_model_dir):
+    """SLURM's SIGUSR1 before the time limit (deploy/slurm.sbatch), here reaching torchrun, rank 1 and the reward
+    replicas but not rank 0, under deploy/launch_multinode.sh: torchrun lives on; the ranks agree, end the same RL
+    epoch (its rewards still come: the replicas wait for the trainer to stop them), write one checkpoint and exit
+    143 (torchrun's SIGTERM to rank 0 once rank 1 has exited does not cut that short); rank 0 says where the run
+    stopped and how to continue it."""
+    args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
+            "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=0",
+            "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
+            "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
+    env = {**ENV, "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port()), "RDZV_ID": f"stop-{os.getpid()}",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    run = subprocess.Popen(["bash", "deploy/launch_multinode.sh", *args], cwd=REPO, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not any('"phase": "rl"' in p.read_text() for p in tmp_path.glob("*/metrics.jsonl")):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+    mine = f"logging.output_dir={tmp_path}".encode()
+    rank = lambda r: _processes(lambda args, env: mine in args and f"RANK={r}".encode() in env)  # noqa: E731
+    (rank0,), (rank1,) = rank(0), rank(1)
+    replicas = _processes(lambda args, env: b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] ==
+                          str(rank0).encode())
+    assert replicas
+    for pid in (run.pid, rank1, *replicas):  # run.pid: torchrun (the script execs it)
+        os.kill(pid, signal.SIGUSR1)
+    try:
+        out, err = run.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGABRT)
+        out, err = run.communicate(timeout=60)
+        pytest.fail(f"still running 120 s after SIGUSR1; stdout:\n{out[-2000:]}\nstderr:\n{err[-8000:]}")
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    match = re.search(r"SIGUSR1 received: stopped after RL epoch (\d+) of 500; its checkpoint: (\S+)\n", out)
+    assert match, out[-3000:] + err[-3000:]
+    epochs = int(match[1])
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    assert match[2] == f"{checkpoint}" and checkpoint.name == f"step-000002-{epochs:06d}"
+    assert json.loads((checkpoint / "progress.json").read_text())["epochs_done"] == epochs
+    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+    assert len(rl) == epochs and all(r["failed_share"] == 0 for r in rl)  # every reward of the last epoch came
+    assert "continue with: torchrun --nproc_per_node=2 trainer/main.py --resume auto" in out
+    assert err.count("exitcode  : 138") == 2, err[-3000:]  # torchrun's report: both ranks stopped so (128 + 10)
+    assert not _processes(lambda args, env: b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] ==
+                          str(rank0).encode())

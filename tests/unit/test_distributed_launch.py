@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 from pathlib import Path
 
@@ -107,6 +108,21 @@ def test_the_sbatch_script_gives_srun_the_jobs_cpus_per_task(tmp_path):
     assert master == "gpu-node-01"
     assert f"--cpus-per-task={cpus}" in srun_args
     assert srun_args[srun_args.index("bash"):] == ["bash", str(LAUNCH), "--config", "configs/my.yaml"]
+
+
+def test_slurms_stop_signal_reaches_the_ranks_but_not_torchrun(tmp_path):
+    """slurm.sbatch asks SLURM for SIGUSR1 before the time limit; the launch script starts torchrun with SIGUSR1
+    ignored (torchrun has no handler for it and would die of it; the ranks install their own). ``torchrun`` is a
+    stand-in that prints its ignored-signals mask."""
+    sbatch = (REPO / "deploy" / "slurm.sbatch").read_text()
+    assert re.search(r"^#SBATCH --signal=USR1@\d+$", sbatch, re.MULTILINE)
+    (tmp_path / "torchrun").write_text("#!/usr/bin/env bash\ngrep '^SigIgn:' /proc/self/status\n")
+    (tmp_path / "torchrun").chmod(0o755)
+    env = {**CLEAN, "PATH": f"{tmp_path}:{os.environ['PATH']}", "NPROC_PER_NODE": "1"}
+    out = subprocess.run(["bash", str(LAUNCH)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    ignored = int(out.stdout.split()[1], 16)
+    assert ignored & (1 << (signal.SIGUSR1 - 1)) and not ignored & (1 << (signal.SIGTERM - 1))
 
 
 def test_a_rank_that_does_not_see_the_run_directory_fails_before_training(tmp_path):

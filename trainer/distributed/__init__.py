@@ -65,4 +65,15 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
     return DeepSpeedZeRO(device, world, dist_backend, stage, config, gathers_for_sampling(parallel))
 
 
-__all__ = ["BACKENDS", "ParallelBackend", "SingleProcess", "World", "detect_world", "gathers_for_sampling", "init_backend"]
+__all__ = ["BACKENDS", "ParallelBackend", "SingleProcess", "World", "detect_world", "gathers_for_sampling", "init_backend",
+           "weights_rank_spread"]
+
+
+@torch.no_grad()
+def weights_rank_spread(backend: ParallelBackend, params) -> float:
+    """Largest difference between ranks of a float64 checksum of the trainable weights ``params`` (0 when every
+    rank holds the same weights, as data parallelism requires). Sharded backends compare the gathered full weights."""
+    with backend.gathered(params) as full:
+        checksum = sum(t.double().sum() * (i + 1) for i, t in enumerate(full))
+    every = backend.gather(torch.as_tensor(checksum, dtype=torch.float64).reshape(1))
+    return float(every.max() - every.min())

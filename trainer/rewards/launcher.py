@@ -1,7 +1,7 @@
 """Start a local pool of reward server processes for a run that has no reward URLs configured.
 
 ``LocalRewardPool`` runs reward server replicas on free loopback ports, waits until each answers ``/readyz``,
-and stops them (SIGTERM, then SIGKILL after a grace period) on exit::
+and stops them (SIGINT, then SIGKILL after a grace period) on exit::
 
     with LocalRewardPool(["digit"], replicas=2) as pool:
         client = HttpRewardClient(pool.urls, {"digit": 1.0})
@@ -88,7 +88,7 @@ class LocalRewardPool:
         extra_args: more command-line flags for every replica, e.g. ``["--max-batch-size", "64"]``.
         env: environment of the replicas (default: this process's).
         ready_timeout_s: how long to wait for all replicas to answer ``/readyz``.
-        stop_grace_s: how long a replica may drain after SIGTERM before it is killed.
+        stop_grace_s: how long a replica may drain after SIGINT before it is killed.
     """
 
     def __init__(
@@ -258,11 +258,11 @@ class LocalRewardPool:
                     time.sleep(0.1)
 
     def stop(self) -> None:
-        """SIGTERM every replica, wait ``stop_grace_s`` for them to drain, then SIGKILL the rest; delete the
-        default temporary log directory unless a replica failed."""
+        """SIGINT every replica (they ignore SIGTERM while we live), wait ``stop_grace_s`` for them to drain, then
+        SIGKILL the rest; delete the default temporary log directory unless a replica failed."""
         for process in self._processes:
             if process.poll() is None:
-                process.terminate()
+                process.send_signal(signal.SIGINT)
         deadline = time.monotonic() + self.stop_grace_s
         for process in self._processes:
             try:

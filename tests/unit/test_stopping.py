@@ -1,0 +1,38 @@
+"""A stop signal (SIGTERM, SIGUSR1) is recorded, not obeyed on the spot: the trainer asks at its step boundaries,
+and a run stopped so says after which step it stopped and which checkpoint holds it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from trainer.checkpoint import Progress
+from trainer.config import load_config
+from trainer.distributed import SingleProcess
+from trainer.launch import signalled_at
+from trainer.stopping import StopRequests, StopSignalled
+
+
+def test_the_first_stop_signal_is_recorded_and_the_handlers_are_restored_after(capfd):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    stops = StopRequests(SingleProcess(torch.device("cpu")))
+    assert stops.asked() == 0
+    with stops:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the process lives on: its default action would end it
+        os.kill(os.getpid(), signal.SIGTERM)  # a second one changes nothing
+        assert stops.received == signal.SIGUSR1 and stops.asked() == signal.SIGUSR1
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+    assert capfd.readouterr().err.count("SIGUSR1 received: the run stops after this warm-up step or RL epoch") == 1
+    assert str(StopSignalled(signal.SIGTERM)) == "SIGTERM"
+
+
+def test_a_run_stopped_by_a_signal_says_after_which_step_and_names_its_checkpoint(tmp_path):
+    config = load_config(overrides=["train.warmup_steps=10", "train.epochs=4"])
+    where = lambda progress: signalled_at(progress, config, tmp_path)  # noqa: E731
+    assert where(Progress(3, 0)) == f"stopped after warm-up step 3 of 10; its checkpoint: {tmp_path}"
+    assert where(Progress(10, 0, True)).startswith("stopped after the evaluation before RL;")
+    assert where(Progress(10, 2, True)).startswith("stopped after RL epoch 2 of 4;")
+    assert where(Progress(10, 2, True, eval_due=True)).startswith(
+        "stopped after RL epoch 2 of 4 (its evaluation runs first when the run continues);")

@@ -1,0 +1,70 @@
+"""A graceful stop on SIGTERM or SIGUSR1, what a scheduler sends before it preempts a job or its time runs out
+(SLURM's ``--signal``, a Kubernetes eviction, torchrun passing on its own SIGTERM): the run ends its warm-up
+step or RL epoch, writes a checkpoint and exits with 128 + the signal's number, so a kill loses no finished work.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignalled(Exception):  # noqa: N818 (a request, not an error)
+    """Every rank stopped at the same step after a rank received ``signum``; a checkpoint holds that step."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopRequests:
+    """Records the first stop signal this process receives while entered (the handlers are installed from the main
+    thread only); ``asked()`` agrees on it across ranks. Tests set ``received`` as a handler would."""
+
+    def __init__(self, backend, announce: bool = True):
+        self.backend = backend
+        self.announce = announce  # said on stderr when it arrives (rank 0)
+        self.received = 0
+        self._agreed = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received:
+            return
+        self.received = signum
+        if self.announce:  # os.write: a print could re-enter the stream the interrupted code was writing
+            os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name} received: the run stops after this "
+                                          "warm-up step or RL epoch, once a checkpoint is written\n".encode())
+
+    def asked(self) -> int:
+        """The stop signal a rank received (0: none). Collective: every rank calls it at the same points; once
+        a signal is agreed on it stays so."""
+        if not self._agreed:
+            if self.backend.world.world_size == 1:
+                self._agreed = self.received
+            else:
+                self._agreed = int(self.backend.gather(torch.tensor([self.received])).max())
+        return self._agreed
+
+
+def ignore_stop_signals() -> None:
+    """For the rest of a stopping process: torchrun passes SIGTERM on to the ranks still running when one exits,
+    and it would end this one before it has stopped its reward servers and said where the run stopped."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
