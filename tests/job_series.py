@@ -34,6 +34,34 @@ class Series:
         return f"exit {self.returncode}\n{''.join(self.stdout)[-3000:]}\n{''.join(self.stderr)[-5000:]}"
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants. torchrun starts each rank in a session of its own, so ``killpg`` of
+    torchrun's group leaves the ranks running on, orphaned."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def kill_tree(pid: int, sig: int) -> list[int]:
+    """Send ``sig`` to ``pid`` and every descendant, all found before any is signalled; returns their pids."""
+    tree = process_tree(pid)
+    for each in tree:
+        try:
+            os.kill(each, sig)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
 def run_series(jobs: list[list[str]], workdir: Path, *, nproc: int = 2, timeout: float = 600) -> Series:
     """Run ``jobs`` (trainer/main.py arguments each) as one torchrun series from the repository root. On a
     timeout (a hung collective) its whole process group is killed, the ranks too, and the output returned."""
@@ -50,7 +78,7 @@ def run_series(jobs: list[list[str]], workdir: Path, *, nproc: int = 2, timeout:
         stdout, stderr = process.communicate(timeout=timeout)
         code = process.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         code = -signal.SIGKILL
     return Series(code, _split(stdout, len(jobs)), _split(stderr, len(jobs)))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from job_series import run_series
+from job_series import kill_tree, run_series
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +154,8 @@ def resumed_runs(tmp_path_factory, tiny_model_dir, reward_url, ip_job, straight_
                 break
             assert victim.poll() is None, f"{backend}: the run ended before it could be killed"
             time.sleep(0.05)
-        os.killpg(victim.pid, signal.SIGKILL)  # torchrun and both ranks
+        killed = kill_tree(victim.pid, signal.SIGKILL)  # torchrun and both ranks (each in a session of its own)
+        assert len(killed) == 3, killed
         victim.wait()
     jobs = {backend: [*_job(tiny_model_dir, out, backend, backend, reward_url), "--resume", "auto"]
             for backend in KILLED}

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from job_series import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
@@ -136,7 +137,7 @@ def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_
     try:
         out, err = run.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGABRT)
+        kill_tree(run.pid, signal.SIGABRT)  # the ranks too: each prints its threads' stacks
         out, err = run.communicate(timeout=60)
         pytest.fail(f"still running 120 s after SIGUSR1; stdout:\n{out[-2000:]}\nstderr:\n{err[-8000:]}")
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
