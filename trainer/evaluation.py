@@ -43,6 +43,29 @@ def breakdown(field: str, metadata: list[dict], scores: dict[str, np.ndarray]) -
     return metrics
 
 
+class RolloutBreakdown:
+    """``breakdown`` of an RL epoch's rollouts over every rank's items, ``rollout_by_<field>/<scorer>/<value>``: which
+    of a GenEval-style pool's categories the policy is learning, between evaluations. An item's value is read from
+    its metadata the first time it is drawn."""
+
+    def __init__(self, task: Task, field: str, backend: ParallelBackend):
+        self.task, self.field, self.backend = task, field, backend
+        self._values: dict[int, str] = {}
+
+    def __call__(self, indices: list[int], scores: dict[str, np.ndarray]) -> dict[str, float]:
+        """Alike on every rank (collective): ``indices`` are this rank's pool items, ``scores`` their scores."""
+        if not self.field:
+            return {}
+        new = [i for i in dict.fromkeys(indices) if i not in self._values]
+        for i, meta in zip(new, self.task.item_metadata(new), strict=True):
+            self._values[i] = str(meta[self.field]) if isinstance(meta.get(self.field), str | int) else ""
+        mine = ([self._values[i] for i in indices], {k: np.asarray(v, dtype=np.float64) for k, v in scores.items()})
+        every = self.backend.all_gather_object(mine)
+        metadata = [{self.field: value} for values, _ in every for value in values]
+        joined = {name: np.concatenate([rank_scores[name] for _, rank_scores in every]) for name in scores}
+        return {f"rollout_{k}": v for k, v in breakdown(self.field, metadata, joined).items()}
+
+
 class Evaluation:
     """Samples ``task.eval_prompts`` (``eval.samples_per_prompt`` each) with ``eval.num_steps`` ODE steps and
     scores them with ``rewards`` (the reward's scorers and the guard scorers)."""

@@ -29,7 +29,7 @@ from trainer.data import Task, training_items
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import ParallelBackend, weights_rank_spread
 from trainer.ema import EMA
-from trainer.evaluation import Evaluation
+from trainer.evaluation import Evaluation, RolloutBreakdown
 from trainer.guard import REWARD, Guard
 from trainer.health import check_rewards, check_samples, count_skipped
 from trainer.logging import RunLogger, epoch_line, to_uint8
@@ -54,6 +54,7 @@ class Trainer:
         self.evaluation = Evaluation(config.eval, eval_task or task, adapter, backend, logger,
                                      guard_client or reward_client)
         self.backend, self.logger = backend, logger
+        self.rollout_breakdown = RolloutBreakdown(task, config.eval.breakdown, backend)
         self.is_main = backend.world.rank == 0
         train = config.train
         check_sampler(adapter, algorithm.sampler)  # a step the model cannot take fails now, not after the warm-up
@@ -342,6 +343,7 @@ class Trainer:
         # the rollouts' task metrics, named apart from the evaluation's (other prompts, noise and weights)
         metrics.update({f"rollout_{k}": v for k, v in self.task.metrics(ro.images, prompts, result.components).items()})
         metrics = self.backend.mean(metrics)
+        metrics.update(self.rollout_breakdown(indices.tolist(), result.components))
         valid = rewards.all[~torch.isnan(rewards.all)]
         metrics.update({
             "reward_mean": float(valid.mean()) if len(valid) else math.nan,

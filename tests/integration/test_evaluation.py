@@ -94,3 +94,36 @@ def test_scores_are_broken_down_by_the_records_tags_and_printed_as_their_mean(tm
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] before RL"))
     assert "by_tag/brightness/mean" in line and "by_tag/brightness/counting" not in line
     assert json.loads((tmp_path / "run" / "best" / "meta.json").read_text())["select_by"] == "by_tag/brightness/mean"
+
+
+def test_rollout_scores_are_broken_down_by_the_pool_items_tags(tmp_path, tiny_model_dir):
+    """The RL pool's tags (a GenEval-style training file): every epoch's record holds each scorer's mean over the
+    rollouts of each tag drawn, from the very scores the rollouts got, and their unweighted mean."""
+    pool = tmp_path / "train.jsonl"
+    tags = ["counting", "colors", "counting", "position", "colors", "counting"]
+    pool.write_text("".join(json.dumps({"tag": tag, "prompt": f"a photo of thing {i}"}) + "\n"
+                            for i, tag in enumerate(tags)))
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, "data.name=prompt_file", f"data.path={pool}",
+                           f"eval.path={pool}", "train.warmup_steps=0", "train.epochs=2", "data.prompts_per_epoch=3",
+                           "algorithm.group_size=2", "eval.samples_per_prompt=1", "eval.num_steps=1",
+                           "logging.progress=false", "reward.weights={brightness: 1}", reward="brightness")
+    seen = []
+    sample_and_score = trainer.sample_and_score
+
+    def recorded(prompts, *args):
+        ro, result, wait = sample_and_score(prompts, *args)
+        seen.append((prompts, result.components["brightness"]))
+        return ro, result, wait
+
+    trainer.sample_and_score = recorded
+    trainer.fit()
+    trainer.logger.close()
+    records = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+               if r["phase"] == "rl"]
+    assert len(records) == len(seen) == 2
+    for record, (prompts, scores) in zip(records, seen, strict=True):
+        drawn = [tags[int(prompt.rsplit(" ", 1)[1])] for prompt in prompts]
+        per_tag = {tag: float(np.mean([s for t, s in zip(drawn, scores, strict=True) if t == tag])) for tag in set(drawn)}
+        logged = {k.rsplit("/", 1)[1]: v for k, v in record.items() if k.startswith("rollout_by_tag/brightness/")}
+        assert logged.pop("mean") == pytest.approx(np.mean(list(per_tag.values())), rel=1e-12)
+        assert logged == pytest.approx(per_tag, rel=1e-12)

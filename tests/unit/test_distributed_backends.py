@@ -259,8 +259,31 @@ def _worker(kind: str, tmp: Path) -> None:
     check_weights("after a skipped step")
     train_step(14)
     check_weights("after a step following a skipped one")
+    _loop_collectives(backend, tmp / f"{kind}-rank{rank}.jsonl", kind)
     backend.barrier()
     print(f"ok {kind} rank {rank}", flush=True)
+
+
+def _loop_collectives(backend, pool: Path, kind: str) -> None:
+    """The loop's own collectives: a stop signal that reached rank 1 alone is agreed on by both ranks, and the
+    rollouts' breakdown by tag covers both ranks' items (rank r scored pool items 3r..3r+2, item i scoring i)."""
+    import json
+    import signal
+
+    from trainer.data.prompt_file import PromptFileTask
+    from trainer.evaluation import RolloutBreakdown
+    from trainer.stopping import StopRequests
+
+    rank = backend.world.rank
+    stops = StopRequests(backend, announce=False)
+    stops.received = signal.SIGTERM if rank == 1 else 0
+    assert stops.asked() == signal.SIGTERM, kind
+    tags = ["a", "b", "a", "c", "a", "b"]
+    pool.write_text("".join(json.dumps({"tag": t, "prompt": f"thing {i}"}) + "\n" for i, t in enumerate(tags)))
+    mine = [3 * rank, 3 * rank + 1, 3 * rank + 2]
+    got = RolloutBreakdown(PromptFileTask(str(pool), eval_count=0), "tag", backend)(mine, {"s": np.array(mine, float)})
+    assert got == {"rollout_by_tag/s/a": 2.0, "rollout_by_tag/s/b": 3.0, "rollout_by_tag/s/c": 3.0,
+                   "rollout_by_tag/s/mean": 8 / 3}, (kind, got)
 
 
 if __name__ == "__main__":
