@@ -18,7 +18,6 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.rewards import RewardClient, RewardResult, failed_share
-from trainer import checkpoint
 from trainer.algorithms.advantages import zero_std_share
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
@@ -32,6 +31,7 @@ from trainer.ema import EMA
 from trainer.evaluation import Evaluation, RolloutBreakdown
 from trainer.guard import REWARD, Guard
 from trainer.health import check_rewards, check_samples, count_skipped
+from trainer.judging import Judge
 from trainer.logging import RunLogger, epoch_line, to_uint8
 from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
@@ -91,6 +91,7 @@ class Trainer:
                              f"one of: {', '.join(logged)}")
         self.guard = Guard(train.select_by or logged[0], train.early_stop, ev.alarm_window, ev.alarm_margin)
         self.best_dir = logger.run_dir / "best"
+        self.judge = Judge(self.guard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
         self.stops = StopRequests(backend, announce=self.is_main)  # the signals: entered around fit() by build
@@ -153,7 +154,7 @@ class Trainer:
             if self.algorithm.needs_reference:
                 self._new_reference()
             progress.rl_started = True
-            self._judge(0, before)
+            self.judge(0, before, self.progress)
         self.backend.set_lr(train.learning_rate)
         first = progress.epochs_done
         if progress.eval_due:  # a stop signal came before this epoch's evaluation: it runs now
@@ -179,14 +180,14 @@ class Trainer:
                 self.save_checkpoint()
         self.save_checkpoint()
         done = progress.epochs_done
-        if self._evaluated is not None and self._evaluated[0] == done:  # a stop: these weights were just evaluated
+        if self._evaluated is not None and self._evaluated[0] == done != self.judge.rolled_back_at:  # a stop
             after = self._evaluated[1]
             self.logger.copy_grid(f"samples_epoch{done:04d}", "samples_after")
         else:
             after = self.evaluate(done, "samples_after")
         self._print(f"[eval] after RL: {_fmt(after)}")
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
-            self._judge(done, after)
+            self.judge(done, after, self.progress)
         spread = weights_rank_spread(self.backend, self.adapter.trainable.parameters())
         self.logger.log(done, "final", {**after, "weights_rank_spread": spread,
                                         "best_epoch": self.guard.best_epoch, "best_value": self.guard.best_value})
@@ -200,8 +201,8 @@ class Trainer:
         self.progress.eval_due = False
         evaluation = self.evaluate(epoch, None)
         self._print(f"[eval] epoch {epoch}: {_fmt(evaluation)}")
-        self._evaluated = epoch, evaluation  # until a rollback changes the weights
-        return self._judge(epoch, evaluation)
+        self._evaluated = epoch, evaluation  # the weights a stop leaves, unless its alarm rolled them back
+        return self.judge(epoch, evaluation, self.progress)
 
     def _stop_if_asked(self, eval_due: bool = False) -> None:
         """Write a checkpoint here and stop when a rank received a stop signal (trainer/stopping.py), alike on
@@ -211,48 +212,6 @@ class Trainer:
             self.progress.eval_due = eval_due
             self.save_checkpoint()
             raise StopSignalled(signum)
-
-    def _judge(self, epoch: int, metrics: dict[str, float]) -> bool:
-        """Give evaluation ``epoch`` (rank 0's metrics) to the guard, on every rank alike: a new best is written
-        to best/, an alarm printed, logged and acted on (eval.on_alarm). True: stop the run."""
-        metrics = self.backend.broadcast(metrics if self.is_main else None)
-        verdict = self.guard.observe(epoch, metrics)
-        if verdict.improved:
-            self._save_best(epoch, metrics)
-        stop = verdict.stop
-        if verdict.alarm is not None:
-            action = self.config.eval.on_alarm
-            warning = f"{verdict.alarm.message()} (eval.on_alarm={action})"
-            self._print(f"warning: {warning}")
-            self.logger.log(epoch, "alarm", {"metric": verdict.alarm.metric, **verdict.alarm.numbers()}, alert=warning)
-            if action == "stop":
-                stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {self.best_dir}"
-            elif action == "rollback":
-                self._restore_best()
-        if stop:
-            self._print(stop)
-            self.guard.stopped = True
-        return bool(stop)
-
-    def _save_best(self, epoch: int, metrics: dict[str, float]) -> None:
-        """Write the weights (and EMA) just evaluated to best/, atomically, with what the evaluation measured."""
-        states = self.ema.checkpoint_state() if self.ema is not None else {}
-        evaluated = "ema" if self.ema is not None and self.config.eval.use_ema else "trained"
-        meta = {"epoch": epoch, "select_by": self.guard.select_by, "value": metrics[self.guard.select_by],
-                "evaluated": evaluated, "metrics": metrics}
-        checkpoint.write_atomically(self.best_dir, self.progress, self.adapter, self.backend, states,
-                                    saved_dict(self.config), optimizer=False, meta=meta, replace=True)
-
-    def _restore_best(self) -> None:
-        """Roll back to best/: its trained weights and EMA, with fresh optimizer moments."""
-        checkpoint.recover(self.best_dir)
-        load_weights(self.best_dir, self.adapter.denoiser, self.backend)
-        if self.ema is not None:
-            states = checkpoint.load_states(self.best_dir, self.backend.world.rank)
-            self.ema.load_checkpoint_state(states, self.best_dir)
-        self.backend.reset_optimizer()
-        self._evaluated = None
-        self._print(f"rolled back to the weights of epoch {self.guard.best_epoch} ({self.best_dir})")
 
     def _stateful(self) -> list[Stateful]:
         """The components that keep their own state in checkpoints (besides weights, optimizer, progress)."""

@@ -74,7 +74,7 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
     with torch.no_grad():
         for p in trainer.adapter.trainable.parameters():
             p.add_(1.0)
-    trainer._restore_best()
+    trainer.judge.restore_best()
     assert all(torch.equal(a, b) for a, b in zip(trainer.adapter.trainable.parameters(), trained, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(trainer.ema.shadow, evaluated, strict=True))
 
@@ -107,6 +107,37 @@ def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, c
     resumed.fit()
     resumed.logger.close()
     assert resumed.progress.epochs_done == 2 and not _records(tmp_path / "resumed", "rl")
+
+
+def test_a_rollback_restores_best_and_an_early_stop_with_it_evaluates_the_restored_weights(tmp_path, tiny_model_dir,
+                                                                                         capsys):
+    """eval.on_alarm=rollback with an evaluation scripted to look hacked at epoch 2 (reward up, accuracy down: the
+    real hacked run is the slow test below): the weights go back to best/'s (epoch 1's), and as early stop stops
+    there too, the final evaluation samples the restored weights instead of reusing epoch 2's."""
+    trainer = _trainer(tmp_path, tiny_model_dir, "train.epochs=4", "train.ema_decay=0", "eval.on_alarm=rollback",
+                       "eval.alarm_window=1", "train.early_stop=1")
+    script = {0: (0.1, 0.5), 1: (0.2, 0.9), 2: (0.6, 0.3)}  # step: (reward_mean, digit_accuracy)
+    evaluate, calls, weights = trainer.evaluate, [], {}
+
+    def scripted(step, grid_name):
+        metrics = evaluate(step, grid_name)
+        calls.append((step, grid_name))
+        weights[step, grid_name] = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
+        reward, accuracy = script.get(step, (0.0, 0.0))
+        return {**metrics, "reward_mean": reward, "digit_accuracy": accuracy}
+
+    trainer.evaluate = scripted
+    trainer.fit()
+    trainer.logger.close()
+    assert calls == [(0, "samples_before"), (1, None), (2, None), (2, "samples_after")]
+    assert "rolled back to the weights of epoch 1" in capsys.readouterr().out
+    (alarm,) = _records(tmp_path, "alarm")
+    assert (alarm["step"], alarm["metric"]) == (2, "digit_accuracy")
+    best = load_file(tmp_path / "best" / "trainable.safetensors")
+    names = [n for n, p in trainer.adapter.denoiser.named_parameters() if p.requires_grad]
+    assert all(torch.equal(best[n], w) for n, w in zip(names, weights[1, None], strict=True))
+    assert all(torch.equal(best[n], w) for n, w in zip(names, weights[2, "samples_after"], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(weights[2, None], weights[1, None], strict=True))
 
 
 @pytest.mark.slow

@@ -1,0 +1,69 @@
+"""A run acting on its guard's verdicts (trainer/guard.py): ``<run>/best/`` holds the weights (and EMA) of the best
+evaluation so far, written atomically, and the reward-hacking alarm is printed, logged (a W&B alert too) and acted on
+as ``eval.on_alarm`` says: a warning, a stop, or a rollback to best/."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from trainer import checkpoint
+from trainer.checkpoint import Progress, load_weights
+from trainer.config import Config, saved_dict
+from trainer.distributed import ParallelBackend
+from trainer.ema import EMA
+from trainer.guard import Guard
+from trainer.logging import RunLogger
+from trainer.models.base import ModelAdapter
+
+
+class Judge:
+    """Gives each evaluation to ``guard`` on every rank alike and acts on the verdict; ``say`` prints on rank 0."""
+
+    def __init__(self, guard: Guard, best_dir: Path, adapter: ModelAdapter, backend: ParallelBackend, ema: EMA | None,
+                 logger: RunLogger, config: Config, say: Callable[[str], None]):
+        self.guard, self.best_dir, self.adapter, self.backend, self.ema = guard, best_dir, adapter, backend, ema
+        self.logger, self.config, self.say = logger, config, say
+        self.rolled_back_at: int | None = None  # the evaluation whose alarm last rolled the weights back
+
+    def __call__(self, epoch: int, metrics: dict[str, float], progress: Progress) -> bool:
+        """Judge evaluation ``epoch`` (rank 0's ``metrics``): a new best is written to best/, an alarm said, logged
+        and acted on. True: stop the run."""
+        metrics = self.backend.broadcast(metrics if self.backend.world.rank == 0 else None)
+        verdict = self.guard.observe(epoch, metrics)
+        if verdict.improved:
+            self.save_best(epoch, metrics, progress)
+        stop = verdict.stop
+        if verdict.alarm is not None:
+            action = self.config.eval.on_alarm
+            warning = f"{verdict.alarm.message()} (eval.on_alarm={action})"
+            self.say(f"warning: {warning}")
+            self.logger.log(epoch, "alarm", {"metric": verdict.alarm.metric, **verdict.alarm.numbers()}, alert=warning)
+            if action == "stop":
+                stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {self.best_dir}"
+            elif action == "rollback":
+                self.restore_best()
+                self.rolled_back_at = epoch
+        if stop:
+            self.say(stop)
+            self.guard.stopped = True
+        return bool(stop)
+
+    def save_best(self, epoch: int, metrics: dict[str, float], progress: Progress) -> None:
+        """Write the weights (and EMA) just evaluated to best/, atomically, with what the evaluation measured."""
+        states = self.ema.checkpoint_state() if self.ema is not None else {}
+        evaluated = "ema" if self.ema is not None and self.config.eval.use_ema else "trained"
+        meta = {"epoch": epoch, "select_by": self.guard.select_by, "value": metrics[self.guard.select_by],
+                "evaluated": evaluated, "metrics": metrics}
+        checkpoint.write_atomically(self.best_dir, progress, self.adapter, self.backend, states,
+                                    saved_dict(self.config), optimizer=False, meta=meta, replace=True)
+
+    def restore_best(self) -> None:
+        """Roll back to best/: its trained weights and EMA, with fresh optimizer moments."""
+        checkpoint.recover(self.best_dir)
+        load_weights(self.best_dir, self.adapter.denoiser, self.backend)
+        if self.ema is not None:
+            states = checkpoint.load_states(self.best_dir, self.backend.world.rank)
+            self.ema.load_checkpoint_state(states, self.best_dir)
+        self.backend.reset_optimizer()
+        self.say(f"rolled back to the weights of epoch {self.guard.best_epoch} ({self.best_dir})")
