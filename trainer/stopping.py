@@ -50,7 +50,8 @@ class StopRequests:
         self.received = signum
         if self.announce:  # os.write: a print could re-enter the stream the interrupted code was writing
             os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name} received: the run stops after this "
-                                          "warm-up step or RL epoch, once a checkpoint is written\n".encode())
+                                          "warm-up step or RL epoch, once a checkpoint is written (in its final "
+                                          "evaluation: it finishes)\n".encode())
 
     def asked(self) -> int:
         """The stop signal a rank received (0: none). Collective: every rank calls it at the same points; once
