@@ -5,9 +5,9 @@ step or RL epoch, writes a checkpoint and exits with 128 + the signal's number, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import sys
 import threading
 
 import torch
@@ -48,10 +48,10 @@ class StopRequests:
         if self.received:
             return
         self.received = signum
-        if self.announce:  # os.write: a print could re-enter the stream the interrupted code was writing
-            os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name} received: the run stops after this "
-                                          "warm-up step or RL epoch, once a checkpoint is written (in its final "
-                                          "evaluation: it finishes)\n".encode())
+        if self.announce:  # to file descriptor 2: a print could re-enter the stream the interrupted code was writing
+            with contextlib.suppress(OSError):  # an exception here would surface wherever the signal came in
+                os.write(2, f"\n{signal.Signals(signum).name} received: the run stops after this warm-up step or RL "
+                            "epoch, once a checkpoint is written (in its final evaluation: it finishes)\n".encode())
 
     def asked(self) -> int:
         """The stop signal a rank received (0: none). Collective: every rank calls it at the same points; once

@@ -236,7 +236,8 @@ class Trainer:
             component.load_checkpoint_state(states, path)
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
-                    f"RL epochs {self.progress.epochs_done})")
+                    f"RL epochs {self.progress.epochs_done})" + ("; first the evaluation a stop signal put off"
+                                                                 if self.progress.eval_due else ""))
         changes = config_changes(json.loads((path / "config.json").read_text()), saved_dict(self.config))
         if changes:
             self._print(f"warning: resuming with settings other than {path}'s, so the run no longer continues the "

@@ -31,7 +31,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize(("phase", "at", "saved"), [("warmup_step", 1, Progress(2, 0)),
                                                      ("rl_epoch", 1, Progress(3, 2, True, 2, eval_due=True))])
-def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(tmp_path, tiny_model_dir, phase, at, saved):
+def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(tmp_path, tiny_model_dir, phase, at, saved,
+                                                                          capsys):
     straight = tiny_trainer(tmp_path / "straight", tiny_model_dir, *ARGS)
     straight.fit()
     straight.logger.close()
@@ -53,7 +54,10 @@ def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(tmp_p
     assert not list((tmp_path / "stopped").glob("samples_epoch*.png"))  # the epoch-2 evaluation was put off
 
     resumed = tiny_trainer(tmp_path / "stopped", tiny_model_dir, *ARGS)
+    capsys.readouterr()
     resumed.resume(checkpoint)
+    said = capsys.readouterr().out
+    assert ("first the evaluation a stop signal put off" in said) == saved.eval_due, said
     resumed.fit()
     resumed.logger.close()
     assert _records(tmp_path / "stopped") == _records(tmp_path / "straight")
