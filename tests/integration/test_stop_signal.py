@@ -29,13 +29,19 @@ def _records(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMES)} for r in records if r["phase"] != "checkpoint"]
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_model_dir):
+    """The run never stopped."""
+    trainer = tiny_trainer(tmp_path_factory.mktemp("straight"), tiny_model_dir, *ARGS)
+    trainer.fit()
+    trainer.logger.close()
+    return trainer
+
+
 @pytest.mark.parametrize(("phase", "at", "saved"), [("warmup_step", 1, Progress(2, 0)),
                                                      ("rl_epoch", 1, Progress(3, 2, True, 2, eval_due=True))])
-def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(tmp_path, tiny_model_dir, phase, at, saved,
-                                                                          capsys):
-    straight = tiny_trainer(tmp_path / "straight", tiny_model_dir, *ARGS)
-    straight.fit()
-    straight.logger.close()
+def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(tmp_path, tiny_model_dir, straight, phase,
+                                                                          at, saved, capsys):
 
     stopped = tiny_trainer(tmp_path / "stopped", tiny_model_dir, *ARGS)
     step = getattr(stopped, phase)
@@ -60,7 +66,7 @@ def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(tmp_p
     assert ("first the evaluation a stop signal put off" in said) == saved.eval_due, said
     resumed.fit()
     resumed.logger.close()
-    assert _records(tmp_path / "stopped") == _records(tmp_path / "straight")
+    assert _records(tmp_path / "stopped") == _records(straight.logger.run_dir)
     assert [r["step"] for r in _records(tmp_path / "stopped") if r["phase"] == "eval"] == [0, 2, 4]
     for a, b in zip(straight.adapter.trainable.parameters(), resumed.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
