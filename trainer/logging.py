@@ -103,9 +103,13 @@ def with_inputs(images: torch.Tensor, rows: int, inputs: ImageInputs | None) -> 
                       for r, samples in enumerate(images.chunk(rows))])
 
 
+WAIT_NOTED = 0.25
+"""The share of an RL epoch spent waiting for rewards after sampling above which its printed line says so."""
+
+
 def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> str:
     """RL epoch ``epoch``'s printed line: its reward, accuracies, the algorithm's ``shown`` metrics, the rates, and
-    what went wrong (skipped steps; no group whose rewards differ)."""
+    what went wrong (skipped steps; no group whose rewards differ; a long wait for rewards)."""
     keys = [k for k in metrics if k.endswith("accuracy")] + [k for k in shown if k in metrics]
     line = (f"epoch {epoch:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
             + "  ".join(f"{k} {metrics[k]:.3g}" for k in keys) + f"  img/s {metrics['images_per_s']:.2f}"
@@ -114,6 +118,10 @@ def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> s
         line += f"  ({metrics['skipped_steps']:.0f} steps skipped: gradients not finite)"
     if metrics["zero_std_share"] == 1.0:  # a saturated reward, or one blind to what differs within a group
         line += "  (no group's rewards differ: nothing to learn from them)"
+    waited = metrics.get("time_reward_wait_s", 0.0) / max(metrics.get("time_epoch_s", 0.0), 1e-9)
+    if waited > WAIT_NOTED:  # sampling is done and scoring is not: the devices idle
+        line += (f"  (waited {waited:.0%} of the epoch for rewards after sampling: the reward servers score slower "
+                 "than the model samples; more replicas would shorten it)")
     return line
 
 

@@ -373,6 +373,30 @@ def test_rewards_that_do_not_tell_a_groups_images_apart_are_reported(tmp_path, t
     assert record["zero_std_share"] < 1.0 and "nothing to learn" not in capsys.readouterr().out
 
 
+def test_an_epoch_that_waits_long_for_rewards_says_so(tmp_path, tiny_model_dir, capsys):
+    """Scorers slower than sampling (the sleep scorer holds each batch 1.5 s; the tiny model samples the epoch's
+    8 images in a fraction of that): the devices idle after sampling, and the epoch line says how long and why;
+    with the digit classifier, which scores as fast as the model samples, it does not."""
+    from reward_server.sleep_scorer import SleepScorer
+
+    job = ("grpo", "train.warmup_steps=0", "train.epochs=1", "data.prompts_per_epoch=2", "train.rollout_chunks=1")
+    trainer = _trainer(tmp_path / "slow", tiny_model_dir, *job)
+    slow = trainer.rewards = InProcessRewardClient({"sleep": SleepScorer(ms_per_batch=1500)}, {"sleep": 1.0})
+    try:
+        trainer.fit()
+    finally:
+        slow.close()
+    trainer.logger.close()
+    (record,) = _rl_records(tmp_path / "slow")
+    assert record["time_reward_wait_s"] > 0.25 * record["time_epoch_s"]
+    assert "of the epoch for rewards after sampling: the reward servers score slower" in capsys.readouterr().out
+    fast = _trainer(tmp_path / "fast", tiny_model_dir, *job)
+    fast.fit()
+    fast.logger.close()
+    (record,) = _rl_records(tmp_path / "fast")
+    assert "for rewards after sampling" not in capsys.readouterr().out, record["time_reward_wait_s"]
+
+
 def test_warmup_images_of_another_size_than_the_model_generates_are_refused(tiny_model_dir):
     """data.image_size=24 with a 16-pixel model: the warm-up trained at 24x24 what RL then sampled at 16x16."""
     from trainer.algorithms.sft import SFTConfig
