@@ -152,7 +152,7 @@ def run(config: Config) -> dict[str, float]:
         except StopSignalled as stop:
             ignore_stop_signals()
             raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
-                                 f"{stop} received", 128 + stop.signum) from None
+                                 str(stop), 128 + stop.signum) from None
         except KeyboardInterrupt:
             raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir) from None
         ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with

@@ -1,6 +1,7 @@
 """A graceful stop on SIGTERM or SIGUSR1, what a scheduler sends before it preempts a job or its time runs out
-(SLURM's ``--signal``, a Kubernetes eviction, torchrun passing on its own SIGTERM): the run ends its warm-up
-step or RL epoch, writes a checkpoint and exits with 128 + the signal's number, so a kill loses no finished work.
+(SLURM's ``--signal``, a Kubernetes eviction, torchrun passing on its own SIGTERM), and when torchrun is gone: the
+run ends its warm-up step or RL epoch, writes a checkpoint and exits with 128 + the signal's number, so a kill loses
+no finished work.
 """
 
 from __future__ import annotations
@@ -13,19 +14,24 @@ import threading
 import torch
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_GONE = signal.SIGHUP
+"""What a rank stops for, as for a signal, when the torchrun that started it is gone (killed with SIGKILL, it leaves
+its ranks running on, unsupervised, beside any run started again on their directory): 128 + 1 = exit status 129."""
 
 
 class StopSignalled(Exception):  # noqa: N818 (a request, not an error)
     """Every rank stopped at the same step after a rank received ``signum``; a checkpoint holds that step."""
 
     def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
+        super().__init__("torchrun, which started the ranks, is gone" if signum == LAUNCHER_GONE
+                         else f"{signal.Signals(signum).name} received")
         self.signum = signum
 
 
 class StopRequests:
     """Records the first stop signal this process receives while entered (the handlers are installed from the main
-    thread only); ``asked()`` agrees on it across ranks. Tests set ``received`` as a handler would."""
+    thread only) and, under torchrun, the launcher's end (checked every second); ``asked()`` agrees on it across
+    ranks. Tests set ``received`` as a handler would."""
 
     def __init__(self, backend, announce: bool = True):
         self.backend = backend
@@ -33,16 +39,21 @@ class StopRequests:
         self.received = 0
         self._agreed = 0
         self._previous: dict[int, object] = {}
+        self._done = threading.Event()
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank torchrun started: it is our parent
+            self._done.clear()
+            threading.Thread(target=self._watch, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        self._done.set()
 
     def _handle(self, signum: int, frame) -> None:
         if self.received:
@@ -50,8 +61,14 @@ class StopRequests:
         self.received = signum
         if self.announce:  # to file descriptor 2: a print could re-enter the stream the interrupted code was writing
             with contextlib.suppress(OSError):  # an exception here would surface wherever the signal came in
-                os.write(2, f"\n{signal.Signals(signum).name} received: the run stops after this warm-up step or RL "
-                            "epoch, once a checkpoint is written (in its final evaluation: it finishes)\n".encode())
+                os.write(2, f"\n{StopSignalled(signum)}: the run stops after this warm-up step or RL epoch, once a "
+                            "checkpoint is written (in its final evaluation: it finishes)\n".encode())
+
+    def _watch(self, launcher: int) -> None:
+        while not self._done.wait(1.0):
+            if os.getppid() != launcher:  # re-parented: torchrun is gone
+                self._handle(LAUNCHER_GONE, None)
+                return
 
     def asked(self) -> int:
         """The stop signal a rank received (0: none). Collective: every rank calls it at the same points; once

@@ -153,3 +153,50 @@ def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_
     assert err.count("exitcode  : 138") == 2, err[-3000:]  # torchrun's report: both ranks stopped so (128 + 10)
     assert not _processes(lambda args, env: b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] ==
                           str(rank0).encode())
+
+
+@pytest.mark.slow  # one torchrun job of two ranks (~25 s)
+def test_ranks_whose_torchrun_was_killed_stop_after_the_epoch_with_a_checkpoint(tmp_path, tiny_model_dir):
+    """kill -9 of torchrun alone (each rank has a session of its own, so they live on): instead of training on
+    unsupervised, beside any run started again on their directory, the ranks end their RL epoch, write a checkpoint
+    and exit 129, rank 0 saying why."""
+    args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
+            "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=0",
+            "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
+            "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "trainer/main.py", *args], cwd=REPO, env=ENV, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not any('"phase": "rl"' in p.read_text() for p in tmp_path.glob("*/metrics.jsonl")):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+    mine = f"logging.output_dir={tmp_path}".encode()
+    ranks = _processes(lambda args, env: mine in args and b"TORCHELASTIC_RUN_ID" in b" ".join(env))
+    assert len(ranks) == 2
+    os.kill(run.pid, signal.SIGKILL)
+    try:
+        out, err = run.communicate(timeout=120)  # the ranks hold torchrun's pipes until they exit
+    except subprocess.TimeoutExpired:
+        for pid in ranks:
+            os.kill(pid, signal.SIGABRT)
+        out, err = run.communicate(timeout=60)
+        pytest.fail(f"ranks still running 120 s after torchrun was killed; stdout:\n{out[-2000:]}\nstderr:\n{err[-8000:]}")
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    match = re.search(r"torchrun, which started the ranks, is gone: stopped after RL epoch (\d+) of 500; its "
+                      r"checkpoint: (\S+)\n", out)
+    assert match, out[-3000:] + err[-3000:]
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    assert match[2] == f"{checkpoint}" and checkpoint.name == f"step-000002-{int(match[1]):06d}"
+    deadline = time.monotonic() + 30  # exiting after their pipes closed, then reaped by init
+    while [pid for pid in ranks if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not exited (a zombie that init has not reaped yet has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
