@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -23,6 +24,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def replicas_of(pid: int) -> list[int]:
+    """Live reward servers started with ``--parent-pid pid`` (a trainer's own replicas)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1:][:1] == [str(pid).encode()]:
+            found.append(int(proc.name))
+    return found
 
 
 def spawn_reward_server(args: list[str], **popen: object) -> tuple[subprocess.Popen, str]:

@@ -350,20 +350,26 @@ class PromptOnly:
         return [int(prompt[-1]) / 10 for prompt in prompts]
 
 
+def _one_epoch_scored_by(trainer: Trainer, scorers: dict) -> dict:
+    """``trainer``'s one-epoch job with its RL rewards from ``scorers`` (weight 1 each; the evaluation keeps the
+    client it shares with the trainer); the epoch's record."""
+    client = trainer.rewards = InProcessRewardClient(scorers, dict.fromkeys(scorers, 1.0))
+    try:
+        trainer.fit()
+    finally:
+        client.close()
+    trainer.logger.close()
+    (record,) = _rl_records(trainer.logger.run_dir)
+    return record
+
+
 def test_rewards_that_do_not_tell_a_groups_images_apart_are_reported(tmp_path, tiny_model_dir, capsys):
     """Rewards that differ between prompts but not within any group: the epoch's reward has a spread, yet every
     group-relative advantage is 0. The record's zero_std_share is 1 and the epoch line says so; with the digit
     classifier's rewards (which do tell images apart) it does not."""
     trainer = _trainer(tmp_path / "blind", tiny_model_dir, "grpo", "train.warmup_steps=0", "train.epochs=1",
                        "data.prompts_per_epoch=3")
-    # RL's rewards come from the blind scorer; the evaluation keeps the digit client it shares with the trainer
-    blind = trainer.rewards = InProcessRewardClient({"digit": PromptOnly()}, {"digit": 1.0})
-    try:
-        trainer.fit()
-    finally:
-        blind.close()
-    trainer.logger.close()
-    (record,) = _rl_records(tmp_path / "blind")
+    record = _one_epoch_scored_by(trainer, {"digit": PromptOnly()})
     assert record["zero_std_share"] == 1.0 and record["reward_std"] > 0
     assert "no group's rewards differ: nothing to learn from them" in capsys.readouterr().out
     seeing = _trainer(tmp_path / "seeing", tiny_model_dir, "grpo", "train.warmup_steps=0", "train.epochs=1")
@@ -380,14 +386,8 @@ def test_an_epoch_that_waits_long_for_rewards_says_so(tmp_path, tiny_model_dir, 
     from reward_server.sleep_scorer import SleepScorer
 
     job = ("grpo", "train.warmup_steps=0", "train.epochs=1", "data.prompts_per_epoch=2", "train.rollout_chunks=1")
-    trainer = _trainer(tmp_path / "slow", tiny_model_dir, *job)
-    slow = trainer.rewards = InProcessRewardClient({"sleep": SleepScorer(ms_per_batch=1500)}, {"sleep": 1.0})
-    try:
-        trainer.fit()
-    finally:
-        slow.close()
-    trainer.logger.close()
-    (record,) = _rl_records(tmp_path / "slow")
+    record = _one_epoch_scored_by(_trainer(tmp_path / "slow", tiny_model_dir, *job),
+                                  {"sleep": SleepScorer(ms_per_batch=1500)})
     assert record["time_reward_wait_s"] > 0.25 * record["time_epoch_s"]
     assert "of the epoch for rewards after sampling: the reward servers score slower" in capsys.readouterr().out
     fast = _trainer(tmp_path / "fast", tiny_model_dir, *job)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from servers import replicas_of
 
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.state import State
@@ -34,19 +35,6 @@ def _records(run_dir: Path, phase: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["phase"] == phase]
 
 
-def _children_of(pid: int) -> list[int]:
-    """Live reward servers started with ``--parent-pid pid``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1:][:1] == [str(pid).encode()]:
-            found.append(int(proc.name))
-    return found
-
-
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -65,14 +53,14 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_mo
             break
         assert victim.poll() is None, "the run ended before it could be killed"
         time.sleep(0.05)
-    replicas = _children_of(victim.pid)
+    replicas = replicas_of(victim.pid)
     assert replicas, "the run's reward replicas were not found"
     os.killpg(victim.pid, signal.SIGKILL)  # the trainer (its replicas have a session of their own)
     victim.wait()
     deadline = time.monotonic() + 30
-    while _children_of(victim.pid) and time.monotonic() < deadline:  # they see their parent gone and exit
+    while replicas_of(victim.pid) and time.monotonic() < deadline:  # they see their parent gone and exit
         time.sleep(0.1)
-    assert not _children_of(victim.pid), "reward replicas outlived the killed trainer"
+    assert not replicas_of(victim.pid), "reward replicas outlived the killed trainer"
 
     resumed = subprocess.run(_args(tiny_model_dir, tmp_path, "killed") + ["--resume", "auto"], cwd=REPO, env=_env(),
                              capture_output=True, text=True, timeout=600)

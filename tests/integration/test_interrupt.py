@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from job_series import kill_tree
+from servers import free_port, replicas_of
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
@@ -100,12 +100,6 @@ def _processes(match) -> list[int]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow  # one torchrun job of two ranks (~25 s)
 def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_the_epoch_with_a_checkpoint(
         tmp_path, tiny_model_dir):
@@ -118,7 +112,7 @@ def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_
             "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=0",
             "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
             "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
-    env = {**ENV, "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port()), "RDZV_ID": f"stop-{os.getpid()}",
+    env = {**ENV, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "RDZV_ID": f"stop-{os.getpid()}",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     run = subprocess.Popen(["bash", "deploy/launch_multinode.sh", *args], cwd=REPO, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -129,8 +123,7 @@ def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_
     mine = f"logging.output_dir={tmp_path}".encode()
     rank = lambda r: _processes(lambda args, env: mine in args and f"RANK={r}".encode() in env)  # noqa: E731
     (rank0,), (rank1,) = rank(0), rank(1)
-    replicas = _processes(lambda args, env: b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] ==
-                          str(rank0).encode())
+    replicas = replicas_of(rank0)
     assert replicas
     for pid in (run.pid, rank1, *replicas):  # run.pid: torchrun (the script execs it)
         os.kill(pid, signal.SIGUSR1)
@@ -151,8 +144,7 @@ def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_
     assert len(rl) == epochs and all(r["failed_share"] == 0 for r in rl)  # every reward of the last epoch came
     assert "continue with: torchrun --nproc_per_node=2 trainer/main.py --resume auto" in out
     assert err.count("exitcode  : 138") == 2, err[-3000:]  # torchrun's report: both ranks stopped so (128 + 10)
-    assert not _processes(lambda args, env: b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] ==
-                          str(rank0).encode())
+    assert not replicas_of(rank0)
 
 
 @pytest.mark.slow  # one torchrun job of two ranks (~25 s)
