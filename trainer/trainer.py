@@ -163,7 +163,8 @@ class Trainer:
         for epoch in bar:
             if self.guard.stopped:  # a resumed run that had stopped
                 break
-            self._stop_if_asked()
+            if epoch == first:  # a signal during the evaluations before the loop
+                self._stop_if_asked()
             metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
             line = epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics)
@@ -174,8 +175,10 @@ class Trainer:
             every = self.config.eval.every
             due = bool(every) and (epoch + 1) % every == 0 and epoch + 1 < train.epochs
             self._stop_if_asked(eval_due=due)
-            if due and self._evaluate_epoch(epoch + 1):
-                break
+            if due:
+                if self._evaluate_epoch(epoch + 1):
+                    break
+                self._stop_if_asked()  # a signal during the evaluation
             if train.checkpoint_every and (epoch + 1) % train.checkpoint_every == 0 and epoch + 1 < train.epochs:
                 self.save_checkpoint()
         self.save_checkpoint()
