@@ -89,8 +89,8 @@ class Target(NamedTuple):
     device: str
     dtype: str
     parity_atol: float
-    """Largest |rollout - pipeline| of any entry of the final latents (entries of order 1; SD1.5's up to 13)
-    at noise level 0."""
+    """Largest |rollout - pipeline| of any entry of the final latents at noise level 0, per unit of their
+    largest magnitude where that is above 1 (SD1.5's reach 13: 1.09e-5 was seen in float32 on an AVX2 CPU)."""
     parity_rtol: float
     """Largest ||rollout - pipeline|| / ||pipeline|| over the final latents (bfloat16: about 2^-8 per
     rounding; measured 0.3-1.1% on the tiny models, SD1.5's DDIM the largest; float16: 0.04-0.14%, max abs
@@ -180,7 +180,8 @@ def test_rollout_at_noise_zero_equals_pipeline(adapter, target):
     expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, guidance(adapter), target.generator(0))
     assert ro.latents.device.type == target.device
     got, expected = ro.latents[:, -1], expected.float().reshape(ro.latents[:, -1].shape)
-    torch.testing.assert_close(got, expected, rtol=0, atol=target.parity_atol)
+    scale = max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(got, expected, rtol=0, atol=target.parity_atol * scale)
     assert float((got - expected).norm() / expected.norm()) <= target.parity_rtol
     assert ro.images.shape[0] == len(PROMPTS) and 0 <= float(ro.images.min()) <= float(ro.images.max()) <= 1
 
@@ -267,7 +268,15 @@ COMPILE_CASES = CASES if os.environ.get("RF_COMPILE_MATRIX") else ["sd3"]
 
 
 COMPILED_BF16_RATIO_ATOL = 1e-2
-"""bfloat16 on CUDA: the no-grad and the training graphs may fuse and round differently (bench/RESULTS_GPU.md)."""
+"""bfloat16 on CUDA: the no-grad and the training graphs may fuse and round differently (bench/RESULTS_GPU.md);
+a spec's ``compiled_ratio_atol_bf16`` may widen it. Training is exact regardless: while the weights are the
+rollout's, log p_old is the training forward's own (``policy_gradient.step_loss``)."""
+
+
+def deviation_bound(case: str, target) -> float:
+    spec = tiny(IP_CASES.get(case, case))
+    return spec.compiled_ratio_atol if target.dtype == "float32" else max(COMPILED_BF16_RATIO_ATOL,
+                                                                         spec.compiled_ratio_atol_bf16)
 
 
 @pytest.mark.slow
@@ -308,12 +317,12 @@ def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root, target)
             loss, stats = algorithm.loss(ctx, unit)
             loss.backward()
             assert torch.isfinite(loss) and float(stats["kl"]) > 0  # the reference: LoRA off, compiled too
+            assert float(stats["ratio"]) == 1.0 and float(stats["logp_gap"]) <= deviation_bound(case, target)
     deviation = torch.cat(deviations)
     report = monitor.report()
     print(f"\n{case} {backend} {target.device}-{target.dtype}: |ratio - 1| max {float(deviation.max()):.3g} mean {float(deviation.mean()):.3g}; "
           f"{report}")
-    bound = tiny(IP_CASES.get(case, case)).compiled_ratio_atol if target.dtype == "float32" else COMPILED_BF16_RATIO_ATOL
-    assert float(deviation.max()) <= bound
+    assert float(deviation.max()) <= deviation_bound(case, target)
     assert report["compile_fallbacks"] == 0  # graphs may be 0: blocks of a class an earlier case compiled
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.trainable.parameters())
 
@@ -361,7 +370,7 @@ def test_grpo_sft_and_dpo_steps_change_only_trainable_parameters(name, mode, mod
     before = _snapshot(adapter)
     results = [algorithm.loss(ctx, unit) for unit in units]
     for _, stats in results:
-        torch.testing.assert_close(stats["ratio"].cpu(), torch.tensor(1.0), rtol=0, atol=1e-6)
+        assert float(stats["ratio"]) == 1.0 and float(stats["logp_gap"]) <= 1e-6  # the rollout's log p agrees
         assert float(stats["kl"]) == 0.0  # policy == reference before the first update
     _train_step(adapter, [loss for loss, _ in results])
     _check_only_trainable_changed(adapter, before)
@@ -646,7 +655,7 @@ def test_predictions_are_float32_whatever_the_weights(adapter, target):
 def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
     """The trainer samples a batch in chunks (``train.rollout_chunks``) and trains on their concatenation.
     Qwen-Image pads each chunk's text to that chunk's longest prompt, so the chunks' conditioning must pad
-    to a common length, and the log-probs re-evaluated on the whole must stay the chunks' own: a ratio of 1
+    to a common length, and the log-probs re-evaluated on the whole must stay the chunks' own (``logp_gap``)
     up to the rounding that the padding mask's attention path changes."""
     sampler = settings(adapter, 1.0)
     parts = [rollout(adapter, adapter.denoiser, [prompt], torch.zeros(1, dtype=torch.long), sampler, target.generator(10 + i),
@@ -661,10 +670,11 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
     ctx = LossContext(adapter, adapter.denoiser, None)
     with torch.no_grad():
-        ratios = [stats["ratio"] for unit in algorithm.plan(batch, torch.Generator().manual_seed(0))[0]
-                  for _, stats in [algorithm.loss(ctx, unit)]]
-    tolerance = 1e-6 if target.dtype == "float32" else 1e-4
-    torch.testing.assert_close(torch.stack(ratios).cpu(), torch.ones(len(ratios)), rtol=0, atol=tolerance)
+        gaps = [stats["logp_gap"] for unit in algorithm.plan(batch, torch.Generator().manual_seed(0))[0]
+                for _, stats in [algorithm.loss(ctx, unit)]]
+    # float32: a few ulps of the log-probs (max |log p| 1.4-5.5 here; the largest gap seen 1.07e-6, SD1.5's)
+    tolerance = 2e-6 * max(1.0, float(ro.log_probs.abs().max())) if target.dtype == "float32" else 1e-4
+    assert float(torch.stack(gaps).max()) <= tolerance
 
 
 @per_device

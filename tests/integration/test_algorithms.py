@@ -48,7 +48,8 @@ def test_every_algorithm_is_covered():
 
 # The clipped ones take two optimizer steps per rollout batch: with one, the ratio is 1 and its statistics are
 # not shown (tests/unit/test_guard.py).
-OFF_POLICY = {name: ("algorithm.steps_per_epoch=2",) for name in ("grpo", "ppo", "ppo_critic", "grpo_guard", "mixgrpo")}
+OFF_POLICY = {name: ("algorithm.steps_per_epoch=2",)
+              for name in ("grpo", "ppo", "ppo_critic", "grpo_guard", "mixgrpo", "awm")}
 
 
 @pytest.mark.parametrize("algorithm", sorted(EXPECTED_STATS))
@@ -122,8 +123,10 @@ def test_the_first_step_of_an_epoch_is_on_policy(tmp_path, tiny_model_dir, algor
         _, stats = trainer.algorithm.loss(trainer.ctx, unit)
         if algorithm == "dgpo":
             assert stats["dgpo_weight"].item() == 0.5 and stats["dgpo_loss"].item() == pytest.approx(math.log(2))
-        else:
+        elif algorithm == "awm":  # v_old is the policy's own forward (no reference) until the first step
             assert stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0
+        else:  # the rollout's own log-probs equal the re-evaluation's
+            assert stats["ratio"].item() == 1.0 and stats["logp_gap"].item() == 0.0
 
 
 def test_mixgrpo_flash_compresses_the_steps_after_its_window_and_stays_on_policy(tmp_path, tiny_model_dir):
@@ -152,7 +155,7 @@ def test_mixgrpo_flash_compresses_the_steps_after_its_window_and_stays_on_policy
     assert {int(s) for unit in units for s in unit.steps} == {1, 2}
     for unit in units:
         _, stats = trainer.algorithm.loss(trainer.ctx, unit)
-        assert stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0
+        assert stats["ratio"].item() == 1.0 and stats["logp_gap"].item() == 0.0
 
 
 def test_evaluation_before_rl_reads_the_warmed_up_weights_with_an_ema(tmp_path, tiny_model_dir):

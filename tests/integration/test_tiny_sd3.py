@@ -8,6 +8,7 @@ from diffusers import AutoencoderKL, StableDiffusion3Pipeline
 
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.grpo import GRPO, GRPOConfig
+from trainer.algorithms.grpo_guard import GRPOGuard, GRPOGuardConfig
 from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.rollout import SamplerSettings, rollout
 
@@ -63,8 +64,44 @@ def test_sde_rollout_reevaluates_with_ratio_one_at_every_trained_step(adapter):
     assert len(units) == len(ro.trainable_steps()) == 4  # the last step is never trained
     for unit in units:
         _, stats = algo.loss(ctx, unit)
-        assert stats["ratio"].item() == pytest.approx(1.0, abs=1e-6)
-        assert stats["approx_kl"].item() < 1e-10
+        assert unit.on_policy and stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0
+        assert stats["logp_gap"].item() < 1e-6  # the rollout's own log-probs agree with the re-evaluation
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_guard"])
+def test_log_p_old_is_the_training_forward_while_the_weights_are_the_rollouts(adapter, name):
+    """A rollout whose recorded log-probs (and step means) are off, as a compiled bf16 rollout graph's round
+    apart from the training graph's: the first optimizer step's ratio is still 1 exactly and ``logp_gap``
+    reports the offset; a second pass reuses the recorded training values (ratio 1 again: no step in between);
+    with two optimizer steps, the second step's samples have only the rollout's values: their ratio leaves the
+    clip range without a step."""
+    settings = SamplerSettings(num_steps=4, noise_level=0.7)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings,
+                 torch.Generator().manual_seed(0), record_means=name == "grpo_guard")
+    ro.log_probs = ro.log_probs + 0.01 * torch.arange(4.0)[:, None]  # sample i off by 0.01 i
+    if ro.means is not None:
+        ro.means = ro.means + 0.1
+    ctx = LossContext(adapter, adapter.denoiser, None)
+    rewards = Rewards(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([1.0, 0.0, 0.0, 1.0]), ro.group_ids, 0)
+    for steps_per_epoch in (1, 2):
+        kind, config = (GRPO, GRPOConfig) if name == "grpo" else (GRPOGuard, GRPOGuardConfig)
+        algo = kind(config(group_size=2, micro_batch_size=1, sampler=settings, steps_per_epoch=steps_per_epoch))
+        assert ("logp_gap" in algo.shown_metrics) == (steps_per_epoch == 2)
+        batch = algo.make_batch(ro, rewards)
+        for first_pass in (True, False):
+            for s, units in enumerate(algo.plan(batch, torch.Generator().manual_seed(0))):
+                for unit in units:
+                    _, stats = algo.loss(ctx, unit)
+                    assert unit.on_policy == (first_pass and s == 0)
+                    if unit.on_policy:
+                        assert stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0
+                        offset = 0.01 * float(unit.indices.max())
+                        if name == "grpo":
+                            assert stats["logp_gap"].item() == pytest.approx(offset, abs=1e-6)
+                    elif s == 0 or first_pass is False and steps_per_epoch == 1:
+                        assert stats["ratio"].item() == 1.0  # recorded by the first pass
+                    else:  # only the rollout's values: the offset shows (guard: the means' offset)
+                        assert abs(stats["ratio"].item() - 1.0) > 1e-4 and "logp_gap" not in stats
 
 
 def test_sde_window_makes_only_the_window_stochastic(adapter):
@@ -113,3 +150,31 @@ def test_sd3_adapter_refuses_a_directory_without_weights(tmp_path):
         from trainer.models.sd3 import SD3Adapter, SD3Config
 
         SD3Adapter(SD3Config(path=str(tmp_path)))
+
+
+def test_awm_takes_v_old_from_the_policy_itself_until_its_first_step(tiny_model_dir):
+    """AWM's first optimizer step on a batch runs at the rollout's weights: its v_old is the policy's own
+    forward, so the ratio is 1 exactly with no reference at all; a second pass reads the reference (here a
+    policy moved after the snapshot, so its ratio leaves 1)."""
+    from trainer.algorithms.awm import AWM, AWMConfig
+    from trainer.algorithms.base import refresh_reference
+
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))  # its weights are moved below
+    settings = SamplerSettings(num_steps=4, noise_level=0.0)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings,
+                 torch.Generator().manual_seed(0))
+    algo = AWM(AWMConfig(group_size=2, micro_batch_size=2, sampler=settings))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    batch = algo.make_batch(ro, Rewards(rewards, rewards, ro.group_ids, 0))
+    ctx = LossContext(adapter, adapter.denoiser, None)
+    (units,) = algo.plan(batch, torch.Generator().manual_seed(0))
+    for unit in units:
+        _, stats = algo.loss(ctx, unit)
+        assert unit.on_policy and stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0
+    refresh_reference(ctx)
+    with torch.no_grad():
+        for p in adapter.denoiser.parameters():
+            p.mul_(1.01)
+    (units,) = algo.plan(batch, torch.Generator().manual_seed(0))
+    ratios = [algo.loss(ctx, unit)[1]["ratio"].item() for unit in units]
+    assert not any(unit.on_policy for unit in units) and all(abs(r - 1.0) > 1e-6 for r in ratios)

@@ -108,7 +108,7 @@ def test_an_evaluation_file_or_count_sets_what_is_evaluated_and_what_rl_keeps(tm
 
 @pytest.mark.parametrize(("overrides", "shown"), [
     ([], ()),  # one optimizer step per rollout batch: the ratio is 1, its statistics say nothing
-    (["algorithm.steps_per_epoch=2"], ("approx_kl", "clip_frac")),
+    (["algorithm.steps_per_epoch=2"], ("approx_kl", "clip_frac", "logp_gap")),  # later steps: the rollout's log p
     (["algorithm.inner_epochs=2", "algorithm.kl_beta=0.01"], ("approx_kl", "clip_frac", "kl")),
     (["algorithm.name=ppo_critic"], ("value_loss",)),
 ])

@@ -9,6 +9,9 @@ in for the log-likelihood of x0:
     ratio = exp(log p_theta - log p_old),  L = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps)))
 with p_old the sampling policy (the reference, copied from the policy before each epoch's rollout). On
 policy the gradient is A w(sigma) grad mean((v_theta - v)^2): pretraining's loss, weighted by advantages.
+Until the first optimizer step on a batch, v_old is v_theta itself, detached: the ratio is 1 exactly (no-grad
+and grad compiled graphs round apart) and no reference is run; at one optimizer step per batch (the default)
+none is kept either.
 Departures from the paper: noise levels are logit-normal like the supervised loss; no KL term to a
 reference or EMA policy (the clip against the sampling policy bounds an epoch's move); samples with a
 failed reward get weight 0.
@@ -29,6 +32,7 @@ from trainer.algorithms.clean_sample import (
     CleanUnit,
     per_sample_mse,
     policy_and_reference,
+    policy_prediction,
     weighted_plan,
 )
 from trainer.config.fields import Bounds
@@ -66,17 +70,22 @@ class AWMBatch:
     advantages: torch.Tensor  # [B] this rank's samples
     weights: torch.Tensor     # [B] 0 where the reward failed
     rewards: Rewards
+    plans: int = 0            # plans made of this batch: the first one's first optimizer step is on policy
 
 
 class AWM(NoExtras):
     """Advantage weighted matching on clean rollout samples."""
 
     config_class = AWMConfig
-    needs_reference = True
     shown_metrics = ("matching_loss", "clip_frac")
 
+    def __init__(self, config: AWMConfig):
+        super().__init__(config)
+        self.needs_reference = config.inner_epochs > 1 or config.steps_per_epoch > 1  # steps after the first
+
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
-        refresh_reference(ctx)  # p_old: the policy that samples this epoch
+        if self.needs_reference:
+            refresh_reference(ctx)  # p_old: the policy that samples this epoch
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> AWMBatch:
         adv = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, self.config.adv_clip)
@@ -85,11 +94,20 @@ class AWM(NoExtras):
 
     def plan(self, batch: AWMBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """The batch's clean samples, weighted by reward (``clean_sample.weighted_plan``)."""
-        return weighted_plan(batch, self.config, generator)
+        steps = weighted_plan(batch, self.config, generator)
+        if batch.plans == 0 and steps:
+            for unit in steps[0]:
+                unit.on_policy = True
+        batch.plans += 1
+        return steps
 
     def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch, idx, draw = unit.batch, unit.rows, unit.draw
-        target, v_theta, v_old = policy_and_reference(ctx, unit)
+        if unit.on_policy:
+            target, v_theta = policy_prediction(ctx, unit)
+            v_old = v_theta.detach()
+        else:
+            target, v_theta, v_old = policy_and_reference(ctx, unit)
         time_weight = draw.sigma.float() if self.config.time_weighting == "sigma" else torch.ones_like(draw.sigma)
         weights = batch.weights[idx].to(v_theta.device)  # host-side rewards
         loss, stats = awm_loss(v_theta, v_old, target, batch.advantages[idx].to(v_theta.device),

@@ -94,6 +94,7 @@ class CleanUnit:
     draw: NoiseDraws      # the rows' noise levels and noises
     share: float = 0.0    # the unit's share of its optimizer step's loss (``set_shares``)
     step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
+    on_policy: bool = False   # no optimizer step since the rollout (the ratio-clipped ones: AWM)
 
 
 def weighted_plan(batch: Any, config: CleanSampleConfig, generator: torch.Generator) -> list[list[CleanUnit]]:
@@ -105,15 +106,20 @@ def weighted_plan(batch: Any, config: CleanSampleConfig, generator: torch.Genera
     return set_shares(split_units(units, config.steps_per_epoch), lambda unit: float(batch.weights[unit.rows].sum()))
 
 
+def policy_prediction(ctx: Any, unit: CleanUnit, net: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flow-matching target, ``net``'s velocity; default the policy's) at ``unit``'s noised clean samples."""
+    ro = unit.batch.rollout
+    x_t, target = ctx.adapter.training_target(ro.latents[unit.rows, -1], unit.draw.noise, unit.draw.sigma)
+    net = ctx.policy if net is None else net
+    return target, ctx.adapter.predict(net, x_t, unit.draw.sigma, ro.cond.select(unit.rows), 1.0)
+
+
 def policy_and_reference(ctx: Any, unit: CleanUnit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(flow-matching target, policy velocity, reference velocity without grad) at ``unit``'s noised clean
     samples: what the clean-sample losses that compare the policy with a frozen copy read."""
-    ro = unit.batch.rollout
-    x_t, target = ctx.adapter.training_target(ro.latents[unit.rows, -1], unit.draw.noise, unit.draw.sigma)
-    cond = ro.cond.select(unit.rows)
-    v_theta = ctx.adapter.predict(ctx.policy, x_t, unit.draw.sigma, cond, 1.0)
+    target, v_theta = policy_prediction(ctx, unit)
     with torch.no_grad():
-        v_old = ctx.adapter.predict(ctx.reference, x_t, unit.draw.sigma, cond, 1.0)
+        _, v_old = policy_prediction(ctx, unit, ctx.reference)
     return target, v_theta, v_old
 
 

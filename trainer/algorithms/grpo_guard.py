@@ -8,7 +8,8 @@ and late steps dominate. GRPO-Guard uses instead
 (ratio normalisation: zero mean, one scale at every step), and its gradient mean(eps d mu_theta) is the
 plain one times s_t (the timestep gradient reweighting); the loss is GRPO's clipped one on r~.
 Departures from the paper: both parts are this one formula (as in Flow-Factory's implementation), computed
-from the rollout's recorded step means, so it holds for every Gaussian step kind and log-prob convention.
+from the old policy's step means (the rollout records them; ``step_loss`` replaces them with the training
+forward's own while the weights are the rollout's), so it holds for every Gaussian step kind and log-prob convention.
 """
 
 from __future__ import annotations
@@ -45,11 +46,5 @@ class GRPOGuard(GRPO):
     records_means = True
 
     def loss(self, ctx: LossContext, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = step_loss(ctx, unit, self.config, self._log_ratio)
+        loss, stats = step_loss(ctx, unit, self.config, guard_log_ratio)
         return loss * unit.share, stats
-
-    @staticmethod
-    def _log_ratio(unit: StepUnit, x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-        ro = unit.batch.rollout
-        idx, step = (t.to(ro.latents.device, non_blocking=True) for t in (unit.indices, unit.steps))
-        return guard_log_ratio(x_next, mean, ro.means[idx, step], std)

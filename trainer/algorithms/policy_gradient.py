@@ -5,7 +5,9 @@ Each algorithm differs only in how it estimates advantages (group-relative, batc
 learned value); everything here is the same Flow-GRPO step loss:
     ratio = exp(log p_theta(x_{t+1} | x_t) - log p_old(x_{t+1} | x_t))
     L     = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps))) + beta KL(pi_theta || pi_ref)
-with the KL in the latent-mean form without the dt factor (``gaussian_mean_kl``).
+with the KL in the latent-mean form without the dt factor (``gaussian_mean_kl``). log p_old is the training
+forward's own value wherever the weights are still the rollout's (``StepUnit.on_policy``): the ratio is then 1
+exactly, whatever kernels or compiled graphs the rollout ran; the gap to the rollout's is logged (``logp_gap``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ class PolicyGradientBatch:
     rewards: Rewards
     returns: torch.Tensor | None = None  # [B, T] value targets (critic algorithms)
     step_fn: StepFunction | None = None  # the adapter's step on this schedule, built once per batch
+    # log p_old [B, T] and the old step means [B, T, ...] (algorithms that record them): the rollout's, each
+    # replaced by the training forward's value where it ran at the rollout's weights, for later passes
+    old_log_probs: torch.Tensor = field(init=False)
+    old_means: torch.Tensor | None = field(init=False)
+    plans: int = 0  # plans made of this batch: the first one's first optimizer step runs at the rollout's weights
+
+    def __post_init__(self) -> None:
+        self.old_log_probs = self.rollout.log_probs.clone()
+        self.old_means = None if self.rollout.means is None else self.rollout.means.clone()
 
 
 @dataclass
@@ -70,6 +81,7 @@ class StepUnit:
     steps: torch.Tensor        # [m] denoising step trained for each sample
     share: float = 1.0         # the unit's share of its optimizer step's loss (``set_shares``)
     step_weight: float = 0.0   # this rank's total unit weight in that step (``balance_ranks``)
+    on_policy: bool = False    # no optimizer step since the rollout: log p_old is this unit's own forward
 
 
 def trainable_steps(rollout: Rollout) -> torch.Tensor:
@@ -83,29 +95,34 @@ def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
                generator: torch.Generator) -> list[list[StepUnit]]:
     """Each sample trains on its own random subset of ``ceil(timestep_fraction * K)`` steps; a unit is one
     micro-batch at one step position; the per-rank batch splits into ``steps_per_epoch`` optimizer steps, whose
-    loss is the mean over all of their (sample, step) pairs."""
+    loss is the mean over all of their (sample, step) pairs. The batch's first plan's first step is on policy."""
+    first, batch.plans = batch.plans == 0, batch.plans + 1
     n = batch.advantages.shape[0]
     k = len(batch.train_steps)
     per_sample = max(1, math.ceil(config.timestep_fraction * k))
     order = torch.stack([batch.train_steps[torch.randperm(k, generator=generator)[:per_sample]] for _ in range(n)])
     steps = []
-    for micro_batches in split_steps(n, config.steps_per_epoch, config.micro_batch_size, generator):
-        steps.append([StepUnit(batch, idx, order[idx, j]) for idx in micro_batches for j in range(per_sample)])
+    for s, micro_batches in enumerate(split_steps(n, config.steps_per_epoch, config.micro_batch_size, generator)):
+        steps.append([StepUnit(batch, idx, order[idx, j], on_policy=first and s == 0)
+                      for idx in micro_batches for j in range(per_sample)])
     if not config.drop_zero_advantage:
         return set_shares(steps, lambda unit: len(unit.indices))
     kept = (batch.advantages != 0).cpu()  # one read of the device for the whole plan
     return set_shares(steps, lambda unit: int(kept[unit.indices, unit.steps].sum()))
 
 
-LogRatio = Callable[[StepUnit, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(unit, x_next [m, ...], the policy's step mean [m, ...], the step's std [m, 1, ...]) -> log-ratio [m]."""
+LogRatio = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x_next [m, ...], the policy's step mean [m, ...], the old policy's [m, ...], the step's std [m, 1, ...]) ->
+log-ratio [m]."""
 
 
 def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig,
               log_ratio: LogRatio | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (plus beta KL) of one unit, a mean over its samples (not scaled by its
     ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy; ``log_ratio`` replaces
-    log p_theta - log p_old in the ratio where an algorithm defines its own."""
+    log p_theta - log p_old in the ratio where an algorithm defines its own. An on-policy unit's old values are
+    its own, detached, and recorded in the batch; ``logp_gap`` is then max |log p - the rollout's log p|, the
+    rollout's and training forward's numerical gap (0 in eager mode; compiled graphs in bf16 round apart)."""
     batch, ro = unit.batch, unit.batch.rollout
     # Every tensor indexed below lives on the rollout's device; host indices would be copied there by each
     # indexing op, every copy waiting for the device to finish its queued work.
@@ -118,12 +135,21 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig,
     step_fn = batch.step_fn
     v = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, ro.guidance_scale)
     _, log_prob, mean, std = step_fn(v, x_t, step, ro.noise_level, prev_sample=x_next)
-    new, old = log_prob, ro.log_probs[idx, step]
+    if unit.on_policy:
+        old = log_prob.detach()
+        batch.old_log_probs[idx, step] = old.to(batch.old_log_probs.dtype)
+        if batch.old_means is not None:
+            batch.old_means[idx, step] = mean.detach().to(batch.old_means.dtype)
+        gap = (old.float() - ro.log_probs[idx, step].float()).abs().max()
+    new, old = log_prob, batch.old_log_probs[idx, step]
     if log_ratio is not None:
-        new, old = log_ratio(unit, x_next, mean, step_fn.std(step, ro.noise_level, x_t)), torch.zeros_like(log_prob)
+        new = log_ratio(x_next, mean, batch.old_means[idx, step], step_fn.std(step, ro.noise_level, x_t))
+        old = torch.zeros_like(new)
     advantages = batch.advantages[idx, step]
     weights = (advantages != 0).float() if config.drop_zero_advantage else None
     loss, stats = clipped_policy_loss(advantages, new, old, config.clip_range, weights)
+    if unit.on_policy:
+        stats["logp_gap"] = gap
     stats["policy_loss"] = loss.detach()
     if config.kl_beta > 0:
         with torch.no_grad():
@@ -162,9 +188,11 @@ class ClippedPolicyGradient(NoExtras):
         self.needs_reference = config.kl_beta > 0
         # The ratio statistics say how far the policy moved off the rollout's; with one optimizer step per
         # rollout batch the ratio is exactly 1 (they are logged as 0), so the progress line leaves them out.
-        # The KL to the reference is shown where kl_beta > 0 puts it in the loss.
+        # Later optimizer steps' samples have only the rollout's log p_old: their ratio holds its gap to the
+        # training forward, shown then. The KL to the reference is shown where kl_beta > 0 puts it in the loss.
         reused = config.inner_epochs > 1 or config.steps_per_epoch > 1
         self.shown_metrics = (tuple(m for m in type(self).shown_metrics if reused or m not in ("approx_kl", "clip_frac"))
+                              + (("logp_gap",) if config.steps_per_epoch > 1 else ())
                               + (("kl",) if config.kl_beta > 0 else ()))
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:

@@ -234,4 +234,4 @@ def tiny_spec():
         posterior_draw="diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint.retrieve_latents",
         learning=("train.learning_rate=0.003", "algorithm.group_size=32"), learning_epochs=15,
         bench_resolution=32, bench_guidance=4.5, denoiser_9m=dict(block_out_channels=[96, 192]),
-        denoiser_real=_REAL_UNET, compiled_ratio_atol=1e-5)
+        denoiser_real=_REAL_UNET, compiled_ratio_atol=1e-5, compiled_ratio_atol_bf16=0.08)
