@@ -1,7 +1,7 @@
 """The real trainer's RL epoch at a chosen shape, with ``model.compile`` and attention variants side by side.
 
 Defaults follow issue 20's recipe: 10 steps, guidance 4.5, noise level 0.7, groups of 8, 4 prompts an epoch
-(32 images), KL beta 0.04, clip 1e-4, LoRA rank 32 / alpha 64, lr 3e-4, reward ``jpeg_compressibility`` served
+(32 images), training micro-batches of 8 (16 rows with CFG), KL beta 0.04, clip 1e-4, LoRA rank 32 / alpha 64, lr 3e-4, reward ``jpeg_compressibility`` served
 by a local replica, on the model's tiny test dataset. ``--denoiser tiny`` runs the adapter's tiny test model (CPU);
 ``--denoiser real`` its published architecture with random weights (bench/adapters.py; a GPU). Per variant:
 median of the epochs after the first (which compiles), with
@@ -48,8 +48,9 @@ from trainer.rewards.client import HttpRewardClient  # noqa: E402
 from trainer.rewards.launcher import LocalRewardPool  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
-RECIPE = ["algorithm.name=grpo", "algorithm.group_size=8", "data.prompts_per_epoch=4", "algorithm.kl_beta=0.04",
-          "algorithm.clip_range=1e-4", "algorithm.sampler.num_steps=10", "algorithm.sampler.guidance_scale=4.5",
+RECIPE = ["algorithm.name=grpo", "algorithm.group_size=8", "data.prompts_per_epoch=4", "algorithm.micro_batch_size=8",
+          "algorithm.kl_beta=0.04", "algorithm.clip_range=1e-4", "algorithm.sampler.num_steps=10",
+          "algorithm.sampler.guidance_scale=4.5",
           "algorithm.sampler.noise_level=0.7", "algorithm.sampler.sde_window=0", "algorithm.sampler.window_range=[0, 0]",
           "train.learning_rate=3e-4", "train.warmup_steps=0",
           "train.ema_decay=0", "reward.weights={jpeg_compressibility: 1.0}", "reward.replicas=1",

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs, in one call, most valuable first; each phase has its own time limit so
 # that a slow one cannot starve the rest. Logs go to $OUT (default ./gpu-out). Prepare here: make gpu-wheels;
-# carry .gpu-wheels. Phases (PHASES, default "suite epoch ratio adapters"; 2026-11-27's H100 took 70 s for the
-# suite, and did not finish the others in 15 minutes of device time: give a session's first call the first two):
+# carry .gpu-wheels. Phases (PHASES, default "epoch checks adapters"; 2026-11-28's H200 took 256 s for epoch and
+# 239 s for checks: one call of 600 s holds both, and the adapters phase needs a call of its own, about 250 s a row
+# of 20 B parameters):
 #   suite     the CUDA bf16 conformance suite (-m gpu) but the compiled-blocks cases
 #   epoch     bench/epoch.py: SD3.5-Medium's shape, issue 20's recipe, model.compile none and blocks (EPOCH_ARGS)
-#   ratio     the on-policy ratio with compiled blocks for every case
+#   checks    the suite and the on-policy ratio with compiled blocks for every case, side by side (correctness
+#             only: not beside epoch); each ratio case is its own pytest with -s, RATIO_JOBS at a time, so a
+#             phase cut short keeps what finished
 #   adapters  bench/adapters.py --denoiser real rows for ADAPTERS (default: those without a GPU row; flux2's 32 B
-#             need an H200 and more than 64 GB of disk)
+#             need more than 64 GB of disk)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PHASES=${PHASES:-suite epoch ratio adapters}
-ADAPTERS=${ADAPTERS:-qwen_image_edit,qwen_image_inpaint,qwen_image_edit_plus,qwen_image_edit_inpaint}
+PHASES=${PHASES:-epoch checks adapters}
+ADAPTERS=${ADAPTERS:-qwen_image_inpaint,qwen_image_edit_plus,qwen_image_edit_inpaint}
 start=$(date +%s)
 left() { echo $(( ${BUDGET_S:-540} - ($(date +%s) - start) )); }
 
@@ -34,13 +37,24 @@ for phase in $PHASES; do
         -k "not compiled_blocks" tests/integration/test_adapter_conformance.py tests/unit/test_noise.py \
         >"$OUT/suite.log" 2>&1
       echo "suite rc $?" >>"$OUT/env.txt";;
-    ratio)  # the on-policy ratio with compiled blocks, every case (inductor compiles for minutes)
-      RF_COMPILE_MATRIX=1 timeout "${RATIO_S:-300}" python3 -m pytest -m gpu -p no:cacheprovider -o addopts= -q \
-        -rfEP --timeout 280 -n 12 -k compiled_blocks tests/integration/test_adapter_conformance.py >"$OUT/ratio.log" 2>&1
+    checks)
+      budget=$(( $(left) > 75 ? $(left) - 15 : 60 ))  # what the epoch phase left
+      timeout "${SUITE_S:-$budget}" python3 -m pytest -m gpu -p no:cacheprovider -o addopts= -q -rfE --timeout 150 -n 8 \
+        -k "not compiled_blocks" tests/integration/test_adapter_conformance.py tests/unit/test_noise.py \
+        >"$OUT/suite.log" 2>&1 &
+      suite=$!
+      mkdir -p /tmp/ratio
+      RF_COMPILE_MATRIX=1 python3 -m pytest -m gpu -p no:cacheprovider -o addopts= --collect-only -q \
+        -k on_policy_ratio_with_compiled_blocks tests/integration/test_adapter_conformance.py | grep '::' |
+        TORCHINDUCTOR_COMPILE_THREADS=2 RF_COMPILE_MATRIX=1 timeout "${RATIO_S:-$budget}" xargs -P "${RATIO_JOBS:-8}" \
+        -I{} sh -c 'python3 -m pytest -p no:cacheprovider -o addopts= -q -s --timeout 280 "{}" \
+        >"/tmp/ratio/$(echo "{}" | tr -c "a-zA-Z0-9_\n" _).log" 2>&1'
       echo "ratio rc $?" >>"$OUT/env.txt"
-      grep -h "|ratio - 1|" "$OUT/ratio.log" >"$OUT/ratio_summary.txt";;
+      wait $suite; echo "suite rc $?" >>"$OUT/env.txt"
+      for f in /tmp/ratio/*.log; do echo "== $f"; grep -E "^E |passed|failed|rror" "$f" | head -20; done >"$OUT/ratio.log"
+      grep -h "|ratio - 1|" /tmp/ratio/*.log >"$OUT/ratio_summary.txt";;
     epoch)
-      timeout "${EPOCH_S:-330}" python3 bench/epoch.py --model sd3 --denoiser real --flops-prompts 1 \
+      timeout "${EPOCH_S:-390}" python3 bench/epoch.py --model sd3 --denoiser real --flops-prompts 1 \
         ${EPOCH_ARGS:---compile none,blocks} \
         --attention auto >"$OUT/epoch.log" 2>&1
       echo "epoch rc $?" >>"$OUT/env.txt";;
