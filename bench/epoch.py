@@ -7,8 +7,10 @@ by a local replica, on the model's tiny test dataset. ``--denoiser tiny`` runs t
 median of the epochs after the first (which compiles), with
 
     epoch s, img/s (whole epoch), rollout / reward-wait / update s, TFLOP/s (the epoch's FLOPs counted once in
-    eager mode by torch's FlopCounterMode, over the epoch's time), the fraction of a GEMM peak measured here,
-    peak memory (GPU: allocated; CPU: the process's peak RSS, which only grows), compile s and recompiles.
+    eager mode by torch's FlopCounterMode, over the epoch's time) and its fraction of a GEMM peak measured here,
+    the same for the rollout alone (its FLOPs over the rollout's time) and the update alone (training units with
+    their backward and reference forwards), peak memory (GPU: allocated; CPU: the process's peak RSS, which
+    only grows), compile s and recompiles.
 
 Attention variants are ``model.attention`` values, set as a run sets them (``auto`` probes on CUDA; its row
 names the kernel it chose).
@@ -88,9 +90,10 @@ def make_trainer(config, device: torch.device, client, run_dir: Path) -> Trainer
     return trainer
 
 
-def epoch_flops(config, device, client, run_dir: Path, prompts: int | None = None) -> float:
-    """FLOPs of one RL epoch (rollout, reward encoding aside, update and reference), counted in eager mode;
-    ``prompts``: count an epoch of that many prompts and scale (every FLOP of an epoch is per prompt's group)."""
+def epoch_flops(config, device, client, run_dir: Path, prompts: int | None = None) -> tuple[float, float]:
+    """FLOPs of one RL epoch (rollout, reward encoding aside, update and reference) and of its rollout alone,
+    counted in eager mode; ``prompts``: count an epoch of that many prompts and scale (every FLOP of an epoch
+    is per prompt's group)."""
     config.model.compile, attention = "none", config.model.attention
     # No probe; FLOPs do not depend on the kernel, memory does: math's attention matrices overflowed an H100's
     # 80 GB at SD3.5-Medium's shape (batch 16, 1229 tokens, 24 layers kept for the backward)
@@ -99,11 +102,18 @@ def epoch_flops(config, device, client, run_dir: Path, prompts: int | None = Non
     config.data.prompts_per_epoch = prompts or full
     trainer = make_trainer(config, device, client, run_dir / "flops")
     config.model.attention, config.data.prompts_per_epoch = attention, full
+    marks, update = [], trainer._update
     with FlopCounterMode(display=False) as counter:
+        def marked(*args, **kwargs):  # the rollout's FLOPs: those counted when the first update starts
+            marks.append(counter.get_total_flops())
+            return update(*args, **kwargs)
+
+        trainer._update = marked
         trainer.rl_epoch(0)
     del trainer
     gc.collect()
-    return float(counter.get_total_flops()) * full / (prompts or full)
+    scale = full / (prompts or full)
+    return float(counter.get_total_flops()) * scale, float(marks[0]) * scale
 
 
 def run_variant(config, device, client, run_dir: Path, epochs: int) -> dict[str, float]:
@@ -166,7 +176,8 @@ def main() -> None:
         client = HttpRewardClient(pool.urls, config.reward.weights, batch_size=config.reward.batch_size)
         flops = epoch_flops(config, device, client, Path(root), args.flops_prompts)
         peak = gemm_peak_tflops(device, getattr(torch, dtype))
-        print(f"epoch FLOPs {flops:.4g}; GEMM peak {peak:.4g} TFLOP/s", file=sys.stderr, flush=True)
+        print(f"epoch FLOPs {flops[0]:.4g} (rollout {flops[1]:.4g}); GEMM peak {peak:.4g} TFLOP/s", file=sys.stderr,
+              flush=True)
         rows = []
         for mode in args.compile.split(","):
             for attention in args.attention.split(","):
@@ -183,22 +194,28 @@ def main() -> None:
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else "?"
     print(f"\n{args.model}, {args.denoiser} denoiser, {dtype} on {device} ({torch.get_num_threads()} threads), "
           f"{rows[0][2]['images'] if rows else '?'} images an epoch, {config.algorithm.sampler.num_steps} steps; "
-          f"epoch FLOPs {flops:.3g}; GEMM peak {peak:.3g} TFLOP/s; median of epochs 2-{args.epochs}; "
+          f"epoch FLOPs {flops[0]:.3g} (rollout {flops[1]:.3g}); GEMM peak {peak:.3g} TFLOP/s; "
+          f"median of epochs 2-{max(args.epochs, 2)}; "
           f"load average {' '.join(load)}\n")
     print("| compile | attention | epoch s | img/s | rollout img/s | rollout s | reward wait s | update s "
-          "| TFLOP/s | of peak | peak GiB | compile s | recompiles | fallbacks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| TFLOP/s | of peak | rollout of peak | update of peak | peak GiB | compile s | recompiles | fallbacks |")
+    print("|---" * 16 + "|")
     for mode, attention, r in rows:
         print(table_row(mode, attention, r, flops, peak))
 
 
-def table_row(mode: str, attention: str, r: dict[str, float], flops: float, peak: float) -> str:
-    tflops = flops / r["epoch_s"] / 1e12
+def table_row(mode: str, attention: str, r: dict[str, float], flops: tuple[float, float], peak: float) -> str:
+    """``flops``: (the epoch's, its rollout's); the update's are the rest."""
+    total, rollout = flops
+    tflops = total / r["epoch_s"] / 1e12
+    rollout_share = rollout / r["time_rollout_s"] / 1e12 / peak
+    update_share = (total - rollout) / r["time_train_s"] / 1e12 / peak
     shown = attention if attention == r["kernel"] else f"{attention} ({r['kernel']})"
     return (f"| {mode} | {shown} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
             f"| {r['rollout_images_per_s']:.2f} | {r['time_rollout_s']:.2f} | {r['time_reward_wait_s']:.2f} "
-            f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {r['peak_gib']:.2f} "
-            f"| {r['compile_s']:.1f} | {r['recompiles']:.0f} | {r['fallbacks']:.0f} |")
+            f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {rollout_share:.1%} "
+            f"| {update_share:.1%} | {r['peak_gib']:.2f} | {r['compile_s']:.1f} | {r['recompiles']:.0f} "
+            f"| {r['fallbacks']:.0f} |")
 
 
 if __name__ == "__main__":
