@@ -100,18 +100,23 @@ def _processes(match) -> list[int]:
     return found
 
 
+def _job(model_dir: str, out_dir: Path) -> list[str]:
+    """A long two-rank job on the tiny model that the tests stop after its first RL epochs."""
+    return [f"model.path={model_dir}", f"logging.output_dir={out_dir}", "logging.progress=false",
+            "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=0",
+            "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
+            "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
+
+
 @pytest.mark.slow  # one torchrun job of two ranks (~25 s)
 def test_slurms_stop_signal_to_one_rank_and_the_replicas_stops_every_rank_after_the_epoch_with_a_checkpoint(
         tmp_path, tiny_model_dir):
     """SLURM's SIGUSR1 before the time limit (deploy/slurm.sbatch), here reaching torchrun, rank 1 and the reward
     replicas but not rank 0, under deploy/launch_multinode.sh: torchrun lives on; the ranks agree, end the same RL
     epoch (its rewards still come: the replicas wait for the trainer to stop them), write one checkpoint and exit
-    143 (torchrun's SIGTERM to rank 0 once rank 1 has exited does not cut that short); rank 0 says where the run
+    138 (torchrun's SIGTERM to rank 0 once rank 1 has exited does not cut that short); rank 0 says where the run
     stopped and how to continue it."""
-    args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
-            "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=0",
-            "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
-            "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
+    args = _job(tiny_model_dir, tmp_path)
     env = {**ENV, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "RDZV_ID": f"stop-{os.getpid()}",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     run = subprocess.Popen(["bash", "deploy/launch_multinode.sh", *args], cwd=REPO, env=env, text=True,
@@ -152,10 +157,7 @@ def test_ranks_whose_torchrun_was_killed_stop_after_the_epoch_with_a_checkpoint(
     """kill -9 of torchrun alone (each rank has a session of its own, so they live on): instead of training on
     unsupervised, beside any run started again on their directory, the ranks end their RL epoch, write a checkpoint
     and exit 129, rank 0 saying why."""
-    args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
-            "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=0",
-            "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
-            "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
+    args = _job(tiny_model_dir, tmp_path)
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             "trainer/main.py", *args], cwd=REPO, env=ENV, text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, start_new_session=True)

@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, group_advantages
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference
+from trainer.algorithms.base import LossContext, NoExtras, Rewards, mark_on_policy, refresh_reference
 from trainer.algorithms.clean_sample import (
     CleanSampleConfig,
     CleanUnit,
@@ -94,12 +94,7 @@ class AWM(NoExtras):
 
     def plan(self, batch: AWMBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """The batch's clean samples, weighted by reward (``clean_sample.weighted_plan``)."""
-        steps = weighted_plan(batch, self.config, generator)
-        if batch.plans == 0 and steps:
-            for unit in steps[0]:
-                unit.on_policy = True
-        batch.plans += 1
-        return steps
+        return mark_on_policy(batch, weighted_plan(batch, self.config, generator))
 
     def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch, idx, draw = unit.batch, unit.rows, unit.draw

@@ -209,6 +209,16 @@ def balance_ranks(steps: list[list[Any]], gather: Callable[[torch.Tensor], torch
             unit.share *= scale
 
 
+def mark_on_policy(batch: Any, steps: list[list[Any]]) -> list[list[Any]]:
+    """Mark ``steps``' first optimizer step's units ``on_policy`` where this is the batch's first plan (counted in
+    ``batch.plans``): no step has moved the weights off the rollout's, so a unit's own forward is the old policy's."""
+    if batch.plans == 0 and steps:
+        for unit in steps[0]:
+            unit.on_policy = True
+    batch.plans += 1
+    return steps
+
+
 def check_steps(num_samples: int, num_steps: int) -> None:
     """Refuse ``num_steps`` optimizer steps that do not split ``num_samples`` samples per rank evenly."""
     if num_samples % num_steps:

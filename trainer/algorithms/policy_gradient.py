@@ -20,7 +20,15 @@ from typing import Annotated
 import torch
 
 from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, check_steps, set_shares, split_steps
+from trainer.algorithms.base import (
+    LossContext,
+    NoExtras,
+    Rewards,
+    check_steps,
+    mark_on_policy,
+    set_shares,
+    split_steps,
+)
 from trainer.config.fields import Bounds, NonNegativeFloat, PositiveInt
 from trainer.models.base import StepFunction
 from trainer.rollout import Rollout, SamplerSettings
@@ -96,15 +104,14 @@ def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
     """Each sample trains on its own random subset of ``ceil(timestep_fraction * K)`` steps; a unit is one
     micro-batch at one step position; the per-rank batch splits into ``steps_per_epoch`` optimizer steps, whose
     loss is the mean over all of their (sample, step) pairs. The batch's first plan's first step is on policy."""
-    first, batch.plans = batch.plans == 0, batch.plans + 1
     n = batch.advantages.shape[0]
     k = len(batch.train_steps)
     per_sample = max(1, math.ceil(config.timestep_fraction * k))
     order = torch.stack([batch.train_steps[torch.randperm(k, generator=generator)[:per_sample]] for _ in range(n)])
     steps = []
-    for s, micro_batches in enumerate(split_steps(n, config.steps_per_epoch, config.micro_batch_size, generator)):
-        steps.append([StepUnit(batch, idx, order[idx, j], on_policy=first and s == 0)
-                      for idx in micro_batches for j in range(per_sample)])
+    for micro_batches in split_steps(n, config.steps_per_epoch, config.micro_batch_size, generator):
+        steps.append([StepUnit(batch, idx, order[idx, j]) for idx in micro_batches for j in range(per_sample)])
+    mark_on_policy(batch, steps)
     if not config.drop_zero_advantage:
         return set_shares(steps, lambda unit: len(unit.indices))
     kept = (batch.advantages != 0).cpu()  # one read of the device for the whole plan
