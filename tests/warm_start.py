@@ -1,15 +1,14 @@
 """The tiny model warmed up on digits (the default 600-step warm-up), made once per test run for the slow runs
 that need a model that already draws digits: a warm-up takes about 110 s on this machine, and pytest-xdist's workers
-share one through a file lock."""
+share one (tests/once_per_run.py)."""
 
 from __future__ import annotations
 
-import fcntl
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from once_per_run import once_per_run
 
 from reward_server.inprocess import InProcessRewardClient
 from trainer.algorithms import build_algorithm
@@ -38,15 +37,12 @@ def tiny_trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "
 def warmed_checkpoint(factory: pytest.TempPathFactory, model_dir: str) -> Path:
     """The checkpoint after the default warm-up of the tiny model in ``model_dir`` (built with seed 0, so every
     worker's copy has the same weights), for ``train.init_from``; the first worker to ask makes it."""
-    root = factory.getbasetemp()
-    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, above the workers'
-    done = shared / "warm-tiny.path"
-    with (shared / "warm-tiny.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
-        if not done.is_file():
-            trainer = tiny_trainer(shared / "warm-tiny", model_dir, "train.epochs=0", "logging.progress=false",
-                                   "eval.samples_per_prompt=1", "eval.num_steps=2")
-            trainer.fit()
-            trainer.logger.close()
-            done.write_text(str(trainer.checkpoints.latest()))
-        return Path(done.read_text())
+
+    def make(folder: Path) -> str:
+        trainer = tiny_trainer(folder, model_dir, "train.epochs=0", "logging.progress=false",
+                               "eval.samples_per_prompt=1", "eval.num_steps=2")
+        trainer.fit()
+        trainer.logger.close()
+        return str(trainer.checkpoints.latest())
+
+    return Path(once_per_run(factory, "warm-tiny", make))

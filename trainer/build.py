@@ -29,7 +29,7 @@ from trainer.launch import (
 )
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
-from trainer.stopping import StopSignalled, ignore_stop_signals
+from trainer.stopping import StopsBeforeTraining, StopSignalled, ignore_stop_signals
 from trainer.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ def run(config: Config) -> dict[str, float]:
 
     with contextlib.ExitStack() as stack:
         stack.callback(backend.close)
+        setup = stack.enter_context(StopsBeforeTraining())  # a SIGTERM now: what was started stops, nothing is kept
         for setting, path in ("train.resume", config.train.resume), ("train.init_from", config.train.init_from):
             if path and path != "auto":
                 require_checkpoint(Path(path), setting)
@@ -146,6 +147,7 @@ def run(config: Config) -> dict[str, float]:
         if main:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
         guard.started = True
+        setup.release()
         try:
             with trainer.stops:  # SIGTERM, SIGUSR1: checkpoint at the next step, then stop
                 metrics = trainer.fit()

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config.describe import described_yaml
     from trainer.health import RewardFailure, TrainingDiverged
     from trainer.launch import RunInterrupted, resume_command
+    from trainer.stopping import StopSignalled
 
     first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
     try:
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print("\ninterrupted before training started: nothing to continue", flush=True)
         return 130
+    except StopSignalled as stop:  # trainer.stopping.StopsBeforeTraining
+        if rank0:
+            print(f"\n{stop} before training started: nothing to continue", flush=True)
+        return 128 + stop.signum
     except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
         return user_error_exit(exc)
     except (RewardFailure, TrainingDiverged) as exc:  # the run went wrong (trainer/health.py), alike on every rank

@@ -81,6 +81,34 @@ class StopRequests:
         return self._agreed
 
 
+class StopsBeforeTraining:
+    """Until ``release()`` (training starts, where ``StopRequests`` takes over): a stop signal raises
+    ``StopSignalled`` where the process is (loading models, waiting on replicas), so the run's exits still run:
+    its replicas stop and a run directory it made is removed; further ones (torchrun passes SIGTERM on) are
+    ignored while they do. Main thread only, as for ``StopRequests``."""
+
+    def __init__(self):
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopsBeforeTraining:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._raise) for sig in SIGNALS}
+        return self
+
+    def _raise(self, signum: int, frame) -> None:
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise StopSignalled(signum)
+
+    def release(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def ignore_stop_signals() -> None:
     """For the rest of a stopping process: torchrun passes SIGTERM on to the ranks still running when one exits,
     and it would end this one before it has stopped its reward servers and said where the run stopped."""

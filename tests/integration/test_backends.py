@@ -6,6 +6,9 @@ backend), so they must agree; they differ only in how float32 gradients are redu
 single-process job sees other data (each rank draws its own warm-up batch and noise), so it is compared to
 the backends in tests/unit/test_distributed_backends.py, on world-size-invariant batches instead. Runs that
 need no fresh process go as series in one torchrun each (tests/job_series.py): one start-up, not one per run.
+The slow tier (a job matrix: ~5 min on 2 cores); the default tier runs every backend under torchrun in
+tests/unit/test_distributed_backends.py, the tiny job under DDP in test_main_job.py and a kill -9 resume in
+test_checkpoint_resume.py.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 from job_series import kill_tree, run_series
+from once_per_run import once_per_run
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")
 KEYS = ("sft_loss", "policy_loss", "grad_norm", "reward_mean", "value_loss")
@@ -86,16 +91,20 @@ def reward_url(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory, tiny_model_dir, reward_url, ip_job) -> dict[str, Path]:
+def straight_runs(tmp_path_factory, request, tiny_model_dir, ip_job) -> dict[str, Path]:
     """One uninterrupted run per backend and per ``ip/<backend>`` (the IP-Adapter job), all in one torchrun series
-    (DeepSpeed's last); run directories by name."""
-    out = tmp_path_factory.mktemp("backends")
-    jobs = {}
-    for group in ("ddp", "fsdp2", *VARIANTS), ("zero2", "zero3"):
-        jobs.update({backend: _job(tiny_model_dir, out, backend, backend, reward_url) for backend in group})
-        jobs.update({f"ip/{b}": ip_job(out, f"ip-{b}", b) for b in group if b in BACKENDS})
-    _series(jobs, out)
-    return {name: out / name.replace("/", "-") for name in jobs}
+    (DeepSpeed's last), made once per test run (tests/once_per_run.py); run directories by name."""
+
+    def make(out: Path) -> dict[str, str]:
+        reward_url = request.getfixturevalue("reward_url")  # started by the worker that runs the jobs only
+        jobs = {}
+        for group in ("ddp", "fsdp2", *VARIANTS), ("zero2", "zero3"):
+            jobs.update({backend: _job(tiny_model_dir, out, backend, backend, reward_url) for backend in group})
+            jobs.update({f"ip/{b}": ip_job(out, f"ip-{b}", b, reward_url) for b in group if b in BACKENDS})
+        _series(jobs, out)
+        return {name: str(out / name.replace("/", "-")) for name in jobs}
+
+    return {name: Path(run_dir) for name, run_dir in once_per_run(tmp_path_factory, "backends", make).items()}
 
 
 def test_every_backend_gives_the_same_losses_and_equal_weights_on_every_rank(straight_runs):
@@ -138,35 +147,41 @@ checkpoint instead (the same restore of their extra state, without two more torc
 
 
 @pytest.fixture(scope="module")
-def resumed_runs(tmp_path_factory, tiny_model_dir, reward_url, ip_job, straight_runs) -> dict[str, tuple[Path, str]]:
+def resumed_runs(tmp_path_factory, request, tiny_model_dir, ip_job, straight_runs) -> dict[str, tuple[Path, str]]:
     """Per backend of KILLED: its run killed with -9 (torchrun and both ranks) once it logged an RL epoch; then in
     one torchrun series, those runs continued with ``--resume auto``, and each of VARIANTS and IP_RESUMED resumed
-    into a run of its own from its uninterrupted run's epoch-1 checkpoint; (run directory, its stdout) by name."""
-    out = tmp_path_factory.mktemp("killed")
-    for backend in KILLED:
-        victim = subprocess.Popen(_torchrun(_job(tiny_model_dir, out, backend, backend, reward_url)), cwd=REPO,
-                                  env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
-        metrics = out / backend / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if metrics.is_file() and any(r["phase"] == "rl" for r in map(json.loads, metrics.read_text().splitlines())):
-                break
-            assert victim.poll() is None, f"{backend}: the run ended before it could be killed"
-            time.sleep(0.05)
-        killed = kill_tree(victim.pid, signal.SIGKILL)  # torchrun and both ranks (each in a session of its own)
-        assert len(killed) == 3, killed
-        victim.wait()
-    jobs = {backend: [*_job(tiny_model_dir, out, backend, backend, reward_url), "--resume", "auto"]
-            for backend in KILLED}
-    for variant in VARIANTS:
-        first = next((straight_runs[variant] / "checkpoints").glob("step-*-000001"))
-        jobs[variant] = [*_job(tiny_model_dir, out, variant, variant, reward_url), f"train.resume={first}"]
-    for backend in IP_RESUMED:
-        first = next((straight_runs[f"ip/{backend}"] / "checkpoints").glob("step-*-000001"))
-        jobs[f"ip/{backend}"] = ip_job(out, f"ip-{backend}", backend, f"train.resume={first}")
-    stdout = _series(jobs, out)
-    return {name: (out / name.replace("/", "-"), stdout[name]) for name in jobs}
+    into a run of its own from its uninterrupted run's epoch-1 checkpoint; (run directory, its stdout) by name,
+    made once per test run."""
+
+    def make(out: Path) -> dict[str, tuple[str, str]]:
+        reward_url = request.getfixturevalue("reward_url")
+        for backend in KILLED:
+            victim = subprocess.Popen(_torchrun(_job(tiny_model_dir, out, backend, backend, reward_url)), cwd=REPO,
+                                      env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True)
+            metrics = out / backend / "metrics.jsonl"
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                if metrics.is_file() and any(r["phase"] == "rl" for r in map(json.loads, metrics.read_text().splitlines())):
+                    break
+                assert victim.poll() is None, f"{backend}: the run ended before it could be killed"
+                time.sleep(0.05)
+            killed = kill_tree(victim.pid, signal.SIGKILL)  # torchrun and both ranks (each in a session of its own)
+            assert len(killed) == 3, killed
+            victim.wait()
+        jobs = {backend: [*_job(tiny_model_dir, out, backend, backend, reward_url), "--resume", "auto"]
+                for backend in KILLED}
+        for variant in VARIANTS:
+            first = next((straight_runs[variant] / "checkpoints").glob("step-*-000001"))
+            jobs[variant] = [*_job(tiny_model_dir, out, variant, variant, reward_url), f"train.resume={first}"]
+        for backend in IP_RESUMED:
+            first = next((straight_runs[f"ip/{backend}"] / "checkpoints").glob("step-*-000001"))
+            jobs[f"ip/{backend}"] = ip_job(out, f"ip-{backend}", backend, reward_url, f"train.resume={first}")
+        stdout = _series(jobs, out)
+        return {name: (str(out / name.replace("/", "-")), stdout[name]) for name in jobs}
+
+    return {name: (Path(run_dir), stdout) for name, (run_dir, stdout) in
+            once_per_run(tmp_path_factory, "backends-killed", make).items()}
 
 
 @pytest.mark.parametrize("backend", (*KILLED, *VARIANTS))
@@ -192,12 +207,12 @@ IP_RESUMED = ("fsdp2", "zero3")
 
 
 @pytest.fixture(scope="module")
-def ip_job(tmp_path_factory, reward_url) -> Callable[..., list[str]]:
-    """``ip_job(out, name, backend, *extra)``: the arguments of a FLUX job that trains its IP-Adapter alone (fresh
-    weights) on a triplet folder, with the KL to the reference on and a learning rate that moves the policy away
-    from it within an epoch. Each rank draws its own SDE window among 3 starts (the last one ends next to the
-    final step: a window that reached it would train one step fewer on that rank, and FSDP2 would hang on the
-    unmatched forward)."""
+def ip_job(tmp_path_factory) -> Callable[..., list[str]]:
+    """``ip_job(out, name, backend, reward_url, *extra)``: the arguments of a FLUX job that trains its IP-Adapter
+    alone (fresh weights) on a triplet folder, with the KL to the reference on and a learning rate that moves the
+    policy away from it within an epoch. Each rank draws its own SDE window among 3 starts (the last one ends
+    next to the final step: a window that reached it would train one step fewer on that rank, and FSDP2 would
+    hang on the unmatched forward)."""
     from trainer.data.testing import tiny_dataset
     from trainer.models import testing
 
@@ -214,11 +229,11 @@ def ip_job(tmp_path_factory, reward_url) -> Callable[..., list[str]]:
               "algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,3]", "train.warmup_steps=0",
               "train.epochs=2", "train.learning_rate=0.05", "train.checkpoint_every=1", "train.keep_checkpoints=0",
               "eval.num_steps=2", "eval.samples_per_prompt=1", "logging.progress=false", "logging.tensorboard=false",
-              "reward.weights={brightness: 1.0}", f"reward.urls=[{reward_url}]"]
+              "reward.weights={brightness: 1.0}"]
 
-    def job(out: Path, name: str, backend: str, *extra: str) -> list[str]:
+    def job(out: Path, name: str, backend: str, reward_url: str, *extra: str) -> list[str]:
         return [*common, f"parallel.backend={backend}", f"logging.output_dir={out}", f"logging.run_name={name}",
-                *extra]
+                f"reward.urls=[{reward_url}]", *extra]
 
     return job
 
@@ -242,7 +257,6 @@ def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(straight_ru
         assert kl(resumed_runs[f"ip/{backend}"][0]) == kl(straight_runs[f"ip/{backend}"])[1:], backend
 
 
-@pytest.mark.slow
 def test_compiled_blocks_train_under_zero_and_fsdp2(tiny_model_dir, reward_url, tmp_path):
     """model.compile=blocks composes with ZeRO-2 and FSDP2 (ZeRO-3 is refused as the config is read): the
     blocks are compiled before the backend wraps the denoiser (FSDP2's hooks run around the compiled forwards),

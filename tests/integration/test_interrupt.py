@@ -1,5 +1,6 @@
 """Ctrl-C on a real run: it says where the run stopped and prints the command that continues it, and that
-command, run as printed, continues the run from its newest checkpoint to the end."""
+command, run as printed, continues the run from its newest checkpoint to the end. Stop signals from a scheduler
+or a killed torchrun, during training and before it."""
 
 from __future__ import annotations
 
@@ -194,3 +195,25 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.slow  # one run stopped as it starts (~15 s)
+def test_a_stop_signal_before_training_stops_the_replicas_and_removes_the_new_run_directory(tmp_path, tiny_model_dir):
+    """SIGTERM while the run is still being set up (its reward replicas just started, the model loading): the
+    replicas are stopped, the run directory it made is removed, and it says so in one line with no traceback,
+    exiting 143 (before, the signal ended it at once, saying nothing, leaving the directory behind and the
+    replicas orphaned)."""
+    args = [*_job(tiny_model_dir, tmp_path), "logging.run_name=preempted"]
+    run = subprocess.Popen([sys.executable, "trainer/main.py", *args], cwd=REPO, env=ENV, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (replicas := replicas_of(run.pid)):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.02)
+    assert not (tmp_path / "preempted" / "metrics.jsonl").exists()  # set-up, not training
+    os.kill(run.pid, signal.SIGTERM)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert out.endswith("\nSIGTERM received before training started: nothing to continue\n"), out[-2000:]
+    assert not [pid for pid in replicas if _alive(pid)]  # stopped and reaped by the trainer, not orphaned
+    assert not (tmp_path / "preempted").exists()

@@ -138,6 +138,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow  # two processes of a whole job, started as two machines (~40 s on 2 cores)
 def test_two_machines_through_the_multinode_launch_script(tmp_path, tiny_model_dir):
     """deploy/launch_multinode.sh run as two machines of one process each (c10d rendezvous on loopback), with no
     reward.urls: each machine's first process starts its own reward replicas on its loopback (another machine's

@@ -8,7 +8,7 @@ its trainable weights must be ones its backend can update (float32 unless DeepSp
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
 test runs each config's whole job (``Trainer.fit``) at toy size and resumes it from a checkpoint, requiring
-the straight run's numbers; a third runs the job of every algorithm config with every registered adapter.
+the straight run's numbers (the algorithm configs' in the slow tier); a third runs the job of every algorithm config with every registered adapter.
 A fourth checks the presets' headers (including that they start every weighted
 reward scorer) and that their repository-relative data paths exist; a fifth, that the header's reward-server
 and training commands agree with reward.urls and with each other.
@@ -183,7 +183,12 @@ def _one_epoch(config) -> list[str]:
     return extra
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=_id)
+WHOLE_JOBS = [pytest.param(p, marks=pytest.mark.slow) if p.parent.name == "algorithms" else p for p in CONFIGS]
+"""The algorithm configs' jobs (the tiny model's) are in the slow tier: test_algorithms.py trains and resumes
+every algorithm exactly on it in the default tier; the model presets', each its own adapter and settings, are not."""
+
+
+@pytest.mark.parametrize("path", WHOLE_JOBS, ids=_id)
 def test_config_runs_a_whole_job_and_resumes_exactly(path, tiny_models, tmp_path, capsys):
     """``Trainer.fit`` of every shipped config on its tiny model: one warm-up step where the config warms up,
     the evaluation before, two RL epochs of the config's algorithm with its sampler, a checkpoint after each,
