@@ -8,10 +8,10 @@ its trainable weights must be ones its backend can update (float32 unless DeepSp
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
 test runs each config's whole job (``Trainer.fit``) at toy size and resumes it from a checkpoint, requiring
-the straight run's numbers (the algorithm configs' in the slow tier); a third runs the job of every algorithm config with every registered adapter.
-A fourth checks the presets' headers (including that they start every weighted
-reward scorer) and that their repository-relative data paths exist; a fifth, that the header's reward-server
-and training commands agree with reward.urls and with each other.
+the straight run's numbers (the algorithm configs' in the slow tier); a third runs the job of every algorithm
+config with every registered adapter. A fourth checks the presets' headers (including that they start every
+weighted reward scorer) and that their repository-relative data paths exist; a fifth, that the header's
+reward-server and training commands agree with reward.urls and with each other.
 """
 
 from __future__ import annotations
