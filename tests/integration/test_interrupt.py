@@ -102,7 +102,8 @@ def _processes(match) -> list[int]:
 
 
 def _job(model_dir: str, out_dir: Path) -> list[str]:
-    """A long two-rank job on the tiny model that the tests stop after its first RL epochs."""
+    """A long job on the tiny model (one or two ranks) that the tests stop early: in set-up or after its first RL
+    epochs."""
     return [f"model.path={model_dir}", f"logging.output_dir={out_dir}", "logging.progress=false",
             "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=0",
             "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
