@@ -1,7 +1,8 @@
 """``digit``: the probability that an image shows the digit named in its prompt.
 
 A weight-free learned scorer for the embedded default run: a logistic-regression classifier trained at
-start-up (under a second) on scikit-learn's bundled 8x8 digits, so nothing is downloaded.
+start-up (0.2 s) on scikit-learn's bundled 8x8 digits, so nothing is downloaded. It trains on one BLAS thread:
+the fitted weights then do not depend on the machine's core count (and threads only slow a fit this small).
 
 Data split (the trainer reimplements this rule, it must not import this module):
 ``order = np.random.default_rng(0).permutation(1797)``; ``order[:900]`` is the reward split used here,
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
+from threadpoolctl import threadpool_limits
 
 from reward_server.scorers.base import ScoreOutcome
 from shared.protocol import ErrorCode
@@ -83,7 +85,8 @@ class DigitScorer:
         digits = load_digits()
         indices = reward_split_indices()
         classifier = LogisticRegression(max_iter=5000)
-        classifier.fit(digits.data[indices], digits.target[indices])
+        with threadpool_limits(limits=1, user_api="blas"):
+            classifier.fit(digits.data[indices], digits.target[indices])
         assert list(classifier.classes_) == list(range(10))
         weights = np.concatenate([classifier.coef_.ravel(), classifier.intercept_]).round(6)
         self._version = "digits-logreg-v1+" + hashlib.sha256(weights.tobytes()).hexdigest()[:12]

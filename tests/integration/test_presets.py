@@ -8,7 +8,7 @@ its trainable weights must be ones its backend can update (float32 unless DeepSp
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
 test runs each config's whole job (``Trainer.fit``) at toy size and resumes it from a checkpoint, requiring
-the straight run's numbers (the algorithm configs' in the slow tier); a third runs the job of every algorithm
+the straight run's numbers (the algorithm configs' and repeated settings' in the slow tier); a third runs the job of every algorithm
 config with every registered adapter. A fourth checks the presets' headers (including that they start every
 weighted reward scorer) and that their repository-relative data paths exist; a fifth, that the header's
 reward-server and training commands agree with reward.urls and with each other.
@@ -183,9 +183,29 @@ def _one_epoch(config) -> list[str]:
     return extra
 
 
-WHOLE_JOBS = [pytest.param(p, marks=pytest.mark.slow) if p.parent.name == "algorithms" else p for p in CONFIGS]
-"""The algorithm configs' jobs (the tiny model's) are in the slow tier: test_algorithms.py trains and resumes
-every algorithm exactly on it in the default tier; the model presets', each its own adapter and settings, are not."""
+def _settings(path: Path) -> str:
+    """The config's settings other than its model's name and path, its data and its rewards."""
+    raw = yaml.safe_load(path.read_text())
+    model = {k: v for k, v in raw.get("model", {}).items() if k not in ("name", "path")}
+    return repr(sorted({**raw, "model": model, "data": None, "reward": None}.items()))
+
+
+def _whole_jobs() -> list:
+    """Every config; in the slow tier, the algorithm configs' jobs (the tiny model's: test_algorithms.py trains
+    and resumes every algorithm exactly on it in the default tier) and a preset whose settings repeat an earlier
+    one's but for its model, data and rewards (four Qwen-Image variants repeat FLUX.2 Klein inpainting's:
+    ~200 s). Each adapter's job on its data format and its half-precision suite are in the default tier
+    (test_every_adapter_runs_a_job_of_every_algorithm, the conformance suite), as is every preset's build."""
+    seen: set[str] = set()
+    jobs = []
+    for path in CONFIGS:
+        repeated = _settings(path) in seen
+        seen.add(_settings(path))
+        jobs.append(pytest.param(path, marks=pytest.mark.slow) if repeated or path.parent.name == "algorithms" else path)
+    return jobs
+
+
+WHOLE_JOBS = _whole_jobs()
 
 
 @pytest.mark.parametrize("path", WHOLE_JOBS, ids=_id)

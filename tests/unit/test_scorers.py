@@ -11,6 +11,7 @@ import pytest
 from fixtures_models import CONFORMANCE_METADATA, CONFORMANCE_SKIP
 from PIL import Image
 from sklearn.datasets import load_digits
+from threadpoolctl import threadpool_limits
 
 from reward_server.scorers import SCORERS, ScoreOutcome, Scorer, build_scorers, run_scorer
 from reward_server.scorers.digit import (
@@ -44,6 +45,16 @@ def test_reward_split_follows_the_documented_rule() -> None:
     indices = reward_split_indices()
     np.testing.assert_array_equal(indices, np.random.default_rng(0).permutation(1797)[:900])
     assert len(set(indices.tolist())) == 900
+
+
+def test_digit_classifier_is_the_same_whatever_the_blas_threads(digit_scorer: DigitScorer) -> None:
+    """The fit runs on one BLAS thread: a process allowed two (or one) gets the same weights, hence the same
+    version and rewards. Fitted on two threads, this machine's weights differed beyond the version's 6 decimals."""
+    for threads in (1, 2):
+        with threadpool_limits(limits=threads, user_api="blas"):
+            other = DigitScorer()
+            other.load()
+        assert other.version == digit_scorer.version
 
 
 def test_digit_scores_the_named_digit_high_and_others_low(digit_scorer: DigitScorer) -> None:
