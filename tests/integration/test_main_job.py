@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from servers import free_port
 
 from trainer.export import export_checkpoint
 
@@ -132,19 +132,13 @@ def test_torchrun_ddp_two_processes(tmp_path, tiny_model_dir):
     assert np.abs(one - ranks).max() <= 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow  # two processes of a whole job, started as two machines (~40 s on 2 cores)
 def test_two_machines_through_the_multinode_launch_script(tmp_path, tiny_model_dir):
     """deploy/launch_multinode.sh run as two machines of one process each (c10d rendezvous on loopback), with no
     reward.urls: each machine's first process starts its own reward replicas on its loopback (another machine's
     127.0.0.1 is not reachable), groups span the machines, and both end with identical weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NNODES": "2", "NPROC_PER_NODE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RDZV_ID": f"test-{os.getpid()}",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDZV_ID": f"test-{os.getpid()}",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.run_name=two",
             "logging.progress=false", "train.warmup_steps=2", "train.epochs=2", "data.prompts_per_epoch=2",
