@@ -8,10 +8,10 @@ its trainable weights must be ones its backend can update (float32 unless DeepSp
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
 task's image inputs. A config that names an unregistered algorithm, model or dataset fails here. A second
 test runs each config's whole job (``Trainer.fit``) at toy size and resumes it from a checkpoint, requiring
-the straight run's numbers (the algorithm configs' and repeated settings' in the slow tier); a third runs the job of every algorithm
-config with every registered adapter. A fourth checks the presets' headers (including that they start every
-weighted reward scorer) and that their repository-relative data paths exist; a fifth, that the header's
-reward-server and training commands agree with reward.urls and with each other.
+the straight run's numbers (the algorithm configs' and repeated settings' in the slow tier); a third runs the
+job of every algorithm config with every registered adapter. A fourth checks the presets' headers (including
+that they start every weighted reward scorer) and that their repository-relative data paths exist; a fifth,
+that the header's reward-server and training commands agree with reward.urls and with each other.
 """
 
 from __future__ import annotations
@@ -193,15 +193,18 @@ def _settings(path: Path) -> str:
 def _whole_jobs() -> list:
     """Every config; in the slow tier, the algorithm configs' jobs (the tiny model's: test_algorithms.py trains
     and resumes every algorithm exactly on it in the default tier) and a preset whose settings repeat an earlier
-    one's but for its model, data and rewards (four Qwen-Image variants repeat FLUX.2 Klein inpainting's:
-    ~200 s). Each adapter's job on its data format and its half-precision suite are in the default tier
-    (test_every_adapter_runs_a_job_of_every_algorithm, the conformance suite), as is every preset's build."""
+    one's but for its model, data and rewards (four Qwen-Image variants repeat FLUX.2 Klein inpainting's, ~200 s
+    on 2 AVX2 cores, and one SD3 preset another's). Each adapter's job on its data format, its half-precision
+    suite and every preset's build stay in the default tier (test_every_adapter_runs_a_job_of_every_algorithm,
+    the conformance suite, test_config_builds_and_samples_one_group)."""
     seen: set[str] = set()
     jobs = []
     for path in CONFIGS:
-        repeated = _settings(path) in seen
-        seen.add(_settings(path))
-        jobs.append(pytest.param(path, marks=pytest.mark.slow) if repeated or path.parent.name == "algorithms" else path)
+        settings = _settings(path)
+        repeated = settings in seen
+        seen.add(settings)
+        slow = repeated or path.parent.name == "algorithms"
+        jobs.append(pytest.param(path, marks=pytest.mark.slow) if slow else path)
     return jobs
 
 
