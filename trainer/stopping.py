@@ -96,8 +96,7 @@ class StopsBeforeTraining:
         return self
 
     def _raise(self, signum: int, frame) -> None:
-        for sig in SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()
         raise StopSignalled(signum)
 
     def release(self) -> None:
