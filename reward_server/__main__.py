@@ -112,7 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.max_pixels_per_request,
         help="height x width summed over a request's images and masks (bounds the memory it decodes to)",
     )
+    parser.add_argument(
+        "--max-pixels-in-flight",
+        type=int,
+        default=None,
+        help="pixels all requests being decoded and scored hold at once; more waits (default: twice "
+        "--max-pixels-per-request)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes)
+    parser.add_argument(
+        "--max-values",
+        type=int,
+        default=_DEFAULTS.max_values,
+        help="values (array and map entries) in a request body (bounds the memory a parsed body takes)",
+    )
+    parser.add_argument("--body-timeout-s", type=float, default=_DEFAULTS.body_timeout_s,
+                        help="a client that sends no part of its body for this long gets a 408")
     parser.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
     parser.add_argument("--batch-wait-ms", type=float, default=_DEFAULTS.batch_wait_ms)
     parser.add_argument("--max-queue-items", type=int, default=_DEFAULTS.max_queue_items)
@@ -189,7 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_items=args.max_items,
             max_image_side=args.max_image_side,
             max_pixels_per_request=args.max_pixels_per_request,
+            max_pixels_in_flight=args.max_pixels_in_flight,
             max_body_bytes=args.max_body_bytes,
+            max_values=args.max_values,
+            body_timeout_s=args.body_timeout_s,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
             max_queue_items=args.max_queue_items,

@@ -1,18 +1,20 @@
 """Reading a ``POST /score`` body: size caps, Content-Encoding, JSON or msgpack, schema, then the images.
 
-Each refusal is the HTTP error the client's retry logic expects (413, 415 or 422, see
-:mod:`reward_server.app`); a corrupt image is a per-item DECODE outcome instead, so the rest is scored.
+Each refusal is the HTTP error the client's retry logic expects (413, 415 or 422; 408 for a body that stalls;
+see :mod:`reward_server.app`); a corrupt image is a per-item DECODE outcome instead, so the rest is scored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from fastapi import HTTPException, Request
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from reward_server.metrics import ServerMetrics
 from reward_server.scorers.base import ScoreOutcome
@@ -29,10 +31,24 @@ from shared.protocol import (
     ScoreRequest,
     TooManyItemsError,
 )
-from shared.wire import BodyError, BodyTooLargeError, decompress_body, supported_encodings, unpack_msgpack
+from shared.wire import (
+    BodyError,
+    BodyTooLargeError,
+    check_json_values,
+    decompress_body,
+    supported_encodings,
+    unpack_msgpack,
+)
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # pyproject installs it there
+    from async_timeout import timeout
 
 Decoded = tuple[np.ndarray, dict[str, Any]] | ScoreOutcome
 """One item after decoding: its image and metadata (with mask and metadata images as arrays), or a failure."""
+Opened = dict[str | None, OpenedImage] | ScoreOutcome
+"""One item after reading its headers: its images by key (None: the scored one), or a failure."""
 
 
 async def parse_score_request(
@@ -50,14 +66,15 @@ async def parse_score_request(
     media_type = request.headers.get("content-type", JSON_MEDIA_TYPE).split(";")[0].strip().lower()
     binary = media_type in MSGPACK_MEDIA_TYPES
     max_body_bytes = settings.max_body_bytes
-    body = await _read_body(request, max_body_bytes)
+    body = await _read_body(request, max_body_bytes, settings.body_timeout_s)
     metrics.body_bytes.labels(MSGPACK_MEDIA_TYPE if binary else JSON_MEDIA_TYPE).observe(len(body))
 
     def parse() -> ScoreRequest:
         data = body if encoding == "identity" else decompress_body(body, encoding, max_body_bytes)
         context = {"max_items": settings.max_items}
         if binary:
-            return BinaryScoreRequest.model_validate(unpack_msgpack(data), context=context)
+            return BinaryScoreRequest.model_validate(unpack_msgpack(data, settings.max_values), context=context)
+        check_json_values(data, settings.max_values)
         return ScoreRequest.model_validate_json(data, context=context)
 
     try:  # off the event loop: bodies of many megabytes take a while to decompress and parse
@@ -70,17 +87,27 @@ async def parse_score_request(
         raise HTTPException(422, _describe_validation_error(exc)) from None
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    """Read the body, refusing with 413 as soon as it exceeds ``max_bytes`` (declared or actual)."""
+async def _read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """Read the body, refusing with 413 as soon as it exceeds ``max_bytes`` (declared or actual), with 408
+    when no part of it arrives for ``timeout_s``, and with 400 when the client goes away before its end."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise HTTPException(413, f"body of {declared} bytes exceeds the limit of {max_bytes} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise HTTPException(413, f"body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
+    loop = asyncio.get_running_loop()
+    try:
+        async with timeout(timeout_s) as idle:  # pushed back as each part arrives
+            async for chunk in request.stream():
+                idle.reschedule(loop.time() + timeout_s)
+                size += len(chunk)
+                if size > max_bytes:
+                    raise HTTPException(413, f"body exceeds the limit of {max_bytes} bytes")
+                chunks.append(chunk)
+    except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+        detail = f"no part of the body arrived for {timeout_s:g} s after {size} bytes"
+        raise HTTPException(408, detail, headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise HTTPException(400, f"the client disconnected after sending {size} bytes of the body") from None
     return b"".join(chunks)
 
 
@@ -93,13 +120,13 @@ def _describe_validation_error(exc: ValidationError) -> str:
     return "invalid request: " + "; ".join(problems) + more
 
 
-def decode_items(items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSettings) -> list[Decoded]:
-    """Decode each item's image, mask and metadata images into ``(image, metadata)``.
-
-    Every header is read before any pixel is decoded, so that an oversized image (422) or a request
-    over ``max_pixels_per_request`` (413) costs no memory. An undecodable item becomes a DECODE outcome.
-    """
-    opened: list[dict[str | None, OpenedImage] | ScoreOutcome] = []
+def open_items(
+    items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSettings
+) -> tuple[list[Opened], int]:
+    """Read every image's header (no pixel decoded yet): each item's opened images, or its DECODE outcome, and
+    the pixels they hold in all, so that an oversized image (422) or a request over ``max_pixels_per_request``
+    (413) costs no memory."""
+    opened: list[Opened] = []
     pixels = 0
     for index, item in enumerate(items):
         wire = {None: item.image, "mask": item.mask, **item.metadata_images}  # None: the scored image
@@ -123,6 +150,11 @@ def decode_items(items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerS
             f"than the limit of {settings.max_pixels_per_request} (max_pixels_per_request); send fewer or "
             "smaller images per request, or raise the server's --max-pixels-per-request",
         )
+    return opened, pixels
+
+
+def decode_opened(items: Sequence[ScoreItem | BinaryScoreItem], opened: Sequence[Opened]) -> list[Decoded]:
+    """Decode the items :func:`open_items` opened into ``(image, metadata)``; a corrupt one is a DECODE outcome."""
     decoded: list[Decoded] = []
     for item, entry in zip(items, opened, strict=True):
         if isinstance(entry, ScoreOutcome):

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic.json_schema import models_json_schema
 
 from reward_server.batching import JobResult, QueueFullError
-from reward_server.decode import Decoded, decode_items, parse_score_request
+from reward_server.decode import Decoded, decode_opened, open_items, parse_score_request
 from reward_server.scorers.base import ScoreOutcome
 from reward_server.service import RewardService
 from shared.protocol import (
@@ -102,6 +102,7 @@ async def info(request: Request) -> InfoResponse:
             max_image_side=settings.max_image_side,
             max_body_bytes=settings.max_body_bytes,
             max_pixels_per_request=settings.max_pixels_per_request,
+            max_values=settings.max_values,
         ),
         media_types=[JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE],
         encodings=supported_encodings(),
@@ -139,10 +140,13 @@ async def score(request: Request) -> JSONResponse:
     score_request = await parse_score_request(request, service.settings, service.metrics)
     names = _scorer_names(score_request, service)
     deadline = None if score_request.deadline_ms is None else received + score_request.deadline_ms / 1000.0
-    decoded = await asyncio.to_thread(decode_items, score_request.items, service.settings)
-    decode_ms = (time.monotonic() - received) * 1000.0
-    job_results = await _run_scorers(service, names, score_request, decoded, deadline)
-    per_item = _item_results(service, names, decoded, job_results)
+    opened, pixels = await asyncio.to_thread(open_items, score_request.items, service.settings)
+    async with service.pixels.hold(pixels):  # until the decoded images are scored
+        decoded = await asyncio.to_thread(decode_opened, score_request.items, opened)
+        decode_ms = (time.monotonic() - received) * 1000.0
+        job_results = await _run_scorers(service, names, score_request, decoded, deadline)
+        per_item = _item_results(service, names, decoded, job_results)
+        del decoded
     response = ScoreResponse(
         request_id=score_request.request_id,
         instance=service.settings.instance_id,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from reward_server.batching import ScorerWorker
 from reward_server.metrics import ServerMetrics
@@ -29,6 +31,8 @@ class RewardService:
         self.draining = False
         self.load_error: str | None = None
         self.metrics = ServerMetrics(scorers)
+        assert settings.max_pixels_in_flight is not None  # ServerSettings sets it
+        self.pixels = PixelBudget(settings.max_pixels_in_flight)
         self.metrics.ready.set_function(lambda: float(self.not_ready_reason() is None))
         for name in scorers:
             self.metrics.queue_depth.labels(name).set_function(
@@ -77,6 +81,52 @@ class RewardService:
             return None
         full = [name for name, w in self.workers.items() if w.queued_items >= self.settings.max_queue_items]
         return f"queue full: {full}" if full else None
+
+
+class PixelBudget:
+    """The decoded pixels that requests in flight hold, at most ``limit`` in all (one request alone may hold
+    more). A request that does not fit waits until earlier ones let go, in arrival order: a large request is not
+    overtaken for ever by small ones."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, pixels: int) -> AsyncIterator[None]:
+        await self._acquire(pixels)
+        try:
+            yield
+        finally:
+            self.held -= pixels
+            self._grant()
+
+    def _fits(self, pixels: int) -> bool:
+        return self.held == 0 or self.held + pixels <= self.limit
+
+    async def _acquire(self, pixels: int) -> None:
+        if not self._waiting and self._fits(pixels):
+            self.held += pixels
+            return
+        entry = (pixels, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry[1].done() and not entry[1].cancelled():  # granted as it was cancelled: give it back
+                self.held -= pixels
+            elif entry in self._waiting:
+                self._waiting.remove(entry)
+            self._grant()
+            raise
+
+    def _grant(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][0]):
+            pixels, future = self._waiting.popleft()
+            if not future.done():
+                self.held += pixels
+                future.set_result(None)
 
 
 async def in_daemon_thread(function: Callable[[], None]) -> None:

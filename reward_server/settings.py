@@ -25,7 +25,15 @@ class ServerSettings:
             images; more is a 413 (checked from the headers, before decompressing). It bounds the memory
             a request decodes to (3 bytes per RGB pixel), which the body size does not: PNGs compress
             flat images a thousandfold.
+        max_pixels_in_flight: the pixels that requests being decoded and scored hold at once; a request that
+            would exceed it waits (in arrival order) until earlier ones answer, one request alone always runs.
+            None: twice ``max_pixels_per_request``. It bounds what concurrent requests decode to together.
         max_body_bytes: request body size; more is a 413.
+        max_values: values (array and map entries: numbers, strings, ...) in a request body; more is a 413,
+            before it is parsed. It bounds the memory a parsed body takes, which the body size does not: a
+            value is 1-2 bytes of body and some 50 in memory, and a compressed body of KB decompresses to MB.
+        body_timeout_s: longest wait for the next part of a request's body; a client that stalls longer
+            gets a 408 and its connection closes.
         max_batch_size: items per call to a scorer; requests are split or merged into micro-batches.
         batch_wait_ms: how long a scorer worker waits for more requests to fill a micro-batch.
         max_queue_items: items waiting per scorer; a request that would exceed it gets a 429.
@@ -38,7 +46,10 @@ class ServerSettings:
     max_items: int = 256
     max_image_side: int = 4096
     max_pixels_per_request: int = 128 * 1024 * 1024
+    max_pixels_in_flight: int | None = None
     max_body_bytes: int = 256 * 1024 * 1024
+    max_values: int = 1_000_000
+    body_timeout_s: float = 30.0
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
     max_queue_items: int = 4096
@@ -51,6 +62,7 @@ class ServerSettings:
             "max_image_side",
             "max_pixels_per_request",
             "max_body_bytes",
+            "max_values",
             "max_batch_size",
             "max_queue_items",
         ):
@@ -60,6 +72,15 @@ class ServerSettings:
             raise ValueError(
                 f"max_queue_items ({self.max_queue_items}) must be >= max_items ({self.max_items})"
             )
+        if self.max_pixels_in_flight is None:
+            object.__setattr__(self, "max_pixels_in_flight", 2 * self.max_pixels_per_request)
+        elif self.max_pixels_in_flight < self.max_pixels_per_request:
+            raise ValueError(
+                f"max_pixels_in_flight ({self.max_pixels_in_flight}) must be >= max_pixels_per_request "
+                f"({self.max_pixels_per_request})"
+            )
+        if not 0 < self.body_timeout_s < math.inf:
+            raise ValueError(f"body_timeout_s must be > 0 and finite, got {self.body_timeout_s}")
         for name in ("batch_wait_ms", "drain_grace_s"):
             if not 0 <= getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")

@@ -142,6 +142,9 @@ def open_image(
         image = Image.open(io.BytesIO(payload))
     except UnidentifiedImageError:
         raise DecodeError(f"data is not a readable {format} image (unrecognised file content)") from None
+    except Image.DecompressionBombError as exc:  # a header declaring over twice PIL's MAX_IMAGE_PIXELS
+        limit = "" if max_side is None else f"; the maximum side is {max_side}"
+        raise ImageTooLargeError(f"image is too large: {str(exc).rstrip('.')}{limit}") from None
     except Exception as exc:  # PIL raises several unrelated types for corrupt files
         raise DecodeError(f"data is not a readable {format} image: {exc}") from exc
     if image.format not in _PIL_FORMATS[format]:

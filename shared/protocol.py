@@ -244,6 +244,9 @@ class Limits(_Response):
     max_pixels_per_request: int | None = Field(
         default=None, description="height x width summed over a request's images, masks and metadata images"
     )
+    max_values: int | None = Field(
+        default=None, description="array and map entries (numbers, strings, ...) in a request body, all told"
+    )
 
 
 class InfoResponse(_Response):

@@ -23,6 +23,10 @@ class BodyTooLargeError(BodyError):
     """A compressed body decompresses to more than the allowed size."""
 
 
+class TooManyValuesError(BodyTooLargeError):
+    """A body holds more values than allowed: parsed, it would take far more memory than its bytes."""
+
+
 _BIN32 = b"\xc6"
 _PLAIN_LEAVES = (str, int, float, bool, bytes, type(None))  # what unpack_msgpack lets through
 
@@ -81,20 +85,38 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise BodyError(f"msgpack extension type {code} is not accepted")
 
 
-def unpack_msgpack(body: bytes) -> Any:
-    """Decode a msgpack body into plain Python values.
+def unpack_msgpack(body: bytes, max_values: int | None = None) -> Any:
+    """Decode a msgpack body into plain Python values, with at most ``max_values`` array and map entries in all.
+
+    A value is one byte of msgpack (nil, small ints) but some 50 as a Python object: the bound keeps a body's
+    memory once parsed near its size. It is checked per array or map header before anything is allocated
+    (msgpack's own limits), then summed over the containers as they complete.
 
     Raises:
+        TooManyValuesError: more than ``max_values`` entries.
         BodyError: invalid msgpack, trailing data, invalid UTF-8, non-string map keys, or any extension
             type (timestamps included).
     """
+    limit = len(body) if max_values is None else max_values
+    counted = 0
+
+    def count(container: Any) -> Any:
+        nonlocal counted
+        counted += len(container)
+        if counted > limit:
+            raise TooManyValuesError(f"the body holds more than {limit} values (array and map entries)")
+        return container
+
     try:
         value = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, ext_hook=_refuse_ext, timestamp=0, use_list=True
+            body, raw=False, strict_map_key=True, ext_hook=_refuse_ext, timestamp=0, use_list=True,
+            max_array_len=limit, max_map_len=limit, list_hook=count, object_hook=count,
         )
     except BodyError:
         raise
     except Exception as exc:  # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError
+        if isinstance(exc, ValueError) and "exceeds max_" in str(exc):  # max_array_len or max_map_len
+            raise TooManyValuesError(f"the body holds more than {limit} values: {exc}") from None
         raise BodyError(f"invalid msgpack body: {type(exc).__name__}: {exc}") from None
     stack = [value]
     while stack:  # timestamps bypass ext_hook: refuse every non-plain value here
@@ -106,6 +128,22 @@ def unpack_msgpack(body: bytes) -> Any:
         elif not isinstance(item, _PLAIN_LEAVES):
             raise BodyError(f"msgpack value of type {type(item).__name__} is not accepted")
     return value
+
+
+def check_json_values(body: bytes, max_values: int) -> None:
+    """Refuse a JSON body that may hold more than ``max_values`` values before it is parsed.
+
+    Each value inside an array or object follows a ``[``, ``{`` or ``,``: their count bounds the values from
+    above (commas in strings count too), at the speed of a byte scan.
+
+    Raises:
+        TooManyValuesError: the bound exceeds ``max_values``.
+    """
+    bound = body.count(b",") + body.count(b"[") + body.count(b"{")
+    if bound > max_values:
+        raise TooManyValuesError(
+            f"the body may hold {bound} JSON values (counting commas and opening brackets), more than {max_values}"
+        )
 
 
 def _zstd_codec() -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes]] | None:

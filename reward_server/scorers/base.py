@@ -13,6 +13,9 @@ import numpy as np
 
 from shared.protocol import ErrorCode
 
+MAX_MESSAGE = 500
+"""Characters of a failure's message that go into a response."""
+
 
 @dataclass(frozen=True)
 class ScoreOutcome:
@@ -25,6 +28,9 @@ class ScoreOutcome:
 
     @classmethod
     def failure(cls, code: ErrorCode, message: str, details: dict[str, Any] | None = None) -> ScoreOutcome:
+        """A failed item; a message longer than MAX_MESSAGE characters (one quoting a huge prompt) is cut."""
+        if len(message) > MAX_MESSAGE:
+            message = f"{message[:MAX_MESSAGE]}... ({len(message)} characters in all)"
         return cls(score=None, details=details or {}, error=code, message=message)
 
     @property

@@ -49,6 +49,8 @@ def parse_target_digit(prompt: str, metadata: dict[str, Any]) -> int | None:
     value = metadata.get("digit")
     if isinstance(value, bool):
         return None
+    if isinstance(value, float) and value.is_integer():  # 7.0 from a JSON client
+        value = int(value)
     if isinstance(value, int) and 0 <= value <= 9:
         return value
     if isinstance(value, str) and value.strip() in tuple("0123456789"):

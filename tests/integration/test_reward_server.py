@@ -159,6 +159,7 @@ def test_health_and_info(http: httpx.Client, pool: LocalRewardPool) -> None:
         "max_image_side": 64,
         "max_body_bytes": 300000,
         "max_pixels_per_request": ServerSettings().max_pixels_per_request,
+        "max_values": ServerSettings().max_values,
     }
     assert "rewardflow_ready 1" in http.get("/metrics").text
 

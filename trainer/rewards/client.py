@@ -358,7 +358,7 @@ class HttpRewardClient:
                 )
             except asyncio.TimeoutError:
                 raise self.pool.failed(replica, f"{replica.url}: no answer within {self.timeout_s} s") from None
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:  # transport errors, and an answer it cannot decode
                 down = isinstance(exc, httpx.ConnectError)
                 raise self.pool.failed(
                     replica, f"{replica.url}: {type(exc).__name__}: {exc}", down=down
