@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="for the 'sleep' benchmark scorer: how long its load takes, in s (as a model's would)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (0: any free one)")
     parser.add_argument("--fd", type=int, default=None,
                         help="serve on this inherited, already bound TCP socket instead of binding --host:--port "
                              "(which then only name it in the log)")
@@ -172,6 +172,14 @@ class _DrainingServer(uvicorn.Server):
         """Exit with status 1 (a scorer failed to load)."""
         self.exit_code = 1
         self.should_exit = True
+
+
+def _port(text: str) -> int:
+    """A TCP port number (the OS took 99999 modulo 65536 and the server printed the number it was given)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
 
 
 class _ListScorers(argparse.Action):

@@ -19,8 +19,10 @@ from trainer.rewards.preflight import PreflightError, check_reward_urls
 
 def check_rewards(config: Config, backend) -> None:
     """Refuse the run now, on every rank alike, when a rank cannot reach a reward server or one lacks a
-    weighted scorer (each rank checks: machines may see different servers)."""
-    problem = check_reward_urls(config.reward.urls, sorted(config.reward.weights), reward_token(config.reward))
+    weighted or guard scorer (each rank checks: machines may see different servers)."""
+    named_by = {**{name: "eval.guard_scorers" for name in config.eval.guard_scorers},
+                **{name: "reward.weights" for name in config.reward.weights}}
+    problem = check_reward_urls(config.reward.urls, dict(sorted(named_by.items())), reward_token(config.reward))
     found = [(rank, p) for rank, p in enumerate(backend.all_gather_object(problem)) if p]
     if found:
         rank, problem = found[0]

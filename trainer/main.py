@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config.describe import described_yaml
     from trainer.health import RewardFailure, TrainingDiverged
     from trainer.launch import RunInterrupted, resume_command
+    from trainer.rewards.launcher import RewardPoolError
     from trainer.stopping import StopSignalled
 
     first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(f"\n{stop} before training started: nothing to continue", flush=True)
         return 128 + stop.signum
-    except ValueError as exc:  # user-fixable problems (bad paths, shapes, sizes) are raised as ValueError
+    # User-fixable: bad paths, shapes, sizes (ValueError); a reward replica of the job's own that did not start
+    # (the end of its log, in the message, says why).
+    except (ValueError, RewardPoolError) as exc:
         return user_error_exit(exc)
     except (RewardFailure, TrainingDiverged) as exc:  # the run went wrong (trainer/health.py), alike on every rank
         exc.every_rank = True

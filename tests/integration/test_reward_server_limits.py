@@ -227,3 +227,12 @@ def test_a_replica_whose_answer_cannot_be_decoded_is_failed_over() -> None:
             states = client.replica_states()
     assert result.instances == ["good"] and result.combined.tolist() == [0.0]
     assert states[broken_url]["consecutive_failures"] == 1
+
+
+def test_a_port_out_of_range_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """--port 99999 used to log 'running on ...:99999' while the OS bound 99999 - 65536 = 34463."""
+    from reward_server.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--scorers", "digit", "--port", "99999"])
+    assert exited.value.code == 2 and "argument --port: 99999 is not a TCP port (0-65535)" in capsys.readouterr().err

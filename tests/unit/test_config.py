@@ -236,8 +236,9 @@ def test_a_later_file_naming_the_same_class_updates_it_and_name_overrides_may_be
     assert merged.algorithm == dataclasses.replace(alone.algorithm, kl_beta=0.1)
     assert load_config(overrides=["algorithm.name='dpo'"]).algorithm.name == "dpo"
     short = tmp_path / "short.yaml"
-    short.write_text("algorithm: dpo\n")  # not a section: refused by name, not with a traceback
-    assert load_config(str(short), ["algorithm.name=grpo"]).algorithm.name == "grpo"
+    short.write_text("algorithm: dpo\n")  # not a section: refused naming the file, not with a traceback
+    with pytest.raises(ConfigError, match=r"algorithm must be a section of fields \(algorithm: \{name: dpo\}\)"):
+        load_config(str(short), ["algorithm.name=grpo"])
     config = load_config(overrides=["model.name=sd3", "model.negative_prompt='low' and 'blurry'", "model.lora.rank=8"])
     assert config.model.negative_prompt == "'low' and 'blurry'"
     assert config.model.lora.rank == 8  # LoRA was off: its section starts from its defaults
@@ -286,3 +287,17 @@ def test_show_config_describes_every_field_and_loads_back(tmp_path, capsys):
     (tmp_path / "shown.yaml").write_text(shown)
     assert load_config(str(tmp_path / "shown.yaml")) == load_config(overrides=["model.lora={rank: 4}", "train.epochs=7"])
     assert set(field_docs(TrainConfig)) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_a_config_path_that_is_a_folder_or_a_section_that_is_a_value_is_one_line_naming_the_file(tmp_path):
+    """A run folder given as --config was an IsADirectoryError traceback; ``train: 5`` in a file was blamed on
+    the command line's override (``train is not a section``)."""
+    (tmp_path / "config.yaml").write_text("train: {epochs: 3}\n")
+    with pytest.raises(ConfigError, match=f"^--config {tmp_path} is a directory: pass a YAML file, such as "
+                                          f"{tmp_path / 'config.yaml'}$"):
+        load_config(str(tmp_path))
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("train: 5\n")
+    with pytest.raises(ConfigError, match=rf"^--config {scalar}: train must be a section of fields \(train: "
+                                          r"\{key: value\}\), got 5$"):
+        load_config(str(scalar), ["train.warmup_steps=2"])

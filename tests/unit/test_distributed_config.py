@@ -36,6 +36,13 @@ def test_mixed_precision_needs_a_sharding_backend():
         init_backend(ParallelConfig(backend="single", param_dtype="bfloat16"), CPU, 1.0)
 
 
+@pytest.mark.parametrize("backend", ["auto", "single", "ddp", "fsdp2"])
+def test_a_deepspeed_config_is_refused_where_no_deepspeed_reads_it(backend):
+    """It used to be ignored without a word: the run went on under another backend than the one configured."""
+    with pytest.raises(ValueError, match=r"read by zero2 and zero3 only, not by parallel.backend="):
+        init_backend(ParallelConfig(backend=backend, deepspeed_config="ds.json"), CPU, 1.0)
+
+
 def test_auto_values_are_filled_from_our_config_and_explicit_ones_kept(tmp_path):
     config = deepspeed_config(3, "", max_grad_norm=0.5, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                               cpu_offload=True)

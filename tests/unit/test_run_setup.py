@@ -247,6 +247,26 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
     line = _fails_fast(tmp_path, capsys, "reward.weights={digt: 1}")  # the job's own servers would not start
     assert "reward.weights names scorer 'digt', which no reward server has (did you mean 'digit'?)" in line
 
+    # Guard scorers too: a server without one used to fail after the warm-up, a local pool with a 35-line traceback.
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
+    line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}",
+                       "eval.guard_scorers=[colorfulness]")
+    assert f"reward server {brightness_server} does not serve colorfulness (it serves brightness)" in line
+    assert line.endswith("or take colorfulness out of eval.guard_scorers")
+    line = _fails_fast(tmp_path, capsys, "eval.guard_scorers=[aesthetik]")
+    assert "eval.guard_scorers names scorer 'aesthetik', which no reward server has (did you mean 'aesthetic'?)" in line
+
+
+def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_traceback(tmp_path, capsys) -> None:
+    """aesthetic needs model files, which a job's own replicas are not given: a 33-line traceback before."""
+    from trainer.main import main
+
+    assert main([f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'outputs'}",
+                 "reward.weights={aesthetic: 1}", "reward.replicas=1"]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: reward replica 0 (http://127.0.0.1:" in f"\n{err}" and "exited with status" in err
+    assert "aesthetic needs --model-dir" in err and 'trainer/main.py", line' not in err  # the replica's log, no more
+
 
 def test_a_task_whose_metrics_read_a_scorer_the_run_does_not_use_is_refused_before_building(
         tmp_path, capsys, monkeypatch, brightness_server):

@@ -10,6 +10,7 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -81,10 +82,18 @@ def load_yaml(path: str) -> dict:
             raw = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        hint = f", such as {Path(path) / 'config.yaml'}" if (Path(path) / "config.yaml").is_file() else ""
+        raise ConfigError(f"--config {path} is a directory: pass a YAML file{hint}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+    for section, fields in raw.items():
+        if fields is not None and not isinstance(fields, dict):
+            example = f"{{name: {fields}}}" if f"{section}.name" in _NAMED and isinstance(fields, str) else "{key: value}"
+            raise ConfigError(f"--config {path}: {section} must be a section of fields ({section}: {example}), "
+                              f"got {fields!r}")
     return raw
 
 

@@ -39,6 +39,9 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
                                       or parallel.cpu_offload):
         raise ValueError(f"parallel.backend={kind} trains the model in model.dtype without offloading; "
                          "parallel.param_dtype / reduce_dtype / cpu_offload need fsdp2, zero2 or zero3")
+    if parallel.deepspeed_config and kind not in ("zero2", "zero3"):
+        raise ValueError(f"parallel.deepspeed_config={parallel.deepspeed_config!r} is read by zero2 and zero3 only, "
+                         f"not by parallel.backend={kind}: set parallel.backend=zero2 or zero3, or drop it")
     if kind == "single":
         if world.world_size > 1:
             raise ValueError("parallel.backend=single under torchrun with several processes; use ddp or auto")

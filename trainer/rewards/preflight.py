@@ -1,13 +1,13 @@
 """The pre-flight check of a run's reward servers, before anything is built or warmed up: every configured URL
-answers ``/info`` and serves every weighted scorer (a job's own local pool: every scorer is one a reward server
-has). A problem is one line naming the URL, what is missing and the command that fixes it."""
+answers ``/info`` and serves every weighted and guard scorer (a job's own local pool: every scorer is one a
+reward server has). A problem is one line naming the URL, what is missing and the command that fixes it."""
 
 from __future__ import annotations
 
 import difflib
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import httpx
@@ -24,29 +24,30 @@ class PreflightError(ValueError):
     every_rank = True
 
 
-def server_command(url: str, scorers: Sequence[str]) -> str:
+def server_command(url: str, scorers: Iterable[str]) -> str:
     """The command that serves ``scorers`` at ``url``."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
     return f"{SERVER_SCRIPT} --scorers {','.join(scorers)} --host {host} --port {port}"
 
 
-def check_reward_urls(urls: Sequence[str], scorers: Sequence[str], token: str | None,
-                         timeout_s: float = 5.0) -> str | None:
-    """Why the servers at ``urls`` cannot score ``scorers`` (the first problem found), or None. Without
-    ``urls`` the job starts its own servers: then every scorer must be registered."""
+def check_reward_urls(urls: Sequence[str], scorers: Mapping[str, str], token: str | None,
+                      timeout_s: float = 5.0) -> str | None:
+    """Why the servers at ``urls`` cannot score ``scorers`` (name -> the config field that names it: the fix
+    says where), the first problem found, or None. Without ``urls`` the job starts its own servers: then every
+    scorer must be registered."""
     if not urls:
         return _unknown_scorers(scorers)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
         for url in (u.rstrip("/") for u in urls):
-            problem = _check_one(client, url, list(scorers), headers)
+            problem = _check_one(client, url, scorers, headers)
             if problem is not None:
                 return problem
     return None
 
 
-def _check_one(client: httpx.Client, url: str, scorers: list[str], headers: dict[str, str]) -> str | None:
+def _check_one(client: httpx.Client, url: str, scorers: Mapping[str, str], headers: dict[str, str]) -> str | None:
     try:
         response = client.get(f"{url}/info", headers=headers)
     except httpx.TransportError as exc:
@@ -69,11 +70,11 @@ def _check_one(client: httpx.Client, url: str, scorers: list[str], headers: dict
     if missing:
         return (f"reward server {url} does not serve {', '.join(missing)} (it serves {', '.join(served) or 'nothing'}):"
                 f" restart it with `{server_command(url, [*served, *missing])}`, or take "
-                f"{', '.join(missing)} out of reward.weights")
+                f"{', '.join(missing)} out of {' and '.join(sorted({scorers[name] for name in missing}))}")
     return None
 
 
-def _unknown_scorers(scorers: Sequence[str]) -> str | None:
+def _unknown_scorers(scorers: Mapping[str, str]) -> str | None:
     """A local pool's servers would exit at start-up on a scorer name they do not know: the installed server's
     ``--list-scorers`` names the ones it has."""
     try:
@@ -87,7 +88,7 @@ def _unknown_scorers(scorers: Sequence[str]) -> str | None:
     for name in scorers:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
-            return (f"reward.weights names scorer {name!r}, which no reward server has"
+            return (f"{scorers[name]} names scorer {name!r}, which no reward server has"
                     + (f" (did you mean {close[0]!r}?)" if close else "")
                     + f": use one of {', '.join(known)}")
     return None
