@@ -74,8 +74,11 @@ def run(config: Config) -> dict[str, float]:
                 require_checkpoint(Path(path), setting)
         # Before anything is built: how an epoch's samples split over the ranks, then the reward servers.
         GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, backend.world.world_size, 0, 0)
-        check_rewards(config, backend)
         output = Path(config.logging.output_dir)
+        existing = next(p for p in (output.absolute(), *output.absolute().parents) if p.exists())  # mkdir's start
+        if not existing.is_dir():
+            raise ValueError(f"logging.output_dir={str(output)!r}: {existing} is a file, not a folder")
+        check_rewards(config, backend)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
         run_name, refusal = backend.broadcast((run_name, refusal))
         if refusal:
@@ -88,6 +91,10 @@ def run(config: Config) -> dict[str, float]:
         guard = stack.enter_context(RunDirGuard(made))
 
         task, eval_task = build_tasks(config.data, config.eval)  # their files are checked before any model loads
+        warms_up = config.train.warmup_steps > 0 and (not config.train.init_from or config.train.warmup_after_init)
+        if warms_up and not task.supervises:
+            raise ValueError(f"data.name={config.data.name} has prompts but no target images for the supervised "
+                             "warm-up: set train.warmup_steps=0 (or start from trained weights: train.init_from)")
         unscored = [s for s in task.metric_scorers if s not in {*config.reward.weights, *config.eval.guard_scorers}]
         if unscored:
             raise ValueError(f"the {config.data.name} task's metrics read the {', '.join(unscored)} scorer: add it to "
@@ -115,7 +122,7 @@ def run(config: Config) -> dict[str, float]:
         if not urls:
             mine = None
             if pool is not None:
-                pool.wait_ready()
+                _wait_for_local_pool(pool, config)
                 mine = list(pool.urls)
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient
@@ -242,6 +249,21 @@ def require_shared_run_dir(run_dir: Path, rank: int) -> None:
                          "every rank)")
 
 
+def _wait_for_local_pool(pool: LocalRewardPool, config: Config) -> None:
+    """``pool.wait_ready()``; a replica whose scorer found no model files (they say ``needs --model-dir``) ends
+    the job saying where the job's own replicas take them from."""
+    from trainer.rewards.launcher import RewardPoolError
+
+    try:
+        pool.wait_ready()
+    except RewardPoolError as exc:
+        if "needs --model-dir" not in str(exc) or config.reward.model_dir:
+            raise
+        raise RewardPoolError("a scorer of reward.weights or eval.guard_scorers needs model files: set "
+                              "reward.model_dir to the folder that holds them (the replicas' --model-dir). "
+                              f"{exc}") from None
+
+
 def _launch_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack) -> LocalRewardPool:
     """Launch reward-server replicas on loopback for the configured scorers, logging to ``log_dir`` (the caller
     waits for them with ``wait_ready``); stopped when the run ends."""
@@ -251,7 +273,8 @@ def _launch_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStac
     if (token := reward_token(config.reward)) is not None:  # the one the client sends, whatever the shell exports
         env["REWARD_SERVER_TOKEN"] = token
     scorers = sorted({*config.reward.weights, *config.eval.guard_scorers})
-    pool = LocalRewardPool(scorers, replicas=config.reward.replicas, log_dir=log_dir, env=env)
+    model_dir = ["--model-dir", str(Path(config.reward.model_dir).absolute())] if config.reward.model_dir else []
+    pool = LocalRewardPool(scorers, replicas=config.reward.replicas, log_dir=log_dir, env=env, extra_args=model_dir)
     stack.callback(pool.stop)
     pool.launch()
     return pool

@@ -79,6 +79,8 @@ def load_checkpoint(checkpoint: Path, model_path: str | None = None, ema: bool =
     model = replace(config.model, text_embeddings=_store_here(config.model.text_embeddings),
                     image_latents=_store_here(config.model.image_latents))
     if not Path(model.path).exists():
+        if model_path:
+            raise ValueError(f"--model-path {model_path}: no such base model directory")
         raise ValueError(f"the base model {model.path!r} named by the checkpoint's config does not exist here; "
                          "pass --model-path")
     adapter = build_adapter(model, torch.device(device))

@@ -57,6 +57,8 @@ def load_trained(weights: Path, model_path: str | None = None, device: str = "cp
     if getattr(model, "ip_adapter", None) is not None and (weights / IP_WEIGHTS).is_file():
         model = replace(model, ip_adapter=replace(model.ip_adapter, weights=str(weights)))
     if not Path(model.path).exists():
+        if model_path:
+            raise ValueError(f"--model-path {model_path}: no such base model directory")
         raise ValueError(f"the run's base model {model.path!r} (model.path in {config_file}) is not here: pass "
                          "--model-path")
     adapter = build_adapter(model, torch.device(device))
@@ -123,15 +125,22 @@ def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int |
     return out
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", required=True, type=Path, help="a run's final/ or best/ directory")
     parser.add_argument("--prompts", nargs="+", metavar="PROMPT", help="one grid row each (default: the run's "
                         "evaluation prompts, with the evaluation's noise)")
     parser.add_argument("--out", required=True, type=Path, help="the PNG to write")
-    parser.add_argument("--samples", type=int, help="images per prompt (default: the run's eval.samples_per_prompt)")
+    parser.add_argument("--samples", type=_positive, help="images per prompt (default: the run's eval.samples_per_prompt)")
     parser.add_argument("--seed", type=int, help="noise seed (default: the run's eval.seed)")
-    parser.add_argument("--steps", type=int, help="sampling steps (default: the run's eval.num_steps)")
+    parser.add_argument("--steps", type=_positive, help="sampling steps (default: the run's eval.num_steps)")
     parser.add_argument("--guidance", type=float, help="CFG scale (default: the run's eval.guidance_scale)")
     parser.add_argument("--image", type=Path, help="the image to inpaint or edit, for every prompt (with --prompts)")
     parser.add_argument("--mask", type=Path, help="the inpainting mask (white: repaint), for every prompt")
@@ -141,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     args = parser.parse_args(argv)
+    from PIL import Image
+
+    if args.out.suffix.lower() not in Image.registered_extensions():
+        parser.error(f"--out {args.out}: {args.out.suffix or 'no extension'} is not an image format; use .png")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
     from trainer.config import user_error_exit
     from trainer.quiet import quiet_third_party
 

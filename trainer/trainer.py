@@ -60,6 +60,10 @@ class Trainer:
         check_sampler(adapter, algorithm.sampler)  # a step the model cannot take fails now, not after the warm-up
         self._require_text_embeddings()
         self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
+        if task.holds_out and task.eval_prompts and len(self.pool) == len(task.prompts):
+            self._print(f"note: {config.data.name} has {len(task.prompts)} items, too few to hold out the evaluation's "
+                        f"{len(task.eval_prompts)} prompts: RL samples them too (hold them out with eval.path, a file "
+                        "of its own, or a smaller eval.prompts)")
         self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
                                     backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
         algorithm.check_batch(self.sampler.per_rank)

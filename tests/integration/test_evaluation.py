@@ -14,6 +14,20 @@ from warm_start import tiny_trainer
 from trainer.evaluation import GRID_PROMPTS
 
 
+def test_a_prompt_file_too_small_to_hold_out_its_evaluation_says_that_rl_samples_it_too(tmp_path, tiny_model_dir,
+                                                                                         capsys):
+    small, large = tmp_path / "small.txt", tmp_path / "large.txt"
+    small.write_text("".join(f"prompt {i}\n" for i in range(12)))  # 8 evaluated, 4 left: fewer than 8
+    large.write_text("".join(f"prompt {i}\n" for i in range(16)))
+    for path, pool in ((small, 12), (large, 8)):
+        trainer = tiny_trainer(tmp_path / path.stem, tiny_model_dir, "data.name=prompt_file", f"data.path={path}",
+                               "train.warmup_steps=0", log=False)
+        assert len(trainer.pool) == pool
+    out = capsys.readouterr().out
+    assert out.count("note: prompt_file has 12 items, too few to hold out the evaluation's 8 prompts: RL samples "
+                     "them too") == 1 and "16 items" not in out
+
+
 def test_an_evaluation_file_is_sampled_and_rl_trains_on_every_training_prompt(tmp_path, tiny_model_dir):
     train, test = tmp_path / "train.txt", tmp_path / "test.txt"
     train.write_text("".join(f"train {i}\n" for i in range(6)))

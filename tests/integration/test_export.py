@@ -67,7 +67,7 @@ def test_cli_names_what_is_wrong(tmp_path, capsys):
     assert "is not a complete checkpoint (no trainable.safetensors)" in capsys.readouterr().err
 
 
-def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path):
+def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path, capsys):
     """A run that read its text embeddings and image latents from precomputed stores exports where neither
     exists: the weights do not depend on them."""
     model = tiny_config("flux_kontext", tmp_path / "models", dtype="float32")
@@ -92,3 +92,6 @@ def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path):
     exported = FluxTransformer2DModel.from_pretrained(tmp_path / "exported").state_dict()
     trained = adapter.denoiser.state_dict()
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    # A wrong --model-path is named as such (it was blamed on the checkpoint's config).
+    assert main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "again"), "--model-path", "/nowhere"]) == 2
+    assert "error: --model-path /nowhere: no such base model directory" in capsys.readouterr().err

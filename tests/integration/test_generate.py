@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -86,3 +88,18 @@ def test_an_editing_model_edits_the_given_references(tmp_path):
     assert np.array_equal(first, np.asarray(Image.open(tmp_path / "a.png")))  # at the model's size: unchanged
     last = slice((1 + 2 * (side + 1)) * scale, (1 + 2 * (side + 1) + side) * scale, scale)
     assert not np.array_equal(grids["ab"][scale::scale][:side, last], grids["ac"][scale::scale][:side, last])
+
+
+def test_bad_counts_an_unknown_image_suffix_or_a_missing_gpu_are_refused_before_the_model_loads(tmp_path, capsys):
+    """--samples 0 and --steps 0 silently took the run's defaults, negative ones were tracebacks, a wrong suffix
+    failed after sampling and --device cuda on a machine without CUDA was an AssertionError."""
+    weights = ["--weights", str(tmp_path / "absent"), "--out"]
+    cases = [([*weights, "g.png", "--samples", "0"], "argument --samples: 0 is not a positive count"),
+             ([*weights, "g.png", "--steps", "-3"], "argument --steps: -3 is not a positive count"),
+             ([*weights, "g.jpgx"], "--out g.jpgx: .jpgx is not an image format; use .png")]
+    if not torch.cuda.is_available():
+        cases.append(([*weights, "g.png", "--device", "cuda"], "--device cuda: this torch"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and message in capsys.readouterr().err

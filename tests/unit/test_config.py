@@ -63,6 +63,12 @@ def test_yaml_and_overrides(tmp_path):
     ("data.name=nosuch", "data.name='nosuch' is not registered; choose one of: digits,"),  # was after the model loaded
     ("reward.weights={}", "reward.weights={} gives no scorer a weight"),
     ("reward.weights={digit: 0}", "reward.weights={'digit': 0.0} gives no scorer a weight"),
+    ("algorithm.sampler.noise_level=0", "noise_level=0 samples every step deterministically: a policy gradient "
+                                        "then has no log-probability to train"),  # was a run that trained nothing
+    ("reward.model_dir=/nonexistent", "reward.model_dir='/nonexistent': no such folder"),
+    ("logging.run_name=../escape", "logging.run_name='../escape' must be a plain folder name"),  # wrote outside
+    ("reward.weights={digit:1}", "YAML needs a space after the colon: {digit: 1}, not {digit:1}"),  # was 'got None'
+    ("reward.weights={digit:", "not valid YAML (quote the whole override for the shell: 'section.key={a: 1, b: 2}')"),
 ])
 def test_bad_keys_and_values_name_the_field(override, message):
     if message is None:  # in range (an unclipped ratio; a huge epoch count)
@@ -262,7 +268,8 @@ def test_the_config_package_loads_its_names_on_first_use():
 @pytest.mark.parametrize("override, suggestion", [
     ("train.epoch=3", "did you mean train.epochs?"), ("trian.epochs=3", "did you mean train?"),
     ("algorithm.sampler.numsteps=4", "did you mean algorithm.sampler.num_steps?"),
-    ("algorithm.name=gpro", "did you mean grpo?")])
+    ("algorithm.name=gpro", "did you mean grpo?"), ("algorithm.name=GRPO", "did you mean grpo?"),
+    ("model.name=SD3", "did you mean sd3?"), ("data.name=Digits", "did you mean digits?")])
 def test_a_misspelt_key_or_name_gets_the_nearest_valid_one(override, suggestion):
     with pytest.raises(ConfigError, match=re.escape(suggestion)):
         load_config(overrides=[override])
@@ -301,3 +308,14 @@ def test_a_config_path_that_is_a_folder_or_a_section_that_is_a_value_is_one_line
     with pytest.raises(ConfigError, match=rf"^--config {scalar}: train must be a section of fields \(train: "
                                           r"\{key: value\}\), got 5$"):
         load_config(str(scalar), ["train.warmup_steps=2"])
+
+
+def test_reward_model_dir_is_for_the_jobs_own_replicas(tmp_path):
+    with pytest.raises(ConfigError, match="is for the job's own replicas, but reward.urls names servers"):
+        load_config(overrides=[f"reward.model_dir={tmp_path}", "reward.urls=[http://127.0.0.1:9]"])
+
+
+def test_early_stop_without_evaluations_during_rl_is_refused():
+    """It did nothing, silently: the evaluations it counts never ran."""
+    with pytest.raises(ConfigError, match="train.early_stop=2 counts evaluations, but eval.every=0 runs none"):
+        load_config(overrides=["train.early_stop=2", "eval.every=0"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -257,6 +258,31 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
     assert "eval.guard_scorers names scorer 'aesthetik', which no reward server has (did you mean 'aesthetic'?)" in line
 
 
+def test_a_prompt_file_with_the_default_warm_up_is_refused_before_any_model_loads(tmp_path, capsys) -> None:
+    """Prompts alone have no target images: this used to fail at the first warm-up step, after the model, the
+    reward replicas and the run directory were made."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na dog\n")
+    line = _fails_fast(tmp_path, capsys, "data.name=prompt_file", f"data.path={prompts}",
+                       "reward.weights={brightness: 1}")
+    assert line == ("error: data.name=prompt_file has prompts but no target images for the supervised warm-up: set "
+                    "train.warmup_steps=0 (or start from trained weights: train.init_from)")
+
+
+def test_an_output_dir_or_a_model_path_that_is_a_file_is_one_line(tmp_path, capsys) -> None:
+    """Both were NotADirectoryError tracebacks, the model path's after 30 s (and a .building-* folder beside it)."""
+    from trainer.main import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    line = _fails_fast(tmp_path, capsys, f"logging.output_dir={a_file / 'runs'}")
+    assert line == f"error: logging.output_dir='{a_file / 'runs'}': {a_file} is a file, not a folder"
+    assert main([f"model.path={a_file}", f"logging.output_dir={tmp_path / 'outputs'}", "reward.replicas=1"]) == 2
+    assert (f"error: model.path='{a_file}' is a file: name the model's folder (a diffusers pipeline's, with "
+            "model_index.json)") in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no .building-*, no run left behind
+
+
 def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_traceback(tmp_path, capsys) -> None:
     """aesthetic needs model files, which a job's own replicas are not given: a 33-line traceback before."""
     from trainer.main import main
@@ -264,8 +290,23 @@ def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_t
     assert main([f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'outputs'}",
                  "reward.weights={aesthetic: 1}", "reward.replicas=1"]) == 2
     err = capsys.readouterr().err
-    assert "\nerror: reward replica 0 (http://127.0.0.1:" in f"\n{err}" and "exited with status" in err
+    assert ("\nerror: a scorer of reward.weights or eval.guard_scorers needs model files: set reward.model_dir to the "
+            "folder that holds them (the replicas' --model-dir). reward replica 0 (http://127.0.0.1:") in f"\n{err}"
     assert "aesthetic needs --model-dir" in err and 'trainer/main.py", line' not in err  # the replica's log, no more
+
+
+@pytest.mark.slow
+def test_the_jobs_own_replicas_score_with_model_files_from_reward_model_dir(tmp_path, tiny_aesthetic_model_dir):
+    from trainer.main import main
+
+    assert main([f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'outputs'}", "logging.run_name=r",
+                 "logging.progress=false", "logging.tensorboard=false", "reward.weights={aesthetic: 1}",
+                 f"reward.model_dir={tiny_aesthetic_model_dir}", "reward.replicas=1", "train.warmup_steps=0",
+                 "train.epochs=1", "data.prompts_per_epoch=1", "algorithm.group_size=2", "algorithm.sampler.num_steps=4",
+                 "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1", "eval.num_steps=1"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "outputs" / "r" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert rl and all(math.isfinite(r["reward/aesthetic"]) and r["failed_share"] == 0 for r in rl)
 
 
 def test_a_task_whose_metrics_read_a_scorer_the_run_does_not_use_is_refused_before_building(

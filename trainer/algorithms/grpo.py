@@ -32,6 +32,7 @@ class GRPOConfig(PolicyGradientConfig):
     """Normalise by the std of the whole gathered batch (reference recipe) instead of each group's."""
 
     def __post_init__(self):
+        super().__post_init__()
         if self.group_size < 2:
             raise ValueError("algorithm.group_size must be >= 2 for group-relative advantages")
 

@@ -62,6 +62,12 @@ class PolicyGradientConfig:
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     """Rollout sampling (steps, CFG, SDE kind and noise level, SDE window)."""
 
+    def __post_init__(self):
+        if self.sampler.noise_level == 0:
+            raise ValueError("algorithm.sampler.noise_level=0 samples every step deterministically: a policy gradient "
+                             "then has no log-probability to train (its loss and gradients are 0); set it > 0 (0.7 is "
+                             "Flow-GRPO's)")
+
 
 @dataclass
 class PolicyGradientBatch:
@@ -95,7 +101,7 @@ class StepUnit:
 def trainable_steps(rollout: Rollout) -> torch.Tensor:
     steps = rollout.trainable_steps()
     if len(steps) == 0:
-        raise ValueError("no trainable denoising steps: raise sampler.num_steps or sampler.sde_window")
+        raise ValueError("no trainable denoising steps: raise algorithm.sampler.num_steps or algorithm.sampler.sde_window")
     return steps
 
 

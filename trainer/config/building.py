@@ -15,7 +15,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
-from trainer.config.fields import Bounds, ConfigError, Selected
+from trainer.config.fields import Bounds, ConfigError, Selected, did_you_mean
 
 
 def _type_name(tp: Any) -> str:
@@ -200,9 +200,8 @@ def build_selected(selected: Selected, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected a mapping with a 'name' key, got {value!r}")
     name = value.get("name", selected.default)
     if name not in registry:
-        close = difflib.get_close_matches(str(name), registry, n=1, cutoff=0.6)
         raise ConfigError(f"{path}.name={name!r} is not registered; choose one of: {', '.join(sorted(registry))}"
-                          + (f"; did you mean {close[0]}?" if close else ""))
+                          + did_you_mean(name, registry))
     return build(registry[name], {**value, "name": name}, path)
 
 

@@ -7,13 +7,22 @@ Algorithm, model and sampler configs import only this module; ``trainer.config.b
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated
 
 
 class ConfigError(ValueError):
     """A config file, override or value that cannot be used; the message names the field and the fix."""
+
+
+def did_you_mean(name: object, names: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for the registered name nearest to ``name`` (``SD3``: ``sd3``), or ``""``."""
+    lower = {key.lower(): key for key in names}
+    text = str(name).lower()
+    close = [text] if text in lower else difflib.get_close_matches(text, lower, n=1, cutoff=0.6)
+    return f"; did you mean {lower[close[0]]}?" if close else ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,9 +71,15 @@ def override_value(override: str, text: str, hint: Any) -> Any:
             unquoted = None
         return unquoted if isinstance(unquoted, str) else text
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {override!r}: value is not valid YAML ({exc})") from exc
+        hint = " (quote the whole override for the shell: 'section.key={a: 1, b: 2}')" if "{" in text else ""
+        raise ConfigError(f"override {override!r}: value is not valid YAML{hint} ({exc})") from exc
+    glued = [key for key, item in value.items() if ":" in str(key) and item is None] if isinstance(value, dict) else []
+    if glued:  # YAML reads {digit:1} as the key 'digit:1' with no value
+        raise ConfigError(f"override {override!r}: YAML needs a space after the colon: "
+                          f"{{{str(glued[0]).replace(':', ': ', 1)}}}, not {{{glued[0]}}}")
+    return value
 
 
 def load_yaml(path: str) -> dict:

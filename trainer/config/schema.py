@@ -22,6 +22,7 @@ from trainer.config.fields import (
     Probability,
     Seed,
     Selected,
+    did_you_mean,
 )
 
 
@@ -74,7 +75,8 @@ class DataConfig:
         from trainer.data import DATASETS
 
         if self.name not in DATASETS:
-            raise ValueError(f"data.name={self.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}")
+            raise ValueError(f"data.name={self.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}"
+                             + did_you_mean(self.name, DATASETS))
 
 
 @dataclass
@@ -87,6 +89,10 @@ class RewardConfig:
     """Scorer name -> weight; the combined reward is the weighted sum; each component is logged."""
     replicas: PositiveInt = 2
     """Local replicas started when ``urls`` is empty."""
+    model_dir: str = ""
+    """The folder the job's own replicas (``urls`` empty) load model-based scorers from, as a reward server's
+    ``--model-dir`` (aesthetic/, pickscore/, hpsv2/, ...; docs/reward_protocol.md); empty: none, so only
+    scorers without weights (digit, brightness, ocr, ...) run locally."""
     token: str | None = None
     """Bearer token sent to the servers, if they require one; None: $REWARD_SERVER_TOKEN (the servers' own
     variable), which keeps it off command lines. Never written to a run's config.yaml or checkpoints."""
@@ -107,6 +113,11 @@ class RewardConfig:
 
     def __post_init__(self):
         check_weights(self.weights)
+        if self.model_dir and self.urls:
+            raise ValueError(f"reward.model_dir={self.model_dir!r} is for the job's own replicas, but reward.urls "
+                             "names servers: start those with --model-dir instead, or leave reward.urls empty")
+        if self.model_dir and not os.path.isdir(self.model_dir):
+            raise ValueError(f"reward.model_dir={self.model_dir!r}: no such folder")
 
 
 @dataclass
@@ -278,6 +289,9 @@ class LoggingConfig:
     def __post_init__(self):
         import importlib.util
 
+        if self.run_name in (".", "..") or any(sep in self.run_name for sep in ("/", os.sep)):
+            raise ValueError(f"logging.run_name={self.run_name!r} must be a plain folder name (runs go in "
+                             "logging.output_dir): set logging.output_dir for another place")
         if self.wandb != "none" and importlib.util.find_spec("wandb") is None:
             raise ValueError(f"logging.wandb={self.wandb} needs the wandb package: pip install -c constraints.txt "
                              "-e \".[wandb]\"")
@@ -308,6 +322,9 @@ class Config:
                              "per-layer graphs (no fusion; graphs, recompiles and compile time multiply); use "
                              "parallel.backend=fsdp2 (whole blocks sharded, each one graph) or zero2, or "
                              "model.compile=none")
+        if self.train.early_stop and not self.eval.every:
+            raise ValueError(f"train.early_stop={self.train.early_stop} counts evaluations, but eval.every=0 runs none "
+                             "during RL: set eval.every, or train.early_stop=0")
 
 
 def reward_token(config: RewardConfig) -> str | None:

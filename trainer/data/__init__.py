@@ -28,6 +28,7 @@ class DigitsTask:
     metric_names = ("digit_accuracy",)
     metric_scorers = ()
     holds_out = False
+    supervises = True
 
     def __init__(self, image_size: int):
         self.prompts = [digit_prompt(d) for d in range(10)]

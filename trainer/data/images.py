@@ -140,6 +140,7 @@ class ImageTask:
     metric_names: tuple[str, ...] = ()
     metric_scorers: tuple[str, ...] = ()
     holds_out = True
+    supervises = True
 
     def __init__(self, items: list[ImageItem], image_size: int, source: str, *, style_crop: float = 0.0,
                  edit: bool = False, image_inputs: Sequence[str] = ()):

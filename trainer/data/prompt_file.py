@@ -50,6 +50,7 @@ class PromptFileTask:
     metric_names: tuple[str, ...] = ()
     metric_scorers: tuple[str, ...] = ()
     holds_out = True
+    supervises = False  # prompts alone: no target images
 
     def __init__(self, path: str, eval_count: int = EVAL_COUNT):
         file = Path(path)

@@ -38,6 +38,9 @@ class Task(Protocol):
     holds_out: bool
     """Whether RL leaves the evaluation's prompts out (files of prompts); False where the prompts are the task's
     classes (digits, words), which RL must all train."""
+    supervises: bool
+    """Whether ``supervised_batch`` has target images (the supervised warm-up needs them); False for prompts
+    alone."""
 
     def item_metadata(self, indices: list[int]) -> list[dict]:
         """Per-item metadata of pool items ``indices`` for the reward servers (target text, mask region,

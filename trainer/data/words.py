@@ -74,6 +74,7 @@ class WordsTask:
     metric_names = ("ocr_accuracy", "ocr_score")
     metric_scorers = ("ocr",)
     holds_out = False
+    supervises = True
 
     def __init__(self, image_size: int):
         self.words = list(VOCABULARY)

@@ -78,6 +78,9 @@ def build_adapter(config, device):
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the float32 matmuls left (LoRA computes in model.dtype)
         torch.backends.cudnn.allow_tf32 = True
+    if Path(config.path).is_file():
+        raise ValueError(f"model.path={config.path!r} is a file: name the model's folder (a diffusers pipeline's, "
+                         "with model_index.json)")
     adapter_class = MODELS[config.name].load()
     hint = other_models_pipeline(config, adapter_class)
     if hint:
