@@ -8,13 +8,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 
 from trainer.rewards.launcher import bound_socket
 
@@ -60,6 +60,21 @@ def wait_for(url: str, status: int = 200, timeout_s: float = 30.0) -> None:
                 pass
             time.sleep(0.05)
     raise TimeoutError(f"{url} did not answer {status} within {timeout_s} s")
+
+
+def replica_answering(answer: Callable[[], Response]) -> FastAPI:
+    """A replica that is ready and answers every ``POST /score`` with ``answer()``: a broken one, for failover."""
+    app = FastAPI()
+
+    @app.get("/readyz")
+    async def ready() -> dict[str, str]:
+        return {"status": "ready"}
+
+    @app.post("/score")
+    async def score() -> Response:
+        return answer()
+
+    return app
 
 
 @contextmanager

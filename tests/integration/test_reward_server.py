@@ -23,10 +23,9 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, serve, spawn_reward_server, wait_for
+from servers import free_port, replica_answering, serve, spawn_reward_server, wait_for
 from sklearn.datasets import load_digits
 
 from reward_server.__main__ import main as server_main
@@ -958,15 +957,7 @@ def test_pixels_per_request_are_bounded_before_decoding() -> None:
 
 @pytest.mark.parametrize("status", [501, 505, 507])
 def test_client_retries_any_5xx_on_another_replica(status: int) -> None:
-    broken = FastAPI()
-
-    @broken.get("/readyz")
-    async def ready() -> dict[str, str]:
-        return {"status": "ready"}
-
-    @broken.post("/score")
-    async def fail() -> JSONResponse:
-        return JSONResponse({"detail": f"status {status}"}, status_code=status)
+    broken = replica_answering(lambda: JSONResponse({"detail": f"status {status}"}, status_code=status))
 
     good = create_app({"slow": _TestScorer()}, ServerSettings(instance_id="good"))
     with serve(broken) as broken_url, serve(good) as good_url:

@@ -17,10 +17,9 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
-from servers import serve
+from servers import replica_answering, serve
 
 from reward_server.app import create_app
 from reward_server.scorers import build_scorers
@@ -208,16 +207,8 @@ def test_an_integral_float_names_a_digit_in_metadata() -> None:
 
 
 def test_a_replica_whose_answer_cannot_be_decoded_is_failed_over() -> None:
-    broken = FastAPI()
-
-    @broken.get("/readyz")
-    async def ready() -> dict[str, str]:
-        return {"status": "ready"}
-
-    @broken.post("/score")
-    async def garbled() -> Response:
-        return Response(b"not gzip", headers={"Content-Encoding": "gzip"}, media_type="application/json")
-
+    broken = replica_answering(  # a 200 whose gzip body httpx cannot decode
+        lambda: Response(b"not gzip", headers={"Content-Encoding": "gzip"}, media_type="application/json"))
     good = create_app(build_scorers(["brightness"]), ServerSettings(instance_id="good"))
     with serve(broken) as broken_url, serve(good) as good_url:
         with HttpRewardClient(
