@@ -319,3 +319,25 @@ def test_early_stop_without_evaluations_during_rl_is_refused():
     """It did nothing, silently: the evaluations it counts never ran."""
     with pytest.raises(ConfigError, match="train.early_stop=2 counts evaluations, but eval.every=0 runs none"):
         load_config(overrides=["train.early_stop=2", "eval.every=0"])
+
+
+def test_a_single_step_rollout_under_a_policy_gradient_is_refused_as_the_config_is_read():
+    """It was found after the warm-up: the last step, the only one, is never trained."""
+    for name in ("grpo", "ppo"):
+        with pytest.raises(ConfigError, match="algorithm.sampler.num_steps=1 leaves no trainable denoising step"):
+            load_config(overrides=[f"algorithm.name={name}", "algorithm.sampler.num_steps=1",
+                                   "algorithm.sampler.sde_window=0"])
+    load_config(overrides=["algorithm.sampler.num_steps=2", "algorithm.sampler.sde_window=0"])
+
+
+def test_a_word_yaml_reads_as_a_boolean_is_shown_as_written(tmp_path):
+    """``model.compile=yes`` was refused as ``True``: an override of a choice of words takes the word as written,
+    and a file's unquoted ``off`` is refused saying how YAML read it."""
+    with pytest.raises(ConfigError, match=r"model.compile: 'yes' is not one of 'none', 'blocks', 'full'"):
+        load_config(overrides=["model.compile=yes"])
+    assert load_config(overrides=["logging.wandb=none"]).logging.wandb == "none"
+    path = tmp_path / "run.yaml"
+    path.write_text("logging:\n  wandb: off\n")
+    with pytest.raises(ConfigError, match=r"logging.wandb: False \(YAML reads an unquoted yes, no, on or off as a "
+                                          r"boolean\) is not one of 'none', 'online', 'offline'"):
+        load_config(str(path))

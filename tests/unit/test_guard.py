@@ -104,6 +104,14 @@ def test_an_evaluation_file_or_count_sets_what_is_evaluated_and_what_rl_keeps(tm
         build_tasks(config.data, load_config(overrides=[f"eval.path={test}"]).eval)
     with pytest.raises(ValueError, match=r"^eval.path='.*missing.txt': no such file"):
         tasks(f"eval.path={tmp_path / 'missing.txt'}")
+    # more than there are: refused naming the count, where it was cut to what there was without a word
+    with pytest.raises(ValueError, match=r"^eval.prompts=11 but data.name='digits' has 10 items: set eval.prompts to "
+                                         r"at most that"):
+        build_tasks(config.data, load_config(overrides=["eval.prompts=11"]).eval)
+    with pytest.raises(ValueError, match=r"^eval.prompts=31 but data.path='.*train.txt' has 30 items"):
+        tasks("eval.prompts=31")
+    with pytest.raises(ValueError, match=r"^eval.prompts=21 but eval.path='.*test.txt' has 20 items"):
+        tasks(f"eval.path={test}", "eval.prompts=21")
 
 
 @pytest.mark.parametrize(("overrides", "shown"), [

@@ -67,6 +67,9 @@ class PolicyGradientConfig:
             raise ValueError("algorithm.sampler.noise_level=0 samples every step deterministically: a policy gradient "
                              "then has no log-probability to train (its loss and gradients are 0); set it > 0 (0.7 is "
                              "Flow-GRPO's)")
+        if self.sampler.num_steps == 1 and self.sampler.sde_window == 0:
+            raise ValueError("algorithm.sampler.num_steps=1 leaves no trainable denoising step (the last step is never "
+                             "trained: its noise is near 0): set num_steps >= 2")
 
 
 @dataclass

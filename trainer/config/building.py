@@ -40,6 +40,11 @@ def admits_none(hint: Any) -> bool:
     return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint)
 
 
+def text_choice(tp: Any) -> bool:
+    """Whether ``tp`` is a ``Literal`` of strings (``model.compile``), whose words YAML may read as booleans."""
+    return typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))
+
+
 def selected_field(hint: Any) -> Selected | None:
     """The ``Selected`` marker of a field whose class is chosen by name, if it has one."""
     return next((m for m in unwrap_hint(hint)[1] if isinstance(m, Selected)), None)
@@ -149,7 +154,8 @@ def convert(tp: Any, value: Any, path: str) -> Any:
                           f"{', '.join(_type_name(o) for o in options)}")
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
+            read_as = " (YAML reads an unquoted yes, no, on or off as a boolean)" if isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: {value!r}{read_as} is not one of {', '.join(repr(a) for a in args)}")
         return value
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):

@@ -15,7 +15,15 @@ from typing import Any
 
 import yaml
 
-from trainer.config.building import admits_none, build, merge_sections, section_class, to_dict, unwrap_hint
+from trainer.config.building import (
+    admits_none,
+    build,
+    merge_sections,
+    section_class,
+    text_choice,
+    to_dict,
+    unwrap_hint,
+)
 from trainer.config.fields import ConfigError
 from trainer.config.schema import Config
 
@@ -35,9 +43,9 @@ def user_error_exit(exc: Exception) -> int:
 
 def apply_override(raw: dict, override: str, cls: type | None = None) -> None:
     """Apply ``a.b.c=value`` to nested dict ``raw`` (of dataclass ``cls``). The value is parsed as YAML (``3``,
-    ``true``, ``[1, 2]``), except for a text field (``str``, ``str | None``), which takes it as written: YAML
-    would cut ``low quality, #watermark`` at the ``#`` and read ``2024-06-01`` as a date (a quoted value is
-    unquoted, ``null`` is None where the field admits it)."""
+    ``true``, ``[1, 2]``), except for a text field (``str``, ``str | None``, a choice of words), which takes it
+    as written: YAML would cut ``low quality, #watermark`` at the ``#``, read ``2024-06-01`` as a date and
+    ``off`` as false (a quoted value is unquoted, ``null`` is None where the field admits it)."""
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     key, text = override.split("=", 1)
@@ -62,7 +70,7 @@ def override_value(override: str, text: str, hint: Any) -> Any:
     """An override's ``text`` as the value of a field typed ``hint`` (see ``apply_override``)."""
     inner = unwrap_hint(hint)[0]
     nullable = admits_none(hint)
-    if inner is str:
+    if inner is str or text_choice(inner):
         if nullable and text in ("null", "~"):
             return None
         try:  # 'a quoted value' is unquoted; anything else stays as written

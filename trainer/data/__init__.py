@@ -110,7 +110,8 @@ def build_tasks(data, ev) -> tuple[Task, Task]:
     itself with its held-out items; its evaluation is cut to the first ``eval.prompts`` items."""
     task = build_task(data)
     if not ev.path:
-        _evaluate_first(task, ev.prompts)
+        source = f"data.path={data.path!r}" if task.holds_out else f"data.name={data.name!r}"
+        _evaluate_first(task, ev.prompts, source)
         return task, task
     if not task.holds_out:  # an embedded task's prompts are its classes
         raise ValueError(f"eval.path={ev.path!r} is not read by data.name={data.name!r}, an embedded task that "
@@ -119,15 +120,18 @@ def build_tasks(data, ev) -> tuple[Task, Task]:
         evaluated = build_task(replace(data, path=ev.path))
     except ValueError as exc:  # its reader names the file as data.path
         raise ValueError(str(exc).replace(f"data.path={ev.path!r}", f"eval.path={ev.path!r}")) from None
-    _evaluate_first(evaluated, ev.prompts or len(evaluated.prompts))
+    _evaluate_first(evaluated, ev.prompts or len(evaluated.prompts), f"eval.path={ev.path!r}")
     task.eval_indices, task.eval_prompts = [], []
     return task, evaluated
 
 
-def _evaluate_first(task: Task, count: int) -> None:
-    """Evaluate ``task``'s first ``count`` items (0: keep its own choice)."""
+def _evaluate_first(task: Task, count: int, source: str) -> None:
+    """Evaluate ``task``'s first ``count`` items (0: keep its own choice); ``source`` names where they come from."""
+    if count > len(task.prompts):
+        raise ValueError(f"eval.prompts={count} but {source} has {len(task.prompts)} items: set eval.prompts to at "
+                         "most that (0: the default choice)")
     if count:
-        task.eval_indices = list(range(min(count, len(task.prompts))))
+        task.eval_indices = list(range(count))
         task.eval_prompts = [task.prompts[i] for i in task.eval_indices]
 
 
