@@ -6,11 +6,11 @@ benchmark stand-in :class:`reward_server.sleep_scorer.SleepScorer`.
 On SIGTERM (or Ctrl-C) the server drains: ``/readyz`` and ``/score`` answer 503 for ``--drain-grace-s``
 seconds while in-flight requests finish, then the listener closes, uvicorn waits for open requests and
 the process exits with status 0. A second signal exits at once. If a scorer fails to load the process
-exits with status 1. With ``--parent-pid`` it also drains when that process is gone (the trainer's own
-replicas: they outlive no trainer, even one killed with SIGKILL), and while it lives ignores SIGTERM and SIGUSR1
-(a scheduler signals every process of a job: the trainer still needs its rewards to end its epoch, and then stops
-them with SIGINT). With ``--fd`` it serves on a socket its
-parent bound and passed down (``LocalRewardPool``), so no other process can take the port in between.
+exits with status 1, or 3 (``EXIT_MODEL_FILES_MISSING``) when it needs ``--model-dir``. With ``--parent-pid``
+it also drains when that process is gone (the trainer's own replicas: they outlive no trainer, even one killed
+with SIGKILL), and while it lives ignores SIGTERM and SIGUSR1 (a scheduler signals every process of a job: the
+trainer still needs its rewards to end its epoch, and then stops them with SIGINT). With ``--fd`` it serves on a
+socket its parent bound and passed down (``LocalRewardPool``), so no other process can take the port in between.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ import uvicorn
 
 from reward_server.app import create_app
 from reward_server.scorers import SCORERS, Scorer, build_scorers
+from reward_server.scorers.base import ModelFilesMissing
 from reward_server.service import RewardService
 from reward_server.settings import ServerSettings
 from reward_server.sleep_scorer import SleepScorer
+from shared.protocol import EXIT_MODEL_FILES_MISSING
 
 _DEFAULTS = ServerSettings(instance_id="defaults")
 _SLEEP = "sleep"
@@ -169,8 +171,8 @@ class _DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def fail(self, exc: BaseException) -> None:
-        """Exit with status 1 (a scorer failed to load)."""
-        self.exit_code = 1
+        """Exit with status 1 (a scorer failed to load), or 3 when it needs ``--model-dir``."""
+        self.exit_code = EXIT_MODEL_FILES_MISSING if isinstance(exc, ModelFilesMissing) else 1
         self.should_exit = True
 
 

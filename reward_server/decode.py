@@ -63,8 +63,11 @@ async def parse_score_request(
             f"unsupported Content-Encoding {encoding!r}; supported: identity, {', '.join(encodings)}",
             headers={"Accept-Encoding": ", ".join(["identity", *encodings])},
         )
-    media_type = request.headers.get("content-type", JSON_MEDIA_TYPE).split(";")[0].strip().lower()
+    media_type = request.headers.get("content-type", JSON_MEDIA_TYPE).split(";")[0].strip().lower() or JSON_MEDIA_TYPE
     binary = media_type in MSGPACK_MEDIA_TYPES
+    if not binary and media_type != JSON_MEDIA_TYPE:  # curl -d sends application/x-www-form-urlencoded
+        raise HTTPException(415, f"unsupported Content-Type {media_type!r}: send {JSON_MEDIA_TYPE} (curl: -H "
+                                 f"'Content-Type: {JSON_MEDIA_TYPE}') or {MSGPACK_MEDIA_TYPE}")
     max_body_bytes = settings.max_body_bytes
     body = await _read_body(request, max_body_bytes, settings.body_timeout_s)
     metrics.body_bytes.labels(MSGPACK_MEDIA_TYPE if binary else JSON_MEDIA_TYPE).observe(len(body))

@@ -32,6 +32,10 @@ MSGPACK_MEDIA_TYPE = "application/msgpack"
 # Accepted as msgpack too: the names other tools use for the same format.
 MSGPACK_MEDIA_TYPES = frozenset({MSGPACK_MEDIA_TYPE, "application/x-msgpack", "application/vnd.msgpack"})
 
+EXIT_MODEL_FILES_MISSING = 3
+"""A reward server's exit status when a scorer needs model files and no ``--model-dir`` was given (1: any other
+load failure)."""
+
 ImageFormat = Literal["png", "jpeg", "webp", "raw"]
 MAX_DEADLINE_MS = 24 * 3600 * 1000
 

@@ -122,7 +122,7 @@ def run(config: Config) -> dict[str, float]:
         if not urls:
             mine = None
             if pool is not None:
-                _wait_for_local_pool(pool, config)
+                _wait_for_local_pool(pool)
                 mine = list(pool.urls)
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient
@@ -249,15 +249,16 @@ def require_shared_run_dir(run_dir: Path, rank: int) -> None:
                          "every rank)")
 
 
-def _wait_for_local_pool(pool: LocalRewardPool, config: Config) -> None:
-    """``pool.wait_ready()``; a replica whose scorer found no model files (they say ``needs --model-dir``) ends
-    the job saying where the job's own replicas take them from."""
+def _wait_for_local_pool(pool: LocalRewardPool) -> None:
+    """``pool.wait_ready()``; a replica whose scorer needs model files (its exit status says so) ends the job
+    saying where the job's own replicas take them from."""
+    from shared.protocol import EXIT_MODEL_FILES_MISSING
     from trainer.rewards.launcher import RewardPoolError
 
     try:
         pool.wait_ready()
     except RewardPoolError as exc:
-        if "needs --model-dir" not in str(exc) or config.reward.model_dir:
+        if exc.exit_status != EXIT_MODEL_FILES_MISSING:
             raise
         raise RewardPoolError("a scorer of reward.weights or eval.guard_scorers needs model files: set "
                               "reward.model_dir to the folder that holds them (the replicas' --model-dir). "

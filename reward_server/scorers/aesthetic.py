@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from reward_server.scorers.base import ModelFilesMissing
 from reward_server.scorers.local_model import fingerprint, load_strict, pick_device, weights_dir
 
 HEAD_FILES = ("head.safetensors", "head.pth")
@@ -93,7 +94,7 @@ class AestheticScorer:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         if self._root is None:
-            raise ValueError("aesthetic needs --model-dir with aesthetic/clip and aesthetic/head.pth")
+            raise ModelFilesMissing("aesthetic needs --model-dir with aesthetic/clip and aesthetic/head.pth")
         clip_dir = self._root / "clip"
         if not (clip_dir / "config.json").is_file():
             raise FileNotFoundError(f"{clip_dir} is not a transformers CLIP checkpoint (no config.json)")

@@ -15,6 +15,14 @@ from shared.protocol import ErrorCode
 
 MAX_MESSAGE = 500
 """Characters of a failure's message that go into a response."""
+RANGE_SLACK = 1e-5
+"""Relative float round-off a score may stand outside its scorer's range by (a float32 cosine of 1.0000001);
+such a score is moved onto the range's edge."""
+
+
+class ModelFilesMissing(ValueError):
+    """A scorer that loads weights was started without ``--model-dir``: the server then exits with
+    ``EXIT_MODEL_FILES_MISSING``, which tells a launcher to say where its replicas take model files from."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +80,9 @@ def run_scorer(
 ) -> list[ScoreOutcome]:
     """Call ``scorer.score`` and normalise what it returns into one valid :class:`ScoreOutcome` per item.
 
-    Exceptions become per-item INTERNAL errors (OOM for out-of-memory errors), non-finite scores become
-    INTERNAL errors, and a wrong number of outcomes fails the whole batch. Never raises.
+    Exceptions become per-item INTERNAL errors (OOM for out-of-memory errors), non-finite scores and scores
+    outside the scorer's ``score_range`` (past float round-off) become INTERNAL errors, and a wrong number of
+    outcomes fails the whole batch. Never raises.
     """
     try:
         raw = list(scorer.score(images, prompts, metadata))
@@ -87,10 +96,10 @@ def run_scorer(
             f"scorer {scorer.name!r} returned {len(raw)} outcomes for {len(images)} images",
         )
         return [outcome] * len(images)
-    return [_normalise(item) for item in raw]
+    return [_normalise(item, scorer.score_range) for item in raw]
 
 
-def _normalise(item: ScoreOutcome | float) -> ScoreOutcome:
+def _normalise(item: ScoreOutcome | float, score_range: tuple[float | None, float | None]) -> ScoreOutcome:
     if not isinstance(item, ScoreOutcome):
         item = ScoreOutcome(score=item)
     if item.error is not None:
@@ -105,7 +114,15 @@ def _normalise(item: ScoreOutcome | float) -> ScoreOutcome:
         return ScoreOutcome.failure(
             ErrorCode.INTERNAL, f"scorer returned a non-finite score {value}", item.details
         )
-    return ScoreOutcome(score=value, details=item.details)
+    low, high = score_range
+    inside = min(value, high) if high is not None else value
+    inside = max(inside, low) if low is not None else inside
+    if abs(inside - value) > RANGE_SLACK * max(1.0, abs(inside)):  # a bug (a misread answer), not a reward
+        shown = f"[{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}]"
+        return ScoreOutcome.failure(
+            ErrorCode.INTERNAL, f"scorer returned {value:g}, outside its declared range {shown}", item.details
+        )
+    return ScoreOutcome(score=inside, details=item.details)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.local_model import (
     fingerprint,
     load_strict,
@@ -72,7 +72,7 @@ class ClipScoreScorer:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         if self._root is None:
-            raise ValueError(f"{self.name} needs --model-dir with a CLIPModel in {self.name}/")
+            raise ModelFilesMissing(f"{self.name} needs --model-dir with a CLIPModel in {self.name}/")
         if not (self._root / "config.json").is_file():
             raise FileNotFoundError(f"{self._root} is not a transformers CLIPModel checkpoint (no config.json)")
         processor_dir = self._root / "processor" if (self._root / "processor").is_dir() else self._root

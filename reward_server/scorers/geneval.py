@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from reward_server.scorers import geneval_rules as rules
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files, weight_files
 from shared.protocol import ErrorCode
 
@@ -87,7 +87,8 @@ class GenEvalScorer:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         if self._root is None:
-            raise ValueError("geneval needs --model-dir with geneval/detector (Mask2Former) and geneval/clip (CLIP)")
+            raise ModelFilesMissing("geneval needs --model-dir with geneval/detector (Mask2Former) and "
+                                    "geneval/clip (CLIP)")
         detector_dir, clip_dir = self._root / "detector", self._root / "clip"
         for folder, needed in ((detector_dir, ("config.json", "preprocessor_config.json")),
                                (clip_dir, ("config.json", "preprocessor_config.json", "tokenizer_config.json"))):

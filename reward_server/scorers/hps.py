@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.local_model import (
     fingerprint,
     load_strict,
@@ -82,7 +82,8 @@ class HpsScorer:
         from transformers import AutoTokenizer, CLIPModel
 
         if self._root is None:
-            raise ValueError("hpsv2 needs --model-dir with hpsv2/ (see python -m reward_server.scorers.convert_hps)")
+            raise ModelFilesMissing("hpsv2 needs --model-dir with hpsv2/ (see python -m "
+                                    "reward_server.scorers.convert_hps)")
         require_files(self._root, ("config.json", "tokenizer_config.json"),
                       "convert the HPS checkpoint there with python -m reward_server.scorers.convert_hps --tokenizer ...")
         model = load_strict(CLIPModel, self._root, "CLIPModel", unexpected_ok=False)

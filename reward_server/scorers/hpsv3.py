@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.judge import JudgeQuery, rgb
 from reward_server.scorers.qwenvl import LocalQwenVL
 from shared.protocol import ErrorCode
@@ -123,7 +123,8 @@ class Hpsv3Scorer:
         from safetensors.torch import load_file
 
         if self._model_dir is None:
-            raise ValueError("hpsv3 needs --model-dir with hpsv3/ (see python -m reward_server.scorers.convert_hpsv3)")
+            raise ModelFilesMissing("hpsv3 needs --model-dir with hpsv3/ (see python -m "
+                                    "reward_server.scorers.convert_hpsv3)")
         root, options_path = self._model_dir / "hpsv3", self._model_dir / "hpsv3.json"
         options = json.loads(options_path.read_text()) if options_path.is_file() else {}
         if set(options) - {"image_pixels"}:

@@ -24,7 +24,7 @@ from PIL import Image
 from torch import nn
 
 from reward_server.scorers.aesthetic import AestheticHead
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.hps import OPENAI_MEAN, OPENAI_STD
 from reward_server.scorers.local_model import fingerprint, pick_device, require_files, weights_dir
 
@@ -95,7 +95,7 @@ class ImageRewardScorer:
         from transformers import AutoTokenizer, BlipConfig
 
         if self._root is None:
-            raise ValueError("imagereward needs --model-dir with imagereward/ "
+            raise ModelFilesMissing("imagereward needs --model-dir with imagereward/ "
                              "(see python -m reward_server.scorers.convert_imagereward)")
         require_files(self._root, ("config.json", "model.safetensors", "tokenizer_config.json"),
                       "convert ImageReward.pt there with python -m reward_server.scorers.convert_imagereward "

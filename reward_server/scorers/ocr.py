@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files
 from shared.protocol import ErrorCode
 
@@ -304,7 +304,7 @@ class OcrScorer:
             self._backend = RapidOcrBackend()
         else:
             if self._model_dir is None:
-                raise ValueError("ocr_paddle needs --model-dir with ocr_paddle/det and ocr_paddle/rec")
+                raise ModelFilesMissing("ocr_paddle needs --model-dir with ocr_paddle/det and ocr_paddle/rec")
             root = Path(self._model_dir) / "ocr_paddle"
             self._backend = PaddleOcrBackend(root / "det", root / "rec")
         self._backend.read([np.full((32, 32, 3), 255, np.uint8)])  # warm-up: first inference allocates

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.fingerprint import sha256_files
 from reward_server.scorers.judge import (
     ANSWER_FORMATS,
@@ -261,7 +261,7 @@ class QwenVLScorer:
 
     def load(self) -> None:
         if self._model_dir is None:
-            raise ValueError(f"{self.name} needs --model-dir (see reward_server/scorers/qwenvl.py)")
+            raise ModelFilesMissing(f"{self.name} needs --model-dir (see reward_server/scorers/qwenvl.py)")
         options = read_options(self._model_dir, self.name, api=self._backend_kind == "api", keys=_OPTION_KEYS)
         self.task, self.readout = options.get("task", self.task), options.get("readout", self.readout)
         self.max_new_tokens = int(options.get("max_new_tokens", self.max_new_tokens))

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.judge import JudgeQuery, rgb
 from reward_server.scorers.qwenvl import JudgeBackend, open_backend, read_options
 from shared.protocol import ErrorCode
@@ -107,7 +107,7 @@ class UnifiedRewardScorer:
 
     def load(self) -> None:
         if self._model_dir is None:
-            raise ValueError(f"{self.name} needs --model-dir (see reward_server/scorers/unifiedreward.py)")
+            raise ModelFilesMissing(f"{self.name} needs --model-dir (see reward_server/scorers/unifiedreward.py)")
         options = read_options(self._model_dir, self.name, api=self._api, keys={"task", "max_new_tokens"})
         self.task = options.get("task", self.task)
         self.max_new_tokens = int(options.get("max_new_tokens", self.max_new_tokens))

@@ -423,6 +423,11 @@ def test_cli_exits_with_status_1_when_a_scorer_fails_to_load(monkeypatch: pytest
     assert server_main(["--scorers", "broken", "--port", str(free_port()), "--log-level", "error"]) == 1
 
 
+def test_cli_exits_with_status_3_when_a_scorer_needs_model_files_and_has_no_model_dir() -> None:
+    """The trainer's launcher reads that status to name reward.model_dir (it matched the log's text before)."""
+    assert server_main(["--scorers", "aesthetic", "--port", str(free_port()), "--log-level", "error"]) == 3
+
+
 def test_sigterm_drains_then_exits_cleanly(tmp_path) -> None:
     port = free_port()
     log = tmp_path / "server.log"
@@ -716,6 +721,20 @@ def test_bad_binary_bodies(
     assert message in response.json()["detail"]
     if status == 415:
         assert response.headers["accept-encoding"].startswith("identity")
+
+
+def test_a_body_of_another_media_type_is_a_415_naming_the_two_it_takes(http: httpx.Client) -> None:
+    """A text/plain body was read as JSON; curl's -d sends application/x-www-form-urlencoded."""
+    image = encode_image(np.zeros((8, 8, 1), np.uint8), "png")
+    body = json.dumps({"items": [{"id": "a", "prompt": "", "image": image}]})
+    for media_type in ("text/plain", "application/x-www-form-urlencoded"):
+        response = http.post("/score", content=body, headers={"Content-Type": media_type})
+        assert response.status_code == 415, response.text
+        assert response.json()["detail"] == (f"unsupported Content-Type {media_type!r}: send application/json (curl: "
+                                             "-H 'Content-Type: application/json') or application/msgpack")
+    for headers in ({}, {"Content-Type": "application/json; charset=utf-8"}):  # no type at all: JSON
+        response = http.post("/score", content=body, headers=headers)
+        assert response.status_code == 200, response.text
 
 
 def test_msgpack_limits_match_json(http: httpx.Client) -> None:

@@ -14,6 +14,7 @@ from shared.protocol import ErrorCode
 
 class _Half:
     name = "half"
+    score_range = (0.0, 1.0)
 
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         return [0.5] * len(images)

@@ -145,6 +145,7 @@ def test_jpeg_compressibility_closed_form() -> None:
 
 class _Raising:
     name = "raising"
+    score_range = (None, None)
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
@@ -156,8 +157,9 @@ class _Raising:
 class _Returning:
     name = "returning"
 
-    def __init__(self, values: list) -> None:
+    def __init__(self, values: list, score_range: tuple = (None, None)) -> None:
         self.values = values
+        self.score_range = score_range
 
     def score(self, images: list, prompts: list, metadata: list) -> list:
         return self.values
@@ -189,6 +191,17 @@ def test_run_scorer_turns_a_score_too_large_for_a_float_into_an_item_error() -> 
     outcomes = run_scorer(_Returning([10**400, 0.5]), [np.zeros((8, 8, 1), np.uint8)] * 2, ["", ""], [{}, {}])
     assert [o.error for o in outcomes] == [ErrorCode.INTERNAL, None]
     assert "non-number" in outcomes[0].message and outcomes[1].score == 0.5
+
+
+def test_run_scorer_refuses_a_score_outside_the_declared_range_past_round_off() -> None:
+    """Such a score was passed on as a reward; within float32 round-off it lands on the range's edge."""
+    values = [1.5, -0.2, 1 + 1e-7, -1e-7, 0.75]
+    outcomes = run_scorer(_Returning(values, (0.0, 1.0)), [np.zeros((8, 8, 1), np.uint8)] * 5, [""] * 5, [{}] * 5)
+    assert [o.error for o in outcomes] == [ErrorCode.INTERNAL] * 2 + [None] * 3
+    assert outcomes[0].message == "scorer returned 1.5, outside its declared range [0, 1]"
+    assert [o.score for o in outcomes[2:]] == [1.0, 0.0, 0.75]
+    below = run_scorer(_Returning([0.5, -3.0], (None, 0.0)), [np.zeros((8, 8, 1), np.uint8)] * 2, ["", ""], [{}, {}])
+    assert below[0].message == "scorer returned 0.5, outside its declared range [-inf, 0]" and below[1].score == -3.0
 
 
 def test_build_scorers_rejects_unknown_names() -> None:

@@ -39,7 +39,11 @@ SERVER_SCRIPT = "rewardflow-reward-server"
 
 
 class RewardPoolError(RuntimeError):
-    """A replica of the local pool died or did not become ready in time."""
+    """A replica of the local pool died (``exit_status``: its status) or did not become ready in time (None)."""
+
+    def __init__(self, message: str, exit_status: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 def bound_socket(host: str, port: int = 0) -> socket.socket:
@@ -240,7 +244,8 @@ class LocalRewardPool:
                         self._keep_logs = True
                         raise RewardPoolError(
                             f"reward replica {index} ({self.urls[index]}) exited with status {process.returncode}; "
-                            f"end of {self.log_paths[index]}:\n{_tail(self.log_paths[index])}"
+                            f"end of {self.log_paths[index]}:\n{_tail(self.log_paths[index])}",
+                            exit_status=process.returncode,
                         )
                     try:
                         if client.get(f"{self.urls[index]}/readyz").status_code == 200:
