@@ -43,9 +43,10 @@ and token counts stay tiny, so the denoiser's share of the time is what grows.
 weights, for a GPU: 2.23 B parameters for SD3.5 Medium, 11.89 B FLUX.1, 20.42 B Qwen-Image, 0.84 B the SD1.5
 UNet (0.86 B published: its cross-attention reads the tiny text width); see each adapter's ``TinySpec``. ``--scale 4``
 then gives 4096 image tokens, as at 1024 px (SD1.5: 64x64 latents, as at 512 px); ``--scale 2`` 1024.
-``--layers 1`` caps the transformers' depth so that the real widths run on a CPU. ``--gradient-checkpointing``
-recomputes the denoiser's activations in the backward of both train columns, as a real-size run would;
-bench/RESULTS_GPU.md holds an H100's table taken with it.
+``--layers 1`` caps the transformers' depth so that the real widths run on a CPU. A resized denoiser whose copy
+would not fit the disk is saved in float8 and loaded back in ``--dtype`` (``--store``; FLUX.2 [dev]: 32 GB, not
+64). ``--gradient-checkpointing`` recomputes the denoiser's activations in the backward of both train columns, as
+a real-size run would; bench/RESULTS_GPU.md holds an H100's table taken with it.
 ``--device cuda --dtype bfloat16`` runs the same comparison on a GPU (every timed call ends with a
 device synchronisation; the noise generators live on the GPU, as the trainer's rollout generator does).
 Targets: rollout <= 1.01x, train <= 1.01x, sampler <= 3x. The machine is shared: expect a few % of noise.
@@ -93,12 +94,29 @@ DEPTH_KEYS = ("num_layers", "num_single_layers", "n_layers", "n_refiner_layers")
 """Config fields that ``--layers`` caps (transformers; the UNet's depth stays)."""
 
 
+def storage_dtype(cls: type, config: dict, dtype: str, folder: Path, store: str = "auto") -> str:
+    """The dtype ``resize_denoiser`` saves a denoiser of ``config`` in: ``dtype``, or float8_e5m2 (``store``, or
+    ``auto`` when the ``dtype`` copy would leave under a tenth of ``folder``'s disk free: FLUX.2 [dev]'s 32 B
+    parameters take 64 GB in bfloat16). The adapter loads it back in ``dtype``: the same kernels and shapes,
+    on random weights rounded to two mantissa bits."""
+    if store != "auto":
+        return store
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls.from_config(config).parameters()) * getattr(torch, dtype).itemsize
+    free = shutil.disk_usage(folder).free
+    if size <= 0.9 * free:
+        return dtype
+    print(f"note: {size / 1e9:.1f} GB of {dtype} weights, {free / 1e9:.1f} GB free on disk: saved in float8_e5m2 "
+          f"and loaded back in {dtype}", file=sys.stderr, flush=True)
+    return "float8_e5m2"
+
+
 def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | None = None, device: str = "cpu",
-                    dtype: str = "float32") -> None:
+                    dtype: str = "float32", store: str = "auto") -> None:
     """Build the tiny model of ``name`` under ``root`` and replace its denoiser by one with ``overrides``
     applied to its config (random weights), at most ``max_layers`` blocks per stack when given. The weights
-    are drawn on ``device`` in ``dtype`` and saved so: a real-size one in float32 on the CPU would take 82 GB
-    of memory and disk for Qwen-Image."""
+    are drawn on ``device`` in ``dtype`` and saved so (``storage_dtype``: float8 where they would not fit the
+    disk): a real-size one in float32 on the CPU would take 82 GB of memory and disk for Qwen-Image."""
     testing.tiny_config(name, root)
     folder = next(Path(root) / name / f for f in ("transformer", "unet") if (Path(root) / name / f).is_dir())
     config = {**json.loads((folder / "config.json").read_text()), **overrides}
@@ -106,15 +124,17 @@ def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | Non
         config.update({k: min(config[k], max_layers) for k in DEPTH_KEYS if k in config})
         if "dual_attention_layers" in config:
             config["dual_attention_layers"] = [i for i in config["dual_attention_layers"] if i < config["num_layers"]]
+    cls = getattr(diffusers, config["_class_name"])
+    saved = storage_dtype(cls, config, dtype, folder, store)
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
         with torch.device(device):
-            model = getattr(diffusers, config["_class_name"]).from_config(config)
+            model = cls.from_config(config)
     finally:
         torch.set_default_dtype(default_dtype)
-    model.eval().save_pretrained(folder)
+    model.eval().to(getattr(torch, saved)).save_pretrained(folder)
     del model
     gc.collect()  # a real-size denoiser's weights leave the GPU before the adapter loads its copy
 
@@ -180,7 +200,7 @@ class Recorder(nn.Module):
 
 def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: str = "tiny",
                   device: str = "cpu", dtype: str = "float32", max_layers: int | None = None,
-                  gradient_checkpointing: bool = False) -> dict[str, float]:
+                  gradient_checkpointing: bool = False, store: str = "auto") -> dict[str, float]:
     """One table row for ``case`` (``name``, ``name+ip`` or ``name@variant``); ``denoiser``: a DENOISER_SIZES key."""
     name, _, variant = case.removesuffix("+ip").partition("@")
     spec = testing.tiny(name)
@@ -189,7 +209,7 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
         raise ValueError(f"{case}: a variant needs --denoiser real and one of {sorted(spec.denoiser_variants)}")
     shape = spec.denoiser_variants[variant] if variant else getattr(spec, DENOISER_SIZES[denoiser] or "", None)
     if shape is not None and not (Path(root) / name / "model_index.json").is_file():
-        resize_denoiser(root, name, shape, max_layers, device, dtype)
+        resize_denoiser(root, name, shape, max_layers, device, dtype, store)
     overrides: dict = {"gradient_checkpointing": gradient_checkpointing}
     if spec.bench_resolution is not None:
         overrides["resolution"] = spec.bench_resolution * scale
@@ -355,6 +375,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="weights and forward dtype of every component (the step math stays float32)")
+    parser.add_argument("--store", choices=("auto", "float8_e5m2"), default="auto",
+                        help="the dtype a resized denoiser is saved in before the adapter loads it in --dtype: "
+                             "auto: --dtype, or float8_e5m2 where that copy would not fit the disk (FLUX.2 [dev])")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     diffusers.utils.logging.disable_progress_bar()  # saving and loading each model would print bars
@@ -373,7 +396,7 @@ def main() -> None:
         for i, case in enumerate(cases):
             try:
                 row = bench_adapter(case, root, args.repeats, args.scale, args.denoiser, args.device, args.dtype,
-                                    args.layers, args.gradient_checkpointing)
+                                    args.layers, args.gradient_checkpointing, args.store)
                 print(f"{case:<14}{row['params']:>8.1f}M" + "".join(_cell(c, row[c]) for c in columns), flush=True)
             except torch.OutOfMemoryError as error:
                 print(f"{case:<14}  out of memory: {str(error).splitlines()[0]}", flush=True)

@@ -10,13 +10,13 @@
 #             only: not beside epoch); each ratio case is its own pytest with -s, RATIO_JOBS at a time, so a
 #             phase cut short keeps what finished
 #   adapters  bench/adapters.py --denoiser real rows for ADAPTERS (default: those without a GPU row; flux2's 32 B
-#             need more than 64 GB of disk)
+#             are saved in float8, 32 GB, where 64 GB of bfloat16 would not fit the disk, and loaded back in bfloat16)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PHASES=${PHASES:-epoch checks adapters}
-ADAPTERS=${ADAPTERS:-qwen_image_inpaint,qwen_image_edit_plus,qwen_image_edit_inpaint}
+ADAPTERS=${ADAPTERS:-qwen_image_inpaint,qwen_image_edit_plus,qwen_image_edit_inpaint,flux2}
 start=$(date +%s)
 left() { echo $(( ${BUDGET_S:-540} - ($(date +%s) - start) )); }
 
