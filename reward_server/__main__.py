@@ -29,6 +29,7 @@ from types import FrameType
 import uvicorn
 
 from reward_server.app import create_app
+from reward_server.connections import head_deadline_protocol
 from reward_server.scorers import SCORERS, Scorer, build_scorers
 from reward_server.scorers.base import ModelFilesMissing
 from reward_server.service import RewardService
@@ -130,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--body-timeout-s", type=float, default=_DEFAULTS.body_timeout_s,
                         help="a client that sends no part of its body for this long gets a 408")
+    parser.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                        help="uvicorn's HTTP implementation (auto: httptools where installed, else h11)")
+    parser.add_argument("--head-timeout-s", type=float, default=_DEFAULTS.head_timeout_s,
+                        help="a connection whose request line and headers have not all come this long after it "
+                        "opened (or after a later request's first byte) is closed")
     parser.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
     parser.add_argument("--batch-wait-ms", type=float, default=_DEFAULTS.batch_wait_ms)
     parser.add_argument("--max-queue-items", type=int, default=_DEFAULTS.max_queue_items)
@@ -218,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_body_bytes=args.max_body_bytes,
             max_values=args.max_values,
             body_timeout_s=args.body_timeout_s,
+            head_timeout_s=args.head_timeout_s,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
             max_queue_items=args.max_queue_items,
@@ -242,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=head_deadline_protocol(settings.head_timeout_s, args.http),
         access_log=args.log_level == "debug",
     )
     server = _DrainingServer(config, app.state.service, settings.drain_grace_s, args.parent_pid)

@@ -34,6 +34,9 @@ class ServerSettings:
             value is 1-2 bytes of body and some 50 in memory, and a compressed body of KB decompresses to MB.
         body_timeout_s: longest wait for the next part of a request's body; a client that stalls longer
             gets a 408 and its connection closes.
+        head_timeout_s: longest wait for a request's whole head (request line and headers), from the
+            connection's opening or a later request's first byte; then the connection closes
+            (``python -m reward_server``: reward_server/connections.py).
         max_batch_size: items per call to a scorer; requests are split or merged into micro-batches.
         batch_wait_ms: how long a scorer worker waits for more requests to fill a micro-batch.
         max_queue_items: items waiting per scorer; a request that would exceed it gets a 429.
@@ -50,6 +53,7 @@ class ServerSettings:
     max_body_bytes: int = 256 * 1024 * 1024
     max_values: int = 1_000_000
     body_timeout_s: float = 30.0
+    head_timeout_s: float = 10.0
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
     max_queue_items: int = 4096
@@ -79,8 +83,9 @@ class ServerSettings:
                 f"max_pixels_in_flight ({self.max_pixels_in_flight}) must be >= max_pixels_per_request "
                 f"({self.max_pixels_per_request})"
             )
-        if not 0 < self.body_timeout_s < math.inf:
-            raise ValueError(f"body_timeout_s must be > 0 and finite, got {self.body_timeout_s}")
+        for name in ("body_timeout_s", "head_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
         for name in ("batch_wait_ms", "drain_grace_s"):
             if not 0 <= getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")

@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import struct
+import subprocess
 import threading
 import time
 import zlib
@@ -17,9 +18,10 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+import uvicorn
 from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
-from servers import replica_answering, serve
+from servers import replica_answering, serve, spawn_reward_server, wait_for
 
 from reward_server.app import create_app
 from reward_server.scorers import build_scorers
@@ -31,6 +33,7 @@ from shared.imagecodec import ImageTooLargeError, encode_image, open_image
 from shared.protocol import MSGPACK_MEDIA_TYPE
 from shared.wire import TooManyValuesError, compress_body, supported_encodings, unpack_msgpack
 from trainer.rewards import HttpRewardClient
+from trainer.rewards.launcher import bound_socket
 
 TILE = encode_image(np.zeros((16, 16, 1), np.uint8))
 
@@ -227,3 +230,89 @@ def test_a_port_out_of_range_is_refused_before_anything_starts(capsys: pytest.Ca
     with pytest.raises(SystemExit) as exited:
         main(["--scorers", "digit", "--port", "99999"])
     assert exited.value.code == 2 and "argument --port: 99999 is not a TCP port (0-65535)" in capsys.readouterr().err
+
+
+def _closed_after(sock: socket.socket, dribble: bytes, limit_s: float) -> float | None:
+    """Seconds until the server closes ``sock`` while a byte of ``dribble`` goes every 0.1 s (None: open at
+    ``limit_s``)."""
+    start = time.monotonic()
+    sock.settimeout(0.1)
+    for i in range(int(limit_s / 0.1)):
+        try:
+            if i < len(dribble):
+                sock.send(dribble[i:i + 1])
+            if sock.recv(1) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except OSError:  # reset
+            return time.monotonic() - start
+    return None
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_connection_whose_request_head_does_not_come_is_closed_and_keep_alive_ones_stay(tmp_path, http) -> None:
+    """A client that sent nothing, or its head a byte at a time, held its connection (and a file descriptor)
+    for good: uvicorn times out idle keep-alive connections only. Both of uvicorn's HTTP implementations."""
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        process, url = spawn_reward_server(["--scorers", "brightness", "--head-timeout-s", "1", "--http", http],
+                                           stdout=out, stderr=subprocess.STDOUT)
+    request = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"
+    try:
+        wait_for(f"{url}/readyz")
+        address = ("127.0.0.1", int(url.rpartition(":")[2]))
+        with socket.create_connection(address) as silent:
+            assert 0.8 < _closed_after(silent, b"", 4) < 2.5
+        with socket.create_connection(address) as slow:
+            assert 0.8 < _closed_after(slow, request[:-2] + b"X-Pad: " + b"a" * 100, 4) < 2.5
+        with socket.create_connection(address) as kept:  # whole heads in time, 1.5 s apart on one connection
+            for _ in range(2):
+                kept.sendall(request)
+                assert kept.recv(1000).startswith(b"HTTP/1.1 200")
+                time.sleep(1.5)  # idle past the head timeout, within uvicorn's keep-alive (5 s)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    text = log.read_text()
+    assert text.count("no whole request head within 1 s") == 2, text
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_head_that_came_while_the_loop_was_busy_is_answered_not_cut_off(loop: str) -> None:
+    """A whole head that came while the event loop was held past the connection's deadline is read before the
+    deadline acts (asyncio's loop and uvloop both read the sockets before they run the timers that fell due)."""
+    pytest.importorskip(loop)
+    from fastapi import FastAPI
+
+    from reward_server.connections import head_deadline_protocol
+
+    app = FastAPI()
+    app.get("/livez")(lambda: {"status": "alive"})
+
+    @app.get("/hold")
+    async def hold() -> dict[str, str]:
+        time.sleep(2.0)  # holds the event loop
+        return {}
+
+    sock = bound_socket("127.0.0.1")
+    config = uvicorn.Config(app, log_level="warning", loop=loop, http=head_deadline_protocol(1.0))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        wait_for(f"{url}/livez")
+        with socket.create_connection(sock.getsockname()) as waiting:
+            time.sleep(0.3)  # accepted: its deadline runs
+            holder = threading.Thread(target=lambda: httpx.get(f"{url}/hold", trust_env=False, timeout=10))
+            holder.start()
+            time.sleep(0.3)  # the loop is held from here to 2.3 s, past the deadline at 1.3 s
+            waiting.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+            waiting.settimeout(10)
+            assert waiting.recv(1000).startswith(b"HTTP/1.1 200")
+            holder.join()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

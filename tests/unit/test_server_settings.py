@@ -17,6 +17,8 @@ from reward_server.settings import ServerSettings
     ({"batch_wait_ms": -1.0}, "batch_wait_ms must be >= 0 and finite, got -1.0"),
     ({"batch_wait_ms": math.nan}, "batch_wait_ms must be >= 0 and finite, got nan"),
     ({"drain_grace_s": math.inf}, "drain_grace_s must be >= 0 and finite, got inf"),
+    ({"body_timeout_s": 0.0}, "body_timeout_s must be > 0 and finite, got 0.0"),
+    ({"head_timeout_s": math.inf}, "head_timeout_s must be > 0 and finite, got inf"),
     ({"token": ""}, "token must be None or a non-empty string"),
 ])
 def test_bad_settings_are_refused_by_name(kwargs, message):
