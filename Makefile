@@ -37,7 +37,7 @@ $(PADDLE_STAMP): tests/paddle/requirements.txt pyproject.toml constraints.txt
 # missing and apt-get is usable (root on Debian/Ubuntu); otherwise those tests say what to install.
 SYSTEM_PACKAGES = chromium fonts-dejavu-core
 
-.PHONY: install system-deps docker-deps paddle-env demo test test-slow test-all gpu-wheels lint
+.PHONY: install system-deps docker-deps slurm-deps paddle-env demo test test-slow test-all gpu-wheels lint
 install: $(STAMP)
 
 system-deps:
@@ -57,6 +57,16 @@ docker-deps:  ## Docker's engine, compose and debootstrap, from apt-get when mis
 		echo "installing $(DOCKER_PACKAGES) with apt-get"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DOCKER_PACKAGES) >/dev/null; \
 	else echo "note: install $(DOCKER_PACKAGES) for the compose test"; fi
+
+# The SLURM test (tests/integration/test_slurm.py, slow tier) runs deploy/slurm.sbatch on a private one-node cluster
+# (tests/slurm_cluster.py): Debian's munge, slurmctld, slurmd and SLURM's commands.
+SLURM_PACKAGES = munge slurmctld slurmd slurm-client
+slurm-deps:  ## SLURM's daemons and commands for its test, from apt-get when missing (root)
+	@if command -v sbatch >/dev/null && [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ]; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing $(SLURM_PACKAGES) with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PACKAGES) >/dev/null; \
+	else echo "note: install $(SLURM_PACKAGES) for the SLURM test"; fi
 
 paddle-env: $(PADDLE_STAMP)  ## .venv-paddle and the PaddleOCR test models (tests/integration/test_ocr_paddle.py)
 	$(PADDLE_VENV)/bin/python tests/paddle/build_models.py

@@ -57,9 +57,9 @@ cd "$(dirname "$0")/.."
 cmd=(torchrun --nnodes="$nnodes" --node_rank="$node_rank" --nproc_per_node="$nproc"
      --rdzv_backend=c10d --rdzv_endpoint="$addr:$port" --rdzv_id="$rdzv_id"
      trainer/main.py "$@")
-# SIGUSR1 (SLURM's --signal=USR1@T in deploy/slurm.sbatch) is for the trainer's ranks alone: they stop gracefully
-# after their step with a checkpoint (trainer/stopping.py). Ignored here, it stays ignored in torchrun, which would
-# otherwise die of it, and in the reward replicas; the ranks install their own handler.
+# SIGUSR1 (SLURM's warning before the time limit, passed on by deploy/slurm.sbatch) is for the trainer's ranks
+# alone: they stop gracefully after their step with a checkpoint (trainer/stopping.py). Ignored here, it stays
+# ignored in torchrun, which would otherwise die of it, and in the reward replicas; the ranks install their own handler.
 trap '' USR1
 if [[ "$dry_run" == 1 ]]; then
   printf '%q ' "${cmd[@]}"

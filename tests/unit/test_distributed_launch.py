@@ -100,22 +100,31 @@ def test_the_sbatch_script_gives_srun_the_jobs_cpus_per_task(tmp_path):
     sbatch = (REPO / "deploy" / "slurm.sbatch").read_text()
     cpus = re.search(r"^#SBATCH --cpus-per-task=(\d+)$", sbatch, re.MULTILINE).group(1)
     env = {**CLEAN, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-node-[01-02]",
-           "SLURM_CPUS_PER_TASK": cpus, "SLURM_SUBMIT_DIR": str(REPO)}
-    out = subprocess.run(["bash", str(REPO / "deploy" / "slurm.sbatch"), "--config", "configs/my.yaml"], env=env,
-                         capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    master, *srun_args = out.stdout.splitlines()
-    assert master == "gpu-node-01"
-    assert f"--cpus-per-task={cpus}" in srun_args
-    assert srun_args[srun_args.index("bash"):] == ["bash", str(LAUNCH), "--config", "configs/my.yaml"]
+           "SLURM_CPUS_PER_TASK": cpus, "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "4242"}
+
+    def sbatch(*args: str) -> list[str]:
+        out = subprocess.run(["bash", str(REPO / "deploy" / "slurm.sbatch"), *args], env=env, capture_output=True,
+                             text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        master, *srun_args = out.stdout.splitlines()
+        assert master == "gpu-node-01"
+        assert f"--cpus-per-task={cpus}" in srun_args
+        return srun_args[srun_args.index("bash"):]
+
+    # every allocation of the job continues one run: its own name and --resume auto, unless the command says
+    assert sbatch("--config", "configs/my.yaml") == ["bash", str(LAUNCH), "--config", "configs/my.yaml",
+                                                     "logging.run_name=slurm-4242", "--resume", "auto"]
+    mine = ["--config", "configs/my.yaml", "logging.run_name=mine", "train.resume=outputs/x/checkpoints/step-1"]
+    assert sbatch(*mine) == ["bash", str(LAUNCH), *mine]
 
 
 def test_slurms_stop_signal_reaches_the_ranks_but_not_torchrun(tmp_path):
-    """slurm.sbatch asks SLURM for SIGUSR1 before the time limit; the launch script starts torchrun with SIGUSR1
-    ignored (torchrun has no handler for it and would die of it; the ranks install their own). ``torchrun`` is a
+    """slurm.sbatch asks SLURM for SIGUSR1 before the time limit (and passes it to the job's processes:
+    tests/integration/test_slurm.py); the launch script starts torchrun with SIGUSR1 ignored (torchrun has no handler for it and would die of it; the ranks install their own). ``torchrun`` is a
     stand-in that prints its ignored-signals mask."""
     sbatch = (REPO / "deploy" / "slurm.sbatch").read_text()
-    assert re.search(r"^#SBATCH --signal=USR1@\d+$", sbatch, re.MULTILINE)
+    assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", sbatch, re.MULTILINE)  # the script passes it on
+    assert re.search(r"^#SBATCH --requeue$", sbatch, re.MULTILINE)
     (tmp_path / "torchrun").write_text("#!/usr/bin/env bash\ngrep '^SigIgn:' /proc/self/status\n")
     (tmp_path / "torchrun").chmod(0o755)
     env = {**CLEAN, "PATH": f"{tmp_path}:{os.environ['PATH']}", "NPROC_PER_NODE": "1"}
