@@ -19,8 +19,10 @@ LAUNCHER_GONE = signal.SIGHUP
 its ranks running on, unsupervised, beside any run started again on their directory): 128 + 1 = exit status 129."""
 
 
-class StopSignalled(Exception):  # noqa: N818 (a request, not an error)
-    """Every rank stopped at the same step after a rank received ``signum``; a checkpoint holds that step."""
+class StopSignalled(BaseException):  # noqa: N818 (a request, not an error)
+    """Every rank stopped at the same step after a rank received ``signum``; a checkpoint holds that step. Not an
+    ``Exception``, as KeyboardInterrupt is not: raised by a signal handler wherever the process is, it must pass the
+    ``except Exception`` of other code (diffusers' weight loading turned it into an OSError and a traceback)."""
 
     def __init__(self, signum: int):
         super().__init__("torchrun, which started the ranks, is gone" if signum == LAUNCHER_GONE

@@ -10,13 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainer.checkpoint import Progress
 from trainer.config import load_config
 from trainer.distributed import SingleProcess
 from trainer.launch import signalled_at
-from trainer.stopping import LAUNCHER_GONE, StopRequests, StopSignalled
+from trainer.stopping import LAUNCHER_GONE, StopRequests, StopsBeforeTraining, StopSignalled
 
 
 def test_the_first_stop_signal_is_recorded_and_the_handlers_are_restored_after(capfd):
@@ -73,3 +74,21 @@ def test_a_rank_whose_torchrun_is_gone_asks_to_stop(tmp_path):
         time.sleep(0.1)
     assert out.read_text() == str(int(LAUNCHER_GONE)) == str(int(signal.SIGHUP))
     assert str(StopSignalled(LAUNCHER_GONE)) == "torchrun, which started the ranks, is gone"
+
+
+def test_a_stop_signal_during_set_up_passes_the_except_exception_of_code_it_interrupts():
+    """A SIGTERM while diffusers loaded the weights became its OSError ('Unable to load weights ...'), a traceback
+    and exit status 1: its load_state_dict catches Exception and tries another way."""
+
+    def load_with_a_fallback() -> str:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except Exception:
+            return "swallowed"
+        return "not interrupted"
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopsBeforeTraining(), pytest.raises(StopSignalled, match="SIGTERM received"):
+        load_with_a_fallback()
+    assert signal.getsignal(signal.SIGTERM) == before
