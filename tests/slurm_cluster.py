@@ -1,7 +1,8 @@
 """A private one-node SLURM cluster for tests: munged, slurmctld and slurmd from Debian's packages (``make
 slurm-deps``), each on its own socket, ports and folders under a temporary directory, as root (slurmd starts the
-jobs). The node is this machine under its host name, as on a real cluster (jobs take their rendezvous host from
-the node list). ``SlurmCluster.env`` is what ``sbatch``, ``squeue``, ``scancel`` and ``scontrol`` need to reach it."""
+jobs). The node is named ``localhost``: jobs take their rendezvous host from the node list, as on a real cluster,
+and that name resolves on any machine. ``SlurmCluster.env`` is what ``sbatch``, ``squeue``, ``scancel`` and
+``scontrol`` need to reach it."""
 
 from __future__ import annotations
 
@@ -64,14 +65,14 @@ class SlurmCluster:
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={self.root / 'slurmd.pid'}",
             f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}",
-            f"NodeName={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+            f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
             "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
         self._start(["munged", "--foreground", "--force", f"--socket={munge_socket}", f"--key-file={key}",
                      f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'log' / 'munged.log'}",
                      f"--seed-file={self.root / 'munge.seed'}"])
         self._wait(lambda: munge_socket.exists(), "munged")
         self._start(["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._start(["slurmd", "-D", "-N", socket.gethostname(), "-f", str(self.conf)])
+        self._start(["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)])
         self._wait(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T", check=False).stdout, "the node to be idle")
         return self
 
