@@ -20,7 +20,7 @@ WHY_NOT = missing()
 if WHY_NOT and os.environ.get("RF_REQUIRE_SYSTEM_DEPS"):
     raise RuntimeError(f"SLURM is required here (RF_REQUIRE_SYSTEM_DEPS is set): {WHY_NOT}")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
-EPOCHS = 6
+EPOCHS = 8  # the warning comes after the first; each takes ~1 s here
 
 
 def _until(condition, what: str, cluster: SlurmCluster, log: Path, timeout_s: float = 240) -> None:
