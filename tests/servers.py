@@ -78,10 +78,11 @@ def replica_answering(answer: Callable[[], Response]) -> FastAPI:
 
 
 @contextmanager
-def serve(app: FastAPI, *, wait_ready: bool = True) -> Iterator[str]:
-    """Run ``app`` under uvicorn on a free loopback port in a thread; yield its base URL."""
+def serve(app: FastAPI, *, wait_ready: bool = True, **config: object) -> Iterator[str]:
+    """Run ``app`` under uvicorn on a free loopback port in a thread (``config``: more ``uvicorn.Config``
+    settings, e.g. ``loop``, ``http``); yield its base URL."""
     sock = bound_socket("127.0.0.1")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -16,10 +16,14 @@ from pathlib import Path
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
+def _which(name: str) -> str | None:
+    """``name``'s path, the daemons' /usr/sbin included (not on every PATH)."""
+    return shutil.which(name, path=f"/usr/sbin:{os.environ['PATH']}")
+
+
 def missing() -> str | None:
     """Why no cluster can start here (None: one can)."""
-    absent = [name for name in (*DAEMONS, "sbatch") if shutil.which(name, path=f"/usr/sbin:{os.environ['PATH']}")
-              is None]
+    absent = [name for name in (*DAEMONS, "sbatch") if _which(name) is None]
     if absent:
         return f"{', '.join(absent)} not installed (make slurm-deps)"
     if os.geteuid() != 0:
@@ -93,8 +97,8 @@ class SlurmCluster:
 
     def _start(self, command: list[str]) -> None:
         log = open(self.root / "log" / f"{command[0]}.out", "wb")  # noqa: SIM115 (the process keeps it)
-        self._processes.append(subprocess.Popen([shutil.which(command[0], path=f"/usr/sbin:{os.environ['PATH']}"),
-                                                 *command[1:]], stdout=log, stderr=subprocess.STDOUT, env=self.env))
+        self._processes.append(subprocess.Popen([_which(command[0]), *command[1:]], stdout=log,
+                                                stderr=subprocess.STDOUT, env=self.env))
         log.close()
 
     def _wait(self, ready, what: str, timeout_s: float = 60) -> None:
@@ -103,8 +107,8 @@ class SlurmCluster:
             dead = [p.args[0] for p in self._processes if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in (self.root / "log").iterdir())
-                raise RuntimeError(f"SLURM test cluster: no {what} ({'exited: ' + ', '.join(dead) if dead else 'timeout'})"
-                                   f"\n{logs}")
+                why = f"exited: {', '.join(dead)}" if dead else "timeout"
+                raise RuntimeError(f"SLURM test cluster: no {what} ({why})\n{logs}")
             time.sleep(0.2)
 
     def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:

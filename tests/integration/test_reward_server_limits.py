@@ -18,7 +18,6 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-import uvicorn
 from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
 from servers import replica_answering, serve, spawn_reward_server, wait_for
@@ -33,7 +32,6 @@ from shared.imagecodec import ImageTooLargeError, encode_image, open_image
 from shared.protocol import MSGPACK_MEDIA_TYPE
 from shared.wire import TooManyValuesError, compress_body, supported_encodings, unpack_msgpack
 from trainer.rewards import HttpRewardClient
-from trainer.rewards.launcher import bound_socket
 
 TILE = encode_image(np.zeros((16, 16, 1), np.uint8))
 
@@ -250,6 +248,19 @@ def _closed_after(sock: socket.socket, dribble: bytes, limit_s: float) -> float 
     return None
 
 
+def _response(sock: socket.socket) -> bytes:
+    """One whole HTTP response from ``sock`` (head and Content-Length body: h11 sends them apart)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1000)
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    length = int(fields[b"content-length"])
+    while len(body) < length:
+        body += sock.recv(1000)
+    return head + b"\r\n\r\n" + body
+
+
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_a_connection_whose_request_head_does_not_come_is_closed_and_keep_alive_ones_stay(tmp_path, http) -> None:
     """A client that sent nothing, or its head a byte at a time, held its connection (and a file descriptor)
@@ -269,7 +280,7 @@ def test_a_connection_whose_request_head_does_not_come_is_closed_and_keep_alive_
         with socket.create_connection(address) as kept:  # whole heads in time, 1.5 s apart on one connection
             for _ in range(2):
                 kept.sendall(request)
-                assert kept.recv(1000).startswith(b"HTTP/1.1 200")
+                assert _response(kept).startswith(b"HTTP/1.1 200")
                 time.sleep(1.5)  # idle past the head timeout, within uvicorn's keep-alive (5 s)
     finally:
         process.terminate()
@@ -295,24 +306,13 @@ def test_a_head_that_came_while_the_loop_was_busy_is_answered_not_cut_off(loop: 
         time.sleep(2.0)  # holds the event loop
         return {}
 
-    sock = bound_socket("127.0.0.1")
-    config = uvicorn.Config(app, log_level="warning", loop=loop, http=head_deadline_protocol(1.0))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        wait_for(f"{url}/livez")
-        with socket.create_connection(sock.getsockname()) as waiting:
+    with serve(app, wait_ready=False, loop=loop, http=head_deadline_protocol(1.0)) as url:
+        with socket.create_connection(("127.0.0.1", int(url.rpartition(":")[2]))) as waiting:
             time.sleep(0.3)  # accepted: its deadline runs
             holder = threading.Thread(target=lambda: httpx.get(f"{url}/hold", trust_env=False, timeout=10))
             holder.start()
             time.sleep(0.3)  # the loop is held from here to 2.3 s, past the deadline at 1.3 s
             waiting.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
             waiting.settimeout(10)
-            assert waiting.recv(1000).startswith(b"HTTP/1.1 200")
+            assert _response(waiting).startswith(b"HTTP/1.1 200")
             holder.join()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
