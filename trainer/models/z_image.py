@@ -5,7 +5,8 @@ to last layer, padding dropped), so each keeps its own length: a batch is right-
 with ``prompt_mask`` (``Conditioning.ragged``) and cut back into the list of per-prompt tensors the
 transformer takes. Latents are [C, h, w] images of latents as the pipeline draws them; the transformer sees
 time 1 - sigma and predicts the negated velocity. CFG is Z-Image's: CFG whenever ``guidance_scale > 0``,
-pred = cond + scale * (cond - uncond), one batched forward over [prompt; negative].
+pred = cond + scale * (cond - uncond), one batched forward over [prompt; negative], with the pipeline's norm
+clamp (``cfg_normalization``) and its cut-off of CFG late in sampling (``cfg_truncation``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from diffusers.models.transformers.transformer_z_image import ZImageTransformerB
 from torch import nn
 from transformers import Qwen2Tokenizer, Qwen3Model
 
-from trainer.config.fields import NonNegativeInt, PositiveInt
+from trainer.config.fields import NonNegativeFloat, NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import DTYPES, DiffusersModelConfig, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
@@ -43,10 +44,12 @@ class ZImageConfig(DiffusersModelConfig):
     resolution: NonNegativeInt = 1024
     max_sequence_length: PositiveInt = 512
     """Text tokens kept per prompt, chat template included (the pipeline's default)."""
-    cfg_normalization: float = 0.0
-    """The pipeline's CFG norm clamp; only its default (0: off) is implemented."""
-    cfg_truncation: float = 1.0
-    """The pipeline's CFG cut-off in 1 - sigma; only values >= 1 (never cut, its default) are implemented."""
+    cfg_normalization: NonNegativeFloat = 0.0
+    """The pipeline's CFG norm clamp: k > 0 scales each image's guided prediction down to at most k times the
+    norm of its conditional one (the pipeline's ``cfg_normalization=True`` is 1.0); 0: off, its default."""
+    cfg_truncation: NonNegativeFloat = 1.0
+    """The pipeline's CFG cut-off: CFG runs only at steps where 1 - sigma <= this, the others take the
+    conditional prediction alone (one forward); >= 1: CFG at every step, its default."""
 
 
 class ZImageAdapter:
@@ -63,12 +66,6 @@ class ZImageAdapter:
     prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: ZImageConfig, device: torch.device | str = "cpu"):
-        if config.cfg_normalization:
-            raise ValueError(f"model.cfg_normalization={config.cfg_normalization} is not implemented by the "
-                             "z_image adapter; set it to 0 (the pipeline's default)")
-        if config.cfg_truncation < 1:
-            raise ValueError(f"model.cfg_truncation={config.cfg_truncation} is not implemented by the z_image "
-                             "adapter; set it to 1.0 (the pipeline's default: CFG at every step)")
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -155,21 +152,24 @@ class ZImageAdapter:
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity (the negated transformer output); with ``guidance_scale > 0`` Z-Image's CFG against
-        ``negative_prompt`` in one forward over [prompt; negative], combined in float32."""
+        ``negative_prompt`` in one forward over [prompt; negative], combined in float32 (``z_image_cfg``)
+        where 1 - sigma <= ``cfg_truncation``; rows past it take the conditional prediction."""
         captions = self._captions(cond)
         n = latents.shape[0]
         x = latents.to(self.dtype)
         timestep = (1000 - sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps) / 1000
-        cfg = guidance_scale > 0
-        if cfg:
+        guided = guided_rows(timestep, self.config.cfg_truncation) if guidance_scale > 0 else False
+        if guided is not False:
             (neg,) = self._text([self.config.negative_prompt])
             captions = captions + [neg] * n
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
         out = net(x=list(x.unsqueeze(2).unbind(0)), t=timestep, cap_feats=captions, return_dict=False)[0]
         out = torch.stack(out).squeeze(2)
-        if cfg:
-            return -cfg_combine(out[n:], out[:n], 1 + guidance_scale)
-        return -out.float()
+        if guided is False:
+            return -out.float()
+        pred = z_image_cfg(out[:n], out[n:], guidance_scale, self.config.cfg_normalization)
+        return -(pred if guided is True else torch.where(guided.reshape(-1, *[1] * (pred.ndim - 1)), pred,
+                                                         out[:n].float()))
 
     def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
@@ -188,6 +188,30 @@ class ZImageAdapter:
         x = latents.float() / self.vae.config.scaling_factor + self.vae.config.shift_factor
         x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
+
+
+def guided_rows(timestep: torch.Tensor, truncation: float) -> torch.Tensor | bool:
+    """Which rows run CFG under ``cfg_truncation``: those whose pipeline time 1 - sigma (``timestep``) is at most
+    ``truncation``, compared in float64 as the pipeline compares its Python floats. True or False when all or
+    none do (a device read, only where the cut-off can fall inside the schedule), else a [B] mask."""
+    if truncation >= 1:
+        return True
+    guided = timestep.double() <= truncation
+    if bool(guided.all()):
+        return True
+    return guided if bool(guided.any()) else False
+
+
+def z_image_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, normalization: float) -> torch.Tensor:
+    """Z-Image's guided prediction in float32: pred = cond + scale (cond - uncond) (``cfg_combine``), and with
+    ``normalization`` k > 0 each image's pred times min(1, k ||cond|| / ||pred||), norms over the whole image."""
+    pred = cfg_combine(uncond, cond, 1 + scale)
+    if normalization <= 0:
+        return pred
+    dims = tuple(range(1, pred.ndim))
+    limit = normalization * torch.linalg.vector_norm(cond.float(), dim=dims, keepdim=True)
+    norm = torch.linalg.vector_norm(pred, dim=dims, keepdim=True)
+    return torch.where(norm > limit, pred * (limit / norm.clamp_min(torch.finfo(norm.dtype).tiny)), pred)
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["z_image"].tiny) ---------------
@@ -227,7 +251,8 @@ def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     """The pipeline takes one negative prompt per prompt (a list), and defaults to "" for each."""
     assert not adapter.config.negative_prompt, "the parity reference runs the default negative prompt"
     return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
-                max_sequence_length=adapter.config.max_sequence_length)
+                max_sequence_length=adapter.config.max_sequence_length,
+                cfg_normalization=adapter.config.cfg_normalization, cfg_truncation=adapter.config.cfg_truncation)
 
 
 def tiny_spec():
