@@ -163,6 +163,11 @@ class RewardClient(Protocol):
     """Items per request: the trainer cuts its rollout chunks at multiples of it, so that no chunk ends in a
     partial request (a server's batch costs about as much partly filled as full)."""
 
+    @property
+    def weights(self) -> dict[str, float]:
+        """Scorer name -> weight: the components of every result."""
+        ...
+
     async def score_async(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardResult: ...

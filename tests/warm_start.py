@@ -11,6 +11,7 @@ import torch
 from once_per_run import once_per_run
 
 from reward_server.inprocess import InProcessRewardClient
+from shared.rewards import RewardClient
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
@@ -22,14 +23,15 @@ from trainer.trainer import Trainer
 
 
 def tiny_trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit", task: DigitsTask | None = None,
-                 log: bool = True) -> Trainer:
-    """The default job's Trainer on the tiny model, built in-process (rewards scored in-process too) on the task
-    and evaluation its config names (default: digits), or on ``task``; ``log=False``: no metrics.jsonl or images."""
+                 log: bool = True, rewards: RewardClient | None = None) -> Trainer:
+    """The default job's Trainer on the tiny model, built in-process (rewards scored in-process too, or by
+    ``rewards``) on the task and evaluation its config names (default: digits), or on ``task``; ``log=False``: no
+    metrics.jsonl or images."""
     config = load_config(overrides=[f"model.path={model_dir}", *overrides])
     guards = {name: 0.0 for name in config.eval.guard_scorers}
     task, evaluated = (task, task) if task is not None else build_tasks(config.data, config.eval)
     return Trainer(config, TinyAdapter(TinyConfig(path=model_dir)), build_algorithm(config.algorithm),
-                   SFT(config.warmup), task, InProcessRewardClient.from_names({reward: 1.0}),
+                   SFT(config.warmup), task, rewards or InProcessRewardClient.from_names({reward: 1.0}),
                    SingleProcess(torch.device("cpu")), RunLogger(run_dir, log, False),
                    InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None, evaluated)
 

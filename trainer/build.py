@@ -19,6 +19,7 @@ from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
+from trainer.health import RewardFailure
 from trainer.launch import (
     RunDirGuard,
     RunInterrupted,
@@ -130,7 +131,8 @@ def run(config: Config) -> dict[str, float]:
         def reward_client(weights: dict[str, float]) -> HttpRewardClient:
             made = HttpRewardClient(urls, weights, token=reward_token(config.reward), timeout_s=config.reward.timeout_s,
                                     max_concurrency=config.reward.max_concurrency, batch_size=config.reward.batch_size,
-                                    wire_format=config.reward.wire_format, combine_mode=config.reward.combine_mode)
+                                    wire_format=config.reward.wire_format, combine_mode=config.reward.combine_mode,
+                                    outage_s=config.reward.outage_s)
             stack.callback(made.close)
             return made
 
@@ -164,6 +166,9 @@ def run(config: Config) -> dict[str, float]:
                                  str(stop), 128 + stop.signum) from None
         except KeyboardInterrupt:
             raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir) from None
+        except RewardFailure as failure:  # its checkpoint is written (Trainer.fit): fix the rewards, then continue
+            raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
+                                 str(failure), 1) from None
         ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             final = backend.main_copy(adapter.denoiser)  # on rank 0's CPU, gathered a parameter at a time

@@ -15,8 +15,10 @@ from trainer.config.schema import EvalConfig
 from trainer.data import Task
 from trainer.distributed import ParallelBackend
 from trainer.guard import REWARD
+from trainer.health import RewardFailure
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
+from trainer.rewards.errors import RewardClientError
 from trainer.rollout import SamplerSettings, rollout, window_mask
 
 GRID_PROMPTS = 16
@@ -129,12 +131,20 @@ class Evaluation:
                         by_prompt[(lo + n % len(ks)) * world.world_size + n // len(ks)] = image
         denoiser.train(was_training)
         metrics: dict[str, float] = {}
+        unscored = None
         if world.rank == 0:
             ordered = torch.stack([by_prompt[i] for i in range(len(prompts))]).flatten(0, 1)  # padding dropped
             repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
             items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
             metadata = task.item_metadata(items)
-            scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
+            try:
+                scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
+            except RewardClientError as exc:  # every rank stops alike, below
+                unscored = f"the evaluation {'before RL' if step == 0 else f'after RL epoch {step}'} got no rewards: {exc}"
+        unscored = self.backend.broadcast(unscored)
+        if unscored:
+            raise RewardFailure(unscored)
+        if world.rank == 0:
             metrics = task.metrics(ordered, repeated, scored.components)
             metrics[REWARD] = float(np.nanmean(scored.combined))
             metrics.update(breakdown(ev.breakdown, metadata, scored.components))

@@ -3,13 +3,22 @@ without a reward, non-finite samples, and optimizer steps with non-finite gradie
 
 from __future__ import annotations
 
+import logging
 import math
+from concurrent.futures import Future
 
+import numpy as np
 import torch
+
+from shared.rewards import RewardResult
+from trainer.rewards.errors import RewardClientError
+
+logger = logging.getLogger("rewardflow.rewards")
 
 
 class RewardFailure(RuntimeError):
-    """Too many samples of an epoch have no reward; training on the rest would be biased."""
+    """Too many samples of an epoch have no reward (training on the rest would be biased), or the reward pool did
+    not score an evaluation: the run stops, with a checkpoint of what it finished (``Trainer.fit``)."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -20,11 +29,31 @@ ADVICE = ("lower the learning rate or set train.max_grad_norm, and start again o
           "before it (train.resume)")
 
 
-def check_rewards(failed: float, limit: float, epoch: int) -> None:
-    """RewardFailure when a share ``failed`` of RL epoch ``epoch``'s samples (1-based) has no reward, over ``limit``."""
+def check_rewards(failed: float, limit: float, epoch: int, reason: str | None = None) -> None:
+    """RewardFailure when a share ``failed`` of RL epoch ``epoch``'s samples (1-based) has no reward, over ``limit``
+    (``reason``: why, where this rank knows one)."""
     if failed > limit:
+        why = (f"{reason}; " if reason else "") + "check the reward servers' logs"
         raise RewardFailure(f"epoch {epoch}: {failed:.0%} of samples have no reward (reward.max_failed_share "
-                            f"= {limit:.0%}); check the reward servers' logs")
+                            f"= {limit:.0%}): {why}")
+
+
+def scored_or_unscored(future: Future, size: int, scorers: list[str], what: str) -> RewardResult:
+    """The rewards of a chunk of ``size`` samples, or, where the reward pool could not score it (every replica out
+    past ``reward.outage_s``, a request it refused), NaN for each with the reason: unscored samples count against
+    ``reward.max_failed_share`` like any failed reward, instead of ending the run where they are few."""
+    try:
+        return future.result()
+    except RewardClientError as exc:
+        logger.warning("%s: %d samples got no reward: %s", what, size, exc)
+        nan = np.full(size, np.nan)
+        return RewardResult({name: nan.copy() for name in scorers}, nan.copy(),
+                            {name: dict.fromkeys(range(size), f"UNAVAILABLE: {exc}") for name in scorers})
+
+
+def first_error(result: RewardResult) -> str | None:
+    """One of ``result``'s item errors, for a message (None: none)."""
+    return next((f"{name}: {error}" for name, errors in result.errors.items() for error in errors.values()), None)
 
 
 def check_samples(finite: torch.Tensor, epoch: int) -> None:

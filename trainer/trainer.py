@@ -30,7 +30,14 @@ from trainer.distributed import ParallelBackend, weights_rank_spread
 from trainer.ema import EMA
 from trainer.evaluation import Evaluation, RolloutBreakdown
 from trainer.guard import REWARD, Guard
-from trainer.health import check_rewards, check_samples, count_skipped
+from trainer.health import (
+    RewardFailure,
+    check_rewards,
+    check_samples,
+    count_skipped,
+    first_error,
+    scored_or_unscored,
+)
 from trainer.judging import Judge
 from trainer.logging import RunLogger, epoch_line, to_uint8
 from trainer.models.attention import attention_for_run
@@ -148,7 +155,8 @@ class Trainer:
         if not progress.rl_started:
             if self.ema is not None:  # before the evaluation, which reads the EMA weights
                 self.ema.reset()
-            before = self.evaluate(0, "samples_before")
+            with self._kept_on_reward_failure():
+                before = self.evaluate(0, "samples_before")
             self._print(f"[eval] before RL: {_fmt(before)}")
             # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
             # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
@@ -162,14 +170,16 @@ class Trainer:
         self.backend.set_lr(train.learning_rate)
         first = progress.epochs_done
         if progress.eval_due:  # a stop signal came before this epoch's evaluation: it runs now
-            self._evaluate_epoch(first)
+            with self._kept_on_reward_failure(eval_due=True):
+                self._evaluate_epoch(first)
         bar = tqdm(range(first, train.epochs), desc="RL", disable=not self._bars())
         for epoch in bar:
             if self.guard.stopped:  # a resumed run that had stopped
                 break
             if epoch == first:  # a signal during the evaluations before the loop
                 self._stop_if_asked()
-            metrics = self.rl_epoch(epoch)
+            with self._kept_on_reward_failure():
+                metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
             line = epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics)
             bar.write(line) if self._bars() else self._print(line)
@@ -180,7 +190,9 @@ class Trainer:
             due = bool(every) and (epoch + 1) % every == 0 and epoch + 1 < train.epochs
             self._stop_if_asked(eval_due=due)
             if due:
-                if self._evaluate_epoch(epoch + 1):
+                with self._kept_on_reward_failure(eval_due=True):
+                    stop = self._evaluate_epoch(epoch + 1)
+                if stop:
                     break
                 self._stop_if_asked()  # a signal during the evaluation
             if train.checkpoint_every and (epoch + 1) % train.checkpoint_every == 0 and epoch + 1 < train.epochs:
@@ -191,7 +203,8 @@ class Trainer:
             after = self._evaluated[1]
             self.logger.copy_grid(f"samples_epoch{done:04d}", "samples_after")
         else:
-            after = self.evaluate(done, "samples_after")
+            with self._kept_on_reward_failure():
+                after = self.evaluate(done, "samples_after")
         self._print(f"[eval] after RL: {_fmt(after)}")
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self.judge(done, after, self.progress)
@@ -219,6 +232,17 @@ class Trainer:
             self.progress.eval_due = eval_due
             self.save_checkpoint()
             raise StopSignalled(signum)
+
+    @contextlib.contextmanager
+    def _kept_on_reward_failure(self, eval_due: bool = False):
+        """A RewardFailure here (on every rank alike) first checkpoints the finished work, the state before the
+        epoch or evaluation that failed; ``eval_due``: that evaluation runs first when the run continues."""
+        try:
+            yield
+        except RewardFailure:
+            self.progress.eval_due = eval_due
+            self.save_checkpoint()
+            raise
 
     def _stateful(self) -> list[Stateful]:
         """The components that keep their own state in checkpoints (besides weights, optimizer, progress)."""
@@ -293,7 +317,7 @@ class Trainer:
         check_samples(gathered[:, 2], epoch + 1)
         scored = rewards.all.cpu()  # gathered on the device under NCCL: read once
         failed = failed_share(scored)
-        check_rewards(failed, self.config.reward.max_failed_share, epoch + 1)
+        check_rewards(failed, self.config.reward.max_failed_share, epoch + 1, first_error(result))
 
         self.policy.train()
         batch = self.algorithm.make_batch(ro, rewards)
@@ -359,7 +383,8 @@ class Trainer:
                                                    self.task.item_metadata(indices[lo:hi].tolist())))
                 parts.append(part)
         t_sampled = time.perf_counter()
-        results = [f.result() for f in futures]
+        scorers, what = list(self.rewards.weights), f"RL epoch {self.progress.epochs_done + 1}"
+        results = [scored_or_unscored(f, len(p.images), scorers, what) for f, p in zip(futures, parts, strict=True)]
         t_wait = time.perf_counter() - t_sampled
         return Rollout.cat(parts), self.rewards.merge(results), t_wait
 

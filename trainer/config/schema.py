@@ -106,8 +106,12 @@ class RewardConfig:
     """Image encoding on the wire: raw pixels in msgpack (lossless, cheap to encode), the same compressed
     for slow networks, or JSON with PNG / raw base64 (for debugging)."""
     max_failed_share: Probability = 0.5
-    """An epoch aborts when more than this share of samples has no reward (failed scores are NaN, get
-    advantage 0 and are counted; past this share the update would be biased)."""
+    """An epoch stops the run, with a checkpoint of the epochs before it, when more than this share of its
+    samples has no reward (failed scores are NaN, get advantage 0 and are counted; past this share the update
+    would be biased)."""
+    outage_s: NonNegativeFloat = 600.0
+    """When every replica is out of rotation (stopped, restarting, loading its models), how long a request
+    waits for one to come back before its samples count as unscored (NaN); 0: no waiting."""
     combine_mode: Literal["sum", "sum-then-normalise", "normalise-then-sum"] = "sum"
     """How weighted components become one reward; the normalising modes standardise over the batch."""
 

@@ -50,8 +50,9 @@ class HttpRewardClient:
     requests in flight over all replicas) to the available replica with the fewest outstanding requests
     (ties in round-robin order). A chunk whose attempt meets a connection error, a timeout, 408, 429 or
     5xx is retried, at most ``max_retries`` times, each time on a replica it has not tried yet (while
-    there is one), after a jittered exponential backoff that honours Retry-After. Other 4xx answers
-    raise :class:`RewardRequestError` at once.
+    there is one), after a jittered exponential backoff that honours Retry-After; with ``outage_s``, a chunk
+    whose attempts are spent while every replica is out of rotation waits for one to come back and tries
+    again. Other 4xx answers raise :class:`RewardRequestError` at once.
 
     Replicas that keep failing are taken out of rotation and probed back in, and on first use every
     replica's ``/info`` is checked (see :class:`~trainer.rewards.pool.ReplicaPool`). If every replica is out,
@@ -71,8 +72,11 @@ class HttpRewardClient:
             that accept the encoding and send it uncompressed to others. ``png`` and ``raw`` send JSON.
         connect_timeout_s: for establishing a connection.
         step_timeout_s: budget of one ``score`` call; past it :class:`RewardUnavailableError` is raised.
-            None: bounded only by ``(max_retries + 1)`` attempts of ``timeout_s`` plus backoffs.
+            None: bounded only by ``(max_retries + 1)`` attempts of ``timeout_s`` plus backoffs (and ``outage_s``).
         backoff_s: base of the exponential backoff between attempts.
+        outage_s: when a chunk's attempts are spent and every replica is out of rotation (stopped, restarting,
+            loading), how long it waits for a probe to bring one back, for a fresh round of attempts; 0: no
+            waiting. Counted from the first time the chunk finds them all out.
         max_backoff_s: cap of one backoff, Retry-After included.
         breaker_failures: consecutive failed attempts that take a replica out of rotation.
         probe_interval_s: how often an out-of-rotation replica's ``/readyz`` is probed.
@@ -102,6 +106,7 @@ class HttpRewardClient:
         hedge: bool = False,
         combine_mode: str = "sum",
         verify_replicas: bool = True,
+        outage_s: float = 0.0,
     ) -> None:
         if not urls:
             raise ValueError("urls must name at least one reward server")
@@ -116,6 +121,8 @@ class HttpRewardClient:
             raise ValueError("batch_size, max_concurrency, breaker_failures must be >= 1, max_retries >= 0")
         if timeout_s <= 0 or connect_timeout_s <= 0 or (step_timeout_s is not None and step_timeout_s <= 0):
             raise ValueError("timeouts must be > 0")
+        if not outage_s >= 0:
+            raise ValueError(f"outage_s must be >= 0, got {outage_s}")
         self.urls = [url.rstrip("/") for url in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"urls must be distinct, got {self.urls}")
@@ -130,6 +137,7 @@ class HttpRewardClient:
         self.max_backoff_s = max_backoff_s
         self.hedge = hedge
         self.verify_replicas = verify_replicas
+        self.outage_s = outage_s
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self.pool = ReplicaPool(self.urls, list(self.weights), http=self._client, auth=self._auth,
@@ -274,22 +282,33 @@ class HttpRewardClient:
         bodies: dict[str | None, bytes] = {None: body}
         tried: set[str] = set()
         failures: list[str] = []
-        for attempt in range(self.max_retries + 1):
+        attempt, attempts, outage_since = 0, 0, None
+        while True:
             replica = self.pool.pick(tried)
             tried.add(replica.url)
             try:
                 response = await self._attempt_hedged(replica, bodies, tried)
             except AttemptFailed as exc:
                 failures.append(str(exc))
-                if attempt < self.max_retries:
-                    delay = min(self.backoff_s * 2**attempt, self.max_backoff_s) * random.uniform(0.5, 1.5)
+                attempt, attempts = attempt + 1, attempts + 1
+                if attempt <= self.max_retries:
+                    delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s) * random.uniform(0.5, 1.5)
                     await asyncio.sleep(min(max(delay, exc.retry_after_s or 0.0), self.max_backoff_s))
-                continue
+                    continue
+                if self.outage_s and self.pool.all_out():  # a pool restarting: wait for its probes
+                    now = time.monotonic()
+                    outage_since = now if outage_since is None else outage_since
+                    if await self.pool.wait_for_a_replica(outage_since + self.outage_s - now, self.outage_s):
+                        attempt, failures = 0, failures[-1:]  # a fresh round of attempts
+                        tried.clear()
+                        continue
+                    failures.append(f"no replica back in rotation within reward.outage_s = {self.outage_s:g} s")
+                break
             store_scores(response, start, stop, components, errors)
             return response.instance
         raise RewardUnavailableError(
-            f"items {start}-{stop - 1}: no reward replica answered after {self.max_retries + 1} attempts: "
-            + "; ".join(failures)
+            f"items {start}-{stop - 1}: no reward replica answered after {attempts} attempts: "
+            + "; ".join(failures[-(self.max_retries + 2):])
         )
 
     async def _attempt_hedged(

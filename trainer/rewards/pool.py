@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ class ReplicaPool:
         self._auth = auth
         self._round_robin = itertools.count()
         self._fingerprints: dict[str, str] | None = None  # scorer -> version, from the first ready replica
+        self.outage_since: float | None = None  # when a request first found every replica out (monotonic)
 
     def pick(self, tried: set[str]) -> Replica:
         """The available replica not yet tried with the fewest outstanding requests (round-robin ties).
@@ -92,6 +94,25 @@ class ReplicaPool:
             }
             for url, r in self.replicas.items()
         }
+
+    def all_out(self) -> bool:
+        """Whether every replica is out of rotation."""
+        return not any(r.available for r in self.replicas.values())
+
+    async def wait_for_a_replica(self, timeout_s: float, allowed_s: float) -> bool:
+        """Wait at most ``timeout_s`` until a probe puts a replica back in rotation; False if none came back.
+        The first request to wait in an outage says so (``allowed_s``: how long a request may wait in all)."""
+        if self.outage_since is None:
+            self.outage_since = time.monotonic()
+            logger.warning("every reward replica is out of rotation: waiting up to %.0f s for one to come back "
+                           "(reward.outage_s)", allowed_s)
+        deadline = time.monotonic() + timeout_s
+        while self.all_out():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(self.probe_interval_s, left))
+        return True
 
     def succeeded(self, replica: Replica) -> None:
         replica.consecutive_failures = 0
@@ -133,7 +154,12 @@ class ReplicaPool:
             replica.encodings = frozenset(parsed.encodings)
             replica.consecutive_failures = 0
             replica.available = True
-            logger.info("reward replica %s back in rotation (%s)", replica.url, parsed.instance)
+            if self.outage_since is not None:  # the end of an outage is as visible as its start
+                logger.warning("reward replica %s back in rotation (%s) after %.1f s without any", replica.url,
+                               parsed.instance, time.monotonic() - self.outage_since)
+                self.outage_since = None
+            else:
+                logger.info("reward replica %s back in rotation (%s)", replica.url, parsed.instance)
 
     def _fingerprint_problem(self, info: InfoResponse) -> str | None:
         """Why a ready replica's ``/info`` does not fit the pool, or None (recording the first fit)."""

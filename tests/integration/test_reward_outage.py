@@ -1,0 +1,132 @@
+"""A reward pool that goes away, over real HTTP (a ``python -m reward_server`` replica, SIGKILLed): a request
+waits up to ``reward.outage_s`` for a replica to come back and is then scored; a run whose pool stays away
+stops with a checkpoint of its finished work, and continuing it gives the uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from warm_start import tiny_trainer
+
+from trainer.checkpoint import Progress
+from trainer.health import RewardFailure
+from trainer.rewards import HttpRewardClient, LocalRewardPool, RewardUnavailableError
+
+TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
+        "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=1",
+        "train.warmup_steps=2", "train.epochs=3", "train.checkpoint_every=0", "train.keep_checkpoints=0",
+        "logging.progress=false", "logging.tensorboard=false"]
+COMPARED = ("policy_loss", "grad_norm", "reward_mean", "reward_std", "digit_accuracy", "sft_loss")
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory) -> Iterator[LocalRewardPool]:
+    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path_factory.mktemp("outage")) as running:
+        yield running
+
+
+@pytest.fixture
+def up(pool) -> Iterator[LocalRewardPool]:
+    """The pool, serving again after the test whatever the test did to it."""
+    yield pool
+    if pool._processes[0].poll() is not None:
+        pool.restart(0)
+
+
+def _client(pool: LocalRewardPool, outage_s: float) -> HttpRewardClient:
+    return HttpRewardClient(pool.urls, {"digit": 1.0}, outage_s=outage_s, backoff_s=0.01, max_retries=2,
+                            probe_interval_s=0.1, timeout_s=10)
+
+
+def _images() -> tuple[np.ndarray, list[str]]:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8), [f"a handwritten digit {d}" for d in range(6)]
+
+
+def test_a_request_waits_for_a_restarting_replica_and_is_scored(up, caplog):
+    images, prompts = _images()
+    with _client(up, outage_s=60) as client:
+        expected = client.score(images, prompts).combined
+        up.kill(0)
+        restart = threading.Timer(1.0, up.restart, args=(0,))
+        restart.start()
+        with caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+            got = client.score(images, prompts)
+        restart.join()
+    np.testing.assert_array_equal(got.combined, expected)  # each its own reward, none NaN
+    assert got.num_failed == 0 and np.isfinite(expected).all()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("waiting up to 60 s for one to come back" in m for m in messages), messages
+    assert any("back in rotation" in m and "without any" in m for m in messages), messages
+
+
+def test_a_request_whose_replicas_stay_away_past_outage_s_fails_saying_so(up):
+    images, prompts = _images()
+    with _client(up, outage_s=1.0) as client:
+        client.score(images, prompts)
+        up.kill(0)
+        started = time.monotonic()
+        with pytest.raises(RewardUnavailableError, match=r"no replica back in rotation within reward.outage_s = 1 s"):
+            client.score(images, prompts)
+        assert 1.0 <= time.monotonic() - started < 10
+    with _client(up, outage_s=0) as client:  # no waiting: the attempts alone, as before
+        started = time.monotonic()
+        with pytest.raises(RewardUnavailableError, match="after 3 attempts"):
+            client.score(images, prompts)
+        assert time.monotonic() - started < 5
+
+
+def _records(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("phase", "step", *COMPARED) if k in r} for r in rows
+            if r["phase"] in ("warmup", "rl", "eval", "final")]
+
+
+def _run(run_dir: Path, model_dir: str, pool: LocalRewardPool, before=None, resume: Path | None = None):
+    """A tiny run scored by ``pool``; ``before(name, step)`` is called before each RL epoch and evaluation."""
+    client = _client(pool, outage_s=0)
+    trainer = tiny_trainer(run_dir, model_dir, *TINY, rewards=client)
+    if before is not None:
+        rl_epoch, evaluate = trainer.rl_epoch, trainer.evaluate
+        trainer.rl_epoch = lambda epoch: (before("rl", epoch), rl_epoch(epoch))[1]
+        trainer.evaluate = lambda step, grid: (before("eval", step), evaluate(step, grid))[1]
+    try:
+        if resume is not None:
+            trainer.resume(resume)
+        trainer.fit()
+        return trainer
+    finally:
+        trainer.logger.close()
+        client.close()
+
+
+@pytest.mark.parametrize("lost", ["rl", "eval"])
+def test_a_pool_down_stops_the_run_with_a_checkpoint_and_continuing_gives_the_uninterrupted_run(
+        lost, up, tmp_path, tiny_model_dir):
+    """The pool dies before RL epoch 2 (or before the evaluation after epoch 1): the run stops with a
+    RewardFailure and a checkpoint after epoch 1 (which puts that evaluation first); continued once the pool is
+    back, its records and weights are those of the run that never lost its pool."""
+    reference = _run(tmp_path / "reference", tiny_model_dir, up)
+
+    def kill(name: str, step: int) -> None:
+        if (name, step) == (lost, 1):
+            up.kill(0)
+
+    with pytest.raises(RewardFailure, match="no reward" if lost == "rl" else "the evaluation after RL epoch 1"):
+        _run(tmp_path / "lost", tiny_model_dir, up, before=kill)
+    (checkpoint,) = (tmp_path / "lost" / "checkpoints").iterdir()
+    saved = Progress.load(checkpoint)
+    assert (saved.epochs_done, saved.eval_due) == (1, lost == "eval")
+    up.restart(0)
+    continued = _run(tmp_path / "lost", tiny_model_dir, up, resume=checkpoint)
+    assert _records(tmp_path / "lost") == _records(tmp_path / "reference")
+    for a, b in zip(continued.adapter.trainable.parameters(), reference.adapter.trainable.parameters(), strict=True):
+        assert torch.equal(a, b)
