@@ -124,6 +124,7 @@ def run(config: Config) -> dict[str, float]:
             mine = None
             if pool is not None:
                 _wait_for_local_pool(pool)
+                pool.supervise()  # a replica that dies is started again (the client waits: reward.outage_s)
                 mine = list(pool.urls)
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
         from trainer.rewards.client import HttpRewardClient

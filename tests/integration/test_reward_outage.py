@@ -130,3 +130,26 @@ def test_a_pool_down_stops_the_run_with_a_checkpoint_and_continuing_gives_the_un
     assert _records(tmp_path / "lost") == _records(tmp_path / "reference")
     for a, b in zip(continued.adapter.trainable.parameters(), reference.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_supervised_pool_restarts_a_replica_that_died_at_most_max_restarts_times(tmp_path, caplog):
+    """What a run does with its own replicas: each one that exits is started again on its port, and serves."""
+    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool, \
+            caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+        pool.supervise(max_restarts=1, interval_s=0.1)
+        images, prompts = _images()
+        with _client(pool, outage_s=60) as client:
+            expected = client.score(images, prompts).combined
+            first = pool.pid(0)
+            pool.kill(0)
+            got = client.score(images, prompts)  # waits for the supervisor's restart, then the probe
+            assert pool.pid(0) != first and got.instances == [f"local-0-{pool.ports[0]}-r1"]
+            np.testing.assert_array_equal(got.combined, expected)
+            pool.kill(0)  # a second exit: past max_restarts, it stays down
+            deadline = time.monotonic() + 5
+            while not any("not restarted" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+                time.sleep(0.1)
+            assert pool._processes[0].poll() is not None
+    restarting = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
+    assert len(restarting) == 1 and "exited with status -9" in restarting[0], restarting

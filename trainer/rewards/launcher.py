@@ -12,7 +12,7 @@ while the replicas load theirs.
 
 Failure drills (tests, benchmarks): ``pool.kill(i)`` sends a signal to replica ``i`` and
 ``pool.restart(i)`` starts it again on the same port (instance id ``local-<i>-<port>-r<n>`` for the
-n-th restart).
+n-th restart). ``pool.supervise()`` restarts replicas that exit by themselves (a run's own replicas).
 
 The server is found by its console script, ``rewardflow-reward-server`` (pyproject.toml): each replica runs
 that script's module with ``python -m``, so that any interpreter with the package installed can serve.
@@ -21,6 +21,7 @@ that script's module with ``python -m``, so that any interpreter with the packag
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +38,7 @@ import httpx
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = "rewardflow-reward-server"
+logger = logging.getLogger("rewardflow.rewards")
 
 
 class RewardPoolError(RuntimeError):
@@ -130,6 +133,9 @@ class LocalRewardPool:
         self._env: dict[str, str] = {}
         self._temp_log_dir: Path | None = None
         self._keep_logs = False
+        self._lock = threading.Lock()  # a supervisor's restart against stop()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def __enter__(self) -> LocalRewardPool:
         self.start()
@@ -196,17 +202,49 @@ class LocalRewardPool:
             RuntimeError: the replica is still running.
             RewardPoolError: it exited or was not ready within ``ready_timeout_s``.
         """
-        if self._processes[index].poll() is None:
-            raise RuntimeError(f"replica {index} is still running; kill it first")
-        self._restarts[index] += 1
-        try:
-            sock = bound_socket(self.host, self.ports[index])
-        except OSError as exc:
-            raise RewardPoolError(f"reward replica {index} cannot restart on its port {self.ports[index]} "
-                                  f"({exc.strerror}): another process took it meanwhile") from None
-        with sock:
-            self._processes[index] = self._spawn(index, sock)
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the pool is stopping")
+            if self._processes[index].poll() is None:
+                raise RuntimeError(f"replica {index} is still running; kill it first")
+            self._restarts[index] += 1
+            try:
+                sock = bound_socket(self.host, self.ports[index])
+            except OSError as exc:
+                raise RewardPoolError(f"reward replica {index} cannot restart on its port {self.ports[index]} "
+                                      f"({exc.strerror}): another process took it meanwhile") from None
+            with sock:
+                self._processes[index] = self._spawn(index, sock)
         self._wait_ready([index])
+
+    def supervise(self, max_restarts: int = 5, interval_s: float = 1.0) -> None:
+        """From now until ``stop``, restart each replica that exits (a crash, the OOM killer) on its port, at most
+        ``max_restarts`` times each, checking every ``interval_s``; each exit and restart is logged with the end
+        of the replica's log. The client's requests meanwhile go to the others, or wait (``outage_s``)."""
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts, interval_s),
+                                                name="reward-replicas", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self, max_restarts: int, interval_s: float) -> None:
+        given_up: set[int] = set()
+        while not self._stopping.wait(interval_s):
+            for index, process in enumerate(list(self._processes)):
+                if process.poll() is None or index in given_up or self._stopping.is_set():
+                    continue
+                what = (f"reward replica {index} ({self.urls[index]}) exited with status {process.returncode}; end "
+                        f"of {self.log_paths[index]}:\n{_tail(self.log_paths[index], 10)}")
+                if self._restarts[index] >= max_restarts:
+                    logger.warning("%s\nnot restarted: it has restarted %d times", what, max_restarts)
+                    given_up.add(index)
+                    continue
+                logger.warning("%s\nrestarting it (restart %d of at most %d)", what, self._restarts[index] + 1,
+                               max_restarts)
+                try:
+                    self.restart(index)
+                except (RewardPoolError, RuntimeError, IndexError) as exc:  # again at the next check; IndexError:
+                    if not self._stopping.is_set():  # stop() emptied the pool meanwhile
+                        logger.warning("reward replica %d did not restart: %s", index, str(exc).splitlines()[0])
 
     def pid(self, index: int) -> int:
         """Process id of replica ``index``."""
@@ -265,9 +303,11 @@ class LocalRewardPool:
     def stop(self) -> None:
         """SIGINT every replica (they ignore SIGTERM while we live), wait ``stop_grace_s`` for them to drain, then
         SIGKILL the rest; delete the default temporary log directory unless a replica failed."""
-        for process in self._processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
+        with self._lock:  # no restart after this
+            self._stopping.set()
+            for process in self._processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGINT)
         deadline = time.monotonic() + self.stop_grace_s
         for process in self._processes:
             try:
@@ -279,6 +319,10 @@ class LocalRewardPool:
         self._restarts.clear()
         self.urls.clear()
         self.ports.clear()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=self.stop_grace_s)
+            self._supervisor = None
+        self._stopping.clear()
         if self._temp_log_dir is not None and not self._keep_logs:
             shutil.rmtree(self._temp_log_dir, ignore_errors=True)
             self._temp_log_dir = None
