@@ -156,6 +156,8 @@ def run(config: Config) -> dict[str, float]:
             trainer.init_from(Path(config.train.init_from))
         if main:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
+        for made in filter(None, (client, guard_client)):
+            made.give_up_waiting = lambda: bool(trainer.stops.received)  # a stop does not wait out an outage
         guard.started = True
         setup.release()
         try:

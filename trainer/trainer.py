@@ -236,12 +236,16 @@ class Trainer:
     @contextlib.contextmanager
     def _kept_on_reward_failure(self, eval_due: bool = False):
         """A RewardFailure here (on every rank alike) first checkpoints the finished work, the state before the
-        epoch or evaluation that failed; ``eval_due``: that evaluation runs first when the run continues."""
+        epoch or evaluation that failed; ``eval_due``: that evaluation runs first when the run continues. A stop
+        signal that ended a wait for the reward pool (``reward.outage_s``) then stops the run as it asks."""
         try:
             yield
         except RewardFailure:
             self.progress.eval_due = eval_due
             self.save_checkpoint()
+            signum = self.stops.asked()
+            if signum:
+                raise StopSignalled(signum) from None
             raise
 
     def _stateful(self) -> list[Stateful]:

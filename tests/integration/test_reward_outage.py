@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from warm_start import tiny_trainer
 from trainer.checkpoint import Progress
 from trainer.health import RewardFailure
 from trainer.rewards import HttpRewardClient, LocalRewardPool, RewardUnavailableError
+from trainer.stopping import StopSignalled
 
 TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
         "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=1",
@@ -90,14 +92,17 @@ def _records(run_dir: Path) -> list[dict]:
             if r["phase"] in ("warmup", "rl", "eval", "final")]
 
 
-def _run(run_dir: Path, model_dir: str, pool: LocalRewardPool, before=None, resume: Path | None = None):
-    """A tiny run scored by ``pool``; ``before(name, step)`` is called before each RL epoch and evaluation."""
-    client = _client(pool, outage_s=0)
+def _run(run_dir: Path, model_dir: str, pool: LocalRewardPool, before=None, resume: Path | None = None,
+         outage_s: float = 0):
+    """A tiny run scored by ``pool``; ``before(trainer, name, step)`` is called before each RL epoch and
+    evaluation."""
+    client = _client(pool, outage_s=outage_s)
     trainer = tiny_trainer(run_dir, model_dir, *TINY, rewards=client)
+    client.give_up_waiting = lambda: bool(trainer.stops.received)  # as trainer/build.py sets it
     if before is not None:
         rl_epoch, evaluate = trainer.rl_epoch, trainer.evaluate
-        trainer.rl_epoch = lambda epoch: (before("rl", epoch), rl_epoch(epoch))[1]
-        trainer.evaluate = lambda step, grid: (before("eval", step), evaluate(step, grid))[1]
+        trainer.rl_epoch = lambda epoch: (before(trainer, "rl", epoch), rl_epoch(epoch))[1]
+        trainer.evaluate = lambda step, grid: (before(trainer, "eval", step), evaluate(step, grid))[1]
     try:
         if resume is not None:
             trainer.resume(resume)
@@ -108,27 +113,41 @@ def _run(run_dir: Path, model_dir: str, pool: LocalRewardPool, before=None, resu
         client.close()
 
 
-@pytest.mark.parametrize("lost", ["rl", "eval"])
+@pytest.fixture(scope="module")
+def reference(pool, tmp_path_factory, tiny_model_dir) -> tuple[Path, list[torch.Tensor]]:
+    """The run whose pool never went away: its directory and trained weights."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    trainer = _run(run_dir, tiny_model_dir, pool)
+    return run_dir, [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
+
+
+@pytest.mark.parametrize("lost", ["rl", "eval", "rl+stop"])
 def test_a_pool_down_stops_the_run_with_a_checkpoint_and_continuing_gives_the_uninterrupted_run(
-        lost, up, tmp_path, tiny_model_dir):
+        lost, up, reference, tmp_path, tiny_model_dir):
     """The pool dies before RL epoch 2 (or before the evaluation after epoch 1): the run stops with a
     RewardFailure and a checkpoint after epoch 1 (which puts that evaluation first); continued once the pool is
-    back, its records and weights are those of the run that never lost its pool."""
-    reference = _run(tmp_path / "reference", tiny_model_dir, up)
+    back, its records and weights are those of the run that never lost its pool. rl+stop: a stop signal comes
+    while the run waits for the pool (outage_s 60): it ends the wait, and the run stops as the signal asks."""
 
-    def kill(name: str, step: int) -> None:
-        if (name, step) == (lost, 1):
+    def kill(trainer, name: str, step: int) -> None:
+        if (name, step) == (lost.removesuffix("+stop"), 1):
             up.kill(0)
+            if lost.endswith("+stop"):  # as the handler does, a moment into the wait
+                threading.Timer(1.0, setattr, args=(trainer.stops, "received", signal.SIGTERM)).start()
 
-    with pytest.raises(RewardFailure, match="no reward" if lost == "rl" else "the evaluation after RL epoch 1"):
-        _run(tmp_path / "lost", tiny_model_dir, up, before=kill)
+    expected = {"rl": (RewardFailure, "no reward"), "eval": (RewardFailure, "the evaluation after RL epoch 1"),
+                "rl+stop": (StopSignalled, "SIGTERM")}[lost]
+    started = time.monotonic()
+    with pytest.raises(expected[0], match=expected[1]):
+        _run(tmp_path / "lost", tiny_model_dir, up, before=kill, outage_s=60 if lost.endswith("+stop") else 0)
+    assert time.monotonic() - started < 40  # not the 60 s of outage_s
     (checkpoint,) = (tmp_path / "lost" / "checkpoints").iterdir()
     saved = Progress.load(checkpoint)
     assert (saved.epochs_done, saved.eval_due) == (1, lost == "eval")
     up.restart(0)
     continued = _run(tmp_path / "lost", tiny_model_dir, up, resume=checkpoint)
-    assert _records(tmp_path / "lost") == _records(tmp_path / "reference")
-    for a, b in zip(continued.adapter.trainable.parameters(), reference.adapter.trainable.parameters(), strict=True):
+    assert _records(tmp_path / "lost") == _records(reference[0])
+    for a, b in zip(continued.adapter.trainable.parameters(), reference[1], strict=True):
         assert torch.equal(a, b)
 
 

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -138,6 +138,9 @@ class HttpRewardClient:
         self.hedge = hedge
         self.verify_replicas = verify_replicas
         self.outage_s = outage_s
+        self.give_up_waiting: Callable[[], bool] = lambda: False
+        """Polled while a request waits out an outage: true ends the wait (the trainer's stop signal, which
+        must not wait for reward.outage_s before its checkpoint)."""
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self.pool = ReplicaPool(self.urls, list(self.weights), http=self._client, auth=self._auth,
@@ -298,11 +301,13 @@ class HttpRewardClient:
                 if self.outage_s and self.pool.all_out():  # a pool restarting: wait for its probes
                     now = time.monotonic()
                     outage_since = now if outage_since is None else outage_since
-                    if await self.pool.wait_for_a_replica(outage_since + self.outage_s - now, self.outage_s):
+                    left = outage_since + self.outage_s - now
+                    if await self.pool.wait_for_a_replica(left, self.outage_s, self.give_up_waiting):
                         attempt, failures = 0, failures[-1:]  # a fresh round of attempts
                         tried.clear()
                         continue
-                    failures.append(f"no replica back in rotation within reward.outage_s = {self.outage_s:g} s")
+                    failures.append("the run was asked to stop while it waited for a replica" if self.give_up_waiting()
+                                    else f"no replica back in rotation within reward.outage_s = {self.outage_s:g} s")
                 break
             store_scores(response, start, stop, components, errors)
             return response.instance

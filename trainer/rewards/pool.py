@@ -99,9 +99,10 @@ class ReplicaPool:
         """Whether every replica is out of rotation."""
         return not any(r.available for r in self.replicas.values())
 
-    async def wait_for_a_replica(self, timeout_s: float, allowed_s: float) -> bool:
-        """Wait at most ``timeout_s`` until a probe puts a replica back in rotation; False if none came back.
-        The first request to wait in an outage says so (``allowed_s``: how long a request may wait in all)."""
+    async def wait_for_a_replica(self, timeout_s: float, allowed_s: float, give_up: Callable[[], bool]) -> bool:
+        """Wait at most ``timeout_s`` until a probe puts a replica back in rotation; False if none came back or
+        ``give_up()`` turned true. The first request to wait in an outage says so (``allowed_s``: how long a
+        request may wait in all)."""
         if self.outage_since is None:
             self.outage_since = time.monotonic()
             logger.warning("every reward replica is out of rotation: waiting up to %.0f s for one to come back "
@@ -109,7 +110,7 @@ class ReplicaPool:
         deadline = time.monotonic() + timeout_s
         while self.all_out():
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or give_up():
                 return False
             await asyncio.sleep(min(self.probe_interval_s, left))
         return True
