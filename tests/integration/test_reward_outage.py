@@ -19,7 +19,7 @@ from warm_start import tiny_trainer
 
 from trainer.checkpoint import Progress
 from trainer.health import RewardFailure
-from trainer.rewards import HttpRewardClient, LocalRewardPool, RewardUnavailableError
+from trainer.rewards import HttpRewardClient, LocalRewardPool, RewardRequestError, RewardUnavailableError
 from trainer.stopping import StopSignalled
 
 TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
@@ -172,3 +172,25 @@ def test_a_supervised_pool_restarts_a_replica_that_died_at_most_max_restarts_tim
             assert pool._processes[0].poll() is not None
     restarting = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
     assert len(restarting) == 1 and "exited with status -9" in restarting[0], restarting
+
+
+def test_a_replica_restarted_with_another_token_leaves_rotation_and_the_others_score(tmp_path, caplog):
+    """A 401 depends on the replica, not the request: the chunk goes to a replica that takes it. With no other
+    replica in rotation, the refusal ends the request at once (no outage wait)."""
+    with LocalRewardPool(["digit"], replicas=2, log_dir=tmp_path) as pool:
+        images, prompts = _images()
+        with _client(pool, outage_s=60) as client:
+            expected = client.score(images, prompts).combined
+            pool.kill(0)
+            pool._env = {**pool._env, "REWARD_SERVER_TOKEN": "another"}  # replica 0 comes back with a token
+            pool.restart(0)
+            with caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+                for _ in range(3):  # the round-robin reaches replica 0 in these
+                    np.testing.assert_array_equal(client.score(images, prompts).combined, expected)
+            assert not client.replica_states()[pool.urls[0]]["available"]
+            assert any("refused the request with HTTP 401" in r.getMessage() for r in caplog.records)
+        with HttpRewardClient(pool.urls[:1], {"digit": 1.0}, outage_s=60, verify_replicas=False) as alone:
+            started = time.monotonic()
+            with pytest.raises(RewardRequestError, match="HTTP 401"):
+                alone.score(images, prompts)
+            assert time.monotonic() - started < 5

@@ -41,6 +41,9 @@ from trainer.rewards.wire import (
 logger = logging.getLogger("rewardflow.rewards")
 
 _LATENCY_WINDOW = 256
+REPLICA_REFUSALS = (401, 403, 404, 413)
+"""4xx answers that depend on the replica's settings (token, routes, size limits), not on the request alone: the
+replica leaves rotation and the request goes to another, while there is one in rotation."""
 
 
 class HttpRewardClient:
@@ -52,7 +55,8 @@ class HttpRewardClient:
     5xx is retried, at most ``max_retries`` times, each time on a replica it has not tried yet (while
     there is one), after a jittered exponential backoff that honours Retry-After; with ``outage_s``, a chunk
     whose attempts are spent while every replica is out of rotation waits for one to come back and tries
-    again. Other 4xx answers raise :class:`RewardRequestError` at once.
+    again. A 401, 403, 404 or 413 takes the replica out of rotation and goes to another while one is in rotation;
+    other 4xx answers, and those with no replica left, raise :class:`RewardRequestError` at once.
 
     Replicas that keep failing are taken out of rotation and probed back in, and on first use every
     replica's ``/info`` is checked (see :class:`~trainer.rewards.pool.ReplicaPool`). If every replica is out,
@@ -416,6 +420,10 @@ class HttpRewardClient:
                 retry_after_s=retry_after_s(response),
                 down=status == 503,
             )
+        if status in REPLICA_REFUSALS and self.pool.others_in_rotation(replica):
+            raise self.pool.failed(replica, f"{replica.url} refused the request with HTTP {status} ("
+                                   f"{detail(response)}), which the others may take: check its token and limits",
+                                   retry_after_s=0.0, down=True)
         raise RewardRequestError(
             f"{replica.url}/score rejected the request with HTTP {status}: {detail(response)}"
         )

@@ -95,6 +95,10 @@ class ReplicaPool:
             for url, r in self.replicas.items()
         }
 
+    def others_in_rotation(self, replica: Replica) -> bool:
+        """Whether a replica other than ``replica`` is in rotation."""
+        return any(r.available for r in self.replicas.values() if r is not replica)
+
     def all_out(self) -> bool:
         """Whether every replica is out of rotation."""
         return not any(r.available for r in self.replicas.values())
