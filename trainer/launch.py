@@ -41,6 +41,21 @@ def newest_resumable(output_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def resumed_run_config(config: Config) -> Path | None:
+    """The ``config.yaml`` of the run that ``train.resume`` continues (the run ``logging.run_name`` names, the
+    newest unfinished one for ``auto``, or the one holding the named checkpoint), or None where there is none:
+    a resume given no config file takes that run's settings, not the defaults."""
+    resume, name, output = config.train.resume, config.logging.run_name, Path(config.logging.output_dir)
+    if not resume:
+        return None
+    if resume != "auto":
+        run = Path(resume).parent.parent  # <run>/checkpoints/step-*
+    else:
+        run = output / name if name else newest_resumable(output)
+    saved = run / "config.yaml" if run is not None else None
+    return saved if saved is not None and saved.is_file() else None
+
+
 class RunDirGuard:
     """Removes the directory this run made (its run directory, or ``logging.output_dir`` when it made that
     too) when the run fails before training starts (a bad path, a model that does not load, Ctrl-C while

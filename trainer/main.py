@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="print the resolved config as YAML, each field with its description, and exit")
     parser.add_argument("--resume", metavar="auto|DIR",
                         help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name, or "
-                             "without it of the unfinished run with the newest checkpoint (same as train.resume=...)")
+                             "without it of the unfinished run with the newest checkpoint (same as train.resume=...); "
+                             "without --config, with that run's own config.yaml (overrides on top)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_intermixed_args(argv)  # options may come after overrides
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
     from trainer.config.describe import described_yaml
     from trainer.health import RewardFailure, TrainingDiverged
-    from trainer.launch import RunInterrupted, resume_command
+    from trainer.launch import RunInterrupted, resume_command, resumed_run_config
     from trainer.rewards.launcher import RewardPoolError
     from trainer.stopping import StopSignalled
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         config = load_config(args.config, overrides)
+        saved = resumed_run_config(config) if not args.config else None
+        if saved is not None:  # a resume given no config file continues with the run's own settings
+            config = load_config([str(saved)], overrides)
     except ConfigError as exc:
         if first_here:
             print(f"config error: {exc}", file=sys.stderr)

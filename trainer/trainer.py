@@ -140,7 +140,7 @@ class Trainer:
         train = self.config.train
         progress = self.progress
         self._evaluated: tuple[int, dict[str, float]] | None = None  # the last evaluation in the loop
-        if progress.warmup_steps_done < train.warmup_steps:
+        if progress.warmup_steps_done < train.warmup_steps and not progress.rl_started:  # never after RL began
             self.backend.set_lr(train.warmup_learning_rate)
             steps = range(progress.warmup_steps_done, train.warmup_steps)
             for step in tqdm(steps, desc="warm-up (SFT)", disable=not self._bars()):

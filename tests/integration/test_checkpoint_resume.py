@@ -140,3 +140,24 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_the_latest(tm
     done = checkpoints.save(Progress(10, 2, True), adapter, backend, {}, {})
     assert checkpoints.latest() == done and done.name == "step-000010-000002"
     assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name, done.name]
+
+
+def test_a_resume_after_rl_began_never_warms_up_again(tmp_path, tiny_model_dir):
+    """A continuation with a longer train.warmup_steps (a bare --resume auto takes the default 600) warned and then
+    ran the rest of the warm-up on the RL-trained weights; RL goes on instead."""
+    from warm_start import tiny_trainer
+
+    short = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
+             "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=0",
+             "logging.progress=false", "logging.tensorboard=false", "train.warmup_steps=2"]
+    first = tiny_trainer(tmp_path, tiny_model_dir, *short, "train.epochs=1")
+    first.fit()
+    first.logger.close()
+    again = tiny_trainer(tmp_path, tiny_model_dir, *short, "train.epochs=2", "train.warmup_steps=4")
+    again.resume(first.checkpoints.latest())
+    again.fit()
+    again.logger.close()
+    phases = [(r["phase"], r["step"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if r["phase"] in ("warmup", "rl")]
+    assert phases == [("warmup", 0), ("warmup", 1), ("rl", 1), ("rl", 2)], phases
+    assert again.progress.warmup_steps_done == 2 and again.progress.epochs_done == 2
