@@ -87,7 +87,11 @@ def run(config: Config) -> dict[str, float]:
         run_dir = output / run_name
         made = next((d for d in (output, run_dir) if not d.exists()), None) if main else None  # removed on failure
         if main:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"logging.output_dir={str(output)!r}: cannot make {run_dir} there ({exc.strerror}): "
+                                 "choose a folder this user can write") from None
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
         guard = stack.enter_context(RunDirGuard(made))
 
@@ -118,6 +122,9 @@ def run(config: Config) -> dict[str, float]:
         require_shared_run_dir(run_dir, backend.world.rank)
         if not main:
             adapter = build_adapter(config.model, device)
+        if warms_up and task.supervises:  # the supervised images' shape against the model's, now, not at step 1
+            sample = task.supervised_batch(1, torch.Generator().manual_seed(0))
+            SFT(config.warmup).data_batch(adapter, sample.images, sample.prompts, torch.Generator(), sample.inputs)
 
         urls = list(config.reward.urls)
         if not urls:

@@ -121,6 +121,19 @@ def load_ema(checkpoint: Path, trainable: list[nn.Parameter]) -> None:
         param.copy_(saved)
 
 
+def cannot_write(path: Path, folder: bool) -> str | None:
+    """Why ``path``, a folder to make or fill (``folder``) or a file to write, cannot be written, or None: a
+    command-line tool checks its output before it loads a model."""
+    if path.exists() and path.is_dir() != folder:
+        return f"{path} is {'a file, not a folder' if folder else 'a folder'}"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing if existing.is_dir() else existing.parent, os.W_OK | os.X_OK):
+        return f"{existing} is not writable here"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path,
@@ -130,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ema", action="store_true",
                         help="export the EMA of the trainable weights (what the run evaluated with eval.use_ema)")
     args = parser.parse_args(argv)
+    if (why := cannot_write(args.out, folder=True)) is not None:
+        parser.error(f"--out {args.out}: {why}")
     try:
         export_checkpoint(args.checkpoint, args.out, args.model_path, args.ema)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a folder the checks above cannot foresee (/proc, a full disk)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {args.out}")

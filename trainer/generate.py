@@ -15,6 +15,7 @@ Runs in one process on the CPU (or ``--device cuda``); no reward servers.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -154,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.out.suffix.lower() not in Image.registered_extensions():
         parser.error(f"--out {args.out}: {args.out.suffix or 'no extension'} is not an image format; use .png")
+    from trainer.export import cannot_write
+
+    if (why := cannot_write(args.out, folder=False)) is not None:
+        parser.error(f"--out {args.out}: {why}")
+    if args.guidance is not None and not math.isfinite(args.guidance):
+        parser.error(f"--guidance {args.guidance}: a guidance scale must be a finite number")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
     from trainer.config import user_error_exit

@@ -73,6 +73,11 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     from trainer.models import build_adapter, image_encoding_models
     from trainer.models.latents import LatentStore, vae_fingerprint
 
+    none = (f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name={config.data.name!r}: "
+            f"nothing to store with --latents ({', '.join(image_encoding_models())} with an inpainting or editing "
+            "dataset encode some)")
+    if config.model.name not in image_encoding_models():  # before any model loads or store is made
+        raise ValueError(none)
     task, evaluated = build_tasks(config.data, config.eval)
     store = LatentStore.create(directory, vae_fingerprint(config.model))
     adapter = build_adapter(replace(config.model, image_latents=""), resolve_device(config.train.device, 0))
@@ -80,9 +85,7 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     chunks = [(t, list(ids[k:k + ITEMS_PER_BATCH])) for t, ids in items for k in range(0, len(ids), ITEMS_PER_BATCH)]
     latents = write_latents(adapter, store, (([t.prompts[i] for i in c], t.inputs(c)) for t, c in chunks))
     if latents.hits + latents.misses == 0:
-        raise ValueError(f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name="
-                         f"{config.data.name!r}: nothing to store with --latents ({', '.join(image_encoding_models())} "
-                         "with an inpainting or editing dataset encode some)")
+        raise ValueError(none)
     return latents.misses, latents.hits
 
 

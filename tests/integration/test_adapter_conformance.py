@@ -607,6 +607,16 @@ def test_another_models_directory_is_refused(name, model_root, tmp_path):
             build_adapter(dataclasses.replace(config, path=path), "cpu")
 
 
+def test_an_sd3_resolution_past_its_position_table_is_refused_as_it_loads(model_root):
+    """It failed at the first forward (after the warm-up, in the evaluation before RL) with diffusers' "Height
+    (256) cannot be greater than pos_embed_max_size"; the tiny SD3's table holds 96 patches a side."""
+    config = tiny_config("sd3", model_root, dtype="float32")
+    build_adapter(dataclasses.replace(config, resolution=96), "cpu")
+    with pytest.raises(ValueError, match=r"model\.resolution=104 needs 104 patches a side, .* reach 96: at most "
+                                         r"model\.resolution=96"):
+        build_adapter(dataclasses.replace(config, resolution=104), "cpu")
+
+
 def test_flux_and_kontext_directories_are_told_apart_by_their_pipeline(model_root, caplog):
     """FLUX.1-dev and Kontext weights have the same shapes (either adapter loads the other's): the pipeline
     class in model_index.json is what differs, and a mismatch is a warning that names the other adapter."""

@@ -65,6 +65,12 @@ def test_cli_names_what_is_wrong(tmp_path, capsys):
     (tmp_path / "not-a-checkpoint").mkdir()
     assert main(["--checkpoint", str(tmp_path / "not-a-checkpoint"), "--out", str(tmp_path / "out")]) == 2
     assert "is not a complete checkpoint (no trainable.safetensors)" in capsys.readouterr().err
+    a_file = tmp_path / "a-file"  # --out at a file, or under one: a traceback once the weights had loaded
+    a_file.write_text("")
+    for out, why in ((a_file, f"{a_file} is a file, not a folder"), (a_file / "x", f"{a_file} is a file, not a folder")):
+        with pytest.raises(SystemExit) as exited:
+            main(["--checkpoint", str(tmp_path / "not-a-checkpoint"), "--out", str(out)])
+        assert exited.value.code == 2 and f"--out {out}: {why}" in capsys.readouterr().err
 
 
 def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path, capsys):

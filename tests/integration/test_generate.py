@@ -92,11 +92,18 @@ def test_an_editing_model_edits_the_given_references(tmp_path):
 
 def test_bad_counts_an_unknown_image_suffix_or_a_missing_gpu_are_refused_before_the_model_loads(tmp_path, capsys):
     """--samples 0 and --steps 0 silently took the run's defaults, negative ones were tracebacks, a wrong suffix
-    failed after sampling and --device cuda on a machine without CUDA was an AssertionError."""
+    failed after sampling and --device cuda on a machine without CUDA was an AssertionError; a NaN guidance was
+    taken, and an --out under a file was a traceback after sampling."""
     weights = ["--weights", str(tmp_path / "absent"), "--out"]
     cases = [([*weights, "g.png", "--samples", "0"], "argument --samples: 0 is not a positive count"),
              ([*weights, "g.png", "--steps", "-3"], "argument --steps: -3 is not a positive count"),
-             ([*weights, "g.jpgx"], "--out g.jpgx: .jpgx is not an image format; use .png")]
+             ([*weights, "g.jpgx"], "--out g.jpgx: .jpgx is not an image format; use .png"),
+             ([*weights, "g.png", "--guidance", "nan"], "--guidance nan: a guidance scale must be a finite number")]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    (tmp_path / "d.png").mkdir()
+    cases += [([*weights, str(a_file / "g.png")], f"--out {a_file / 'g.png'}: {a_file} is a file, not a folder"),
+              ([*weights, str(tmp_path / "d.png")], f"--out {tmp_path / 'd.png'}: {tmp_path / 'd.png'} is a folder")]
     if not torch.cuda.is_available():
         cases.append(([*weights, "g.png", "--device", "cuda"], "--device cuda: this torch"))
     for argv, message in cases:

@@ -181,6 +181,7 @@ def test_precompute_latents_needs_an_image_conditioned_model(root, tmp_path, cap
                        {"name": "prompt_file", "path": str(write_prompt_file(tmp_path / "data"))})
     assert precompute.main(["--config", str(run), "--latents", str(tmp_path / "latents")]) == 2
     assert "VAE-encodes none of the image inputs" in capsys.readouterr().err
+    assert not (tmp_path / "latents").exists()  # refused before a store (or the model) was made
     with pytest.raises(SystemExit):
         precompute.main(["--config", str(run)])
     assert "--latents" in capsys.readouterr().err

@@ -110,6 +110,24 @@ def test_bad_rows_name_the_file_and_line(tmp_path):
         task.supervised_batch(2, None)
 
 
+def test_a_folder_or_a_file_that_is_not_utf8_is_named_with_the_fix(tmp_path):
+    """A folder was "no such file"; a Latin-1 file was "'utf-8' codec can't decode byte ..." with no file."""
+    from trainer.data.edit_jsonl import read_edit_jsonl
+    from trainer.data.inpaint_jsonl import read_inpaint_jsonl
+
+    for read in (PromptFileTask, lambda p: read_edit_jsonl(p, 16), lambda p: read_inpaint_jsonl(p, 16)):
+        with pytest.raises(ValueError, match=rf"data.path='{tmp_path}' is a folder: name the file in it"):
+            read(str(tmp_path))
+    latin = tmp_path / "prompts.txt"
+    latin.write_bytes("a cat\na caf\u00e9 sign\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{latin}:2: not UTF-8 text \(byte 0xe9 at offset 11\): save it as UTF-8"):
+        PromptFileTask(str(latin))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'{"prompt": "ok"}\n\xff\n')
+    with pytest.raises(ValueError, match=rf"{rows}:2: not UTF-8 text \(byte 0xff at offset 17\)"):
+        PromptFileTask(str(rows))
+
+
 def test_the_suffix_picks_the_format_whatever_its_case_and_others_are_refused(tmp_path):
     upper = tmp_path / "P.JSONL"
     upper.write_text('{"prompt": "a cat", "tag": "single_object"}\n')

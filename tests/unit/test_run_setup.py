@@ -283,6 +283,28 @@ def test_an_output_dir_or_a_model_path_that_is_a_file_is_one_line(tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no .building-*, no run left behind
 
 
+def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path, capsys) -> None:
+    """It was three chained FileNotFoundError tracebacks from the run directory's mkdir."""
+    line = _fails_fast(tmp_path, capsys, "logging.output_dir=/proc/rewardflow-runs")
+    assert line.startswith("error: logging.output_dir='/proc/rewardflow-runs': cannot make /proc/rewardflow-runs/")
+    assert line.endswith("choose a folder this user can write")
+
+
+def test_supervised_images_of_another_size_than_the_model_are_refused_before_training(tmp_path, capsys,
+                                                                                      tiny_model_dir) -> None:
+    """It came at the first warm-up step, after the run had started, and left its run folder behind."""
+    from trainer.main import main
+
+    output = tmp_path / "outputs"
+    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", "model.resolution=32",
+                 "reward.replicas=1"]) == 2
+    err = capsys.readouterr().err  # after the model's loading bars
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.startswith("error: supervised images of (16, 16) pixels encode to latents") and "Traceback" not in err
+    assert line.endswith("set data.image_size to the model's resolution")
+    assert not output.exists()
+
+
 def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_traceback(tmp_path, capsys) -> None:
     """aesthetic needs model files, which a job's own replicas are not given: a 33-line traceback before."""
     from trainer.main import main

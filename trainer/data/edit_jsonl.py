@@ -11,10 +11,9 @@ is needed only for supervised training. The reward servers get ``judge_task: "ed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from trainer.data.images import ImageItem, ImageTask, image_size_of, resolve
-from trainer.data.prompt_file import read_jsonl
+from trainer.data.prompt_file import data_file, read_jsonl
 
 NOT_METADATA = ("prompt", "image_path", "target_path")
 """Row keys that describe the files rather than the reward target."""
@@ -23,9 +22,7 @@ NOT_METADATA = ("prompt", "image_path", "target_path")
 def read_edit_jsonl(path: str, image_size: int, image_inputs: Sequence[str] = ()) -> ImageTask:
     """Every row checked (files exist and decode, target size = image size); the first bad row raises a
     ValueError naming the file and line."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"data.path={path!r}: no such file (an editing .jsonl with image_path and prompt per row)")
+    file = data_file(path, "an editing .jsonl with image_path and prompt per row")
     items, count = [], 0
     for number, record in read_jsonl(file):
         where = f"{file}:{number}"

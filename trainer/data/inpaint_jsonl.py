@@ -12,10 +12,9 @@ and ``mask``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from trainer.data.images import ImageItem, ImageTask, check_mask, image_size_of, resolve
-from trainer.data.prompt_file import read_jsonl
+from trainer.data.prompt_file import data_file, read_jsonl
 
 NOT_METADATA = ("prompt", "image_path", "mask_path", "t5_embedding_path")
 """Row keys that describe the files rather than the reward target."""
@@ -24,10 +23,7 @@ NOT_METADATA = ("prompt", "image_path", "mask_path", "t5_embedding_path")
 def read_inpaint_jsonl(path: str, image_size: int, image_inputs: Sequence[str] = ()) -> ImageTask:
     """Every row checked (files exist and decode, mask size = image size, mask not empty at
     ``image_size``); the first bad row raises a ValueError naming the file and line."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"data.path={path!r}: no such file (an inpainting .jsonl with image_path, mask_path "
-                         "and prompt per row)")
+    file = data_file(path, "an inpainting .jsonl with image_path, mask_path and prompt per row")
     items = []
     for number, record in read_jsonl(file):
         where = f"{file}:{number}"

@@ -28,10 +28,31 @@ def quoted_text(prompt: str) -> str | None:
     return match.group(1) if match else None
 
 
+def data_file(path: str, what: str) -> Path:
+    """``data.path`` as a file, or a ValueError saying it is missing or a folder (``what``: the file expected)."""
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"data.path={path!r} is a folder: name the file in it ({what})")
+    if not file.is_file():
+        raise ValueError(f"data.path={path!r}: no such file ({what})")
+    return file
+
+
+def text_lines(file: Path) -> list[str]:
+    """The lines of a UTF-8 text file; a ValueError names the file, line and byte that are not UTF-8."""
+    data = file.read_bytes()
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ValueError(f"{file}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): save "
+                         "it as UTF-8") from None
+
+
 def read_jsonl(file: Path) -> Iterator[tuple[int, dict]]:
     """(line number, record) of every non-blank line; a record must be a JSON object with a non-empty
     ``prompt``, else a ValueError names the file and line."""
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text_lines(file), start=1):
         if not line.strip():
             continue
         try:
@@ -53,9 +74,7 @@ class PromptFileTask:
     supervises = False  # prompts alone: no target images
 
     def __init__(self, path: str, eval_count: int = EVAL_COUNT):
-        file = Path(path)
-        if not file.is_file():
-            raise ValueError(f"data.path={path!r}: no such file (a .txt with one prompt per line or a .jsonl)")
+        file = data_file(path, "a .txt with one prompt per line or a .jsonl")
         self.records = self._read(file)
         if not self.records:
             raise ValueError(f"data.path={path!r} holds no prompts")
@@ -69,7 +88,7 @@ class PromptFileTask:
         if suffix == ".jsonl":
             records = [record for _, record in read_jsonl(file)]
         elif suffix == ".txt":
-            lines = file.read_text(encoding="utf-8").splitlines()
+            lines = text_lines(file)
             records = [{"prompt": line.strip()} for line in lines if line.strip()]
         else:
             raise ValueError(f"data.path={str(file)!r}: prompt_file reads .txt (one prompt per line) or .jsonl (one "

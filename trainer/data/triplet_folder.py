@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.data.images import ImageItem, ImageTask, check_mask, image_size_of
+from trainer.data.prompt_file import text_lines
 
 LIST_FILE = "self_bench.txt"
 STYLE_CROP = 0.5
@@ -41,7 +42,7 @@ def read_triplet_folder(path: str, image_size: int, style_crop: float = STYLE_CR
         raise ValueError(f"data.style_crop={style_crop} must be in (0, 1]: the side fraction of the reference "
                          "kept as the style image")
     items, seen = [], {}
-    for number, line in enumerate(bench.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text_lines(bench), start=1):
         if not line.strip():
             continue
         where = f"{bench}:{number}"
