@@ -18,7 +18,7 @@ from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
-from trainer.export import export_denoiser
+from trainer.export import cannot_write, export_denoiser
 from trainer.health import RewardFailure
 from trainer.launch import (
     RunDirGuard,
@@ -76,9 +76,8 @@ def run(config: Config) -> dict[str, float]:
         # Before anything is built: how an epoch's samples split over the ranks, then the reward servers.
         GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, backend.world.world_size, 0, 0)
         output = Path(config.logging.output_dir)
-        existing = next(p for p in (output.absolute(), *output.absolute().parents) if p.exists())  # mkdir's start
-        if not existing.is_dir():
-            raise ValueError(f"logging.output_dir={str(output)!r}: {existing} is a file, not a folder")
+        if (why := cannot_write(output.absolute(), folder=True)) is not None:
+            raise ValueError(f"logging.output_dir={str(output)!r}: {why}")
         check_rewards(config, backend)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
         run_name, refusal = backend.broadcast((run_name, refusal))

@@ -73,10 +73,10 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     from trainer.models import build_adapter, image_encoding_models
     from trainer.models.latents import LatentStore, vae_fingerprint
 
+    encoders = image_encoding_models()
     none = (f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name={config.data.name!r}: "
-            f"nothing to store with --latents ({', '.join(image_encoding_models())} with an inpainting or editing "
-            "dataset encode some)")
-    if config.model.name not in image_encoding_models():  # before any model loads or store is made
+            f"nothing to store with --latents ({', '.join(encoders)} with an inpainting or editing dataset encode some)")
+    if config.model.name not in encoders:  # before any model loads or store is made
         raise ValueError(none)
     task, evaluated = build_tasks(config.data, config.eval)
     store = LatentStore.create(directory, vae_fingerprint(config.model))

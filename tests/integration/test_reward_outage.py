@@ -39,7 +39,7 @@ def pool(tmp_path_factory) -> Iterator[LocalRewardPool]:
 def up(pool) -> Iterator[LocalRewardPool]:
     """The pool, serving again after the test whatever the test did to it."""
     yield pool
-    if pool._processes[0].poll() is not None:
+    if pool.exited(0):
         pool.restart(0)
 
 
@@ -169,7 +169,7 @@ def test_a_supervised_pool_restarts_a_replica_that_died_at_most_max_restarts_tim
             while not any("not restarted" in r.getMessage() for r in caplog.records):
                 assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
                 time.sleep(0.1)
-            assert pool._processes[0].poll() is not None
+            assert pool.exited(0)
     restarting = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
     assert len(restarting) == 1 and "exited with status -9" in restarting[0], restarting
 

@@ -74,11 +74,10 @@ class SD3Adapter:
         side = config.resolution or self.denoiser.config.sample_size * vae_factor
         if side % (vae_factor * self.denoiser.config.patch_size):
             raise ValueError(f"model.resolution={side} must be a multiple of {vae_factor * self.denoiser.config.patch_size}")
-        most = self.denoiser.config.pos_embed_max_size  # SD3's position table: none beyond it (None: no table)
-        if most is not None and side // (vae_factor * self.denoiser.config.patch_size) > most:
-            raise ValueError(f"model.resolution={side} needs {side // (vae_factor * self.denoiser.config.patch_size)} "
-                             f"patches a side, but this transformer's positions (pos_embed_max_size) reach "
-                             f"{most}: at most model.resolution={most * vae_factor * self.denoiser.config.patch_size}")
+        most, pixels = self.denoiser.config.pos_embed_max_size, vae_factor * self.denoiser.config.patch_size
+        if most is not None and side // pixels > most:  # SD3's position table: none beyond it (None: no table)
+            raise ValueError(f"model.resolution={side} needs {side // pixels} patches a side, but this transformer's "
+                             f"positions (pos_embed_max_size) reach {most}: at most model.resolution={most * pixels}")
         self.latent_shape = (self.denoiser.config.in_channels, side // vae_factor, side // vae_factor)
 
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)

@@ -193,13 +193,12 @@ class ZImageAdapter:
 def guided_rows(timestep: torch.Tensor, truncation: float) -> torch.Tensor | bool:
     """Which rows run CFG under ``cfg_truncation``: those whose pipeline time 1 - sigma (``timestep``) is at most
     ``truncation``, compared in float64 as the pipeline compares its Python floats. True or False when all or
-    none do (a device read, only where the cut-off can fall inside the schedule), else a [B] mask."""
+    none do (one device read, only where the cut-off can fall inside the schedule), else a [B] mask."""
     if truncation >= 1:
         return True
     guided = timestep.double() <= truncation
-    if bool(guided.all()):
-        return True
-    return guided if bool(guided.any()) else False
+    count = int(guided.sum())
+    return True if count == len(guided) else guided if count else False
 
 
 def z_image_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, normalization: float) -> torch.Tensor:

@@ -250,6 +250,10 @@ class LocalRewardPool:
         """Process id of replica ``index``."""
         return self._processes[index].pid
 
+    def exited(self, index: int) -> bool:
+        """Whether replica ``index``'s process has ended."""
+        return self._processes[index].poll() is not None
+
     def _spawn(self, index: int, sock: socket.socket) -> subprocess.Popen[bytes]:
         """Start replica ``index`` serving on ``sock`` (bound to its port; the child keeps its own copy)."""
         port = self.ports[index]
