@@ -151,6 +151,14 @@ def test_a_pool_down_stops_the_run_with_a_checkpoint_and_continuing_gives_the_un
         assert torch.equal(a, b)
 
 
+def _until_given_up(caplog, within_s: float) -> None:
+    """Wait for the supervisor's warning that it restarts a replica no more."""
+    deadline = time.monotonic() + within_s
+    while not any("not restarted" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.1)
+
+
 def test_a_supervised_pool_restarts_a_replica_that_died_at_most_max_restarts_times(tmp_path, caplog):
     """What a run does with its own replicas: each one that exits is started again on its port, and serves."""
     with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool, \
@@ -165,13 +173,24 @@ def test_a_supervised_pool_restarts_a_replica_that_died_at_most_max_restarts_tim
             assert pool.pid(0) != first and got.instances == [f"local-0-{pool.ports[0]}-r1"]
             np.testing.assert_array_equal(got.combined, expected)
             pool.kill(0)  # a second exit: past max_restarts, it stays down
-            deadline = time.monotonic() + 5
-            while not any("not restarted" in r.getMessage() for r in caplog.records):
-                assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
-                time.sleep(0.1)
+            _until_given_up(caplog, within_s=5)
             assert pool.exited(0)
     restarting = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
     assert len(restarting) == 1 and "exited with status -9" in restarting[0], restarting
+
+
+def test_a_restarted_replica_that_never_gets_ready_is_killed_and_tried_again(tmp_path, caplog):
+    """A restart that hangs (a model load that never ends, here a ready time no replica meets) does not leave a
+    process out of rotation for good: it is killed, and the next check starts it again, up to max_restarts."""
+    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool, \
+            caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+        pool.ready_timeout_s = 0.05  # no replica imports its scorers this fast
+        pool.supervise(max_restarts=2, interval_s=0.1)
+        pool.kill(0)
+        _until_given_up(caplog, within_s=30)
+        assert pool.exited(0)
+    hung = [r.getMessage() for r in caplog.records if "did not restart" in r.getMessage()]
+    assert len(hung) == 2 and all("not ready after 0.05 s" in m for m in hung), hung
 
 
 def test_a_replica_restarted_with_another_token_leaves_rotation_and_the_others_score(tmp_path, caplog):

@@ -200,7 +200,7 @@ class LocalRewardPool:
 
         Raises:
             RuntimeError: the replica is still running.
-            RewardPoolError: it exited or was not ready within ``ready_timeout_s``.
+            RewardPoolError: it exited, or was not ready within ``ready_timeout_s`` (then it is killed).
         """
         with self._lock:
             if self._stopping.is_set():
@@ -215,7 +215,11 @@ class LocalRewardPool:
                                       f"({exc.strerror}): another process took it meanwhile") from None
             with sock:
                 self._processes[index] = self._spawn(index, sock)
-        self._wait_ready([index])
+        try:
+            self._wait_ready([index])
+        except RewardPoolError:  # hung (not ready in time): killed, so that a supervisor's next check restarts it
+            self.kill(index)
+            raise
 
     def supervise(self, max_restarts: int = 5, interval_s: float = 1.0) -> None:
         """From now until ``stop``, restart each replica that exits (a crash, the OOM killer) on its port, at most
