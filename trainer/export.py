@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (why := cannot_write(args.out, folder=True)) is not None:
         parser.error(f"--out {args.out}: {why}")
+    from trainer.quiet import quiet_third_party
+
+    quiet_third_party()
     try:
         export_checkpoint(args.checkpoint, args.out, args.model_path, args.ema)
     except (ValueError, OSError) as exc:  # OSError: a folder the checks above cannot foresee (/proc, a full disk)

@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {path} is a file: give a directory (made if missing)")
 
     from trainer.config import ConfigError, load_config, user_error_exit
+    from trainer.quiet import quiet_third_party
 
+    quiet_third_party()
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -76,6 +76,12 @@ def test_the_job_writes_its_outputs(tmp_path):
     best_grid = "samples_before.png" if "best: before RL" in run.stdout else "samples_after.png"
     assert generate(["--weights", str(tmp_path / "toy" / "best"), "--out", str(tmp_path / "best.png")]) == 0
     assert (tmp_path / "best.png").read_bytes() == (tmp_path / "toy" / best_grid).read_bytes(), best_grid
+    # python -m trainer.export, as its own process: the diffusers model, and no third-party notice either
+    export = _run([sys.executable, "-m", "trainer.export", "--checkpoint", str(tmp_path / "toy" / "best"), "--ema",
+                   "--out", str(tmp_path / "exported")], tmp_path, timeout=300)
+    assert (tmp_path / "exported" / "diffusion_pytorch_model.safetensors").is_file()
+    for notice in ("requires torchvision", "Loading weights", "%|"):
+        assert notice not in export.stdout + export.stderr, notice
 
 
 @pytest.mark.slow

@@ -152,6 +152,14 @@ def test_sd3_adapter_refuses_a_directory_without_weights(tmp_path):
         SD3Adapter(SD3Config(path=str(tmp_path)))
 
 
+def test_image_inputs_are_refused_naming_the_adapter_the_user_chose(adapter):
+    """The embedded model is the SD3 adapter under another name: its errors say the name the config gave."""
+    from trainer.models.base import ImageInputs
+
+    with pytest.raises(ValueError, match=r"^the tiny adapter takes no ImageInputs.mask \(it is a text-to-image"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(mask=torch.zeros(2, 1, 16, 16)))
+
+
 def test_awm_takes_v_old_from_the_policy_itself_until_its_first_step(tiny_model_dir):
     """AWM's first optimizer step on a batch runs at the rollout's weights: its v_old is the policy's own
     forward, so the ratio is 1 exactly with no reference at all; a second pass reads the reference (here a

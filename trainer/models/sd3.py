@@ -26,6 +26,7 @@ from trainer.config.fields import PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, dynamic_shift_mu
+from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
@@ -106,9 +107,7 @@ class SD3Adapter:
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Per-prompt embeddings, cached by prompt text. SD3 takes no image inputs."""
-        if inputs is not None and any(v is not None for v in vars(inputs).values()):
-            raise ValueError("the sd3 adapter takes no image inputs (image/mask/reference/style); use an "
-                             "inpainting or editing model for such a dataset")
+        reject_image_inputs(self.config.name, inputs)  # config.name: "tiny" for the embedded model
         return Conditioning(embeds=self.prompts.cat(prompts))
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
