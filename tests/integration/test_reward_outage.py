@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -201,7 +202,7 @@ def test_a_replica_restarted_with_another_token_leaves_rotation_and_the_others_s
         with _client(pool, outage_s=60) as client:
             expected = client.score(images, prompts).combined
             pool.kill(0)
-            pool._env = {**pool._env, "REWARD_SERVER_TOKEN": "another"}  # replica 0 comes back with a token
+            pool.env = {**os.environ, "REWARD_SERVER_TOKEN": "another"}  # replica 0 comes back with a token
             pool.restart(0)
             with caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
                 for _ in range(3):  # the round-robin reaches replica 0 in these

@@ -93,7 +93,7 @@ class LocalRewardPool:
             Default: a fresh temporary directory, deleted when the pool stops unless a replica failed (the
             error names its log there).
         extra_args: more command-line flags for every replica, e.g. ``["--max-batch-size", "64"]``.
-        env: environment of the replicas (default: this process's).
+        env: environment of the replicas (default: this process's), read as each starts: a restart sees a change.
         ready_timeout_s: how long to wait for all replicas to answer ``/readyz``.
         stop_grace_s: how long a replica may drain after SIGINT before it is killed.
     """
@@ -130,7 +130,6 @@ class LocalRewardPool:
         self.log_paths: list[Path] = []
         self._processes: list[subprocess.Popen[bytes]] = []
         self._restarts: list[int] = []
-        self._env: dict[str, str] = {}
         self._temp_log_dir: Path | None = None
         self._keep_logs = False
         self._lock = threading.Lock()  # a supervisor's restart against stop()
@@ -163,11 +162,6 @@ class LocalRewardPool:
         log_dir = self.log_dir or self._temp_log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_paths = [log_dir / f"replica-{index}.log" for index in range(self.replicas)]
-        env = dict(self.env if self.env is not None else os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        # Importable from a source checkout too, whatever the working directory.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
-        self._env = env
         try:
             for index in range(self.replicas):
                 with bound_socket(self.host) as sock:
@@ -276,8 +270,16 @@ class LocalRewardPool:
         # A session of their own: the terminal's Ctrl-C reaches the trainer alone, which stops them after
         # it has said where it stopped (stopping first, they would fail the rollout that waits on them).
         with open(self.log_paths[index], "ab") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env,
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._child_env(),
                                     start_new_session=True, pass_fds=(sock.fileno(),))
+
+    def _child_env(self) -> dict[str, str]:
+        """A replica's environment: ``env`` (read at each start, so a restart sees a change) or ours, unbuffered,
+        with this source tree importable whatever the working directory."""
+        env = dict(self.env if self.env is not None else os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        return env
 
     def _wait_ready(self, indices: Iterable[int]) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
