@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from trainer.algorithms import build_algorithm
-from trainer.algorithms.sft import SFT
+from trainer.algorithms.sft import SFT, supervised_latents
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_tasks
@@ -122,8 +122,7 @@ def run(config: Config) -> dict[str, float]:
         if not main:
             adapter = build_adapter(config.model, device)
         if warms_up and task.supervises:  # the supervised images' shape against the model's, now, not at step 1
-            sample = task.supervised_batch(1, torch.Generator().manual_seed(0))
-            SFT(config.warmup).data_batch(adapter, sample.images, sample.prompts, torch.Generator(), sample.inputs)
+            supervised_latents(adapter, task.supervised_batch(1, torch.Generator().manual_seed(0)).images)
 
         urls = list(config.reward.urls)
         if not urls:

@@ -397,3 +397,21 @@ def test_an_interrupted_run_says_where_it_stopped_and_how_to_continue(tmp_path, 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resume_command([], [], "r").startswith("torchrun --nproc_per_node=2 trainer/main.py --resume auto")
 
+
+
+def test_a_text_embedding_store_lacking_the_runs_prompts_is_refused_naming_how_many(tmp_path, capsys,
+                                                                                    tiny_model_dir) -> None:
+    """The early image-size check used to encode a warm-up prompt first, so a store made for another dataset failed
+    there, on that one prompt (``load``'s error), instead of in the check that counts what the store lacks."""
+    from trainer import precompute
+    from trainer.main import main
+
+    (tmp_path / "one.txt").write_text("a handwritten digit 3\n")
+    store, output = tmp_path / "text", tmp_path / "outputs"
+    assert precompute.main(["--config", "configs/embedded_digits.yaml", "--out", str(store), f"model.path={tiny_model_dir}",
+                            "data.name=prompt_file", f"data.path={tmp_path / 'one.txt'}"]) == 0
+    assert main([f"model.path={tiny_model_dir}", f"model.text_embeddings={store}", f"logging.output_dir={output}",
+                 "reward.replicas=1"]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert line.startswith(f"error: model.text_embeddings={str(store)!r} lacks 9 of the prompts this run encodes")  # the other digits
+    assert not output.exists()

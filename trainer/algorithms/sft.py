@@ -42,6 +42,17 @@ class SFTBatch:
     cond: Conditioning
 
 
+def supervised_latents(adapter: ModelAdapter, images: torch.Tensor) -> torch.Tensor:
+    """Target images in [0, 1] encoded to the model's latents, or a ValueError naming data.image_size when they
+    do not encode to the shape the model generates (build.py checks this before the warm-up)."""
+    x0 = adapter.encode_images(images)
+    if tuple(x0.shape[1:]) != tuple(adapter.latent_shape):
+        raise ValueError(f"supervised images of {tuple(images.shape[-2:])} pixels encode to latents "
+                         f"{tuple(x0.shape[1:])}, but the model generates {tuple(adapter.latent_shape)} (model."
+                         "resolution): set data.image_size to the model's resolution")
+    return x0
+
+
 class SFT:
     """Denoising regression on dataset images."""
 
@@ -55,11 +66,7 @@ class SFT:
         """Target images in [0, 1] [B, C, H, W], their prompts and image inputs -> one supervised batch."""
         drop = torch.rand(len(prompts), generator=generator) < self.config.cfg_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
-        x0 = adapter.encode_images(images)
-        if tuple(x0.shape[1:]) != tuple(adapter.latent_shape):
-            raise ValueError(f"supervised images of {tuple(images.shape[-2:])} pixels encode to latents "
-                             f"{tuple(x0.shape[1:])}, but the model generates {tuple(adapter.latent_shape)} (model."
-                             "resolution): set data.image_size to the model's resolution")
+        x0 = supervised_latents(adapter, images)
         noise = torch.randn(x0.shape, generator=generator).to(x0.device)
         sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator)
         return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts, inputs))
