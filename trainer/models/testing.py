@@ -3,7 +3,7 @@
 Each adapter's file declares its own tiny model and test facts in a ``tiny_spec()`` returning a ``TinySpec``
 (as diffusers' per-pipeline tests declare ``get_dummy_components``); the registry exposes it as
 ``MODELS[name].tiny``. This module holds what they share: the tokenizers, text encoders and VAE parts the
-components are built from (sizes of ``docs/TINY_MODELS.md``), and the functions that read the specs.
+components are built from (the real architectures at test sizes), and the functions that read the specs.
 ``tiny_config(name, root)`` builds the model of adapter ``name`` under ``root`` and returns that adapter's
 config pointing at it, so the adapter loads it through the same ``config.path`` code it runs on real
 weights; ``tiny_ip_adapter(root)`` does the same for an IP-Adapter's image encoder. No network needed.
