@@ -129,10 +129,8 @@ def write_atomically(final: Path, progress: Progress, adapter, backend, states: 
     if is_main:
         final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if is_main else None))
-    if is_main:  # mkdtemp makes it private (0700): give it the mode any directory of this user gets
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
+    if is_main:
+        usual_mode(tmp)
     mine = tmp / _rank_dir(backend.world.rank)
     mine.mkdir()
     torch.save(_rng_state(), mine / "rng.pt")
@@ -156,18 +154,31 @@ def write_atomically(final: Path, progress: Progress, adapter, backend, states: 
         if final.exists() and not replace:  # the same progress was saved before a resume: that copy is complete
             shutil.rmtree(tmp)
         else:
-            swapped = final.with_name(f".replaced-{final.name}")
-            if final.exists():  # two renames; a kill between them leaves ``swapped``, which recover() renames back
-                shutil.rmtree(swapped, ignore_errors=True)
-                os.rename(final, swapped)
-            os.rename(tmp, final)
-            shutil.rmtree(swapped, ignore_errors=True)
+            swap_in(tmp, final)
     backend.barrier()
     return final if is_main else None
 
 
+def usual_mode(folder: Path) -> None:
+    """Give a folder from ``tempfile.mkdtemp`` (private: 0700) the mode any folder of this user gets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``final``, replacing what is there: two renames, and a kill between
+    them leaves the old one as ``.replaced-<name>``, which ``recover`` renames back."""
+    swapped = final.with_name(f".replaced-{final.name}")
+    if final.exists():
+        shutil.rmtree(swapped, ignore_errors=True)
+        os.rename(final, swapped)
+    os.rename(tmp, final)
+    shutil.rmtree(swapped, ignore_errors=True)
+
+
 def recover(final: Path) -> None:
-    """Undo a replacement by ``write_atomically`` that a kill cut between its two renames."""
+    """Undo a replacement by ``swap_in`` that a kill cut between its two renames."""
     swapped = final.with_name(f".replaced-{final.name}")
     if swapped.is_dir() and not final.exists():
         os.rename(swapped, final)

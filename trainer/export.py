@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,21 +35,29 @@ from torch import nn
 
 def export_denoiser(denoiser: nn.Module, out: Path) -> None:
     """Write ``denoiser`` (a plain, unsharded module, e.g. ``backend.main_copy``) to ``out`` as a diffusers
-    model, LoRA merged; with LoRA, also the adapter alone under ``out/lora``; with an IP-Adapter, its weights
+    model (written aside and renamed into place, replacing a previous one: never half there), LoRA merged; with LoRA, also the adapter alone under ``out/lora``; with an IP-Adapter, its weights
     as ``out/ip_adapter.safetensors``. Changes ``denoiser`` (the LoRA is fused into it, the IP-Adapter taken out)."""
     from safetensors.torch import save_file
 
+    from trainer.checkpoint import swap_in, usual_mode
     from trainer.models.ip_adapter import IP_WEIGHTS, detach_ip_adapter
 
-    out.mkdir(parents=True, exist_ok=True)
-    ip_weights = detach_ip_adapter(denoiser)
-    if ip_weights is not None:
-        save_file({k: v.cpu().contiguous() for k, v in ip_weights.items()}, out / IP_WEIGHTS)
-    if getattr(denoiser, "peft_config", None):
-        denoiser.save_lora_adapter(str(out / "lora"))
-        denoiser.fuse_lora()
-        denoiser.unload_lora()
-    denoiser.save_pretrained(str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".incomplete-{out.name}-", dir=out.parent))  # ``out`` is whole or absent
+    try:
+        ip_weights = detach_ip_adapter(denoiser)
+        if ip_weights is not None:
+            save_file({k: v.cpu().contiguous() for k, v in ip_weights.items()}, tmp / IP_WEIGHTS)
+        if getattr(denoiser, "peft_config", None):
+            denoiser.save_lora_adapter(str(tmp / "lora"))
+            denoiser.fuse_lora()
+            denoiser.unload_lora()
+        denoiser.save_pretrained(str(tmp))
+        usual_mode(tmp)
+        swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export_checkpoint(checkpoint: Path, out: Path, model_path: str | None = None, ema: bool = False) -> Path:
@@ -138,13 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path,
                         help="a <run>/checkpoints/step-* directory, or <run>/best (the best evaluation's weights)")
-    parser.add_argument("--out", required=True, type=Path, help="directory to write the diffusers model to")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="directory to write the diffusers model to (a previous export there is replaced)")
     parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
     parser.add_argument("--ema", action="store_true",
                         help="export the EMA of the trainable weights (what the run evaluated with eval.use_ema)")
     args = parser.parse_args(argv)
     if (why := cannot_write(args.out, folder=True)) is not None:
         parser.error(f"--out {args.out}: {why}")
+    if args.out.is_dir() and any(args.out.iterdir()) and not (args.out / "config.json").is_file():
+        parser.error(f"--out {args.out} holds other files: give a new or empty folder (an export there is replaced)")
     from trainer.quiet import quiet_third_party
 
     quiet_third_party()

@@ -21,7 +21,7 @@ from shared.rewards import RewardClient, RewardResult, failed_share
 from trainer.algorithms.advantages import zero_std_share
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
 from trainer.algorithms.sft import SFT
-from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights
+from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights, recover
 from trainer.config import Config, saved_dict, to_dict
 from trainer.config.building import build
 from trainer.data import Task, training_items
@@ -265,6 +265,8 @@ class Trainer:
     def resume(self, path: Path) -> None:
         """Continue from checkpoint ``path``: weights, optimizer, progress and every stateful component."""
         self.progress, states = self.checkpoints.load(path, self.adapter, self.backend)
+        if self.is_main:  # best/ as it was, where a kill cut its replacement between two renames
+            recover(self.best_dir)
         if self.progress.rl_started and self.algorithm.needs_reference:
             self._new_reference()
         for component in self._stateful():

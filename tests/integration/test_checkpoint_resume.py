@@ -142,14 +142,17 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_the_latest(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name, done.name]
 
 
+SHORT = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
+         "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=0",
+         "logging.progress=false", "logging.tensorboard=false", "train.warmup_steps=2"]
+
+
 def test_a_resume_after_rl_began_never_warms_up_again(tmp_path, tiny_model_dir):
     """A continuation with a longer train.warmup_steps (a bare --resume auto takes the default 600) warned and then
     ran the rest of the warm-up on the RL-trained weights; RL goes on instead."""
     from warm_start import tiny_trainer
 
-    short = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
-             "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=0",
-             "logging.progress=false", "logging.tensorboard=false", "train.warmup_steps=2"]
+    short = SHORT
     first = tiny_trainer(tmp_path, tiny_model_dir, *short, "train.epochs=1")
     first.fit()
     first.logger.close()
@@ -161,3 +164,19 @@ def test_a_resume_after_rl_began_never_warms_up_again(tmp_path, tiny_model_dir):
               if r["phase"] in ("warmup", "rl")]
     assert phases == [("warmup", 0), ("warmup", 1), ("rl", 1), ("rl", 2)], phases
     assert again.progress.warmup_steps_done == 2 and again.progress.epochs_done == 2
+
+
+def test_a_resume_puts_back_best_where_a_kill_cut_its_replacement(tmp_path, tiny_model_dir):
+    """best/ is replaced by two renames (old one aside, new one in): a kill between them leaves it only as
+    .replaced-best, which the resume renames back, so the run's result is not lost."""
+    from warm_start import tiny_trainer
+
+    first = tiny_trainer(tmp_path, tiny_model_dir, *SHORT, "train.epochs=1", "train.checkpoint_every=1")
+    first.fit()
+    first.logger.close()
+    meta = (tmp_path / "best" / "meta.json").read_text()
+    (tmp_path / "best").rename(tmp_path / ".replaced-best")  # as a kill after the first rename leaves it
+    again = tiny_trainer(tmp_path, tiny_model_dir, *SHORT, "train.epochs=1", "train.checkpoint_every=1")
+    again.resume(first.checkpoints.latest())
+    again.logger.close()
+    assert (tmp_path / "best" / "meta.json").read_text() == meta and not (tmp_path / ".replaced-best").exists()

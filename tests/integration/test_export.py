@@ -13,7 +13,7 @@ from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, to_dict
 from trainer.distributed import SingleProcess
-from trainer.export import main
+from trainer.export import export_denoiser, main
 from trainer.models.flux_kontext import FluxKontextAdapter
 from trainer.models.latents import LatentStore, vae_fingerprint
 from trainer.models.testing import tiny_config
@@ -59,6 +59,34 @@ def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_p
         with_adapter.load_lora_adapter(str(tmp_path / "exported" / "lora"), weight_name="pytorch_lora_weights.safetensors",
                                        prefix=None)
         torch.testing.assert_close(_forward(with_adapter), trained, atol=1e-5, rtol=1e-5)
+
+
+def test_an_export_is_whole_or_absent_and_replaces_the_previous_one(tmp_path, tiny_model_dir, capsys):
+    """Written aside and renamed into place: an export cut short (here Ctrl-C as the weights are gathered) leaves
+    no half model at ``out`` (it left a lone config.json there, which diffusers and generate then failed on)."""
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    hook = adapter.denoiser.register_state_dict_post_hook(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_denoiser(adapter.denoiser, tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing at out, no temporary folder left
+    hook.remove()
+    export_denoiser(adapter.denoiser, tmp_path / "final")
+    with torch.no_grad():
+        next(adapter.denoiser.parameters()).add_(1.0)
+    export_denoiser(adapter.denoiser, tmp_path / "final")  # again: the new weights replace the old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    again = SD3Transformer2DModel.from_pretrained(tmp_path / "final")
+    assert torch.equal(next(again.parameters()), next(adapter.denoiser.parameters()))
+    # the command replaces an export, but not a folder of other files
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path / "any"), "--out", str(tmp_path / "mine")])
+    assert "holds other files: give a new or empty folder" in capsys.readouterr().err
 
 
 def test_cli_names_what_is_wrong(tmp_path, capsys):
