@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
-from shared.rewards import RewardClient
+from shared.rewards import RewardClient, RewardResult
 from trainer.config.schema import EvalConfig
 from trainer.data import Task
 from trainer.distributed import ParallelBackend
 from trainer.guard import REWARD
-from trainer.health import RewardFailure
+from trainer.health import RewardFailure, first_error
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.rewards.errors import RewardClientError
@@ -66,6 +66,17 @@ class RolloutBreakdown:
         metadata = [{self.field: value} for values, _ in every for value in values]
         joined = {name: np.concatenate([rank_scores[name] for _, rank_scores in every]) for name in scores}
         return {f"rollout_{k}": v for k, v in breakdown(self.field, metadata, joined).items()}
+
+
+def unscored_evaluation(which: str, scored: RewardResult, guard_scorers: Iterable[str]) -> str | None:
+    """Why an answered evaluation cannot be judged: no image has a reward, or a guard scorer (the hacking alarm's
+    input) scored none; None when it can."""
+    empty = [name for name in ("", *guard_scorers)
+             if np.isnan(scored.combined if name == "" else scored.components[name]).all()]
+    if not empty:
+        return None
+    what = "no image got a reward" if "" in empty else f"eval.guard_scorers {', '.join(empty)} scored no image"
+    return f"{which}: {what} ({first_error(scored) or 'no error given'})"
 
 
 class Evaluation:
@@ -137,16 +148,20 @@ class Evaluation:
             repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
             items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
             metadata = task.item_metadata(items)
+            which = f"the evaluation {'before RL' if step == 0 else f'after RL epoch {step}'}"
             try:
                 scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
             except RewardClientError as exc:  # every rank stops alike, below
-                unscored = f"the evaluation {'before RL' if step == 0 else f'after RL epoch {step}'} got no rewards: {exc}"
+                unscored = f"{which} got no rewards: {exc}"
+            else:  # answered, but no image of it scored (e.g. a scorer's deadline): no metric to judge by
+                unscored = unscored_evaluation(which, scored, ev.guard_scorers)
         unscored = self.backend.broadcast(unscored)
         if unscored:
             raise RewardFailure(unscored)
         if world.rank == 0:
             metrics = task.metrics(ordered, repeated, scored.components)
             metrics[REWARD] = float(np.nanmean(scored.combined))
+            metrics["failed_share"] = float(np.isnan(scored.combined).mean())
             metrics.update(breakdown(ev.breakdown, metadata, scored.components))
             for name in ev.guard_scorers:
                 metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))

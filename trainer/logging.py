@@ -109,13 +109,16 @@ WAIT_NOTED = 0.25
 
 def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> str:
     """RL epoch ``epoch``'s printed line: its reward, accuracies, the algorithm's ``shown`` metrics, the rates, and
-    what went wrong (skipped steps; no group whose rewards differ; a long wait for rewards)."""
+    what went wrong (skipped steps; samples without a reward; no group whose rewards differ; a long wait for
+    rewards)."""
     keys = [k for k in metrics if k.endswith("accuracy")] + [k for k in shown if k in metrics]
     line = (f"epoch {epoch:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
             + "  ".join(f"{k} {metrics[k]:.3g}" for k in keys) + f"  img/s {metrics['images_per_s']:.2f}"
             + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
     if metrics.get("skipped_steps"):
         line += f"  ({metrics['skipped_steps']:.0f} steps skipped: gradients not finite)"
+    if metrics.get("failed_share"):  # under reward.max_failed_share, else the run had stopped
+        line += f"  ({metrics['failed_share']:.0%} of samples without a reward: they carry no signal)"
     if metrics["zero_std_share"] == 1.0:  # a saturated reward, or one blind to what differs within a group
         line += "  (no group's rewards differ: nothing to learn from them)"
     waited = metrics.get("time_reward_wait_s", 0.0) / max(metrics.get("time_epoch_s", 0.0), 1e-9)

@@ -443,4 +443,5 @@ class Trainer:
 
 def _fmt(metrics: dict[str, float]) -> str:
     """An evaluation's line: its metrics, of a breakdown only the means (every value's is in metrics.jsonl)."""
-    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith("by_") or k.endswith("/mean"))
+    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if (not k.startswith("by_") or k.endswith("/mean"))
+                     and not (k == "failed_share" and v == 0))  # shown when some image got no reward

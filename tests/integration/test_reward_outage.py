@@ -214,3 +214,36 @@ def test_a_replica_restarted_with_another_token_leaves_rotation_and_the_others_s
             with pytest.raises(RewardRequestError, match="HTTP 401"):
                 alone.score(images, prompts)
             assert time.monotonic() - started < 5
+
+
+def test_an_evaluation_answered_without_a_single_reward_stops_the_run_with_a_checkpoint(tmp_path, tiny_model_dir):
+    """Every image's 'sleep' score misses the request's deadline (TIMEOUT per item, HTTP 200): the evaluation
+    before RL has no reward to judge by. It used to pass as reward_mean nan, and a run of no RL epochs then
+    reported 'best: epoch -1, reward_mean -inf' and a best/ that was never written."""
+    with LocalRewardPool(["digit", "sleep"], replicas=1, log_dir=tmp_path / "logs",
+                         extra_args=["--sleep-ms", "3000"]) as pool, \
+            HttpRewardClient(pool.urls, {"digit": 1.0, "sleep": 0.5}, timeout_s=1, max_retries=0) as client:
+        trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *TINY, rewards=client)
+        try:
+            with pytest.raises(RewardFailure, match=r"^the evaluation before RL: no image got a reward \(sleep: "):
+                trainer.fit()
+        finally:
+            trainer.logger.close()
+    (checkpoint,) = (tmp_path / "run" / "checkpoints").iterdir()  # the warm-up's: a resume evaluates first
+    assert Progress.load(checkpoint) == Progress(2, 0, False) and not (tmp_path / "run" / "best").exists()
+
+
+def test_an_evaluation_is_judged_while_some_rewards_and_every_guard_scorer_came():
+    from shared.rewards import RewardResult
+    from trainer.evaluation import unscored_evaluation
+
+    def result(combined, guard) -> RewardResult:
+        errors = {"ocr": {i: "TIMEOUT: deadline passed" for i, v in enumerate(guard) if np.isnan(v)}}
+        return RewardResult({"digit": np.array(combined), "ocr": np.array(guard)}, np.array(combined), errors, [])
+
+    nan = float("nan")
+    assert unscored_evaluation("it", result([0.5, nan], [0.1, nan]), ["ocr"]) is None  # some of each
+    assert unscored_evaluation("it", result([nan, nan], [0.1, 0.2]), []).startswith("it: no image got a reward")
+    assert (unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), ["ocr"])
+            == "it: eval.guard_scorers ocr scored no image (ocr: TIMEOUT: deadline passed)")
+    assert unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), []) is None  # ocr guards nothing here
