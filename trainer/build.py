@@ -24,6 +24,7 @@ from trainer.launch import (
     RunDirGuard,
     RunInterrupted,
     check_rewards,
+    hold_run_dir,
     newest_resumable,
     signalled_at,
     stopped_at,
@@ -80,17 +81,24 @@ def run(config: Config) -> dict[str, float]:
             raise ValueError(f"logging.output_dir={str(output)!r}: {why}")
         check_rewards(config, backend)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
+        made = None
+        if main and refusal is None:
+            run_dir = output / run_name
+            made = next((d for d in (output, run_dir) if not d.exists()), None)  # removed on failure
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                refusal = (f"logging.output_dir={str(output)!r}: cannot make {run_dir} there ({exc.strerror}): "
+                           "choose a folder this user can write")
+            else:
+                lock, refusal = hold_run_dir(run_dir)  # for the whole run: one process trains in it
+                if lock is not None:
+                    stack.callback(lock.close)
         run_name, refusal = backend.broadcast((run_name, refusal))
         if refusal:
             raise ValueError(refusal)
         run_dir = output / run_name
-        made = next((d for d in (output, run_dir) if not d.exists()), None) if main else None  # removed on failure
         if main:
-            try:
-                run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ValueError(f"logging.output_dir={str(output)!r}: cannot make {run_dir} there ({exc.strerror}): "
-                                 "choose a folder this user can write") from None
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
         guard = stack.enter_context(RunDirGuard(made))
 

@@ -1,15 +1,18 @@
 """What a run does around its loop, for the person at the terminal: the reward servers checked before anything
-is built, the newest unfinished run found for ``--resume auto``, no run directory left behind by a run that
-never started training, and what Ctrl-C prints (where the run stopped, the command that continues it).
+is built, the newest unfinished run found for ``--resume auto``, one process at a time in a run directory, no run
+directory left behind by a run that never started training, and what Ctrl-C prints (where the run stopped, the command that continues it).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
+import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, reward_token
@@ -54,6 +57,25 @@ def resumed_run_config(config: Config) -> Path | None:
         run = output / name if name else newest_resumable(output)
     saved = run / "config.yaml" if run is not None else None
     return saved if saved is not None and saved.is_file() else None
+
+
+def hold_run_dir(run_dir: Path) -> tuple[IO[str] | None, str | None]:
+    """(``run_dir/.lock``, open and locked until it is closed or the process ends, or None; why not: another
+    process holds it). Two processes in one run (a resume while the run goes on) would interleave their
+    checkpoints, and the resume's truncation of metrics.jsonl would drop the other's rows."""
+    lock = (run_dir / ".lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        return None, (f"{run_dir} is in use by {holder}: wait for that run to end, or stop it (a stop signal "
+                      "checkpoints it) and continue with --resume auto")
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock, None
 
 
 class RunDirGuard:

@@ -415,3 +415,36 @@ def test_a_text_embedding_store_lacking_the_runs_prompts_is_refused_naming_how_m
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert line.startswith(f"error: model.text_embeddings={str(store)!r} lacks 9 of the prompts this run encodes")  # the other digits
     assert not output.exists()
+
+
+def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys, tiny_model_dir) -> None:
+    """A resume while the run still trains (found by an audit: the resume's truncation of metrics.jsonl dropped
+    the running one's later epochs, and its checkpoint writes crashed on the other's). Held by a process of its
+    own here, as the running trainer holds it; the lock goes with that process, so a killed run resumes."""
+    import subprocess
+    import sys
+
+    from trainer.main import main
+
+    run = tmp_path / "outputs" / "busy"
+    run.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                               "from trainer.launch import hold_run_dir; lock, _ = hold_run_dir(Path(sys.argv[1])); "
+                               "print('held', flush=True); sys.stdin.read()", str(run)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path / 'outputs'}", "logging.run_name=busy",
+                "--resume", "auto", "reward.replicas=1"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {run} is in use by process {holder.pid} on ") and "Traceback" not in err
+        assert "continue with --resume auto" in err.splitlines()[0] and not (run / "config.yaml").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    from trainer.launch import hold_run_dir
+
+    lock, refusal = hold_run_dir(run)  # the holder is gone: free again
+    assert refusal is None and lock is not None
+    lock.close()
