@@ -15,7 +15,7 @@ from trainer.config.schema import EvalConfig
 from trainer.data import Task
 from trainer.distributed import ParallelBackend
 from trainer.guard import REWARD
-from trainer.health import RewardFailure, first_error
+from trainer.health import ADVICE, RewardFailure, TrainingDiverged, first_error
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.rewards.errors import RewardClientError
@@ -66,6 +66,10 @@ class RolloutBreakdown:
         metadata = [{self.field: value} for values, _ in every for value in values]
         joined = {name: np.concatenate([rank_scores[name] for _, rank_scores in every]) for name in scores}
         return {f"rollout_{k}": v for k, v in breakdown(self.field, metadata, joined).items()}
+
+
+DIVERGED_BEFORE_RL = ("the warm-up diverged, or train.init_from's weights are not finite: lower "
+                      "train.warmup_learning_rate (or start from finite weights) and start again")
 
 
 def unscored_evaluation(which: str, scored: RewardResult, guard_scorers: Iterable[str]) -> str | None:
@@ -142,20 +146,26 @@ class Evaluation:
                         by_prompt[(lo + n % len(ks)) * world.world_size + n // len(ks)] = image
         denoiser.train(was_training)
         metrics: dict[str, float] = {}
-        unscored = None
+        diverged = unscored = None
         if world.rank == 0:
             ordered = torch.stack([by_prompt[i] for i in range(len(prompts))]).flatten(0, 1)  # padding dropped
             repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
             items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
             metadata = task.item_metadata(items)
             which = f"the evaluation {'before RL' if step == 0 else f'after RL epoch {step}'}"
-            try:
-                scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
-            except RewardClientError as exc:  # every rank stops alike, below
-                unscored = f"{which} got no rewards: {exc}"
-            else:  # answered, but no image of it scored (e.g. a scorer's deadline): no metric to judge by
-                unscored = unscored_evaluation(which, scored, ev.guard_scorers)
-        unscored = self.backend.broadcast(unscored)
+            if (bad := int((~torch.isfinite(ordered)).flatten(1).any(1).sum())):  # their 8-bit images are black
+                diverged = f"{which} sampled {bad} non-finite images (the weights it evaluated overflowed): " + (
+                    DIVERGED_BEFORE_RL if step == 0 else f"the run diverged and stops; {ADVICE}")
+            else:
+                try:
+                    scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
+                except RewardClientError as exc:  # every rank stops alike, below
+                    unscored = f"{which} got no rewards: {exc}"
+                else:  # answered, but no image of it scored (e.g. a scorer's deadline): no metric to judge by
+                    unscored = unscored_evaluation(which, scored, ev.guard_scorers)
+        diverged, unscored = self.backend.broadcast((diverged, unscored))
+        if diverged:
+            raise TrainingDiverged(diverged)
         if unscored:
             raise RewardFailure(unscored)
         if world.rank == 0:

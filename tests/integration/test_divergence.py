@@ -101,6 +101,19 @@ def test_a_policy_that_samples_non_finite_images_stops_the_run_before_they_are_t
     assert [r["step"] for r in _records(tmp_path / "run", "rl")] == [1]
 
 
+def test_a_warm_up_whose_weights_overflowed_stops_at_the_evaluation_naming_its_learning_rate(tmp_path, tiny_model_dir):
+    """A warm-up learning rate of 1e30: its steps' gradients are finite, its weights overflow, and the evaluation
+    before RL samples NaN. It used to reach the digits classifier, whose scikit-learn error ('Input X contains NaN')
+    ended the run."""
+    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=2", "train.epochs=2",
+                           "train.warmup_learning_rate=1e30", "eval.every=1")
+    with pytest.raises(TrainingDiverged, match=r"^the evaluation before RL sampled 10 non-finite images \(.*: lower "
+                                               r"train\.warmup_learning_rate"):
+        trainer.fit()
+    trainer.logger.close()
+    assert _records(tmp_path / "run", "rl") == []
+
+
 def test_the_job_ends_with_the_message_in_one_line_and_exit_status_1(tmp_path, tiny_model_dir, capsys):
     """trainer/main.py (its reward replicas started by the job): a diverged run is reported as an error line, not
     a traceback, and the job exits 1 (a configuration it refuses exits 2)."""
