@@ -35,8 +35,9 @@ from torch import nn
 
 def export_denoiser(denoiser: nn.Module, out: Path) -> None:
     """Write ``denoiser`` (a plain, unsharded module, e.g. ``backend.main_copy``) to ``out`` as a diffusers
-    model (written aside and renamed into place, replacing a previous one: never half there), LoRA merged; with LoRA, also the adapter alone under ``out/lora``; with an IP-Adapter, its weights
-    as ``out/ip_adapter.safetensors``. Changes ``denoiser`` (the LoRA is fused into it, the IP-Adapter taken out)."""
+    model, LoRA merged, written aside and renamed into place (``out`` is never half there; a previous one is
+    replaced); with LoRA, also the adapter alone under ``out/lora``; with an IP-Adapter, its weights as
+    ``out/ip_adapter.safetensors``. Changes ``denoiser`` (the LoRA is fused into it, the IP-Adapter taken out)."""
     from safetensors.torch import save_file
 
     from trainer.checkpoint import swap_in, usual_mode

@@ -1,6 +1,7 @@
 """What a run does around its loop, for the person at the terminal: the reward servers checked before anything
-is built, the newest unfinished run found for ``--resume auto``, one process at a time in a run directory, no run
-directory left behind by a run that never started training, and what Ctrl-C prints (where the run stopped, the command that continues it).
+is built, the newest unfinished run found for ``--resume auto``, one process at a time in a run directory, no
+run directory left behind by a run that never started training, and what Ctrl-C prints (where the run stopped,
+the command that continues it).
 """
 
 from __future__ import annotations

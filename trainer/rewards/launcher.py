@@ -162,17 +162,32 @@ class LocalRewardPool:
         log_dir = self.log_dir or self._temp_log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_paths = [log_dir / f"replica-{index}.log" for index in range(self.replicas)]
+        failed: list[BaseException] = []
+        # Spawned by a thread of its own, under the lock that stop() takes first: a signal handler that raises (a
+        # SIGTERM as the run starts) runs in the main thread only, so it cannot come between a fork and the
+        # recording of its process, which stop() would then miss (an orphan replica).
+        spawner = threading.Thread(target=self._spawn_all, args=(failed,), name="reward-replicas-start")
         try:
-            for index in range(self.replicas):
-                with bound_socket(self.host) as sock:
-                    port = sock.getsockname()[1]
-                    self.ports.append(port)
-                    self.urls.append(f"http://{self.host}:{port}")
-                    self._restarts.append(0)
-                    self._processes.append(self._spawn(index, sock))
+            spawner.start()
+            spawner.join()
+            if failed:
+                raise failed[0]
         except BaseException:
             self.stop()
             raise
+
+    def _spawn_all(self, failed: list[BaseException]) -> None:
+        with self._lock:
+            try:
+                for index in range(self.replicas):
+                    with bound_socket(self.host) as sock:
+                        port = sock.getsockname()[1]
+                        self.ports.append(port)
+                        self.urls.append(f"http://{self.host}:{port}")
+                        self._restarts.append(0)
+                        self._processes.append(self._spawn(index, sock))
+            except BaseException as exc:  # raised by launch(), in the caller's thread
+                failed.append(exc)
 
     def wait_ready(self) -> None:
         """Wait until every replica answers ``/readyz`` (raises as ``start`` does)."""
