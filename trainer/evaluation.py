@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from shared.rewards import RewardClient, RewardResult
+from shared.rewards import RewardClient, RewardResult, failed_share
 from trainer.config.schema import EvalConfig
 from trainer.data import Task
 from trainer.distributed import ParallelBackend
@@ -75,11 +75,12 @@ DIVERGED_BEFORE_RL = ("the warm-up diverged, or train.init_from's weights are no
 def unscored_evaluation(which: str, scored: RewardResult, guard_scorers: Iterable[str]) -> str | None:
     """Why an answered evaluation cannot be judged: no image has a reward, or a guard scorer (the hacking alarm's
     input) scored none; None when it can."""
-    empty = [name for name in ("", *guard_scorers)
-             if np.isnan(scored.combined if name == "" else scored.components[name]).all()]
-    if not empty:
+    if failed_share(scored.combined) == 1:
+        what = "no image got a reward"
+    elif empty := [name for name in guard_scorers if failed_share(scored.components[name]) == 1]:
+        what = f"eval.guard_scorers {', '.join(empty)} scored no image"
+    else:
         return None
-    what = "no image got a reward" if "" in empty else f"eval.guard_scorers {', '.join(empty)} scored no image"
     return f"{which}: {what} ({first_error(scored) or 'no error given'})"
 
 
@@ -171,7 +172,7 @@ class Evaluation:
         if world.rank == 0:
             metrics = task.metrics(ordered, repeated, scored.components)
             metrics[REWARD] = float(np.nanmean(scored.combined))
-            metrics["failed_share"] = float(np.isnan(scored.combined).mean())
+            metrics["failed_share"] = failed_share(scored.combined)
             metrics.update(breakdown(ev.breakdown, metadata, scored.components))
             for name in ev.guard_scorers:
                 metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))

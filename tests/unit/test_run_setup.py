@@ -7,6 +7,8 @@ import contextlib
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +21,7 @@ from trainer.build import _launch_local_pool, require_checkpoint, resolve_device
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import load_config
 from trainer.distributed import SingleProcess
+from trainer.launch import hold_run_dir
 from trainer.logging import RunLogger
 
 
@@ -421,9 +424,6 @@ def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys, 
     """A resume while the run still trains (found by an audit: the resume's truncation of metrics.jsonl dropped
     the running one's later epochs, and its checkpoint writes crashed on the other's). Held by a process of its
     own here, as the running trainer holds it; the lock goes with that process, so a killed run resumes."""
-    import subprocess
-    import sys
-
     from trainer.main import main
 
     run = tmp_path / "outputs" / "busy"
@@ -443,8 +443,6 @@ def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys, 
     finally:
         holder.kill()
         holder.wait()
-    from trainer.launch import hold_run_dir
-
     lock, refusal = hold_run_dir(run)  # the holder is gone: free again
     assert refusal is None and lock is not None
     lock.close()
