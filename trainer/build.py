@@ -13,7 +13,7 @@ import yaml
 
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT, supervised_latents
-from trainer.checkpoint import Checkpoints, Progress
+from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged
 from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
@@ -159,7 +159,7 @@ def run(config: Config) -> dict[str, float]:
         trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
                           backend, logger, guard_client, eval_task)
         if config.train.resume:
-            checkpoint = (trainer.checkpoints.latest() if config.train.resume == "auto"
+            checkpoint = (trainer.checkpoints.newest_loadable(backend) if config.train.resume == "auto"
                           else Path(config.train.resume))
             if checkpoint is not None:
                 trainer.resume(checkpoint)
@@ -176,6 +176,11 @@ def run(config: Config) -> dict[str, float]:
         try:
             with trainer.stops:  # SIGTERM, SIGUSR1: checkpoint at the next step, then stop
                 metrics = trainer.fit()
+            ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with
+            with ema.swapped() if ema is not None else contextlib.nullcontext():
+                final = backend.main_copy(adapter.denoiser)  # on rank 0's CPU, gathered a parameter at a time
+            if main:
+                export_denoiser(final, run_dir / "final")
         except StopSignalled as stop:
             ignore_stop_signals()
             raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
@@ -185,11 +190,12 @@ def run(config: Config) -> dict[str, float]:
         except RewardFailure as failure:  # its checkpoint is written (Trainer.fit): fix the rewards, then continue
             raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
                                  str(failure), 1) from None
-        ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with
-        with ema.swapped() if ema is not None else contextlib.nullcontext():
-            final = backend.main_copy(adapter.denoiser)  # on rank 0's CPU, gathered a parameter at a time
+        except OSError as full:  # a full disk, a quota, a read-only remount: what is written stays; room, then on
+            if full.errno not in NO_ROOM:
+                raise
+            raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
+                                 f"cannot write {full.filename}: {full.strerror}; make room, then continue", 1) from None
         if main:
-            export_denoiser(final, run_dir / "final")
             print(f"done: {run_dir} (final/: the last {'EMA' if ema is not None else 'trained'} weights, as evaluated; "
                   f"best/: the best evaluation's, epoch {trainer.guard.best_epoch})", flush=True)
         backend.barrier()
@@ -213,7 +219,12 @@ def require_checkpoint(path: Path, setting: str) -> None:
     """Refuse ``setting``'s path unless it is a complete checkpoint, naming the one meant where it is a run's
     directory (checked before anything is built or started)."""
     if (path / "progress.json").is_file() and (path / "trainable.safetensors").is_file():
-        return
+        why = damaged(path, only=("trainable.safetensors",) if setting == "train.init_from" else ())
+        if why is None:
+            return
+        older = [p for p in Checkpoints(path.parent, 0, False).complete() if p.name < path.name and not damaged(p)]
+        raise ValueError(f"{setting}={str(path)!r} cannot be loaded, {why}: "
+                         + (f"pass the checkpoint before it, {older[-1]}" if older else "restore it from a copy"))
     hint = "pass a <run>/checkpoints/step-* directory"
     latest = Checkpoints(path / "checkpoints", 0, False).latest()
     if latest is not None:

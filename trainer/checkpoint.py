@@ -20,22 +20,30 @@ The run directory must be on a filesystem every rank sees (rank 0 renames what a
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import tempfile
+import time
+import zipfile
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from trainer.state import State
 
 _NAME = re.compile(r"^step-(\d+)-(\d+)$")
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+"""A write's errors whose fix is the filesystem's: no space left, over quota, read-only, a file size limit."""
 
 
 @dataclass
@@ -78,10 +86,41 @@ class Checkpoints:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint (temporary directories of interrupted writes are ignored)."""
+        done = self.complete()
+        return done[-1] if done else None
+
+    def newest_loadable(self, backend) -> Path | None:
+        """The newest complete checkpoint whose files can be read (``damaged``: a disk fault, a copy cut short),
+        checked by rank 0 for every rank. A newer damaged one is renamed ``damaged-<name>-<time>``, out of the way
+        of the checkpoint that will take its name, and said; none loadable among several is an error naming why."""
+        found, refusal = self._newest_loadable() if self.is_main else (None, None)
+        found, refusal = backend.broadcast((found, refusal))
+        if refusal:
+            raise ValueError(refusal)
+        return found
+
+    def _newest_loadable(self) -> tuple[Path | None, str | None]:
+        skipped = []
+        for path in reversed(self.complete()):
+            if (why := damaged(path)) is None:
+                for newer, reason in skipped:
+                    aside = newer.with_name(f"damaged-{newer.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+                    os.rename(newer, aside)
+                    print(f"warning: checkpoint {newer} cannot be loaded ({reason}); kept as {aside.name}, and the run "
+                          f"continues from {path.name}", flush=True)
+                return path, None
+            skipped.append((path, why))
+        if not skipped:
+            return None, None
+        return None, (f"train.resume=auto: no checkpoint in {self.directory} can be loaded (the newest: {skipped[0][1]})"
+                      ": restore them from a copy, or start the run anew under another logging.run_name")
+
+    def complete(self) -> list[Path]:
+        """The complete checkpoints, oldest first."""
         if not self.directory.is_dir():
-            return None
+            return []
         done = [p for p in self.directory.iterdir() if _NAME.match(p.name) and (p / "progress.json").is_file()]
-        return max(done, key=lambda p: tuple(int(x) for x in _NAME.match(p.name).groups()), default=None)
+        return sorted(done, key=lambda p: tuple(int(x) for x in _NAME.match(p.name).groups()))
 
     def load(self, path: Path, adapter, backend) -> tuple[Progress, dict[str, dict[str, torch.Tensor]]]:
         """Restore weights, optimizer and this rank's RNG states from ``path`` (every rank calls it);
@@ -111,9 +150,7 @@ class Checkpoints:
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
         if self.keep > 0:
-            complete = sorted((p for p in self.directory.iterdir() if _NAME.match(p.name)),
-                              key=lambda p: tuple(int(x) for x in _NAME.match(p.name).groups()))
-            for old in complete[: -self.keep]:
+            for old in self.complete()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
 
@@ -126,29 +163,18 @@ def write_atomically(final: Path, progress: Progress, adapter, backend, states: 
     trainable = backend.trainable_state(adapter.denoiser)
     optimizer_state = backend.optimizer_state() if optimizer else None
     is_main = backend.world.rank == 0
-    if is_main:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if is_main else None))
-    if is_main:
-        usual_mode(tmp)
-    mine = tmp / _rank_dir(backend.world.rank)
-    mine.mkdir()
-    torch.save(_rng_state(), mine / "rng.pt")
-    if optimizer and backend.sharded_optimizer_state:
-        torch.save(optimizer_state, mine / "optimizer.pt")
-    _save_states({name: state.tensors for name, state in states.items() if state.per_rank}, mine)
-    _fsync_tree(mine)
-    if is_main:
-        save_file(trainable, tmp / "trainable.safetensors")
-        if optimizer and not backend.sharded_optimizer_state:
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-        _save_states({name: state.tensors for name, state in states.items() if not state.per_rank}, tmp)
-        (tmp / "backend.json").write_text(json.dumps(_backend_meta(backend)))
-        if meta is not None:
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        progress.save(tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
-        _fsync_tree(tmp)
+    tmp = None
+    try:
+        with diagnosed_writes(final.parent):
+            if is_main:
+                final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if is_main
+                                         else None))
+            _write_parts(tmp, progress, backend, trainable, optimizer_state, states, config, meta)
+    except BaseException:
+        if is_main and tmp is not None:  # what it took of a full disk is free again
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     backend.barrier()  # every rank's files are in ``tmp`` before it is renamed
     if is_main:
         if final.exists() and not replace:  # the same progress was saved before a resume: that copy is complete
@@ -157,6 +183,63 @@ def write_atomically(final: Path, progress: Progress, adapter, backend, states: 
             swap_in(tmp, final)
     backend.barrier()
     return final if is_main else None
+
+
+def _write_parts(tmp: Path, progress: Progress, backend, trainable: dict, optimizer_state, states: dict[str, State],
+                 config: dict, meta: dict | None) -> None:
+    """Write this rank's part of a checkpoint into ``tmp`` (rank 0: the shared files too)."""
+    is_main = backend.world.rank == 0
+    if is_main:
+        usual_mode(tmp)
+    mine = tmp / _rank_dir(backend.world.rank)
+    mine.mkdir()
+    torch.save(_rng_state(), mine / "rng.pt")
+    if optimizer_state is not None and backend.sharded_optimizer_state:
+        torch.save(optimizer_state, mine / "optimizer.pt")
+    _save_states({name: state.tensors for name, state in states.items() if state.per_rank}, mine)
+    _fsync_tree(mine)
+    if is_main:
+        save_file(trainable, tmp / "trainable.safetensors")
+        if optimizer_state is not None and not backend.sharded_optimizer_state:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+        _save_states({name: state.tensors for name, state in states.items() if not state.per_rank}, tmp)
+        (tmp / "backend.json").write_text(json.dumps(_backend_meta(backend)))
+        if meta is not None:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        progress.save(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        _fsync_tree(tmp)
+
+
+@contextlib.contextmanager
+def diagnosed_writes(folder: Path) -> Iterator[None]:
+    """Raise a write under ``folder`` that failed for want of room (``NO_ROOM``) as an OSError of that errno
+    naming the folder and its free space: a probe write finds the cause where the writer's own error hides it
+    (torch.save says "unexpected pos 576 vs 534"); other failures go on as they were."""
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        code = exc.errno if isinstance(exc, OSError) and exc.errno in NO_ROOM else _probe(folder)
+        if code is None:
+            raise
+        free = shutil.disk_usage(folder).free / 2**20 if folder.exists() else 0.0
+        raise OSError(code, f"{os.strerror(code)} ({free:.0f} MiB free there)", str(folder)) from exc
+
+
+def _probe(folder: Path) -> int | None:
+    """The errno (one of ``NO_ROOM``) with which a 1 MiB write into ``folder`` fails, or None."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(2**20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return exc.errno if exc.errno in NO_ROOM else None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
 
 
 def usual_mode(folder: Path) -> None:
@@ -182,6 +265,34 @@ def recover(final: Path) -> None:
     swapped = final.with_name(f".replaced-{final.name}")
     if swapped.is_dir() and not final.exists():
         os.rename(swapped, final)
+
+
+def damaged(path: Path, only: Sequence[str] = ()) -> str | None:
+    """Why checkpoint ``path`` cannot be loaded (its first file that is missing or unreadable: a disk fault, a
+    copy cut short), or None; ``only``: just these files (e.g. the weights, for an export). Headers are read
+    (safetensors' index, a ``.pt``'s zip directory), not every byte, so this is quick at any size."""
+    names = list(only)
+    if not only:
+        names = ["progress.json", "backend.json", "config.json", "trainable.safetensors"]
+        if not any(path.glob("rank-*/optimizer.pt")):  # every backend but DeepSpeed: one full optimizer state
+            names.append("optimizer.pt")
+        names += sorted({str(f.relative_to(path)) for f in [*path.iterdir(), *path.glob("rank-*/*")]
+                         if f.suffix in (".json", ".pt", ".safetensors")} - set(names))
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        try:
+            if file.suffix == ".json":
+                json.loads(file.read_text())
+            elif file.suffix == ".safetensors":
+                with safe_open(file, "pt"):
+                    pass
+            else:
+                zipfile.ZipFile(file).close()
+        except (OSError, ValueError, zipfile.BadZipFile, SafetensorError) as exc:
+            return f"{name} cannot be read: {exc}"
+    return None
 
 
 def load_states(path: Path, rank: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -40,22 +40,23 @@ def export_denoiser(denoiser: nn.Module, out: Path) -> None:
     ``out/ip_adapter.safetensors``. Changes ``denoiser`` (the LoRA is fused into it, the IP-Adapter taken out)."""
     from safetensors.torch import save_file
 
-    from trainer.checkpoint import swap_in, usual_mode
+    from trainer.checkpoint import diagnosed_writes, swap_in, usual_mode
     from trainer.models.ip_adapter import IP_WEIGHTS, detach_ip_adapter
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".incomplete-{out.name}-", dir=out.parent))  # ``out`` is whole or absent
     try:
-        ip_weights = detach_ip_adapter(denoiser)
-        if ip_weights is not None:
-            save_file({k: v.cpu().contiguous() for k, v in ip_weights.items()}, tmp / IP_WEIGHTS)
-        if getattr(denoiser, "peft_config", None):
-            denoiser.save_lora_adapter(str(tmp / "lora"))
-            denoiser.fuse_lora()
-            denoiser.unload_lora()
-        denoiser.save_pretrained(str(tmp))
-        usual_mode(tmp)
-        swap_in(tmp, out)
+        with diagnosed_writes(out.parent):
+            ip_weights = detach_ip_adapter(denoiser)
+            if ip_weights is not None:
+                save_file({k: v.cpu().contiguous() for k, v in ip_weights.items()}, tmp / IP_WEIGHTS)
+            if getattr(denoiser, "peft_config", None):
+                denoiser.save_lora_adapter(str(tmp / "lora"))
+                denoiser.fuse_lora()
+                denoiser.unload_lora()
+            denoiser.save_pretrained(str(tmp))
+            usual_mode(tmp)
+            swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -74,7 +75,7 @@ def load_checkpoint(checkpoint: Path, model_path: str | None = None, ema: bool =
     ``<run>/checkpoints/step-*`` or ``<run>/best`` directory. The weights do not depend on the run's precomputed
     stores (``model.text_embeddings``, ``model.image_latents``): one that is not here is left out (the text
     encoders then load from ``model.path``), one that is spares loading the text encoders."""
-    from trainer.checkpoint import load_weights
+    from trainer.checkpoint import damaged, load_weights
     from trainer.config import Config
     from trainer.config.building import build
     from trainer.distributed import SingleProcess
@@ -83,6 +84,9 @@ def load_checkpoint(checkpoint: Path, model_path: str | None = None, ema: bool =
     if not (checkpoint / "trainable.safetensors").is_file():
         raise ValueError(f"{checkpoint} is not a complete checkpoint (no trainable.safetensors); pass a "
                          "<run>/checkpoints/step-* directory or <run>/best")
+    if (why := damaged(checkpoint, only=("config.json", "trainable.safetensors"))) is not None:
+        raise ValueError(f"{checkpoint} cannot be loaded, {why}: use another checkpoint of the run, or restore "
+                         "this one from a copy")
     raw = json.loads((checkpoint / "config.json").read_text())
     if model_path:
         raw.setdefault("model", {})["path"] = model_path
@@ -114,11 +118,16 @@ def load_ema(checkpoint: Path, trainable: list[nn.Parameter]) -> None:
     and rank 0's is whole there too (single process, DDP, ZeRO-2)."""
     from safetensors.torch import load_file
 
+    from trainer.checkpoint import damaged
+
     path = checkpoint / "ema.safetensors"
     if not path.is_file():
         path = checkpoint / "rank-00000" / "ema.safetensors"
     if not path.is_file():
         raise ValueError(f"{checkpoint} holds no EMA: the run kept none (train.ema_decay=0)")
+    if (why := damaged(checkpoint, only=(str(path.relative_to(checkpoint)),))) is not None:
+        raise ValueError(f"{checkpoint}'s EMA cannot be loaded, {why}: export its trained weights (without --ema), "
+                         "or use another checkpoint of the run")
     shadow = load_file(path)
     if len(shadow) != len(trainable):
         raise ValueError(f"{checkpoint}'s EMA has {len(shadow)} tensors where the model has {len(trainable)} "

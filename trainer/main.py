@@ -89,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     # (the end of its log, in the message, says why).
     except (ValueError, RewardPoolError) as exc:
         return user_error_exit(exc)
+    except OSError as exc:  # no room for the run's first files (its checkpoints' own: RunInterrupted)
+        from trainer.checkpoint import NO_ROOM
+
+        if exc.errno not in NO_ROOM:
+            raise
+        return user_error_exit(ValueError(f"cannot write {exc.filename}: {exc.strerror}: make room there, or set "
+                                          "logging.output_dir to a folder with room"))
     except (RewardFailure, TrainingDiverged) as exc:  # the run went wrong (trainer/health.py), alike on every rank
         exc.every_rank = True
         user_error_exit(exc)

@@ -180,3 +180,82 @@ def test_a_resume_puts_back_best_where_a_kill_cut_its_replacement(tmp_path, tiny
     again.resume(first.checkpoints.latest())
     again.logger.close()
     assert (tmp_path / "best" / "meta.json").read_text() == meta and not (tmp_path / ".replaced-best").exists()
+
+
+def _cut(file: Path) -> None:
+    """As a disk fault or a copy cut short leaves ``file``: its first half."""
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "progress.json", "rank-00000/rng.pt",
+                                  "ema.safetensors"])
+def test_a_damaged_file_is_named_before_anything_is_loaded(tmp_path, tiny_model_dir, name):
+    from trainer.checkpoint import damaged
+    from trainer.distributed import SingleProcess
+    from trainer.models.tiny import TinyAdapter, TinyConfig
+
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    backend = SingleProcess(torch.device("cpu"))
+    backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    path = Checkpoints(tmp_path, 0, True).save(Progress(3, 0), adapter, backend, {"ema": State({"w": torch.ones(3)})},
+                                              {"train": {}})
+    assert damaged(path) is None
+    _cut(path / name)
+    assert damaged(path).startswith(f"{name} cannot be read")
+    assert damaged(path, only=("config.json",)) is None  # an export reads only what it names
+    (path / name).unlink()
+    required = name in ("trainable.safetensors", "optimizer.pt", "progress.json")  # rng.pt: not from a smaller world
+    assert damaged(path) == (f"{name} is missing" if required else None)
+
+
+def test_resume_auto_continues_from_the_newest_checkpoint_that_can_be_loaded(tmp_path, tiny_model_dir, capsys):
+    """A newest checkpoint with a file cut short (a disk fault) is set aside, named, and the run continues from the
+    one before it; the checkpoint written in its place is a whole one. Before, the resume died in torch.load."""
+    from warm_start import tiny_trainer
+
+    first = tiny_trainer(tmp_path, tiny_model_dir, *SHORT, "train.epochs=2", "train.checkpoint_every=1")
+    first.fit()
+    first.logger.close()
+    newest = first.checkpoints.latest()
+    _cut(newest / "optimizer.pt")
+    again = tiny_trainer(tmp_path, tiny_model_dir, *SHORT, "train.epochs=2", "train.checkpoint_every=1")
+    checkpoint = again.checkpoints.newest_loadable(again.backend)
+    assert checkpoint.name == "step-000002-000001"
+    assert f"checkpoint {newest} cannot be loaded (optimizer.pt cannot be read" in capsys.readouterr().out
+    assert [p.name.startswith(f"damaged-{newest.name}-") for p in tmp_path.joinpath("checkpoints").iterdir()].count(True) == 1
+    again.resume(checkpoint)
+    again.fit()
+    again.logger.close()
+    assert again.progress.epochs_done == 2 and again.checkpoints.latest().name == newest.name
+    from trainer.checkpoint import damaged
+
+    assert damaged(again.checkpoints.latest()) is None
+    _cut(checkpoint / "trainable.safetensors")
+    _cut(again.checkpoints.latest() / "trainable.safetensors")
+    with pytest.raises(ValueError, match="no checkpoint in .* can be loaded .*trainable.safetensors cannot be read"):
+        again.checkpoints.newest_loadable(again.backend)
+
+
+def test_a_named_checkpoint_that_cannot_be_loaded_is_refused_naming_the_one_before(tmp_path, tiny_model_dir):
+    from trainer.build import require_checkpoint
+    from trainer.distributed import SingleProcess
+    from trainer.export import load_checkpoint
+    from trainer.models.tiny import TinyAdapter, TinyConfig
+
+    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    backend = SingleProcess(torch.device("cpu"))
+    backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    checkpoints = Checkpoints(tmp_path, 0, True)
+    config = {"model": {"name": "tiny", "path": tiny_model_dir}}
+    older = checkpoints.save(Progress(3, 0), adapter, backend, {}, config)
+    newer = checkpoints.save(Progress(6, 0), adapter, backend, {}, config)
+    _cut(newer / "optimizer.pt")
+    require_checkpoint(newer, "train.init_from")  # the weights are whole: a start from them needs no more
+    with pytest.raises(ValueError, match=f"optimizer.pt cannot be read.*: pass the checkpoint before it, {older}$"):
+        require_checkpoint(newer, "train.resume")
+    _cut(newer / "trainable.safetensors")
+    with pytest.raises(ValueError, match="train.init_from=.* cannot be loaded, trainable.safetensors cannot be read"):
+        require_checkpoint(newer, "train.init_from")
+    with pytest.raises(ValueError, match="cannot be loaded, trainable.safetensors cannot be read"):
+        load_checkpoint(newer)
+    load_checkpoint(older)

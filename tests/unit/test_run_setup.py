@@ -42,9 +42,14 @@ def test_devices_name_this_ranks_gpu_unless_an_index_is_given():
 
 
 def _fake_checkpoint(path: Path) -> Path:
+    """A checkpoint's files, each readable, of no model."""
+    from safetensors.torch import save_file
+
     path.mkdir(parents=True)
-    (path / "progress.json").write_text("{}")
-    (path / "trainable.safetensors").write_bytes(b"")
+    for name in ("progress.json", "backend.json", "config.json"):
+        (path / name).write_text("{}")
+    save_file({}, path / "trainable.safetensors")
+    torch.save({}, path / "optimizer.pt")
     return path
 
 
