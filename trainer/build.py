@@ -140,6 +140,7 @@ def run(config: Config) -> dict[str, float]:
                 pool.supervise()  # a replica that dies is started again (the client waits: reward.outage_s)
                 mine = list(pool.urls)
             urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
+            check_rewards(config, backend, own_urls=urls)  # their limits against the run's requests
         from trainer.rewards.client import HttpRewardClient
 
         def reward_client(weights: dict[str, float]) -> HttpRewardClient:

@@ -18,15 +18,19 @@ from typing import IO
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, reward_token
 from trainer.rewards.launcher import RewardPoolError
-from trainer.rewards.preflight import PreflightError, check_reward_urls
+from trainer.rewards.preflight import PreflightError, Requests, check_reward_urls
 
 
-def check_rewards(config: Config, backend) -> None:
-    """Refuse the run now, on every rank alike, when a rank cannot reach a reward server or one lacks a
-    weighted or guard scorer (each rank checks: machines may see different servers)."""
+def check_rewards(config: Config, backend, own_urls: Sequence[str] | None = None) -> None:
+    """Refuse the run now, on every rank alike, when a rank cannot reach a reward server, one lacks a weighted or
+    guard scorer, or its limits refuse the run's requests (each rank checks: machines may see different servers).
+    ``own_urls``: the job's own replicas, once they are up (their limits; before, only the scorer names)."""
     named_by = {**{name: "eval.guard_scorers" for name in config.eval.guard_scorers},
                 **{name: "reward.weights" for name in config.reward.weights}}
-    problem = check_reward_urls(config.reward.urls, dict(sorted(named_by.items())), reward_token(config.reward))
+    requests = Requests(config.reward.batch_size, getattr(config.model, "resolution", 0), config.reward.wire_format,
+                        own=own_urls is not None)
+    urls = config.reward.urls if own_urls is None else own_urls
+    problem = check_reward_urls(urls, dict(sorted(named_by.items())), reward_token(config.reward), requests)
     found = [(rank, p) for rank, p in enumerate(backend.all_gather_object(problem)) if p]
     if found:
         rank, problem = found[0]

@@ -266,6 +266,45 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
     assert "eval.guard_scorers names scorer 'aesthetik', which no reward server has (did you mean 'aesthetic'?)" in line
 
 
+def test_requests_beyond_a_servers_limits_are_refused_before_anything_is_built(
+        tmp_path, capsys, monkeypatch, brightness_server):
+    """Each was an HTTP 413 at the first scoring, after the warm-up: the server's /info says its limits first."""
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
+    served = [f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}"]
+    line = _fails_fast(tmp_path, capsys, *served, "reward.batch_size=300")
+    assert line == (f"error: reward.batch_size=300 makes requests of 300 items, more than reward server "
+                    f"{brightness_server} takes in one (HTTP 413): set reward.batch_size=256 or less, or restart the "
+                    "server with --max-items 300")
+    line = _fails_fast(tmp_path, capsys, *served, "model.resolution=2048")  # 32 raw images: 402653184 bytes
+    assert line.endswith("takes in one (HTTP 413): set reward.batch_size=21 or less, or restart the server with "
+                         "--max-body-bytes 402653184")
+    line = _fails_fast(tmp_path, capsys, *served, "model.resolution=8192")
+    assert line.endswith(f"is above the largest image side reward server {brightness_server} takes (4096): restart "
+                         "it with --max-image-side 8192")
+    from shared.protocol import Limits
+    from trainer.rewards.preflight import Requests
+
+    limits = Limits(max_items=256, max_image_side=4096, max_body_bytes=256 * 2**20, max_pixels_per_request=2**27)
+    assert Requests(32, 2048).beyond("u", limits) is not None
+    assert Requests(32, 2048, "png").beyond("u", limits) is None  # compressed: its size is not known before
+    assert Requests(33, 2048, "png").beyond("u", limits).endswith("set reward.batch_size=32 or less, or restart the "
+                                                                  "server with --max-pixels-per-request 138412032")
+    assert Requests(32).beyond("u", limits) is None  # the model's own side: checked once it is known
+
+
+def test_requests_beyond_the_jobs_own_replicas_limits_are_refused_before_the_warm_up(tmp_path, capsys,
+                                                                                      tiny_model_dir):
+    from trainer.main import main
+
+    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "reward.replicas=1",
+                 "reward.batch_size=300", "train.warmup_steps=1"]) == 2
+    out, err = capsys.readouterr()
+    line = next(line for line in err.splitlines() if line.startswith("error: "))
+    assert line.startswith("error: reward.batch_size=300 makes requests of 300 items, more than reward server "
+                           "http://127.0.0.1:") and line.endswith("set reward.batch_size=256 or less"), err
+    assert "warm-up" not in out and list(tmp_path.iterdir()) == []
+
+
 def test_a_prompt_file_with_the_default_warm_up_is_refused_before_any_model_loads(tmp_path, capsys) -> None:
     """Prompts alone have no target images: this used to fail at the first warm-up step, after the model, the
     reward replicas and the run directory were made."""

@@ -1,6 +1,7 @@
 """The pre-flight check of a run's reward servers, before anything is built or warmed up: every configured URL
-answers ``/info`` and serves every weighted and guard scorer (a job's own local pool: every scorer is one a
-reward server has). A problem is one line naming the URL, what is missing and the command that fixes it."""
+answers ``/info``, serves every weighted and guard scorer and takes the run's requests within its limits (a job's
+own local pool: every scorer is one a reward server has; its limits are checked once it is up, still before the
+warm-up). A problem is one line naming the URL, what is missing and the setting or command that fixes it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import difflib
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
 from pydantic import ValidationError
 
-from shared.protocol import InfoResponse
+from shared.protocol import InfoResponse, Limits
 from trainer.rewards.launcher import SERVER_SCRIPT, RewardPoolError, server_module
 from trainer.rewards.wire import detail
 
@@ -31,23 +33,57 @@ def server_command(url: str, scorers: Iterable[str]) -> str:
     return f"{SERVER_SCRIPT} --scorers {','.join(scorers)} --host {host} --port {port}"
 
 
+@dataclass(frozen=True)
+class Requests:
+    """The largest /score request a run sends: ``items`` images (``reward.batch_size``) of ``side`` px a side
+    (``model.resolution``; 0: the model's own, not known before it loads) in ``wire_format``; ``own``: to the
+    job's own replicas (the fix is then a setting of the run, not a server flag)."""
+
+    items: int
+    side: int = 0
+    wire_format: str = "msgpack"
+    own: bool = False
+
+    def beyond(self, url: str, limits: Limits) -> str | None:
+        """Why a server with ``limits`` refuses (HTTP 413) these requests, or None."""
+        fits = None
+        if self.items > limits.max_items:
+            got, fits, flag = f"{self.items} items", limits.max_items, f"--max-items {self.items}"
+        elif self.side and self.side > limits.max_image_side:
+            return (f"model.resolution={self.side} is above the largest image side reward server {url} takes "
+                    f"({limits.max_image_side}): " + ("lower model.resolution" if self.own else
+                                                       f"restart it with --max-image-side {self.side}"))
+        elif self.side and limits.max_pixels_per_request and self.items * self.side**2 > limits.max_pixels_per_request:
+            got, flag = f"{self.items * self.side**2} pixels", f"--max-pixels-per-request {self.items * self.side**2}"
+            fits = limits.max_pixels_per_request // self.side**2
+        elif self.side and self.wire_format == "msgpack" and self.items * self.side**2 * 3 > limits.max_body_bytes:
+            got, flag = f"{self.items * self.side**2 * 3} bytes", f"--max-body-bytes {self.items * self.side**2 * 3}"
+            fits = limits.max_body_bytes // (3 * self.side**2)
+        if fits is None:
+            return None
+        return (f"reward.batch_size={self.items} makes requests of {got}, more than reward server {url} takes in one "
+                f"(HTTP 413): set reward.batch_size={max(fits, 1)} or less"
+                + ("" if self.own else f", or restart the server with {flag}"))
+
+
 def check_reward_urls(urls: Sequence[str], scorers: Mapping[str, str], token: str | None,
-                      timeout_s: float = 5.0) -> str | None:
+                      requests: Requests | None = None, timeout_s: float = 5.0) -> str | None:
     """Why the servers at ``urls`` cannot score ``scorers`` (name -> the config field that names it: the fix
-    says where), the first problem found, or None. Without ``urls`` the job starts its own servers: then every
-    scorer must be registered."""
+    says where), or take ``requests``: the first problem found, or None. Without ``urls`` the job starts its
+    own servers: then every scorer must be registered."""
     if not urls:
         return _unknown_scorers(scorers)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
         for url in (u.rstrip("/") for u in urls):
-            problem = _check_one(client, url, scorers, headers)
+            problem = _check_one(client, url, scorers, headers, requests)
             if problem is not None:
                 return problem
     return None
 
 
-def _check_one(client: httpx.Client, url: str, scorers: Mapping[str, str], headers: dict[str, str]) -> str | None:
+def _check_one(client: httpx.Client, url: str, scorers: Mapping[str, str], headers: dict[str, str],
+               requests: Requests | None) -> str | None:
     try:
         response = client.get(f"{url}/info", headers=headers)
     except httpx.TransportError as exc:
@@ -71,7 +107,7 @@ def _check_one(client: httpx.Client, url: str, scorers: Mapping[str, str], heade
         return (f"reward server {url} does not serve {', '.join(missing)} (it serves {', '.join(served) or 'nothing'}):"
                 f" restart it with `{server_command(url, [*served, *missing])}`, or take "
                 f"{', '.join(missing)} out of {' and '.join(sorted({scorers[name] for name in missing}))}")
-    return None
+    return requests.beyond(url, info.limits) if requests is not None else None
 
 
 def _unknown_scorers(scorers: Mapping[str, str]) -> str | None:
