@@ -54,6 +54,8 @@ class InProcessRewardClient:
         """Scorer name -> weight of its component in the combined reward."""
         return self.combination.weights
 
+    failed_attempts = 0  # no requests to fail
+
     async def score_async(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardResult:

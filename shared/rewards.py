@@ -163,6 +163,10 @@ class RewardClient(Protocol):
     """Items per request: the trainer cuts its rollout chunks at multiples of it, so that no chunk ends in a
     partial request (a server's batch costs about as much partly filled as full)."""
 
+    failed_attempts: int
+    """Requests that failed and were tried again (or given up) so far: a count that grows says the reward pool is
+    failing, not slow (0 for scorers in this process)."""
+
     @property
     def weights(self) -> dict[str, float]:
         """Scorer name -> weight: the components of every result."""

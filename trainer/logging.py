@@ -122,7 +122,10 @@ def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> s
     if metrics["zero_std_share"] == 1.0:  # a saturated reward, or one blind to what differs within a group
         line += "  (no group's rewards differ: nothing to learn from them)"
     waited = metrics.get("time_reward_wait_s", 0.0) / max(metrics.get("time_epoch_s", 0.0), 1e-9)
-    if waited > WAIT_NOTED:  # sampling is done and scoring is not: the devices idle
+    if waited > WAIT_NOTED and metrics.get("reward_failed_attempts"):  # retries and failovers took the time
+        line += (f"  (waited {waited:.0%} of the epoch for rewards after sampling; {metrics['reward_failed_attempts']:.0f}"
+                 " reward requests failed and were retried: see the reward servers' logs)")
+    elif waited > WAIT_NOTED:  # sampling is done and scoring is not: the devices idle
         line += (f"  (waited {waited:.0%} of the epoch for rewards after sampling: the reward servers score slower "
                  "than the model samples; more replicas would shorten it)")
     return line

@@ -312,6 +312,7 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), time.process_time()  # process CPU: load-independent, unlike wall time
         # the rollout's noise comes from a generator on the model's device (one kernel per draw on a GPU)
         noise = self._generator(2, epoch, self.adapter.device)
+        failed_before = self.rewards.failed_attempts
         ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g, noise)
         t1 = time.perf_counter()
 
@@ -351,7 +352,7 @@ class Trainer:
             "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
             "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,
             "time_epoch_s": t2 - t0, "time_epoch_cpu_s": cpu2 - cpu0, "images": len(rewards.all),
-            "lr": self.config.train.learning_rate,
+            "lr": self.config.train.learning_rate, "reward_failed_attempts": self.rewards.failed_attempts - failed_before,
         })
         if self.compiled is not None:
             metrics.update(self.compiled.report())

@@ -58,12 +58,14 @@ def test_a_request_waits_for_a_restarting_replica_and_is_scored(up, caplog):
     images, prompts = _images()
     with _client(up, outage_s=60) as client:
         expected = client.score(images, prompts).combined
+        assert client.failed_attempts == 0
         up.kill(0)
         restart = threading.Timer(1.0, up.restart, args=(0,))
         restart.start()
         with caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
             got = client.score(images, prompts)
         restart.join()
+        assert client.failed_attempts >= 3  # max_retries 2: three before it waits (the epoch line says so)
     np.testing.assert_array_equal(got.combined, expected)  # each its own reward, none NaN
     assert got.num_failed == 0 and np.isfinite(expected).all()
     messages = [r.getMessage() for r in caplog.records]

@@ -137,11 +137,10 @@ class HttpRewardClient:
         self.batch_size = batch_size
         self.max_retries = max_retries
         self.wire_format = wire_format
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.hedge = hedge
-        self.verify_replicas = verify_replicas
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.hedge, self.verify_replicas = hedge, verify_replicas
         self.outage_s = outage_s
+        self.failed_attempts = 0
         self.give_up_waiting: Callable[[], bool] = lambda: False
         """Polled while a request waits out an outage: true ends the wait (the trainer's stop signal, which
         must not wait for reward.outage_s before its checkpoint)."""
@@ -297,6 +296,7 @@ class HttpRewardClient:
                 response = await self._attempt_hedged(replica, bodies, tried)
             except AttemptFailed as exc:
                 failures.append(str(exc))
+                self.failed_attempts += 1
                 attempt, attempts = attempt + 1, attempts + 1
                 if attempt <= self.max_retries:
                     delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s) * random.uniform(0.5, 1.5)
