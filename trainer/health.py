@@ -25,8 +25,8 @@ class TrainingDiverged(RuntimeError):
     """The policy's weights or gradients are no longer finite."""
 
 
-ADVICE = ("lower the learning rate or set train.max_grad_norm, and start again or continue from a checkpoint "
-          "before it (train.resume)")
+ADVICE = ("lower the learning rate or clip gradients harder (a smaller train.max_grad_norm, whose 0 clips none), and "
+          "start again or continue from a checkpoint before it (train.resume)")
 
 
 def check_rewards(failed: float, limit: float, epoch: int, reason: str | None = None) -> None:

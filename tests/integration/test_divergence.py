@@ -80,7 +80,7 @@ def test_as_many_in_a_row_as_the_limit_stop_the_run_where_it_diverged(tmp_path, 
 
         trainer.warmup_step = first
     with pytest.raises(TrainingDiverged, match=rf"3 optimizer steps in a row had non-finite gradients .*, the last in "
-                                               rf"{where}: .* lower the learning rate or set train.max_grad_norm"):
+                                               rf"{where}: .* lower the learning rate or clip gradients harder \(a smaller train.max_grad_norm"):
         trainer.fit()
     trainer.logger.close()
     if before is not None:  # the weights are the last finite step's: warm-up step 1's
