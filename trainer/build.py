@@ -24,6 +24,7 @@ from trainer.launch import (
     RunDirGuard,
     RunInterrupted,
     check_rewards,
+    fresh_start,
     hold_run_dir,
     newest_resumable,
     signalled_at,
@@ -165,7 +166,7 @@ def run(config: Config) -> dict[str, float]:
             if checkpoint is not None:
                 trainer.resume(checkpoint)
             elif main:
-                print(f"train.resume=auto: no complete checkpoint in {trainer.checkpoints.directory}; starting fresh")
+                print(fresh_start(output, run_name), flush=True)
         if config.train.init_from and trainer.progress == Progress():
             trainer.init_from(Path(config.train.init_from))
         if main:

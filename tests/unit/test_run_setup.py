@@ -423,6 +423,21 @@ def test_resume_auto_without_a_run_name_takes_the_newest_unfinished_run(tmp_path
     assert choose_run_dir(named, tmp_path) == ("old", None)
 
 
+def test_resume_auto_of_a_run_without_checkpoints_starts_it_and_names_the_runs_the_name_may_be_a_slip_for(tmp_path):
+    """A mistyped logging.run_name with --resume auto starts a run of its own (a SLURM job's first allocation must
+    start one): its line now names the close names that have checkpoints."""
+    from trainer.launch import fresh_start
+
+    _fake_checkpoint(tmp_path / "sweep-lr3e-4" / "checkpoints" / "step-000004-000002")
+    (tmp_path / "sweep-lr3e-5").mkdir()  # no checkpoint: nothing to continue there
+    (tmp_path / "sweep-lr3e4").mkdir()  # the run being started
+    assert fresh_start(tmp_path, "sweep-lr3e4") == (
+        f"train.resume=auto: run sweep-lr3e4 has no complete checkpoint in {tmp_path}; starting it fresh (runs of a "
+        "close name with checkpoints: sweep-lr3e-4; to continue one, stop this and pass its logging.run_name)")
+    assert fresh_start(tmp_path, "other") == (f"train.resume=auto: run other has no complete checkpoint in {tmp_path}; "
+                                              "starting it fresh")
+
+
 def test_an_interrupted_run_says_where_it_stopped_and_how_to_continue(tmp_path, monkeypatch):
     from trainer.launch import resume_command, stopped_at
 
