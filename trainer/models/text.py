@@ -18,6 +18,7 @@ from torch import nn
 
 from trainer.models.common import DTYPES, DiffusersModelConfig, freeze
 from trainer.models.stores import INDEX_SAVE_EVERY, hash_files, index_to_extend, read_index, write_index
+from trainer.quiet import truncation_notice_once
 
 TEXT_INDEX = "index.json"
 PRECOMPUTE = "python -m trainer.precompute --config CONFIG.yaml --out DIR"
@@ -61,6 +62,7 @@ def prompt_encoder(adapter_class: type, config: DiffusersModelConfig, device: to
     classmethod ``prompt_encoder(config, device)``; ``trainer.precompute`` runs it."""
     device = torch.device(device)
     pipeline = text_pipeline(adapter_class, replace(config, text_embeddings=""), device, **extra)
+    truncation_notice_once()
     return functools.partial(adapter_class.encode_text, pipeline, config, device)
 
 
@@ -155,6 +157,7 @@ class PromptEmbeddings:
         if config.text_embeddings:
             store = TextEmbeddingStore.open(config.text_embeddings, text_fingerprint(type(adapter), config))
             return cls(None, store, adapter.device)
+        truncation_notice_once()
         return cls(lambda p: type(adapter).encode_text(adapter.pipeline, config, adapter.device, p), None,
                    adapter.device)
 
