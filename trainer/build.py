@@ -99,9 +99,9 @@ def run(config: Config) -> dict[str, float]:
         if refusal:
             raise ValueError(refusal)
         run_dir = output / run_name
+        guard = stack.enter_context(RunDirGuard(made))
         if main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
-        guard = stack.enter_context(RunDirGuard(made))
 
         task, eval_task = build_tasks(config.data, config.eval)  # their files are checked before any model loads
         warms_up = config.train.warmup_steps > 0 and (not config.train.init_from or config.train.warmup_after_init)
@@ -196,7 +196,8 @@ def run(config: Config) -> dict[str, float]:
             if full.errno not in NO_ROOM:
                 raise
             raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
-                                 f"cannot write {full.filename}: {full.strerror}; make room, then continue", 1) from None
+                                 f"cannot write {full.filename or run_dir}: {full.strerror}; make room, then continue",
+                                 1) from None
         if main:
             print(f"done: {run_dir} (final/: the last {'EMA' if ema is not None else 'trained'} weights, as evaluated; "
                   f"best/: the best evaluation's, epoch {trainer.guard.best_epoch})", flush=True)

@@ -6,6 +6,7 @@ the command that continues it).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fcntl
 import os
@@ -90,8 +91,8 @@ def hold_run_dir(run_dir: Path) -> tuple[IO[str] | None, str | None]:
         return None, (f"{run_dir} is in use by {holder}: wait for that run to end, or stop it (a stop signal "
                       "checkpoints it) and continue with --resume auto")
     lock.truncate(0)
-    lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
+    with contextlib.suppress(OSError):  # who holds it, for a refusal (unbuffered: a full disk leaves nothing to flush)
+        os.write(lock.fileno(), f"process {os.getpid()} on {socket.gethostname()}\n".encode())
     return lock, None
 
 

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if exc.errno not in NO_ROOM:
             raise
-        return user_error_exit(ValueError(f"cannot write {exc.filename}: {exc.strerror}: make room there, or set "
+        where = exc.filename or config.logging.output_dir  # a failed write() names no file
+        return user_error_exit(ValueError(f"cannot write {where}: {exc.strerror}: make room there, or set "
                                           "logging.output_dir to a folder with room"))
     except (RewardFailure, TrainingDiverged) as exc:  # the run went wrong (trainer/health.py), alike on every rank
         exc.every_rank = True

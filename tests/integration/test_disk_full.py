@@ -47,6 +47,10 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_continuation_finishes(tmp_p
     # A checkpoint of the tiny model takes about 9.5 MiB: the first fits in 14 MiB, the second does not.
     script = f"""
         mount -t tmpfs -o size=14m rf-full {out}
+        head -c 14m /dev/zero > {out}/filler 2> /dev/null || true
+        {shlex.join(job)} > {logs}/start.out 2> {logs}/start.err; echo $? > {logs}/start.rc
+        ls -A {out} > {logs}/start.listing
+        rm {out}/filler
         {shlex.join(job)} > {logs}/first.out 2> {logs}/first.err; echo $? > {logs}/first.rc
         ls -a {out}/full/checkpoints > {logs}/listing
         {shlex.join([sys.executable, "-c", checker])} > {logs}/latest 2>&1
@@ -55,6 +59,12 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_continuation_finishes(tmp_p
     """
     subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO, check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    # a disk full before the run starts: its config.yaml cannot be written; one line, nothing left behind
+    start = (logs / "start.out").read_text() + (logs / "start.err").read_text()
+    assert (logs / "start.rc").read_text().strip() == "2", start[-3000:]
+    assert (f"error: cannot write {out}: No space left on device: make room there, or set "
+            "logging.output_dir to a folder with room") in start and "Traceback" not in start, start[-3000:]
+    assert (logs / "start.listing").read_text().split() == ["filler"]
     first = (logs / "first.out").read_text() + (logs / "first.err").read_text()
     assert (logs / "first.rc").read_text().strip() == "1", first[-3000:]
     assert "Traceback" not in first, first[-3000:]
