@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-timeout-s", type=float, default=_DEFAULTS.head_timeout_s,
                         help="a connection whose request line and headers have not all come this long after it "
                         "opened (or after a later request's first byte) is closed")
+    parser.add_argument("--max-head-bytes", type=int, default=_DEFAULTS.max_head_bytes,
+                        help="a request whose request line and headers take more gets a 431")
     parser.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
     parser.add_argument("--batch-wait-ms", type=float, default=_DEFAULTS.batch_wait_ms)
     parser.add_argument("--max-queue-items", type=int, default=_DEFAULTS.max_queue_items)
@@ -225,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_values=args.max_values,
             body_timeout_s=args.body_timeout_s,
             head_timeout_s=args.head_timeout_s,
+            max_head_bytes=args.max_head_bytes,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
             max_queue_items=args.max_queue_items,
@@ -249,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=head_deadline_protocol(settings.head_timeout_s, args.http),
+        http=head_deadline_protocol(settings.head_timeout_s, args.http, settings.max_head_bytes),
         access_log=args.log_level == "debug",
     )
     server = _DrainingServer(config, app.state.service, settings.drain_grace_s, args.parent_pid)

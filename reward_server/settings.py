@@ -37,6 +37,7 @@ class ServerSettings:
         head_timeout_s: longest wait for a request's whole head (request line and headers), from the
             connection's opening or a later request's first byte; then the connection closes
             (``python -m reward_server``: reward_server/connections.py).
+        max_head_bytes: a request's request line and headers; more is a 431 and the connection closes.
         max_batch_size: items per call to a scorer; requests are split or merged into micro-batches.
         batch_wait_ms: how long a scorer worker waits for more requests to fill a micro-batch.
         max_queue_items: items waiting per scorer; a request that would exceed it gets a 429.
@@ -54,6 +55,7 @@ class ServerSettings:
     max_values: int = 1_000_000
     body_timeout_s: float = 30.0
     head_timeout_s: float = 10.0
+    max_head_bytes: int = 64 * 1024
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
     max_queue_items: int = 4096
@@ -66,6 +68,7 @@ class ServerSettings:
             "max_image_side",
             "max_pixels_per_request",
             "max_body_bytes",
+            "max_head_bytes",
             "max_values",
             "max_batch_size",
             "max_queue_items",

@@ -289,6 +289,56 @@ def test_a_connection_whose_request_head_does_not_come_is_closed_and_keep_alive_
     assert text.count("no whole request head within 1 s") == 2, text
 
 
+def _endless_head(sock: socket.socket, line: bytes, first: bytes) -> None:
+    """Send a request head that never ends (``first``, then ``line`` over and over) until the server closes."""
+    try:
+        sock.sendall(first)
+        for _ in range(2000):  # 16 MB at most
+            sock.sendall(line * (8192 // len(line)))
+    except OSError:  # closed by the server: what is wanted
+        pass
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_request_head_past_its_cap_is_refused_at_once_and_bodies_do_not_count(http) -> None:
+    """httptools took a head of any size before any route or token check: 120 MB of 8-byte headers held 1.9 GB
+    until the head deadline, and one header value sent on and on stalled the event loop for seconds (a replica
+    then looks dead to the trainer's probes). Past 64 KiB a head is refused (h11's own cap, 16 KiB, answers
+    400 first); a body after a whole head is no part of it."""
+    process, url = spawn_reward_server(["--scorers", "brightness", "--http", http],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = ("127.0.0.1", int(url.rpartition(":")[2]))
+    try:
+        wait_for(f"{url}/readyz")
+        for line, first in ((b"X-A: b\r\n", b"GET /livez HTTP/1.1\r\nHost: x\r\n"),
+                            (b"a", b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Big: ")):
+            with socket.create_connection(address) as sock:
+                sock.settimeout(5)
+                started = time.monotonic()
+                sender = threading.Thread(target=_endless_head, args=(sock, line, first))
+                sender.start()
+                answer = b""
+                try:
+                    while chunk := sock.recv(65536):  # the answer, then the close
+                        answer += chunk
+                except ConnectionResetError:  # h11's own 400 closes with the head unread: a reset may lose it
+                    assert http == "h11"
+                sender.join(timeout=10)
+                assert not sender.is_alive() and time.monotonic() - started < 3  # not the 10 s head deadline
+            if http == "httptools":
+                assert answer.startswith(b"HTTP/1.1 431 ") and b"exceed 65536 bytes (--max-head-bytes)" in answer, answer
+            else:
+                assert answer == b"" or answer.startswith(b"HTTP/1.1 400 "), answer
+        headers = {f"x-pad-{i}": "a" * 1000 for i in range(12)}  # 12 KiB of head: under both caps
+        assert httpx.get(f"{url}/livez", headers=headers, trust_env=False).status_code == 200
+        big = httpx.post(f"{url}/score", content=b"x" * 2_000_000, trust_env=False, timeout=30,
+                         headers={"Content-Type": "application/json"})
+        assert big.status_code == 422, big.text  # read as a body: not JSON, said so
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_head_that_came_while_the_loop_was_busy_is_answered_not_cut_off(loop: str) -> None:
     """A whole head that came while the event loop was held past the connection's deadline is read before the
