@@ -13,7 +13,6 @@ import logging
 
 logger = logging.getLogger("reward_server")
 
-
 TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
              b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 
@@ -22,7 +21,8 @@ def head_deadline_protocol(timeout_s: float, http: str = "auto", max_head_bytes:
                            ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol ``http`` (``auto``: httptools where installed, else h11, as uvicorn picks) that
     closes a connection whose request head has not fully arrived ``timeout_s`` after the connection opened, or
-    after the first byte of a later request on it, and answers 431 to a head of more than ``max_head_bytes``."""
+    after the first byte of a later request on it; with httptools, a head still coming past ``max_head_bytes``
+    (counted from the read after the one it began in) gets a 431. h11 caps a head itself (16 KiB: a 400)."""
     if http == "auto":
         http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     if http == "httptools":
@@ -33,32 +33,42 @@ def head_deadline_protocol(timeout_s: float, http: str = "auto", max_head_bytes:
     class HeadDeadlineProtocol(Base):
         _timer: asyncio.TimerHandle | None = None
         _waiting_since: object = None  # the request cycle before the head being waited for (None: the first)
-        _head_bytes = 0  # of the head being waited for, so far
-        _refused = False  # answered 431: the connection closes
+        _in_head = False  # httptools: between a request's first byte and its last header
+        _head_bytes = 0  # of that head, in the reads after the one it began in
+        _refused = False  # answered 431: what more comes is dropped until the close
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:  # the rest of a head past the cap: read and dropped until the close
+            if self._refused:
                 return
             if self._timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm()  # the first bytes of the next request
+            in_head = self._in_head
             super().data_received(data)
             if self._timer is not None and self.cycle is not self._waiting_since:
                 self._disarm()  # a whole head arrived: uvicorn began a new request cycle
-            elif self._timer is not None:  # all of it is head so far: the body starts after a whole one
+            if in_head and self._in_head:  # all of this read is head: a body starts after a whole one
                 self._head_bytes += len(data)
                 if self._head_bytes > max_head_bytes and not self.transport.is_closing():
                     self._head_too_large()
+
+        def on_message_begin(self) -> None:  # httptools' parser calls these; h11 has none
+            self._in_head, self._head_bytes = True, 0
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
         def _arm(self) -> None:
-            self._waiting_since, self._head_bytes = self.cycle, 0
+            self._waiting_since = self.cycle
             self._timer = self.loop.call_later(timeout_s, self._head_too_slow)
 
         def _disarm(self) -> None:
