@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--body-timeout-s", type=float, default=_DEFAULTS.body_timeout_s,
                         help="a client that sends no part of its body for this long gets a 408")
+    parser.add_argument("--min-body-rate", type=int, default=_DEFAULTS.min_body_rate,
+                        help="bytes/s a body must average once it has taken --body-timeout-s, else a 408")
+    parser.add_argument("--max-body-bytes-in-flight", type=int, default=None,
+                        help="bytes of all bodies being received at once; past it a 503 (default: 4 x --max-body-bytes)")
     parser.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
                         help="uvicorn's HTTP implementation (auto: httptools where installed, else h11)")
     parser.add_argument("--head-timeout-s", type=float, default=_DEFAULTS.head_timeout_s,
@@ -226,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_body_bytes=args.max_body_bytes,
             max_values=args.max_values,
             body_timeout_s=args.body_timeout_s,
+            min_body_rate=args.min_body_rate,
+            max_body_bytes_in_flight=args.max_body_bytes_in_flight,
             head_timeout_s=args.head_timeout_s,
             max_head_bytes=args.max_head_bytes,
             max_batch_size=args.max_batch_size,

@@ -7,8 +7,9 @@ see :mod:`reward_server.app`); a corrupt image is a per-item DECODE outcome inst
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,10 +52,44 @@ Opened = dict[str | None, OpenedImage] | ScoreOutcome
 """One item after reading its headers: its images by key (None: the scored one), or a failure."""
 
 
+class BodyBytes:
+    """The bytes of the request bodies being received and parsed, at most ``limit`` in all."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[Callable[[int], None]]:
+        """A function counting ``n`` more bytes of one body (a 429 past the limit); they are let go at the end."""
+        mine = 0
+
+        def take(n: int) -> None:
+            nonlocal mine
+            if self.held + n > self.limit:
+                raise HTTPException(429, f"the server is receiving {self.held} bytes of request bodies already, and "
+                                         f"{self.limit} at most (--max-body-bytes-in-flight): try again",
+                                    headers={"Retry-After": "1", "Connection": "close"})
+            self.held += n
+            mine += n
+
+        try:
+            yield take
+        finally:
+            self.held -= mine
+
+
 async def parse_score_request(
-    request: Request, settings: ServerSettings, metrics: ServerMetrics
+    request: Request, settings: ServerSettings, metrics: ServerMetrics, bodies: BodyBytes
 ) -> ScoreRequest:
-    """Read, decompress and validate a ``POST /score`` body (JSON or msgpack); raise the HTTP error."""
+    """Read, decompress and validate a ``POST /score`` body (JSON or msgpack); raise the HTTP error. Its bytes
+    count in ``bodies`` until it is parsed."""
+    with bodies.receiving() as take:
+        return await _parse(request, settings, metrics, take)
+
+
+async def _parse(request: Request, settings: ServerSettings, metrics: ServerMetrics,
+                 take: Callable[[int], None]) -> ScoreRequest:
     encodings = supported_encodings()
     encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
     if encoding != "identity" and encoding not in encodings:
@@ -69,7 +104,7 @@ async def parse_score_request(
         raise HTTPException(415, f"unsupported Content-Type {media_type!r}: send {JSON_MEDIA_TYPE} (curl: -H "
                                  f"'Content-Type: {JSON_MEDIA_TYPE}') or {MSGPACK_MEDIA_TYPE}")
     max_body_bytes = settings.max_body_bytes
-    body = await _read_body(request, max_body_bytes, settings.body_timeout_s)
+    body = await _read_body(request, settings, take)
     metrics.body_bytes.labels(MSGPACK_MEDIA_TYPE if binary else JSON_MEDIA_TYPE).observe(len(body))
 
     def parse() -> ScoreRequest:
@@ -90,21 +125,30 @@ async def parse_score_request(
         raise HTTPException(422, _describe_validation_error(exc)) from None
 
 
-async def _read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """Read the body, refusing with 413 as soon as it exceeds ``max_bytes`` (declared or actual), with 408
-    when no part of it arrives for ``timeout_s``, and with 400 when the client goes away before its end."""
+async def _read_body(request: Request, settings: ServerSettings, take: Callable[[int], None]) -> bytes:
+    """Read the body, refusing with 413 as soon as it exceeds ``max_body_bytes`` (declared or actual), with 408
+    when no part of it arrives for ``body_timeout_s`` or it averages under ``min_body_rate`` after that long,
+    with 429 when ``take`` (the bytes of all bodies) refuses a part, and with 400 when the client goes away."""
+    max_bytes, timeout_s, min_rate = settings.max_body_bytes, settings.body_timeout_s, settings.min_body_rate
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise HTTPException(413, f"body of {declared} bytes exceeds the limit of {max_bytes} bytes")
     chunks, size = [], 0
     loop = asyncio.get_running_loop()
+    started = loop.time()
     try:
         async with timeout(timeout_s) as idle:  # pushed back as each part arrives
             async for chunk in request.stream():
-                idle.reschedule(loop.time() + timeout_s)
+                now = loop.time()
+                idle.reschedule(now + timeout_s)
                 size += len(chunk)
                 if size > max_bytes:
                     raise HTTPException(413, f"body exceeds the limit of {max_bytes} bytes")
+                if now - started > timeout_s and size < min_rate * (now - started):
+                    raise HTTPException(408, f"the body came at {size / (now - started):.0f} bytes/s over "
+                                             f"{now - started:.0f} s, under the {min_rate} bytes/s this server needs "
+                                             "(--min-body-rate)", headers={"Connection": "close"})
+                take(len(chunk))
                 chunks.append(chunk)
     except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
         detail = f"no part of the body arrived for {timeout_s:g} s after {size} bytes"

@@ -137,7 +137,7 @@ async def score(request: Request) -> JSONResponse:
     reason = service.not_ready_reason(queues=False)  # a full queue: 429 from the scorers this request names
     if reason is not None:
         raise HTTPException(503, f"not ready: {reason}", headers={"Retry-After": RETRY_AFTER_S})
-    score_request = await parse_score_request(request, service.settings, service.metrics)
+    score_request = await parse_score_request(request, service.settings, service.metrics, service.bodies)
     names = _scorer_names(score_request, service)
     deadline = None if score_request.deadline_ms is None else received + score_request.deadline_ms / 1000.0
     opened, pixels = await asyncio.to_thread(open_items, score_request.items, service.settings)

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from reward_server.batching import ScorerWorker
+from reward_server.decode import BodyBytes
 from reward_server.metrics import ServerMetrics
 from reward_server.scorers import Scorer
 from reward_server.settings import ServerSettings
@@ -33,6 +34,8 @@ class RewardService:
         self.metrics = ServerMetrics(scorers)
         assert settings.max_pixels_in_flight is not None  # ServerSettings sets it
         self.pixels = PixelBudget(settings.max_pixels_in_flight)
+        assert settings.max_body_bytes_in_flight is not None
+        self.bodies = BodyBytes(settings.max_body_bytes_in_flight)
         self.metrics.ready.set_function(lambda: float(self.not_ready_reason() is None))
         for name in scorers:
             self.metrics.queue_depth.labels(name).set_function(

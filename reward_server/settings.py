@@ -34,6 +34,12 @@ class ServerSettings:
             value is 1-2 bytes of body and some 50 in memory, and a compressed body of KB decompresses to MB.
         body_timeout_s: longest wait for the next part of a request's body; a client that stalls longer
             gets a 408 and its connection closes.
+        min_body_rate: bytes per second a body must average once it has taken ``body_timeout_s``; a slower
+            one gets a 408 (a client trickling a byte now and then held its connection and its buffered part
+            for good, each part pushing the stall timer back).
+        max_body_bytes_in_flight: the bytes of all bodies being received and parsed at once; a request whose
+            body would pass it gets a 503 (Retry-After) and its connection closes. None: four times
+            ``max_body_bytes``. It bounds what slow or many clients can make the server hold.
         head_timeout_s: longest wait for a request's whole head (request line and headers), from the
             connection's opening or a later request's first byte; then the connection closes
             (``python -m reward_server``: reward_server/connections.py).
@@ -54,6 +60,8 @@ class ServerSettings:
     max_body_bytes: int = 256 * 1024 * 1024
     max_values: int = 1_000_000
     body_timeout_s: float = 30.0
+    min_body_rate: int = 64 * 1024
+    max_body_bytes_in_flight: int | None = None
     head_timeout_s: float = 10.0
     max_head_bytes: int = 64 * 1024
     max_batch_size: int = 32
@@ -68,6 +76,7 @@ class ServerSettings:
             "max_image_side",
             "max_pixels_per_request",
             "max_body_bytes",
+            "min_body_rate",
             "max_head_bytes",
             "max_values",
             "max_batch_size",
@@ -86,6 +95,11 @@ class ServerSettings:
                 f"max_pixels_in_flight ({self.max_pixels_in_flight}) must be >= max_pixels_per_request "
                 f"({self.max_pixels_per_request})"
             )
+        if self.max_body_bytes_in_flight is None:
+            object.__setattr__(self, "max_body_bytes_in_flight", 4 * self.max_body_bytes)
+        elif self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be >= max_body_bytes "
+                             f"({self.max_body_bytes})")
         for name in ("body_timeout_s", "head_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")

@@ -117,7 +117,8 @@ def unpack_msgpack(body: bytes, max_values: int | None = None) -> Any:
     except Exception as exc:  # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError
         if isinstance(exc, ValueError) and "exceeds max_" in str(exc):  # max_array_len or max_map_len
             raise TooManyValuesError(f"the body holds more than {limit} values: {exc}") from None
-        raise BodyError(f"invalid msgpack body: {type(exc).__name__}: {exc}") from None
+        why = str(exc) or ("nested deeper than msgpack's limit" if isinstance(exc, msgpack.StackError) else "no detail")
+        raise BodyError(f"invalid msgpack body: {type(exc).__name__}: {why}") from None
     stack = [value]
     while stack:  # timestamps bypass ext_hook: refuse every non-plain value here
         item = stack.pop()
@@ -176,6 +177,11 @@ def _zstd_codec() -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], byte
             raise BodyError(f"corrupt zstd body: {exc}") from None
         if declared >= 0 and size != declared:
             raise BodyError(f"corrupt zstd body: {size} bytes decompressed, the frame declares {declared}")
+        if declared < 0:  # no size to check against: is the frame whole? (at most the size just read, again)
+            whole = zstandard.ZstdDecompressor().decompressobj()
+            whole.decompress(body)
+            if not whole.eof:
+                raise BodyError("corrupt zstd body: the frame is cut short")
         return b"".join(chunks)
 
     return compress, decompress

@@ -177,6 +177,47 @@ def test_a_stalled_upload_is_a_408_and_a_client_gone_mid_body_is_no_server_error
         assert counts.get("400") == 1 and "500" not in counts, counts
 
 
+def test_a_body_trickled_under_the_minimum_rate_is_a_408_and_bodies_in_flight_are_bounded() -> None:
+    """A byte now and then pushed the stall timer back each time: such a client held its connection and its part of
+    the body for good, and many of them any amount of memory (4 MB each in the audit, 256 MB allowed)."""
+    settings = ServerSettings(body_timeout_s=1.0, min_body_rate=1000, max_body_bytes=100_000,
+                              max_body_bytes_in_flight=150_000)
+    app = create_app(build_scorers(["brightness"]), settings)
+    head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    with serve(app) as url:
+        address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(head)
+            started = time.monotonic()
+            for _ in range(40):  # 10 bytes every 0.2 s: 50 bytes/s, never a 1 s stall
+                sock.sendall(b" " * 10)
+                time.sleep(0.2)
+                sock.setblocking(False)
+                try:
+                    answer = sock.recv(65536)
+                    break
+                except BlockingIOError:
+                    continue
+                finally:
+                    sock.setblocking(True)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+            assert b"under the 1000 bytes/s this server needs (--min-body-rate)" in answer
+            assert 1.0 < time.monotonic() - started < 3.0
+        with socket.create_connection(address, timeout=10) as holding, \
+                socket.create_connection(address, timeout=10) as second:
+            holding.sendall(head + b" " * 90_000)  # 90 of its 100 kB, held
+            time.sleep(0.3)
+            second.sendall(head + b" " * 90_000)
+            answer = second.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
+            assert b"receiving 90000 bytes of request bodies already, and 150000 at most" in answer
+            holding.sendall(b" " * 10_000)  # its whole body: read, and refused as no JSON
+            assert holding.recv(65536).startswith(b"HTTP/1.1 422")
+        answer = httpx.post(f"{url}/score", content=b" " * 90_000, trust_env=False,
+                            headers={"Content-Type": "application/json"})
+        assert answer.status_code == 422  # the budget was let go
+
+
 def _png_header(width: int, height: int) -> bytes:
     """A PNG declaring ``width`` x ``height`` RGB pixels in its header, with next to no pixel data."""
 

@@ -379,6 +379,17 @@ def test_corrupt_compressed_bodies_are_body_errors(encoding: str) -> None:
         decompress_body(truncated, encoding, max_bytes=10_000_000)
 
 
+def test_a_zstd_frame_without_its_size_cut_short_is_said_to_be_so() -> None:
+    """Without a declared size, zstd's stream reader returned what it had: the body parser then said "Unpack
+    failed: incomplete input", of msgpack, not of the cut frame."""
+    zstandard = pytest.importorskip("zstandard")
+    body = pack_msgpack(_binary_request())
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(body)
+    assert decompress_body(frame, "zstd", max_bytes=len(body)) == body
+    with pytest.raises(BodyError, match="^corrupt zstd body: the frame is cut short$"):
+        decompress_body(frame[:-8], "zstd", max_bytes=len(body))
+
+
 def test_unknown_encoding() -> None:
     with pytest.raises(BodyError, match="unsupported Content-Encoding 'br'"):
         decompress_body(b"x", "br", max_bytes=10)
@@ -394,7 +405,7 @@ def test_unknown_encoding() -> None:
         (msgpack.packb({1: "a"}), "invalid msgpack"),  # non-string key
         (msgpack.packb(msgpack.ExtType(5, b"x")), "extension type 5"),
         (msgpack.packb({"t": msgpack.Timestamp(1)}), "Timestamp is not accepted"),
-        (b"\x91" * 100_000, "invalid msgpack"),  # nesting too deep
+        (b"\x91" * 100_000, "invalid msgpack body: StackError: nested deeper than msgpack's limit"),
         (b"\xa2\xff\xfe", "invalid msgpack"),  # invalid UTF-8
     ],
 )

@@ -20,6 +20,9 @@ from reward_server.settings import ServerSettings
     ({"body_timeout_s": 0.0}, "body_timeout_s must be > 0 and finite, got 0.0"),
     ({"head_timeout_s": math.inf}, "head_timeout_s must be > 0 and finite, got inf"),
     ({"token": ""}, "token must be None or a non-empty string"),
+    ({"max_head_bytes": 0}, "max_head_bytes must be >= 1, got 0"),
+    ({"min_body_rate": 0}, "min_body_rate must be >= 1, got 0"),
+    ({"max_body_bytes": 10, "max_body_bytes_in_flight": 9}, "max_body_bytes_in_flight (9) must be >= max_body_bytes (10)"),
 ])
 def test_bad_settings_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -28,5 +31,5 @@ def test_bad_settings_are_refused_by_name(kwargs, message):
 
 
 def test_the_defaults_and_the_edges_are_accepted():
-    ServerSettings()
+    assert ServerSettings(max_body_bytes=10).max_body_bytes_in_flight == 40
     ServerSettings(max_items=1, max_batch_size=1, max_queue_items=1, batch_wait_ms=0.0, drain_grace_s=0.0, token="t")
