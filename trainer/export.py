@@ -181,4 +181,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.tool import run_tool
+
+    run_tool(main, "interrupted: nothing exported (an earlier export at --out is as it was)")

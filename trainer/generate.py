@@ -178,4 +178,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.tool import run_tool
+
+    run_tool(main, "interrupted: no image written")

@@ -72,15 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         run(config)
-    except RunInterrupted as stop:
+    except KeyboardInterrupt as exc:  # RunInterrupted, or a second Ctrl-C while a first one's stop unwound
+        stop = exc
+        while stop is not None and not isinstance(stop, RunInterrupted):
+            stop = stop.__context__
+        if stop is None:
+            if rank0:
+                print("\ninterrupted before training started: nothing to continue", flush=True)
+            return 130
         if rank0:
             print(f"\n{stop.how}: {stop.where}\ncontinue with: "
                   f"{resume_command(args.config, args.overrides, stop.run_dir.name)}", flush=True)
         return stop.code
-    except KeyboardInterrupt:
-        if rank0:
-            print("\ninterrupted before training started: nothing to continue", flush=True)
-        return 130
     except StopSignalled as stop:  # trainer.stopping.StopsBeforeTraining
         if rank0:
             print(f"\n{stop} before training started: nothing to continue", flush=True)
@@ -105,4 +108,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.tool import run_tool  # Ctrl-C while the trainer's modules load or the config is read
+
+    run_tool(main, "interrupted before training started: nothing to continue")

@@ -148,4 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.tool import run_tool
+
+    run_tool(main, "interrupted: what is in the store's index is kept, and the same command goes on from it")

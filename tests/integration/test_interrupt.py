@@ -4,6 +4,7 @@ or a killed torchrun, during training and before it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,10 +23,14 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
-def _interrupt(run: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
-    """Ctrl-C the job and collect its output; a job still running ``timeout`` s later fails the test with every
-    thread's stack (SIGABRT: PYTHONFAULTHANDLER prints them)."""
+def _interrupt(run: subprocess.Popen, timeout: float = 120, again_after: float | None = None) -> tuple[str, str]:
+    """Ctrl-C the job (``again_after`` s later once more: an impatient user) and collect its output; a job still
+    running ``timeout`` s later fails the test with every thread's stack (SIGABRT: PYTHONFAULTHANDLER prints them)."""
     os.killpg(run.pid, signal.SIGINT)  # what the terminal sends to the job
+    if again_after is not None:
+        time.sleep(again_after)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGINT)
     try:
         return run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -53,6 +58,23 @@ def _signal_masks(pid: int) -> str:
         return f"no /proc/{pid}/status: {exc}"
     return ", ".join(line.replace("\t", " ") for line in lines if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn",
                                                                                    "SigCgt")))
+
+
+@pytest.mark.parametrize(("tool", "said"), [
+    (["trainer/main.py"], "interrupted before training started: nothing to continue"),
+    (["-m", "trainer.precompute", "--config", "configs/embedded_digits.yaml", "--out", "{out}"],
+     "interrupted: what is in the store's index is kept, and the same command goes on from it")])
+def test_ctrl_c_while_a_tool_loads_is_one_line_not_a_traceback(tmp_path, tool, said):
+    """Ctrl-C a second in, while the tool imports its modules and reads its config: it was a KeyboardInterrupt
+    traceback from the imports (every tool) or from the config's model registry."""
+    args = [part.format(out=tmp_path / "store") for part in tool]
+    run = subprocess.Popen([sys.executable, *args, f"logging.output_dir={tmp_path}"], cwd=REPO, env=ENV, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                           preexec_fn=_as_a_shell_starts_it)
+    time.sleep(1.0)
+    out, err = _interrupt(run)
+    assert run.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert said in out + err
 
 
 @pytest.mark.slow  # two short runs as subprocesses (~30 s); resume_command and stopped_at have unit tests
@@ -92,7 +114,7 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path, tiny_model_d
 def test_ctrl_c_in_rl_leaves_the_reward_replicas_to_the_trainer(tmp_path, tiny_model_dir):
     """Ctrl-C while RL epochs sample and wait on rewards: the replicas (a session of their own) are not
     interrupted under the rollout that waits on them, so the run stops as in the warm-up, saying where, with
-    no reward error or traceback."""
+    no reward error or traceback; a second Ctrl-C while it stops changes none of that."""
     args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
             "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=1",
             "data.prompts_per_epoch=2", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
@@ -104,10 +126,12 @@ def test_ctrl_c_in_rl_leaves_the_reward_replicas_to_the_trainer(tmp_path, tiny_m
     while not any('"phase": "rl"' in p.read_text() for p in tmp_path.glob("*/metrics.jsonl")):
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
         time.sleep(0.05)
-    out, err = _interrupt(run)
+    out, err = _interrupt(run, again_after=0.3)
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "RewardUnavailable" not in out + err, err[-3000:]
-    assert "interrupted: stopped in RL epoch " in out, out[-2000:]
+    # the second Ctrl-C, as the first one's stop unwinds, said "before training started: nothing to continue"
+    assert "interrupted: stopped in RL epoch " in out and "continue with: " in out, out[-2000:]
+    assert "before training started" not in out + err, out[-2000:]
 
 
 def _processes(match) -> list[int]:
