@@ -64,9 +64,13 @@ def load_trained(weights: Path, model_path: str | None = None, device: str = "cp
                          "--model-path")
     adapter = build_adapter(model, torch.device(device))
     trained = type(adapter.denoiser).from_pretrained(str(weights), torch_dtype=adapter.denoiser.dtype)
-    missing, unexpected = adapter.denoiser.load_state_dict(trained.state_dict(), strict=False)
+    other = f"the denoiser in {weights} is another architecture than the base model {model.path}"
+    try:
+        missing, unexpected = adapter.denoiser.load_state_dict(trained.state_dict(), strict=False)
+    except RuntimeError:  # same names, other shapes ("size mismatch for ...")
+        raise ValueError(f"{other} (its tensors' shapes differ): pass the run's own base model as --model-path") from None
     if unexpected or (missing and getattr(model, "ip_adapter", None) is None):
-        raise ValueError(f"the denoiser in {weights} is another architecture than the run's model.path")
+        raise ValueError(f"{other}: pass the run's own base model as --model-path")
     adapter.denoiser.eval()
     return replace(config, model=model), adapter
 

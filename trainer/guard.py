@@ -6,6 +6,7 @@ metric falls). It keeps its own checkpoint state (``trainer.state.Stateful``), s
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,7 @@ class Guard:
         last = self.epochs[-1] if self.epochs else -1
         return (f"best: {which}, {self.select_by} {self.best_value:.3f} (before RL {values[0]:.3f}, "
                 f"{self.best_value - values[0]:+.3f}; last, epoch {last}: {values[-1]:.3f}); its weights: {best_dir} "
-                f"(export: python -m trainer.export --checkpoint {best_dir} {export_flags}--out DIR)")
+                f"(export: python -m trainer.export --checkpoint {shlex.quote(str(best_dir))} {export_flags}--out DIR)")
 
     def checkpoint_state(self) -> dict[str, State]:
         scalars = [self.best_epoch, self.best_value, self.since_best, self.alarm_epoch, float(self.stopped)]

@@ -30,6 +30,7 @@ stops on an error or Ctrl-C: an interrupted command, run again, encodes only wha
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -134,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             encoded, present = precompute(config, args.out)
             print(f"{encoded} prompts of {config.model.name} ({config.model.path}) encoded into {args.out} "
                   f"({present} were there) in {time.perf_counter() - start:.1f} s; train with "
-                  f"model.text_embeddings={args.out}")
+                  f"{shlex.quote(f'model.text_embeddings={args.out}')}")
             config = replace(config, model=replace(config.model, text_embeddings=args.out))
         if args.latents:
             start = time.perf_counter()
             encoded, present = precompute_latents(config, args.latents)
             print(f"{encoded} image inputs of {config.model.name} ({config.model.path}) VAE-encoded into "
                   f"{args.latents} ({present} were there) in {time.perf_counter() - start:.1f} s; train with "
-                  f"model.image_latents={args.latents}")
+                  f"{shlex.quote(f'model.image_latents={args.latents}')}")
     except ValueError as exc:
         return user_error_exit(exc)
     return 0

@@ -47,6 +47,9 @@ class SamplerSettings:
         kinds = sorted({"auto", *DEFAULT_KIND.values(), *STEP_FUNCTIONS})
         if self.kind not in kinds:
             raise ValueError(f"kind={self.kind!r} is not one of {', '.join(kinds)}")
+        if self.sde_window >= self.num_steps:  # no start would leave an untrained last step
+            raise ValueError(f"sde_window={self.sde_window} must be less than num_steps={self.num_steps} (the last "
+                             "step is never trained): lower sde_window or raise num_steps")
         lo, hi = self.window_starts()
         if self.sde_window > 0 and not 0 <= lo < hi <= self.num_steps - self.sde_window:
             raise ValueError(f"window_range={tuple(self.window_range)} does not fit num_steps={self.num_steps} with "

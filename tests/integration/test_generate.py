@@ -110,3 +110,26 @@ def test_bad_counts_an_unknown_image_suffix_or_a_missing_gpu_are_refused_before_
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_weights_of_another_shape_than_the_base_model_are_one_line(tmp_path, capsys):
+    """A --model-path whose denoiser has other shapes (another size of the same model) was a RuntimeError
+    traceback listing every size mismatch."""
+    import json
+    import shutil
+
+    import diffusers
+
+    final, _ = _run(tmp_path, "flux", "digits")
+    base = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["path"]
+    other = tmp_path / "wider"
+    shutil.copytree(base, other)
+    settings = json.loads((other / "transformer" / "config.json").read_text())
+    denoiser = getattr(diffusers, settings["_class_name"])
+    settings = {k: v for k, v in settings.items() if not k.startswith("_")}
+    denoiser(**{**settings, "attention_head_dim": 2 * settings["attention_head_dim"]}).save_pretrained(
+        other / "transformer")
+    assert main(["--weights", final, "--model-path", str(other), "--out", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: the denoiser in {final} is another architecture than the base model {other} (its tensors' shapes " \
+           "differ): pass the run's own base model as --model-path" in err and "Traceback" not in err, err

@@ -69,6 +69,10 @@ def test_yaml_and_overrides(tmp_path):
     ("logging.run_name=../escape", "logging.run_name='../escape' must be a plain folder name"),  # wrote outside
     ("reward.weights={digit:1}", "YAML needs a space after the colon: {digit: 1}, not {digit:1}"),  # was 'got None'
     ("reward.weights={digit:", "not valid YAML (quote the whole override for the shell: 'section.key={a: 1, b: 2}')"),
+    # each was a message naming the wrong fix: a range [0, -6) of window starts, the server command for port 80
+    ("algorithm.sampler.sde_window=10", "sde_window=10 must be less than num_steps=10 (the last step is never "
+                                        "trained): lower sde_window or raise num_steps"),
+    ("reward.urls=[localhost:8000]", "reward: urls: 'localhost:8000' has no scheme: write http://localhost:8000"),
 ])
 def test_bad_keys_and_values_name_the_field(override, message):
     if message is None:  # in range (an unclipped ratio; a huge epoch count)
@@ -303,6 +307,10 @@ def test_a_config_path_that_is_a_folder_or_a_section_that_is_a_value_is_one_line
     with pytest.raises(ConfigError, match=f"^--config {tmp_path} is a directory: pass a YAML file, such as "
                                           f"{tmp_path / 'config.yaml'}$"):
         load_config(str(tmp_path))
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(bytes(range(256)))  # was a UnicodeDecodeError traceback
+    with pytest.raises(ConfigError, match=f"^--config {binary}: not a text file \\(YAML is UTF-8 text\\)$"):
+        load_config(str(binary))
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("train: 5\n")
     with pytest.raises(ConfigError, match=rf"^--config {scalar}: train must be a section of fields \(train: "

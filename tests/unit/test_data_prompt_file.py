@@ -118,6 +118,8 @@ def test_a_folder_or_a_file_that_is_not_utf8_is_named_with_the_fix(tmp_path):
     for read in (PromptFileTask, lambda p: read_edit_jsonl(p, 16), lambda p: read_inpaint_jsonl(p, 16)):
         with pytest.raises(ValueError, match=rf"data.path='{tmp_path}' is a folder: name the file in it"):
             read(str(tmp_path))
+        with pytest.raises(ValueError, match=r"^data.path is not set: name the (a \.txt|an editing|an inpainting)"):
+            read("")  # was "data.path='' is a folder": the current directory
     latin = tmp_path / "prompts.txt"
     latin.write_bytes("a cat\na caf\u00e9 sign\n".encode("latin-1"))
     with pytest.raises(ValueError, match=rf"{latin}:2: not UTF-8 text \(byte 0xe9 at offset 11\): save it as UTF-8"):

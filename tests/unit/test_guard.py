@@ -49,6 +49,14 @@ def test_guard_keeps_the_best_stops_early_and_raises_an_alarm_once():
     assert "not improved on epoch 5's 0.95 in 2 evaluations" in verdicts[3].stop
 
 
+def test_the_best_line_names_an_export_command_that_pastes_as_it_is():
+    """A run folder with a space broke the printed export command on paste (the continue line was quoted)."""
+    guard = Guard("digit_accuracy", early_stop=0, alarm_window=1, alarm_margin=0.05)
+    _observe(guard, [(0.5, 0.80)])
+    line = guard.report("/runs/my run/best", "--ema ")
+    assert line.endswith("(export: python -m trainer.export --checkpoint '/runs/my run/best' --ema --out DIR)"), line
+
+
 def test_guard_state_round_trips_and_judges_the_same_afterwards():
     series = [(0.5, 0.80), (0.6, 0.95), (0.7, 0.85)]
     guard = Guard("digit_accuracy", early_stop=3, alarm_window=2, alarm_margin=0.05)

@@ -101,6 +101,8 @@ def load_yaml(path: str) -> dict:
         raise ConfigError(f"--config {path} is a directory: pass a YAML file{hint}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a text file (YAML is UTF-8 text)") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
     for section, fields in raw.items():

@@ -117,6 +117,9 @@ class RewardConfig:
 
     def __post_init__(self):
         check_weights(self.weights)
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"urls: {url!r} has no scheme: write http://{url.split('://')[-1]}")
         if self.model_dir and self.urls:
             raise ValueError(f"reward.model_dir={self.model_dir!r} is for the job's own replicas, but reward.urls "
                              "names servers: start those with --model-dir instead, or leave reward.urls empty")

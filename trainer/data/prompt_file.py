@@ -30,6 +30,8 @@ def quoted_text(prompt: str) -> str | None:
 
 def data_file(path: str, what: str) -> Path:
     """``data.path`` as a file, or a ValueError saying it is missing or a folder (``what``: the file expected)."""
+    if not path:
+        raise ValueError(f"data.path is not set: name the {what}")
     file = Path(path)
     if file.is_dir():
         raise ValueError(f"data.path={path!r} is a folder: name the file in it ({what})")
