@@ -112,8 +112,9 @@ class Checkpoints:
             skipped.append((path, why))
         if not skipped:
             return None, None
-        return None, (f"train.resume=auto: no checkpoint in {self.directory} can be loaded (the newest: {skipped[0][1]})"
-                      ": restore them from a copy, or start the run anew under another logging.run_name")
+        return None, (f"train.resume=auto: no checkpoint in {self.directory} can be loaded (the newest: "
+                      f"{skipped[0][1]}): restore them from a copy, or start the run anew under another "
+                      "logging.run_name")
 
     def complete(self) -> list[Path]:
         """The complete checkpoints, oldest first."""

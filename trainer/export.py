@@ -155,12 +155,15 @@ def cannot_write(path: Path, folder: bool) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.tool import user_path
+
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, type=Path,
+    parser.add_argument("--checkpoint", required=True, type=user_path,
                         help="a <run>/checkpoints/step-* directory, or <run>/best (the best evaluation's weights)")
-    parser.add_argument("--out", required=True, type=Path,
+    parser.add_argument("--out", required=True, type=user_path,
                         help="directory to write the diffusers model to (a previous export there is replaced)")
-    parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
+    parser.add_argument("--model-path", type=lambda text: str(user_path(text)),
+                        help="the base model directory, when not where the run's config says")
     parser.add_argument("--ema", action="store_true",
                         help="export the EMA of the trainable weights (what the run evaluated with eval.use_ema)")
     args = parser.parse_args(argv)

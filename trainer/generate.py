@@ -68,7 +68,8 @@ def load_trained(weights: Path, model_path: str | None = None, device: str = "cp
     try:
         missing, unexpected = adapter.denoiser.load_state_dict(trained.state_dict(), strict=False)
     except RuntimeError:  # same names, other shapes ("size mismatch for ...")
-        raise ValueError(f"{other} (its tensors' shapes differ): pass the run's own base model as --model-path") from None
+        raise ValueError(f"{other} (its tensors' shapes differ): pass the run's own base model as "
+                         "--model-path") from None
     if unexpected or (missing and getattr(model, "ip_adapter", None) is None):
         raise ValueError(f"{other}: pass the run's own base model as --model-path")
     adapter.denoiser.eval()
@@ -138,21 +139,25 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.tool import user_path
+
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", required=True, type=Path, help="a run's final/ or best/ directory")
+    parser.add_argument("--weights", required=True, type=user_path, help="a run's final/ or best/ directory")
     parser.add_argument("--prompts", nargs="+", metavar="PROMPT", help="one grid row each (default: the run's "
                         "evaluation prompts, with the evaluation's noise)")
-    parser.add_argument("--out", required=True, type=Path, help="the PNG to write")
+    parser.add_argument("--out", required=True, type=user_path, help="the PNG to write")
     parser.add_argument("--samples", type=_positive, help="images per prompt (default: the run's eval.samples_per_prompt)")
     parser.add_argument("--seed", type=int, help="noise seed (default: the run's eval.seed)")
     parser.add_argument("--steps", type=_positive, help="sampling steps (default: the run's eval.num_steps)")
     parser.add_argument("--guidance", type=float, help="CFG scale (default: the run's eval.guidance_scale)")
-    parser.add_argument("--image", type=Path, help="the image to inpaint or edit, for every prompt (with --prompts)")
-    parser.add_argument("--mask", type=Path, help="the inpainting mask (white: repaint), for every prompt")
-    parser.add_argument("--reference", type=Path, nargs="+", metavar="IMAGE",
+    parser.add_argument("--image", type=user_path,
+                        help="the image to inpaint or edit, for every prompt (with --prompts)")
+    parser.add_argument("--mask", type=user_path, help="the inpainting mask (white: repaint), for every prompt")
+    parser.add_argument("--reference", type=user_path, nargs="+", metavar="IMAGE",
                         help="the reference image(s) an editing model edits, for every prompt")
-    parser.add_argument("--style", type=Path, help="the IP-Adapter's image prompt, for every prompt")
-    parser.add_argument("--model-path", help="the base model directory, when not where the run's config says")
+    parser.add_argument("--style", type=user_path, help="the IP-Adapter's image prompt, for every prompt")
+    parser.add_argument("--model-path", type=lambda text: str(user_path(text)),
+                        help="the base model directory, when not where the run's config says")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     args = parser.parse_args(argv)
     from PIL import Image

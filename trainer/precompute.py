@@ -106,12 +106,16 @@ def write_latents(adapter, store, batches):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.tool import user_path
+
     parser = argparse.ArgumentParser(prog="python -m trainer.precompute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, action="append",
                         help="the training config (YAML; repeatable, later files win): its model and data sections")
-    parser.add_argument("--out", help="directory of the text embeddings (model.text_embeddings)")
-    parser.add_argument("--latents", help="directory of the image inputs' VAE latents (model.image_latents)")
+    parser.add_argument("--out", type=lambda text: str(user_path(text)),
+                        help="directory of the text embeddings (model.text_embeddings)")
+    parser.add_argument("--latents", type=lambda text: str(user_path(text)),
+                        help="directory of the image inputs' VAE latents (model.image_latents)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
     if not args.out and not args.latents:

@@ -1,11 +1,18 @@
-"""How a command-line tool ends on Ctrl-C: one line saying what it leaves, exit status 130. Imports nothing heavy,
-so that it holds from the tool's first import on (torch and the model registry take seconds)."""
+"""What every command-line tool does alike: end on Ctrl-C with one line saying what it leaves (exit status 130),
+and read ``~`` in path options. Imports nothing heavy, so that it holds from the tool's first import on (torch and
+the model registry take seconds)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
+
+
+def user_path(text: str) -> Path:
+    """An option's path with ``~`` expanded: a shell leaves ``--out=~/x`` (and a quoted ``"~/x"``) as written."""
+    return Path(text).expanduser()
 
 
 def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:

@@ -349,3 +349,21 @@ def test_a_word_yaml_reads_as_a_boolean_is_shown_as_written(tmp_path):
     with pytest.raises(ConfigError, match=r"logging.wandb: False \(YAML reads an unquoted yes, no, on or off as a "
                                           r"boolean\) is not one of 'none', 'online', 'offline'"):
         load_config(str(path))
+
+
+def test_a_path_written_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    """A shell leaves ~ as written after key= (and in --config=~/x.yaml): logging.output_dir=~/runs made a folder
+    named ~ in the checkout, data.path=~/p.txt was "no such file"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run.yaml").write_text("train: {epochs: 3}\n")
+    config = load_config("~/run.yaml", ["logging.output_dir=~/runs", "data.name=prompt_file", "data.path=~",
+                                        "logging.run_name=a~b"])
+    assert config.train.epochs == 3 and config.logging.output_dir == f"{tmp_path}/runs"
+    assert config.data.path == str(tmp_path) and config.logging.run_name == "a~b"  # only a leading ~ is the home
+
+
+def test_the_tools_read_a_tilde_in_their_path_options(tmp_path, monkeypatch):
+    from trainer.tool import user_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert user_path("~/best") == tmp_path / "best" and user_path("runs/~x") == Path("runs/~x")

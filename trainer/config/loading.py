@@ -91,6 +91,7 @@ def override_value(override: str, text: str, hint: Any) -> Any:
 
 
 def load_yaml(path: str) -> dict:
+    path = os.path.expanduser(path)  # --config=~/x.yaml: the shell leaves it to us
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
@@ -142,7 +143,19 @@ def load_config(paths: str | Sequence[str] | None = None, overrides: Sequence[st
             raw[section] = {"name": name}
     for override in [o for o in overrides if o not in names]:
         apply_override(raw, override, Config)
-    return build(Config, raw, "")
+    return build(Config, _home_expanded(raw), "")
+
+
+def _home_expanded(node: Any) -> Any:
+    """``node`` with every text written ``~`` or ``~/...`` made the home folder's path, as a shell would: a shell
+    leaves it as written after ``key=`` (``logging.output_dir=~/runs`` made a folder named ``~``)."""
+    if isinstance(node, dict):
+        return {key: _home_expanded(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_home_expanded(value) for value in node]
+    if isinstance(node, str) and (node == "~" or node.startswith("~/")):
+        return os.path.expanduser(node)
+    return node
 
 
 def saved_dict(config: Config) -> dict:
