@@ -27,6 +27,7 @@ from trainer.launch import (
     fresh_start,
     hold_run_dir,
     newest_resumable,
+    other_run,
     signalled_at,
     stopped_at,
 )
@@ -82,6 +83,11 @@ def run(config: Config) -> dict[str, float]:
             raise ValueError(f"logging.output_dir={str(output)!r}: {why}")
         check_rewards(config, backend)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
+        if main and refusal is None and config.train.resume:  # another model or algorithm: before any loads
+            continued = (Path(config.train.resume) if config.train.resume != "auto"
+                         else Checkpoints(output / run_name / "checkpoints", 0, False).latest())
+            if continued is not None and damaged(continued, only=("config.json",)) is None:
+                refusal = other_run(config, continued)
         made = None
         if main and refusal is None:
             run_dir = output / run_name

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fcntl
+import json
 import os
 import shlex
 import shutil
@@ -60,6 +61,19 @@ def fresh_start(output_dir: Path, run_name: str) -> str:
     return (f"train.resume=auto: run {run_name} has no complete checkpoint in {output_dir}; starting it fresh"
             + (f" (runs of a close name with checkpoints: {', '.join(close)}; to continue one, stop this and pass "
                "its logging.run_name)" if close else ""))
+
+
+def other_run(config: Config, checkpoint: Path) -> str | None:
+    """Why ``config`` cannot continue ``checkpoint``: it names another model or algorithm (their weights and
+    optimizer states differ: the resume would fail once the model has loaded), or None."""
+    saved = json.loads((checkpoint / "config.json").read_text())
+    for section, now in ("model", config.model.name), ("algorithm", config.algorithm.name):
+        then = saved.get(section, {}).get("name")
+        if then is not None and then != now:
+            return (f"train.resume: {checkpoint} was written by a run of {section}.name={then}, and this one has "
+                    f"{section}.name={now}: resume with {section}.name={then}, or start a new run from its weights "
+                    f"with train.init_from={checkpoint}")
+    return None
 
 
 def resumed_run_config(config: Config) -> Path | None:

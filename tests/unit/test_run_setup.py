@@ -98,6 +98,22 @@ def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_buil
     assert (tmp_path / "same" / "metrics.jsonl").read_text() == '{"phase": "rl", "step": 1}\n'
 
 
+def test_a_resume_under_another_model_or_algorithm_is_refused_before_anything_loads(tmp_path, capsys):
+    """It failed once the model had loaded, with "the checkpoint holds 0 auxiliary optimizers, this run has 1"."""
+    from trainer.main import main
+
+    checkpoint = _fake_checkpoint(tmp_path / "older" / "checkpoints" / "step-000004-000002")
+    (checkpoint / "config.json").write_text(json.dumps({"model": {"name": "tiny"}, "algorithm": {"name": "dpo"}}))
+    model = tmp_path / "not-built"
+    base = [f"logging.output_dir={tmp_path}", f"model.path={model}", "reward.replicas=1"]
+    for resume in ([f"train.resume={checkpoint}"], ["--resume", "auto", "logging.run_name=older"]):
+        assert main([*base, *resume]) == 2
+        assert (f"error: train.resume: {checkpoint} was written by a run of algorithm.name=dpo, and this one has "
+                f"algorithm.name=grpo: resume with algorithm.name=dpo, or start a new run from its weights with "
+                f"train.init_from={checkpoint}") in capsys.readouterr().err
+    assert not model.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["older"]
+
+
 def test_checkpoint_directories_get_the_users_usual_mode(tmp_path):
     """``tempfile.mkdtemp`` makes directories 0700; renamed as they were, other users and containers under
     another uid could not read (export, init from) a checkpoint."""
