@@ -234,6 +234,8 @@ def require_checkpoint(path: Path, setting: str) -> None:
         older = [p for p in Checkpoints(path.parent, 0, False).complete() if p.name < path.name and not damaged(p)]
         raise ValueError(f"{setting}={str(path)!r} cannot be loaded, {why}: "
                          + (f"pass the checkpoint before it, {older[-1]}" if older else "restore it from a copy"))
+    if not path.exists():
+        raise ValueError(f"{setting}={str(path)!r}: no such directory; pass a <run>/checkpoints/step-* directory")
     hint = "pass a <run>/checkpoints/step-* directory"
     latest = Checkpoints(path / "checkpoints", 0, False).latest()
     if latest is not None:

@@ -83,6 +83,9 @@ def test_a_store_of_other_text_encoders_or_settings_is_refused(root, tmp_path):
             build_adapter(dataclasses.replace(other, text_embeddings=str(tmp_path)), "cpu")
     with pytest.raises(ValueError, match="holds embeddings of other text encoders"):
         write_store(tiny_config("sd3", root, dtype="float32"), tmp_path, PROMPTS)
+    with pytest.raises(ValueError, match="no such folder; write the store there with"):  # was "holds no index"
+        build_adapter(dataclasses.replace(flux, text_embeddings=str(tmp_path / "empty")), "cpu")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=f"holds no {TEXT_INDEX}"):
         build_adapter(dataclasses.replace(flux, text_embeddings=str(tmp_path / "empty")), "cpu")
 

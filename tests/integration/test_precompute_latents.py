@@ -116,6 +116,9 @@ def test_a_store_of_another_vae_or_settings_is_refused(root, tmp_path):
             build_adapter(dataclasses.replace(other, image_latents=str(tmp_path)), "cpu")
     with pytest.raises(ValueError, match="holds latents of another VAE or settings"):
         LatentStore.create(str(tmp_path), vae_fingerprint(sd15))
+    with pytest.raises(ValueError, match="empty': no such folder; write the store there with .*trainer\\.precompute"):
+        build_adapter(dataclasses.replace(fill, image_latents=str(tmp_path / "empty")), "cpu")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=f"holds no {LATENT_INDEX}.*trainer\\.precompute"):
         build_adapter(dataclasses.replace(fill, image_latents=str(tmp_path / "empty")), "cpu")
 

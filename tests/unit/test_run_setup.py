@@ -55,9 +55,13 @@ def _fake_checkpoint(path: Path) -> Path:
 
 def test_a_path_that_is_not_a_checkpoint_is_refused_naming_the_one_meant(tmp_path):
     require_checkpoint(_fake_checkpoint(tmp_path / "run" / "checkpoints" / "step-000004-000002"), "train.resume")
-    with pytest.raises(ValueError, match=r"train.init_from='.*nowhere' is not a complete checkpoint .*: pass a "
-                                         r"<run>/checkpoints/step-\* directory$"):
+    with pytest.raises(ValueError, match=r"train.init_from='.*nowhere': no such directory; pass a "
+                                         r"<run>/checkpoints/step-\* directory$"):  # was "not a complete checkpoint"
         require_checkpoint(tmp_path / "nowhere", "train.init_from")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"train.init_from='.*empty' is not a complete checkpoint .*: pass a "
+                                         r"<run>/checkpoints/step-\* directory$"):
+        require_checkpoint(tmp_path / "empty", "train.init_from")
     with pytest.raises(ValueError, match=r"is a run directory: pass one of its checkpoints, e.g. .*step-000004-000002"
                                          r", or train.resume=auto"):
         require_checkpoint(tmp_path / "run", "train.resume")

@@ -24,6 +24,8 @@ def hash_files(digest, root: Path, subfolders: Iterable[str]) -> None:
 def read_index(setting: str, index_file: Path, fingerprint: str, other: str, covers: str, command: str) -> dict:
     """A precomputed store's index, or a ValueError naming ``setting`` and the ``command`` that writes it when
     the index is missing or was made for ``other`` (a fingerprint over ``covers``) than this model."""
+    if not index_file.parent.is_dir():
+        raise ValueError(f"{setting}: no such folder; write the store there with {command}")
     if not index_file.is_file():
         raise ValueError(f"{setting} holds no {index_file.name}; write it with {command}")
     index = json.loads(index_file.read_text())
