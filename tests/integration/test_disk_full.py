@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _namespaces_work() -> str | None:
     """Why a private tmpfs cannot be mounted here, or None."""
-    try:
-        made = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                               "mount -t tmpfs -o size=1m rf-probe /mnt"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
+    with tempfile.TemporaryDirectory() as point:
+        try:
+            made = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                   f"mount -t tmpfs -o size=1m rf-probe {point}"], capture_output=True, text=True,
+                                  timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return str(exc)
     return None if made.returncode == 0 else made.stderr.strip() or f"exit status {made.returncode}"
 
 
