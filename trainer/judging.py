@@ -4,6 +4,9 @@ as ``eval.on_alarm`` says: a warning, a stop, or a rollback to best/."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,6 +60,22 @@ class Judge:
                 "evaluated": evaluated, "metrics": metrics}
         checkpoint.write_atomically(self.best_dir, progress, self.adapter, self.backend, states,
                                     saved_dict(self.config), optimizer=False, meta=meta, replace=True)
+
+    def carry_from(self, continued: Path) -> None:
+        """A run continuing another run's checkpoint ``continued`` takes that run's best/ when it holds the evaluation
+        the checkpoint's guard names best (that run may have gone on past it), so that its best/, its closing
+        line and a roll-back have the weights (rank 0)."""
+        source = continued.parent.parent / "best"
+        if self.best_dir.exists() or not (source / "meta.json").is_file() or source.resolve() == self.best_dir.resolve():
+            return
+        if json.loads((source / "meta.json").read_text()).get("epoch") != self.guard.best_epoch:
+            return
+        self.best_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".incomplete-best-", dir=self.best_dir.parent))
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        checkpoint.usual_mode(tmp)
+        checkpoint.swap_in(tmp, self.best_dir)
+        self.say(f"best/: the best evaluation so far (epoch {self.guard.best_epoch}) is {source}'s, copied here")
 
     def restore_best(self) -> None:
         """Roll back to best/: its trained weights and EMA, with fresh optimizer moments."""

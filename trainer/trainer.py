@@ -271,6 +271,8 @@ class Trainer:
             self._new_reference()
         for component in self._stateful():
             component.load_checkpoint_state(states, path)
+        if self.is_main:  # another run's checkpoint: its best/, where it is the one the guard now names best
+            self.judge.carry_from(path)
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
                     f"RL epochs {self.progress.epochs_done})" + ("; first the evaluation a stop signal put off"
