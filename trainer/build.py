@@ -231,9 +231,10 @@ def require_checkpoint(path: Path, setting: str) -> None:
         why = damaged(path, only=("trainable.safetensors",) if setting == "train.init_from" else ())
         if why is None:
             return
-        older = [p for p in Checkpoints(path.parent, 0, False).complete() if p.name < path.name and not damaged(p)]
+        older = next((p for p in reversed(Checkpoints(path.parent, 0, False).complete())
+                      if p.name < path.name and damaged(p) is None), None)  # the newest whole one before it
         raise ValueError(f"{setting}={str(path)!r} cannot be loaded, {why}: "
-                         + (f"pass the checkpoint before it, {older[-1]}" if older else "restore it from a copy"))
+                         + (f"pass the checkpoint before it, {older}" if older else "restore it from a copy"))
     if not path.exists():
         raise ValueError(f"{setting}={str(path)!r}: no such directory; pass a <run>/checkpoints/step-* directory")
     hint = "pass a <run>/checkpoints/step-* directory"

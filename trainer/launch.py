@@ -55,9 +55,9 @@ def newest_resumable(output_dir: Path) -> Path | None:
 def fresh_start(output_dir: Path, run_name: str) -> str:
     """What ``--resume auto`` prints where run ``run_name`` has no checkpoint yet: it starts the run (as a SLURM
     job's first allocation wants), naming the runs with checkpoints that the name may be a slip for."""
-    runs = sorted(run.name for run in output_dir.iterdir() if run.name != run_name and run.is_dir()
-                  and Checkpoints(run / "checkpoints", 0, False).latest() is not None)
-    close = difflib.get_close_matches(run_name, runs, n=3, cutoff=0.6)
+    runs = sorted(run.name for run in output_dir.iterdir() if run.name != run_name and run.is_dir())
+    close = [name for name in difflib.get_close_matches(run_name, runs, n=10, cutoff=0.6)  # then their checkpoints
+             if Checkpoints(output_dir / name / "checkpoints", 0, False).latest() is not None][:3]
     return (f"train.resume=auto: run {run_name} has no complete checkpoint in {output_dir}; starting it fresh"
             + (f" (runs of a close name with checkpoints: {', '.join(close)}; to continue one, stop this and pass "
                "its logging.run_name)" if close else ""))
