@@ -367,3 +367,12 @@ def test_the_tools_read_a_tilde_in_their_path_options(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HOME", str(tmp_path))
     assert user_path("~/best") == tmp_path / "best" and user_path("runs/~x") == Path("runs/~x")
+
+
+@pytest.mark.parametrize("text", ["", "# model: {name: sd3}\n"])
+def test_an_empty_config_file_is_refused_rather_than_running_the_embedded_job(tmp_path, text):
+    """An empty file (a failed ``>`` redirect, an unsaved editor) used to run the embedded tiny job silently."""
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="mine.yaml: the file is empty .*leave --config off"):
+        load_config(str(path))

@@ -94,7 +94,7 @@ def load_yaml(path: str) -> dict:
     path = os.path.expanduser(path)  # --config=~/x.yaml: the shell leaves it to us
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except IsADirectoryError:
@@ -104,6 +104,9 @@ def load_yaml(path: str) -> dict:
         raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
     except UnicodeDecodeError:
         raise ConfigError(f"--config {path}: not a text file (YAML is UTF-8 text)") from None
+    if raw is None:  # an empty or all-comment file: a failed redirect or an unsaved editor, not a job
+        raise ConfigError(f"--config {path}: the file is empty (no sections); write the sections to change, or "
+                          "leave --config off to run the embedded job")
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
     for section, fields in raw.items():
