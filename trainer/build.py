@@ -13,7 +13,7 @@ import yaml
 
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT, supervised_latents
-from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged
+from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib
 from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
@@ -201,9 +201,11 @@ def run(config: Config) -> dict[str, float]:
         except OSError as full:  # a full disk, a quota, a read-only remount: what is written stays; room, then on
             if full.errno not in NO_ROOM:
                 raise
-            raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
-                                 f"cannot write {full.filename or run_dir}: {full.strerror}; make room, then continue",
-                                 1) from None
+            latest = trainer.checkpoints.latest()
+            room = f" (a checkpoint of this run takes {tree_mib(latest):.1f} MiB)" if latest is not None else ""
+            raise RunInterrupted(stopped_at(trainer.progress, config, latest), run_dir,
+                                 f"cannot write {full.filename or run_dir}: {full.strerror}; make room{room}, "
+                                 "then continue", 1) from None
         if main:
             print(f"done: {run_dir} (final/: the last {'EMA' if ema is not None else 'trained'} weights, as evaluated; "
                   f"best/: the best evaluation's, epoch {trainer.guard.best_epoch})", flush=True)

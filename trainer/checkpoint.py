@@ -227,6 +227,11 @@ def diagnosed_writes(folder: Path) -> Iterator[None]:
         raise OSError(code, f"{os.strerror(code)} ({free:.0f} MiB free there)", str(folder)) from exc
 
 
+def tree_mib(folder: Path) -> float:
+    """The size in MiB of the files under ``folder`` (a checkpoint's: what a full disk must make room for)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+
+
 def _probe(folder: Path) -> int | None:
     """The errno (one of ``NO_ROOM``) with which a 1 MiB write into ``folder`` fails, or None."""
     probe = folder / f".write-probe-{os.getpid()}"

@@ -6,6 +6,7 @@ with RF_REQUIRE_SYSTEM_DEPS set (as in CI) it fails."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -72,6 +73,8 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_continuation_finishes(tmp_p
     assert (logs / "first.rc").read_text().strip() == "1", first[-3000:]
     assert "Traceback" not in first, first[-3000:]
     assert f"cannot write {out}/full/checkpoints: No space left on device (" in first, first[-3000:]
+    needed = float(re.search(r"make room \(a checkpoint of this run takes ([0-9.]+) MiB\), then continue", first)[1])
+    assert 8 < needed < 12, first[-3000:]  # the tiny model's: about 9.5 MiB
     # the warm-up's last step is not checkpointed: the run's final checkpoint is the one that found the disk full
     assert ("stopped in the final evaluation, every epoch done; continuing starts from the newest checkpoint, "
             f"{out}/full/checkpoints/step-000002-000000 (warm-up steps 2, RL epochs 0)") in first
