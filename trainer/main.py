@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.launch import RunInterrupted, resume_command, resumed_run_config
     from trainer.rewards.launcher import RewardPoolError
     from trainer.stopping import StopSignalled
+    from trainer.tool import tell_launcher
 
     first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
     try:
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if saved is not None:  # a resume given no config file continues with the run's own settings
             config = load_config([str(saved)], overrides)
     except ConfigError as exc:
+        tell_launcher(f"config error: {exc}")
         if first_here:
             print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -80,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             if rank0:
                 print("\ninterrupted before training started: nothing to continue", flush=True)
             return 130
+        told = (f"{stop.how}: {stop.where}\n"
+                f"continue with: {resume_command(args.config, args.overrides, stop.run_dir.name)}")
+        tell_launcher(told)
         if rank0:
-            print(f"\n{stop.how}: {stop.where}\ncontinue with: "
-                  f"{resume_command(args.config, args.overrides, stop.run_dir.name)}", flush=True)
+            print(f"\n{told}", flush=True)
         return stop.code
     except StopSignalled as stop:  # trainer.stopping.StopsBeforeTraining
         if rank0:

@@ -4,7 +4,11 @@ the model registry take seconds)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -24,3 +28,16 @@ def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:
         print(f"\n{interrupted}", file=sys.stderr, flush=True)
         code = 130
     sys.exit(code)
+
+
+def tell_launcher(message: str) -> None:
+    """Under torchrun, record ``message`` as this rank's cause of failure (its TORCHELASTIC_ERROR_FILE, in the
+    form torch's ``@record`` writes): torchrun's failure summary then shows it for the rank, instead of
+    "To enable traceback see: <docs>" under the one line that said what went wrong. Elsewhere: nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": record}, f)

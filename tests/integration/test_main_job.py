@@ -177,3 +177,7 @@ def test_refuses_a_world_size_that_splits_groups(tmp_path, tiny_model_dir):
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0  # each rank exits 2; torchrun reports the failure
     assert "error: data.prompts_per_epoch x algorithm.group_size = 3 x 3 = 9" in out.stderr
+    # torchrun's failure summary names that cause for each rank (their error files), not a link to its docs
+    summary = out.stderr[out.stderr.index("Root Cause"):]
+    assert "traceback : error: data.prompts_per_epoch x algorithm.group_size = 3 x 3 = 9" in summary, summary
+    assert "To enable traceback see" not in out.stderr, out.stderr[-3000:]

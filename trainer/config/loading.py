@@ -26,6 +26,7 @@ from trainer.config.building import (
 )
 from trainer.config.fields import ConfigError
 from trainer.config.schema import Config
+from trainer.tool import tell_launcher
 
 
 def user_error_exit(exc: Exception) -> int:
@@ -35,6 +36,7 @@ def user_error_exit(exc: Exception) -> int:
     An error raised alike on every rank (``every_rank``) is reported by rank 0 alone."""
     if os.environ.get("RF_TRACEBACK"):
         raise exc
+    tell_launcher(f"error: {exc}")  # torchrun's failure summary shows it, not a link to its docs
     if getattr(exc, "every_rank", False) and os.environ.get("RANK", "0") != "0":
         return 2
     print(f"error: {exc}\n(set RF_TRACEBACK=1 for the traceback)", file=sys.stderr)
