@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         if saved is not None:  # a resume given no config file continues with the run's own settings
             config = load_config([str(saved)], overrides)
     except ConfigError as exc:
-        tell_launcher(f"config error: {exc}")
+        told = f"config error: {exc}"
+        tell_launcher(told)
         if first_here:
-            print(f"config error: {exc}", file=sys.stderr)
+            print(told, file=sys.stderr)
         return 2
     if args.show_config:
         print(described_yaml(config, saved_dict(config)), end="")
