@@ -13,10 +13,12 @@ INSTALL = { [ -x $(1)/bin/uv ] || $(1)/bin/pip install -q uv; } && $(1)/bin/uv p
 	-c constraints.txt $(2) \
 	|| { echo "uv failed or is unavailable: installing with pip"; $(1)/bin/pip install -q -c constraints.txt $(2); }
 
-$(STAMP): pyproject.toml constraints.txt
+# The suite runs the versions the reward images pin (deploy/requirements-*.txt, as constraints): a new release
+# upstream (uvicorn 0.55 on 2026-12-02) reaches both only when those pins move.
+$(STAMP): pyproject.toml constraints.txt deploy/requirements-cpu.txt deploy/requirements-models.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(call INSTALL,$(VENV),-e ".[dev]")
+	$(call INSTALL,$(VENV),-c deploy/requirements-models.txt -e ".[dev]")
 	@if $(VENV)/bin/pip list 2>/dev/null | grep -qi '^nvidia-'; then echo "CUDA packages were pulled in: check constraints.txt" >&2; exit 1; fi
 	touch $(STAMP)
 
