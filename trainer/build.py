@@ -34,6 +34,7 @@ from trainer.launch import (
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
 from trainer.stopping import StopsBeforeTraining, StopSignalled, ignore_stop_signals
+from trainer.tool import as_interrupt, interrupted
 from trainer.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -179,10 +180,12 @@ def run(config: Config) -> dict[str, float]:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
         for made in filter(None, (client, guard_client)):
             made.give_up_waiting = lambda: bool(trainer.stops.received)  # a stop does not wait out an outage
+        if interrupted():  # a Ctrl-C that library code swallowed while the run was set up (trainer/tool.py)
+            raise KeyboardInterrupt
         guard.started = True
         setup.release()
         try:
-            with trainer.stops:  # SIGTERM, SIGUSR1: checkpoint at the next step, then stop
+            with as_interrupt(), trainer.stops:  # SIGTERM, SIGUSR1: checkpoint at the next step, then stop
                 metrics = trainer.fit()
             ema = trainer.ema if config.eval.use_ema else None  # what the final evaluation sampled with
             with ema.swapped() if ema is not None else contextlib.nullcontext():

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.launch import RunInterrupted, resume_command, resumed_run_config
     from trainer.rewards.launcher import RewardPoolError
     from trainer.stopping import StopSignalled
-    from trainer.tool import tell_launcher
+    from trainer.tool import as_interrupt, tell_launcher
 
     first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
     try:
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        run(config)
+        with as_interrupt():  # an error that a Ctrl-C became in library code (trainer/tool.py)
+            run(config)
     except KeyboardInterrupt as exc:  # RunInterrupted, or a second Ctrl-C while a first one's stop unwound
         stop = exc
         while stop is not None and not isinstance(stop, RunInterrupted):

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from trainer.tool import interrupted
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_GONE = signal.SIGHUP
 """What a rank stops for, as for a signal, when the torchrun that started it is gone (killed with SIGKILL, it leaves
@@ -75,6 +77,8 @@ class StopRequests:
     def asked(self) -> int:
         """The stop signal a rank received (0: none). Collective: every rank calls it at the same points; once
         a signal is agreed on it stays so."""
+        if not self.received and interrupted():  # a Ctrl-C that library code swallowed (trainer/tool.py)
+            self.received = signal.SIGINT
         if not self._agreed:
             if self.backend.world.world_size == 1:
                 self._agreed = self.received

@@ -1,15 +1,21 @@
 """What every command-line tool does alike: end on Ctrl-C with one line saying what it leaves (exit status 130),
 and read ``~`` in path options. Imports nothing heavy, so that it holds from the tool's first import on (torch and
-the model registry take seconds)."""
+the model registry take seconds).
+
+Ctrl-C raises KeyboardInterrupt wherever the process is, and library code does not always pass it on: a failed
+import became diffusers' RuntimeError, a weight load safetensors' ValueError and then diffusers' OSError, and some
+code swallows it. So the handler also records it (``interrupted()``): an error escaping after it is the interrupt."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -19,15 +25,53 @@ def user_path(text: str) -> Path:
     return Path(text).expanduser()
 
 
+_asked = False
+
+
+def _on_ctrl_c(signum: int, frame) -> None:
+    global _asked
+    _asked = True
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C (SIGINT) came since ``run_tool`` started the tool."""
+    return _asked
+
+
+@contextlib.contextmanager
+def as_interrupt() -> Iterator[None]:
+    """An error escaping the block after a Ctrl-C is re-raised as the KeyboardInterrupt it was made of."""
+    try:
+        yield
+    except Exception as exc:
+        if not _asked:
+            raise
+        raise KeyboardInterrupt from exc
+
+
 def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:
     """``sys.exit(main())``; Ctrl-C anywhere in ``main`` (its imports, loading) prints ``interrupted`` instead of
-    a KeyboardInterrupt traceback."""
+    a traceback. A SIGINT that the shell ignored for a background job stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_ctrl_c)
+        atexit.register(_shut_down)
     try:
-        code = main()
+        with as_interrupt():
+            code = main()
     except KeyboardInterrupt:
         print(f"\n{interrupted}", file=sys.stderr, flush=True)
         code = 130
+    if signal.getsignal(signal.SIGINT) is _on_ctrl_c:  # a Ctrl-C as the interpreter shuts down: see _shut_down
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
     sys.exit(code)
+
+
+def _shut_down() -> None:
+    """Python's last exit function (registered first): a Ctrl-C while the interpreter shuts down (a second or more,
+    after its threads and exit functions) killed the tool by SIGINT, its exit status -2 instead of the tool's: Python
+    restores SIGINT's default action there, unless it is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def tell_launcher(message: str) -> None:
