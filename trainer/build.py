@@ -34,7 +34,7 @@ from trainer.launch import (
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
 from trainer.stopping import StopsBeforeTraining, StopSignalled, ignore_stop_signals
-from trainer.tool import as_interrupt, interrupted
+from trainer.tool import as_interrupt, stop_if_interrupted
 from trainer.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -180,8 +180,7 @@ def run(config: Config) -> dict[str, float]:
             print(f"run directory: {run_dir}  (reward replicas: {', '.join(urls)})", flush=True)
         for made in filter(None, (client, guard_client)):
             made.give_up_waiting = lambda: bool(trainer.stops.received)  # a stop does not wait out an outage
-        if interrupted():  # a Ctrl-C that library code swallowed while the run was set up (trainer/tool.py)
-            raise KeyboardInterrupt
+        stop_if_interrupted()  # a Ctrl-C that library code swallowed while the run was set up
         guard.started = True
         setup.release()
         try:

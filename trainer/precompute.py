@@ -49,6 +49,7 @@ def precompute(config, out: str) -> tuple[int, int]:
     from trainer.data import build_tasks
     from trainer.models import MODELS
     from trainer.models.text import TextEmbeddingStore, text_fingerprint
+    from trainer.tool import stop_if_interrupted
 
     task, evaluated = build_tasks(config.data, config.eval)
     prompts = list(dict.fromkeys([*task.prompts, *evaluated.eval_prompts, "", config.model.negative_prompt]))
@@ -60,6 +61,7 @@ def precompute(config, out: str) -> tuple[int, int]:
         try:
             with torch.no_grad():
                 for prompt in todo:
+                    stop_if_interrupted()  # a Ctrl-C that library code swallowed (trainer/tool.py)
                     store.add(prompt, encode(prompt))
         finally:
             store.save()
@@ -95,10 +97,12 @@ def write_latents(adapter, store, batches):
     recorded into ``store`` (a ``LatentStore``), then write the store's index (also when interrupted); returns the
     recording ``ImageLatents`` (its ``misses`` were encoded and added, its ``hits`` were in the store already)."""
     from trainer.models.latents import ImageLatents
+    from trainer.tool import stop_if_interrupted
 
     adapter.image_latents = ImageLatents(adapter.vae, store, record=True)
     try:
         for prompts, inputs in batches:
+            stop_if_interrupted()
             adapter.encode_prompts(prompts, inputs)
     finally:
         store.save()

@@ -39,6 +39,12 @@ def interrupted() -> bool:
     return _asked
 
 
+def stop_if_interrupted() -> None:
+    """Raise KeyboardInterrupt after a Ctrl-C that library code swallowed: a tool's loops call it between items."""
+    if _asked:
+        raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def as_interrupt() -> Iterator[None]:
     """An error escaping the block after a Ctrl-C is re-raised as the KeyboardInterrupt it was made of."""

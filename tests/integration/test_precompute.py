@@ -214,3 +214,30 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
     for prompt in everything:
         straight, *others = (s.load(prompt, torch.device("cpu")) for s in stores)
         assert all(o.keys() == straight.keys() and all(torch.equal(o[k], straight[k]) for k in o) for o in others)
+
+
+def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_next_prompt(root, tmp_path,
+                                                                                         monkeypatch):
+    """Library code that caught a Ctrl-C (tests/unit/test_tool.py) does not let the tool encode on to the end: it
+    stops before the next prompt, the store's index listing what was encoded."""
+    import trainer.tool
+
+    model = tiny_config("flux", root, dtype="float32")
+    (tmp_path / "prompts.txt").write_text("a photo of a cat\nthe digit five\na red sign\n")
+    config = Config(model=model, data=DataConfig(name="prompt_file", path=str(tmp_path / "prompts.txt")),
+                    train=TrainConfig(device="cpu"))
+    adapter_class = MODELS[model.name].load()
+    real_encoder = adapter_class.prompt_encoder
+
+    def swallowing(cls, config, device):
+        encode = real_encoder(config, device)
+
+        def encoded(prompt):
+            monkeypatch.setattr(trainer.tool, "_asked", True)  # the Ctrl-C came in here, and was caught
+            return encode(prompt)
+        return encoded
+
+    monkeypatch.setattr(adapter_class, "prompt_encoder", classmethod(swallowing))
+    with pytest.raises(KeyboardInterrupt):
+        precompute.precompute(config, str(tmp_path / "out"))
+    assert list(json.loads((tmp_path / "out" / TEXT_INDEX).read_text())["prompts"]) == ["a photo of a cat"]
