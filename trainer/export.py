@@ -28,6 +28,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: see trainer/main.py
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # before torch loads (seconds), so that a Ctrl-C then is one line too
+    from trainer.tool import run_module
+
+    run_module("trainer.export", "interrupted: nothing exported (an earlier export at --out is as it was)")
 
 import torch
 from torch import nn
@@ -182,8 +186,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exported {args.checkpoint} -> {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    from trainer.tool import run_tool
-
-    run_tool(main, "interrupted: nothing exported (an earlier export at --out is as it was)")

@@ -24,6 +24,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: see trainer/main.py
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # before torch loads (seconds), so that a Ctrl-C then is one line too
+    from trainer.tool import run_module
+
+    run_module("trainer.generate", "interrupted: no image written")
 
 import torch
 
@@ -185,8 +189,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    from trainer.tool import run_tool
-
-    run_tool(main, "interrupted: no image written")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -71,6 +72,12 @@ def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:
     if signal.getsignal(signal.SIGINT) is _on_ctrl_c:  # a Ctrl-C as the interpreter shuts down: see _shut_down
         signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
     sys.exit(code)
+
+
+def run_module(module: str, interrupted: str) -> NoReturn:
+    """``run_tool`` of ``module``'s ``main``, imported inside it: ``python -m`` runs the tool's file as ``__main__``,
+    where its module-level imports would come before any handler."""
+    run_tool(lambda: importlib.import_module(module).main(), interrupted)
 
 
 def _shut_down() -> None:
