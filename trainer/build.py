@@ -18,7 +18,7 @@ from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
-from trainer.export import cannot_write, export_denoiser
+from trainer.export import export_denoiser
 from trainer.health import RewardFailure
 from trainer.launch import (
     RunDirGuard,
@@ -34,7 +34,7 @@ from trainer.launch import (
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
 from trainer.stopping import StopsBeforeTraining, StopSignalled, ignore_stop_signals
-from trainer.tool import as_interrupt, stop_if_interrupted
+from trainer.tool import as_interrupt, cannot_write, stop_if_interrupted
 from trainer.trainer import Trainer
 
 if TYPE_CHECKING:

@@ -145,21 +145,8 @@ def load_ema(checkpoint: Path, trainable: list[nn.Parameter]) -> None:
         param.copy_(saved)
 
 
-def cannot_write(path: Path, folder: bool) -> str | None:
-    """Why ``path``, a folder to make or fill (``folder``) or a file to write, cannot be written, or None: a
-    command-line tool checks its output before it loads a model."""
-    if path.exists() and path.is_dir() != folder:
-        return f"{path} is {'a file, not a folder' if folder else 'a folder'}"
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if existing != path and not existing.is_dir():
-        return f"{existing} is a file, not a folder"
-    if not os.access(existing if existing.is_dir() else existing.parent, os.W_OK | os.X_OK):
-        return f"{existing} is not writable here"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
-    from trainer.tool import user_path
+    from trainer.tool import cannot_write, user_path
 
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, type=user_path,

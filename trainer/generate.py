@@ -143,7 +143,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.tool import user_path
+    from trainer.tool import cannot_write, user_path
 
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", required=True, type=user_path, help="a run's final/ or best/ directory")
@@ -168,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.out.suffix.lower() not in Image.registered_extensions():
         parser.error(f"--out {args.out}: {args.out.suffix or 'no extension'} is not an image format; use .png")
-    from trainer.export import cannot_write
-
     if (why := cannot_write(args.out, folder=False)) is not None:
         parser.error(f"--out {args.out}: {why}")
     if args.guidance is not None and not math.isfinite(args.guidance):

@@ -1,5 +1,5 @@
 """What every command-line tool does alike: end on Ctrl-C with one line saying what it leaves (exit status 130),
-and read ``~`` in path options. Imports nothing heavy, so that it holds from the tool's first import on (torch and
+read ``~`` in path options and check its output path before it loads a model. Imports nothing heavy, so that it holds from the tool's first import on (torch and
 the model registry take seconds).
 
 Ctrl-C raises KeyboardInterrupt wherever the process is, and library code does not always pass it on: a failed
@@ -24,6 +24,19 @@ from typing import NoReturn
 def user_path(text: str) -> Path:
     """An option's path with ``~`` expanded: a shell leaves ``--out=~/x`` (and a quoted ``"~/x"``) as written."""
     return Path(text).expanduser()
+
+
+def cannot_write(path: Path, folder: bool) -> str | None:
+    """Why ``path``, a folder to make or fill (``folder``) or a file to write, cannot be written, or None: a
+    command-line tool checks its output before it loads a model."""
+    if path.exists() and path.is_dir() != folder:
+        return f"{path} is {'a file, not a folder' if folder else 'a folder'}"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing if existing.is_dir() else existing.parent, os.W_OK | os.X_OK):
+        return f"{existing} is not writable here"
+    return None
 
 
 _asked = False
