@@ -91,10 +91,13 @@ class StopsBeforeTraining:
     """Until ``release()`` (training starts, where ``StopRequests`` takes over): a stop signal raises
     ``StopSignalled`` where the process is (loading models, waiting on replicas), so the run's exits still run:
     its replicas stop and a run directory it made is removed; further ones (torchrun passes SIGTERM on) are
-    ignored while they do. Main thread only, as for ``StopRequests``."""
+    ignored while they do. An error leaving the block after one is that stop (safetensors made a ValueError of
+    what a signal raised inside its weight loading, as for Ctrl-C: trainer/tool.py). Main thread only, as for
+    ``StopRequests``."""
 
     def __init__(self):
         self._previous: dict[int, object] = {}
+        self.received = 0
 
     def __enter__(self) -> StopsBeforeTraining:
         if threading.current_thread() is threading.main_thread():
@@ -103,6 +106,7 @@ class StopsBeforeTraining:
 
     def _raise(self, signum: int, frame) -> None:
         ignore_stop_signals()
+        self.received = signum
         raise StopSignalled(signum)
 
     def release(self) -> None:
@@ -110,8 +114,10 @@ class StopsBeforeTraining:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, exc, traceback) -> None:
         self.release()
+        if self.received and isinstance(exc, Exception):
+            raise StopSignalled(self.received) from exc
 
 
 def ignore_stop_signals() -> None:

@@ -92,3 +92,22 @@ def test_a_stop_signal_during_set_up_passes_the_except_exception_of_code_it_inte
     with StopsBeforeTraining(), pytest.raises(StopSignalled, match="SIGTERM received"):
         load_with_a_fallback()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_an_error_that_a_stop_signal_became_in_set_up_is_that_stop():
+    """safetensors' weight loading made a ValueError of what the handler raised inside it, and diffusers an OSError
+    of that: a traceback and exit status 1 instead of the stop's one line and 143."""
+
+    def load_in_a_library():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except BaseException:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    with pytest.raises(StopSignalled, match="SIGTERM received"), StopsBeforeTraining():
+        load_in_a_library()
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(OSError, match="no room"), StopsBeforeTraining():  # no signal: the error is the error
+        raise OSError("no room")
+    assert signal.getsignal(signal.SIGTERM) == before
