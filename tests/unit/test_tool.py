@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 TOOL = """
 import atexit, os, signal, sys, time
-from trainer.config import user_error_exit
 from trainer.tool import run_tool
 
 def ctrl_c(wait=10.0):  # the KeyboardInterrupt comes as os.kill returns, unless SIGINT is ignored
@@ -39,6 +38,8 @@ def main():
         except BaseException as exc:
             raise RuntimeError("Failed to import diffusers.models.autoencoders.autoencoder_kl") from exc
     if sys.argv[1] == "user_error":  # a tool's except ValueError: user_error_exit(exc), as the tools end
+        from trainer.config import user_error_exit
+
         try:
             try:
                 ctrl_c()
