@@ -1,6 +1,6 @@
 """What every command-line tool does alike: end on Ctrl-C with one line saying what it leaves (exit status 130),
-read ``~`` in path options and check its output path before it loads a model. Imports nothing heavy, so that it holds from the tool's first import on (torch and
-the model registry take seconds).
+read ``~`` in path options, check its output path before it loads a model. Imports nothing heavy, so that it holds
+from the tool's first import on (torch and the model registry take seconds).
 
 Ctrl-C raises KeyboardInterrupt wherever the process is, and library code does not always pass it on: a failed
 import became diffusers' RuntimeError, a weight load safetensors' ValueError and then diffusers' OSError, and some
