@@ -84,6 +84,10 @@ def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:
         code = 130
     if signal.getsignal(signal.SIGINT) is _on_ctrl_c:  # a Ctrl-C as the interpreter shuts down: see _shut_down
         signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
+    # A KeyboardInterrupt that ended code run from a string (exec of a str: dataclasses make their __init__ so, as
+    # a tool's imports define them) marks it unhandled, caught or not, and under `python -m` Python then ends the
+    # process by SIGINT (status -2) whatever it exits with; the next string run, this one, clears the mark.
+    exec("")
     sys.exit(code)
 
 

@@ -47,6 +47,8 @@ def main():
                 raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
         except ValueError as exc:
             return user_error_exit(exc)
+    if sys.argv[1] == "in_string_code":  # the Ctrl-C ends code run from a string: a dataclass's exec'd __init__
+        exec("ctrl_c()")
     if sys.argv[1] == "swallowed":  # except: pass, then the tool goes on; the SIGINT was a background job's
         try:
             ctrl_c(wait=0.2)
@@ -67,29 +69,32 @@ run_tool(main, "interrupted: nothing done")
 """
 
 
-def _tool(case: str, sigint=signal.SIG_DFL) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", TOOL, case], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)},
+def _tool(tmp_path: Path, case: str, sigint=signal.SIG_DFL) -> subprocess.CompletedProcess:
+    """The tool above run as ours are, ``python -m`` (the module mode has a way of its own to end by SIGINT)."""
+    (tmp_path / "small_tool.py").write_text(TOOL)
+    return subprocess.run([sys.executable, "-m", "small_tool", case], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
                           preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
-def test_a_ctrl_c_that_library_code_turned_into_its_own_error_still_ends_in_one_line():
-    for case in ("converted", "user_error"):
-        done = _tool(case)
+def test_a_ctrl_c_that_library_code_turned_into_its_own_error_still_ends_in_one_line(tmp_path):
+    """And one that ended code run from a string: `python -m` then ended the tool by SIGINT (-2) after its line."""
+    for case in ("converted", "user_error", "in_string_code"):
+        done = _tool(tmp_path, case)
         assert (done.returncode, done.stderr) == (130, "\ninterrupted: nothing done\n"), (case, done.stderr)
 
 
-def test_a_ctrl_c_while_the_tool_ends_leaves_its_exit_status():
+def test_a_ctrl_c_while_the_tool_ends_leaves_its_exit_status(tmp_path):
     """Python restores SIGINT's default action as it shuts down: the second Ctrl-C of an impatient user killed it."""
     for case in ("exiting", "finalizing"):
-        done = _tool(case)
+        done = _tool(tmp_path, case)
         assert (done.returncode, done.stderr) == (3, ""), (case, done.stderr)
 
 
-def test_other_errors_keep_their_traceback_and_an_ignored_sigint_stays_ignored():
-    done = _tool("error")
+def test_other_errors_keep_their_traceback_and_an_ignored_sigint_stays_ignored(tmp_path):
+    done = _tool(tmp_path, "error")
     assert done.returncode == 1 and "RuntimeError: a real error" in done.stderr and "Traceback" in done.stderr
-    done = _tool("swallowed", sigint=signal.SIG_IGN)  # `cmd &` in a script: the shell ignores SIGINT for it
+    done = _tool(tmp_path, "swallowed", sigint=signal.SIG_IGN)  # `cmd &` in a script: the shell ignores SIGINT for it
     assert (done.returncode, done.stdout, done.stderr) == (0, "went on\n", "")
 
 
