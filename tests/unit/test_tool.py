@@ -1,7 +1,8 @@
 """Ctrl-C ends a tool with its one line, exit status 130, even where library code did not pass the
-KeyboardInterrupt on: CI saw a Ctrl-C during the trainer's imports end in diffusers' RuntimeError traceback, and
-one during the weight load in safetensors' ValueError turned into diffusers' OSError. The scripts below do to the
-KeyboardInterrupt what that code did (those races cannot be timed in a test)."""
+KeyboardInterrupt on: in CI a Ctrl-C during the trainer's imports ended in diffusers' RuntimeError traceback; here,
+one during the weight load became safetensors' ValueError, then diffusers' OSError, and one ending exec'd code had
+`python -m` end the tool by SIGINT. The script below does to the KeyboardInterrupt what that code did (those races
+cannot be timed in a test)."""
 
 from __future__ import annotations
 
