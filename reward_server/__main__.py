@@ -20,11 +20,15 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+
+if __name__ == "__main__":  # before uvicorn and the scorers' libraries load: a Ctrl-C then is one line too
+    from shared.interrupt import run_module
+
+    run_module("reward_server.__main__", "interrupted: the server did not start")
 
 import uvicorn
 
@@ -265,6 +269,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.run(sockets=sockets)
     return server.exit_code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

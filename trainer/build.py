@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import yaml
 
+from shared.interrupt import as_interrupt, stop_if_interrupted
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT, supervised_latents
 from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib
@@ -34,7 +35,7 @@ from trainer.launch import (
 from trainer.logging import RunLogger
 from trainer.models import build_adapter
 from trainer.stopping import StopsBeforeTraining, StopSignalled, ignore_stop_signals
-from trainer.tool import as_interrupt, cannot_write, stop_if_interrupted
+from trainer.tool import cannot_write
 from trainer.trainer import Trainer
 
 if TYPE_CHECKING:

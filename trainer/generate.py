@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: see trainer/main.py
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":  # before torch loads (seconds), so that a Ctrl-C then is one line too
-    from trainer.tool import run_module
+    from shared.interrupt import run_module
 
     run_module("trainer.generate", "interrupted: no image written")
 

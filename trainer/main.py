@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.quiet import quiet_third_party
 
     quiet_third_party()
+    from shared.interrupt import as_interrupt
     from trainer.build import run
     from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
     from trainer.config.describe import described_yaml
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.launch import RunInterrupted, resume_command, resumed_run_config
     from trainer.rewards.launcher import RewardPoolError
     from trainer.stopping import StopSignalled
-    from trainer.tool import as_interrupt, tell_launcher
+    from trainer.tool import tell_launcher
 
     first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
     try:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        with as_interrupt():  # an error that a Ctrl-C became in library code (trainer/tool.py)
+        with as_interrupt():  # an error that a Ctrl-C became in library code (shared/interrupt.py)
             run(config)
     except KeyboardInterrupt as exc:  # RunInterrupted, or a second Ctrl-C while a first one's stop unwound
         stop = exc
@@ -114,6 +115,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trainer.tool import run_tool  # Ctrl-C while the trainer's modules load or the config is read
+    from shared.interrupt import run_tool  # Ctrl-C while the trainer's modules load or the config is read
 
     run_tool(main, "interrupted before training started: nothing to continue")

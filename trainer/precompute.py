@@ -45,11 +45,11 @@ def precompute(config, out: str) -> tuple[int, int]:
     encoded, prompts the store already held). The text encoders are loaded only when there is one to encode."""
     import torch
 
+    from shared.interrupt import stop_if_interrupted
     from trainer.build import resolve_device
     from trainer.data import build_tasks
     from trainer.models import MODELS
     from trainer.models.text import TextEmbeddingStore, text_fingerprint
-    from trainer.tool import stop_if_interrupted
 
     task, evaluated = build_tasks(config.data, config.eval)
     prompts = list(dict.fromkeys([*task.prompts, *evaluated.eval_prompts, "", config.model.negative_prompt]))
@@ -61,7 +61,7 @@ def precompute(config, out: str) -> tuple[int, int]:
         try:
             with torch.no_grad():
                 for prompt in todo:
-                    stop_if_interrupted()  # a Ctrl-C that library code swallowed (trainer/tool.py)
+                    stop_if_interrupted()  # a Ctrl-C that library code swallowed (shared/interrupt.py)
                     store.add(prompt, encode(prompt))
         finally:
             store.save()
@@ -96,8 +96,8 @@ def write_latents(adapter, store, batches):
     """Run ``adapter.encode_prompts`` on each (prompts, ImageInputs) of ``batches`` with its VAE posteriors
     recorded into ``store`` (a ``LatentStore``), then write the store's index (also when interrupted); returns the
     recording ``ImageLatents`` (its ``misses`` were encoded and added, its ``hits`` were in the store already)."""
+    from shared.interrupt import stop_if_interrupted
     from trainer.models.latents import ImageLatents
-    from trainer.tool import stop_if_interrupted
 
     adapter.image_latents = ImageLatents(adapter.vae, store, record=True)
     try:
@@ -157,6 +157,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trainer.tool import run_tool
+    from shared.interrupt import run_tool
 
     run_tool(main, "interrupted: what is in the store's index is kept, and the same command goes on from it")

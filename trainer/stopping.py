@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from trainer.tool import interrupted
+from shared.interrupt import interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_GONE = signal.SIGHUP
@@ -77,7 +77,7 @@ class StopRequests:
     def asked(self) -> int:
         """The stop signal a rank received (0: none). Collective: every rank calls it at the same points; once
         a signal is agreed on it stays so."""
-        if not self.received and interrupted():  # a Ctrl-C that library code swallowed (trainer/tool.py)
+        if not self.received and interrupted():  # a Ctrl-C that library code swallowed (shared/interrupt.py)
             self.received = signal.SIGINT
         if not self._agreed:
             if self.backend.world.world_size == 1:
@@ -92,7 +92,7 @@ class StopsBeforeTraining:
     ``StopSignalled`` where the process is (loading models, waiting on replicas), so the run's exits still run:
     its replicas stop and a run directory it made is removed; further ones (torchrun passes SIGTERM on) are
     ignored while they do. An error leaving the block after one is that stop (safetensors made a ValueError of
-    what a signal raised inside its weight loading, as for Ctrl-C: trainer/tool.py). Main thread only, as for
+    what a signal raised inside its weight loading, as for Ctrl-C: shared/interrupt.py). Main thread only, as for
     ``StopRequests``."""
 
     def __init__(self):

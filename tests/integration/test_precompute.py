@@ -218,9 +218,9 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
 
 def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_next_prompt(root, tmp_path,
                                                                                          monkeypatch):
-    """Library code that caught a Ctrl-C (tests/unit/test_tool.py) does not let the tool encode on to the end: it
+    """Library code that caught a Ctrl-C (tests/unit/test_ctrl_c.py) does not let the tool encode on to the end: it
     stops before the next prompt, the store's index listing what was encoded."""
-    import trainer.tool
+    import shared.interrupt
 
     model = tiny_config("flux", root, dtype="float32")
     (tmp_path / "prompts.txt").write_text("a photo of a cat\nthe digit five\na red sign\n")
@@ -233,7 +233,7 @@ def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_ne
         encode = real_encoder(config, device)
 
         def encoded(prompt):
-            monkeypatch.setattr(trainer.tool, "_asked", True)  # the Ctrl-C came in here, and was caught
+            monkeypatch.setattr(shared.interrupt, "_asked", True)  # the Ctrl-C came in here, and was caught
             return encode(prompt)
         return encoded
 

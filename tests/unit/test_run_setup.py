@@ -429,13 +429,13 @@ def test_a_run_refused_before_training_leaves_no_run_folder(tmp_path, capsys, mo
 
 def test_a_ctrl_c_swallowed_while_the_run_is_set_up_ends_it_before_training(tmp_path, capsys, monkeypatch,
                                                                            brightness_server, tiny_model_dir):
-    """Library code that swallowed a Ctrl-C (tests/unit/test_tool.py): the run stops where training would begin and
+    """Library code that swallowed a Ctrl-C (tests/unit/test_ctrl_c.py): the run stops where training would begin and
     leaves nothing, its folder removed as for a typo."""
-    import trainer.tool
+    import shared.interrupt
     from trainer.main import main
 
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
-    monkeypatch.setattr(trainer.tool, "_asked", True)
+    monkeypatch.setattr(shared.interrupt, "_asked", True)
     output = tmp_path / "outputs"
     assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", f"reward.urls=[{brightness_server}]",
                  "reward.weights={brightness: 1}", "train.warmup_steps=1"]) == 130

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from shared.interrupt import interrupted
 from trainer.config.building import (
     admits_none,
     build,
@@ -26,7 +27,7 @@ from trainer.config.building import (
 )
 from trainer.config.fields import ConfigError
 from trainer.config.schema import Config
-from trainer.tool import interrupted, tell_launcher
+from trainer.tool import tell_launcher
 
 
 def user_error_exit(exc: Exception) -> int:
@@ -34,7 +35,7 @@ def user_error_exit(exc: Exception) -> int:
     status 2, or the traceback (re-raised) when RF_TRACEBACK is set. Call it in the ``except`` block. (The trainer
     reports a run that went wrong, trainer/health.py, the same way and exits 1.)
     An error raised alike on every rank (``every_rank``) is reported by rank 0 alone."""
-    if interrupted():  # what a Ctrl-C became in library code: the tool says it was interrupted (trainer/tool.py)
+    if interrupted():  # what a Ctrl-C became in library code: the tool says it was interrupted (shared/interrupt.py)
         raise KeyboardInterrupt from exc
     if os.environ.get("RF_TRACEBACK"):
         raise exc

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-import trainer.tool
+import shared.interrupt
 from trainer.distributed import SingleProcess
 from trainer.stopping import StopRequests
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 TOOL = """
 import atexit, os, signal, sys, time
-from trainer.tool import run_tool
+from shared.interrupt import run_tool
 
 def ctrl_c(wait=10.0):  # the KeyboardInterrupt comes as os.kill returns, unless SIGINT is ignored
     os.kill(os.getpid(), signal.SIGINT)
@@ -102,6 +102,6 @@ def test_other_errors_keep_their_traceback_and_an_ignored_sigint_stays_ignored(t
 def test_a_ctrl_c_that_library_code_swallowed_stops_the_run_at_its_next_step(monkeypatch):
     stops = StopRequests(SingleProcess(torch.device("cpu")), announce=False)
     assert stops.asked() == 0
-    monkeypatch.setattr(trainer.tool, "_asked", True)
+    monkeypatch.setattr(shared.interrupt, "_asked", True)
     assert StopRequests(SingleProcess(torch.device("cpu")), announce=False).asked() == signal.SIGINT
 
