@@ -48,9 +48,9 @@ def as_interrupt() -> Iterator[None]:
         raise KeyboardInterrupt from exc
 
 
-def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:
-    """``sys.exit(main())``; Ctrl-C anywhere in ``main`` (its imports, loading) prints ``interrupted`` instead of
-    a traceback. A SIGINT that the shell ignored for a background job stays ignored."""
+def run_tool(main: Callable[[], int], said: str) -> NoReturn:
+    """``sys.exit(main())``; Ctrl-C anywhere in ``main`` (its imports, loading) prints ``said`` instead of a
+    traceback. A SIGINT that the shell ignored for a background job stays ignored."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_ctrl_c)
         atexit.register(_shut_down)
@@ -58,7 +58,7 @@ def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:
         with as_interrupt():
             code = main()
     except KeyboardInterrupt:
-        print(f"\n{interrupted}", file=sys.stderr, flush=True)
+        print(f"\n{said}", file=sys.stderr, flush=True)
         code = 130
     if signal.getsignal(signal.SIGINT) is _on_ctrl_c:  # a Ctrl-C as the interpreter shuts down: see _shut_down
         signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
@@ -69,10 +69,10 @@ def run_tool(main: Callable[[], int], interrupted: str) -> NoReturn:
     sys.exit(code)
 
 
-def run_module(module: str, interrupted: str) -> NoReturn:
+def run_module(module: str, said: str) -> NoReturn:
     """``run_tool`` of ``module``'s ``main``, imported inside it: ``python -m`` runs the tool's file as ``__main__``,
     where its module-level imports would come before any handler."""
-    run_tool(lambda: importlib.import_module(module).main(), interrupted)
+    run_tool(lambda: importlib.import_module(module).main(), said)
 
 
 def _shut_down() -> None:
