@@ -136,6 +136,8 @@ class ModelAdapter(Protocol):
     ``text_components`` (subfolder -> class), ``optional_text``, ``text_settings`` (config fields that change
     embeddings), ``encode_text(pipeline, config, device, prompt)`` -> the tensors cached per prompt, and
     ``prompt_encoder(config, device)``, that path alone without denoiser or VAE (``text.prompt_encoder``).
+    Class attributes naming diffusers or transformers classes are ``common.Imported`` (imported when read), and
+    the modules import those libraries inside functions: reading a config imports every adapter module.
     """
 
     sampler_kind: str

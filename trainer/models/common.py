@@ -8,6 +8,7 @@ top to bottom as one model family's story.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from dataclasses import dataclass
@@ -23,6 +24,34 @@ from trainer.models.trainable import LoraSettings
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Imported:
+    """A class attribute of library classes named "module:Name" (one, a tuple or a dict of them; a function
+    returning a class also serves), imported when first read. Reading a config imports every adapter module for
+    its config class; importing diffusers and transformers there would cost every config error seconds."""
+
+    def __init__(self, names: Any):
+        self.names = names
+        self.value: Any = None
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if self.value is None:
+            names = self.names
+            if isinstance(names, str):
+                self.value = _imported(names)
+            elif isinstance(names, tuple):
+                self.value = tuple(_imported(name) for name in names)
+            else:
+                self.value = {key: _imported(name) for key, name in names.items()}
+        return self.value
+
+
+def _imported(name: Any) -> type:
+    if callable(name):
+        return name()
+    module, attribute = name.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass

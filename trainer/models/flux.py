@@ -19,17 +19,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 from torch import nn
-from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze
+from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, denoiser_config, freeze
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, refuse_unloadable_flux_tokens, split_style
@@ -37,6 +34,9 @@ from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
+
+if TYPE_CHECKING:
+    from diffusers import FluxPipeline
 
 
 @dataclass
@@ -61,19 +61,23 @@ class FluxAdapter:
     """ModelAdapter for FLUX.1-dev checkpoints."""
 
     sampler_kind = "flow"
-    shard_units = (FluxTransformerBlock, FluxSingleTransformerBlock)
+    shard_units = Imported(("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
+                            "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"))
     config_class = FluxConfig
-    pipeline_class = FluxPipeline
+    pipeline_class = Imported("diffusers:FluxPipeline")
     model_name = "flux"
     encodes_image_inputs = False
     """Whether ``_image_conditioning`` VAE-encodes per-item inputs (Fill, Kontext): ``model.image_latents``."""
-    text_components = {"text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer, "text_encoder_2": T5EncoderModel,
-                       "tokenizer_2": T5TokenizerFast}
+    text_components = Imported({"text_encoder": "transformers:CLIPTextModel", "tokenizer": "transformers:CLIPTokenizer",
+                                "text_encoder_2": "transformers:T5EncoderModel",
+                                "tokenizer_2": "transformers:T5TokenizerFast"})
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
     prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: FluxConfig, device: torch.device | str = "cpu"):
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)

@@ -21,19 +21,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from diffusers import (
-    AutoencoderKLFlux2,
-    FlowMatchEulerDiscreteScheduler,
-    Flux2Pipeline,
-    Flux2Transformer2DModel,
-)
-from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock, Flux2TransformerBlock
 from torch import nn
-from transformers import AutoProcessor, Mistral3ForConditionalGeneration
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze
+from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, denoiser_config, freeze
 from trainer.models.flow import cfg_combine, rectified_flow_target
 from trainer.models.inputs import reject_image_inputs, require_references
 from trainer.models.latents import ImageLatents
@@ -77,9 +69,10 @@ class Flux2Adapter:
     """ModelAdapter for FLUX.2 [dev] checkpoints (text-to-image)."""
 
     sampler_kind = "flow"
-    shard_units = (Flux2TransformerBlock, Flux2SingleTransformerBlock)
+    shard_units = Imported(("diffusers.models.transformers.transformer_flux2:Flux2TransformerBlock",
+                            "diffusers.models.transformers.transformer_flux2:Flux2SingleTransformerBlock"))
     config_class = Flux2Config
-    pipeline_class = Flux2Pipeline
+    pipeline_class = Imported("diffusers:Flux2Pipeline")
     model_name = "flux2"
     label = "FLUX.2 [dev]"
     guidance_embedded = True
@@ -87,12 +80,15 @@ class Flux2Adapter:
     encodes_image_inputs = True
     max_references = 10
     """Reference images per item: FLUX.2's multi-reference editing takes up to 10."""
-    text_components: dict[str, Any] = {"text_encoder": Mistral3ForConditionalGeneration, "tokenizer": AutoProcessor}
+    text_components = Imported({"text_encoder": "transformers:Mistral3ForConditionalGeneration",
+                                "tokenizer": "transformers:AutoProcessor"})
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length", "text_encoder_out_layers")
     prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: Flux2Config, device: torch.device | str = "cpu"):
+        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -289,6 +285,8 @@ _FLUX2_REAL = dict(attention_head_dim=128, num_attention_heads=48, num_layers=8,
 
 def tiny_transformer(joint_attention_dim: int, guidance_embeds: bool):
     """FLUX.2's transformer at test size: 8 input channels (2x2 patches of ``tiny_vae``'s 2 channels)."""
+    from diffusers import Flux2Transformer2DModel
+
     return Flux2Transformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                    num_attention_heads=2, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
                                    joint_attention_dim=joint_attention_dim, guidance_embeds=guidance_embeds).eval()
@@ -297,6 +295,8 @@ def tiny_transformer(joint_attention_dim: int, guidance_embeds: bool):
 def tiny_vae(seed: int = 0):
     """A one-block FLUX.2 VAE (1x, 2 latent channels) whose batch-norm statistics are random, so that a test
     sees a latent normalisation that is missing or inverted."""
+    from diffusers import AutoencoderKLFlux2
+
     vae = AutoencoderKLFlux2(block_out_channels=(4,), down_block_types=("DownEncoderBlock2D",),
                              up_block_types=("UpDecoderBlock2D",), layers_per_block=1, latent_channels=2,
                              norm_num_groups=1, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
@@ -311,7 +311,13 @@ def tiny_vae(seed: int = 0):
 def _tiny_components(path: Path) -> dict:
     """FLUX.2 [dev]: a 2-layer Mistral 3 (text hidden 24, all three hidden states stacked: 72 channels; a
     one-layer Pixtral vision tower it does not use), the 1x VAE, the transformer with guidance embedding."""
-    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralVisionConfig,
+    )
 
     from trainer.models import testing
 

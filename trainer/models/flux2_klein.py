@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffusers import Flux2KleinPipeline
-from transformers import Qwen2Tokenizer, Qwen3ForCausalLM
-
+from trainer.models.common import Imported
 from trainer.models.flux2 import FLUX2_9M, Flux2Adapter, Flux2Config
 
 
@@ -32,11 +30,11 @@ class Flux2KleinAdapter(Flux2Adapter):
     """ModelAdapter for FLUX.2 [klein] checkpoints (text-to-image)."""
 
     config_class = Flux2KleinConfig
-    pipeline_class = Flux2KleinPipeline
+    pipeline_class = Imported("diffusers:Flux2KleinPipeline")
     model_name = "flux2_klein"
     label = "FLUX.2 [klein]"
     guidance_embedded = False
-    text_components: dict[str, Any] = {"text_encoder": Qwen3ForCausalLM, "tokenizer": Qwen2Tokenizer}
+    text_components = Imported({"text_encoder": "transformers:Qwen3ForCausalLM", "tokenizer": "transformers:Qwen2Tokenizer"})
 
     def _pipeline_settings(self, path: Path) -> dict[str, Any]:
         """``is_distilled`` from model_index.json (step-distilled checkpoints run no CFG)."""

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers import Flux2KleinInpaintPipeline
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.common import Imported
 from trainer.models.flow import inpaint_velocity
 from trainer.models.flux2_klein import Flux2KleinAdapter, Flux2KleinConfig
 from trainer.models.inputs import reject_image_inputs, require_image_input
@@ -35,7 +35,7 @@ class Flux2KleinInpaintAdapter(Flux2KleinAdapter):
     """ModelAdapter for FLUX.2 [klein] inpainting: needs ``ImageInputs.image`` and ``.mask`` (1 = repaint)."""
 
     config_class = Flux2KleinInpaintConfig
-    pipeline_class = Flux2KleinInpaintPipeline
+    pipeline_class = Imported("diffusers:Flux2KleinInpaintPipeline")
     model_name = "flux2_klein_inpaint"
     reads_trajectory = True
     """``predict`` reads the rollout's initial noise and schedule (``Conditioning.noise``, ``.schedule``)."""

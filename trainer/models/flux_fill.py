@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers import FluxFillPipeline
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.common import Imported
 from trainer.models.flux import FluxAdapter, FluxConfig
 from trainer.models.inputs import reject_image_inputs, require_image_input
 
@@ -31,7 +31,7 @@ class FluxFillAdapter(FluxAdapter):
     """ModelAdapter for FLUX.1 Fill: needs ``ImageInputs.image`` and ``.mask`` (1 = repaint) per prompt."""
 
     config_class = FluxFillConfig
-    pipeline_class = FluxFillPipeline
+    pipeline_class = Imported("diffusers:FluxFillPipeline")
     model_name = "flux_fill"
     encodes_image_inputs = True
 

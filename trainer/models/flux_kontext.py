@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers import FluxKontextPipeline
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.common import Imported
 from trainer.models.flux import FluxAdapter, FluxConfig
 from trainer.models.inputs import reject_image_inputs, require_image_input
 
@@ -31,7 +31,7 @@ class FluxKontextAdapter(FluxAdapter):
     """ModelAdapter for FLUX.1 Kontext: needs ``ImageInputs.reference`` (the image to edit) per prompt."""
 
     config_class = FluxKontextConfig
-    pipeline_class = FluxKontextPipeline
+    pipeline_class = Imported("diffusers:FluxKontextPipeline")
     model_name = "flux_kontext"
     encodes_image_inputs = True
 

@@ -36,21 +36,17 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import ImageProjection, MultiIPAdapterImageProjection
-from diffusers.models.transformers.transformer_flux import (
-    FluxAttnProcessor,
-    FluxIPAdapterAttnProcessor,
-    FluxTransformer2DModel,
-)
-from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from torch import nn
 
 from trainer.config.fields import NonNegativeFloat, PositiveInt
 from trainer.models.base import ImageInputs
 from trainer.models.inputs import require_image_input
+
+if TYPE_CHECKING:
+    from diffusers.models.embeddings import ImageProjection
 
 IP_WEIGHTS = "ip_adapter.safetensors"
 FLUX_LOADER_ROWS_16 = 65536
@@ -163,7 +159,11 @@ class QwenImageIPAdapterAttnProcessor(nn.Module):
 
     def __init__(self, hidden_size: int, cross_attention_dim: int, num_tokens: tuple[int, ...] = (4,),
                  scale: float = 1.0, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
         super().__init__()
+        self.attend = dispatch_attention_fn
         self.hidden_size, self.cross_attention_dim = hidden_size, cross_attention_dim
         self.scale = [scale] * len(num_tokens)
         self.to_k_ip = nn.ModuleList([nn.Linear(cross_attention_dim, hidden_size, device=device, dtype=dtype)
@@ -187,7 +187,7 @@ class QwenImageIPAdapterAttnProcessor(nn.Module):
         for tokens, scale, to_k, to_v in zip(ip_hidden_states, self.scale, self.to_k_ip, self.to_v_ip, strict=True):
             key = to_k(tokens).flatten(1, -2).unflatten(-1, (-1, head_dim))  # [B, images * N, heads, d]
             value = to_v(tokens).flatten(1, -2).unflatten(-1, (-1, head_dim))
-            out = dispatch_attention_fn(query, key, value)
+            out = self.attend(query, key, value)
             img_out = img_out + scale * out.flatten(2, 3).to(img_out.dtype)
         return img_out, txt_out
 
@@ -231,6 +231,12 @@ class IPAdapter:
     are their weights' names there."""
 
     def __init__(self, denoiser: nn.Module, settings: IPAdapterSettings, dtype: torch.dtype, device: torch.device):
+        from diffusers.models.embeddings import ImageProjection, MultiIPAdapterImageProjection
+        from diffusers.models.transformers.transformer_flux import (
+            FluxIPAdapterAttnProcessor,
+            FluxTransformer2DModel,
+        )
+
         self.settings = settings
         self.encoder = ImageEncoder(settings.image_encoder, dtype, device)
         state = read_weights(settings.weights) if settings.weights else None
@@ -331,6 +337,10 @@ def detach_ip_adapter(denoiser: nn.Module) -> dict[str, torch.Tensor] | None:
     """Take the IP-Adapter out of ``denoiser`` (the module itself or a plain copy of it, e.g. for an export): returns
     its weights in the file format (None without one) and leaves the blocks' default attention processors and no
     ``encoder_hid_proj``, so that ``save_pretrained`` writes the base model, which diffusers loads as it is."""
+    from diffusers.models.embeddings import MultiIPAdapterImageProjection
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
     projection = getattr(denoiser, "encoder_hid_proj", None)
     if not isinstance(projection, MultiIPAdapterImageProjection):
         return None

@@ -18,22 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-)
-from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 from torch import nn
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1
-from trainer.models.common import DTYPES, DiffusersModelConfig, freeze, load_denoiser
+from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
@@ -41,6 +33,9 @@ from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
+
+if TYPE_CHECKING:
+    from diffusers import QwenImagePipeline
 
 
 @dataclass
@@ -80,18 +75,25 @@ class QwenImageAdapter:
     """ModelAdapter for Qwen-Image checkpoints (text-to-image)."""
 
     sampler_kind = "flow"
-    shard_units = (QwenImageTransformerBlock,)
+    shard_units = Imported(("diffusers.models.transformers.transformer_qwenimage:QwenImageTransformerBlock",))
     config_class = QwenImageConfig
     model_name = "qwen_image"
-    pipeline_class = QwenImagePipeline
+    pipeline_class = Imported("diffusers:QwenImagePipeline")
     encodes_image_inputs = False
     """Whether a variant VAE-encodes per-item inputs (inpainting, editing): ``model.image_latents``."""
-    text_components = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer}
+    text_components = Imported({"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
+                                "tokenizer": "transformers:Qwen2Tokenizer"})
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
     prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: QwenImageConfig, device: torch.device | str = "cpu"):
+        from diffusers import (
+            AutoencoderKLQwenImage,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImageTransformer2DModel,
+        )
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)

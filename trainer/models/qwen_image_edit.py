@@ -10,29 +10,38 @@ The pipeline resizes the reference to about 1024^2 pixels; here it comes at ``mo
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import QwenImageEditPipeline
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLProcessor
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.common import Imported
 from trainer.models.inputs import reject_image_inputs, require_references
 from trainer.models.latents import vae_input_key
 from trainer.models.qwen_image import QwenImageAdapter, QwenImageConfig, pad_text
+
+if TYPE_CHECKING:
+    from diffusers import QwenImageEditPipeline
 
 TEXT_CACHE = 256
 """(prompt, image) pairs whose embeddings are kept between calls (the least recently used are dropped):
 an evaluation's fixed items are encoded once, and the cache stays bounded whatever the dataset's size."""
 
 
-class ImageProcessor(Qwen2VLProcessor):
+@functools.cache
+def image_processor_class() -> type:
     """Qwen2-VL's processor for text and images alone: its constructor without the video processor, which
     editing never calls and which transformers defines only where torchvision is installed."""
+    from transformers import Qwen2VLProcessor
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    class ImageProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImageProcessor
 
 
 @dataclass
@@ -54,13 +63,13 @@ class QwenImageEditAdapter(QwenImageAdapter):
     """ModelAdapter for Qwen-Image-Edit: needs ``ImageInputs.reference`` (the image to edit) per prompt."""
 
     config_class = QwenImageEditConfig
-    pipeline_class = QwenImageEditPipeline
+    pipeline_class = Imported("diffusers:QwenImageEditPipeline")
     model_name = "qwen_image_edit"
     encodes_image_inputs = True
     max_references = 1
     """Reference images per item its pipeline takes."""
-    text_components = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer,
-                       "processor": ImageProcessor}
+    text_components = Imported({"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
+                                "tokenizer": "transformers:Qwen2Tokenizer", "processor": image_processor_class})
 
     def __init__(self, config: QwenImageEditConfig, device: torch.device | str = "cpu"):
         super().__init__(config, device)
@@ -152,7 +161,7 @@ def _tiny_components(path) -> dict:
     from trainer.models import qwen_image
 
     components = qwen_image._tiny_components(path, vision=True)
-    processor = ImageProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=components["tokenizer"])
+    processor = image_processor_class()(image_processor=Qwen2VLImageProcessorPil(), tokenizer=components["tokenizer"])
     return {**components, "processor": processor}
 
 

@@ -13,10 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from diffusers import QwenImageEditInpaintPipeline
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.common import Imported
 from trainer.models.flow import inpaint_velocity
 from trainer.models.inputs import reject_image_inputs, require_image_input
 from trainer.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditConfig
@@ -36,7 +36,7 @@ class QwenImageEditInpaintAdapter(QwenImageEditAdapter):
     (1 = repaint)."""
 
     config_class = QwenImageEditInpaintConfig
-    pipeline_class = QwenImageEditInpaintPipeline
+    pipeline_class = Imported("diffusers:QwenImageEditInpaintPipeline")
     model_name = "qwen_image_edit_inpaint"
     loads_pipelines = ("QwenImageEditPipeline",)
     """Saved pipelines whose weights are this adapter's own (Qwen-Image-Edit's directory; no model-path warning)."""

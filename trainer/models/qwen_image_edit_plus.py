@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers import QwenImageEditPlusPipeline
 
 from trainer.config.fields import PositiveInt
+from trainer.models.common import Imported
 from trainer.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditConfig
 
 
@@ -42,7 +42,7 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     per prompt."""
 
     config_class = QwenImageEditPlusConfig
-    pipeline_class = QwenImageEditPlusPipeline
+    pipeline_class = Imported("diffusers:QwenImageEditPlusPipeline")
     model_name = "qwen_image_edit_plus"
     max_references = 4
     """Qwen-Image-Edit-2509 is trained with 1 to 3 references; one more is allowed."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers import QwenImageInpaintPipeline
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.common import Imported
 from trainer.models.flow import inpaint_velocity
 from trainer.models.inputs import reject_image_inputs, require_image_input
 from trainer.models.qwen_image import QwenImageAdapter, QwenImageConfig
@@ -35,7 +35,7 @@ class QwenImageInpaintAdapter(QwenImageAdapter):
     """ModelAdapter for Qwen-Image inpainting: needs ``ImageInputs.image`` and ``.mask`` (1 = repaint)."""
 
     config_class = QwenImageInpaintConfig
-    pipeline_class = QwenImageInpaintPipeline
+    pipeline_class = Imported("diffusers:QwenImageInpaintPipeline")
     model_name = "qwen_image_inpaint"
     encodes_image_inputs = True
     loads_pipelines = ("QwenImagePipeline",)

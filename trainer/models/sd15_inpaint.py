@@ -16,22 +16,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionInpaintPipeline, UNet2DConditionModel
-from diffusers.models.unets.unet_2d_blocks import (
-    CrossAttnDownBlock2D,
-    CrossAttnUpBlock2D,
-    DownBlock2D,
-    UNetMidBlock2DCrossAttn,
-    UpBlock2D,
-)
 from torch import nn
-from transformers import CLIPTextModel, CLIPTokenizer
 
 from trainer.config.fields import NonNegativeInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze
+from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, denoiser_config, freeze
 from trainer.models.flow import cfg_combine
 from trainer.models.inputs import reject_image_inputs, require_image_input
 from trainer.models.latents import ImageLatents
@@ -39,6 +31,9 @@ from trainer.models.text import PromptEmbeddings, load_text_components, prompt_e
 from trainer.models.trainable import Trainable
 from trainer.samplers import standard_normal
 from trainer.samplers.ddim import ddim_step
+
+if TYPE_CHECKING:
+    from diffusers import StableDiffusionInpaintPipeline
 
 
 @dataclass
@@ -54,17 +49,20 @@ class SD15InpaintAdapter:
     """ModelAdapter for SD1.5 inpainting: needs ``ImageInputs.image`` and ``.mask`` per prompt."""
 
     sampler_kind = "ddim"
-    shard_units = (CrossAttnDownBlock2D, DownBlock2D, UNetMidBlock2DCrossAttn, CrossAttnUpBlock2D, UpBlock2D)
+    shard_units = Imported(tuple(f"diffusers.models.unets.unet_2d_blocks:{block}" for block in (
+        "CrossAttnDownBlock2D", "DownBlock2D", "UNetMidBlock2DCrossAttn", "CrossAttnUpBlock2D", "UpBlock2D")))
     config_class = SD15InpaintConfig
     model_name = "sd15_inpaint"
-    pipeline_class = StableDiffusionInpaintPipeline
+    pipeline_class = Imported("diffusers:StableDiffusionInpaintPipeline")
     encodes_image_inputs = True
-    text_components = {"text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer}
+    text_components = Imported({"text_encoder": "transformers:CLIPTextModel", "tokenizer": "transformers:CLIPTokenizer"})
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype",)
     prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: SD15InpaintConfig, device: torch.device | str = "cpu"):
+        from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -80,7 +78,7 @@ class SD15InpaintAdapter:
         if self.scheduler.config.prediction_type != "epsilon":
             raise ValueError(f"sd15_inpaint supports epsilon prediction, not {self.scheduler.config.prediction_type!r}")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = StableDiffusionInpaintPipeline(
+        self.pipeline = self.pipeline_class(
             vae=self.vae, unet=self.denoiser, scheduler=self.scheduler, safety_checker=None, feature_extractor=None,
             requires_safety_checker=False, **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)

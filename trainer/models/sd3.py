@@ -10,27 +10,30 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-)
-from diffusers.models.transformers.transformer_sd3 import JointTransformerBlock
 from torch import nn
-from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from trainer.config.fields import PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import DTYPES, DiffusersModelConfig, denoiser_config, freeze, load_denoiser
+from trainer.models.common import (
+    DTYPES,
+    DiffusersModelConfig,
+    Imported,
+    denoiser_config,
+    freeze,
+    load_denoiser,
+)
 from trainer.models.flow import cfg_combine, dynamic_shift_mu
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
+
+if TYPE_CHECKING:
+    from diffusers import StableDiffusion3Pipeline
 
 
 @dataclass
@@ -47,16 +50,21 @@ class SD3Adapter:
     """ModelAdapter for SD3-family checkpoints."""
 
     sampler_kind = "flow"
-    shard_units = (JointTransformerBlock,)
+    shard_units = Imported(("diffusers.models.transformers.transformer_sd3:JointTransformerBlock",))
     config_class = SD3Config
-    pipeline_class = StableDiffusion3Pipeline
-    text_components = {"text_encoder": CLIPTextModelWithProjection, "tokenizer": CLIPTokenizer,
-                       "text_encoder_2": CLIPTextModelWithProjection, "tokenizer_2": CLIPTokenizer,
-                       "text_encoder_3": T5EncoderModel, "tokenizer_3": T5TokenizerFast}
+    pipeline_class = Imported("diffusers:StableDiffusion3Pipeline")
+    text_components = Imported({"text_encoder": "transformers:CLIPTextModelWithProjection",
+                                "tokenizer": "transformers:CLIPTokenizer",
+                                "text_encoder_2": "transformers:CLIPTextModelWithProjection",
+                                "tokenizer_2": "transformers:CLIPTokenizer",
+                                "text_encoder_3": "transformers:T5EncoderModel",
+                                "tokenizer_3": "transformers:T5TokenizerFast"})
     optional_text = ("text_encoder_3", "tokenizer_3")
     text_settings = ("dtype", "max_sequence_length")
 
     def __init__(self, config: SD3Config, device: torch.device | str = "cpu"):
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -65,8 +73,8 @@ class SD3Adapter:
         self.denoiser = load_denoiser(SD3Transformer2DModel, config, "transformer", "SD3", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load) if (path / "vae").is_dir() else None
-        self.pipeline = StableDiffusion3Pipeline(transformer=self.denoiser, scheduler=self.scheduler, vae=self.vae,
-                                                 **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(transformer=self.denoiser, scheduler=self.scheduler, vae=self.vae,
+                                            **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         freeze(self.vae)
         refuse_image_latents("sd3", config)
@@ -89,6 +97,8 @@ class SD3Adapter:
     def prompt_encoder(cls, config: SD3Config, device: torch.device | str):
         """``common.prompt_encoder``; without T5 the pipeline reads the transformer's config for its zero T5
         tokens, which a weightless (meta-device) transformer provides."""
+        from diffusers import SD3Transformer2DModel
+
         extra = {}
         if not (Path(config.path) / "text_encoder_3").is_dir():
             with torch.device("meta"):

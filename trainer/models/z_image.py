@@ -14,17 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
 from torch import nn
-from transformers import Qwen2Tokenizer, Qwen3Model
 
 from trainer.config.fields import NonNegativeFloat, NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import DTYPES, DiffusersModelConfig, freeze, load_denoiser
+from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import refuse_image_latents
@@ -32,6 +29,9 @@ from trainer.models.qwen_image import pad_text
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
+
+if TYPE_CHECKING:
+    from diffusers import ZImagePipeline
 
 
 @dataclass
@@ -56,16 +56,18 @@ class ZImageAdapter:
     """ModelAdapter for Z-Image checkpoints (text-to-image)."""
 
     sampler_kind = "flow"
-    shard_units = (ZImageTransformerBlock,)
+    shard_units = Imported(("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",))
     config_class = ZImageConfig
     model_name = "z_image"
-    pipeline_class = ZImagePipeline
-    text_components = {"text_encoder": Qwen3Model, "tokenizer": Qwen2Tokenizer}
+    pipeline_class = Imported("diffusers:ZImagePipeline")
+    text_components = Imported({"text_encoder": "transformers:Qwen3Model", "tokenizer": "transformers:Qwen2Tokenizer"})
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
     prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: ZImageConfig, device: torch.device | str = "cpu"):
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -74,8 +76,8 @@ class ZImageAdapter:
         self.denoiser = load_denoiser(ZImageTransformer2DModel, config, "transformer", "Z-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = ZImagePipeline(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                       **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
+                                            **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
         encode = self.pipeline._encode_prompt
         # the pipeline writes the chat-templated prompts into the caller's list: hand it a copy
