@@ -26,9 +26,9 @@ from pathlib import Path
 from types import FrameType
 
 if __name__ == "__main__":  # before uvicorn and the scorers' libraries load: a Ctrl-C then is one line too
-    from shared.interrupt import run_module
+    from reward_server import run
 
-    run_module("reward_server.__main__", "interrupted: the server did not start")
+    run()
 
 import uvicorn
 

@@ -94,6 +94,11 @@ class CtrlCAtImport:  # a Ctrl-C just as the tool starts to import LIBRARY
 
 sys.meta_path.insert(0, CtrlCAtImport())
 sys.argv = sys.argv[2:]
+if sys.argv[0].startswith("script:"):  # a console script, run as its generated file runs it
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name=sys.argv[0].removeprefix("script:"))
+    sys.exit(script.load()())
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
@@ -102,10 +107,12 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     ("trainer.generate", ["--weights", "{out}/final", "--out", "{out}/grid.png"], "torch", "interrupted: no image written"),
     ("trainer.export", ["--checkpoint", "{out}/step", "--out", "{out}/exported"], "torch",
      "interrupted: nothing exported (an earlier export at --out is as it was)"),
-    ("reward_server", ["--scorers", "brightness", "--port", "0"], "uvicorn", "interrupted: the server did not start")])
+    ("reward_server", ["--scorers", "brightness", "--port", "0"], "uvicorn", "interrupted: the server did not start"),
+    ("script:rewardflow-reward-server", ["--scorers", "brightness", "--port", "0"], "uvicorn",
+     "interrupted: the server did not start")])
 def test_ctrl_c_while_a_module_imports_its_libraries_is_one_line(tmp_path, module, args, imports, said):
     """``python -m`` runs a tool's file as __main__: a Ctrl-C in its module-level imports (torch, uvicorn) came before
-    any handler of ours, a traceback. Here the Ctrl-C comes as that import starts, not after a time: those tools
+    any handler of ours, a traceback (the trainer's own reward replicas run the console script). Here the Ctrl-C comes as that import starts, not after a time: those tools
     load in well under a second, and a timed Ctrl-C (0.3 s) came after export had ended once in three CI runs."""
     run = subprocess.run([sys.executable, "-c", CTRL_C_AT_IMPORT, imports, module,
                           *(part.format(out=tmp_path) for part in args)], cwd=REPO, env=ENV, text=True,
