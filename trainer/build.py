@@ -138,7 +138,11 @@ def run(config: Config) -> dict[str, float]:
         require_shared_run_dir(run_dir, backend.world.rank)
         if not main:
             adapter = build_adapter(config.model, device)
-        if warms_up and task.supervises:  # the supervised images' shape against the model's, now, not at step 1
+        # The first item's image inputs as the model reads them, and the supervised images' shape against the
+        # model's: inputs it does not take fail now, not after the reward replicas and the warm-up (as a shape).
+        if (inputs := task.inputs([0])) is not None:
+            adapter.encode_prompts(task.prompts[:1], inputs)
+        if warms_up and task.supervises:
             supervised_latents(adapter, task.supervised_batch(1, torch.Generator().manual_seed(0)).images)
 
         urls = list(config.reward.urls)

@@ -372,6 +372,22 @@ def test_supervised_images_of_another_size_than_the_model_are_refused_before_tra
     assert not output.exists()
 
 
+def test_image_inputs_a_model_does_not_take_are_refused_naming_them_before_the_warm_up(tmp_path, capsys,
+                                                                                      tiny_model_dir) -> None:
+    """Inpainting rows for the text-to-image tiny model: the warm-up's shape check said to set data.image_size."""
+    from trainer.data.testing import tiny_dataset
+    from trainer.main import main
+
+    output = tmp_path / "outputs"
+    data = tiny_dataset("inpaint_jsonl", tmp_path)
+    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", "data.name=inpaint_jsonl",
+                 f"data.path={data}", "reward.replicas=1"]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert line == ("error: the tiny adapter takes no ImageInputs.image, .mask (it is a text-to-image model): train it "
+                    "on a data.name without images, or set model.name to a model that takes them")
+    assert not output.exists()
+
+
 def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_traceback(tmp_path, capsys) -> None:
     """aesthetic needs model files, which a job's own replicas are not given: a 33-line traceback before."""
     from trainer.main import main

@@ -16,8 +16,10 @@ def reject_image_inputs(model: str, inputs: ImageInputs | None, allowed: Sequenc
         return
     extra = [f.name for f in fields(inputs) if f.name not in allowed and getattr(inputs, f.name) is not None]
     if extra:
-        raise ValueError(f"the {model} adapter takes no ImageInputs.{', .'.join(extra)}"
-                         + (f" (it uses {', '.join(allowed)})" if allowed else " (it is a text-to-image model)"))
+        fix = (f" (it uses {', '.join(allowed)}): name those in data.image_inputs" if allowed else
+               " (it is a text-to-image model): train it on a data.name without images, or set model.name to a model "
+               "that takes them")
+        raise ValueError(f"the {model} adapter takes no ImageInputs.{', .'.join(extra)}{fix}")
 
 
 def require_image_input(
