@@ -214,8 +214,11 @@ def run(config: Config) -> dict[str, float]:
                                  f"cannot write {full.filename or run_dir}: {full.strerror}; make room{room}, "
                                  "then continue", 1) from None
         if main:
+            best = (f"best/: the best evaluation's, epoch {trainer.guard.best_epoch}" if trainer.best_dir.is_dir() else
+                    f"no best/: no evaluation of this run beat epoch {trainer.guard.best_epoch}, whose weights it "
+                    "continued without")
             print(f"done: {run_dir} (final/: the last {'EMA' if ema is not None else 'trained'} weights, as evaluated; "
-                  f"best/: the best evaluation's, epoch {trainer.guard.best_epoch})", flush=True)
+                  f"{best})", flush=True)
         backend.barrier()
         return metrics
 

@@ -106,14 +106,17 @@ class Guard:
                     f"{self.best_value:.4g} in {self.since_best} evaluations (train.early_stop={self.early_stop})")
         return Verdict(improved, alarm, stop)
 
-    def report(self, best_dir: object, export_flags: str) -> str:
-        """Which evaluation was best, by how much (over the first, before RL) and where its weights are."""
+    def report(self, best_dir: object | None, export_flags: str) -> str:
+        """Which evaluation was best, by how much (over the first, before RL) and where its weights are (None: not
+        in this run, which continued another run's checkpoint without them)."""
         values = self.history.get(self.select_by, [math.nan])
         which = "before RL" if self.best_epoch == 0 else f"epoch {self.best_epoch}"
         last = self.epochs[-1] if self.epochs else -1
+        where = ("not in this run (it continued a checkpoint of another run, which no longer holds them)"
+                 if best_dir is None else f"{best_dir} (export: python -m trainer.export --checkpoint "
+                 f"{shlex.quote(str(best_dir))} {export_flags}--out DIR)")
         return (f"best: {which}, {self.select_by} {self.best_value:.3f} (before RL {values[0]:.3f}, "
-                f"{self.best_value - values[0]:+.3f}; last, epoch {last}: {values[-1]:.3f}); its weights: {best_dir} "
-                f"(export: python -m trainer.export --checkpoint {shlex.quote(str(best_dir))} {export_flags}--out DIR)")
+                f"{self.best_value - values[0]:+.3f}; last, epoch {last}: {values[-1]:.3f}); its weights: {where}")
 
     def checkpoint_state(self) -> dict[str, State]:
         scalars = [self.best_epoch, self.best_value, self.since_best, self.alarm_epoch, float(self.stopped)]

@@ -43,7 +43,11 @@ class Judge:
             self.say(f"warning: {warning}")
             self.logger.log(epoch, "alarm", {"metric": verdict.alarm.metric, **verdict.alarm.numbers()}, alert=warning)
             if action == "stop":
-                stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {self.best_dir}"
+                best = self.best_dir if self.has_best() else "not in this run (see its resume's note)"
+                stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {best}"
+            elif action == "rollback" and not self.has_best():
+                stop = (f"stopped by the reward-hacking alarm: eval.on_alarm=rollback has no best/ to roll back to "
+                        f"(epoch {self.guard.best_epoch}'s weights were not carried into this run)")
             elif action == "rollback":
                 self.restore_best()
                 self.rolled_back_at = epoch
@@ -68,7 +72,11 @@ class Judge:
         source = continued.parent.parent / "best"
         if self.best_dir.exists() or not (source / "meta.json").is_file() or source.resolve() == self.best_dir.resolve():
             return
-        if json.loads((source / "meta.json").read_text()).get("epoch") != self.guard.best_epoch:
+        held = json.loads((source / "meta.json").read_text()).get("epoch")
+        if held != self.guard.best_epoch:
+            self.say(f"note: best/ starts empty: {source} holds epoch {held}'s weights, not those of epoch "
+                     f"{self.guard.best_epoch}, the best evaluation this checkpoint knows; this run writes best/ when "
+                     f"one of its evaluations beats that {self.guard.select_by}")
             return
         self.best_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".incomplete-best-", dir=self.best_dir.parent))
@@ -76,6 +84,13 @@ class Judge:
         checkpoint.usual_mode(tmp)
         checkpoint.swap_in(tmp, self.best_dir)
         self.say(f"best/: the best evaluation so far (epoch {self.guard.best_epoch}) is {source}'s, copied here")
+
+    def has_best(self) -> bool:
+        """Whether best/ holds weights (rank 0's view, on every rank): not in a run that continued another run's
+        checkpoint without that run's best weights (``carry_from``), until an evaluation of its own beats them."""
+        if self.backend.world.rank == 0:
+            checkpoint.recover(self.best_dir)
+        return bool(self.backend.broadcast(self.best_dir.is_dir() if self.backend.world.rank == 0 else None))
 
     def restore_best(self) -> None:
         """Roll back to best/: its trained weights and EMA, with fresh optimizer moments."""

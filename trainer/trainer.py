@@ -213,7 +213,7 @@ class Trainer:
                                         "best_epoch": self.guard.best_epoch, "best_value": self.guard.best_value})
         self.logger.reward_curve(self.guard.best_epoch, self.guard.select_by)
         ema = self.ema is not None and self.config.eval.use_ema
-        self._print(self.guard.report(self.best_dir, "--ema " if ema else ""))
+        self._print(self.guard.report(self.best_dir if self.judge.has_best() else None, "--ema " if ema else ""))
         return after
 
     def _evaluate_epoch(self, epoch: int) -> bool:

@@ -165,3 +165,39 @@ def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path,
     best = json.loads((tmp_path / "hacked" / "best" / "meta.json").read_text())
     assert best["value"] == max(r["digit_accuracy"] for r in evals) and not math.isnan(best["value"])
     assert "reward-hacking alarm at epoch" in capsys.readouterr().out
+
+
+def _scripted(trainer: Trainer, script: dict[int, tuple[float, float]]) -> None:
+    """The trainer's evaluations report ``script[step]`` as (reward_mean, digit_accuracy); (0, 0) off the script."""
+    evaluate = trainer.evaluate
+
+    def scripted(step, grid_name):
+        reward, accuracy = script.get(step, (0.0, 0.0))
+        return {**evaluate(step, grid_name), "reward_mean": reward, "digit_accuracy": accuracy}
+
+    trainer.evaluate = scripted
+
+
+def test_a_run_continuing_a_checkpoint_whose_best_weights_are_gone_says_so_and_cannot_roll_back(tmp_path,
+                                                                                             tiny_model_dir, capsys):
+    """The first run went on from its epoch-1 checkpoint to a better epoch 2, so its best/ no longer holds the epoch-1
+    weights that checkpoint's guard names best. A run continuing that checkpoint had no best/, yet its closing
+    line named one, and a rollback would have failed loading it."""
+    first = _trainer(tmp_path / "first", tiny_model_dir, "train.epochs=2", "train.ema_decay=0")
+    _scripted(first, {0: (0.1, 0.5), 1: (0.2, 0.9), 2: (0.3, 0.95)})
+    first.fit()
+    first.logger.close()
+    assert json.loads((tmp_path / "first" / "best" / "meta.json").read_text())["epoch"] == 2
+    again = _trainer(tmp_path / "again", tiny_model_dir, "train.epochs=4", "train.ema_decay=0", "eval.on_alarm=rollback",
+                     "eval.alarm_window=1")
+    _scripted(again, {2: (0.6, 0.3)})  # reward up, accuracy down: the alarm
+    again.resume(tmp_path / "first" / "checkpoints" / "step-000000-000001")
+    assert (f"note: best/ starts empty: {tmp_path / 'first' / 'best'} holds epoch 2's weights, not those of epoch 1, the "
+            "best evaluation this checkpoint knows") in capsys.readouterr().out
+    again.fit()
+    again.logger.close()
+    out = capsys.readouterr().out
+    assert ("stopped by the reward-hacking alarm: eval.on_alarm=rollback has no best/ to roll back to (epoch 1's "
+            "weights were not carried into this run)") in out
+    assert "its weights: not in this run (it continued a checkpoint of another run, which no longer holds them)" in out
+    assert again.progress.epochs_done == 2 and not (tmp_path / "again" / "best").exists()
