@@ -33,6 +33,7 @@ from trainer.launch import (
     stopped_at,
 )
 from trainer.logging import RunLogger
+from trainer.memory import memory_advice, out_of_memory
 from trainer.models import build_adapter
 from trainer.stopping import StopsBeforeTraining, StopSignalled, ignore_stop_signals
 from trainer.tool import cannot_write
@@ -205,6 +206,11 @@ def run(config: Config) -> dict[str, float]:
         except RewardFailure as failure:  # its checkpoint is written (Trainer.fit): fix the rewards, then continue
             raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
                                  str(failure), 1) from None
+        except RuntimeError as exc:  # out of GPU (or CPU) memory: where, and the settings that lower it; then on
+            if not out_of_memory(exc):
+                raise
+            raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
+                                 memory_advice(exc, config), 1) from None
         except OSError as full:  # a full disk, a quota, a read-only remount: what is written stays; room, then on
             if full.errno not in NO_ROOM:
                 raise

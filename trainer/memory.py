@@ -1,0 +1,76 @@
+"""Running out of device (or CPU) memory, said in one line: which part of the run ran out, read from the error's
+frames, and the settings that lower that part's peak, instead of torch's traceback. The most common failure of a
+first run on a new model, GPU or batch size."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.config import Config
+
+CPU_ALLOCATOR = "DefaultCPUAllocator: can't allocate memory"
+"""What torch's CPU allocator says (a RuntimeError, not torch.OutOfMemoryError) when an allocation fails."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: a GPU's (torch.OutOfMemoryError) or the CPU allocator's."""
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and CPU_ALLOCATOR in str(exc))
+
+
+def _part(exc: BaseException) -> str:
+    """Which part of the run was allocating: the trainer's methods on the error's stack, the most specific first."""
+    names = set()
+    tb = exc.__traceback__
+    while tb is not None:
+        names.add(tb.tb_frame.f_code.co_qualname)
+        tb = tb.tb_next
+    for qualname, part in (("Trainer.evaluate", "evaluation"), ("Trainer.sample_and_score", "rollout"),
+                           ("Trainer.warmup_step", "warm-up"), ("Trainer._new_reference", "reference"),
+                           ("Trainer.rl_epoch", "update"), ("build_adapter", "load"), ("Trainer.__init__", "prepare")):
+        if qualname in names:
+            return part
+    return ""
+
+
+def _settings(part: str, config: Config) -> str:
+    """The settings that lower ``part``'s peak memory, with their values now."""
+    model, algorithm, ev = config.model, config.algorithm, config.eval
+    checkpointing = "" if getattr(model, "gradient_checkpointing", True) else ", or model.gradient_checkpointing=true"
+    sharding = ("" if config.parallel.backend in ("fsdp2", "zero3") else
+                "; parallel.backend=fsdp2 or zero3 shards the weights, gradients and optimizer state over the GPUs")
+    chunks = config.train.rollout_chunks or "0, auto: at least 8 images a chunk"
+    return {
+        "evaluation": f"lower eval.batch_size (now {ev.batch_size} prompts a forward, eval.samples_per_prompt="
+                      f"{ev.samples_per_prompt} images each)",
+        "rollout": f"raise train.rollout_chunks (now {chunks}) to sample fewer images at once{sharding}",
+        "warm-up": f"lower warmup.micro_batch_size (now {config.warmup.micro_batch_size}){checkpointing}",
+        "update": f"lower algorithm.micro_batch_size (now {getattr(algorithm, 'micro_batch_size', '?')}){checkpointing}",
+        "reference": "train LoRA (model.lora): full fine-tuning keeps a frozen copy of the denoiser as the reference"
+                     + sharding,
+        "load": f"load the weights in bfloat16 (model.dtype, now {model.dtype}), or precompute the text embeddings "
+                "(model.text_embeddings: the text encoders are not loaded)" + sharding,
+        "prepare": f"train LoRA (model.lora){sharding}",
+    }.get(part, f"lower the batch sizes (algorithm.micro_batch_size, eval.batch_size){sharding}")
+
+
+def memory_advice(exc: BaseException, config: Config) -> str:
+    """One line for an ``out_of_memory`` error: where, how much was asked, and what to change."""
+    gpu = isinstance(exc, torch.OutOfMemoryError)
+    text = str(exc)
+    asked = re.search(r"(?:Tried to allocate|you tried to allocate) ([\d.]+) ?(\w+)", text)
+    amount = "" if asked is None else f"{asked[1]} {asked[2]}"
+    if asked is not None and asked[2] == "bytes":  # the CPU allocator's unit
+        amount = f"{float(asked[1]) / 2**30:.1f} GiB"
+    free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
+    detail = ", ".join(filter(None, [f"{amount} asked for" if amount else "",
+                                     f"{free[2]} of {free[1]} free" if free else ""]))
+    part = _part(exc)
+    where = {"evaluation": "an evaluation", "rollout": "a rollout", "warm-up": "a warm-up step", "update": "an RL update",
+             "reference": "making the reference model", "load": "loading the model", "prepare": "preparing training",
+             }.get(part, "the run")
+    return (f"out of {'GPU' if gpu else 'CPU'} memory in {where}{f' ({detail})' if detail else ''}: "
+            f"{_settings(part, config)}")
