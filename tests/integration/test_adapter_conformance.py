@@ -607,6 +607,16 @@ def test_another_models_directory_is_refused(name, model_root, tmp_path):
             build_adapter(dataclasses.replace(config, path=path), "cpu")
 
 
+@pytest.mark.parametrize("name", [name for name in NAMES if name != "tiny"])  # tiny builds itself where it is absent
+def test_a_hub_id_as_model_path_says_how_to_download_it(name, model_root, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no such folder here
+    config = dataclasses.replace(tiny_config(name, model_root), path="some-org/some-model")
+    with pytest.raises(ValueError, match=r"model\.path='some-org/some-model' is not a diffusers .*; 'some-org/some-model' "
+                                         r"reads as a Hugging Face Hub id, and the trainer reads local folders only: "
+                                         r"`hf download some-org/some-model --local-dir DIR`, then model\.path=DIR$"):
+        build_adapter(config, "cpu")
+
+
 def test_an_sd3_resolution_past_its_position_table_is_refused_as_it_loads(model_root):
     """It failed at the first forward (after the warm-up, in the evaluation before RL) with diffusers' "Height
     (256) cannot be greater than pos_embed_max_size"; the tiny SD3's table holds 96 patches a side."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -121,8 +122,12 @@ def denoiser_config(cls: type, config: Any, subfolder: str, label: str) -> dict[
     an adapter can check what it will feed the denoiser without loading billions of parameters first."""
     file = Path(config.path) / subfolder / "config.json"
     if not file.is_file():
+        fix = "point model.path at a local copy of the weights"
+        if not Path(config.path).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", config.path):  # "org/name"
+            fix = (f"{config.path!r} reads as a Hugging Face Hub id, and the trainer reads local folders only: "
+                   f"`hf download {config.path} --local-dir DIR`, then model.path=DIR")
         raise ValueError(f"model.path={config.path!r} is not a diffusers {label} directory (no {subfolder}/config.json); "
-                         "point model.path at a local copy of the weights")
+                         f"{fix}")
     saved = json.loads(file.read_text())
     if saved.get("_class_name") != cls.__name__:
         raise ValueError(f"model.path={config.path!r} holds a {saved.get('_class_name')} in {subfolder}/, and "
