@@ -14,11 +14,19 @@ if TYPE_CHECKING:
 
 CPU_ALLOCATOR = "DefaultCPUAllocator: can't allocate memory"
 """What torch's CPU allocator says (a RuntimeError, not torch.OutOfMemoryError) when an allocation fails."""
+GPU_LIBRARIES = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+"""What a failed allocation inside a CUDA kernel launch or cuBLAS says (a RuntimeError too)."""
+
+
+def _on_gpu(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
+                                                       and any(said in str(exc) for said in GPU_LIBRARIES))
 
 
 def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation that failed: a GPU's (torch.OutOfMemoryError) or the CPU allocator's."""
-    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and CPU_ALLOCATOR in str(exc))
+    """Whether ``exc`` is an allocation that failed: a GPU's (torch.OutOfMemoryError, CUDA's, cuBLAS's) or the CPU
+    allocator's."""
+    return _on_gpu(exc) or (isinstance(exc, RuntimeError) and CPU_ALLOCATOR in str(exc))
 
 
 def _part(exc: BaseException) -> str:
@@ -59,7 +67,7 @@ def _settings(part: str, config: Config) -> str:
 
 def memory_advice(exc: BaseException, config: Config) -> str:
     """One line for an ``out_of_memory`` error: where, how much was asked, and what to change."""
-    gpu = isinstance(exc, torch.OutOfMemoryError)
+    gpu = _on_gpu(exc)
     text = str(exc)
     asked = re.search(r"(?:Tried to allocate|you tried to allocate) ([\d.]+) ?(\w+)", text)
     amount = "" if asked is None else f"{asked[1]} {asked[2]}"

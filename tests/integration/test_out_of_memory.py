@@ -107,6 +107,8 @@ def test_a_gpus_message_gives_what_was_asked_for_and_what_was_free():
                                    "79.10 GiB of which 1.50 GiB is free. Including non-PyTorch memory, this process "
                                    "has 77.58 GiB memory in use.")
     assert out_of_memory(error) and not out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert memory_advice(cublas, load_config()).startswith("out of GPU memory in the run: lower the batch sizes")
     assert memory_advice(error, load_config(overrides=["parallel.backend=fsdp2"])) == (
         "out of GPU memory in the run (2.00 GiB asked for, 1.50 GiB of 79.10 GiB free): lower the batch sizes "
         "(algorithm.micro_batch_size, eval.batch_size)")
