@@ -80,5 +80,13 @@ def memory_advice(exc: BaseException, config: Config) -> str:
     where = {"evaluation": "an evaluation", "rollout": "a rollout", "warm-up": "a warm-up step", "update": "an RL update",
              "reference": "making the reference model", "load": "loading the model", "prepare": "preparing training",
              }.get(part, "the run")
+    spare = re.search(r"([\d.]+) (\w+) is reserved by PyTorch but unallocated", text)
+    fragmented = ""
+    if spare and float(spare[1]) * _UNITS.get(spare[2], 0) >= 2**30:
+        fragmented = (f"; {spare[1]} {spare[2]} was reserved but unallocated (fragmented): "
+                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may be enough")
     return (f"out of {'GPU' if gpu else 'CPU'} memory in {where}{f' ({detail})' if detail else ''}: "
-            f"{_settings(part, config)}")
+            f"{_settings(part, config)}{fragmented}")
+
+
+_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

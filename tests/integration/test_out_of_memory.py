@@ -107,6 +107,14 @@ def test_a_gpus_message_gives_what_was_asked_for_and_what_was_free():
                                    "79.10 GiB of which 1.50 GiB is free. Including non-PyTorch memory, this process "
                                    "has 77.58 GiB memory in use.")
     assert out_of_memory(error) and not out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
+    fragmented = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity "
+                                        "of 79.10 GiB of which 300.00 MiB is free. Of the allocated memory 60.00 GiB is "
+                                        "allocated by PyTorch, and 17.50 GiB is reserved by PyTorch but unallocated.")
+    assert memory_advice(fragmented, load_config()).endswith(
+        "; 17.50 GiB was reserved but unallocated (fragmented): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may "
+        "be enough")
+    assert "fragmented" not in memory_advice(torch.OutOfMemoryError(str(fragmented).replace("17.50 GiB", "20.00 MiB")),
+                                             load_config())
     cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     assert memory_advice(cublas, load_config()).startswith("out of GPU memory in the run: lower the batch sizes")
     assert memory_advice(error, load_config(overrides=["parallel.backend=fsdp2"])) == (
