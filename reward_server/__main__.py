@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-body-rate", type=int, default=_DEFAULTS.min_body_rate,
                         help="bytes/s a body must average once it has taken --body-timeout-s, else a 408")
     parser.add_argument("--max-body-bytes-in-flight", type=int, default=None,
-                        help="bytes of all bodies being received at once; past it a 503 (default: 4 x --max-body-bytes)")
+                        help="bytes of all bodies being received at once; past it a 429 (default: 4 x --max-body-bytes)")
     parser.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
                         help="uvicorn's HTTP implementation (auto: httptools where installed, else h11)")
     parser.add_argument("--head-timeout-s", type=float, default=_DEFAULTS.head_timeout_s,

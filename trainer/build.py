@@ -14,7 +14,7 @@ import yaml
 from shared.interrupt import as_interrupt, stop_if_interrupted
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT, supervised_latents
-from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib
+from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib, whole_before
 from trainer.config import Config, reward_token, saved_dict
 from trainer.data import build_tasks
 from trainer.data.sampler import GroupSampler
@@ -249,8 +249,7 @@ def require_checkpoint(path: Path, setting: str) -> None:
         why = damaged(path, only=("trainable.safetensors",) if setting == "train.init_from" else ())
         if why is None:
             return
-        older = next((p for p in reversed(Checkpoints(path.parent, 0, False).complete())
-                      if p.name < path.name and damaged(p) is None), None)  # the newest whole one before it
+        older = whole_before(path)
         raise ValueError(f"{setting}={str(path)!r} cannot be loaded, {why}: "
                          + (f"pass the checkpoint before it, {older}" if older else "restore it from a copy"))
     if not path.exists():

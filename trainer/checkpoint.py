@@ -301,6 +301,13 @@ def damaged(path: Path, only: Sequence[str] = ()) -> str | None:
     return None
 
 
+def whole_before(path: Path, only: Sequence[str] = ()) -> Path | None:
+    """The newest checkpoint of ``path``'s run older than ``path`` that is not ``damaged`` (in ``only``'s files),
+    for a message that names it; None when there is none."""
+    return next((p for p in reversed(Checkpoints(path.parent, 0, False).complete())
+                 if p.name < path.name and damaged(p, only) is None), None)
+
+
 def load_states(path: Path, rank: int) -> dict[str, dict[str, torch.Tensor]]:
     """The named states of checkpoint ``path``: the shared ones and rank ``rank``'s own."""
     states = {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")

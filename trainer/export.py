@@ -79,7 +79,7 @@ def load_checkpoint(checkpoint: Path, model_path: str | None = None, ema: bool =
     ``<run>/checkpoints/step-*`` or ``<run>/best`` directory. The weights do not depend on the run's precomputed
     stores (``model.text_embeddings``, ``model.image_latents``): one that is not here is left out (the text
     encoders then load from ``model.path``), one that is spares loading the text encoders."""
-    from trainer.checkpoint import damaged, load_weights
+    from trainer.checkpoint import damaged, load_weights, whole_before
     from trainer.config import Config
     from trainer.config.building import build
     from trainer.distributed import SingleProcess
@@ -88,9 +88,11 @@ def load_checkpoint(checkpoint: Path, model_path: str | None = None, ema: bool =
     if not (checkpoint / "trainable.safetensors").is_file():
         raise ValueError(f"{checkpoint} is not a complete checkpoint (no trainable.safetensors); pass a "
                          "<run>/checkpoints/step-* directory or <run>/best")
-    if (why := damaged(checkpoint, only=("config.json", "trainable.safetensors"))) is not None:
-        raise ValueError(f"{checkpoint} cannot be loaded, {why}: use another checkpoint of the run, or restore "
-                         "this one from a copy")
+    read = ("config.json", "trainable.safetensors")
+    if (why := damaged(checkpoint, only=read)) is not None:
+        older = whole_before(checkpoint, read)
+        raise ValueError(f"{checkpoint} cannot be loaded, {why}: "
+                         + (f"export the checkpoint before it, {older}" if older else "restore it from a copy"))
     raw = json.loads((checkpoint / "config.json").read_text())
     if model_path:
         raw.setdefault("model", {})["path"] = model_path

@@ -17,8 +17,9 @@ settings.
 ``model.text_embeddings`` when given, and then no text encoder), hands it the image inputs of every dataset
 item (and evaluation item) as a rollout does, and writes the VAE posterior of each distinct VAE input to
 LATENTS_DIR, keyed by the input's sha256 (see ``trainer.models.latents.LatentStore``; a LATENTS_DIR of the same VAE gains the new
-inputs). Then train with ``model.image_latents=LATENTS_DIR``: flux_fill and sd15_inpaint read their masked
-images' posteriors and flux_kontext its references' from it, bit-identical to encoding them on this run's
+inputs). Then train with ``model.image_latents=LATENTS_DIR``: the inpainting models read their masked images'
+posteriors and the editing models (flux_kontext, flux2, the Qwen-Image-Edit ones) their references' from it
+(every adapter that VAE-encodes image inputs; the others refuse it), bit-identical to encoding them on this run's
 ``train.device``; a changed image is not found and is encoded, and a LATENTS_DIR of another VAE, dtype or
 resolution is refused. Supervised targets (``encode_images``: warm-up and SFT) are not stored: the dataset
 hands them out only as random batches, and a few warm-up steps are cheap to encode.

@@ -256,9 +256,13 @@ def test_a_named_checkpoint_that_cannot_be_loaded_is_refused_naming_the_one_befo
     _cut(newer / "trainable.safetensors")
     with pytest.raises(ValueError, match="train.init_from=.* cannot be loaded, trainable.safetensors cannot be read"):
         require_checkpoint(newer, "train.init_from")
-    with pytest.raises(ValueError, match="cannot be loaded, trainable.safetensors cannot be read"):
+    with pytest.raises(ValueError, match=f"cannot be loaded, trainable.safetensors cannot be read.*: export the "
+                                         f"checkpoint before it, {older}$"):
         load_checkpoint(newer)
     load_checkpoint(older)
+    _cut(older / "trainable.safetensors")
+    with pytest.raises(ValueError, match=f"{older} cannot be loaded, .*: restore it from a copy$"):
+        load_checkpoint(older)
 
 
 def test_a_run_continuing_another_runs_checkpoint_takes_its_best_weights(tmp_path, tiny_model_dir, capsys):

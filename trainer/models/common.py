@@ -97,7 +97,7 @@ class DiffusersModelConfig:
     "" encodes prompts with the model's own text encoders."""
     image_latents: str = ""
     """Directory written by ``python -m trainer.precompute --latents DIR``: the VAE posteriors of the dataset's
-    image inputs (flux_fill's and sd15_inpaint's masked image, flux_kontext's reference), read instead of
+    image inputs (the inpainting models' masked image, the editing models' references), read instead of
     VAE-encoding the same images at every rollout; an input not in it is encoded (the VAE stays loaded:
     rollouts decode with it). Adapters that VAE-encode no image input refuse it. "" encodes every input."""
 
