@@ -107,6 +107,13 @@ WAIT_NOTED = 0.25
 """The share of an RL epoch spent waiting for rewards after sampling above which its printed line says so."""
 
 
+def eval_line(metrics: dict[str, float]) -> str:
+    """An evaluation's printed metrics: of a breakdown only the means (every value's is in metrics.jsonl), and
+    failed_share only when some image got no reward."""
+    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if (not k.startswith("by_") or k.endswith("/mean"))
+                     and not (k == "failed_share" and v == 0))
+
+
 def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> str:
     """RL epoch ``epoch``'s printed line: its reward, accuracies, the algorithm's ``shown`` metrics, the rates, and
     what went wrong (skipped steps; samples without a reward; no group whose rewards differ; a long wait for

@@ -39,7 +39,7 @@ from trainer.health import (
     scored_or_unscored,
 )
 from trainer.judging import Judge
-from trainer.logging import RunLogger, epoch_line, to_uint8
+from trainer.logging import RunLogger, epoch_line, eval_line, to_uint8
 from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.models.compiling import CompileMonitor, compile_for_run
@@ -157,7 +157,7 @@ class Trainer:
                 self.ema.reset()
             with self._kept_on_reward_failure():
                 before = self.evaluate(0, "samples_before")
-            self._print(f"[eval] before RL: {_fmt(before)}")
+            self._print(f"[eval] before RL: {eval_line(before)}")
             # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
             # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
             self.backend.reset_optimizer()
@@ -205,7 +205,7 @@ class Trainer:
         else:
             with self._kept_on_reward_failure():
                 after = self.evaluate(done, "samples_after")
-        self._print(f"[eval] after RL: {_fmt(after)}")
+        self._print(f"[eval] after RL: {eval_line(after)}")
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self.judge(done, after, self.progress)
         spread = weights_rank_spread(self.backend, self.adapter.trainable.parameters())
@@ -220,7 +220,7 @@ class Trainer:
         """The periodic evaluation after RL epoch ``epoch``, judged by the guard; True: stop the run."""
         self.progress.eval_due = False
         evaluation = self.evaluate(epoch, None)
-        self._print(f"[eval] epoch {epoch}: {_fmt(evaluation)}")
+        self._print(f"[eval] epoch {epoch}: {eval_line(evaluation)}")
         self._evaluated = epoch, evaluation  # the weights a stop leaves, unless its alarm rolled them back
         return self.judge(epoch, evaluation, self.progress)
 
@@ -442,9 +442,3 @@ class Trainer:
     def _print(self, text: str) -> None:
         if self.is_main:  # tqdm.write keeps the line apart from an active progress bar
             tqdm.write(text) if self._bars() else print(text, flush=True)
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    """An evaluation's line: its metrics, of a breakdown only the means (every value's is in metrics.jsonl)."""
-    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if (not k.startswith("by_") or k.endswith("/mean"))
-                     and not (k == "failed_share" and v == 0))  # shown when some image got no reward

@@ -3,8 +3,7 @@ rewards (metrics.jsonl always has the numbers)."""
 
 from __future__ import annotations
 
-from trainer.logging import epoch_line
-from trainer.trainer import _fmt
+from trainer.logging import epoch_line, eval_line
 
 EPOCH = {"reward_mean": 0.5, "reward_std": 0.1, "images_per_s": 2.0, "rollout_images_per_s": 4.0,
          "zero_std_share": 0.0, "failed_share": 0.0}
@@ -16,8 +15,8 @@ def test_an_epoch_line_names_the_share_of_samples_without_a_reward():
 
 
 def test_an_evaluation_line_shows_failed_share_only_when_some_image_got_no_reward():
-    assert _fmt({"reward_mean": 0.5, "failed_share": 0.0}) == "reward_mean 0.500"
-    assert _fmt({"reward_mean": 0.5, "failed_share": 0.25}) == "reward_mean 0.500  failed_share 0.250"
+    assert eval_line({"reward_mean": 0.5, "failed_share": 0.0}) == "reward_mean 0.500"
+    assert eval_line({"reward_mean": 0.5, "failed_share": 0.25}) == "reward_mean 0.500  failed_share 0.250"
 
 
 def test_a_long_wait_for_rewards_is_put_down_to_failed_requests_where_there_were_some():
