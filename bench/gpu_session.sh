@@ -11,6 +11,9 @@
 #             phase cut short keeps what finished
 #   adapters  bench/adapters.py --denoiser real rows for ADAPTERS (default: those without a GPU row; flux2's 32 B
 #             are saved in float8, 32 GB, where 64 GB of bfloat16 would not fit the disk, and loaded back in bfloat16)
+#   oom       the embedded job under a CUDA memory cap (OOM_FRACTION of the card): a real CUDA out-of-memory error
+#             must end it with one "out of GPU memory in ..." line (trainer/memory.py), no traceback (~40 s; run it
+#             before adapters in that phase's call)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -58,6 +61,15 @@ for phase in $PHASES; do
         ${EPOCH_ARGS:---compile none,blocks} \
         --attention auto >"$OUT/epoch.log" 2>&1
       echo "epoch rc $?" >>"$OUT/env.txt";;
+    oom)
+      timeout "${OOM_S:-120}" python3 -c "import sys, torch
+torch.cuda.set_per_process_memory_fraction(float(sys.argv[1]))
+from trainer.main import main
+sys.exit(main(sys.argv[2:]))" "${OOM_FRACTION:-0.0002}" train.warmup_steps=4 warmup.batch_size=4096 \
+        warmup.micro_batch_size=4096 train.epochs=1 logging.output_dir=/tmp/oom-runs logging.progress=false \
+        >"$OUT/oom.log" 2>&1
+      echo "oom rc $? (expected: 1 or 2, one 'out of GPU memory in' line, no Traceback)" >>"$OUT/env.txt"
+      grep -h "out of GPU memory\|Traceback" "$OUT/oom.log" >>"$OUT/env.txt";;
     adapters)
       timeout "$(( $(left) > 30 ? $(left) : 30 ))" python3 bench/adapters.py --device cuda --dtype bfloat16 \
         --denoiser real --scale 2 --gradient-checkpointing --repeats 3 --names "$ADAPTERS" >"$OUT/adapters.log" 2>&1
