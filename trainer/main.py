@@ -99,12 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     # (the end of its log, in the message, says why).
     except (ValueError, RewardPoolError) as exc:
         return user_error_exit(exc)
-    except RuntimeError as exc:  # out of memory before training: loading the model, preparing it (trainer/memory.py)
-        from trainer.memory import memory_advice, out_of_memory
-
-        if not out_of_memory(exc):
-            raise
-        return user_error_exit(ValueError(memory_advice(exc, config)))
     except OSError as exc:  # no room for the run's first files (its checkpoints' own: RunInterrupted)
         from trainer.checkpoint import NO_ROOM
 
@@ -117,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         exc.every_rank = True
         user_error_exit(exc)
         return 1
+    except RuntimeError as exc:  # out of memory before training: loading the model, preparing it (trainer/memory.py)
+        from trainer.memory import memory_advice, out_of_memory
+
+        if not out_of_memory(exc):
+            raise
+        return user_error_exit(ValueError(memory_advice(exc, config)))
     return 0
 
 
