@@ -65,6 +65,9 @@ class FluxAdapter:
                             "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"))
     config_class = FluxConfig
     pipeline_class = Imported("diffusers:FluxPipeline")
+    transformer_class = Imported("diffusers:FluxTransformer2DModel")
+    label = "FLUX"
+    """The family's name in messages about ``model.path`` (Chroma subclasses this adapter with its transformer)."""
     model_name = "flux"
     encodes_image_inputs = False
     """Whether ``_image_conditioning`` VAE-encodes per-item inputs (Fill, Kontext): ``model.image_latents``."""
@@ -76,14 +79,14 @@ class FluxAdapter:
     prompt_encoder = classmethod(prompt_encoder)
 
     def __init__(self, config: FluxConfig, device: torch.device | str = "cpu"):
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
-        saved = denoiser_config(FluxTransformer2DModel, config, "transformer", "FLUX")
+        saved = denoiser_config(self.transformer_class, config, "transformer", self.label)
         if config.ip_adapter is not None:
             refuse_unloadable_flux_tokens(config.ip_adapter.num_tokens, saved["joint_attention_dim"])
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
@@ -102,7 +105,7 @@ class FluxAdapter:
                              f"input channels, and model.name={config.name} feeds it {fed}: FLUX.1 Fill reads 384 "
                              "(latents | masked-image latents | mask), FLUX.1-dev and Kontext 64; point model.path at "
                              "the weights of the model that model.name names")
-        self.denoiser = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", **load)
+        self.denoiser = self.transformer_class.from_pretrained(path, subfolder="transformer", **load)
         self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
                                             **load_text_components(type(self), config, self.device))
         self.pipeline.to(self.device)
@@ -112,7 +115,7 @@ class FluxAdapter:
             refuse_image_latents(self.model_name, config)
         self.image_latents = ImageLatents.of(self.vae, config)
         self.img_ids = self.pipeline._prepare_latent_image_ids(1, tokens_side, tokens_side, self.device, self.dtype)
-        self.guidance_embeds = bool(self.denoiser.config.guidance_embeds)
+        self.guidance_embeds = bool(self.denoiser.config.get("guidance_embeds", False))
 
         self.ip_adapter = IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
