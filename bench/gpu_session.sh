@@ -19,7 +19,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PHASES=${PHASES:-epoch checks adapters}
-ADAPTERS=${ADAPTERS:-qwen_image_inpaint,qwen_image_edit_plus,qwen_image_edit_inpaint,flux2}
+ADAPTERS=${ADAPTERS:-chroma,qwen_image_inpaint,qwen_image_edit_plus,qwen_image_edit_inpaint,flux2}
 start=$(date +%s)
 left() { echo $(( ${BUDGET_S:-540} - ($(date +%s) - start) )); }
 
