@@ -47,6 +47,7 @@ MODELS: dict[str, ModelSpec] = {
     "flux_fill": ModelSpec("trainer.models.flux_fill:FluxFillAdapter"),
     "flux_kontext": ModelSpec("trainer.models.flux_kontext:FluxKontextAdapter"),
     "chroma": ModelSpec("trainer.models.chroma:ChromaAdapter"),
+    "chroma_inpaint": ModelSpec("trainer.models.chroma_inpaint:ChromaInpaintAdapter"),
     "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter"),
     "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
     "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
