@@ -20,6 +20,7 @@ from trainer.models.chroma import ChromaAdapter, ChromaConfig
 from trainer.models.common import Imported
 from trainer.models.flow import inpaint_velocity
 from trainer.models.inputs import reject_image_inputs, require_image_input
+from trainer.models.qwen_image_inpaint import packed_mask
 
 
 @dataclass
@@ -53,10 +54,7 @@ class ChromaInpaintAdapter(ChromaAdapter):
         latents = self.image_latents(x).mode()
         # The pipeline shifts and scales in the model dtype.
         latents = ((latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor).float()
-        c, side = self.latent_channels, latents.shape[-1]
-        grid = nn.functional.interpolate((mask.to(self.device, torch.float32) >= 0.5).float(), size=(side, side))
-        packed = self.pipeline._pack_latents(grid.repeat(1, c, 1, 1), batch_size, c, side, side) > 0.5
-        return {"image": self.pack(latents), "mask": packed}
+        return {"image": self.pack(latents), "mask": packed_mask(self, mask)}
 
     def predict(
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float

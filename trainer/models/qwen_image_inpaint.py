@@ -68,8 +68,8 @@ class QwenImageInpaintAdapter(QwenImageAdapter):
 
 def packed_mask(adapter, mask: torch.Tensor) -> torch.Tensor:
     """True where to repaint, per packed latent entry: ``mask`` [B, 1, H, W] binarised at 0.5 and folded to the
-    latent grid as the Qwen-Image pipelines' ``prepare_mask_latents`` do."""
-    side, c = 2 * adapter.tokens_side, adapter.latent_channels
+    latent grid as the Qwen-Image and FLUX-layout (Chroma) pipelines' ``prepare_mask_latents`` do."""
+    side, c = adapter.resolution // adapter.vae_factor, adapter.latent_channels
     grid = nn.functional.interpolate((mask.to(adapter.device, torch.float32) >= 0.5).float(), size=(side, side))
     return adapter.pipeline._pack_latents(grid.repeat(1, c, 1, 1), mask.shape[0], c, side, side) > 0.5
 
