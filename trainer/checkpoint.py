@@ -345,7 +345,14 @@ def config_changes(saved: dict, current: dict) -> list[str]:
                 else:
                     flat.setdefault(f"{prefix}{key}", [None, None])[which] = json.loads(json.dumps(value, default=str))
     return [f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(flat.items())
-            if old != new and not key.startswith(RESUME_MAY_CHANGE)]
+            if old != new and not key.startswith(RESUME_MAY_CHANGE) and not _made_absolute(old, new)]
+
+
+def _made_absolute(old: object, new: object) -> bool:
+    """Whether ``new`` is relative path ``old`` made absolute here, as a run saves its paths now (an older
+    run's config kept them as written)."""
+    return isinstance(old, str) and isinstance(new, str) and bool(old) and not os.path.isabs(old) \
+        and os.path.abspath(old) == new
 
 
 def _rank_dir(rank: int) -> str:

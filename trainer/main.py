@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             print(told, file=sys.stderr)
         return 2
     if args.show_config:
-        print(described_yaml(config, saved_dict(config)), end="")
+        print(described_yaml(config, saved_dict(config, absolute=False)), end="")
         return 0
     rank0 = os.environ.get("RANK", "0") == "0"
     try:

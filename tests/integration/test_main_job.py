@@ -18,9 +18,9 @@ from trainer.export import export_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(cmd: list[str], tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], tmp_path: Path, timeout: int, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 
@@ -47,12 +47,13 @@ def _check_outputs(run: subprocess.CompletedProcess, run_dir: Path, epochs: int,
 def test_the_job_writes_its_outputs(tmp_path):
     """The README's job at toy size (its two reward replicas started by the job itself, the tiny model built by the
     job as on a first run): every output is there, and no third-party notice (transformers' torchvision fallback,
-    DeepSpeed's accelerator, loading bars) nor progress bar in the output (not a terminal). That it learns is test_shortened_job_raises_the_reward's
-    (slow) and test_adapter_learning's."""
-    run = _run([sys.executable, "trainer/main.py", f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path}",
+    DeepSpeed's accelerator, loading bars) nor progress bar in the output (not a terminal). Its paths are relative
+    to the folder it starts in, and generate, export and a resume find them from another. That it learns is
+    test_shortened_job_raises_the_reward's (slow) and test_adapter_learning's."""
+    run = _run([sys.executable, str(REPO / "trainer" / "main.py"), "model.path=tiny", "logging.output_dir=.",
                 "logging.run_name=toy", "train.warmup_steps=4", "train.epochs=2",
                 "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1",
-                "eval.num_steps=2", "eval.guard_scorers=[brightness]"], tmp_path, timeout=600)
+                "eval.num_steps=2", "eval.guard_scorers=[brightness]"], tmp_path, timeout=600, cwd=tmp_path)
     records = _check_outputs(run, tmp_path / "toy", epochs=2)
     # the guard scorer is served by the job's own replicas and scored on the evaluation's images; best/ is there
     assert all(0 < r["guard/brightness"] < 1 for r in records if r["phase"] == "eval")
@@ -82,6 +83,12 @@ def test_the_job_writes_its_outputs(tmp_path):
     assert (tmp_path / "exported" / "diffusion_pytorch_model.safetensors").is_file()
     for notice in ("requires torchvision", "Loading weights", "%|"):
         assert notice not in export.stdout + export.stderr, notice
+    # --resume from another folder continues on the run's own model (no new tiny one built there), unchanged
+    (tmp_path / "elsewhere").mkdir()
+    resumed = _run([sys.executable, str(REPO / "trainer" / "main.py"), "--resume", "auto", f"logging.output_dir={tmp_path}",
+                    "logging.run_name=toy", "train.epochs=3"], tmp_path, timeout=300, cwd=tmp_path / "elsewhere")
+    assert "resumed from" in resumed.stdout and "epoch   3" in resumed.stdout and "warning" not in resumed.stdout
+    assert not any((tmp_path / "elsewhere").iterdir())
 
 
 @pytest.mark.slow

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import yaml
 
-from trainer.checkpoint import Progress
-from trainer.config import load_config, saved_dict
+from trainer.checkpoint import Progress, config_changes
+from trainer.config import load_config, saved_dict, to_dict
 from trainer.main import main
+from trainer.models.tiny import DEFAULT_TINY_PATH
 
 
 def _a_run(tmp_path):
@@ -47,3 +48,29 @@ def test_a_config_file_or_no_run_to_continue_keeps_the_usual_settings(tmp_path, 
     assert shown["train"]["warmup_steps"] == load_config("configs/embedded_digits.yaml").train.warmup_steps != 30
     shown = _shown(capsys, "--resume", "auto", f"logging.output_dir={tmp_path / 'elsewhere'}")
     assert shown["train"]["warmup_steps"] == load_config().train.warmup_steps
+
+
+def test_a_run_saves_the_files_it_reads_as_absolute_paths(tmp_path, monkeypatch):
+    """config.yaml and checkpoints hold every input path absolute (a resume, generate or export started in another
+    folder finds them), except a Hub id given for a folder and what is empty; other text is kept as written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "encoders" / "clip").mkdir(parents=True)  # a folder here, though it reads as a Hub id too
+    config = load_config(overrides=["model.name=flux", "model.path=some-org/some-model", "model.text_embeddings=emb",
+                                    "model.ip_adapter.image_encoder=encoders/clip", "model.ip_adapter.weights=ip",
+                                    "data.name=prompt_file", "data.path=../prompts.txt", "eval.path=/data/eval.txt",
+                                    "train.init_from=runs/a/best", "model.negative_prompt=blurry/grainy"])
+    saved = saved_dict(config)
+    assert saved["model"]["path"] == "some-org/some-model"  # model.path's error names `hf download`
+    assert saved["model"]["text_embeddings"] == str(tmp_path / "emb") and saved["model"]["image_latents"] == ""
+    assert saved["model"]["ip_adapter"]["image_encoder"] == str(tmp_path / "encoders" / "clip")
+    assert saved["model"]["ip_adapter"]["weights"] == str(tmp_path / "ip")
+    assert saved["data"]["path"] == str(tmp_path.parent / "prompts.txt") and saved["eval"]["path"] == "/data/eval.txt"
+    assert saved["train"]["init_from"] == str(tmp_path / "runs" / "a" / "best")
+    assert saved["model"]["negative_prompt"] == "blurry/grainy" and saved["reward"]["model_dir"] == ""
+    assert load_config([]).model.path == DEFAULT_TINY_PATH  # the config itself keeps what was given
+    # a checkpoint of an older run, which kept relative paths, is resumed without a warning about them
+    older = to_dict(config)
+    assert config_changes(older, saved) == []
+    older["model"]["ip_adapter"]["image_encoder"] = "encoders/siglip"
+    assert config_changes(older, saved) == [f"model.ip_adapter.image_encoder: 'encoders/siglip' -> "
+                                            f"{str(tmp_path / 'encoders' / 'clip')!r}"]

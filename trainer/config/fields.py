@@ -1,5 +1,6 @@
 """The vocabulary config dataclasses are written in: range-checked numeric types (``PositiveInt``,
-``Probability``, ...), the ``Selected`` marker of sections chosen by name, and ``ConfigError``.
+``Probability``, ...), the ``Selected`` marker of sections chosen by name, ``LocalPath`` for files and folders a
+run reads, and ``ConfigError``.
 
 Algorithm, model and sampler configs import only this module; ``trainer.config.building`` reads the markers.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated
 
@@ -31,6 +34,11 @@ class Selected:
 
     registry: Callable[[], Mapping[str, type]]
     default: str
+
+
+class Place:
+    """Marks a text field naming a file or folder the run reads (``LocalPath``): a run's saved config holds it
+    absolute, so that a resume, ``generate`` or ``export`` started in another folder finds it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +80,12 @@ Decay = Annotated[float, Bounds(0, 1, high_open=True)]
 """An exponential decay rate (Adam's betas, an EMA's decay)."""
 Seed = Annotated[int, Bounds(0, 2**63 - 1)]
 """A random seed: torch generators take a non-negative 64-bit integer."""
+LocalPath = Annotated[str, Place()]
+"""A file or folder the run reads, relative to the folder it starts in ("" where it reads none)."""
+OptionalLocalPath = Annotated[str | None, Place()]
+
+
+def hub_id(path: str) -> bool:
+    """Whether ``path`` names no file or folder here and reads as a Hugging Face Hub id ("org/name"), which
+    users give where a local folder is meant."""
+    return not os.path.exists(path) and re.fullmatch(r"\w[\w.-]*/\w[\w.-]*", path) is not None

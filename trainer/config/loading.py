@@ -25,7 +25,7 @@ from trainer.config.building import (
     to_dict,
     unwrap_hint,
 )
-from trainer.config.fields import ConfigError
+from trainer.config.fields import ConfigError, Place, hub_id
 from trainer.config.schema import Config
 from trainer.tool import tell_launcher
 
@@ -166,9 +166,27 @@ def _home_expanded(node: Any) -> Any:
     return node
 
 
-def saved_dict(config: Config) -> dict:
+def saved_dict(config: Config, absolute: bool = True) -> dict:
     """``to_dict(config)`` as written to a run's config.yaml and checkpoints, and printed: without the
-    bearer token (a secret; the run's command line or $REWARD_SERVER_TOKEN gives it again on a resume)."""
-    raw = to_dict(config)
+    bearer token (a secret; the run's command line or $REWARD_SERVER_TOKEN gives it again on a resume), and
+    with the files and folders it reads (``LocalPath`` fields) absolute, so that a resume, ``generate`` or
+    ``export`` started in another folder finds them (``absolute=False``: as given, for ``--show-config``)."""
+    raw = absolute_paths(config, to_dict(config)) if absolute else to_dict(config)
     raw["reward"]["token"] = None
+    return raw
+
+
+def absolute_paths(config: Any, raw: dict) -> dict:
+    """``raw`` (``to_dict`` of config dataclass ``config``) with each relative ``LocalPath`` field made absolute,
+    in place; a Hub id given for a folder stays as written, for the error that names the fix."""
+    if not dataclasses.is_dataclass(config):
+        return raw
+    hints = typing.get_type_hints(type(config), include_extras=True)
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if any(isinstance(marker, Place) for marker in unwrap_hint(hints[field.name])[1]):
+            if isinstance(value, str) and value and not os.path.isabs(value) and not hub_id(value):
+                raw[field.name] = os.path.abspath(value)
+        elif dataclasses.is_dataclass(value) and isinstance(raw.get(field.name), dict):
+            absolute_paths(value, raw[field.name])
     return raw

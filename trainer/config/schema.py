@@ -15,6 +15,7 @@ from trainer.config.fields import (
     Bounds,
     Decay,
     FiniteFloat,
+    LocalPath,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -57,7 +58,7 @@ class DataConfig:
     name: str = "digits"
     """Registered task/dataset name (``trainer.data.DATASETS``): digits, words, prompt_file, inpaint_jsonl,
     edit_jsonl, triplet_folder."""
-    path: str = ""
+    path: LocalPath = ""
     """File or folder of file-based tasks (prompt_file: .txt or GenEval-style .jsonl; inpaint_jsonl /
     edit_jsonl: .jsonl rows; triplet_folder: the folder holding self_bench.txt)."""
     prompts_per_epoch: PositiveInt = 10
@@ -89,7 +90,7 @@ class RewardConfig:
     """Scorer name -> weight; the combined reward is the weighted sum; each component is logged."""
     replicas: PositiveInt = 2
     """Local replicas started when ``urls`` is empty."""
-    model_dir: str = ""
+    model_dir: LocalPath = ""
     """The folder the job's own replicas (``urls`` empty) load model-based scorers from, as a reward server's
     ``--model-dir`` (aesthetic/, pickscore/, hpsv2/, ...; docs/reward_protocol.md); empty: none, so only
     scorers without weights (digit, brightness, ocr, ...) run locally."""
@@ -153,7 +154,7 @@ class ParallelConfig:
     from its first forward; zero3: all when sampling starts), so T steps gather them once rather than T times,
     at the full weights' memory. False: gather in every forward (weights too big for one device). Unset: on,
     except with cpu_offload, whose point is not to hold the full weights on the device."""
-    deepspeed_config: str = ""
+    deepspeed_config: LocalPath = ""
     """A DeepSpeed JSON config to use instead of the packaged trainer/distributed/deepspeed_configs/zero{2,3}.json
     (linked from deploy/deepspeed/); its "auto" values are filled from this config (clipping, dtypes, offload),
     explicit values are kept."""
@@ -208,7 +209,7 @@ class TrainConfig:
     weights (small with LoRA, 4 bytes per parameter with full fine-tuning)."""
     ema_every: PositiveInt = 1
     """Update the EMA every N RL optimizer steps."""
-    init_from: str = ""
+    init_from: LocalPath = ""
     """A checkpoint directory whose trainable weights the run starts from (its optimizer and progress are
     not taken): e.g. RL with several algorithms from one warm-up run. Ignored when resuming."""
     select_by: str = ""
@@ -226,7 +227,7 @@ class EvalConfig:
     """Fixed-seed evaluation before and after training (and every ``every`` epochs), on prompts RL does not
     sample where the task has others to train on, with guard metrics beside the reward (trainer/guard.py)."""
 
-    path: str = ""
+    path: LocalPath = ""
     """A file (or folder) of evaluation items in data.name's format, e.g. a test split of prompts; RL then samples
     every item of data.path. Empty: the evaluation holds data.path's first items out of RL."""
     prompts: NonNegativeInt = 0

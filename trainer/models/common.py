@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from trainer.config.fields import NonNegativeInt
+from trainer.config.fields import LocalPath, NonNegativeInt, hub_id
 from trainer.models.trainable import LoraSettings
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class DiffusersModelConfig:
 
     name: str = ""
     """Registry name of the adapter (``trainer.models.MODELS``)."""
-    path: str = ""
+    path: LocalPath = ""
     """Local diffusers-format directory of the weights (model_index.json and one folder per component)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and forward dtype of the denoiser, encoders and VAE; sampler math is float32 regardless. Trained
@@ -91,11 +90,11 @@ class DiffusersModelConfig:
     every call it supports, math the rest (trainer/models/attention.py)."""
     negative_prompt: str = ""
     """The prompt of CFG's unconditional branch (the pipelines' default: the empty prompt)."""
-    text_embeddings: str = ""
+    text_embeddings: LocalPath = ""
     """Directory written by ``python -m trainer.precompute``: prompt embeddings are read from it and the text
     encoders and tokenizers are not loaded at all (FLUX's T5 and Qwen-Image's Qwen2.5-VL take 9-16 GB).
     "" encodes prompts with the model's own text encoders."""
-    image_latents: str = ""
+    image_latents: LocalPath = ""
     """Directory written by ``python -m trainer.precompute --latents DIR``: the VAE posteriors of the dataset's
     image inputs (the inpainting models' masked image, the editing models' references), read instead of
     VAE-encoding the same images at every rollout; an input not in it is encoded (the VAE stays loaded:
@@ -123,7 +122,7 @@ def denoiser_config(cls: type, config: Any, subfolder: str, label: str) -> dict[
     file = Path(config.path) / subfolder / "config.json"
     if not file.is_file():
         fix = "point model.path at a local copy of the weights"
-        if not Path(config.path).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", config.path):  # "org/name"
+        if hub_id(config.path):
             fix = (f"{config.path!r} reads as a Hugging Face Hub id, and the trainer reads local folders only: "
                    f"`hf download {config.path} --local-dir DIR`, then model.path=DIR")
         raise ValueError(f"model.path={config.path!r} is not a diffusers {label} directory (no {subfolder}/config.json); "

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trainer.config.fields import NonNegativeFloat, PositiveInt
+from trainer.config.fields import LocalPath, NonNegativeFloat, OptionalLocalPath, PositiveInt
 from trainer.models.base import ImageInputs
 from trainer.models.inputs import require_image_input
 
@@ -61,11 +61,11 @@ IMAGE_ENCODERS = {"CLIPVisionModelWithProjection": "image_embeds", "SiglipVision
 class IPAdapterSettings:
     """The IP-Adapter of a FLUX-family or Qwen-Image model (``model.ip_adapter``)."""
 
-    image_encoder: str = ""
+    image_encoder: LocalPath = ""
     """Local directory of the image encoder saved with ``save_pretrained``: CLIPVisionModelWithProjection
     (e.g. clip-vit-large-patch14 for XLabs' FLUX IP-Adapter) or SiglipVisionModel, with the
     ``preprocessor_config.json`` whose mean and std normalise the pixels."""
-    weights: str | None = None
+    weights: OptionalLocalPath = None
     """IP-Adapter weights: a safetensors file in the format above, or a directory holding ``ip_adapter.safetensors``
     (what ``adapter.trainable.save`` writes). None: fresh weights that leave the model's output unchanged."""
     num_tokens: PositiveInt = 4

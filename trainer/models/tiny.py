@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config.fields import PositiveInt
+from trainer.config.fields import LocalPath, PositiveInt
 from trainer.models.sd3 import SD3Adapter, SD3Config
 from trainer.models.tokenizers import clip_bpe_tokenizer
 
@@ -74,7 +74,7 @@ class TinyConfig(SD3Config):
 
     name: str = "tiny"
     """Registry name of the adapter."""
-    path: str = DEFAULT_TINY_PATH
+    path: LocalPath = DEFAULT_TINY_PATH
     """Where the random tiny model lives; built there (atomically) if missing."""
     max_sequence_length: PositiveInt = 8
     """Zero 'T5' tokens appended like the SD3 pipeline does without T5; kept short for speed."""
