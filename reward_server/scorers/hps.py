@@ -4,7 +4,10 @@ The score is HPSv2's own readout: the cosine of the L2-normalised image and text
 scale), typically ~0.2-0.35 for generated images. Preprocessing is HPSv2's validation transform (its
 ``light_augmentation`` path): pixels to [0, 1], the longer side resized to the model's image size (bicubic,
 antialiased, Python-rounded sizes), zero padding centred to a square, then OpenAI CLIP mean/std. Prompts
-are tokenised by a CLIP tokenizer and truncated to the context (77 tokens), ``details.truncated`` says when.
+are cleaned as OpenCLIP's tokenizer does (HTML entities unescaped twice, whitespace runs collapsed, lower case),
+tokenised by a CLIP tokenizer and truncated to the context (77 tokens); ``details.truncated`` says when.
+Departures: OpenCLIP also runs ``ftfy.fix_text`` (not applied here; it changes only non-ASCII text such as
+curly quotes), and float32 instead of fp16 autocast (docs/departures.md, "Scorers").
 
 Expected layout under the server's ``--model-dir``::
 
@@ -12,11 +15,14 @@ Expected layout under the server's ``--model-dir``::
                 checkpoint by ``python -m reward_server.scorers.convert_hps --src HPS_v2.1_compressed.pt
                 --tokenizer <CLIP tokenizer dir> --out <model_dir>/hpsv2``
 
-Runs in float32 (the reference uses fp16 autocast on GPU: expect differences around 1e-3).
+Runs in float32, a half-precision checkpoint upcast (the reference uses fp16 autocast on GPU: expect differences
+around 1e-3).
 """
 
 from __future__ import annotations
 
+import html
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,11 @@ def hps_pixels(image: np.ndarray, size: int) -> torch.Tensor:
     mean = torch.tensor(OPENAI_MEAN).view(3, 1, 1)
     std = torch.tensor(OPENAI_STD).view(3, 1, 1)
     return (pixels - mean) / std
+
+
+def hps_prompt(prompt: str) -> str:
+    """OpenCLIP's prompt cleaning before BPE (``basic_clean``, ``whitespace_clean``, lower case), less ftfy."""
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(prompt)).strip()).strip().lower()
 
 
 class HpsScorer:
@@ -98,7 +109,7 @@ class HpsScorer:
         assert self._model is not None, "load() must be called before score()"
         size = self._model.config.vision_config.image_size
         pixels_BCHW = torch.stack([hps_pixels(image, size) for image in images]).to(self._device)
-        tokens, truncated = tokenize(self._tokenizer, prompts, self._max_tokens, self._device)
+        tokens, truncated = tokenize(self._tokenizer, [hps_prompt(p) for p in prompts], self._max_tokens, self._device)
         image_BD = self._model.get_image_features(pixel_values=pixels_BCHW)
         text_BD = self._model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
         image_BD, text_BD = (_embeds(x).float() for x in (image_BD, text_BD))
