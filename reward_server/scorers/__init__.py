@@ -51,6 +51,9 @@ SCORERS: dict[str, ScorerSpec] = {
     "clipscore": ScorerSpec("clip_score:ClipScoreScorer", {
         "name": "clipscore", "divisor": 30.0,
         "description": "CLIP score (ViT-L/14): logit_scale * cos(text, image) / 30"}),
+    "clipscore_flow_grpo": ScorerSpec("clip_score:ClipScoreScorer", {
+        "name": "clipscore_flow_grpo", "folder": "clipscore", "divisor": 30.0, "preprocess": "flow_grpo",
+        "description": "CLIP score (ViT-L/14) with Flow-GRPO's bilinear resize: logit_scale * cos(text, image) / 30"}),
     "geneval": ScorerSpec("geneval:GenEvalScorer", {"mode": "strict"}),
     "geneval_partial": ScorerSpec("geneval:GenEvalScorer", {"mode": "partial"}),
     "hpsv2": ScorerSpec("hps:HpsScorer"),

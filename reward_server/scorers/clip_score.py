@@ -18,7 +18,11 @@ Expected layout under the server's ``--model-dir``::
 
 Prompts longer than the text tower's context (77 tokens) are truncated, as in the reference scorers;
 ``details.truncated`` says when. Preprocessing is CLIPImageProcessorPil (bicubic resize of the short side,
-centre crop, CLIP mean/std), as CLIPProcessor's.
+centre crop, CLIP mean/std), as CLIPProcessor's and so PickScore's and the LAION/OpenAI CLIP models' own.
+Departures: Flow-GRPO's clip scorer resizes with torchvision's bilinear tensor resize instead (and rounds the
+crop offsets where CLIPProcessor floors them); registry name
+``clipscore_flow_grpo`` (the ``clipscore/`` weights, ``preprocess="flow_grpo"``) does the same
+(docs/departures.md, "Scorers").
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.local_model import (
@@ -39,23 +44,51 @@ from reward_server.scorers.local_model import (
     weights_dir,
 )
 
+PREPROCESSING = ("clip", "flow_grpo")
+
+
+def flow_grpo_pixels(image: np.ndarray, processor: Any) -> torch.Tensor:
+    """Flow-GRPO's clip scorer transform of one uint8 ``[H, W, C]`` image: on [0, 1] floats, torchvision's
+    Resize(shortest edge, bilinear, antialiased), CenterCrop (offsets rounded half to even) and Normalize, with the
+    sizes, mean and std of ``processor`` -> float ``[3, crop_h, crop_w]``."""
+    rgb = np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image[:, :, :3]
+    pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).float() / 255.0
+    height, width = pixels.shape[1:]
+    size, crop_h, crop_w = processor.size["shortest_edge"], processor.crop_size["height"], processor.crop_size["width"]
+    short, long = min(height, width), max(height, width)
+    new_h, new_w = (int(size * long / short), size) if width <= height else (size, int(size * long / short))
+    if (new_h, new_w) != (height, width):
+        pixels = F.interpolate(pixels[None], size=(new_h, new_w), mode="bilinear", align_corners=False,
+                               antialias=True)[0]
+    top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
+    pixels = pixels[:, top:top + crop_h, left:left + crop_w]
+    mean, std = (torch.tensor(values, dtype=torch.float32).view(3, 1, 1)
+                 for values in (processor.image_mean, processor.image_std))
+    return (pixels - mean) / std
+
 
 class ClipScoreScorer:
-    """``logit_scale * cos(text, image) / divisor`` of a CLIPModel read from ``<model_dir>/<name>``."""
+    """``logit_scale * cos(text, image) / divisor`` of a CLIPModel read from ``<model_dir>/<folder>``."""
 
     score_range = (None, None)
 
     def __init__(self, name: str, divisor: float, description: str, model_dir: Path | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, folder: str | None = None, preprocess: str = "clip") -> None:
         """Args:
-        name: registry name, also the folder under ``model_dir`` the weights are read from.
+        name: registry name.
         divisor: what the scaled cosine is divided by (the reference scorer's normalisation).
         description: the one-line ``/info`` description.
         model_dir: the server's ``--model-dir``.
         device: torch device; default CUDA when available, else CPU.
+        folder: the folder under ``model_dir`` the weights are read from; default ``name``.
+        preprocess: ``"clip"`` (CLIPProcessor's PIL bicubic resize) or ``"flow_grpo"`` (Flow-GRPO's clip
+            scorer: :func:`flow_grpo_pixels`).
         """
-        self.name, self.description, self._divisor = name, description, divisor
-        self._root = weights_dir(model_dir, name)
+        if preprocess not in PREPROCESSING:
+            raise ValueError(f"preprocess={preprocess!r} is not one of {PREPROCESSING}")
+        self.name, self.description, self._divisor, self._preprocess = name, description, divisor, preprocess
+        self._folder = folder or name
+        self._root = weights_dir(model_dir, self._folder)
         self._device = pick_device(device)
         self._model: Any = None
         self._tokenizer: Any = None
@@ -72,7 +105,7 @@ class ClipScoreScorer:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         if self._root is None:
-            raise ModelFilesMissing(f"{self.name} needs --model-dir with a CLIPModel in {self.name}/")
+            raise ModelFilesMissing(f"{self.name} needs --model-dir with a CLIPModel in {self._folder}/")
         if not (self._root / "config.json").is_file():
             raise FileNotFoundError(f"{self._root} is not a transformers CLIPModel checkpoint (no config.json)")
         processor_dir = self._root / "processor" if (self._root / "processor").is_dir() else self._root
@@ -90,8 +123,11 @@ class ClipScoreScorer:
     @torch.no_grad()
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[ScoreOutcome]:
         assert self._model is not None, "load() must be called before score()"
-        rgb = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
-        pixels_BCHW = self._processor(images=rgb, return_tensors="pt")["pixel_values"].to(self._device)
+        if self._preprocess == "flow_grpo":
+            pixels_BCHW = torch.stack([flow_grpo_pixels(image, self._processor) for image in images]).to(self._device)
+        else:
+            rgb = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
+            pixels_BCHW = self._processor(images=rgb, return_tensors="pt")["pixel_values"].to(self._device)
         tokens, truncated = tokenize(self._tokenizer, prompts, self._max_tokens, self._device)
         out = self._model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
                           pixel_values=pixels_BCHW)
