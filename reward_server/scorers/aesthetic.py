@@ -15,7 +15,8 @@ Expected layout under the server's ``--model-dir``::
       or head.safetensors   the same tensors; keys with or without the ``layers.`` prefix
 
 Preprocessing is CLIPImageProcessorPil (PIL and numpy: bicubic resize of the short side, centre crop,
-CLIP mean/std), the same steps as the ``clip`` package's preprocess that LAION used.
+CLIP mean/std), the same steps as the ``clip`` package's preprocess that LAION used, and the CLIPProcessor of
+DDPO's and Flow-GRPO's scorers. Departures: none.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ Hasler and Süsstrunk, "Measuring colourfulness in natural images" (SPIE 2003), 
 Standard deviations are population ones (over all pixels). Gray images (C = 1, or R = G = B) score 0;
 the paper's scale reads about 15 as "slightly", 33 "moderately", 59 "quite" and 82 "highly" colourful.
 The score is unbounded above in the protocol's sense (an image of half pure red, half pure green scores
-293.25), so ``score_range`` leaves the top open.
+293.25), so ``score_range`` leaves the top open. Departures: the reference implementation
+(ImageQualityIndexes.jl) takes sample deviations (N - 1), a spread larger by sqrt(N / (N - 1)): 2e-6 at
+512x512 (docs/departures.md, "Scorers").
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the score is mu (unbounded), sigma is in ``details``. As the reference
 (transformers 4.45) runs it: the chat text of Qwen2-VL with the default system turn, the image resized (PIL
 bicubic) to about 256 * 28 * 28 pixels keeping its aspect ratio, and *sequential* 1-D positions (the reference
 model calls the language model without Qwen2-VL's 3-D M-RoPE positions), counted from each row's first token.
-Hidden states run in the backbone's dtype (bfloat16 on CUDA, as the reference), the head in float32.
+Hidden states run in the backbone's dtype (bfloat16 on CUDA, as the reference), the head in float32. Departures:
+none (left padding with positions from each row's first token gives the reference's right-padded positions).
 
 Runs on transformers only (the local backend of :mod:`reward_server.scorers.qwenvl`): an OpenAI-compatible
 chat server returns tokens, not the hidden state the head needs. Expected layout under ``--model-dir``::

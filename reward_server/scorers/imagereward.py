@@ -5,6 +5,7 @@ As the reference's ``ImageReward.score``: the prompt is tokenised by BLIP's BERT
 plus [DEC] and [ENC]), padded and truncated to 35 tokens, with [CLS] first (no [ENC] swap); the image is
 resized (short side, PIL bicubic), centre-cropped (torchvision's rounding) and normalised with OpenAI CLIP's
 mean/std. Runs on transformers' BlipVisionModel and BlipTextModel; the MLP is LAION's aesthetic head layout.
+Departures: none.
 
 Expected layout under the server's ``--model-dir``::
 

@@ -2,7 +2,8 @@
 
 The image is saved with PIL at quality 95 (grayscale images as 8-bit grayscale JPEG, RGB as RGB) and
 the score is ``-len(bytes) / 1000``: higher means more compressible (flatter) images. The range is
-``(-inf, 0]`` and depends on the image size, as in DDPO.
+``(-inf, 0]`` and depends on the image size, as in DDPO. Departures: none (Flow-GRPO's variant further
+divides by 500: scale the reward weight by 1/500 for its numbers).
 """
 
 from __future__ import annotations
