@@ -8,25 +8,27 @@ STD_EPS = 1e-4
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, clip: float = 5.0
+    rewards: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, clip: float = 5.0, ddof: int = 0
 ) -> torch.Tensor:
     """GRPO advantages: A_i = (r_i - mean of r over i's group) / (std + 1e-4), clipped to [-clip, clip].
 
     ``std`` is the standard deviation of i's group, or of the whole batch when ``global_std`` (the
-    Flow-GRPO recipe). Standard deviations are population ones (ddof = 0). NaN rewards (a failed reward
-    component) are left out of every mean and std and get advantage 0: they carry no signal and are never
+    Flow-GRPO recipe), with ``ddof`` delta degrees of freedom: 0 the population std (Flow-GRPO's np.std), 1 the
+    unbiased one (MixGRPO's torch.std); 0 where there are no more values than ``ddof``. NaN rewards (a failed
+    reward component) are left out of every mean and std and get advantage 0: they carry no signal and are never
     counted as a zero reward.
     """
     r = rewards.double()
     valid = ~torch.isnan(r)
     adv = torch.zeros_like(r)
-    batch_std = r[valid].std(unbiased=False) if valid.sum() > 1 else r.new_tensor(0.0)
+    std_of = lambda x: x.std(correction=ddof) if len(x) > max(ddof, 1) else x.new_tensor(0.0)  # noqa: E731
+    batch_std = std_of(r[valid])
     for g in torch.unique(group_ids):
         members = (group_ids == g) & valid
         if not members.any():
             continue
         values = r[members]
-        std = batch_std if global_std else values.std(unbiased=False)
+        std = batch_std if global_std else std_of(values)
         adv[members] = (values - values.mean()) / (std + STD_EPS)
     return adv.clamp(-clip, clip).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 

@@ -1,7 +1,7 @@
 """GRPO for flow models (Flow-GRPO): group-relative advantages and a PPO-clip loss per denoising step.
 
 Per prompt, ``group_size`` images are sampled with the SDE sampler, which records log p(x_{t+1} | x_t).
-    A_i   = clip((r_i - mean_group(r)) / (std + 1e-4), -c, c)      std per group or over the batch
+    A_i   = clip((r_i - mean_group(r)) / (std + 1e-4), -c, c)      std per group or over the batch, ddof 0 or 1
     ratio = exp(log p_theta(x_{t+1} | x_t) - log p_old(x_{t+1} | x_t))
     L     = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps))) + beta KL(pi_theta || pi_ref)
 with the KL between the two Gaussian steps in the Flow-GRPO latent-mean form (no dt factor; see
@@ -30,6 +30,9 @@ class GRPOConfig(PolicyGradientConfig):
     name: str = "grpo"
     global_std: bool = True
     """Normalise by the std of the whole gathered batch (reference recipe) instead of each group's."""
+    unbiased_std: bool = False
+    """Normalise by the unbiased std (ddof 1: MixGRPO's torch.std) instead of the population one (ddof 0:
+    Flow-GRPO's np.std)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -43,5 +46,6 @@ class GRPO(ClippedPolicyGradient):
     config_class = GRPOConfig
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:
-        adv_all = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, self.config.adv_clip)
+        adv_all = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, self.config.adv_clip,
+                                   ddof=int(self.config.unbiased_std))
         return adv_all[rewards.offset : rewards.offset + len(rewards.local)]
