@@ -36,6 +36,14 @@ def test_guard_log_ratio_is_the_debiased_rescaled_gaussian_log_ratio():
     assert bool((logp - logp_old < expected / s).all())
 
 
+def test_guard_step_weight_is_one_over_minus_dt():
+    """Schedule (1, 0.75, 0.25, 0): steps 0 and 1 have -dt = 0.25 and 0.5, so weights 4 and 2."""
+    from trainer.algorithms.grpo_guard import guard_step_weight
+
+    schedule = torch.tensor([1.0, 0.75, 0.25, 0.0])
+    torch.testing.assert_close(guard_step_weight(schedule, torch.tensor([0, 1, 0])), torch.tensor([4.0, 2.0, 4.0]))
+
+
 @pytest.mark.parametrize(("wrap", "starts"), [(False, [0, 0, 1, 1, 2, 2, 2, 2]), (True, [0, 0, 1, 1, 2, 2, 0, 0])])
 def test_mixgrpo_window_slides_by_stride_every_shift_and_stops_or_wraps(wrap, starts):
     """T = 6 steps, window w = 3: starts 0..2 (a window ends before the last step); one step every 2 epochs."""

@@ -1,15 +1,21 @@
-"""GRPO-Guard: GRPO whose importance ratio is normalised per denoising step (regulated clipping).
+"""GRPO-Guard: GRPO whose importance ratio is normalised per denoising step and whose per-step loss is
+reweighted by 1 / |dt| (regulated clipping).
 
 With the step's Gaussian x_{t+1} = mu_old + s_t eps under the sampling policy, the Flow-GRPO log-ratio is
     log r = -mean((mu_theta - mu_old)^2) / (2 s_t^2) - mean(eps (mu_old - mu_theta)) / s_t:
-its mean is shifted below 0 and its spread grows as 1 / s_t, so the clip misses positive-advantage samples
-and late steps dominate. GRPO-Guard uses instead
+its mean is shifted below 0 and its spread grows as 1 / s_t, so the clip misses positive-advantage samples.
+Ratio normalisation uses instead
     log r~ = s_t (log p_theta - log p_old) + mean((mu_theta - mu_old)^2) / (2 s_t) = mean(eps (mu_theta - mu_old))
-(ratio normalisation: zero mean, one scale at every step), and its gradient mean(eps d mu_theta) is the
-plain one times s_t (the timestep gradient reweighting); the loss is GRPO's clipped one on r~.
-Departures from the paper: both parts are this one formula (as in Flow-Factory's implementation), computed
-from the old policy's step means (the rollout records them; ``step_loss`` replaces them with the training
-forward's own while the weights are the rollout's), so it holds for every Gaussian step kind and log-prob convention.
+(zero mean, one scale at every step). Its gradient mean(eps d mu_theta) still carries the step's d mu / d v,
+proportional to dt (on SD3's shift-3 schedule the last trained step's is 5x the first's), so the gradient
+reweighting divides each step's loss by -dt = t_i - t_{i+1}:
+    L = mean over (sample, step) of max(-A r~, -A clamp(r~, 1 - eps, 1 + eps)) / (-dt) + beta KL
+(``reweight``; false: no reweighting, as Flow-Factory's implementation).
+Departures from the paper (no code of its authors is public; verl-omni's and Flow-Factory's implement it):
+r~ is computed from the old policy's step means (the rollout records them; ``step_loss`` replaces them with the
+training forward's own while the weights are the rollout's) and the step's own std, so it holds for every
+Gaussian step kind and log-prob convention (both implementations scale by std_dev_t sqrt(-dt), wrong on CPS
+steps); docs/departures.md.
 """
 
 from __future__ import annotations
@@ -32,19 +38,29 @@ def guard_log_ratio(x_next: torch.Tensor, mean: torch.Tensor, old_mean: torch.Te
     return (eps * (mean.float() - old_mean.float())).mean(dim=tuple(range(1, x_next.ndim)))
 
 
+def guard_step_weight(schedule: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The gradient reweighting 1 / (-dt) = 1 / (t[i] - t[i + 1]) of each step i [m], on the rollout's schedule
+    t[0..T] (flow models: the noise levels sigma; DDIM: the timesteps over N, where it is the constant T)."""
+    return 1.0 / (schedule[steps] - schedule[steps + 1]).float()
+
+
 @dataclass
 class GRPOGuardConfig(GRPOConfig):
     """GRPO-Guard hyper-parameters: GRPO's; ``clip_range`` bounds the normalised ratio r~."""
 
     name: str = "grpo_guard"
+    reweight: bool = True
+    """Divide each step's policy loss by its -dt (the paper's gradient reweighting, verl-omni's); false: no
+    reweighting (Flow-Factory's), where a step's gradient grows with its dt."""
 
 
 class GRPOGuard(GRPO):
-    """GRPO with the per-step normalised (and so reweighted) importance ratio."""
+    """GRPO with the per-step normalised importance ratio and the 1 / |dt| step reweighting."""
 
     config_class = GRPOGuardConfig
     records_means = True
 
     def loss(self, ctx: LossContext, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = step_loss(ctx, unit, self.config, guard_log_ratio)
+        weight = guard_step_weight if self.config.reweight else None
+        loss, stats = step_loss(ctx, unit, self.config, guard_log_ratio, weight)
         return loss * unit.share, stats

@@ -131,14 +131,19 @@ LogRatio = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], to
 """(x_next [m, ...], the policy's step mean [m, ...], the old policy's [m, ...], the step's std [m, 1, ...]) ->
 log-ratio [m]."""
 
+StepWeight = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(the rollout's schedule t[0..T], the unit's steps [m]) -> a positive weight [m] on each sample's policy loss."""
 
-def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig,
-              log_ratio: LogRatio | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+
+def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig, log_ratio: LogRatio | None = None,
+              step_weight: StepWeight | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (plus beta KL) of one unit, a mean over its samples (not scaled by its
     ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy; ``log_ratio`` replaces
-    log p_theta - log p_old in the ratio where an algorithm defines its own. An on-policy unit's old values are
-    its own, detached, and recorded in the batch; ``logp_gap`` is then max |log p - the rollout's log p|, the
-    rollout's and training forward's numerical gap (0 in eager mode; compiled graphs in bf16 round apart)."""
+    log p_theta - log p_old in the ratio where an algorithm defines its own, and ``step_weight`` w scales each
+    sample's policy loss (as w A: the clipped loss is linear in a positive factor of A; the KL term keeps its
+    weight). An on-policy unit's old values are its own, detached, and recorded in the batch; ``logp_gap`` is then
+    max |log p - the rollout's log p|, the rollout's and training forward's numerical gap (0 in eager mode;
+    compiled graphs in bf16 round apart)."""
     batch, ro = unit.batch, unit.batch.rollout
     # Every tensor indexed below lives on the rollout's device; host indices would be copied there by each
     # indexing op, every copy waiting for the device to finish its queued work.
@@ -162,6 +167,8 @@ def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig,
         new = log_ratio(x_next, mean, batch.old_means[idx, step], step_fn.std(step, ro.noise_level, x_t))
         old = torch.zeros_like(new)
     advantages = batch.advantages[idx, step]
+    if step_weight is not None:
+        advantages = advantages * step_weight(ro.sigmas, step)
     weights = (advantages != 0).float() if config.drop_zero_advantage else None
     loss, stats = clipped_policy_loss(advantages, new, old, config.clip_range, weights)
     if unit.on_policy:
