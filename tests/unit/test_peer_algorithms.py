@@ -44,13 +44,17 @@ def test_guard_step_weight_is_one_over_minus_dt():
     torch.testing.assert_close(guard_step_weight(schedule, torch.tensor([0, 1, 0])), torch.tensor([4.0, 2.0, 4.0]))
 
 
-@pytest.mark.parametrize(("wrap", "starts"), [(False, [0, 0, 1, 1, 2, 2, 2, 2]), (True, [0, 0, 1, 1, 2, 2, 0, 0])])
-def test_mixgrpo_window_slides_by_stride_every_shift_and_stops_or_wraps(wrap, starts):
-    """T = 6 steps, window w = 3: starts 0..2 (a window ends before the last step); one step every 2 epochs."""
-    from trainer.algorithms.mixgrpo import window_start
+@pytest.mark.parametrize(("wrap", "windows"), [
+    (False, [(0, 3), (0, 3), (1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1), (3, 1), (3, 1)]),
+    (True, [(0, 3), (0, 3), (1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1), (0, 3), (0, 3)]),
+])
+def test_mixgrpo_window_slides_by_stride_every_shift_shrinks_at_the_tail_and_stops_or_wraps(wrap, windows):
+    """T = 6 steps, window w = 3: windows end before step T - 2 = 4, so starts 0..3, the last two shrunk to 2
+    and 1 steps; one step every 2 epochs; with stride 2 the starts are 0 and 2."""
+    from trainer.algorithms.mixgrpo import sde_window
 
-    assert [window_start(epoch, 1, 2, 6 - 3, wrap) for epoch in range(8)] == starts
-    assert [window_start(epoch, 2, 1, 6 - 3, False) for epoch in range(3)] == [0, 2, 2]
+    assert [sde_window(epoch, 3, 1, 2, 6, wrap) for epoch in range(10)] == windows
+    assert [sde_window(epoch, 3, 2, 1, 6, wrap) for epoch in range(3)] == [(0, 3), (2, 2), (0, 3) if wrap else (2, 2)]
 
 
 def test_awm_loss_hand_values_and_on_policy_gradient():
