@@ -86,14 +86,16 @@ def test_configs_are_found():
 
 def _tiny_job(path: Path, tiny_models, tmp_path, extra: list[str] | None = None):
     """The config at ``path`` with its model swapped for the tiny one and its data for a tiny dataset of the
-    same format (plus ``extra`` overrides)."""
+    same format (an absolute eval.path too: a placeholder for the user's data), plus ``extra`` overrides."""
     raw = yaml.safe_load(path.read_text())
     model = {"name": "tiny", **raw.get("model", {})}
     overrides = _model_overrides(model, tiny_models) if model["name"] in MODELS else []
     config = load_config(str(path), overrides)  # an unregistered algorithm or model fails here
     side = config.model.resolution or 16
     data_path = tiny_dataset(config.data.name, tmp_path, side, Path(raw.get("data", {}).get("path", "")).suffix)
-    return load_config(str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}", *(extra or [])])
+    evaluated = [f"eval.path={data_path}"] if Path(config.eval.path).is_absolute() else []
+    return load_config(str(path), [*overrides, f"data.path={data_path}", *evaluated, f"data.image_size={side}",
+                                   *(extra or [])])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
