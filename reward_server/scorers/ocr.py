@@ -1,17 +1,21 @@
 """``ocr``, ``ocr_flow_grpo`` and ``ocr_paddle``: how exactly an image renders its target text, read by PP-OCR.
 
 Score (``ocr``, ``ocr_paddle``): ``1 - levenshtein(read, target) / max(len(read), len(target))`` on strings
-normalised as Flow-GRPO does (lower case, whitespace removed), in [0, 1]. ``ocr_flow_grpo`` scores as
-Flow-GRPO does: ``1 - min(levenshtein, len(target)) / len(target)``, and 1 when the target is inside what
-was read. Ours stays the default because it cannot be gamed by extra text: Flow-GRPO's gives 1.0 to any
-image that holds the target among other words, so a policy may fill the image with text for free, while
-ours charges every extra character. Nothing read scores 0; an item without a target is a PARSE error.
+normalised as Flow-GRPO does (lower case, whitespace removed), in [0, 1]. ``ocr_flow_grpo`` is Flow-GRPO's
+OCR reward (flow_grpo/ocr.py ``OcrScorer``): ``1 - min(levenshtein, len(target)) / len(target)`` on strings
+lower-cased with spaces removed, and 1 when the target is inside what was read; it reads the image as
+Flow-GRPO hands it to PaddleOCR (no border, RGB bytes where the engine expects BGR). Ours stays the default
+because it cannot be gamed by extra text: Flow-GRPO's gives 1.0 to any image that holds the target among
+other words, so a policy may fill the image with text for free, while ours charges every extra character.
+Nothing read scores 0; an item without a target is a PARSE error.
 
-Target text: ``metadata["text"]`` or ``metadata["target_text"]``, else the first double-quoted span of
-the prompt (``a sign displaying "Spring Collection 2024"`` -> ``Spring Collection 2024``), as in the
-Flow-GRPO OCR prompts. A mask (``metadata["mask"]``, the decoded uint8 ``[H, W, C]`` array the server puts
-there) restricts reading to the mask's bounding box. The region read gets a border of its background
-colour (:func:`add_border`): the detector misses text that touches the edge of its input.
+Target text: ``metadata["text"]`` or ``metadata["target_text"]``, else the first non-blank double-quoted span
+of the prompt, quotes paired in order (1st with 2nd, 3rd with 4th, ...): ``a sign displaying "Spring
+Collection 2024"`` -> ``Spring Collection 2024``; ``a "" sign "OPEN"`` -> ``OPEN``. On Flow-GRPO's prompts
+(one quoted span each) this is its ``prompt.split('"')[1]``. A mask (``metadata["mask"]``, the decoded uint8
+``[H, W, C]`` array the server puts there) restricts reading to the mask's bounding box. The region read gets
+a border of its background colour (:func:`add_border`): the detector misses text that touches the edge of
+its input.
 
 Backends (one registry name each):
     ``ocr``: RapidOCR on onnxruntime with the PP-OCR detection and recognition models shipped inside the
@@ -26,6 +30,10 @@ Backends (one registry name each):
         usually needs an environment without the trainer's packages (``make paddle-env``; tested by
         tests/integration/test_ocr_paddle.py on models that tests/paddle/build_models.py converts).
 Neither backend uses text-line orientation classification (Flow-GRPO reads with ``cls=False``).
+
+Departures from Flow-GRPO (docs/departures.md, Scorers): the default score and reading above; the OCR models
+(RapidOCR's PP-OCR ONNX models, not PaddleOCR 2.x's English PP-OCRv4); a prompt without a paired non-blank
+quote is a PARSE error, where Flow-GRPO crashes on an empty first span and reads past an unpaired quote.
 """
 
 from __future__ import annotations
@@ -46,19 +54,20 @@ DET_LIMIT_TYPE = "max"
 DET_LIMIT_SIDE = 960
 MIN_BORDER_PX = 16  # 8 missed some text touching the edges; 12 to 24 read all our rendered cases
 BORDER_OF_MASK_HEIGHT = 0.25
-_QUOTED = re.compile(r'"([^"]+)"')
 _WHITESPACE = re.compile(r"\s+")
 
 
 def target_text(prompt: str, metadata: dict[str, Any]) -> str | None:
-    """The text an item should show: ``metadata["text"]``, ``metadata["target_text"]``, else the prompt's
-    first double-quoted span; None if there is none (or it is blank)."""
+    """The text an item should show: ``metadata["text"]``, ``metadata["target_text"]``, else the first
+    non-blank span between paired double quotes of the prompt (1st and 2nd quote, 3rd and 4th, ...);
+    None if there is none."""
     for key in ("text", "target_text"):
         value = metadata.get(key)
         if isinstance(value, str) and value.strip():
             return value
-    match = _QUOTED.search(prompt)
-    return match.group(1) if match and match.group(1).strip() else None
+    pieces = prompt.split('"')  # odd indices lie inside quotes; a last odd piece has no closing quote
+    spans = pieces[1 : len(pieces) - 1 : 2]
+    return next((span for span in spans if span.strip()), None)
 
 
 def normalise_text(text: str) -> str:
@@ -87,9 +96,9 @@ def text_similarity(read: str, target: str) -> float:
 
 
 def flow_grpo_similarity(read: str, target: str) -> float:
-    """Flow-GRPO's OCR reward: ``1 - min(levenshtein, len(target)) / len(target)`` of the normalised
-    strings, and 1.0 when the target is inside the text read."""
-    read, target = normalise_text(read), normalise_text(target)
+    """Flow-GRPO's OCR reward: ``1 - min(levenshtein, len(target)) / len(target)`` of the strings
+    lower-cased with spaces (only) removed, and 1.0 when the target is inside the text read."""
+    read, target = read.replace(" ", "").lower(), target.replace(" ", "").lower()
     if target in read:  # the empty target too
         return 1.0
     return 1.0 - min(levenshtein(read, target), len(target)) / len(target)
@@ -142,6 +151,18 @@ def region_to_read(image: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         border = max(MIN_BORDER_PX, round(region.shape[0] * BORDER_OF_MASK_HEIGHT))
     framed = add_border(region, border)
     return np.repeat(framed, 3, axis=2) if framed.shape[2] == 1 else framed
+
+
+def flow_grpo_region(image: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """What Flow-GRPO hands PaddleOCR, as the RGB array our backends read: the mask's box (or the whole image),
+    no border, channels reversed, since Flow-GRPO passes its RGB array where PaddleOCR expects BGR and our
+    backends turn RGB into BGR. Raises ValueError for an unusable mask."""
+    region = image if mask is None else crop_to_mask(image, mask)
+    region = np.repeat(region, 3, axis=2) if region.shape[2] == 1 else region
+    return np.ascontiguousarray(region[:, :, ::-1])
+
+
+READINGS = {"bordered": region_to_read, "flow_grpo": flow_grpo_region}
 
 
 @dataclass(frozen=True)
@@ -271,20 +292,30 @@ class OcrScorer:
     score_range = (0.0, 1.0)
 
     def __init__(
-        self, backend: str = "rapidocr", model_dir: Path | None = None, *, similarity: str = "normalised"
+        self,
+        backend: str = "rapidocr",
+        model_dir: Path | None = None,
+        *,
+        similarity: str = "normalised",
+        reading: str = "bordered",
     ) -> None:
         """Args:
         backend: ``"rapidocr"`` (registry name ``ocr``) or ``"paddleocr"`` (registry name ``ocr_paddle``).
         model_dir: the server's ``--model-dir``; PaddleOCR reads ``<model_dir>/ocr_paddle/{det,rec}``.
         similarity: ``"normalised"`` (ours) or ``"flow_grpo"`` (registry name ``ocr_flow_grpo``).
+        reading: what the engine reads: ``"bordered"`` (:func:`region_to_read`, ours) or ``"flow_grpo"``
+            (:func:`flow_grpo_region`, registry name ``ocr_flow_grpo``).
         """
         if backend not in ("rapidocr", "paddleocr"):
             raise ValueError(f"unknown OCR backend {backend!r}; use 'rapidocr' or 'paddleocr'")
         if similarity not in SIMILARITIES:
             raise ValueError(f"unknown OCR similarity {similarity!r}; use one of {sorted(SIMILARITIES)}")
+        if reading not in READINGS:
+            raise ValueError(f"unknown OCR reading {reading!r}; use one of {sorted(READINGS)}")
         self._backend_name = backend
         self._model_dir = model_dir
         self._similarity = SIMILARITIES[similarity]
+        self._reading = READINGS[reading]
         self.name = ("ocr" if backend == "rapidocr" else "ocr_paddle") + (
             "" if similarity == "normalised" else f"_{similarity}"
         )
@@ -325,7 +356,7 @@ class OcrScorer:
                 continue
             try:
                 mask = np.asarray(meta["mask"]) if "mask" in meta else None
-                regions.append(region_to_read(image, mask))
+                regions.append(self._reading(image, mask))
             except ValueError as exc:
                 outcomes[row] = ScoreOutcome.failure(ErrorCode.BAD_INPUT, f"mask: {exc}")
                 continue

@@ -216,6 +216,10 @@ def test_target_extraction_on_real_prompts(real_prompts: list[str]) -> None:
         ("a sign", {}, None),
         ('a sign ""', {}, None),
         ('a sign "unclosed', {}, None),
+        ('a "" sign "OPEN"', {}, "OPEN"),  # the quoted spans are "" and "OPEN", never " sign "
+        ('a "  " sign "OPEN" "SALE"', {}, "OPEN"),
+        ('a "HOT" 12" pizza', {}, "HOT"),
+        ('"A" and "B', {}, "A"),
     ],
 )
 def test_target_text(prompt: str, metadata: dict[str, Any], expected: str | None) -> None:
@@ -244,6 +248,8 @@ def test_flow_grpo_similarity_math() -> None:
     assert flow_grpo_similarity("", "hello") == 0.0
     with pytest.raises(ValueError, match="unknown OCR similarity"):
         OcrScorer(similarity="cer")
+    with pytest.raises(ValueError, match="unknown OCR reading"):
+        OcrScorer(reading="raw")
 
 
 def test_crop_to_mask_uses_the_bounding_box_of_set_pixels() -> None:
