@@ -204,8 +204,8 @@ def rig_answer(model_dir: Path, answer: str) -> Path:
 
 # For the registry-wide conformance test: what each model-based scorer needs to score random images.
 CONFORMANCE_METADATA: dict[str, dict[str, Any]] = {"ocr": {"text": "digit"}, "ocr_flow_grpo": {"text": "digit"}}
-CONFORMANCE_METADATA["geneval"] = CONFORMANCE_METADATA["geneval_partial"] = {
-    "tag": "single_object", "include": [{"class": "bowl", "count": 1}]}
+for _name in ("geneval", "geneval_partial", "geneval_flow_grpo"):
+    CONFORMANCE_METADATA[_name] = {"tag": "single_object", "include": [{"class": "bowl", "count": 1}]}
 CONFORMANCE_SKIP: dict[str, str] = {
     "ocr_paddle": "runs under .venv-paddle (PaddleOCR pins its own numpy and OpenCV): tests/integration/test_ocr_paddle.py",
     "qwenvl_api": "needs a judge server (tested in test_scorer_qwenvl.py against a local one)",

@@ -57,6 +57,7 @@ SCORERS: dict[str, ScorerSpec] = {
         "description": "CLIP score (ViT-L/14) with Flow-GRPO's bilinear resize: logit_scale * cos(text, image) / 30"}),
     "geneval": ScorerSpec("geneval:GenEvalScorer", {"mode": "strict"}),
     "geneval_partial": ScorerSpec("geneval:GenEvalScorer", {"mode": "partial"}),
+    "geneval_flow_grpo": ScorerSpec("geneval:GenEvalScorer", {"mode": "flow_grpo"}),
     "hpsv2": ScorerSpec("hps:HpsScorer"),
     "imagereward": ScorerSpec("imagereward:ImageRewardScorer"),
     "hpsv3": ScorerSpec("hpsv3:Hpsv3Scorer"),

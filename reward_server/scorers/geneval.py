@@ -3,8 +3,18 @@
 Each item's metadata is a GenEval row (``tag``, ``include``, ``exclude``, as in our GenEval jsonl files).
 A Mask2Former instance-segmentation model (transformers) finds the objects; CLIP zero-shot classification
 of each masked, box-cropped object (grey #999 outside the mask) over GenEval's ten colours decides colours;
-:mod:`geneval_rules` applies GenEval's thresholds and rules. The score is strict (1.0 when every check
-passes, GenEval's "correct") or, for ``geneval_partial``, the fraction of checks passed; details carry both.
+:mod:`geneval_rules` applies GenEval's thresholds and rules. Three scores from the same detections:
+    ``geneval``: 1.0 when every check passes, else 0.0: GenEval's "correct" (djghosh13/geneval).
+    ``geneval_partial`` (ours): the fraction of GenEval's checks passed (one per count, colour, position
+        and exclusion), so in [0, 1] and 1 exactly when GenEval says correct: a dense reward that agrees
+        with the benchmark's verdict. Flow-GRPO's reward does not: it wants exact counts (a second dog in
+        "a photo of a dog" costs the whole count term, GenEval accepts it), ignores exclusions and can go
+        below 0.
+    ``geneval_flow_grpo``: Flow-GRPO's training reward (its reward server's ``evaluate_reward``,
+        :func:`geneval_rules.flow_grpo_reward`) on images as its server sees them: JPEG at quality 75 (its
+        client's encoding), and the detector given the RGB pixels in BGR order (its server hands mmdet an
+        RGB array, which mmdet reads as BGR); colours are read from the RGB image, as its server does.
+Details carry GenEval's checks and both of its scores; ``geneval_flow_grpo`` adds its reward's terms.
 
 Expected layout under the server's ``--model-dir``::
 
@@ -23,16 +33,19 @@ Where results can differ from GenEval's own numbers (mmdet Mask2Former Swin-S, l
   probability, mask logits > 0, score = class probability x mean mask probability, box = mask extent.
 - CLIP: transformers' CLIP and CLIPImageProcessor (bicubic resize, centre crop) in place of open_clip;
   the same OpenAI weights, so colour votes should agree up to numerical noise.
+Departures (docs/departures.md, Scorers): the detector's weights and preprocessing and CLIP's library, above.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from reward_server.scorers import geneval_rules as rules
 from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
@@ -42,25 +55,30 @@ from shared.protocol import ErrorCode
 TOP_K = 100  # (query, class) pairs kept before thresholds, as mmdet's max_per_image
 BACKGROUND = (153, 153, 153)  # GenEval's "#999" fill outside an object's mask for colour crops
 WARMUP_ROW = {"tag": "single_object", "include": [{"class": "bowl", "count": 1}]}
+FLOW_GRPO_JPEG_QUALITY = 75  # PIL's default, which Flow-GRPO's GenEval client leaves unset
+MODES = {
+    "strict": ("geneval", "GenEval object checks (Mask2Former + CLIP colours, no mmdet): 1 when every "
+               "count/colour/position check of the prompt's metadata passes, else 0"),
+    "partial": ("geneval_partial", "GenEval object checks: the fraction of the checks passed"),
+    "flow_grpo": ("geneval_flow_grpo", "Flow-GRPO's GenEval reward: mean of its count/colour/position terms "
+                  "(exact counts, exclusions ignored)"),
+}
 
 
 class GenEvalScorer:
     """GenEval checks with a transformers Mask2Former and CLIP read from ``<model_dir>/geneval``."""
 
-    score_range = (0.0, 1.0)
-
     def __init__(self, model_dir: Path | None = None, *, mode: str = "strict", device: str | None = None) -> None:
         """Args:
         model_dir: the server's ``--model-dir``; weights are read from ``<model_dir>/geneval``.
-        mode: "strict" (1.0 only when every check passes) or "partial" (fraction of checks passed).
+        mode: "strict" (``geneval``), "partial" (``geneval_partial``) or "flow_grpo" (``geneval_flow_grpo``).
         device: torch device; default CUDA when available, else CPU.
         """
-        if mode not in ("strict", "partial"):
-            raise ValueError(f"mode must be 'strict' or 'partial', not {mode!r}")
-        self.name = "geneval" if mode == "strict" else "geneval_partial"
-        self.description = (f"GenEval object checks (Mask2Former + CLIP colours, no mmdet): {mode} score, "
-                            "1 = every count/colour/position check of the prompt's metadata passes"
-                            if mode == "strict" else "GenEval object checks: fraction of the checks passed")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
+        self.name, self.description = MODES[mode]
+        # Flow-GRPO's count term 1 - |count - n| / count reaches 1 - (MAX_OBJECTS - 1) at count 1.
+        self.score_range = (2.0 - rules.MAX_OBJECTS, 1.0) if mode == "flow_grpo" else (0.0, 1.0)
         self._mode = mode
         self._root = None if model_dir is None else Path(model_dir) / "geneval"
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -133,17 +151,35 @@ class GenEvalScorer:
                 continue
             wanted[index] = {c["class"] for c in include + exclude}
         rgb = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
-        for index, candidates in zip(wanted, self._detect([rgb[i] for i in wanted], list(wanted.values())), strict=True):
-            tag = metadata[index]["tag"]
-            detected = rules.select_detections(candidates, tag)
-            checks = rules.evaluate(metadata[index], detected,
-                                    lambda name, found, image=rgb[index]: self._classify_colors(image, name, found))
-            strict, partial = rules.strict_and_partial(checks)
-            details = {"strict": strict, "partial": partial, "tag": tag, "checks": checks,
-                       "detected": {name: [[*map(float, d.box), round(d.score, 4)] for d in found]
-                                    for name, found in detected.items()}}
-            outcomes[index] = ScoreOutcome(score=strict if self._mode == "strict" else partial, details=details)
+        seen = rgb
+        if self._mode == "flow_grpo":
+            rgb = [jpeg_roundtrip(image) for image in rgb]
+            seen = [np.ascontiguousarray(image[:, :, ::-1]) for image in rgb]
+        for index, candidates in zip(wanted, self._detect([seen[i] for i in wanted], list(wanted.values())), strict=True):
+            outcomes[index] = self._verdict(metadata[index], candidates, rgb[index])
         return outcomes  # type: ignore[return-value]
+
+    def _verdict(self, meta: dict[str, Any], candidates: dict[str, list[rules.Detection]],
+                 image: np.ndarray) -> ScoreOutcome:
+        """One item's score and details from its candidate detections; CLIP reads each colour once."""
+        detected = rules.select_detections(candidates, meta["tag"])
+        votes: dict[tuple, list[str]] = {}
+
+        def colors(name: str, found: list[rules.Detection]) -> list[str]:
+            key = (name, *map(id, found))
+            if key not in votes:
+                votes[key] = self._classify_colors(image, name, found)
+            return votes[key]
+
+        checks = rules.evaluate(meta, detected, colors)
+        strict, partial = rules.strict_and_partial(checks)
+        details = {"strict": strict, "partial": partial, "tag": meta["tag"], "checks": checks,
+                   "detected": {name: [[*map(float, d.box), round(d.score, 4)] for d in found]
+                                for name, found in detected.items()}}
+        if self._mode != "flow_grpo":
+            return ScoreOutcome(score=strict if self._mode == "strict" else partial, details=details)
+        reward, exact, terms = rules.flow_grpo_reward(meta, detected, colors)
+        return ScoreOutcome(score=reward, details={**details, "flow_grpo": {"exact": exact, "terms": terms}})
 
     @torch.no_grad()
     def _detect(self, images: list[np.ndarray], wanted: list[set[str]]) -> list[dict[str, list[rules.Detection]]]:
@@ -211,6 +247,14 @@ def instances(
             found.setdefault(labels[int(top_indices[k]) % num_classes], []).append(
                 rules.Detection(box=box, score=float(top_scores[k]) * mask_score, mask=mask))
     return found
+
+
+def jpeg_roundtrip(image: np.ndarray) -> np.ndarray:
+    """``image`` after Flow-GRPO's GenEval client (PIL JPEG, quality 75) and its server's decoding (PIL)."""
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="JPEG", quality=FLOW_GRPO_JPEG_QUALITY)
+    buffer.seek(0)
+    return np.asarray(Image.open(buffer).convert("RGB"))
 
 
 def crop_object(image: np.ndarray, detection: rules.Detection) -> np.ndarray:

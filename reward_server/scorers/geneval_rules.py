@@ -1,7 +1,9 @@
 """GenEval's checks as pure functions over detections (no models): selection, overlap, position, verdicts.
 
-The ``geneval`` scorer feeds these with Mask2Former detections and a CLIP colour classifier; tests feed
-them rigged detections. Constants follow GenEval's evaluation defaults (evaluation/evaluate_images.py).
+The ``geneval`` scorers feed these with Mask2Former detections and a CLIP colour classifier; tests feed
+them rigged detections. Constants follow GenEval's evaluation defaults (evaluation/evaluate_images.py);
+:func:`evaluate` is GenEval's verdict and :func:`flow_grpo_reward` Flow-GRPO's training reward, both exact
+on given detections (tests/parity/test_scorers_geneval.py).
 """
 
 from __future__ import annotations
@@ -193,3 +195,39 @@ def strict_and_partial(checks: list[dict[str, Any]]) -> tuple[float, float]:
     """``(1.0 if every check passed else 0.0, fraction of checks passed)``."""
     passed = sum(bool(check["passed"]) for check in checks)
     return float(passed == len(checks)), passed / len(checks)
+
+
+def flow_grpo_reward(
+    metadata: dict[str, Any], detected: dict[str, list[Detection]], classify_colors: ColorClassifier,
+    *, margin: float = POSITION_MARGIN,
+) -> tuple[float, bool, list[float]]:
+    """Flow-GRPO's GenEval training reward (its reward server's ``evaluate_reward``): the mean of these terms.
+
+    Per include clause, with n the kept detections of its class (all of them, not the first ``count``):
+    ``1 - |count - n| / count`` (below 0 past 2 x count); if n != count, one 0 more when the clause names
+    a colour or a position; else a colour adds ``1 - |count - matches| / count``, and a position (when the
+    colour matched) adds 0 if its target clause failed, [0, 1] if a pair is on the wrong side, 1 if every
+    pair is right. Exclude clauses are ignored. Returns (reward, every clause matched exactly, terms).
+    """
+    _, include, _ = parse_spec(metadata)
+    terms: list[float] = []
+    groups: list[list[Detection] | None] = []
+    for clause in include:
+        name, count = clause["class"], clause["count"]
+        found = detected.get(name, [])
+        terms.append(1.0 - abs(count - len(found)) / count)
+        matched = len(found) == count
+        if not matched and ("color" in clause or "position" in clause):
+            terms.append(0.0)
+        if matched and "color" in clause:
+            hits = classify_colors(name, found).count(clause["color"])
+            terms.append(1.0 - abs(count - hits) / count)
+            matched = hits == count
+        if matched and "position" in clause:
+            relation, target = clause["position"]
+            targets = groups[target]
+            matched = targets is not None and all(
+                relation in relative_position(obj.box, other.box, margin) for obj in found for other in targets)
+            terms.extend([0.0] if targets is None else [1.0] if matched else [0.0, 1.0])
+        groups.append(found if matched else None)
+    return sum(terms) / len(terms), all(group is not None for group in groups), terms

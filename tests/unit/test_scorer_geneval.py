@@ -13,7 +13,7 @@ from fixtures_geneval import build_tiny_geneval
 
 from reward_server.scorers import SCORERS, ScoreOutcome, run_scorer
 from reward_server.scorers import geneval_rules as rules
-from reward_server.scorers.geneval import BACKGROUND, GenEvalScorer, crop_object, instances
+from reward_server.scorers.geneval import BACKGROUND, GenEvalScorer, crop_object, instances, jpeg_roundtrip
 from shared.protocol import ErrorCode
 
 # The first row of each tag in shared/data/flow_grpo/geneval_test_metadata.jsonl (Flow-GRPO's GenEval set).
@@ -260,6 +260,30 @@ def test_tiny_models_score_real_rows_well_formed_and_deterministic(loaded) -> No
     assert first[len(rows) - 3].details["detected"]["cup"]
 
 
+def test_flow_grpo_mode_scores_the_jpeg_as_flow_grpos_server_sees_it(geneval_model_dir: Path, loaded) -> None:
+    """``geneval_flow_grpo`` detects on the JPEG'd image with its channels reversed (what mmdet is handed in
+    Flow-GRPO's server): its detections are ``geneval``'s on exactly those pixels; its score is the mean
+    of its terms, and GenEval's own verdict stays in the details."""
+    strict, _ = loaded
+    flow = SCORERS["geneval_flow_grpo"](model_dir=geneval_model_dir)
+    flow.load()
+    assert flow.name == "geneval_flow_grpo" and flow.score_range == (2.0 - rules.MAX_OBJECTS, 1.0)
+    rows = REAL_ROWS + CUP_ROWS
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in rows]
+    metadata = [{k: v for k, v in row.items() if k != "prompt"} for row in rows]
+    ours = run_scorer(flow, images, [""] * len(rows), metadata)
+    seen = run_scorer(strict, [jpeg_roundtrip(image)[:, :, ::-1] for image in images], [""] * len(rows), metadata)
+    plain = run_scorer(strict, images, [""] * len(rows), metadata)
+    assert [o.details["detected"] for o in ours] == [o.details["detected"] for o in seen]
+    assert [o.details["detected"] for o in ours] != [o.details["detected"] for o in plain]
+    for outcome in ours:
+        terms = outcome.details["flow_grpo"]["terms"]
+        assert outcome.ok and outcome.score == pytest.approx(sum(terms) / len(terms))
+        assert outcome.details["strict"] in (0.0, 1.0)
+    assert len({o.score for o in ours}) > 1
+
+
 def test_unusable_metadata_is_an_error_not_a_zero(loaded) -> None:
     strict, _ = loaded
     rows = [{"prompt": "a cup"}, {"tag": "single_object", "include": [{"class": "unicorn", "count": 1}]}]
@@ -273,7 +297,7 @@ def test_load_refuses_missing_or_partial_directories(tmp_path: Path, geneval_mod
         SCORERS["geneval"]().load()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         SCORERS["geneval"](model_dir=tmp_path).load()
-    with pytest.raises(ValueError, match="mode must be"):
+    with pytest.raises(ValueError, match="mode must be one of"):
         GenEvalScorer(geneval_model_dir, mode="lenient")
 
 
