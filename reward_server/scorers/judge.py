@@ -3,14 +3,20 @@
 One question template per task, chosen per item by ``metadata["judge_task"]`` (default: the scorer's
 ``task``): ``aesthetics``, ``alignment`` (with the prompt), ``text`` (the target text, taken as the
 ``ocr`` scorer takes it) and ``edit`` (instruction following: the prompt is the instruction and
-``metadata["reference_image"]`` the original, an array or a wire image ``{"format", "data"[, "shape"]}``).
+``metadata["reference_image"]`` the original, an array or a wire image ``{"format", "data"[, "shape"]}``)
+are ours. ``flow_grpo`` is Flow-GRPO's Qwen2.5-VL aesthetic judge (flow_grpo/qwenvl.py ``QwenVLScorer``):
+its question word for word (it asks for a <Thought> analysis, then <Score>), read as it reads it: the
+first ``<Score>digits</Score>``, score = rating / 5. It needs the ``generate`` readout; Flow-GRPO lets it
+write up to 2048 tokens (``max_new_tokens``).
 
-Two readouts, both mapped linearly from 1..5 onto the score range [0, 1]:
+Two readouts for our tasks, both mapped linearly from 1..5 onto the score range [0, 1]:
     ``probs`` (default): the question asks for a single digit; the score is the expected value of the
         first answer token's distribution over "1".."5", renormalised over those five (smooth, where a
         sampled digit would quantise it to five levels). Under ``min_answer_mass`` on them: PARSE error.
     ``generate``: the question asks for a short reasoning and ``<Score>x</Score>``; the last tag is read;
         no tag (or x outside 1..5) is a PARSE error.
+Departures from Flow-GRPO (docs/departures.md, Scorers): a ``flow_grpo`` answer without a tag, or with a
+rating outside 1..5, is a PARSE error, where Flow-GRPO scores it 0 (or rating / 5).
 """
 
 from __future__ import annotations
@@ -47,12 +53,31 @@ TASKS: dict[str, str] = {
         "Rate it from 1 (not at all) to 5 (perfectly)."
     ),
 }
+# Flow-GRPO's question (flow_grpo/qwenvl.py, QwenVLScorer.task), newlines and all; it carries its answer format.
+TASKS["flow_grpo"] = (
+    "\nYour role is to evaluate the aesthetic quality score of given images.\n"
+    "1. Bad: Extremely blurry, underexposed with significant noise, indiscernible\n"
+    "subjects, and chaotic composition.\n"
+    "2. Poor: Noticeable blur, poor lighting, washed-out colors, and awkward\n"
+    "composition with cut-off subjects.\n"
+    "3. Fair: In focus with adequate lighting, dull colors, decent composition but\n"
+    "lacks creativity.\n"
+    "4. Good: Sharp, good exposure, vibrant colors, thoughtful composition with\n"
+    "a clear focal point.\n"
+    "5. Excellent: Exceptional clarity, perfect exposure, rich colors, masterful\n"
+    "composition with emotional impact.\n\n"
+    "Please first provide a detailed analysis of the evaluation process, including the criteria for judging "
+    "aesthetic quality, within the <Thought> tag. Then, give a final score from 1 to 5 within the <Score> tag.\n"
+    "<Thought>\n[Analyze the evaluation process in detail here]\n</Thought>\n<Score>X</Score>\n"
+)
+OWN_FORMAT_TASKS = {"flow_grpo"}  # questions that state their own answer format (generate readout only)
 ANSWER_FORMATS: dict[str, str] = {
     "probs": " Answer with a single digit from 1 to 5.",
     "generate": " Explain briefly, then give your rating as <Score>x</Score> with x from 1 to 5.",
 }
 SYSTEM_PROMPT = "You are a helpful assistant."
 _SCORE_TAG = re.compile(r"<Score>\s*([0-9]+(?:\.[0-9]+)?)\s*</Score>", re.IGNORECASE)
+_FLOW_GRPO_TAG = re.compile(r"<Score>(\d+)</Score>")
 
 
 @dataclass(frozen=True)
@@ -61,6 +86,9 @@ class JudgeQuery:
 
     images: list[np.ndarray]
     question: str
+    system: str | None = SYSTEM_PROMPT
+    """The system message; None sends none (an API server's chat template then decides; a local Qwen-VL
+    gets Qwen's default, which is :data:`SYSTEM_PROMPT`)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +107,8 @@ def build_query(
         return ScoreOutcome.failure(
             ErrorCode.BAD_INPUT, f"unknown judge_task {task!r}; one of {sorted(TASKS)}"
         )
+    if task in OWN_FORMAT_TASKS and readout != "generate":
+        return ScoreOutcome.failure(ErrorCode.BAD_INPUT, f"judge_task {task!r} needs the 'generate' readout")
     images = [rgb(image)]
     fields = {"prompt": prompt, "text": ""}
     if task == "text":
@@ -97,11 +127,27 @@ def build_query(
             images.insert(0, rgb(_as_array(reference)))
         except (DecodeError, TypeError, ValueError) as exc:
             return ScoreOutcome.failure(ErrorCode.DECODE, f"reference_image: {exc}")
+    if task in OWN_FORMAT_TASKS:
+        return JudgeQuery(images, TASKS[task])
     return JudgeQuery(images, TASKS[task].format(**fields) + ANSWER_FORMATS[readout])
 
 
-def read_answer(answer: JudgeAnswer, readout: str, min_answer_mass: float) -> ScoreOutcome:
-    """Turn an answer into a score in [0, 1] (1..5 mapped linearly), or a PARSE failure."""
+def read_flow_grpo(text: str) -> ScoreOutcome:
+    """Flow-GRPO's reading of its judge's answer: the first ``<Score>digits</Score>``, score = rating / 5
+    (1..5 only; anything else is a PARSE error)."""
+    match = _FLOW_GRPO_TAG.search(text)
+    if match is None or not 1 <= int(match.group(1)) <= 5:
+        return ScoreOutcome.failure(ErrorCode.PARSE, f"no <Score>1..5</Score> in the answer {text[:200]!r}",
+                                    {"answer": text})
+    rating = float(match.group(1))
+    return ScoreOutcome(score=rating / 5.0, details={"rating": rating, "answer": text})
+
+
+def read_answer(answer: JudgeAnswer, readout: str, min_answer_mass: float, task: str = "") -> ScoreOutcome:
+    """Turn an answer into a score in [0, 1] (1..5 mapped linearly; ``flow_grpo``: :func:`read_flow_grpo`),
+    or a PARSE failure."""
+    if task in OWN_FORMAT_TASKS:
+        return read_flow_grpo(answer.text)
     if readout == "generate":
         matches = _SCORE_TAG.findall(answer.text)
         value = float(matches[-1]) if matches else None

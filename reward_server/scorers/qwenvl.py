@@ -16,6 +16,9 @@ Backends (one registry name each), with ``<model_dir>`` the server's ``--model-d
         ``"max_concurrency"`` (16). Images are sent as lossless PNG data URIs. The ``probs`` readout asks
         for ``top_logprobs`` (20) of the first token; a server that returns none is read from its
         one-digit answer text instead.
+Departures from Flow-GRPO's Qwen2.5-VL judge (docs/departures.md, Scorers): our default task and readout
+(``"task": "flow_grpo", "readout": "generate", "max_new_tokens": 2048`` give theirs), and images go through
+the model's image processor rather than qwen_vl_utils.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from reward_server.scorers.fingerprint import sha256_files
 from reward_server.scorers.judge import (
     ANSWER_FORMATS,
     DIGITS,
+    OWN_FORMAT_TASKS,
     SYSTEM_PROMPT,
     TASKS,
     JudgeAnswer,
@@ -58,11 +62,12 @@ class JudgeBackend(Protocol):
         ...
 
 
-def chat_text(question: str, num_images: int) -> str:
-    """Qwen2-VL / Qwen2.5-VL chat format: one user turn with the images first, then the assistant turn."""
+def chat_text(question: str, num_images: int, system: str | None = SYSTEM_PROMPT) -> str:
+    """Qwen2-VL / Qwen2.5-VL chat format: one user turn with the images first, then the assistant turn
+    (without a system message, Qwen's chat template puts in its default, :data:`SYSTEM_PROMPT`)."""
     vision = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
     return (
-        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+        f"<|im_start|>system\n{system or SYSTEM_PROMPT}<|im_end|>\n"
         f"<|im_start|>user\n{vision}{question}<|im_end|>\n<|im_start|>assistant\n"
     )
 
@@ -110,7 +115,7 @@ class LocalQwenVL:
         counts = iter((vision["image_grid_thw"].prod(dim=-1) // self.image_processor.merge_size**2).tolist())
         texts = []
         for query in queries:
-            parts = chat_text(query.question, len(query.images)).split("<|image_pad|>")
+            parts = chat_text(query.question, len(query.images), query.system).split("<|image_pad|>")
             texts.append(parts[0] + "".join("<|image_pad|>" * next(counts) + part for part in parts[1:]))
         encoded = self.tokenizer(texts, return_tensors="pt", padding=True)
         inputs = {
@@ -175,18 +180,7 @@ class OpenAIQwenVL:
         return list(self._pool.map(lambda query: self._ask(query, readout), queries))
 
     def _ask(self, query: JudgeQuery, readout: str) -> JudgeAnswer | ScoreOutcome:
-        content: list[dict[str, Any]] = [
-            {"type": "image_url", "image_url": {"url": _png_data_uri(image)}} for image in query.images
-        ]
-        content.append({"type": "text", "text": query.question})
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}],
-            "temperature": 0.0,
-            "max_tokens": 1 if readout == "probs" else self.max_new_tokens,
-        }
-        if readout == "probs":
-            body.update(logprobs=True, top_logprobs=20)
+        body = chat_request(query, self.model, readout, self.max_new_tokens)
         try:
             response = self._client.post("/chat/completions", json=body)
         except self._httpx.TimeoutException as exc:
@@ -291,7 +285,7 @@ class QwenVLScorer:
                 outcome = (
                     answer
                     if isinstance(answer, ScoreOutcome)
-                    else read_answer(answer, self.readout, self.min_answer_mass)
+                    else read_answer(answer, self.readout, self.min_answer_mass, tasks[row])
                 )
                 outcomes[row] = ScoreOutcome(
                     outcome.score, {"task": tasks[row], **outcome.details}, outcome.error, outcome.message
@@ -303,6 +297,8 @@ class QwenVLScorer:
             raise ValueError(f"unknown task {self.task!r}; one of {sorted(TASKS)}")
         if self.readout not in ANSWER_FORMATS:
             raise ValueError(f"unknown readout {self.readout!r}; one of {sorted(ANSWER_FORMATS)}")
+        if self.task in OWN_FORMAT_TASKS and self.readout != "generate":
+            raise ValueError(f"task {self.task!r} needs readout 'generate' (set \"readout\": \"generate\")")
 
 
 def read_options(model_dir: Path, name: str, *, api: bool, keys: set[str]) -> dict[str, Any]:
@@ -334,6 +330,25 @@ def open_backend(
         max_concurrency=int(options.get("max_concurrency", 16)),
         max_new_tokens=max_new_tokens,
     )
+
+
+def chat_request(query: JudgeQuery, model: str, readout: str, max_new_tokens: int) -> dict[str, Any]:
+    """The chat-completions body for one query: greedy, images (PNG data URIs) before the question, the
+    first token's top 20 log-probabilities for the ``probs`` readout."""
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": _png_data_uri(image)}} for image in query.images
+    ]
+    content.append({"type": "text", "text": query.question})
+    system = [{"role": "system", "content": query.system}] if query.system is not None else []
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [*system, {"role": "user", "content": content}],
+        "temperature": 0.0,
+        "max_tokens": 1 if readout == "probs" else max_new_tokens,
+    }
+    if readout == "probs":
+        body.update(logprobs=True, top_logprobs=20)
+    return body
 
 
 def _png_data_uri(image: np.ndarray) -> str:

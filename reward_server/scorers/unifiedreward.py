@@ -5,11 +5,15 @@ rating; the score is that rating, unscaled (1..5; Flow-GRPO divides it by 5, whi
 Prompts (``task``), each the text its authors query the model with:
     ``point`` (default): UnifiedReward-qwen's pointwise prompt: list the caption's key elements as
         ``element (type): 0/1``, then ``Final Score: x``.
-    ``flow_grpo``: the shorter prompt Flow-GRPO and DiffusionNFT send to UnifiedReward-7b-v1.5 (LLaVA
-        style, ``<image>`` placeholder in the text), read the same way.
+    ``flow_grpo``: Flow-GRPO's reward (flow_grpo/rewards.py ``unifiedreward_score_sglang``, also
+        UnifiedReward's sglang_llava client): the shorter prompt it sends UnifiedReward-7b-v1.5 (LLaVA style,
+        ``<image>`` placeholder in the text), no system message, the image resized to 512x512 (PIL
+        bicubic) first; its rating is the *first* ``Final Score:`` followed by a digit 1-5 (and decimals).
     ``acs``: UnifiedReward-2.0's Alignment / Coherence / Style scores (``X Score (1-5): v`` each); the
         score is their mean, each one is in ``details``.
-The last ``Final Score:`` of the answer is read; no rating (or one outside 1..5) is a PARSE error, never 0.
+``point`` reads the last ``Final Score:`` of the answer. No rating (or one outside 1..5) is a PARSE error,
+never 0. Departures from Flow-GRPO (docs/departures.md, Scorers): the rating unscaled (theirs / 5: weight
+0.2 gives their numbers) and a PARSE error where they score 0.
 
 Backends: those of :mod:`reward_server.scorers.qwenvl`. ``unifiedreward`` loads ``<model_dir>/unifiedreward/``
 (a Qwen2-VL / Qwen2.5-VL ``save_pretrained`` directory) with transformers, options in
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
 from reward_server.scorers.judge import JudgeQuery, rgb
@@ -60,13 +65,20 @@ PROMPTS: dict[str, str] = {
 ACS_AXES = ("Alignment", "Coherence", "Style")
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 _FINAL = re.compile(r"Final Score:\s*" + _NUMBER)
+_FLOW_GRPO_FINAL = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pattern, first match read
+FLOW_GRPO_SIZE = (512, 512)  # Flow-GRPO resizes every image to this before asking
 _AXIS = {axis: re.compile(axis + r" Score \(1-5\):\s*" + _NUMBER) for axis in ACS_AXES}
 
 
 def read_rating(text: str, task: str) -> ScoreOutcome:
     """The rating in an answer to ``PROMPTS[task]``, or a PARSE failure (the answer kept in ``details``)."""
-    found = {axis: _AXIS[axis].findall(text) for axis in ACS_AXES} if task == "acs" else {"final": _FINAL.findall(text)}
-    ratings = {axis: float(values[-1]) for axis, values in found.items() if values}
+    if task == "acs":
+        found = {axis: _AXIS[axis].findall(text)[-1:] for axis in ACS_AXES}
+    elif task == "flow_grpo":
+        found = {"final": _FLOW_GRPO_FINAL.findall(text)[:1]}
+    else:
+        found = {"final": _FINAL.findall(text)[-1:]}
+    ratings = {axis: float(values[0]) for axis, values in found.items() if values}
     if len(ratings) != len(found) or not all(1.0 <= value <= 5.0 for value in ratings.values()):
         wanted = "'<Axis> Score (1-5): x' for Alignment, Coherence and Style" if task == "acs" else "'Final Score: x'"
         return ScoreOutcome.failure(ErrorCode.PARSE, f"no {wanted} with x in 1..5 in the answer {text[-200:]!r}",
@@ -123,7 +135,11 @@ class UnifiedRewardScorer:
         return [answer if isinstance(answer, ScoreOutcome) else read_rating(answer.text, self.task) for answer in answers]
 
     def _query(self, image: np.ndarray, prompt: str) -> JudgeQuery:
-        return JudgeQuery([rgb(image)], PROMPTS[self.task].format(prompt=prompt))
+        question = PROMPTS[self.task].format(prompt=prompt)
+        if self.task != "flow_grpo":
+            return JudgeQuery([rgb(image)], question)
+        resized = Image.fromarray(rgb(image)).resize(FLOW_GRPO_SIZE, Image.Resampling.BICUBIC)
+        return JudgeQuery([np.asarray(resized)], question, system=None)
 
     def _check_task(self) -> None:
         if self.task not in PROMPTS:

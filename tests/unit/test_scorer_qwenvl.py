@@ -189,6 +189,16 @@ def test_load_needs_a_model_dir_and_checks_options(tmp_path: Path) -> None:
     (tmp_path / "qwenvl.json").write_text(json.dumps({"base_url": "http://127.0.0.1:1/v1"}))
     with pytest.raises(ValueError, match="unknown keys"):
         SCORERS["qwenvl"](model_dir=tmp_path).load()
+    with pytest.raises(ValueError, match="needs readout 'generate'"):
+        QwenVLScorer(model_dir=tmp_path, task="flow_grpo")
+
+
+def test_flow_grpo_task_per_item_needs_the_generate_readout(random_scorer: QwenVLScorer) -> None:
+    """Flow-GRPO's question asks for an analysis first: under the probs readout the item is refused, the
+    others of the batch are scored."""
+    flow, plain = random_scorer.score(IMAGES, ["a cat"] * 2, [{"judge_task": "flow_grpo"}, {}])
+    assert flow.error == ErrorCode.BAD_INPUT and "generate" in flow.message
+    assert plain.ok and plain.details["task"] == "alignment"
 
 
 # --- the OpenAI-compatible backend against a real local server running the tiny model -----------------

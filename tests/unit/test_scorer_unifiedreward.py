@@ -7,6 +7,8 @@ The API backend talks to a real chat server on 127.0.0.1 that runs the same tiny
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from chat_server import serve_chat
 from fixtures_models import build_tiny_qwen_vl, rig_answer
+from PIL import Image
 
 from reward_server.scorers import SCORERS, run_scorer
 from reward_server.scorers.qwenvl import LocalQwenVL
@@ -56,6 +59,10 @@ def test_api_backend_sends_the_prompt_and_reads_the_same_rating(model_dir: Path,
                        if part["type"] == "text")
     assert questions == sorted(PROMPTS["flow_grpo"].format(prompt=text) for text in PROMPT_TEXTS)
     assert all(request["max_tokens"] == 32 for request in sent)
+    assert all(request["messages"][0]["role"] == "user" for request in sent)  # no system message, as Flow-GRPO
+    sizes = {Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))).size
+             for request in sent for part in request["messages"][-1]["content"] if part["type"] == "image_url"}
+    assert sizes == {(512, 512)}
     assert all(question.startswith("<image>\n") for question in questions)
     assert {question.rsplit("Text Caption: ", 1)[1] for question in questions} == {f"[{t}]" for t in PROMPT_TEXTS}
 
@@ -68,6 +75,8 @@ def test_api_backend_sends_the_prompt_and_reads_the_same_rating(model_dir: Path,
     ("point", "Final Score: 7", None),
     ("point", "I would rate it 4 out of 5.", None),
     ("flow_grpo", "Final Score: 1.0", 1.0),
+    ("flow_grpo", "Final Score: 2\n... on reflection, Final Score: 4.5", 2.0),  # the first, as Flow-GRPO
+    ("flow_grpo", "Final Score: 0", None),
     ("acs", "Alignment Score (1-5): 2.5\nCoherence Score (1-5): 4\nStyle Score (1-5): 3", 9.5 / 3),
     ("acs", "Alignment Score (1-5): 2\nStyle Score (1-5): 3", None),
     ("acs", "Final Score: 4", None),
