@@ -11,7 +11,9 @@ The log-probability is the per-element Gaussian log-density averaged over non-ba
 constants (sqrt(1 - abar_t), sqrt(abar_t), sqrt(abar_prev), the direction's coefficient, sigma_t) are
 computed as the scheduler computes them, and the full-size arithmetic runs in the scheduler's order, in
 float32 whatever the input dtype. ``ddim_step`` binds the step to a schedule with those constants
-precomputed for every step, as ``flow_step`` does for the flow steps.
+precomputed for every step, as ``flow_step`` does for the flow steps. Departure from DDPO's
+``ddim_step_with_logprob``: its clamp of t_prev makes the last step read alphas_cumprod[0] where we read
+``final_alpha_cumprod`` (the same for SD1.5, whose scheduler does not set alpha to one).
 """
 
 from __future__ import annotations
