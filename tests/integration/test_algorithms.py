@@ -194,7 +194,9 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
     unequal sizes (6 samples by 4, or 3 pairs / chosen samples by 2), the step's loss and gradient are those
     of one micro-batch. Before units were scaled by their share, a last micro-batch of 1 counted as much as one of
     2, and best-of-group SFT normalised its advantage weights per micro-batch (uniform at size 1)."""
-    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3")
+    weighted = ["algorithm.weighting=advantage"] if algorithm == "sft_best" else []  # weights that differ
+    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3",
+                       *weighted)
     g = torch.Generator().manual_seed(0)
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
@@ -230,7 +232,8 @@ def test_every_sample_weighs_the_same_on_every_rank(tmp_path, tiny_model_dir, al
     w_u / (sum of w over both ranks), as in one process (w: 1 per pair or sample that counts, or best-of-group
     SFT's advantage weight). Normalised per rank alone, rank 1's samples weighed up to 3x rank 0's."""
     trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3",
-                       "algorithm.micro_batch_size=1", "algorithm.steps_per_epoch=1")
+                       "algorithm.micro_batch_size=1", "algorithm.steps_per_epoch=1",
+                       *(["algorithm.weighting=advantage"] if algorithm == "sft_best" else []))
     g = torch.Generator().manual_seed(0)
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]

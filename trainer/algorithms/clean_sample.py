@@ -18,9 +18,12 @@ from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveInt
 from trainer.rollout import SamplerSettings
 
 
-def logit_normal_sigmas(n: int, mean: float, std: float, generator: torch.Generator | None) -> torch.Tensor:
-    """sigma = sigmoid(m + s * z), z ~ N(0, 1): SD3's training density over noise levels."""
-    return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+def logit_normal_sigmas(n: int, mean: float, std: float, generator: torch.Generator | None,
+                        shift: float = 1.0) -> torch.Tensor:
+    """sigma = shift u / (1 + (shift - 1) u), u = sigmoid(m + s * z), z ~ N(0, 1): SD3's training density over
+    noise levels; ``shift`` 3 reads them as diffusers' SD3 training reads its shift-3 scheduler's grid."""
+    u = torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+    return u if shift == 1 else shift * u / (1 + (shift - 1) * u)
 
 
 @dataclass

@@ -5,8 +5,9 @@ Per prompt, ``group_size`` images are sampled with the SDE sampler, which record
     ratio = exp(log p_theta(x_{t+1} | x_t) - log p_old(x_{t+1} | x_t))
     L     = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps))) + beta KL(pi_theta || pi_ref)
 with the KL between the two Gaussian steps in the Flow-GRPO latent-mean form (no dt factor; see
-``gaussian_mean_kl``). Departures from the paper: none in the loss; trained timesteps are a random subset
-per sample (``timestep_fraction``) of the stochastic steps, the last step excluded.
+``gaussian_mean_kl``). Departures from Flow-GRPO's train_sd3.py (docs/departures.md): trained timesteps are
+a random subset per sample (``timestep_fraction``) of the stochastic steps, the last excluded; samples of zero
+advantage stay in the mean (``drop_zero_advantage`` drops them, as theirs); groups are group ids, not prompt texts.
 """
 
 from __future__ import annotations

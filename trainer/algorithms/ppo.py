@@ -3,7 +3,8 @@
     A_i = clip((r_i - mean(r)) / (std(r) + 1e-4), -c, c)     over the whole gathered batch
 and the same clipped per-step objective (see ``policy_gradient``). Samples of one prompt (``group_size``
 > 1 is allowed) are not compared with each other, so prompts that are easier than others get positive
-advantages: that is the baseline GRPO's grouping removes, and the reason to compare the two.
+advantages: that is the baseline GRPO's grouping removes, and the reason to compare the two. Departures from
+DDPO's train.py: 1e-4 beside the std (its 1e-8; Flow-GRPO's form), and the last step is never trained.
 """
 
 from __future__ import annotations

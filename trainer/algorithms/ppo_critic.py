@@ -8,6 +8,8 @@ after the last denoising step, so generalised advantage estimation over the T st
 Departures from Flow-GRPO's PPO baseline: advantages are per step (the critic sees x_t), and the critic
 sees the conditioning through its text embeddings mean-pooled over tokens (image conditioning is not
 an input). The critic is trained with its own AdamW (``critic_learning_rate``) in the same backward.
+Departures from verl's GAE and value loss (core_algos.py): advantages are normalised by the population std + 1e-4
+(verl: sqrt(Bessel-corrected variance + 1e-8)), and values are not clipped (verl: cliprange_value).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
     x_sigma = adapter.training_target(x0, eps, sigma)   (flow: (1 - sigma) x0 + sigma eps, target eps - x0)
     L = mean || model(x_sigma, sigma, c) - target ||^2,  sigma ~ logit-normal(m, s)
 A fraction ``cfg_dropout`` of prompts is replaced by the empty prompt so the model also learns the
-unconditional branch that CFG needs.
+unconditional branch that CFG needs. Departures from diffusers' SD3 fine-tuning (train_dreambooth_sd3.py): no
+output preconditioning (theirs, by default, weights each sample's loss by sigma^2), and noise levels unshifted
+and continuous (theirs: the shift-3 scheduler's 1000-level grid; ``sigma_shift`` 3 gives its density).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from trainer.algorithms.base import LossContext, set_shares
 from trainer.algorithms.clean_sample import CleanUnit, NoiseDraws, denoising_loss, logit_normal_sigmas
-from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveInt, Probability
+from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 
 
@@ -32,6 +34,9 @@ class SFTConfig:
     """Mean of the logit-normal density of training noise levels (SD3's default)."""
     logit_std: NonNegativeFloat = 1.0
     """Std of the logit-normal density of training noise levels."""
+    sigma_shift: PositiveFloat = 1.0
+    """Shift of the drawn levels, sigma = shift u / (1 + (shift - 1) u): 3 trains at the levels diffusers' SD3
+    fine-tuning and Flow-GRPO's SFT read off SD3's scheduler (1: the logit-normal draw itself)."""
 
 
 @dataclass
@@ -68,7 +73,8 @@ class SFT:
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         x0 = supervised_latents(adapter, images)
         noise = torch.randn(x0.shape, generator=generator).to(x0.device)
-        sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator)
+        sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator,
+                                    self.config.sigma_shift)
         return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts, inputs))
 
     def plan(self, batch: SFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:

@@ -5,7 +5,10 @@ Per group g, b = argmax_i r_i; with the weight w_g = 1 ("uniform") or w_g = max(
 group-relative advantage ("advantage"; a group without spread then gives no update):
     L = sum_g w_g ||model(x_sigma(b), sigma, c) - target||^2 / sum_g w_g,   sigma ~ logit-normal
 The clean sample is the rollout's final latent. Departures from RAFT: one best per group rather than a
-top fraction of the whole batch.
+top fraction of the whole batch. Departures from Flow-GRPO's SFT (train_sd3_sft.py, uniform weights): its loss
+is a mean over every sample (ours over the chosen ones: N / chosen times theirs); it trains every sample tied
+for a group's best, a flat group's all (ours: the first best, none of a flat group); its noise levels are
+SD3's shift-3 grid (ours unshifted, as the warm-up's default).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class BestOfGroupConfig(CleanSampleConfig):
     """Best-of-group SFT hyper-parameters (the shared fields: ``CleanSampleConfig``)."""
 
     name: str = "sft_best"
-    weighting: Literal["uniform", "advantage"] = "advantage"
-    """Weight of each group's best sample: 1, or its (positive) group-relative advantage."""
+    weighting: Literal["uniform", "advantage"] = "uniform"
+    """Weight of each group's best sample: 1 (as Flow-GRPO's SFT and RAFT), or its (positive) group-relative
+    advantage."""
 
 
 @dataclass
