@@ -574,7 +574,7 @@ def test_best_of_group_sft_is_flow_grpos_sft_up_to_its_mean_over_every_sample(tm
         )
         loss = weighted.sum() / (n * x0[0].numel())  # theirs: the mean over all N samples (the rest weigh 0)
         (loss / draws).backward()
-        theirs += float(loss) / draws
+        theirs += float(loss.detach()) / draws
     chosen = int(weights.sum())
     assert chosen == 3
     torch.testing.assert_close(ours.detach(), torch.tensor(theirs * n / chosen), rtol=1e-5, atol=1e-8)
