@@ -16,7 +16,7 @@ from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT, supervised_latents
 from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib, whole_before
 from trainer.config import Config, reward_token, saved_dict
-from trainer.data import build_tasks
+from trainer.data import build_tasks, describe_shared, shared_items
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
@@ -113,6 +113,9 @@ def run(config: Config) -> dict[str, float]:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
 
         task, eval_task = build_tasks(config.data, config.eval)  # their files are checked before any model loads
+        if main and (shared := shared_items(task, eval_task)):  # eval.allow_overlap let them through
+            print(f"note: eval.allow_overlap=true: data.path and eval.path share {describe_shared(shared)}: the "
+                  "evaluation is not on held-out examples", flush=True)
         warms_up = config.train.warmup_steps > 0 and (not config.train.init_from or config.train.warmup_after_init)
         if warms_up and not task.supervises:
             raise ValueError(f"data.name={config.data.name} has prompts but no target images for the supervised "

@@ -85,7 +85,8 @@ def test_scores_are_broken_down_by_the_records_tags_and_printed_as_their_mean(tm
     tags = ["counting", "colors", "counting", "position", "colors", "counting"]
     test.write_text("".join(json.dumps({"tag": tag, "prompt": f"a photo of thing {i}"}) + "\n"
                             for i, tag in enumerate(tags)))
-    job = ["data.name=prompt_file", f"data.path={test}", f"eval.path={test}", "train.warmup_steps=0", "train.epochs=0",
+    job = ["data.name=prompt_file", f"data.path={test}", f"eval.path={test}", "eval.allow_overlap=true",  # one file
+           "train.warmup_steps=0", "train.epochs=0",
            "eval.samples_per_prompt=2", "eval.num_steps=1", "logging.progress=false", "reward.weights={brightness: 1}"]
     with pytest.raises(ValueError, match=r"train.select_by='by_tag/brightness/size' is not a metric .* "
                                          r"by_tag/brightness/colors, .* by_tag/brightness/mean"):
@@ -118,7 +119,8 @@ def test_rollout_scores_are_broken_down_by_the_pool_items_tags(tmp_path, tiny_mo
     pool.write_text("".join(json.dumps({"tag": tag, "prompt": f"a photo of thing {i}"}) + "\n"
                             for i, tag in enumerate(tags)))
     trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, "data.name=prompt_file", f"data.path={pool}",
-                           f"eval.path={pool}", "train.warmup_steps=0", "train.epochs=2", "data.prompts_per_epoch=3",
+                           f"eval.path={pool}", "eval.allow_overlap=true", "train.warmup_steps=0", "train.epochs=2",
+                           "data.prompts_per_epoch=3",
                            "algorithm.group_size=2", "eval.samples_per_prompt=1", "eval.num_steps=1",
                            "logging.progress=false", "reward.weights={brightness: 1}", reward="brightness")
     seen = []

@@ -230,6 +230,10 @@ class EvalConfig:
     path: LocalPath = ""
     """A file (or folder) of evaluation items in data.name's format, e.g. a test split of prompts; RL then samples
     every item of data.path. Empty: the evaluation holds data.path's first items out of RL."""
+    allow_overlap: bool = False
+    """Run although data.path shares items with eval.path (a prompt; with image inputs, a prompt on the same files):
+    the run then prints how many, and its saved config says so. Off: such a run stops before any model loads,
+    naming them (an evaluation on examples RL trains on measures memorisation)."""
     prompts: NonNegativeInt = 0
     """How many items are evaluated: the first N of eval.path, else of data.path (held out); 0: every item of
     eval.path, else data.path's first 8, or an embedded task's own set (digits: one prompt per digit)."""

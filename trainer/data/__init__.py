@@ -40,6 +40,9 @@ class DigitsTask:
     def metadata(self, prompt: str) -> dict:
         return {"digit": int(prompt.strip()[-1])}
 
+    def item_key(self, index: int) -> str:
+        return self.prompts[index]
+
     def item_metadata(self, indices: list[int]) -> list[dict]:
         return [self.metadata(self.prompts[i]) for i in indices]
 
@@ -122,7 +125,29 @@ def build_tasks(data, ev) -> tuple[Task, Task]:
         raise ValueError(str(exc).replace(f"data.path={ev.path!r}", f"eval.path={ev.path!r}")) from None
     _evaluate_first(evaluated, ev.prompts or len(evaluated.prompts), f"eval.path={ev.path!r}")
     task.eval_indices, task.eval_prompts = [], []
+    shared = shared_items(task, evaluated)
+    if shared and not ev.allow_overlap:
+        raise ValueError(f"data.path={data.path!r} and eval.path={ev.path!r} share {describe_shared(shared)}: an "
+                         "evaluation on examples RL trains on measures memorisation; remove them from one of the "
+                         "files, or set eval.allow_overlap=true to run anyway")
     return task, evaluated
+
+
+def shared_items(task: Task, evaluated: Task) -> list[str | tuple]:
+    """The distinct ``item_key``s (prompt, and image files where there are some) of the items RL samples from
+    ``task`` that ``evaluated`` (an eval.path task) also holds anywhere in its file, in RL's order; none where the
+    evaluation is ``task``'s own held-out items."""
+    if evaluated is task:
+        return []
+    held = {evaluated.item_key(i) for i in range(len(evaluated.prompts))}
+    return list(dict.fromkeys(key for key in map(task.item_key, training_items(task)) if key in held))
+
+
+def describe_shared(keys: list[str | tuple]) -> str:
+    """"N prompts (first three: ...)" of ``shared_items``' keys, for messages."""
+    prompts = [key if isinstance(key, str) else key[0] for key in keys]
+    what = "prompts" if all(isinstance(key, str) for key in keys) else "items (prompt and image files)"
+    return f"{len(keys)} {what} (first three: {', '.join(repr(p) for p in prompts[:3])})"
 
 
 def _evaluate_first(task: Task, count: int, source: str) -> None:
@@ -136,4 +161,4 @@ def _evaluate_first(task: Task, count: int, source: str) -> None:
 
 
 __all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "WordsTask", "build_task", "build_tasks",
-           "training_items"]
+           "describe_shared", "shared_items", "training_items"]

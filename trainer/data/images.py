@@ -187,6 +187,13 @@ class ImageTask:
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return ImageInputs(**self._stack(indices)) if indices else None
 
+    def item_key(self, index: int) -> tuple:
+        """The prompt and the resolved files of the item's image inputs: the same instruction on another image
+        is another example."""
+        item = self.items[index]
+        references = item.reference if isinstance(item.reference, tuple) else (item.reference,)
+        return item.prompt, *(None if p is None else p.resolve() for p in (item.image, item.mask, *references))
+
     def item_metadata(self, indices: list[int]) -> list[dict]:
         distinct = {i: self._reward_metadata(i) for i in dict.fromkeys(indices)}
         return [dict(distinct[i]) for i in indices]

@@ -102,6 +102,9 @@ class PromptFileTask:
                 record["text"] = text
         return records
 
+    def item_key(self, index: int) -> str:
+        return self.prompts[index]
+
     def item_metadata(self, indices: list[int]) -> list[dict]:
         """Each item's own record (a prompt may repeat with other fields), without its prompt."""
         return [{k: v for k, v in self.records[i].items() if k != "prompt"} for i in indices]

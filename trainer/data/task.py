@@ -42,6 +42,11 @@ class Task(Protocol):
     """Whether ``supervised_batch`` has target images (the supervised warm-up needs them); False for prompts
     alone."""
 
+    def item_key(self, index: int) -> str | tuple:
+        """What pool item ``index`` is: its prompt (a tuple with the files of its image inputs where it has them).
+        A training and a test split sharing a key share an example."""
+        ...
+
     def item_metadata(self, indices: list[int]) -> list[dict]:
         """Per-item metadata of pool items ``indices`` for the reward servers (target text, mask region,
         edit reference, GenEval specs)."""

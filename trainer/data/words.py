@@ -87,6 +87,9 @@ class WordsTask:
             np.stack([render_word(w, image_size, face, s) for face in FONTS for s in SHIFTS]) for w in self.words
         ])).unsqueeze(2)
 
+    def item_key(self, index: int) -> str:
+        return self.prompts[index]
+
     def item_metadata(self, indices: list[int]) -> list[dict]:
         """The word as the ``ocr`` scorer's target text."""
         return [{"text": self._word[self.prompts[i]]} for i in indices]
