@@ -11,7 +11,8 @@ test runs each config's whole job (``Trainer.fit``) at toy size and resumes it f
 the straight run's numbers (the algorithm configs' and repeated settings' in the slow tier); a third runs the
 job of every algorithm config with every registered adapter. A fourth checks the presets' headers (including
 that they start every weighted reward scorer) and that their repository-relative data paths exist; a fifth,
-that the header's reward-server and training commands agree with reward.urls and with each other.
+that the header's reward-server and training commands agree with reward.urls and with each other; a sixth, that
+no preset evaluates on a prompt it trains on.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from reward_server.scorers.brightness import BrightnessScorer
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
-from trainer.data import build_task, build_tasks
+from trainer.data import build_task, build_tasks, training_items
 from trainer.data.sampler import GroupSampler
 from trainer.data.testing import tiny_dataset
 from trainer.distributed import SingleProcess
@@ -82,6 +83,7 @@ def _model_overrides(model: dict, tiny_models) -> list[str]:
 
 def test_configs_are_found():
     assert len(PRESETS) >= 7 and REPO / "configs" / "embedded_digits.yaml" in CONFIGS
+    assert len(IN_REPOSITORY) >= 10  # the PickScore, OCR and GenEval presets train and evaluate on data/
 
 
 def _tiny_job(path: Path, tiny_models, tmp_path, extra: list[str] | None = None):
@@ -93,8 +95,13 @@ def _tiny_job(path: Path, tiny_models, tmp_path, extra: list[str] | None = None)
     config = load_config(str(path), overrides)  # an unregistered algorithm or model fails here
     side = config.model.resolution or 16
     data_path = tiny_dataset(config.data.name, tmp_path, side, Path(raw.get("data", {}).get("path", "")).suffix)
-    evaluated = [f"eval.path={data_path}"] if Path(config.eval.path).is_absolute() else []
-    return load_config(str(path), [*overrides, f"data.path={data_path}", *evaluated, f"data.image_size={side}",
+    if not config.eval.path:
+        evaluated = []
+    elif Path(config.eval.path).is_absolute():  # a placeholder for the user's test split: the tiny data again
+        evaluated = [f"eval.path={data_path}", "eval.allow_overlap=true"]
+    else:  # the preset's test split in the repository
+        evaluated = [f"eval.path={REPO / config.eval.path}"]
+    return load_config(str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}", *evaluated,
                                    *(extra or [])])
 
 
@@ -186,10 +193,11 @@ def _one_epoch(config) -> list[str]:
 
 
 def _settings(path: Path) -> str:
-    """The config's settings other than its model's name and path, its data and its rewards."""
+    """The config's settings other than its model's name and path, its data (eval.path too) and its rewards."""
     raw = yaml.safe_load(path.read_text())
     model = {k: v for k, v in raw.get("model", {}).items() if k not in ("name", "path")}
-    return repr(sorted({**raw, "model": model, "data": None, "reward": None}.items()))
+    evaluation = {k: v for k, v in raw.get("eval", {}).items() if k != "path"}
+    return repr(sorted({**raw, "model": model, "data": None, "eval": evaluation, "reward": None}.items()))
 
 
 def _whole_jobs() -> list:
@@ -287,6 +295,10 @@ def _relative_data(path: Path) -> bool:
     return bool(data) and not Path(data).is_absolute()
 
 
+IN_REPOSITORY = [p for p in PRESETS if _relative_data(p)]
+"""Presets whose data is in the repository (data/); the others name a placeholder for the user's own."""
+
+
 def _header(path: Path) -> str:
     lines = path.read_text().splitlines()
     return "\n".join(lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
@@ -327,17 +339,42 @@ def test_preset_header_says_what_to_set_and_which_servers_to_start(path):
                                 f"starts {sorted(served)}")
 
 
-@pytest.mark.parametrize("path", [p for p in PRESETS if _relative_data(p)], ids=_id)
+def _in_repository(config):
+    """``config`` with its relative data.path and eval.path read from the repository root, where jobs start."""
+    data, evaluation = config.data, config.eval
+    for setting, value in (("data.path", data.path), ("eval.path", evaluation.path)):
+        if value and not Path(value).is_absolute():
+            file = (REPO / value).resolve()
+            assert file.is_relative_to(REPO.resolve()) and file.is_file(), f"{setting}={value} is not a file in the checkout"
+    return (dataclasses.replace(data, path=str(REPO / data.path)),
+            dataclasses.replace(evaluation, path=str(REPO / evaluation.path)) if evaluation.path else evaluation)
+
+
+@pytest.mark.parametrize("path", IN_REPOSITORY, ids=_id)
 def test_preset_data_path_relative_to_the_repository_loads(path):
-    """A relative data.path (absolute ones are placeholders for the user's data) is read from the repository root,
-    where the job starts: inside the checkout it must exist; one beside it (../shared/data) is checked where the
-    checkout has it beside."""
+    """A relative data.path or eval.path (absolute ones are placeholders for the user's data) is read from the
+    repository root, where the job starts: it must be a file inside the checkout (a clone has nothing beside it,
+    where ../shared/data used to be read) and load in data.name's format."""
+    data, evaluation = _in_repository(load_config(str(path)))
+    build_task(data)
+    if evaluation.path:
+        build_task(dataclasses.replace(data, path=evaluation.path))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=_id)
+def test_preset_never_evaluates_on_prompts_it_trains_on(path):
+    """Through the job's own builders (build_tasks): the prompts RL samples and every prompt of the evaluation's
+    file share none, and the evaluation reads a test split of its own (eval.path). A preset on the user's data (an
+    absolute placeholder) names no eval.path: its evaluation is data.path's first items, which RL leaves out."""
     config = load_config(str(path))
-    data_path = (REPO / config.data.path).resolve()
-    if not data_path.is_relative_to(REPO.resolve()) and not data_path.parent.exists():
-        pytest.skip(f"{config.data.path} is beside the checkout, and this checkout has no {data_path.parent}")
-    assert data_path.exists(), f"{path.name}: data.path {config.data.path} is not there from the repo root"
-    build_task(dataclasses.replace(config.data, path=str(data_path)))
+    assert not config.eval.allow_overlap
+    if path not in IN_REPOSITORY:
+        assert Path(config.data.path).is_absolute() and not config.eval.path, path.name
+        return
+    task, evaluated = build_tasks(*_in_repository(config))
+    trained = {task.prompts[i] for i in training_items(task)}
+    assert evaluated is not task and len(trained) > 100 and len(evaluated.prompts) > 1000
+    assert not trained & set(evaluated.prompts), sorted(trained & set(evaluated.prompts))[:3]
 
 
 def test_a_step_kind_the_model_has_no_math_for_is_refused_as_the_trainer_is_built(tiny_models, tmp_path):

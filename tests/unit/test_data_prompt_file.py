@@ -16,8 +16,7 @@ from trainer.data import build_task
 from trainer.data.prompt_file import PromptFileTask
 from trainer.rewards.client import HttpRewardClient
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "flow_grpo"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="the shared prompt sets sit beside the checkout")
+DATA = Path(__file__).resolve().parents[2] / "data" / "flow_grpo"
 
 
 def _wire_metadata(prompts: list[str], metadata: list[dict]) -> list[dict]:
@@ -30,7 +29,6 @@ def _wire_metadata(prompts: list[str], metadata: list[dict]) -> list[dict]:
     return [item.metadata for item in ScoreRequest.model_validate_json(body).items]
 
 
-@needs_data
 def test_geneval_records_travel_as_reward_metadata():
     task = build_task(DataConfig(name="prompt_file", path=str(DATA / "geneval_test_metadata.jsonl")))
     records = [json.loads(line) for line in (DATA / "geneval_test_metadata.jsonl").read_text().splitlines()]
@@ -46,7 +44,6 @@ def test_geneval_records_travel_as_reward_metadata():
     assert task.eval_prompts == task.prompts[:8] and task.inputs([0, 1]) is None
 
 
-@needs_data
 def test_text_rendering_prompts_carry_their_quoted_target():
     task = build_task(DataConfig(name="prompt_file", path=str(DATA / "ocr_test_prompts.txt")))
     metadata = task.item_metadata(list(range(len(task.prompts))))
@@ -80,7 +77,6 @@ def test_a_task_mask_travels_in_the_item_mask_field(wire_format):
     np.testing.assert_array_equal(decode_image(item.mask.format, item.mask.data, item.mask.shape).reshape(4, 4, -1)[..., :1], mask)
 
 
-@needs_data
 def test_real_ocr_and_geneval_files():
     ocr = PromptFileTask(str(DATA / "ocr_test_prompts.txt"))
     assert len(ocr.prompts) == 1018  # 1,017 newlines; the last line has none

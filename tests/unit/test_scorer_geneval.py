@@ -3,6 +3,7 @@ and the scorer end to end on a tiny random Mask2Former and CLIP loaded through i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +17,19 @@ from reward_server.scorers import geneval_rules as rules
 from reward_server.scorers.geneval import BACKGROUND, GenEvalScorer, crop_object, instances, jpeg_roundtrip
 from shared.protocol import ErrorCode
 
-# The first row of each tag in shared/data/flow_grpo/geneval_test_metadata.jsonl (Flow-GRPO's GenEval set).
-REAL_ROWS = [
-    {"tag": "counting", "include": [{"class": "wine glass", "count": 2}], "exclude": [{"class": "wine glass", "count": 3}], "prompt": "a photo of two wine glasses"},
-    {"tag": "color_attr", "include": [{"class": "handbag", "count": 1, "color": "pink"}, {"class": "scissors", "count": 1, "color": "black"}], "prompt": "a photo of a pink handbag and a black scissors"},
-    {"tag": "single_object", "include": [{"class": "bowl", "count": 1}], "prompt": "a photo of a bowl"},
-    {"tag": "position", "include": [{"class": "laptop", "count": 1}, {"class": "cow", "count": 1, "position": ["right of", 0]}], "prompt": "a photo of a cow right of a laptop"},
-    {"tag": "two_object", "include": [{"class": "bowl", "count": 1}, {"class": "skis", "count": 1}], "prompt": "a photo of a bowl and a skis"},
-    {"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "purple"}], "prompt": "a photo of a purple cup"},
-]
+DATA = Path(__file__).resolve().parents[2] / "data" / "flow_grpo" / "geneval_test_metadata.jsonl"
+
+
+def _first_of_each_tag(path: Path) -> list[dict]:
+    """The first row of each tag in GenEval's test metadata (Flow-GRPO's copy, in the repository), in file order."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["tag"], row)
+    return list(rows.values())
+
+
+REAL_ROWS = _first_of_each_tag(DATA)
 
 
 def det(x1: float, y1: float, x2: float, y2: float, score: float = 0.95, mask: np.ndarray | None = None):

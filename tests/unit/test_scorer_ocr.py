@@ -29,7 +29,7 @@ from reward_server.scorers.ocr import (
 )
 from shared.protocol import ErrorCode
 
-PROMPTS = Path(__file__).resolve().parents[3] / "shared/data/flow_grpo/ocr_test_prompts.txt"
+PROMPTS = Path(__file__).resolve().parents[2] / "data" / "flow_grpo" / "ocr_test_prompts.txt"
 
 
 def fitting_font_size(text: str, width: int) -> int:
@@ -45,8 +45,6 @@ def ocr() -> OcrScorer:
 
 @pytest.fixture(scope="module")
 def real_prompts() -> list[str]:
-    if not PROMPTS.is_file():
-        pytest.skip(f"{PROMPTS} not found (shared/ sits beside the repository)")
     return [line for line in PROMPTS.read_text().splitlines() if line.strip()]
 
 
