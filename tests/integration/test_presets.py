@@ -365,11 +365,14 @@ def test_preset_data_path_relative_to_the_repository_loads(path):
 def test_preset_never_evaluates_on_prompts_it_trains_on(path):
     """Through the job's own builders (build_tasks): the prompts RL samples and every prompt of the evaluation's
     file share none, and the evaluation reads a test split of its own (eval.path). A preset on the user's data (an
-    absolute placeholder) names no eval.path: its evaluation is data.path's first items, which RL leaves out."""
+    absolute placeholder) names no eval.path (its evaluation is data.path's first items, which RL leaves out) or a
+    placeholder of its own for the user's test split."""
     config = load_config(str(path))
     assert not config.eval.allow_overlap
     if path not in IN_REPOSITORY:
-        assert Path(config.data.path).is_absolute() and not config.eval.path, path.name
+        # the user's own files: no test split, or a placeholder for the user's own test split beside the train one
+        assert Path(config.data.path).is_absolute(), path.name
+        assert not config.eval.path or (Path(config.eval.path).is_absolute() and config.eval.path != config.data.path)
         return
     task, evaluated = build_tasks(*_in_repository(config))
     trained = {task.prompts[i] for i in training_items(task)}
