@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,8 +50,9 @@ def test_the_job_writes_its_outputs(tmp_path):
     job as on a first run): every output is there, and no third-party notice (transformers' torchvision fallback,
     DeepSpeed's accelerator, loading bars) nor progress bar in the output (not a terminal). Its paths are relative
     to the folder it starts in, and generate, export and a resume find them from another. That it learns is
-    test_shortened_job_raises_the_reward's (slow) and test_adapter_learning's."""
-    run = _run([sys.executable, str(REPO / "trainer" / "main.py"), "model.path=tiny", "logging.output_dir=.",
+    test_shortened_job_raises_the_reward's (slow) and test_adapter_learning's. The model is the default one, built
+    in .cache/rewardflow/ of the folder the job starts in."""
+    run = _run([sys.executable, str(REPO / "trainer" / "main.py"), "logging.output_dir=.",
                 "logging.run_name=toy", "train.warmup_steps=4", "train.epochs=2",
                 "data.prompts_per_epoch=2", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1",
                 "eval.num_steps=2", "eval.guard_scorers=[brightness]"], tmp_path, timeout=600, cwd=tmp_path)
@@ -83,12 +85,16 @@ def test_the_job_writes_its_outputs(tmp_path):
     assert (tmp_path / "exported" / "diffusion_pytorch_model.safetensors").is_file()
     for notice in ("requires torchvision", "Loading weights", "%|"):
         assert notice not in export.stdout + export.stderr, notice
-    # --resume from another folder continues on the run's own model (no new tiny one built there), unchanged
+    # --resume from another folder continues on the run's own model (no new tiny one built there), unchanged; the
+    # default model, removed meanwhile, is built again where the run's config.yaml (absolute) says it was
+    model = tmp_path / ".cache" / "rewardflow" / "tiny-sd3-digits"
+    assert (model / "transformer" / "config.json").is_file()
+    shutil.rmtree(model)
     (tmp_path / "elsewhere").mkdir()
     resumed = _run([sys.executable, str(REPO / "trainer" / "main.py"), "--resume", "auto", f"logging.output_dir={tmp_path}",
                     "logging.run_name=toy", "train.epochs=3"], tmp_path, timeout=300, cwd=tmp_path / "elsewhere")
     assert "resumed from" in resumed.stdout and "epoch   3" in resumed.stdout and "warning" not in resumed.stdout
-    assert not any((tmp_path / "elsewhere").iterdir())
+    assert not any((tmp_path / "elsewhere").iterdir()) and (model / "transformer" / "config.json").is_file()
 
 
 @pytest.mark.slow

@@ -203,7 +203,7 @@ def test_wandb_dying_midway_costs_the_run_its_wandb_rows_not_the_run(tmp_path):
 
 def test_a_wandb_login_that_cannot_work_stops_the_job_before_the_model_loads(tmp_path, capsys):
     model = tmp_path / "not-built"  # the tiny model would be built there
-    assert main([f"model.path={model}", f"logging.output_dir={tmp_path}", "logging.wandb=online",
+    assert main([f"model.path={model}", "model.build_if_missing=true", f"logging.output_dir={tmp_path}", "logging.wandb=online",
                  "reward.replicas=1"]) == 2
     err = capsys.readouterr().err
     assert "logging.wandb=online: W&B did not start (No API key configured. Use `wandb login` to log in.): run " \

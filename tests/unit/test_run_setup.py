@@ -92,7 +92,7 @@ def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_buil
     (tmp_path / "same").mkdir()
     (tmp_path / "same" / "metrics.jsonl").write_text('{"phase": "rl", "step": 1}\n')
     model = tmp_path / "not-built"  # the tiny model would be built there
-    base = [f"logging.output_dir={tmp_path}", f"model.path={model}"]
+    base = [f"logging.output_dir={tmp_path}", f"model.path={model}", "model.build_if_missing=true"]
     for extra, message in (("logging.run_name=same", "already holds a run (metrics.jsonl)"),
                            (f"train.resume={tmp_path / 'same'}", "is not a complete checkpoint"),
                            ("data.name=prompt_file", "data.path")):  # checked after the model loaded, before
@@ -109,7 +109,7 @@ def test_a_resume_under_another_model_or_algorithm_is_refused_before_anything_lo
     checkpoint = _fake_checkpoint(tmp_path / "older" / "checkpoints" / "step-000004-000002")
     (checkpoint / "config.json").write_text(json.dumps({"model": {"name": "tiny"}, "algorithm": {"name": "dpo"}}))
     model = tmp_path / "not-built"
-    base = [f"logging.output_dir={tmp_path}", f"model.path={model}", "reward.replicas=1"]
+    base = [f"logging.output_dir={tmp_path}", f"model.path={model}", "model.build_if_missing=true", "reward.replicas=1"]
     for resume in ([f"train.resume={checkpoint}"], ["--resume", "auto", "logging.run_name=older"]):
         assert main([*base, *resume]) == 2
         assert (f"error: train.resume: {checkpoint} was written by a run of algorithm.name=dpo, and this one has "
@@ -223,8 +223,9 @@ def test_the_reward_replicas_load_while_the_model_loads(tmp_path, monkeypatch):
         return build_adapter(config, device)
 
     monkeypatch.setattr(trainer.build, "build_adapter", after_a_replica_loaded)
-    assert main([f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'outputs'}", "logging.run_name=run",
-                 "logging.progress=false", "logging.tensorboard=false", "reward.replicas=1", "train.warmup_steps=0",
+    assert main([f"model.path={tmp_path / 'tiny'}", "model.build_if_missing=true", f"logging.output_dir={tmp_path / 'outputs'}",
+                 "logging.run_name=run", "logging.progress=false", "logging.tensorboard=false", "reward.replicas=1",
+                 "train.warmup_steps=0",
                  "train.epochs=1", "data.prompts_per_epoch=1", "algorithm.group_size=2", "algorithm.sampler.num_steps=4",
                  "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1", "eval.num_steps=1"]) == 0
     assert waited == [True]
@@ -246,7 +247,7 @@ def _fails_fast(tmp_path, capsys, *overrides: str) -> str:
 
     model, output = tmp_path / "not-built", tmp_path / "outputs"
     start = time.monotonic()
-    assert main([f"model.path={model}", f"logging.output_dir={output}", *overrides]) == 2
+    assert main([f"model.path={model}", "model.build_if_missing=true", f"logging.output_dir={output}", *overrides]) == 2
     assert time.monotonic() - start < 10
     assert not model.exists() and not output.exists()
     err = capsys.readouterr().err
@@ -336,6 +337,27 @@ def test_a_prompt_file_with_the_default_warm_up_is_refused_before_any_model_load
                     "train.warmup_steps=0 (or start from trained weights: train.init_from)")
 
 
+SHORT = ["train.warmup_steps=0", "train.epochs=0", "eval.samples_per_prompt=1", "eval.num_steps=1", "reward.replicas=1",
+         "logging.progress=false", "logging.tensorboard=false"]
+"""A job that ends as soon as it has started: no warm-up, no RL, one cheap evaluation."""
+
+
+def test_a_mistyped_tiny_model_path_is_refused_not_built(tmp_path, capsys) -> None:
+    """``model.path=/some/typo`` with the default tiny model built a random model there and trained on it (a later
+    ``model.name=sd3`` run then loaded it as SD3): only the default folder, or ``model.build_if_missing``, builds."""
+    from trainer.main import main
+
+    typo, output = tmp_path / "modles" / "tiny", tmp_path / "outputs"
+    assert main([f"model.path={typo}", f"logging.output_dir={output}", *SHORT]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert line == (f"error: model.path='{typo}': no such folder: fix the path, leave model.path unset for the default "
+                    "tiny model (.cache/rewardflow/tiny-sd3-digits), or set model.build_if_missing=true to build a new "
+                    "random tiny model there")
+    assert not (tmp_path / "modles").exists() and not output.exists()
+    assert main([f"model.path={typo}", "model.build_if_missing=true", f"logging.output_dir={output}", *SHORT]) == 0
+    assert (typo / "transformer" / "config.json").is_file()
+
+
 def test_an_output_dir_or_a_model_path_that_is_a_file_is_one_line(tmp_path, capsys) -> None:
     """Both were NotADirectoryError tracebacks, the model path's after 30 s (and a .building-* folder beside it)."""
     from trainer.main import main
@@ -392,7 +414,7 @@ def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_t
     """aesthetic needs model files, which a job's own replicas are not given: a 33-line traceback before."""
     from trainer.main import main
 
-    assert main([f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'outputs'}",
+    assert main([f"model.path={tmp_path / 'tiny'}", "model.build_if_missing=true", f"logging.output_dir={tmp_path / 'outputs'}",
                  "reward.weights={aesthetic: 1}", "reward.replicas=1"]) == 2
     err = capsys.readouterr().err
     assert ("\nerror: a scorer of reward.weights or eval.guard_scorers needs model files: set reward.model_dir to the "
@@ -404,8 +426,8 @@ def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_t
 def test_the_jobs_own_replicas_score_with_model_files_from_reward_model_dir(tmp_path, tiny_aesthetic_model_dir):
     from trainer.main import main
 
-    assert main([f"model.path={tmp_path / 'tiny'}", f"logging.output_dir={tmp_path / 'outputs'}", "logging.run_name=r",
-                 "logging.progress=false", "logging.tensorboard=false", "reward.weights={aesthetic: 1}",
+    assert main([f"model.path={tmp_path / 'tiny'}", "model.build_if_missing=true", f"logging.output_dir={tmp_path / 'outputs'}",
+                 "logging.run_name=r", "logging.progress=false", "logging.tensorboard=false", "reward.weights={aesthetic: 1}",
                  f"reward.model_dir={tiny_aesthetic_model_dir}", "reward.replicas=1", "train.warmup_steps=0",
                  "train.epochs=1", "data.prompts_per_epoch=1", "algorithm.group_size=2", "algorithm.sampler.num_steps=4",
                  "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1", "eval.num_steps=1"]) == 0

@@ -80,14 +80,32 @@ def build_adapter(config, device):
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the float32 matmuls left (LoRA computes in model.dtype)
         torch.backends.cudnn.allow_tf32 = True
-    if Path(config.path).is_file():
-        raise ValueError(f"model.path={config.path!r} is a file: name the model's folder (a diffusers pipeline's, "
-                         "with model_index.json)")
+    if (problem := model_path_problem(config)) is not None:
+        raise ValueError(problem)
     adapter_class = MODELS[config.name].load()
     hint = other_models_pipeline(config, adapter_class)
     if hint:
         logger.warning(hint)
     return adapter_class(config, device)
+
+
+def model_path_problem(config) -> str | None:
+    """Why ``model.path`` cannot be ``config.name``'s model folder, found without reading a weight (the run's
+    pre-flight asks before anything is built), or None: a file, a missing folder (an adapter that builds its own
+    model, the tiny one, says where it may), a folder with nothing in it."""
+    from trainer.models.common import weights_fix
+
+    path = Path(config.path)
+    if path.is_file():
+        return (f"model.path={config.path!r} is a file: name the model's folder (a diffusers pipeline's, with "
+                "model_index.json)")
+    adapter_class = MODELS[config.name].load()
+    if (own := getattr(adapter_class, "path_problem", None)) is not None:
+        return own(config)
+    if not path.is_dir() or not any(path.iterdir()):
+        return (f"model.path={config.path!r} is not a diffusers {adapter_class.pipeline_class.__name__} directory "
+                f"({'an empty folder' if path.is_dir() else 'no such folder'}); {weights_fix(config.path)}")
+    return None
 
 
 def other_models_pipeline(config, adapter_class: type) -> str | None:

@@ -114,6 +114,14 @@ class DiffusersModelConfig:
         return raw
 
 
+def weights_fix(path: str) -> str:
+    """What to do where ``model.path`` holds no weights: download a Hub id it reads as, or point it at a copy."""
+    if hub_id(path):
+        return (f"{path!r} reads as a Hugging Face Hub id, and the trainer reads local folders only: "
+                f"`hf download {path} --local-dir DIR`, then model.path=DIR")
+    return "point model.path at a local copy of the weights"
+
+
 def denoiser_config(cls: type, config: Any, subfolder: str, label: str) -> dict[str, Any]:
     """The config diffusers saved for the denoiser in ``model.path``'s ``subfolder``, once it is known to be a
     ``cls``'s: a directory of no diffusers model, or of another model, fails with a message naming the fix
@@ -121,12 +129,8 @@ def denoiser_config(cls: type, config: Any, subfolder: str, label: str) -> dict[
     an adapter can check what it will feed the denoiser without loading billions of parameters first."""
     file = Path(config.path) / subfolder / "config.json"
     if not file.is_file():
-        fix = "point model.path at a local copy of the weights"
-        if hub_id(config.path):
-            fix = (f"{config.path!r} reads as a Hugging Face Hub id, and the trainer reads local folders only: "
-                   f"`hf download {config.path} --local-dir DIR`, then model.path=DIR")
         raise ValueError(f"model.path={config.path!r} is not a diffusers {label} directory (no {subfolder}/config.json); "
-                         f"{fix}")
+                         f"{weights_fix(config.path)}")
     saved = json.loads(file.read_text())
     if saved.get("_class_name") != cls.__name__:
         raise ValueError(f"model.path={config.path!r} holds a {saved.get('_class_name')} in {subfolder}/, and "
