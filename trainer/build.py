@@ -14,9 +14,9 @@ import yaml
 from shared.interrupt import as_interrupt, stop_if_interrupted
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT, supervised_latents
-from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib, whole_before
+from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib
 from trainer.config import Config, reward_token, saved_dict
-from trainer.data import build_tasks, describe_shared, shared_items
+from trainer.data import describe_shared, shared_items
 from trainer.data.sampler import GroupSampler
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
@@ -35,8 +35,8 @@ from trainer.launch import (
 from trainer.logging import RunLogger
 from trainer.memory import memory_advice, out_of_memory
 from trainer.models import build_adapter
+from trainer.preflight import preflight
 from trainer.stopping import StopsBeforeTraining, StopSignalled, ignore_stop_signals
-from trainer.tool import cannot_write
 from trainer.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -76,15 +76,10 @@ def run(config: Config) -> dict[str, float]:
     with contextlib.ExitStack() as stack:
         stack.callback(backend.close)
         setup = stack.enter_context(StopsBeforeTraining())  # a SIGTERM now: what was started stops, nothing is kept
-        for setting, path in ("train.resume", config.train.resume), ("train.init_from", config.train.init_from):
-            if path and path != "auto":
-                require_checkpoint(Path(path), setting)
-        # Before anything is built: how an epoch's samples split over the ranks, then the reward servers.
+        # Before anything is built: how an epoch's samples split over the ranks, then every piece the run needs.
         GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, backend.world.world_size, 0, 0)
+        task, eval_task = preflight(config, backend)
         output = Path(config.logging.output_dir)
-        if (why := cannot_write(output.absolute(), folder=True)) is not None:
-            raise ValueError(f"logging.output_dir={str(output)!r}: {why}")
-        check_rewards(config, backend)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
         if main and refusal is None and config.train.resume:  # another model or algorithm: before any loads
             continued = (Path(config.train.resume) if config.train.resume != "auto"
@@ -112,7 +107,6 @@ def run(config: Config) -> dict[str, float]:
         if main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
 
-        task, eval_task = build_tasks(config.data, config.eval)  # their files are checked before any model loads
         if main and (shared := shared_items(task, eval_task)):  # eval.allow_overlap let them through
             print(f"note: eval.allow_overlap=true: data.path and eval.path share {describe_shared(shared)}: the "
                   "evaluation is not on held-out examples", flush=True)
@@ -243,28 +237,6 @@ def start_trackers(config: Config, run_dir: Path) -> tuple[list, str | None]:
                              config.logging.wandb_entity, saved_dict(config))], None
     except ValueError as exc:
         return [], str(exc)
-
-
-def require_checkpoint(path: Path, setting: str) -> None:
-    """Refuse ``setting``'s path unless it is a complete checkpoint, naming the one meant where it is a run's
-    directory (checked before anything is built or started)."""
-    if (path / "progress.json").is_file() and (path / "trainable.safetensors").is_file():
-        why = damaged(path, only=("trainable.safetensors",) if setting == "train.init_from" else ())
-        if why is None:
-            return
-        older = whole_before(path)
-        raise ValueError(f"{setting}={str(path)!r} cannot be loaded, {why}: "
-                         + (f"pass the checkpoint before it, {older}" if older else "restore it from a copy"))
-    if not path.exists():
-        raise ValueError(f"{setting}={str(path)!r}: no such directory; pass a <run>/checkpoints/step-* directory")
-    hint = "pass a <run>/checkpoints/step-* directory"
-    latest = Checkpoints(path / "checkpoints", 0, False).latest()
-    if latest is not None:
-        hint = f"{path} is a run directory: pass one of its checkpoints, e.g. {latest}"
-    if setting == "train.resume":
-        hint += ", or train.resume=auto with logging.run_name to continue the run's latest"
-    raise ValueError(f"{setting}={str(path)!r} is not a complete checkpoint (no progress.json and "
-                     f"trainable.safetensors): {hint}")
 
 
 def choose_run_dir(config: Config, output_dir: Path) -> tuple[str, str | None]:

@@ -24,16 +24,22 @@ from trainer.rewards.launcher import RewardPoolError
 from trainer.rewards.preflight import PreflightError, Requests, check_reward_urls
 
 
-def check_rewards(config: Config, backend, own_urls: Sequence[str] | None = None) -> None:
-    """Refuse the run now, on every rank alike, when a rank cannot reach a reward server, one lacks a weighted or
-    guard scorer, or its limits refuse the run's requests (each rank checks: machines may see different servers).
-    ``own_urls``: the job's own replicas, once they are up (their limits; before, only the scorer names)."""
+def reward_problem(config: Config, own_urls: Sequence[str] | None = None) -> str | None:
+    """Why this rank cannot get the run's rewards, or None: a reward server it cannot reach, one that lacks a
+    weighted or guard scorer, or whose limits refuse the run's requests. ``own_urls``: the job's own replicas,
+    once they are up (their limits; before, only the scorer names)."""
     named_by = {**{name: "eval.guard_scorers" for name in config.eval.guard_scorers},
                 **{name: "reward.weights" for name in config.reward.weights}}
     requests = Requests(config.reward.batch_size, getattr(config.model, "resolution", 0), config.reward.wire_format,
                         own=own_urls is not None)
     urls = config.reward.urls if own_urls is None else own_urls
-    problem = check_reward_urls(urls, dict(sorted(named_by.items())), reward_token(config.reward), requests)
+    return check_reward_urls(urls, dict(sorted(named_by.items())), reward_token(config.reward), requests)
+
+
+def check_rewards(config: Config, backend, own_urls: Sequence[str] | None = None) -> None:
+    """Refuse the run now, on every rank alike, when a rank has a ``reward_problem`` (each rank checks: machines
+    may see different servers)."""
+    problem = reward_problem(config, own_urls)
     found = [(rank, p) for rank, p in enumerate(backend.all_gather_object(problem)) if p]
     if found:
         rank, problem = found[0]

@@ -237,10 +237,10 @@ def test_resume_auto_continues_from_the_newest_checkpoint_that_can_be_loaded(tmp
 
 
 def test_a_named_checkpoint_that_cannot_be_loaded_is_refused_naming_the_one_before(tmp_path, tiny_model_dir):
-    from trainer.build import require_checkpoint
     from trainer.distributed import SingleProcess
     from trainer.export import load_checkpoint
     from trainer.models.tiny import TinyAdapter, TinyConfig
+    from trainer.preflight import require_checkpoint
 
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))

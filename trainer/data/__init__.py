@@ -107,11 +107,29 @@ def build_task(config) -> Task:
     return DATASETS[config.name](config)
 
 
+class DataProblems(ValueError):
+    """Every problem of the files ``data.path`` and ``eval.path`` name (one line each), found together."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
 def build_tasks(data, ev) -> tuple[Task, Task]:
     """(the task RL samples, the task the evaluation samples) of a DataConfig and an EvalConfig: the second is
     ``eval.path`` read in ``data.name``'s format (RL then keeps every item of ``data.path``), or else the first
-    itself with its held-out items; its evaluation is cut to the first ``eval.prompts`` items."""
-    task = build_task(data)
+    itself with its held-out items; its evaluation is cut to the first ``eval.prompts`` items. A bad
+    ``data.path`` does not hide a bad ``eval.path``: ``DataProblems`` names both."""
+    try:
+        task = build_task(data)
+    except ValueError as exc:
+        problems = [str(exc)]
+        if ev.path and data.name in DATASETS:
+            try:
+                _eval_file_task(data, ev.path)
+            except ValueError as also:
+                problems.append(str(also))
+        raise DataProblems(problems) from None
     if not ev.path:
         source = f"data.path={data.path!r}" if task.holds_out else f"data.name={data.name!r}"
         _evaluate_first(task, ev.prompts, source)
@@ -119,10 +137,7 @@ def build_tasks(data, ev) -> tuple[Task, Task]:
     if not task.holds_out:  # an embedded task's prompts are its classes
         raise ValueError(f"eval.path={ev.path!r} is not read by data.name={data.name!r}, an embedded task that "
                          "evaluates its own prompts; remove eval.path")
-    try:
-        evaluated = build_task(replace(data, path=ev.path))
-    except ValueError as exc:  # its reader names the file as data.path
-        raise ValueError(str(exc).replace(f"data.path={ev.path!r}", f"eval.path={ev.path!r}")) from None
+    evaluated = _eval_file_task(data, ev.path)
     _evaluate_first(evaluated, ev.prompts or len(evaluated.prompts), f"eval.path={ev.path!r}")
     task.eval_indices, task.eval_prompts = [], []
     shared = shared_items(task, evaluated)
@@ -150,6 +165,16 @@ def describe_shared(keys: list[str | tuple]) -> str:
     return f"{len(keys)} {what} (first three: {', '.join(repr(p) for p in prompts[:3])})"
 
 
+def _eval_file_task(data, path: str) -> Task:
+    """``eval.path`` read in ``data.name``'s format; its reader's errors, which name the file as data.path, name
+    it as eval.path."""
+    try:
+        return build_task(replace(data, path=path))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(f"data.path={path!r}", f"eval.path={path!r}")
+                         .replace("set data.path", "set eval.path")) from None
+
+
 def _evaluate_first(task: Task, count: int, source: str) -> None:
     """Evaluate ``task``'s first ``count`` items (0: keep its own choice); ``source`` names where they come from."""
     if count > len(task.prompts):
@@ -160,5 +185,5 @@ def _evaluate_first(task: Task, count: int, source: str) -> None:
         task.eval_prompts = [task.prompts[i] for i in task.eval_indices]
 
 
-__all__ = ["DATASETS", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "WordsTask", "build_task", "build_tasks",
-           "describe_shared", "shared_items", "training_items"]
+__all__ = ["DATASETS", "DataProblems", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "WordsTask",
+           "build_task", "build_tasks", "describe_shared", "shared_items", "training_items"]

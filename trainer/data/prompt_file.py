@@ -35,8 +35,9 @@ def data_file(path: str, what: str) -> Path:
     file = Path(path)
     if file.is_dir():
         raise ValueError(f"data.path={path!r} is a folder: name the file in it ({what})")
-    if not file.is_file():
-        raise ValueError(f"data.path={path!r}: no such file ({what})")
+    if not file.is_file():  # a relative path is read from the folder the run started in: say which file that is
+        looked = "" if file.is_absolute() else f", looked for at {file.absolute()}"
+        raise ValueError(f"data.path={path!r}: no such file ({what}{looked}): set data.path to it")
     return file
 
 

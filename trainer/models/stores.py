@@ -21,13 +21,21 @@ def hash_files(digest, root: Path, subfolders: Iterable[str]) -> None:
             digest.update(f"{file.relative_to(root)}:{size}:{tail}".encode())
 
 
+def missing_store(setting: str, index_file: Path, command: str) -> str | None:
+    """Why there is no precomputed store at ``index_file``'s folder (no folder, no index), naming ``setting`` and
+    the ``command`` that writes it, or None (the run's pre-flight asks before the model loads)."""
+    if not index_file.parent.is_dir():
+        return f"{setting}: no such folder; write the store there with {command}"
+    if not index_file.is_file():
+        return f"{setting} holds no {index_file.name}; write it with {command}"
+    return None
+
+
 def read_index(setting: str, index_file: Path, fingerprint: str, other: str, covers: str, command: str) -> dict:
     """A precomputed store's index, or a ValueError naming ``setting`` and the ``command`` that writes it when
     the index is missing or was made for ``other`` (a fingerprint over ``covers``) than this model."""
-    if not index_file.parent.is_dir():
-        raise ValueError(f"{setting}: no such folder; write the store there with {command}")
-    if not index_file.is_file():
-        raise ValueError(f"{setting} holds no {index_file.name}; write it with {command}")
+    if (missing := missing_store(setting, index_file, command)) is not None:
+        raise ValueError(missing)
     index = json.loads(index_file.read_text())
     if index["fingerprint"] != fingerprint:
         raise ValueError(f"{setting} was computed for {other} or settings (its fingerprint {index['fingerprint'][:12]}, "
