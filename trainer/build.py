@@ -25,6 +25,7 @@ from trainer.launch import (
     RunDirGuard,
     RunInterrupted,
     check_rewards,
+    finished,
     fresh_start,
     hold_run_dir,
     newest_resumable,
@@ -271,6 +272,8 @@ def reused_run_dir(run_dir: Path) -> str | None:
     held = [name for name in ("checkpoints", "metrics.jsonl", "final", "best") if (run_dir / name).exists()]
     if not held:
         return None
+    if finished(run_dir):  # nothing to continue there
+        return f"{run_dir} already holds a finished run ({', '.join(held)}): start this one under another logging.run_name"
     return (f"{run_dir} already holds a run ({', '.join(held)}): continue it with train.resume=auto, or start "
             f"this one under another logging.run_name")
 

@@ -46,12 +46,17 @@ def check_rewards(config: Config, backend, own_urls: Sequence[str] | None = None
         raise PreflightError(problem if rank == 0 else f"on rank {rank}: {problem}")
 
 
+def finished(run: Path) -> bool:
+    """Whether run directory ``run`` holds a run that ended (its ``final/`` weights): never one to continue."""
+    return (run / "final").exists()
+
+
 def newest_resumable(output_dir: Path) -> Path | None:
     """The run directory in ``output_dir`` whose newest complete checkpoint was written last, among the runs
-    that did not finish (no ``final/``)."""
+    that did not finish (``finished``)."""
     found = []
     for run in sorted(output_dir.iterdir()) if output_dir.is_dir() else ():
-        if run.is_dir() and not (run / "final").exists():
+        if run.is_dir() and not finished(run):
             latest = Checkpoints(run / "checkpoints", 0, False).latest()
             if latest is not None:
                 found.append((latest.stat().st_mtime, run))
@@ -60,13 +65,13 @@ def newest_resumable(output_dir: Path) -> Path | None:
 
 def fresh_start(output_dir: Path, run_name: str) -> str:
     """What ``--resume auto`` prints where run ``run_name`` has no checkpoint yet: it starts the run (as a SLURM
-    job's first allocation wants), naming the runs with checkpoints that the name may be a slip for."""
-    runs = sorted(run.name for run in output_dir.iterdir() if run.name != run_name and run.is_dir())
+    job's first allocation wants), naming the unfinished runs with checkpoints that the name may be a slip for."""
+    runs = sorted(run.name for run in output_dir.iterdir() if run.name != run_name and run.is_dir() and not finished(run))
     close = [name for name in difflib.get_close_matches(run_name, runs, n=10, cutoff=0.6)  # then their checkpoints
              if Checkpoints(output_dir / name / "checkpoints", 0, False).latest() is not None][:3]
     return (f"train.resume=auto: run {run_name} has no complete checkpoint in {output_dir}; starting it fresh"
-            + (f" (runs of a close name with checkpoints: {', '.join(close)}; to continue one, stop this and pass "
-               "its logging.run_name)" if close else ""))
+            + (f" (unfinished runs of a close name with checkpoints: {', '.join(close)}; to continue one, stop this "
+               "and pass its logging.run_name)" if close else ""))
 
 
 def other_run(config: Config, checkpoint: Path) -> str | None:

@@ -543,10 +543,33 @@ def test_resume_auto_of_a_run_without_checkpoints_starts_it_and_names_the_runs_t
     (tmp_path / "sweep-lr3e-5").mkdir()  # no checkpoint: nothing to continue there
     (tmp_path / "sweep-lr3e4").mkdir()  # the run being started
     assert fresh_start(tmp_path, "sweep-lr3e4") == (
-        f"train.resume=auto: run sweep-lr3e4 has no complete checkpoint in {tmp_path}; starting it fresh (runs of a "
-        "close name with checkpoints: sweep-lr3e-4; to continue one, stop this and pass its logging.run_name)")
+        f"train.resume=auto: run sweep-lr3e4 has no complete checkpoint in {tmp_path}; starting it fresh (unfinished "
+        "runs of a close name with checkpoints: sweep-lr3e-4; to continue one, stop this and pass its logging.run_name)")
     assert fresh_start(tmp_path, "other") == (f"train.resume=auto: run other has no complete checkpoint in {tmp_path}; "
                                               "starting it fresh")
+
+
+def test_a_finished_run_is_never_offered_as_the_run_to_continue(tmp_path, capsys, tiny_model_dir):
+    """--resume auto under a new name offered a finished run of a similar name as the one to continue, and a fresh
+    run under a finished run's name was told to continue it: a finished run (final/) has nothing to continue."""
+    from trainer.main import main
+
+    output = tmp_path / "outputs"
+    for name in ("sweep-lr3e-4", "sweep-lr3e-5"):  # the first finished, the second stopped with a checkpoint
+        _fake_checkpoint(output / name / "checkpoints" / "step-000004-000002")
+        (output / name / "metrics.jsonl").write_text("")
+    (output / "sweep-lr3e-4" / "final").mkdir()
+    base = [f"model.path={tiny_model_dir}", f"logging.output_dir={output}", *SHORT]
+    assert main([*base, "--resume", "auto", "logging.run_name=sweep-lr3e4"]) == 0
+    (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train.resume=auto: ")]
+    assert said.endswith("starting it fresh (unfinished runs of a close name with checkpoints: sweep-lr3e-5; to "
+                         "continue one, stop this and pass its logging.run_name)"), said
+    assert main([*base, "logging.run_name=sweep-lr3e-4"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {output / 'sweep-lr3e-4'} already holds a finished run "
+                                              "(checkpoints, metrics.jsonl, final): start this one under another "
+                                              "logging.run_name\n")
+    assert main([*base, "logging.run_name=sweep-lr3e-5"]) == 2  # an unfinished one: continuing it is the offer
+    assert "continue it with train.resume=auto" in capsys.readouterr().err
 
 
 def test_an_interrupted_run_says_where_it_stopped_and_how_to_continue(tmp_path, monkeypatch):
