@@ -21,6 +21,12 @@ _asked = False
 
 
 def _on_ctrl_c(signum: int, frame) -> None:
+    interrupt_now()
+
+
+def interrupt_now() -> NoReturn:
+    """What Ctrl-C does in a tool: recorded (``interrupted``), a KeyboardInterrupt wherever the process is (the
+    trainer's loop does so on a second Ctrl-C: trainer/stopping.py)."""
     global _asked
     _asked = True
     raise KeyboardInterrupt

@@ -166,6 +166,23 @@ def stopped_at(progress: Progress, config: Config, latest: Path | None) -> str:
             f"{saved.warmup_steps_done}, RL epochs {saved.epochs_done})")
 
 
+def finishing(progress: Progress, config: Config, evaluating: bool) -> str:
+    """What a run that was asked to stop (a first Ctrl-C) finishes first, as its trainer stands (``evaluating``:
+    in an evaluation): the step, epoch or evaluation it is in, then a checkpoint; the final evaluation, then the end."""
+    train = config.train
+    if not progress.rl_started and progress.warmup_steps_done < train.warmup_steps and not evaluating:
+        doing = f"warm-up step {progress.warmup_steps_done + 1} of {train.warmup_steps}"
+    elif not progress.rl_started:
+        doing = "the evaluation before RL"
+    elif progress.epochs_done >= train.epochs:
+        return "finishing the final evaluation, which ends the run"
+    elif evaluating:
+        doing = f"the evaluation after RL epoch {progress.epochs_done}"
+    else:
+        doing = f"RL epoch {progress.epochs_done + 1} of {train.epochs}"
+    return f"finishing {doing} and saving a checkpoint"
+
+
 def signalled_at(progress: Progress, config: Config, latest: Path) -> str:
     """Where a run stopped by a signal (trainer/stopping.py) stood: after a warm-up step or an RL epoch, whose
     checkpoint ``latest`` is."""

@@ -1,7 +1,7 @@
 """A graceful stop on SIGTERM or SIGUSR1, what a scheduler sends before it preempts a job or its time runs out
-(SLURM's ``--signal``, a Kubernetes eviction, torchrun passing on its own SIGTERM), and when torchrun is gone: the
-run ends its warm-up step or RL epoch, writes a checkpoint and exits with 128 + the signal's number, so a kill loses
-no finished work.
+(SLURM's ``--signal``, a Kubernetes eviction, torchrun passing on its own SIGTERM), when torchrun is gone, and on a
+first Ctrl-C once training has started: the run ends its warm-up step or RL epoch, writes a checkpoint and exits with
+128 + the signal's number, so a stop loses no finished work. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 import torch
 
-from shared.interrupt import interrupted
+from shared.interrupt import interrupt_now, interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_GONE = signal.SIGHUP
@@ -28,18 +29,21 @@ class StopSignalled(BaseException):  # noqa: N818 (a request, not an error)
 
     def __init__(self, signum: int):
         super().__init__("torchrun, which started the ranks, is gone" if signum == LAUNCHER_GONE
-                         else f"{signal.Signals(signum).name} received")
+                         else "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received")
         self.signum = signum
 
 
 class StopRequests:
     """Records the first stop signal this process receives while entered (the handlers are installed from the main
     thread only) and, under torchrun, the launcher's end (checked every second); ``asked()`` agrees on it across
-    ranks. Tests set ``received`` as a handler would."""
+    ranks. A first Ctrl-C is such a request, said at once with ``finishing()`` (what the run finishes before it
+    stops); a second one (or one after a stop signal) interrupts where the process is, as Ctrl-C does elsewhere.
+    Tests set ``received`` as a handler would."""
 
-    def __init__(self, backend, announce: bool = True):
+    def __init__(self, backend, announce: bool = True, finishing: Callable[[], str] | None = None):
         self.backend = backend
         self.announce = announce  # said on stderr when it arrives (rank 0)
+        self.finishing = finishing or (lambda: "this warm-up step or RL epoch and saving a checkpoint")
         self.received = 0
         self._agreed = 0
         self._previous: dict[int, object] = {}
@@ -48,6 +52,8 @@ class StopRequests:
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+            if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):  # ignored: a background job's, it stays
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._ctrl_c)
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank torchrun started: it is our parent
             self._done.clear()
             threading.Thread(target=self._watch, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
@@ -67,6 +73,14 @@ class StopRequests:
             with contextlib.suppress(OSError):  # an exception here would surface wherever the signal came in
                 os.write(2, f"\n{StopSignalled(signum)}: the run stops after this warm-up step or RL epoch, once a "
                             "checkpoint is written (in its final evaluation: it finishes)\n".encode())
+
+    def _ctrl_c(self, signum: int, frame) -> None:
+        if self.received:  # the second: stop now
+            interrupt_now()
+        self.received = signum
+        if self.announce:
+            with contextlib.suppress(Exception):  # an error here would surface wherever the signal came in
+                os.write(2, f"\nCtrl-C: {self.finishing()}; Ctrl-C again to stop now\n".encode())
 
     def _watch(self, launcher: int) -> None:
         while not self._done.wait(1.0):

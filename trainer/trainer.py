@@ -39,6 +39,7 @@ from trainer.health import (
     scored_or_unscored,
 )
 from trainer.judging import Judge
+from trainer.launch import finishing
 from trainer.logging import RunLogger, epoch_line, eval_line, to_uint8
 from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
@@ -105,7 +106,8 @@ class Trainer:
         self.judge = Judge(self.guard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
-        self.stops = StopRequests(backend, announce=self.is_main)  # the signals: entered around fit() by build
+        self._evaluating = False  # what a first Ctrl-C says the run finishes before it stops (launch.finishing)
+        self.stops = StopRequests(backend, self.is_main, lambda: finishing(self.progress, config, self._evaluating))
 
     def _require_text_embeddings(self) -> None:
         """Refuse a ``model.text_embeddings`` store that lacks a prompt this run encodes, now rather than when
@@ -434,7 +436,11 @@ class Trainer:
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
         """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""
         use_ema = self.ema is not None and self.config.eval.use_ema
-        return self.evaluation(step, grid_name, self.ema.swapped if use_ema else contextlib.nullcontext)
+        self._evaluating = True
+        try:
+            return self.evaluation(step, grid_name, self.ema.swapped if use_ema else contextlib.nullcontext)
+        finally:
+            self._evaluating = False
 
     def _bars(self) -> bool:  # on a terminal only: in a log file a bar's redraws run into the printed lines
         return self.is_main and self.config.logging.progress and sys.stderr.isatty()

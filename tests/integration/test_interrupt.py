@@ -120,10 +120,12 @@ def test_ctrl_c_while_a_module_imports_its_libraries_is_one_line(tmp_path, modul
     assert (run.returncode, run.stderr) == (130, f"\n{said}\n"), run.stderr[-3000:]
 
 
-@pytest.mark.slow  # two short runs as subprocesses (~30 s); resume_command and stopped_at have unit tests
+@pytest.mark.slow  # two short runs as subprocesses (~30 s); resume_command and signalled_at have unit tests
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path, tiny_model_dir):
-    """A warm-up too long to finish first, whatever the machine's load: Ctrl-C lands in it. The printed command,
-    run as printed with a shorter warm-up appended (so that the test ends), continues from the checkpoint."""
+    """A warm-up too long to finish first, whatever the machine's load: Ctrl-C lands in it, and the run ends that
+    warm-up step with a checkpoint of it (it stopped where it was, continuing from the last periodic checkpoint,
+    until a first Ctrl-C became a stop request). The printed command, run as printed with a shorter warm-up appended
+    (so that the test ends), continues from the checkpoint."""
     args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
             "logging.tensorboard=false", "train.warmup_steps=100000", "train.warmup_checkpoint_every=2",
             "warmup.batch_size=4", "train.epochs=1", "data.prompts_per_epoch=2", "algorithm.group_size=2",
@@ -139,13 +141,16 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path, tiny_model_d
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert "interrupted: stopped in the warm-up, " in out and "of 100000 steps done; continuing starts from the " \
-        f"newest checkpoint, {run_dir}/checkpoints/step-" in out
+    said = re.search(r"\nCtrl-C: finishing warm-up step (\d+) of 100000 and saving a checkpoint; Ctrl-C again to stop "
+                     r"now\n", err)
+    assert said, err[-3000:]
+    saved = int(said[1])
+    assert (f"interrupted: stopped after warm-up step {saved} of 100000; its checkpoint: "
+            f"{run_dir}/checkpoints/step-{saved:06d}-000000\n") in out, out[-3000:]
     command = out.split("continue with: ", 1)[1].splitlines()[0]
     assert command == shlex.join(["python", "trainer/main.py", "--resume", "auto", *args,
                                   f"logging.run_name={run_dir.name}"])
 
-    saved = int(re.search(r"\(warm-up steps (\d+), RL epochs 0\)", out)[1])
     resumed = subprocess.run([sys.executable, *shlex.split(command)[1:], f"train.warmup_steps={saved + 2}"],
                              cwd=REPO, env=ENV, text=True, capture_output=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -155,12 +160,12 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path, tiny_model_d
 
 @pytest.mark.slow  # one short run as a subprocess (~20 s)
 def test_ctrl_c_in_rl_leaves_the_reward_replicas_to_the_trainer(tmp_path, tiny_model_dir):
-    """Ctrl-C while RL epochs sample and wait on rewards: the replicas (a session of their own) are not
-    interrupted under the rollout that waits on them, so the run stops as in the warm-up, saying where, with
-    no reward error or traceback; a second Ctrl-C while it stops changes none of that."""
+    """Ctrl-C twice while RL epochs sample and wait on rewards (an impatient user): the replicas (a session of their
+    own) are not interrupted under the rollout that waits on them, and the second Ctrl-C, in the same epoch (of 64
+    images: seconds), stops the run at once, saying where, with no reward error or traceback."""
     args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
             "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "train.checkpoint_every=1",
-            "data.prompts_per_epoch=2", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
+            "data.prompts_per_epoch=16", "algorithm.group_size=4", "eval.every=0", "eval.samples_per_prompt=1",
             "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
     run = subprocess.Popen([sys.executable, "trainer/main.py", *args], cwd=REPO, env=ENV, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -175,6 +180,39 @@ def test_ctrl_c_in_rl_leaves_the_reward_replicas_to_the_trainer(tmp_path, tiny_m
     # the second Ctrl-C, as the first one's stop unwinds, said "before training started: nothing to continue"
     assert "interrupted: stopped in RL epoch " in out and "continue with: " in out, out[-2000:]
     assert "before training started" not in out + err, out[-2000:]
+    assert re.search(r"\nCtrl-C: finishing RL epoch \d+ of 500 and saving a checkpoint; Ctrl-C again to stop now\n",
+                     err), err[-3000:]
+
+
+@pytest.mark.slow  # one short run as a subprocess (~20 s)
+def test_a_first_ctrl_c_in_rl_finishes_the_epoch_and_writes_a_checkpoint(tmp_path, tiny_model_dir):
+    """Ctrl-C in RL epoch 2 of a run at the default train.checkpoint_every=5 lost all RL so far ("continuing starts
+    the run over"), while SIGTERM finished the epoch and wrote a checkpoint. Now the first Ctrl-C says at once what
+    the run finishes, and it finishes that epoch, writes its checkpoint and prints the command that continues it."""
+    args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.progress=false",
+            "logging.tensorboard=false", "train.warmup_steps=2", "train.epochs=500", "data.prompts_per_epoch=4",
+            "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1", "eval.num_steps=2",
+            "reward.replicas=1", "reward.weights={brightness: 1}"]
+    run = subprocess.Popen([sys.executable, "trainer/main.py", *args], cwd=REPO, env=ENV, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                           preexec_fn=_as_a_shell_starts_it)
+    deadline = time.monotonic() + 300
+    while not any('"phase": "rl"' in p.read_text() for p in tmp_path.glob("*/metrics.jsonl")):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+    out, err = _interrupt(run)
+    assert run.returncode == 130 and "Traceback" not in err, err[-3000:]
+    said = re.search(r"\nCtrl-C: finishing RL epoch (\d+) of 500 and saving a checkpoint; Ctrl-C again to stop now\n",
+                     err)
+    assert said, err[-3000:]
+    epochs = int(said[1])  # 2 or later (1 where the Ctrl-C came as the first epoch's line was printed)
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    assert checkpoint.name == f"step-000002-{epochs:06d}"
+    assert f"interrupted: stopped after RL epoch {epochs} of 500; its checkpoint: {checkpoint}\ncontinue with: " \
+           f"python trainer/main.py --resume auto " in out, out[-3000:]
+    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+    assert len(rl) == epochs and all(r["failed_share"] == 0 for r in rl)
 
 
 def _processes(match) -> list[int]:

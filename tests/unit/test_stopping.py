@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import shared.interrupt
 from trainer.checkpoint import Progress
 from trainer.config import load_config
 from trainer.distributed import SingleProcess
-from trainer.launch import signalled_at
+from trainer.launch import finishing, signalled_at
 from trainer.stopping import LAUNCHER_GONE, StopRequests, StopsBeforeTraining, StopSignalled
 
 
@@ -31,6 +32,41 @@ def test_the_first_stop_signal_is_recorded_and_the_handlers_are_restored_after(c
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
     assert capfd.readouterr().err.count("SIGUSR1 received: the run stops after this warm-up step or RL epoch") == 1
     assert str(StopSignalled(signal.SIGTERM)) == "SIGTERM received"
+
+
+def test_a_first_ctrl_c_is_a_stop_request_said_at_once_and_a_second_stops_now(capfd, monkeypatch):
+    """Ctrl-C in training stopped the run where it was (a first one now ends the step and checkpoints it, as a stop
+    signal does); a Ctrl-C the shell ignored (a background job's) stays ignored."""
+    monkeypatch.setattr(shared.interrupt, "_asked", False)  # the second Ctrl-C records itself there
+    before = signal.getsignal(signal.SIGINT)
+    stops = StopRequests(SingleProcess(torch.device("cpu")), finishing=lambda: "finishing RL epoch 3 of 8 and saving a "
+                         "checkpoint")
+    with stops:
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: the run goes on to its step's end
+        assert stops.asked() == signal.SIGINT and not shared.interrupt.interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert shared.interrupt.interrupted() and signal.getsignal(signal.SIGINT) == before
+    assert capfd.readouterr().err == ("\nCtrl-C: finishing RL epoch 3 of 8 and saving a checkpoint; Ctrl-C again to stop "
+                                      "now\n")
+    assert str(StopSignalled(signal.SIGINT)) == "interrupted"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopRequests(SingleProcess(torch.device("cpu"))):
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_first_ctrl_c_says_what_the_run_finishes_before_it_stops():
+    config = load_config(overrides=["train.warmup_steps=10", "train.epochs=4"])
+    assert finishing(Progress(3, 0), config, False) == "finishing warm-up step 4 of 10 and saving a checkpoint"
+    assert finishing(Progress(10, 0), config, True) == "finishing the evaluation before RL and saving a checkpoint"
+    assert finishing(Progress(10, 1, True), config, False) == "finishing RL epoch 2 of 4 and saving a checkpoint"
+    assert finishing(Progress(10, 2, True), config, True) == ("finishing the evaluation after RL epoch 2 and saving "
+                                                               "a checkpoint")
+    assert finishing(Progress(10, 4, True), config, True) == "finishing the final evaluation, which ends the run"
 
 
 def test_a_run_stopped_by_a_signal_says_after_which_step_and_names_its_checkpoint(tmp_path):
