@@ -8,14 +8,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from shared.rewards import RewardClient, RewardResult, failed_share
 from trainer.algorithms.advantages import zero_std_share
@@ -26,6 +24,7 @@ from trainer.config import Config, saved_dict, to_dict
 from trainer.config.building import build
 from trainer.data import Task, training_items
 from trainer.data.sampler import GroupSampler
+from trainer.display import Display
 from trainer.distributed import ParallelBackend, weights_rank_spread
 from trainer.ema import EMA
 from trainer.evaluation import Evaluation, RolloutBreakdown
@@ -64,6 +63,7 @@ class Trainer:
         self.backend, self.logger = backend, logger
         self.rollout_breakdown = RolloutBreakdown(task, config.eval.breakdown, backend)
         self.is_main = backend.world.rank == 0
+        self.display = Display(config.logging, self.is_main)  # printed lines, progress bars or progress lines
         train = config.train
         check_sampler(adapter, algorithm.sampler)  # a step the model cannot take fails now, not after the warm-up
         self._require_text_embeddings()
@@ -145,8 +145,9 @@ class Trainer:
         if progress.warmup_steps_done < train.warmup_steps and not progress.rl_started:  # never after RL began
             self.backend.set_lr(train.warmup_learning_rate)
             steps = range(progress.warmup_steps_done, train.warmup_steps)
-            for step in tqdm(steps, desc="warm-up (SFT)", disable=not self._bars()):
+            for step in self.display.steps(steps, "warm-up (SFT)", "step"):
                 metrics = self.warmup_step(step)
+                self.display.done(step + 1, metrics)
                 if step % 25 == 0 or step == train.warmup_steps - 1:
                     self.logger.log(step, "warmup", metrics)
                 progress.warmup_steps_done = step + 1
@@ -174,8 +175,7 @@ class Trainer:
         if progress.eval_due:  # a stop signal came before this epoch's evaluation: it runs now
             with self._kept_on_reward_failure(eval_due=True):
                 self._evaluate_epoch(first)
-        bar = tqdm(range(first, train.epochs), desc="RL", disable=not self._bars())
-        for epoch in bar:
+        for epoch in self.display.steps(range(first, train.epochs), "RL", "epoch"):
             if self.guard.stopped:  # a resumed run that had stopped
                 break
             if epoch == first:  # a signal during the evaluations before the loop
@@ -183,8 +183,8 @@ class Trainer:
             with self._kept_on_reward_failure():
                 metrics = self.rl_epoch(epoch)
             self.logger.log(epoch + 1, "rl", metrics)
-            line = epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics)
-            bar.write(line) if self._bars() else self._print(line)
+            self._print(epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics))
+            self.display.done(epoch + 1, metrics)
             if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
                 self._print(self.compiled.summary(self.config.model.compile, metrics))
             progress.epochs_done = epoch + 1
@@ -387,13 +387,15 @@ class Trainer:
         parts, futures = [], []
         self.policy.eval()
         with self.backend.sampling():
-            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            for chunk, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), 1):
+                self.display.doing(f"sampling rollout chunk {chunk} of {len(bounds) - 1}")
                 part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, noise,
                                self.task.inputs(indices[lo:hi].tolist()), stochastic, self.algorithm.records_means)
                 futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
                                                    self.task.item_metadata(indices[lo:hi].tolist())))
                 parts.append(part)
         t_sampled = time.perf_counter()
+        self.display.doing("waiting for the rollouts' rewards")
         scorers, what = list(self.rewards.weights), f"RL epoch {self.progress.epochs_done + 1}"
         results = [scored_or_unscored(f, len(p.images), scorers, what) for f, p in zip(futures, parts, strict=True)]
         t_wait = time.perf_counter() - t_sampled
@@ -404,6 +406,7 @@ class Trainer:
 
     def _after_rl_step(self) -> None:
         self.progress.rl_steps += 1
+        self.display.doing(f"training on the rollouts (after RL optimizer step {self.progress.rl_steps})")
         if self.ema is not None:
             self.ema.step(self.progress.rl_steps)
 
@@ -437,14 +440,11 @@ class Trainer:
         """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""
         use_ema = self.ema is not None and self.config.eval.use_ema
         self._evaluating = True
+        self.display.doing(f"evaluating ({len(self.evaluation.task.eval_prompts)} prompts)")
         try:
             return self.evaluation(step, grid_name, self.ema.swapped if use_ema else contextlib.nullcontext)
         finally:
             self._evaluating = False
 
-    def _bars(self) -> bool:  # on a terminal only: in a log file a bar's redraws run into the printed lines
-        return self.is_main and self.config.logging.progress and sys.stderr.isatty()
-
     def _print(self, text: str) -> None:
-        if self.is_main:  # tqdm.write keeps the line apart from an active progress bar
-            tqdm.write(text) if self._bars() else print(text, flush=True)
+        self.display.write(text)

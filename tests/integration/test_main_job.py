@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,24 @@ def test_the_job_writes_its_outputs(tmp_path):
                     "logging.run_name=toy", "train.epochs=3"], tmp_path, timeout=300, cwd=tmp_path / "elsewhere")
     assert "resumed from" in resumed.stdout and "epoch   3" in resumed.stdout and "warning" not in resumed.stdout
     assert not any((tmp_path / "elsewhere").iterdir()) and (model / "transformer" / "config.json").is_file()
+
+
+def test_without_a_terminal_the_job_prints_a_progress_line_at_a_steady_interval(tmp_path, tiny_model_dir):
+    """Output to a file (nohup, SLURM): the only line in 23 minutes of a warm-up was the run directory. Here with
+    stdout and stderr piped and an interval of 0.1 s: progress lines of the warm-up (steps done of all, the loss,
+    the rate, the time left) and of RL (what the epoch under way is at), and no bar."""
+    run = _run([sys.executable, "trainer/main.py", f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}",
+                "logging.run_name=piped", "logging.tensorboard=false", "logging.progress_every_s=0.1",
+                "train.warmup_steps=6", "train.epochs=2", "data.prompts_per_epoch=2", "algorithm.group_size=4",
+                "eval.every=0", "eval.samples_per_prompt=1", "eval.num_steps=2", "reward.replicas=1"],
+               tmp_path, timeout=600)
+    lines = run.stdout.splitlines()
+    warmup = [line for line in lines if line.startswith("[progress] warm-up (SFT): ")]
+    assert warmup and re.fullmatch(r"\[progress\] warm-up \(SFT\): [1-5]/6 steps \(\d+%\), [0-9.]+ (steps/s|s/step), "
+                                   r"ETA \d+(m\d\ds|s), sft_loss [0-9.e-]+", warmup[0]), warmup
+    rl = [line for line in lines if line.startswith("[progress] RL: ")]
+    assert rl and all(re.search(r"[01]/2 epochs .*; epoch [12] for \d+s: ", line) for line in rl), rl
+    assert lines.index(warmup[0]) < lines.index(rl[0]) and "%|" not in run.stdout + run.stderr
 
 
 @pytest.mark.slow

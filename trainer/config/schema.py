@@ -282,7 +282,11 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write a TensorBoard event log."""
     progress: bool = True
-    """Show progress bars (rank 0, when stderr is a terminal)."""
+    """Show progress (rank 0): bars when stderr is a terminal, else lines every ``progress_every_s``."""
+    progress_every_s: NonNegativeFloat = 60.0
+    """Without a terminal (output to a file: nohup, SLURM), a progress line whenever nothing was printed for this
+    many seconds in the warm-up or RL: steps or epochs done of all, what the run is at (a rollout chunk, the
+    updates, an evaluation), the last loss or reward, the rate and the time left; 0: none."""
     rollout_samples: NonNegativeInt = 8
     """Rollout images shown per logged RL epoch (rank 0's first, with their prompts and rewards): in
     <run>/rollouts/epochNNNN.jpg and .jsonl, TensorBoard and W&B; 0: none. What RL really samples, beside the
