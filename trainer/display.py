@@ -5,10 +5,11 @@ how fast it goes and when it will be done."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -25,16 +26,27 @@ class Display:
         self._said = clock()  # when a line was last printed
         self._phase: tuple[str, str, int, int, float] | None = None  # name, unit, first, total, started
         self._done = 0
+        self._noun = ""
+        self.current: int | None = None  # the unit the loop is in, from 1 (None between phases)
+        self.in_evaluation = False
         self._since = 0.0  # when the unit under way started
         self._shown: dict[str, float] = {}
         self._doing = ""
 
-    def steps(self, steps: range, name: str, unit: str) -> Iterable[int]:
+    def steps(self, steps: range, name: str, unit: str, noun: str) -> Iterator[int]:
         """``steps`` (units ``steps.start`` to ``steps.stop`` of a phase of ``steps.stop``) as phase ``name``,
-        under a bar on a terminal."""
+        under a bar on a terminal; ``noun`` names a unit ("RL epoch") in ``under_way``."""
         self._phase = name, unit, steps.start, steps.stop, self.clock()
-        self._done, self._since, self._shown, self._doing = steps.start, self.clock(), {}, ""
-        return tqdm(steps, desc=name, disable=not self.bars)
+        self._done, self._since, self._noun = steps.start, self.clock(), noun
+        self._shown, self._doing = {}, ""
+        for step in tqdm(steps, desc=name, disable=not self.bars):
+            self.current = step + 1
+            yield step
+        self.current = None
+
+    def under_way(self) -> str | None:
+        """The unit the phase's loop is in, until the loop moves on ("RL epoch 3 of 100"); None between phases."""
+        return None if self.current is None else f"{self._noun} {self.current} of {self._phase[3]}"
 
     def done(self, done: int, metrics: dict[str, float]) -> None:
         """``done`` units of the phase are done; the last one's losses and mean reward are shown."""
@@ -46,6 +58,16 @@ class Display:
         """The run is at ``what`` within the phase's next unit (e.g. "sampling rollout chunk 2 of 8")."""
         self._doing = what
         self._show()
+
+    @contextlib.contextmanager
+    def evaluating(self, prompts: int) -> Iterator[None]:
+        """Within an evaluation of ``prompts`` prompts (``in_evaluation``)."""
+        self.in_evaluation = True
+        self.doing(f"evaluating ({prompts} prompts)")
+        try:
+            yield
+        finally:
+            self.in_evaluation = False
 
     def write(self, text: str) -> None:
         """Print a line of the run (rank 0), apart from a bar on a terminal."""

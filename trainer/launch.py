@@ -166,20 +166,19 @@ def stopped_at(progress: Progress, config: Config, latest: Path | None) -> str:
             f"{saved.warmup_steps_done}, RL epochs {saved.epochs_done})")
 
 
-def finishing(progress: Progress, config: Config, evaluating: bool) -> str:
-    """What a run that was asked to stop (a first Ctrl-C) finishes first, as its trainer stands (``evaluating``:
-    in an evaluation): the step, epoch or evaluation it is in, then a checkpoint; the final evaluation, then the end."""
-    train = config.train
-    if not progress.rl_started and progress.warmup_steps_done < train.warmup_steps and not evaluating:
-        doing = f"warm-up step {progress.warmup_steps_done + 1} of {train.warmup_steps}"
-    elif not progress.rl_started:
-        doing = "the evaluation before RL"
-    elif progress.epochs_done >= train.epochs:
+def finishing(progress: Progress, config: Config, display) -> str:
+    """What a run asked to stop (a first Ctrl-C) finishes first, as its trainer's ``display`` (trainer/display.py)
+    stands: the evaluation it is in, else the warm-up step or RL epoch its loop is in ("RL epoch 3 of 100": the loop
+    stops at that unit's end), then a checkpoint; or the final evaluation, then the end."""
+    under_way = display.under_way()
+    if progress.rl_started and progress.epochs_done >= config.train.epochs and (display.in_evaluation or not under_way):
         return "finishing the final evaluation, which ends the run"
-    elif evaluating:
+    if display.in_evaluation and progress.rl_started:
         doing = f"the evaluation after RL epoch {progress.epochs_done}"
+    elif display.in_evaluation or under_way is None:  # between the warm-up and RL: it stops as RL would start
+        doing = "the evaluation before RL"
     else:
-        doing = f"RL epoch {progress.epochs_done + 1} of {train.epochs}"
+        doing = under_way
     return f"finishing {doing} and saving a checkpoint"
 
 

@@ -106,8 +106,8 @@ class Trainer:
         self.judge = Judge(self.guard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
-        self._evaluating = False  # what a first Ctrl-C says the run finishes before it stops (launch.finishing)
-        self.stops = StopRequests(backend, self.is_main, lambda: finishing(self.progress, config, self._evaluating))
+        # the signals, entered around fit() by build; a first Ctrl-C says what the run finishes before it stops
+        self.stops = StopRequests(backend, self.is_main, lambda: finishing(self.progress, config, self.display))
 
     def _require_text_embeddings(self) -> None:
         """Refuse a ``model.text_embeddings`` store that lacks a prompt this run encodes, now rather than when
@@ -145,7 +145,7 @@ class Trainer:
         if progress.warmup_steps_done < train.warmup_steps and not progress.rl_started:  # never after RL began
             self.backend.set_lr(train.warmup_learning_rate)
             steps = range(progress.warmup_steps_done, train.warmup_steps)
-            for step in self.display.steps(steps, "warm-up (SFT)", "step"):
+            for step in self.display.steps(steps, "warm-up (SFT)", "step", "warm-up step"):
                 metrics = self.warmup_step(step)
                 self.display.done(step + 1, metrics)
                 if step % 25 == 0 or step == train.warmup_steps - 1:
@@ -175,7 +175,7 @@ class Trainer:
         if progress.eval_due:  # a stop signal came before this epoch's evaluation: it runs now
             with self._kept_on_reward_failure(eval_due=True):
                 self._evaluate_epoch(first)
-        for epoch in self.display.steps(range(first, train.epochs), "RL", "epoch"):
+        for epoch in self.display.steps(range(first, train.epochs), "RL", "epoch", "RL epoch"):
             if self.guard.stopped:  # a resumed run that had stopped
                 break
             if epoch == first:  # a signal during the evaluations before the loop
@@ -439,12 +439,8 @@ class Trainer:
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
         """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""
         use_ema = self.ema is not None and self.config.eval.use_ema
-        self._evaluating = True
-        self.display.doing(f"evaluating ({len(self.evaluation.task.eval_prompts)} prompts)")
-        try:
+        with self.display.evaluating(len(self.evaluation.task.eval_prompts)):
             return self.evaluation(step, grid_name, self.ema.swapped if use_ema else contextlib.nullcontext)
-        finally:
-            self._evaluating = False
 
     def _print(self, text: str) -> None:
         self.display.write(text)

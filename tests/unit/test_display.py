@@ -21,7 +21,7 @@ def test_a_progress_line_comes_when_nothing_was_printed_for_the_interval(capsys,
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     clock = Clock()
     display = Display(SimpleNamespace(progress=True, progress_every_s=60.0), is_main=True, clock=clock)
-    steps = display.steps(range(100, 600), "warm-up (SFT)", "step")
+    steps = display.steps(range(100, 600), "warm-up (SFT)", "step", "warm-up step")
     assert list(steps)[:2] == [100, 101]
     clock.now += 30
     display.done(110, {"sft_loss": 0.4123, "grad_norm": 2.0})
@@ -46,7 +46,7 @@ def test_no_progress_lines_on_a_terminal_off_rank_0_or_when_off(capsys, monkeypa
         monkeypatch.setattr(sys.stderr, "isatty", lambda tty=tty: tty)
         clock = Clock()
         display = Display(SimpleNamespace(progress=True, progress_every_s=every), is_main=rank0, clock=clock)
-        display.steps(range(0, 10), "RL", "epoch")
+        list(display.steps(range(0, 10), "RL", "epoch", "RL epoch"))
         clock.now += 3600
         display.doing("sampling rollout chunk 1 of 2")
         assert "[progress]" not in capsys.readouterr().out

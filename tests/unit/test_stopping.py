@@ -16,6 +16,7 @@ import torch
 import shared.interrupt
 from trainer.checkpoint import Progress
 from trainer.config import load_config
+from trainer.display import Display
 from trainer.distributed import SingleProcess
 from trainer.launch import finishing, signalled_at
 from trainer.stopping import LAUNCHER_GONE, StopRequests, StopsBeforeTraining, StopSignalled
@@ -60,13 +61,24 @@ def test_a_first_ctrl_c_is_a_stop_request_said_at_once_and_a_second_stops_now(ca
 
 
 def test_a_first_ctrl_c_says_what_the_run_finishes_before_it_stops():
+    """The unit the loop is in until it moves on: a Ctrl-C while warm-up step 4's checkpoint was written said "step 5"
+    (from the progress, already counting step 4), and the run stopped after step 4."""
     config = load_config(overrides=["train.warmup_steps=10", "train.epochs=4"])
-    assert finishing(Progress(3, 0), config, False) == "finishing warm-up step 4 of 10 and saving a checkpoint"
-    assert finishing(Progress(10, 0), config, True) == "finishing the evaluation before RL and saving a checkpoint"
-    assert finishing(Progress(10, 1, True), config, False) == "finishing RL epoch 2 of 4 and saving a checkpoint"
-    assert finishing(Progress(10, 2, True), config, True) == ("finishing the evaluation after RL epoch 2 and saving "
-                                                               "a checkpoint")
-    assert finishing(Progress(10, 4, True), config, True) == "finishing the final evaluation, which ends the run"
+    display = Display(config.logging, is_main=False)
+    said = lambda progress: finishing(progress, config, display)  # noqa: E731
+    warmup = display.steps(range(3, 10), "warm-up (SFT)", "step", "warm-up step")
+    next(warmup)
+    assert said(Progress(3, 0)) == said(Progress(4, 0)) == "finishing warm-up step 4 of 10 and saving a checkpoint"
+    list(warmup)
+    with display.evaluating(10):
+        assert said(Progress(10, 0)) == "finishing the evaluation before RL and saving a checkpoint"
+    rl = display.steps(range(1, 4), "RL", "epoch", "RL epoch")
+    next(rl)
+    assert said(Progress(10, 1, True)) == "finishing RL epoch 2 of 4 and saving a checkpoint"
+    with display.evaluating(10):
+        assert said(Progress(10, 2, True)) == "finishing the evaluation after RL epoch 2 and saving a checkpoint"
+    list(rl)
+    assert said(Progress(10, 4, True)) == "finishing the final evaluation, which ends the run"
 
 
 def test_a_run_stopped_by_a_signal_says_after_which_step_and_names_its_checkpoint(tmp_path):
@@ -81,6 +93,7 @@ def test_a_run_stopped_by_a_signal_says_after_which_step_and_names_its_checkpoin
 
 WATCHED = """
 import sys, time, torch
+from trainer.display import Display
 from trainer.distributed import SingleProcess
 from trainer.stopping import StopRequests
 with StopRequests(SingleProcess(torch.device("cpu")), announce=False) as stops:
