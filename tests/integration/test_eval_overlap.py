@@ -56,11 +56,12 @@ def _job(tmp_path: Path, model: str, *overrides: str) -> subprocess.CompletedPro
 
 
 def test_a_run_evaluating_on_prompts_it_trains_on_stops_before_its_model_loads(tmp_path):
-    """The model path does not exist: the overlap is what stops the run, so it was found before the model loads."""
+    """The model path does not exist either: the pre-flight names both problems, so the overlap was found before
+    any model loads."""
     run = _job(tmp_path, str(tmp_path / "no-model"))
     shared = SHARED.format(train=tmp_path / "train.txt", test=tmp_path / "test.txt")
-    assert run.returncode == 2 and run.stderr.startswith(f"error: {shared}: "), run.stderr[-2000:]
-    assert "eval.allow_overlap=true" in run.stderr and "no-model" not in run.stderr
+    assert run.returncode == 2 and "2 things to fix" in run.stderr and f"  - {shared}: " in run.stderr, run.stderr
+    assert "eval.allow_overlap=true" in run.stderr and "no-model': no such folder" in run.stderr
     assert not (tmp_path / "out").exists()  # the run directory it made is removed
 
 
