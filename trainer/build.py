@@ -71,14 +71,16 @@ def run(config: Config) -> dict[str, float]:
         torch.cuda.set_device(device)
     threads = config.train.num_threads or max(1, (os.cpu_count() or 1) // world.local_world_size)
     torch.set_num_threads(threads)
+    # How an epoch's samples split over the ranks: refused before the process group forms (a rank that leaves
+    # while the others connect fails them with Gloo's error instead of this one).
+    GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, world.world_size, 0, 0)
     backend = init_backend(config.parallel, device, max_grad_norm=config.train.max_grad_norm)
     main = backend.world.rank == 0
 
     with contextlib.ExitStack() as stack:
         stack.callback(backend.close)
         setup = stack.enter_context(StopsBeforeTraining())  # a SIGTERM now: what was started stops, nothing is kept
-        # Before anything is built: how an epoch's samples split over the ranks, then every piece the run needs.
-        GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, backend.world.world_size, 0, 0)
+        # Before anything is built: every piece the run needs.
         task, eval_task = preflight(config, backend)
         output = Path(config.logging.output_dir)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
