@@ -182,6 +182,25 @@ def test_a_supervised_pool_restarts_a_replica_that_died_at_most_max_restarts_tim
     assert len(restarting) == 1 and "exited with status -9" in restarting[0], restarting
 
 
+def test_a_supervised_pool_counts_only_the_restarts_of_its_window(tmp_path, caplog):
+    """A replica that dies now and then over a long run (an occasional OOM kill, a chaos bench's SIGKILLs) is started
+    again every time: only ``max_restarts`` restarts within ``window_s`` are a crash loop that leaves it down. It
+    was ``max_restarts`` over the pool's life, so a long run lost its replicas one by one."""
+    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool, \
+            caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+        pool.supervise(max_restarts=1, interval_s=0.1, window_s=0.5)  # a restart takes longer than the window
+        images, prompts = _images()
+        with _client(pool, outage_s=60) as client:
+            expected = client.score(images, prompts).combined
+            for restart in (1, 2, 3):
+                pool.kill(0)
+                got = client.score(images, prompts)  # waits for the supervisor's restart, then the probe
+                assert got.instances == [f"local-0-{pool.ports[0]}-r{restart}"]
+                np.testing.assert_array_equal(got.combined, expected)
+                time.sleep(0.5)  # the restart leaves the window
+    assert not any("not restarted" in r.getMessage() for r in caplog.records)
+
+
 def test_a_restarted_replica_that_never_gets_ready_is_killed_and_tried_again(tmp_path, caplog):
     """A restart that hangs (a model load that never ends, here a ready time no replica meets) does not leave a
     process out of rotation for good: it is killed, and the next check starts it again, up to max_restarts."""

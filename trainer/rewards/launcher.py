@@ -230,29 +230,36 @@ class LocalRewardPool:
             self.kill(index)
             raise
 
-    def supervise(self, max_restarts: int = 5, interval_s: float = 1.0) -> None:
-        """From now until ``stop``, restart each replica that exits (a crash, the OOM killer) on its port, at most
-        ``max_restarts`` times each, checking every ``interval_s``; each exit and restart is logged with the end
-        of the replica's log. The client's requests meanwhile go to the others, or wait (``outage_s``)."""
+    def supervise(self, max_restarts: int = 5, interval_s: float = 1.0, window_s: float = 600.0) -> None:
+        """From now until ``stop``, restart each replica that exits (a crash, the OOM killer) on its port, checking
+        every ``interval_s``; one that has already restarted ``max_restarts`` times in the last ``window_s`` seconds
+        is left down (a crash loop), while one that dies now and then over a long run is always started again.
+        Each exit and restart is logged with the end of the replica's log. The client's requests meanwhile go to
+        the others, or wait (``outage_s``)."""
         if self._supervisor is None:
-            self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts, interval_s),
+            self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts, interval_s, window_s),
                                                 name="reward-replicas", daemon=True)
             self._supervisor.start()
 
-    def _supervise(self, max_restarts: int, interval_s: float) -> None:
+    def _supervise(self, max_restarts: int, interval_s: float, window_s: float) -> None:
         given_up: set[int] = set()
+        restarted: dict[int, list[float]] = {}  # replica -> when each of its restarts began (monotonic)
         while not self._stopping.wait(interval_s):
             for index, process in enumerate(list(self._processes)):
                 if process.poll() is None or index in given_up or self._stopping.is_set():
                     continue
                 what = (f"reward replica {index} ({self.urls[index]}) exited with status {process.returncode}; end "
                         f"of {self.log_paths[index]}:\n{_tail(self.log_paths[index], 10)}")
-                if self._restarts[index] >= max_restarts:
-                    logger.warning("%s\nnot restarted: it has restarted %d times", what, max_restarts)
+                now = time.monotonic()
+                recent = restarted[index] = [t for t in restarted.get(index, []) if now - t < window_s]
+                if len(recent) >= max_restarts:
+                    logger.warning("%s\nnot restarted: it has restarted %d times in %.0f s", what, max_restarts,
+                                   window_s)
                     given_up.add(index)
                     continue
-                logger.warning("%s\nrestarting it (restart %d of at most %d)", what, self._restarts[index] + 1,
-                               max_restarts)
+                recent.append(now)
+                logger.warning("%s\nrestarting it (restart %d of at most %d in %.0f s)", what, len(recent),
+                               max_restarts, window_s)
                 try:
                     self.restart(index)
                 except (RewardPoolError, RuntimeError, IndexError) as exc:  # again at the next check; IndexError:
