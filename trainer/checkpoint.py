@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -220,7 +221,8 @@ def diagnosed_writes(folder: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError, SafetensorError) as exc:
-        code = exc.errno if isinstance(exc, OSError) and exc.errno in NO_ROOM else _probe(folder)
+        code = exc.errno if isinstance(exc, OSError) else _os_error(exc)
+        code = code if code in NO_ROOM else _probe(folder) or _cut(folder)
         if code is None:
             raise
         free = shutil.disk_usage(folder).free / 2**20 if folder.exists() else 0.0
@@ -246,6 +248,21 @@ def _probe(folder: Path) -> int | None:
         with contextlib.suppress(OSError):
             probe.unlink()
     return None
+
+
+def _os_error(exc: BaseException) -> int | None:
+    """The errno a library's error message quotes (safetensors: "I/O error: File too large (os error 27)"), or None."""
+    quoted = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(quoted[1]) if quoted else None
+
+
+def _cut(folder: Path) -> int | None:
+    """EFBIG when a file under ``folder`` stopped at exactly this process's file size limit (RLIMIT_FSIZE: a write
+    past it is cut there), which a probe write within the limit does not find; else None."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY or not folder.is_dir():
+        return None
+    return errno.EFBIG if any(f.is_file() and f.stat().st_size == limit for f in folder.rglob("*")) else None
 
 
 def usual_mode(folder: Path) -> None:
