@@ -48,7 +48,20 @@ def scored_or_unscored(future: Future, size: int, scorers: list[str], what: str)
         logger.warning("%s: %d samples got no reward: %s", what, size, exc)
         nan = np.full(size, np.nan)
         return RewardResult({name: nan.copy() for name in scorers}, nan.copy(),
-                            {name: dict.fromkeys(range(size), f"UNAVAILABLE: {exc}") for name in scorers})
+                            {name: dict.fromkeys(range(size), f"{UNSCORED}: {exc}") for name in scorers})
+
+
+UNSCORED = "UNAVAILABLE"
+"""The error code of a sample whose chunk no replica scored (:func:`scored_or_unscored`)."""
+
+
+def unscored(result: RewardResult) -> torch.Tensor:
+    """Per sample of ``result`` (float32): 1 where no replica scored it (lost), else 0; a NaN reward that is not lost
+    came back from a scorer as an item error (a scorer's timeout or failure) and gets advantage 0."""
+    lost = torch.zeros(len(result.combined))
+    for errors in result.errors.values():
+        lost[[i for i, error in errors.items() if error.startswith(f"{UNSCORED}:")]] = 1.0
+    return lost
 
 
 def first_error(result: RewardResult) -> str | None:

@@ -36,6 +36,7 @@ from trainer.health import (
     count_skipped,
     first_error,
     scored_or_unscored,
+    unscored,
 )
 from trainer.judging import Judge
 from trainer.launch import finishing
@@ -323,7 +324,7 @@ class Trainer:
         local = torch.as_tensor(result.combined, dtype=torch.float32)
         self._log_samples(epoch, ro.images, indices, result.combined, result.components)
         finite = torch.isfinite(ro.images.flatten(1)).all(1).float().cpu()  # each rank's, gathered: one verdict
-        gathered = self.backend.gather(torch.stack([local, group_ids.float(), finite], dim=1))
+        gathered = self.backend.gather(torch.stack([local, group_ids.float(), finite, unscored(result)], dim=1))
         rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
         check_samples(gathered[:, 2], epoch + 1)
         scored = rewards.all.cpu()  # gathered on the device under NCCL: read once
@@ -339,24 +340,27 @@ class Trainer:
         t2, cpu2 = time.perf_counter(), time.process_time()
 
         metrics = {k: float(np.mean(v)) for k, v in stats.items()}
+        metrics["reward_failed_attempts"] = self.rewards.failed_attempts - failed_before  # summed over ranks below
         metrics.update(self.algorithm.batch_metrics(batch))
         for name, values in result.components.items():
             metrics[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
         # the rollouts' task metrics, named apart from the evaluation's (other prompts, noise and weights)
         metrics.update({f"rollout_{k}": v for k, v in self.task.metrics(ro.images, prompts, result.components).items()})
         metrics = self.backend.mean(metrics)
+        metrics["reward_failed_attempts"] *= self.backend.world.world_size
         metrics.update(self.rollout_breakdown(indices.tolist(), result.components))
         valid = rewards.all[~torch.isnan(rewards.all)]
         metrics.update({
             "reward_mean": float(valid.mean()) if len(valid) else math.nan,
             "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
-            "failed_share": failed,
+            "failed_share": failed, "reward_lost": float(gathered[:, 3].sum()),  # no replica scored them
+            "reward_zeroed": float((scored.isnan() & (gathered[:, 3].cpu() == 0)).sum()),  # a scorer's item error
             "zero_std_share": zero_std_share(scored, rewards.group_ids_all.cpu()),  # no spread: advantage 0
             "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
             "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
             "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,
             "time_epoch_s": t2 - t0, "time_epoch_cpu_s": cpu2 - cpu0, "images": len(rewards.all),
-            "lr": self.config.train.learning_rate, "reward_failed_attempts": self.rewards.failed_attempts - failed_before,
+            "lr": self.config.train.learning_rate,
         })
         if self.compiled is not None:
             metrics.update(self.compiled.report())
