@@ -51,6 +51,7 @@ def test_failed_rewards_are_counted_and_get_no_advantage(tmp_path, tiny_model_di
     trainer.algorithm.make_batch = recorded
     metrics = trainer.rl_epoch(0)
     assert metrics["failed_share"] == pytest.approx(0.3)
+    assert (metrics["reward_zeroed"], metrics["reward_lost"]) == (6, 0)  # the scorer's item errors; every chunk scored
     assert math.isfinite(metrics["reward_mean"])  # NaNs are left out, never averaged in as 0
     assert math.isfinite(metrics["policy_loss"]) and math.isfinite(metrics["grad_norm"])
 
