@@ -6,6 +6,7 @@ pages whose own relative links are followed the same way.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def on_files(files, config):
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """A docs page's ``../X`` link (X outside docs/) points at ``repo/X``, where on_files put it."""
     if page.file.src_uri.startswith(f"{PREFIX}/"):
-        return markdown
+        return _back_into_docs(markdown, page.file.src_uri)
     depth = page.file.src_uri.count("/")
     up = "../" * depth
 
@@ -57,5 +58,20 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         if climbs != depth + 1:
             return match.group(0)
         return f"]({up}{PREFIX}/{target[3 * climbs :]}{anchor})"
+
+    return LINK.sub(rewrite, markdown)
+
+
+def _back_into_docs(markdown: str, uri: str) -> str:
+    """A brought-in page's link into docs/ (``../docs/X.md`` from bench/) points at the site's own page X."""
+    folder = posixpath.dirname(uri[len(PREFIX) + 1 :])
+    up = "../" * uri.count("/")
+
+    def rewrite(match: re.Match) -> str:
+        target, anchor = match.group(1), match.group(2) or ""
+        resolved = posixpath.normpath(posixpath.join(folder, target))
+        if "://" in target or not resolved.startswith("docs/"):
+            return match.group(0)
+        return f"]({up}{resolved[len('docs/') :]}{anchor})"
 
     return LINK.sub(rewrite, markdown)
