@@ -77,14 +77,31 @@ class NoiseDraws:
         noise = torch.randn((draws, *x0.shape), generator=generator)
         return NoiseDraws(sigma.to(x0.device), noise.to(x0.device))
 
+    @staticmethod
+    def at_steps(sigmas: torch.Tensor, steps: torch.Tensor, x0: torch.Tensor, generator: torch.Generator) -> NoiseDraws:
+        """The rollout schedule's noise levels ``sigmas[steps]`` (``steps`` [D, N] step indices) with fresh noise:
+        the authors' training timesteps of DGPO and AWM, the sampler's own."""
+        noise = torch.randn((steps.shape[0], *x0.shape), generator=generator)
+        return NoiseDraws(sigmas.cpu()[steps].to(x0.device), noise.to(x0.device))
+
+
+def stratified_steps(lo: int, hi: int, draws: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """[draws, n] step indices, draw d uniform in the d-th of ``draws`` strata of [lo, hi) (boundaries
+    linspace(lo, hi, draws + 1) truncated to integers, as AWM's ``discrete`` time types cut them)."""
+    bounds = torch.linspace(lo, hi, draws + 1).long()
+    lower, width = bounds[:-1, None], (bounds[1:] - bounds[:-1])[:, None]
+    return lower + (torch.rand((draws, n), generator=generator) * width).long()
+
 
 def draw_units(x0: torch.Tensor, config: CleanSampleConfig, generator: torch.Generator, per_unit: int,
-               make_unit: Callable[[torch.Tensor, NoiseDraws], Any]) -> list:
+               make_unit: Callable[[torch.Tensor, NoiseDraws], Any], draws: NoiseDraws | None = None) -> list:
     """Loss units of every row of ``x0`` under each of ``config.noise_draws`` (noise level, noise) draws, in
-    shuffled chunks of ``per_unit`` rows: ``make_unit(rows, their draw)`` for each chunk, draw after draw."""
-    draws = NoiseDraws.draw(config.noise_draws, x0, config.logit_mean, config.logit_std, generator)
+    shuffled chunks of ``per_unit`` rows: ``make_unit(rows, their draw)`` for each chunk, draw after draw.
+    ``draws``: given ones ([D, len(x0)]) instead of logit-normal levels."""
+    if draws is None:
+        draws = NoiseDraws.draw(config.noise_draws, x0, config.logit_mean, config.logit_std, generator)
     return [make_unit(rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
-            for d in range(config.noise_draws)
+            for d in range(len(draws.sigma))
             for rows in torch.randperm(len(x0), generator=generator).split(per_unit)]
 
 
@@ -100,12 +117,13 @@ class CleanUnit:
     on_policy: bool = False   # no optimizer step since the rollout (the ratio-clipped ones: AWM)
 
 
-def weighted_plan(batch: Any, config: CleanSampleConfig, generator: torch.Generator) -> list[list[CleanUnit]]:
-    """Every clean sample of ``batch`` under each of ``noise_draws`` draws, in shuffled micro-batches cut into
-    ``steps_per_epoch`` optimizer steps; a step's loss is the mean over its samples, weighted by
-    ``batch.weights`` (0: no reward)."""
+def weighted_plan(batch: Any, config: CleanSampleConfig, generator: torch.Generator,
+                  draws: NoiseDraws | None = None) -> list[list[CleanUnit]]:
+    """Every clean sample of ``batch`` under each of ``noise_draws`` draws (or the given ``draws``), in shuffled
+    micro-batches cut into ``steps_per_epoch`` optimizer steps; a step's loss is the mean over its samples,
+    weighted by ``batch.weights`` (0: no reward)."""
     units = draw_units(batch.rollout.latents[:, -1], config, generator, config.micro_batch_size,
-                       lambda rows, draw: CleanUnit(batch, rows, draw))
+                       lambda rows, draw: CleanUnit(batch, rows, draw), draws)
     return set_shares(split_units(units, config.steps_per_epoch), lambda unit: float(batch.weights[unit.rows].sum()))
 
 
