@@ -79,15 +79,36 @@ def test_awm_loss_hand_values_and_on_policy_gradient():
 
 def test_dgpo_loss_hand_values_and_gradient():
     """One group of two: A = (1, -1), deltas l_theta - l_ref = (0.01, -0.02), beta = 100:
-    s = 100 / 2 (0.01 + 0.02) = 1.5, L = softplus(1.5) = log(1 + e^1.5), weight sigmoid(1.5); the gradient on
-    l_theta is sigmoid(s) beta / G A. A second group at the reference (deltas 0) has L = log 2, weight 1/2."""
+    s = 100 / 2 (0.01 + 0.02) = 1.5, weight sigmoid(1.5). The authors' form: L = sigmoid(s) mean(A l_theta),
+    gradient sigmoid(s) A / G on l_theta; softplus: L = log(1 + e^1.5), gradient beta times that. A second group
+    at the reference (deltas 0) has weight 1/2 and softplus L = log 2."""
     from trainer.algorithms.dgpo import dgpo_loss
 
-    loss_theta = torch.tensor([[0.51, 0.48], [0.3, 0.7]], requires_grad=True)
     loss_ref = torch.tensor([[0.5, 0.5], [0.3, 0.7]])
     adv = torch.tensor([[1.0, -1.0], [0.5, -0.5]])
-    per_group, weight = dgpo_loss(loss_theta, loss_ref, adv, 100.0)
-    torch.testing.assert_close(per_group, torch.tensor([math.log(1 + math.exp(1.5)), math.log(2.0)]))
-    torch.testing.assert_close(weight, torch.tensor([1 / (1 + math.exp(-1.5)), 0.5]))
-    per_group.sum().backward()
-    torch.testing.assert_close(loss_theta.grad, weight[:, None] * 50.0 * adv)
+    grads = {}
+    for form in ("sigmoid_weighted", "softplus"):
+        loss_theta = torch.tensor([[0.51, 0.48], [0.3, 0.7]], requires_grad=True)
+        per_group, weight = dgpo_loss(loss_theta, loss_ref, adv, 100.0, form)
+        torch.testing.assert_close(weight, torch.tensor([1 / (1 + math.exp(-1.5)), 0.5]))
+        if form == "softplus":
+            torch.testing.assert_close(per_group, torch.tensor([math.log(1 + math.exp(1.5)), math.log(2.0)]))
+        else:
+            torch.testing.assert_close(per_group, weight * (adv * loss_theta.detach()).mean(dim=1))
+        per_group.sum().backward()
+        grads[form] = loss_theta.grad
+    torch.testing.assert_close(grads["sigmoid_weighted"], weight[:, None] * adv / 2)
+    torch.testing.assert_close(grads["softplus"], 100.0 * grads["sigmoid_weighted"])
+
+
+def test_dgpo_clip_detaches_the_losses_past_the_clip_in_their_advantages_direction():
+    """ratio = exp(l_old - l): (1.05, 0.95, 1.05, 0.95) at eps 0.02; A = (1, 1, -1, -1): the first (A > 0, ratio
+    above 1 + eps) and the fourth (A < 0, below 1 - eps) are detached, the others keep their gradient."""
+    from trainer.algorithms.dgpo import clip_denoising_loss
+
+    loss = torch.tensor([0.5, 0.5, 0.5, 0.5], requires_grad=True)
+    old = 0.5 + torch.log(torch.tensor([1.05, 0.95, 1.05, 0.95]))
+    clipped_loss, clipped = clip_denoising_loss(loss, old, torch.tensor([1.0, 1.0, -1.0, -1.0]), 0.02)
+    assert clipped.tolist() == [True, False, False, True]
+    clipped_loss.sum().backward()
+    assert loss.grad.tolist() == [0.0, 1.0, 1.0, 0.0]
