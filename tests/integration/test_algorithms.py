@@ -123,8 +123,8 @@ def test_the_first_step_of_an_epoch_is_on_policy(tmp_path, tiny_model_dir, algor
         _, stats = trainer.algorithm.loss(trainer.ctx, unit)
         if algorithm == "dgpo":  # the EMA policy starts at the policy: no denoising loss clipped
             assert stats["dgpo_weight"].item() == 0.5 and stats["clip_frac"].item() == 0.0
-        elif algorithm == "awm":  # v_old is the policy's own forward (no reference) until the first step
-            assert stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0
+        elif algorithm == "awm":  # v_old is the policy's own forward (no copy of it) until the first step
+            assert stats["ratio"].item() == 1.0 and stats["approx_kl"].item() == 0.0 and stats["ema_kl"].item() == 0.0
         else:  # the rollout's own log-probs equal the re-evaluation's
             assert stats["ratio"].item() == 1.0 and stats["logp_gap"].item() == 0.0
 

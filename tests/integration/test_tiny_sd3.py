@@ -162,26 +162,28 @@ def test_image_inputs_are_refused_naming_the_adapter_the_user_chose(adapter):
 
 def test_awm_takes_v_old_from_the_policy_itself_until_its_first_step(tiny_model_dir):
     """AWM's first optimizer step on a batch runs at the rollout's weights: its v_old is the policy's own
-    forward, so the ratio is 1 exactly with no reference at all; a second pass reads the reference (here a
-    policy moved after the snapshot, so its ratio leaves 1)."""
+    forward, so the ratio is 1 exactly with no copy of the sampling policy read; a second pass reads that copy,
+    taken before the rollout (here of a policy moved since, so its ratio leaves 1)."""
     from trainer.algorithms.awm import AWM, AWMConfig
-    from trainer.algorithms.base import refresh_reference
+    from trainer.distributed import SingleProcess
 
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))  # its weights are moved below
     settings = SamplerSettings(num_steps=4, noise_level=0.0)
     ro = rollout(adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings,
                  torch.Generator().manual_seed(0))
-    algo = AWM(AWMConfig(group_size=2, micro_batch_size=2, sampler=settings))
+    algo = AWM(AWMConfig(group_size=2, micro_batch_size=2, inner_epochs=2, clip_range=1e-4, sampler=settings))
+    ctx = LossContext(adapter, adapter.denoiser, None)
+    algo.setup(adapter, None, SingleProcess(torch.device("cpu")))
+    algo.start_epoch(ctx, 0)  # the sampling policy's copy (and the EMA policy's start)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     batch = algo.make_batch(ro, Rewards(rewards, rewards, ro.group_ids, 0))
-    ctx = LossContext(adapter, adapter.denoiser, None)
     (units,) = algo.plan(batch, torch.Generator().manual_seed(0))
     for unit in units:
         _, stats = algo.loss(ctx, unit)
         assert unit.on_policy and stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0
-    refresh_reference(ctx)
+        assert stats["ema_kl"].item() == 0.0  # the EMA policy starts at the policy
     with torch.no_grad():
-        for p in adapter.denoiser.parameters():
+        for p in adapter.trainable.parameters():
             p.mul_(1.01)
     (units,) = algo.plan(batch, torch.Generator().manual_seed(0))
     ratios = [algo.loss(ctx, unit)[1]["ratio"].item() for unit in units]

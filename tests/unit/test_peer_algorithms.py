@@ -58,8 +58,9 @@ def test_mixgrpo_window_slides_by_stride_every_shift_shrinks_at_the_tail_and_sto
 
 
 def test_awm_loss_hand_values_and_on_policy_gradient():
-    """log p = -w mean((v - target)^2): sample 0 mse 1, sample 1 mse 0.25 (v_old's: 1 and 1). With w = 1 the
-    log-ratios are 0 and 0.75; A = (1, 1), eps = 0.2: the first is unclipped (-1), the second clipped (-1.2)."""
+    """log p = -w mean((v - target)^2): sample 0 mse 1, sample 1 mse 0.25 (v_old's: 1 and 1). Uniform (w = 1):
+    the log-ratios are 0 and 0.75; A = (1, 1), eps = 0.2: the first is unclipped (-1), the second clipped (-1.2).
+    The sigma weighting (w = sigma) scales the on-policy gradient by sigma."""
     from trainer.algorithms.awm import awm_loss
 
     target = torch.zeros(2, 4)
@@ -71,7 +72,7 @@ def test_awm_loss_hand_values_and_on_policy_gradient():
     # on policy (v_theta = v_old) the ratio is 1 and the gradient is A w d mse / d v / B = A w 2 (v - target) / (n B)
     v = torch.tensor([[1.0, 0.0, 2.0, 0.0], [0.5, 0.5, 0.5, 0.5]], requires_grad=True)
     adv, w = torch.tensor([2.0, -1.0]), torch.tensor([0.5, 1.0])
-    loss, stats = awm_loss(v, v.detach(), target, adv, w, 1e-4)
+    loss, stats = awm_loss(v, v.detach(), target, adv, w, 1e-4, weighting="sigma")
     assert stats["ratio"].item() == 1.0
     loss.backward()
     torch.testing.assert_close(v.grad, (adv * w)[:, None] * 2 * v.detach() / (4 * 2))
@@ -112,3 +113,14 @@ def test_dgpo_clip_detaches_the_losses_past_the_clip_in_their_advantages_directi
     assert clipped.tolist() == [True, False, False, True]
     clipped_loss.sum().backward()
     assert loss.grad.tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(("weighting", "expected"), [
+    ("uniform", -0.25), ("sigma", -0.5 * 0.25), ("sigma**2", -0.25 * 0.25),
+    ("huber", -0.5 * (math.sqrt(0.25 + 1e-10) - 1e-5)), ("ghuber", -0.5 * ((0.25 + 1e-10) ** 0.5 - 1e-5) / 0.5)])
+def test_awm_time_weightings_hand_values(weighting, expected):
+    """log p = -w(sigma, e) at e = 0.25, sigma = 0.5 (ghuber with p = 1/2 is huber times 2)."""
+    from trainer.algorithms.awm import matching_log_prob
+
+    got = matching_log_prob(torch.tensor([0.25]), torch.tensor([0.5]), weighting, 0.5)
+    assert got.item() == pytest.approx(expected, rel=1e-6)

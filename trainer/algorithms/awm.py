@@ -2,19 +2,21 @@
 their advantages, in PPO's clipped form.
 
 Each clean sample x0 of a rollout (any sampler: the deterministic one by default) gets a group-relative
-advantage A. At a random noise level sigma with noise eps, x_sigma and the target v come from the forward
-process (``adapter.training_target``: v = eps - x0 for flow models), and the weighted matching loss stands
-in for the log-likelihood of x0:
-    log p_theta(x0) ~ -w(sigma) mean((v_theta(x_sigma, sigma, c) - v)^2),    w = 1 or sigma
+advantage A, clipped to [-c, c] and rescaled to A a_max / c (the authors' ``advantage_max``). At a noise level
+sigma with noise eps, x_sigma and the target v come from the forward process (``adapter.training_target``:
+v = eps - x0 for flow models), and a weighted matching error stands in for the log-likelihood of x0:
+    e = mean((v_theta(x_sigma, sigma, c) - v)^2),   log p_theta(x0) ~ -w(sigma, e)
+    w: e (uniform), sigma e, sigma^2 e, sigma (sqrt(e + 1e-10) - 1e-5) (huber),
+       sigma ((e + 1e-10)^p - 1e-10^p) / p (ghuber, the authors' recipes: p = 1/4)
     ratio = exp(log p_theta - log p_old),  L = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps)))
-with p_old the sampling policy (the reference, copied from the policy before each epoch's rollout). On
-policy the gradient is A w(sigma) grad mean((v_theta - v)^2): pretraining's loss, weighted by advantages.
-Until the first optimizer step on a batch, v_old is v_theta itself, detached: the ratio is 1 exactly (no-grad
-and grad compiled graphs round apart) and no reference is run; at one optimizer step per batch (the default)
-none is kept either.
-Departures from the paper: noise levels are logit-normal like the supervised loss; no KL term to a
-reference or EMA policy (the clip against the sampling policy bounds an epoch's move); samples with a
-failed reward get weight 0.
+            + beta mean((v_theta - v_ref)^2) + beta_ema mean((v_theta - v_ema)^2)
+with p_old the sampling policy, v_ref the reference (the policy as RL starts) and v_ema the EMA policy
+(``ema_policy``). On policy the gradient is A grad w: pretraining's loss, weighted by advantages. Until the first
+optimizer step on a batch, v_old is v_theta itself, detached: the ratio is 1 exactly (no-grad and grad compiled
+graphs round apart) and no sampling-policy copy is run; at one optimizer step per batch (the default, and the
+authors' recipes) none is kept either. Departures: docs/departures.md (Algorithms): logit-normal noise levels
+by default (``time_type`` "discrete" / "discrete_wo_init" draw the sampler's, as theirs); samples with a failed
+reward get weight 0; the EMA policy is updated before each epoch (theirs after it: the same).
 """
 
 from __future__ import annotations
@@ -30,38 +32,84 @@ from trainer.algorithms.base import LossContext, NoExtras, Rewards, mark_on_poli
 from trainer.algorithms.clean_sample import (
     CleanSampleConfig,
     CleanUnit,
+    NoiseDraws,
     per_sample_mse,
-    policy_and_reference,
-    policy_prediction,
+    stratified_steps,
     weighted_plan,
 )
-from trainer.config.fields import Bounds
+from trainer.algorithms.ema_policy import EMAPolicy, ramped_decay
+from trainer.config.fields import Bounds, Decay, NonNegativeFloat, PositiveFloat
 from trainer.rollout import Rollout
+from trainer.state import State
+
+TimeWeighting = Literal["uniform", "sigma", "sigma**2", "huber", "ghuber"]
+HUBER_EPS = 1e-10
+
+
+def matching_log_prob(error: torch.Tensor, sigma: torch.Tensor, weighting: str, power: float = 0.25) -> torch.Tensor:
+    """log p ~ -w(sigma, e) of per-sample matching errors e [B] at noise levels ``sigma`` [B] (the module's w)."""
+    if weighting == "uniform":
+        return -error
+    if weighting == "sigma":
+        return -sigma * error
+    if weighting == "sigma**2":
+        return -sigma**2 * error
+    if weighting == "huber":
+        return -sigma * (torch.sqrt(error + HUBER_EPS) - math.sqrt(HUBER_EPS))
+    assert weighting == "ghuber", weighting
+    return -sigma * ((error + HUBER_EPS) ** power - HUBER_EPS**power) / power
 
 
 def awm_loss(v_theta: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-             time_weight: torch.Tensor, clip_range: float,
-             weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy loss on matching log-likelihoods log p = -w mean((v - target)^2) per sample ([B]
-    each: ``advantages``, ``time_weight`` w, ``weights`` 0 for samples left out); returns (loss, stats)."""
-    log_prob = -time_weight * per_sample_mse(v_theta, target)
-    old_log_prob = -time_weight * per_sample_mse(v_old, target)
+             sigma: torch.Tensor, clip_range: float, weights: torch.Tensor | None = None,
+             weighting: str = "uniform", power: float = 0.25) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped policy loss on matching log-likelihoods log p = -w(sigma, mean((v - target)^2)) per sample
+    ([B] each: ``advantages``, ``sigma``, ``weights`` 0 for samples left out); returns (loss, stats)."""
+    log_prob = matching_log_prob(per_sample_mse(v_theta, target), sigma, weighting, power)
+    old_log_prob = matching_log_prob(per_sample_mse(v_old, target), sigma, weighting, power)
     return clipped_policy_loss(advantages, log_prob, old_log_prob, clip_range, weights)
 
 
 @dataclass
 class AWMConfig(CleanSampleConfig):
-    """AWM hyper-parameters (the shared fields: ``CleanSampleConfig``)."""
+    """AWM hyper-parameters, defaults those of every one of the authors' recipes (their names in brackets; the
+    shared fields: ``CleanSampleConfig``)."""
 
     name: str = "awm"
-    clip_range: Annotated[float, Bounds(0, math.inf, low_open=True)] = 1e-3
-    """PPO ratio clip eps on the matching log-likelihood ratio (inf: no clipping)."""
+    clip_range: Annotated[float, Bounds(0, math.inf, low_open=True)] = 1.0
+    """PPO ratio clip eps on the matching log-likelihood ratio [clip_range] (inf: no clipping)."""
     adv_clip: Annotated[float, Bounds(0, math.inf, low_open=True)] = 5.0
-    """Advantages are clipped to [-adv_clip, adv_clip]."""
+    """Advantages are clipped to [-adv_clip, adv_clip] [adv_clip_max]."""
+    advantage_max: NonNegativeFloat = 1.0
+    """Clipped advantages are rescaled to A advantage_max / adv_clip [advantage_max]; 0: not rescaled."""
     global_std: bool = True
-    """Normalise advantages by the std of the whole gathered batch instead of each group's."""
-    time_weighting: Literal["uniform", "sigma"] = "uniform"
-    """w(sigma) in the matching log-likelihood: 1, or sigma (weights noisier levels more)."""
+    """Normalise advantages by the std of the whole gathered batch instead of each group's [sample.global_std]."""
+    time_weighting: TimeWeighting = "ghuber"
+    """w in log p = -w(sigma, e) [weighting: Uniform, t, t**2, huber, ghuber]: the error, sigma or sigma^2 times
+    it, or sigma times its (generalised) Huber loss, which grows like e^p: errors already small count more."""
+    ghuber_power: PositiveFloat = 0.25
+    """p of the ghuber weighting [ghuber_power]."""
+    kl_beta: NonNegativeFloat = 0.0
+    """Weight of mean((v_theta - v_ref)^2) to the reference, the policy as RL starts [beta, kl_weight Uniform]."""
+    ema_kl_beta: NonNegativeFloat = 1.0
+    """Weight of mean((v_theta - v_ema)^2) to the EMA policy [ema_beta, kl_ema_weight Uniform]; 0: none kept."""
+    ema_decay: Decay = 0.3
+    """Cap of the EMA policy's decay: ema <- d ema + (1 - d) policy, d = min(ema_decay, ema_decay_ramp k)
+    after k optimizer steps [kl_ema_decay]."""
+    ema_decay_ramp: NonNegativeFloat = 1e-3
+    """Growth of that decay per optimizer step, k counted as epochs x inner_epochs x steps_per_epoch
+    [kl_ema_decay_type linear: 0.001]; 0: d = ema_decay throughout [constant]."""
+    time_type: Literal["logit_normal", "discrete", "discrete_wo_init"] = "logit_normal"
+    """Noise levels [time_type]: logit-normal (``logit_mean``, ``logit_std``), or the rollout schedule's at
+    step indices stratified over [0, T timestep_fraction) ("discrete") or [1, T timestep_fraction)."""
+    timestep_fraction: Annotated[float, Bounds(0, 1, low_open=True)] = 0.9
+    """"discrete*": the share of the T sampler steps whose noise levels are drawn [timestep_fraction]."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.time_type != "logit_normal" and int(self.sampler.num_steps * self.timestep_fraction) <= 1:
+            raise ValueError(f"time_type={self.time_type} draws steps below int(num_steps x timestep_fraction) = "
+                             f"{int(self.sampler.num_steps * self.timestep_fraction)}: raise either")
 
 
 @dataclass
@@ -81,36 +129,76 @@ class AWM(NoExtras):
 
     def __init__(self, config: AWMConfig):
         super().__init__(config)
-        self.needs_reference = config.inner_epochs > 1 or config.steps_per_epoch > 1  # steps after the first
+        self.needs_reference = config.kl_beta > 0
+        off_policy = config.inner_epochs > 1 or config.steps_per_epoch > 1  # steps after the first
+        self.sampling = EMAPolicy("awm_sampling") if off_policy else None  # p_old: copied before each rollout
+        self.ema = EMAPolicy("awm_ema") if config.ema_kl_beta > 0 else None
+
+    def setup(self, adapter, example, backend) -> None:
+        for policy in (self.sampling, self.ema):
+            if policy is not None:
+                policy.setup(adapter, backend)
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
-        if self.needs_reference:
-            refresh_reference(ctx)  # p_old: the policy that samples this epoch
+        if self.needs_reference and ctx.reference is None:  # none: RL not started by Trainer.fit
+            refresh_reference(ctx)
+        if self.sampling is not None:
+            self.sampling.update(0.0)  # p_old: the policy that samples this epoch
+        if self.ema is not None:  # after k steps the authors' update uses d(k); a copy as RL starts
+            cfg = self.config
+            steps = epoch * cfg.inner_epochs * cfg.steps_per_epoch
+            self.ema.update(ramped_decay(cfg.ema_decay, cfg.ema_decay_ramp, steps) if epoch else 0.0)
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> AWMBatch:
-        adv = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, self.config.adv_clip)
+        cfg = self.config
+        adv = group_advantages(rewards.all, rewards.group_ids_all, cfg.global_std, cfg.adv_clip)
+        if cfg.advantage_max > 0:
+            adv = adv / cfg.adv_clip * cfg.advantage_max
         mine = slice(rewards.offset, rewards.offset + len(rewards.local))
         return AWMBatch(rollout, adv[mine], (~torch.isnan(rewards.local)).float(), rewards)
 
     def plan(self, batch: AWMBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
-        """The batch's clean samples, weighted by reward (``clean_sample.weighted_plan``)."""
-        return mark_on_policy(batch, weighted_plan(batch, self.config, generator))
+        """The batch's clean samples, weighted by reward (``clean_sample.weighted_plan``); "discrete*" noise
+        levels: one step index per sample in each of ``noise_draws`` strata of the trained steps."""
+        cfg, ro = self.config, batch.rollout
+        draws = None
+        if cfg.time_type != "logit_normal":
+            lo, hi = int(cfg.time_type == "discrete_wo_init"), int(cfg.sampler.num_steps * cfg.timestep_fraction)
+            steps = stratified_steps(lo, hi, cfg.noise_draws, len(ro.latents), generator)
+            draws = NoiseDraws.at_steps(ro.sigmas, steps, ro.latents[:, -1], generator)
+        return mark_on_policy(batch, weighted_plan(batch, cfg, generator, draws))
 
     def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch, idx, draw = unit.batch, unit.rows, unit.draw
-        if unit.on_policy:
-            target, v_theta = policy_prediction(ctx, unit)
-            v_old = v_theta.detach()
-        else:
-            target, v_theta, v_old = policy_and_reference(ctx, unit)
-        time_weight = draw.sigma.float() if self.config.time_weighting == "sigma" else torch.ones_like(draw.sigma)
+        batch, idx, cfg = unit.batch, unit.rows, self.config
+        ro = batch.rollout
+        x_t, target = ctx.adapter.training_target(ro.latents[idx, -1], unit.draw.noise, unit.draw.sigma)
+        cond, sigma = ro.cond.select(idx), unit.draw.sigma
+        v_old = None if unit.on_policy else self.sampling.predict(ctx, x_t, sigma, cond)
+        v_ema = self.ema.predict(ctx, x_t, sigma, cond) if self.ema is not None else None
+        with torch.no_grad():
+            v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, 1.0) if cfg.kl_beta > 0 else None
+        v_theta = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, 1.0)
+        v_old = v_theta.detach() if v_old is None else v_old
         weights = batch.weights[idx].to(v_theta.device)  # host-side rewards
         loss, stats = awm_loss(v_theta, v_old, target, batch.advantages[idx].to(v_theta.device),
-                               time_weight.to(v_theta.device), self.config.clip_range, weights)
+                               sigma.float().to(v_theta.device), cfg.clip_range, weights, cfg.time_weighting,
+                               cfg.ghuber_power)
+        mean = lambda per_sample: (per_sample * weights).sum() / weights.sum().clamp_min(1.0)  # noqa: E731
         with torch.no_grad():
-            stats["matching_loss"] = (per_sample_mse(v_theta, target) * weights).sum() / weights.sum().clamp_min(1.0)
+            stats["matching_loss"] = mean(per_sample_mse(v_theta, target))
+        for name, beta, v in (("kl", cfg.kl_beta, v_ref), ("ema_kl", cfg.ema_kl_beta, v_ema)):
+            if beta > 0:
+                kl = mean(per_sample_mse(v_theta, v))
+                loss, stats[name] = loss + beta * kl, kl.detach()
         return loss * unit.share, stats
 
     def batch_metrics(self, batch: AWMBatch) -> dict[str, float]:
         adv = batch.advantages
         return {"adv_abs_mean": float(adv.abs().mean()), "adv_max": float(adv.abs().max())}
+
+    def checkpoint_state(self) -> dict[str, State]:
+        return self.ema.checkpoint_state() if self.ema is not None else {}  # p_old is copied before each epoch
+
+    def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
+        if self.ema is not None:
+            self.ema.load_checkpoint_state(saved, source)
