@@ -14,9 +14,9 @@ with p_old the sampling policy, v_ref the reference (the policy as RL starts) an
 (``ema_policy``). On policy the gradient is A grad w: pretraining's loss, weighted by advantages. Until the first
 optimizer step on a batch, v_old is v_theta itself, detached: the ratio is 1 exactly (no-grad and grad compiled
 graphs round apart) and no sampling-policy copy is run; at one optimizer step per batch (the default, and the
-authors' recipes) none is kept either. Departures: docs/departures.md (Algorithms): logit-normal noise levels
-by default (``time_type`` "discrete" / "discrete_wo_init" draw the sampler's, as theirs); samples with a failed
-reward get weight 0; the EMA policy is updated before each epoch (theirs after it: the same).
+authors' recipes) none is kept either. Samples whose reward failed get weight 0. Departures (docs/departures.md,
+Algorithms): logit-normal noise levels by default (``time_type`` "discrete" / "discrete_wo_init" draw the
+sampler's, as theirs).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ already moved past a PPO-style clip against the EMA policy (``clip_range``), and
 v_ref)^2) keeps the policy near the reference. Departures: docs/departures.md (Algorithms): logit-normal noise
 levels by default (``time_type`` "discrete" draws the sampler's, as theirs), the EMA policy updated before
 each epoch (theirs after each optimizer step: the same at their one step per epoch), rollouts always by the
-policy (theirs by the EMA policy after ``switch_ema_ref`` steps).
+policy (theirs by the EMA policy after ``switch_ema_ref`` steps), the KL reference without CFG.
 """
 
 from __future__ import annotations
