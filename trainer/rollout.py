@@ -37,8 +37,9 @@ class SamplerSettings:
     trained, so every draw trains ``sde_window`` steps (on every rank alike: sharded backends need the same
     number of forwards on each). (0, 0) means anywhere in [0, T - 1 - sde_window]."""
     ode_order: Annotated[int, Bounds(1, 2)] = 1
-    """Order of the ODE steps after the SDE window: 2 takes DPM-Solver++(2M) steps there (MixGRPO-Flash), which
-    stay accurate with fewer steps; 1 is Euler. Steps before the window stay Euler (trainer/samplers/multistep.py)."""
+    """Order of the ODE steps after the SDE window, or of every step at noise_level 0: 2 takes DPM-Solver++(2M)
+    steps there (MixGRPO-Flash; DiffusionNFT's "dpm2" rollouts), which stay accurate with fewer steps; 1 is Euler.
+    Steps before the window stay Euler (trainer/samplers/multistep.py)."""
     ode_compress: Annotated[float, Bounds(0, 1, low_open=True)] = 1.0
     """Fraction of the ODE steps after the SDE window that are taken (MixGRPO-Flash's compression; 1: all):
     fewer forwards per rollout where nothing is trained."""
@@ -55,9 +56,12 @@ class SamplerSettings:
             raise ValueError(f"window_range={tuple(self.window_range)} does not fit num_steps={self.num_steps} with "
                              f"sde_window={self.sde_window}: starts must lie in [0, {self.num_steps - self.sde_window}) "
                              "so that a window ends before the last step, which is never trained")
-        if (self.ode_order != 1 or self.ode_compress != 1) and self.sde_window == 0:
-            raise ValueError(f"ode_order={self.ode_order} and ode_compress={self.ode_compress} act on the ODE steps "
-                             "after an SDE window: set sampler.sde_window > 0, or leave them at 1")
+        if self.ode_compress != 1 and self.sde_window == 0:
+            raise ValueError(f"ode_compress={self.ode_compress} acts on the ODE steps after an SDE window: set "
+                             "sampler.sde_window > 0, or leave it at 1")
+        if self.ode_order != 1 and self.sde_window == 0 and self.noise_level > 0:
+            raise ValueError(f"ode_order={self.ode_order} acts on deterministic steps, those after an SDE window (set "
+                             "sampler.sde_window > 0) or every step at sampler.noise_level=0; or leave it at 1")
 
     def window_starts(self) -> tuple[int, int]:
         """[lo, hi) of the SDE window's start (``window_range``, or its default for (0, 0))."""
@@ -183,7 +187,8 @@ def rollout(
         stochastic = window_mask(settings, generator)
     sigmas, stochastic = compress_after_window(adapter.sigmas(settings.num_steps), stochastic, settings.ode_compress)
     step = adapter.step_function(kind, sigmas)
-    multistep = second_order_steps(stochastic, settings.ode_order).tolist()
+    noisy = stochastic if settings.noise_level > 0 else torch.zeros_like(stochastic)  # the steps that draw noise
+    multistep = second_order_steps(noisy, settings.ode_order).tolist()
     host = sigmas.cpu().tolist() if any(multistep) else []  # one read per rollout, only for the multistep
     x = adapter.prepare_latents(len(prompts), generator) if initial is None else initial
     if getattr(adapter, "reads_trajectory", False):  # its predict reads the initial noise and the schedule

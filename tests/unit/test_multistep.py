@@ -74,3 +74,12 @@ def test_ode_options_need_an_sde_window():
     with pytest.raises(ValueError, match="set sampler.sde_window > 0"):
         SamplerSettings(ode_order=2)
     SamplerSettings(sde_window=2, ode_order=2, ode_compress=0.4)
+
+
+def test_a_deterministic_rollout_takes_second_order_steps_throughout():
+    """At noise_level 0 every step is an ODE step: ode_order 2 takes DPM-Solver++(2M) on all but the last (the
+    first, without history, is first order); compressing needs a window still."""
+    assert second_order_steps(torch.zeros(5, dtype=torch.bool), 2).tolist() == [True] * 4 + [False]
+    SamplerSettings(ode_order=2, noise_level=0.0)
+    with pytest.raises(ValueError, match="ode_compress=0.5 acts on the ODE steps after an SDE window"):
+        SamplerSettings(ode_compress=0.5, noise_level=0.0)

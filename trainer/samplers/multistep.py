@@ -46,9 +46,11 @@ def compress_after_window(sigmas: torch.Tensor, stochastic: torch.Tensor,
 
 
 def second_order_steps(stochastic: torch.Tensor, order: int) -> torch.Tensor:
-    """[T] bool: the steps that take ``dpm_solver_2m_step`` at ``order`` 2: after the last stochastic step, but
-    not the final step (first order there, as DPM-Solver++ does: its h is infinite at sigma = 0)."""
+    """[T] bool: the steps that take ``dpm_solver_2m_step`` at ``order`` 2: after the last stochastic step (every
+    step where none is: the first one is then first order, having no history), but not the final step (first
+    order there, as DPM-Solver++ does: its h is infinite at sigma = 0)."""
     multistep = torch.zeros_like(stochastic)
-    if order == 2 and bool(stochastic.any()):
-        multistep[int(torch.nonzero(stochastic).max()) + 1 : -1] = True
+    if order == 2:
+        start = int(torch.nonzero(stochastic).max()) + 1 if bool(stochastic.any()) else 0
+        multistep[start:-1] = True
     return multistep
