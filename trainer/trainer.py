@@ -166,7 +166,7 @@ class Trainer:
             # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
             self.backend.reset_optimizer()
             # Full fine-tuning: a frozen copy of the policy as RL starts. LoRA: the base with the adapter disabled
-            # (ALGORITHMS.md), i.e. the model before a LoRA warm-up; DPO and NFT refresh theirs from the policy.
+            # (ALGORITHMS.md), i.e. the model before a LoRA warm-up; DPO refreshes its own from the policy.
             if self.algorithm.needs_reference:
                 self._new_reference()
             progress.rl_started = True
@@ -384,13 +384,15 @@ class Trainer:
         """Sample the epoch's batch in ``train.rollout_chunks`` chunks (which steps are stochastic drawn with
         ``g``, the sampling noise with ``noise``); each chunk's rewards are requested
         as soon as it is sampled and are scored while the next chunk samples (all on the same policy).
-        Returns the whole rollout, its rewards and the seconds spent waiting for rewards after sampling."""
+        The algorithm says which weights sample (``rollout_weights``: the policy's own unless it samples with
+        another policy). Returns the whole rollout, its rewards and the seconds spent waiting for rewards after
+        sampling."""
         bounds = self._rollout_bounds(len(prompts))
         settings = self.algorithm.sampler
         stochastic = window_mask(settings, g)
         parts, futures = [], []
         self.policy.eval()
-        with self.backend.sampling():
+        with self.algorithm.rollout_weights(), self.backend.sampling():  # the sampling policy's weights, gathered
             for chunk, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), 1):
                 self.display.doing(f"sampling rollout chunk {chunk} of {len(bounds) - 1}")
                 part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, noise,

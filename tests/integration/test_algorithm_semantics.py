@@ -216,7 +216,7 @@ def test_one_step_lowers_the_denoising_loss_of_the_favoured_samples(tmp_path, ti
     the other's loss too: hence the comparison with the reversed step.)"""
     trainer = _trainer(tmp_path, tiny_model_dir, algorithm)
     if trainer.algorithm.needs_reference:
-        trainer._new_reference()  # as RL starts (DGPO keeps it; the others refresh it from the policy)
+        trainer._new_reference()  # as RL starts (DGPO and NFT keep it; the others refresh it from the policy)
     ro, group_ids = _rollout(trainer)
     _, (favoured, reversed_) = _step_each_way(trainer, ro, group_ids, lambda: _denoising_losses(trainer, ro))
     change = favoured - reversed_
@@ -240,3 +240,49 @@ def test_one_step_raises_the_log_prob_of_positive_advantages(tmp_path, tiny_mode
     change = (favoured - reversed_).mean(1)
     for better, worse in _pairs(group_ids):
         assert change[better] > change[worse], (better, worse, change)
+
+
+# --- DiffusionNFT's sampling policy -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decay", [0.5, 0.0])
+def test_nft_samples_its_rollouts_with_the_old_policy(tmp_path, tiny_model_dir, decay):
+    """After an optimizer step, the old policy is old <- d old + (1 - d) policy (d = old_decay from the first step
+    at old_decay_rate 0): with d > 0 the epoch's rollout is the one the weights d start + (1 - d) stepped sample,
+    not the stepped policy's, and the policy's weights are back unchanged after it. With d = 0 the old policy is
+    the policy: its rollout, bit for bit (as the authors sample with their 'old' adapter, which then equals it).
+    Before the hook, every rollout was the current policy's."""
+    trainer = _trainer(tmp_path, tiny_model_dir, "nft", f"algorithm.old_decay={decay}", "algorithm.old_decay_rate=0")
+    algo, params = trainer.algorithm, list(trainer.adapter.trainable.parameters())
+    trainer._new_reference()  # the base model of the KL term, as RL starts
+    ro, group_ids = _rollout(trainer)
+    start = [p.detach().clone() for p in params]
+    trainer._update(algo, algo.make_batch(ro, Rewards(REWARDS, REWARDS, group_ids, 0)), torch.Generator().manual_seed(2))
+    stepped = [p.detach().clone() for p in params]
+    assert any(not torch.equal(a, b) for a, b in zip(start, stepped, strict=True))
+    algo.start_epoch(trainer.ctx, 1)
+    assert algo.old_differs == (decay > 0)
+    indices, group_ids = trainer.sampler.epoch(1)
+    prompts = [trainer.task.prompts[i] for i in indices.tolist()]
+
+    def sample() -> torch.Tensor:
+        ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
+                                            torch.Generator().manual_seed(1))
+        return ro.latents
+
+    rollout = sample()
+    assert all(torch.equal(p, s) for p, s in zip(params, stepped, strict=True))
+    algo.old_differs = False  # the policy's own rollout, with the weights written in by hand
+    with torch.no_grad():
+        for p, a, b in zip(params, start, stepped, strict=True):
+            p.copy_(decay * a + (1 - decay) * b)
+    by_hand = sample()
+    with torch.no_grad():
+        for p, s in zip(params, stepped, strict=True):
+            p.copy_(s)
+    policys = sample()
+    torch.testing.assert_close(rollout, by_hand, rtol=1e-5, atol=1e-6)
+    if decay > 0:
+        assert (rollout - policys).abs().max() > 1e-3
+    else:
+        assert torch.equal(rollout, policys)

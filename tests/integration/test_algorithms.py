@@ -201,7 +201,7 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
     if trainer.algorithm.needs_reference:
-        trainer._new_reference()  # as RL starts (DGPO keeps it; DPO, NFT and AWM refresh it from the policy)
+        trainer._new_reference()  # as RL starts (DGPO and NFT keep it; DPO and AWM refresh it from the policy)
     trainer.algorithm.start_epoch(trainer.ctx, 0)
     ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, g, torch.Generator().manual_seed(1))
     local = torch.tensor([0.0, 1.0, 0.2, 0.3, 0.5, 0.1])  # groups' advantage weights differ (sft_best)

@@ -17,10 +17,12 @@ from trainer.algorithms.advantages import (
     optimality_probability,
 )
 from trainer.algorithms.base import LossContext, Rewards, balanced_local, refresh_reference, shares_weights
+from trainer.algorithms.nft import NFTConfig, old_decay, schedule_draws, x0_error_scale
 from trainer.algorithms.ppo_critic import ValueNetwork, condition_vector
 from trainer.ema import EMA
 from trainer.kernels import KernelCounter
 from trainer.models.base import Conditioning
+from trainer.models.flow import rectified_flow_target
 from trainer.models.reference import ReferenceSpec
 
 
@@ -81,6 +83,55 @@ def test_nft_loss_hand_values_and_no_gradient_at_the_old_policy_for_neutral_samp
     theta.grad = None  # a good sample pulls towards the target
     nft_loss(theta, theta.detach(), v, torch.tensor([1.0]), 1.0).sum().backward()
     assert (theta.grad < 0).all()
+
+
+def test_nft_loss_adaptive_weight_divides_each_samples_error_by_its_own_mean_absolute_error():
+    """With error scale k = 0.5 the clean-sample errors are e = 0.5 (v+- - v): l = mean(e^2) / mean|e|, the
+    divisor held constant (no gradient through it), floored at 1e-5 (an exact prediction: loss 0, finite grads)."""
+    v_theta, v_old, v = torch.ones(1, 2), torch.zeros(1, 2), torch.tensor([[2.0, 4.0]])
+    k = torch.tensor([0.5])
+    # beta 0.5: e+ = 0.5 ([0.5, 0.5] - v) = [-0.75, -1.75]: 1.8125 / 1.25; e- = 0.5 ([-0.5, -0.5] - v): 3.3125 / 1.75
+    assert nft_loss(v_theta, v_old, v, torch.tensor([1.0]), 0.5, k).item() == pytest.approx(1.45)
+    assert nft_loss(v_theta, v_old, v, torch.tensor([0.0]), 0.5, k).item() == pytest.approx(3.3125 / 1.75)
+    theta = v_theta.clone().requires_grad_()
+    nft_loss(theta, v_old, v, torch.tensor([1.0]), 0.5, k).sum().backward()
+    # d/dtheta mean(e^2) / 1.25 with de/dtheta = k beta = 0.25: 2 e 0.25 / (2 * 1.25)
+    torch.testing.assert_close(theta.grad, torch.tensor([[-0.75, -1.75]]) * 0.25 / 1.25)
+    exact = torch.full((1, 2), 2.0, requires_grad=True)
+    loss = nft_loss(exact, exact.detach(), exact.detach(), torch.tensor([0.7]), 1.0, k)
+    loss.sum().backward()
+    assert loss.item() == 0.0 and torch.isfinite(exact.grad).all()
+
+
+def test_x0_error_scale_is_sigma_for_flow_models_and_the_noise_ratio_for_epsilon_ones():
+    sigma = torch.tensor([1.0, 0.6, 0.05])
+    torch.testing.assert_close(x0_error_scale(rectified_flow_target, sigma), sigma)
+    abar = torch.tensor([0.01, 0.5, 0.99])  # DDPM: x_t = sqrt(abar) x0 + sqrt(1 - abar) eps, target eps
+
+    def ddpm(x0, eps, u):
+        a = abar.reshape(-1, 1)
+        return a.sqrt() * x0 + (1 - a).sqrt() * eps, eps
+
+    torch.testing.assert_close(x0_error_scale(ddpm, sigma), ((1 - abar) / abar).sqrt())
+
+
+def test_nft_trains_distinct_levels_of_the_rollout_schedule_per_sample():
+    """9 of a 10-step schedule's levels (never its final 0) per sample, each once, in orders that differ between
+    samples, with fresh noise per draw; more draws than levels: each level once."""
+    sigmas = torch.linspace(1.0, 0.0, 11)
+    x0 = torch.zeros(5, 3)
+    assert schedule_draws(sigmas[::2], x0, 9, torch.Generator().manual_seed(0)).sigma.shape == (5, 5)
+    draws = schedule_draws(sigmas, x0, 9, torch.Generator().manual_seed(0))
+    assert draws.sigma.shape == (9, 5) and draws.noise.shape == (9, 5, 3)
+    for column in draws.sigma.T:
+        assert len(set(column.tolist())) == 9 and set(column.tolist()) <= set(sigmas[:-1].tolist())
+    assert len({tuple(column.tolist()) for column in draws.sigma.T}) > 1
+
+
+def test_nft_old_policy_decay_ramps_after_its_delay():
+    config = NFTConfig(old_decay=0.9, old_decay_rate=0.1, old_decay_delay=3)
+    assert [old_decay(config, n) for n in (0, 2, 3, 4, 8, 20)] == pytest.approx([0.0, 0.0, 0.0, 0.1, 0.5, 0.9])
+    assert old_decay(NFTConfig(old_decay=0.3, old_decay_rate=0.0), 1) == 0.3  # rate 0: the cap from the start
 
 
 def test_optimality_probability():

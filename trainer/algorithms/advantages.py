@@ -151,18 +151,33 @@ def best_and_worst(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torc
     return as_long(groups), as_long(best), as_long(worst)
 
 
+ADAPTIVE_FLOOR = 1e-5
+"""Least mean absolute error an adaptive weight divides by (the authors' clip)."""
+
+
 def nft_loss(
-    v_theta: torch.Tensor, v_old: torch.Tensor, v_target: torch.Tensor, optimality: torch.Tensor, beta: float
+    v_theta: torch.Tensor, v_old: torch.Tensor, v_target: torch.Tensor, optimality: torch.Tensor, beta: float,
+    error_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DiffusionNFT's forward-process objective, per sample [B]:
         v+ = (1 - beta) v_old + beta v_theta        (implicit positive policy)
         v- = (1 + beta) v_old - beta v_theta        (implicit negative policy)
-        L  = r~ ||v+ - v||^2 + (1 - r~) ||v- - v||^2      (means over elements)
-    with v the flow-matching target (eps - x0) and r~ in [0, 1] the optimality probability of the sample.
+        L  = r~ l(v+ - v) + (1 - r~) l(v- - v)
+    with v the regression target (flow matching: eps - x0), r~ in [0, 1] the sample's optimality probability and
+    l(d) = mean(d^2) (means over elements). With ``error_scale`` k [B], the authors' adaptive weight on the
+    clean-sample error e = k d (x0 implied by x_t and v±, minus x0; k = sigma for flow models):
+        l(d) = mean(e^2) / sg(max(mean |e|, 1e-5))
     """
     dims = tuple(range(1, v_theta.ndim))
-    positive = ((1 - beta) * v_old + beta * v_theta - v_target).pow(2).mean(dim=dims)
-    negative = ((1 + beta) * v_old - beta * v_theta - v_target).pow(2).mean(dim=dims)
+
+    def error(d: torch.Tensor) -> torch.Tensor:
+        if error_scale is None:
+            return d.pow(2).mean(dim=dims)
+        e = d * error_scale.reshape(-1, *([1] * (d.ndim - 1))).to(d)
+        return e.pow(2).mean(dim=dims) / e.detach().abs().mean(dim=dims).clamp_min(ADAPTIVE_FLOOR)
+
+    positive = error((1 - beta) * v_old + beta * v_theta - v_target)
+    negative = error((1 + beta) * v_old - beta * v_theta - v_target)
     return optimality * positive + (1 - optimality) * negative
 
 

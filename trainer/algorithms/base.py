@@ -8,6 +8,7 @@ backward and steps; it never asks which algorithm it runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -91,6 +92,12 @@ class Algorithm(Protocol):
         """Called before each RL epoch's rollout (e.g. to refresh a reference from the policy)."""
         ...
 
+    def rollout_weights(self) -> contextlib.AbstractContextManager:
+        """The weights the epoch's rollout samples with: a context inside which the policy's network holds them
+        (entered before the backend gathers sharded weights for sampling). The policy's own (a null context),
+        unless the algorithm samples with another policy (DiffusionNFT's old one)."""
+        ...
+
     def check_batch(self, samples_per_rank: int) -> None:
         """Raise the ValueError that ``plan`` would raise for an epoch of ``samples_per_rank`` samples on each
         rank (steps that do not divide it), as the trainer is built rather than after the warm-up."""
@@ -137,6 +144,9 @@ class NoExtras:
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
         pass
+
+    def rollout_weights(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def check_batch(self, samples_per_rank: int) -> None:
         pass
