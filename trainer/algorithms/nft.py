@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -39,6 +39,7 @@ from trainer.algorithms.clean_sample import (
 )
 from trainer.config.fields import Decay, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from trainer.ema import Shadow
+from trainer.models.base import Conditioning, ModelAdapter
 from trainer.rollout import Rollout
 from trainer.state import State
 
@@ -66,7 +67,8 @@ class NFTConfig(CleanSampleConfig):
     """Normalise advantages by the std of the whole gathered batch instead of each group's."""
     old_decay: Decay = 0.5
     """Most the old policy's decay d reaches; before each epoch's rollout old <- d old + (1 - d) policy. The old
-    policy is a float32 copy of the trainable weights (LoRA: the adapters'; this rank's shards where sharded)."""
+    policy is a float32 copy of the trainable weights (LoRA: the adapters'; this rank's shards where sharded),
+    swapped into the policy's network for its forwards."""
     old_decay_rate: NonNegativeFloat = 1e-3
     """d's rise per optimizer step: d = min(rate (n - old_decay_delay), old_decay) after n steps (the authors'
     decay_type 1: rate 0.001 to 0.5; type 2: delay 75, rate 0.0075 to 0.999); 0: d = old_decay from the start."""
@@ -137,7 +139,7 @@ class NFT(NoExtras):
         self.optimizer_steps = 0  # planned so far: the old policy's decay follows them
         self.old_differs = False  # whether this epoch's old policy holds other weights than the policy
 
-    def setup(self, adapter, example, backend) -> None:
+    def setup(self, adapter: ModelAdapter, example: Conditioning, backend: Any) -> None:
         params = list(adapter.trainable.parameters())
         shards = backend.local_shards(params)
         self.old = OldPolicy(shards, any(s.shape != p.shape for s, p in zip(shards, params, strict=True)))
@@ -176,8 +178,7 @@ class NFT(NoExtras):
         x_t, target = ctx.adapter.training_target(ro.latents[idx, -1], draw.noise, draw.sigma)
         cond = ro.cond.select(idx)
         predict = lambda net: ctx.adapter.predict(net, x_t, draw.sigma, cond, 1.0).float()  # noqa: E731
-        # The old policy runs first: its swap writes the weights in place, which the policy's graph must not see.
-        with torch.no_grad(), self.old.swapped():
+        with torch.no_grad(), self.old.swapped():  # the old weights in the policy's network, bit for bit back after
             v_old = predict(ctx.adapter.denoiser)
         v_theta = predict(ctx.policy)
         scale = x0_error_scale(ctx.adapter.training_target, draw.sigma) if config.adaptive_weight else None
