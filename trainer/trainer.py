@@ -381,12 +381,9 @@ class Trainer:
 
     def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
                           g: torch.Generator, noise: torch.Generator) -> tuple[Rollout, RewardResult, float]:
-        """Sample the epoch's batch in ``train.rollout_chunks`` chunks (which steps are stochastic drawn with
-        ``g``, the sampling noise with ``noise``); each chunk's rewards are requested
-        as soon as it is sampled and are scored while the next chunk samples (all on the same policy).
-        The algorithm says which weights sample (``rollout_weights``: the policy's own unless it samples with
-        another policy). Returns the whole rollout, its rewards and the seconds spent waiting for rewards after
-        sampling."""
+        """Sample the epoch's batch in ``train.rollout_chunks`` chunks (stochastic steps drawn with ``g``, noise
+        with ``noise``), with the weights the algorithm names (``rollout_weights``); each chunk is scored while the
+        next samples. Returns the rollout, its rewards and the seconds waited for rewards after sampling."""
         bounds = self._rollout_bounds(len(prompts))
         settings = self.algorithm.sampler
         stochastic = window_mask(settings, g)
