@@ -262,7 +262,10 @@ def test_the_preset_reproduces_the_authors_recipe(preset):
     for key, value in expected(c).items():
         assert _get(config, key) == value, f"{preset}: {key} is {_get(config, key)!r}, the authors' {value!r}"
     header = (REPO / "configs" / "presets" / f"{preset}.yaml").read_text().replace("\n# ", " ")
-    assert f"{AUTHORS} at commit {COMMIT}" in header and f"config/dgpo.py:{RECIPES[preset].__name__[1:]}" in header
+    assert (
+        f"{AUTHORS} at commit {COMMIT}" in header
+        and f"config/dgpo.py:{RECIPES[preset].__name__[1:]}" in header
+    )
 
 
 @pytest.mark.parametrize("path", sorted({p for train_test in DATA.values() for p in train_test}))
