@@ -106,13 +106,24 @@ def storage_dtype(cls: type, config: dict, dtype: str, folder: Path, store: str 
     free = shutil.disk_usage(folder).free
     if size <= 0.9 * free:
         return dtype
-    print(f"note: {size / 1e9:.1f} GB of {dtype} weights, {free / 1e9:.1f} GB free on disk: saved in float8_e5m2 "
-          f"and loaded back in {dtype}", file=sys.stderr, flush=True)
+    print(
+        f"note: {size / 1e9:.1f} GB of {dtype} weights, {free / 1e9:.1f} GB free on disk: saved in float8_e5m2 "
+        f"and loaded back in {dtype}",
+        file=sys.stderr,
+        flush=True,
+    )
     return "float8_e5m2"
 
 
-def resize_denoiser(root: str, name: str, overrides: dict, max_layers: int | None = None, device: str = "cpu",
-                    dtype: str = "float32", store: str = "auto") -> None:
+def resize_denoiser(
+    root: str,
+    name: str,
+    overrides: dict,
+    max_layers: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    store: str = "auto",
+) -> None:
     """Build the tiny model of ``name`` under ``root`` and replace its denoiser by one with ``overrides``
     applied to its config (random weights), at most ``max_layers`` blocks per stack when given. The weights
     are drawn on ``device`` in ``dtype`` and saved so (``storage_dtype``: float8 where they would not fit the
@@ -150,7 +161,7 @@ def keep_freed_memory() -> None:
     256 MiB of slack (defaults: mmap from 128 KiB, adaptively, and trim past 128 KiB)."""
     if sys.platform == "linux":
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
 
 
@@ -198,9 +209,18 @@ class Recorder(nn.Module):
         return self.net(*args, **kwargs)
 
 
-def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: str = "tiny",
-                  device: str = "cpu", dtype: str = "float32", max_layers: int | None = None,
-                  gradient_checkpointing: bool = False, store: str = "auto") -> dict[str, float]:
+def bench_adapter(
+    case: str,
+    root: str,
+    repeats: int,
+    scale: int = 1,
+    denoiser: str = "tiny",
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_layers: int | None = None,
+    gradient_checkpointing: bool = False,
+    store: str = "auto",
+) -> dict[str, float]:
     """One table row for ``case`` (``name``, ``name+ip`` or ``name@variant``); ``denoiser``: a DENOISER_SIZES key."""
     name, _, variant = case.removesuffix("+ip").partition("@")
     spec = testing.tiny(name)
@@ -215,8 +235,9 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
         overrides["resolution"] = spec.bench_resolution * scale
     if case.endswith("+ip"):
         overrides["ip_adapter"] = testing.tiny_ip_adapter(root)
-    adapter = build_adapter(testing.tiny_config(name, root, dtype=dtype, lora=LoraSettings(rank=8, alpha=8),
-                                                **overrides), device)
+    adapter = build_adapter(
+        testing.tiny_config(name, root, dtype=dtype, lora=LoraSettings(rank=8, alpha=8), **overrides), device
+    )
     if case.endswith("+ip"):
         testing.randomize_ip_adapter(adapter)
     adapter.pipeline.set_progress_bar_config(disable=True)
@@ -224,19 +245,34 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
     group_ids = torch.arange(BATCH) // 2
     inputs = testing.image_inputs(adapter, BATCH)
     ddim = adapter.sampler_kind == "ddim"
-    settings = SamplerSettings(num_steps=NUM_STEPS, guidance_scale=spec.bench_guidance, kind="ddim" if ddim else "sde",
-                               noise_level=1.0 if ddim else 0.7)
+    settings = SamplerSettings(
+        num_steps=NUM_STEPS,
+        guidance_scale=spec.bench_guidance,
+        kind="ddim" if ddim else "sde",
+        noise_level=1.0 if ddim else 0.7,
+    )
     row = {"params": sum(p.numel() for n, p in adapter.denoiser.named_parameters() if "lora" not in n) / 1e6}
 
     def ours_rollout():
         adapter.prompts.clear()
-        return rollout(adapter, adapter.denoiser, prompts, group_ids, settings, torch.Generator(device).manual_seed(0),
-                       inputs)
+        return rollout(
+            adapter, adapter.denoiser, prompts, group_ids, settings, torch.Generator(device).manual_seed(0), inputs
+        )
 
     output_type = "latent" if adapter.vae is None else "pt"
-    timing = compare(ours_rollout, lambda: testing.run_pipeline(
-        adapter, prompts, inputs, NUM_STEPS, spec.bench_guidance, torch.Generator(device).manual_seed(0), output_type),
-        repeats)
+    timing = compare(
+        ours_rollout,
+        lambda: testing.run_pipeline(
+            adapter,
+            prompts,
+            inputs,
+            NUM_STEPS,
+            spec.bench_guidance,
+            torch.Generator(device).manual_seed(0),
+            output_type,
+        ),
+        repeats,
+    )
     row["rollout"], row["rollout_ms"] = timing.ratio, timing.ours_ms
 
     ro = ours_rollout()
@@ -248,8 +284,9 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
         batch = algorithm.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
         (units,) = algorithm.plan(batch, torch.Generator().manual_seed(0))
         calls: list = []
-        ctx = LossContext(adapter, Recorder(adapter.denoiser, calls),
-                          Recorder(adapter.trainable.reference(), calls) if kl else None)
+        ctx = LossContext(
+            adapter, Recorder(adapter.denoiser, calls), Recorder(adapter.trainable.reference(), calls) if kl else None
+        )
 
         def ours_train(ctx=ctx, algorithm=algorithm, units=units):
             for unit in units:
@@ -284,8 +321,15 @@ def bench_adapter(case: str, root: str, repeats: int, scale: int = 1, denoiser: 
     return row
 
 
-def bench_sampler(adapter, settings: SamplerSettings, repeats: int, loops: int = 5,
-                  stochastic_baseline: bool = False, scored: bool = False, shape: tuple[int, ...] | None = None) -> Timing:
+def bench_sampler(
+    adapter,
+    settings: SamplerSettings,
+    repeats: int,
+    loops: int = 5,
+    stochastic_baseline: bool = False,
+    scored: bool = False,
+    shape: tuple[int, ...] | None = None,
+) -> Timing:
     """T steps of the adapter's step function vs T steps of its diffusers scheduler, on the same tensors
     (with the flow scheduler's ``stochastic_sampling`` when ``stochastic_baseline``; scoring a given next
     sample against the deterministic step when ``scored``)."""
@@ -334,7 +378,7 @@ def count_kernels(fn: Callable[[], object]) -> int:
 
 
 def count_step_kernels(adapter, settings: SamplerSettings) -> str:
-    """"ours/plain": kernels of one mid-schedule rollout step and of the scheduler's deterministic step."""
+    """ "ours/plain": kernels of one mid-schedule rollout step and of the scheduler's deterministic step."""
     shape = (BATCH, 4, 8, 8) if adapter.sampler_kind == "ddim" else (BATCH, 64, 64)
     x, out = torch.randn(shape, device=adapter.device), torch.randn(shape, device=adapter.device)
     step = adapter.step_function(settings.kind, adapter.sigmas(NUM_STEPS))
@@ -356,52 +400,103 @@ def _cell(column: str, value) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--names", default=",".join(sorted(MODELS)),
-                        help="comma-separated adapter names, flux+ip (FLUX with an IP-Adapter), or name@variant "
-                             "(another published size with --denoiser real: sd3@large)")
+    parser.add_argument(
+        "--names",
+        default=",".join(sorted(MODELS)),
+        help="comma-separated adapter names, flux+ip (FLUX with an IP-Adapter), or name@variant "
+        "(another published size with --denoiser real: sd3@large)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--scale", type=int, default=1,
-                        help="image side x scale (scale^2 x the tokens): how the overheads shrink with the work")
-    parser.add_argument("--denoiser", choices=tuple(DENOISER_SIZES), default="tiny",
-                        help="denoiser size: the tests' tiny one, widened to about 9 M parameters, or the real "
-                             "architectures' widths and depths (random weights; a GPU's work)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="cap each transformer stack at this many blocks (e.g. --denoiser real --layers 1 "
-                             "checks the real widths on a CPU)")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="recompute the denoiser's activations in backward (both columns of train), as a "
-                             "real-size run would; bench/RESULTS_GPU.md was taken with it")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="image side x scale (scale^2 x the tokens): how the overheads shrink with the work",
+    )
+    parser.add_argument(
+        "--denoiser",
+        choices=tuple(DENOISER_SIZES),
+        default="tiny",
+        help="denoiser size: the tests' tiny one, widened to about 9 M parameters, or the real "
+        "architectures' widths and depths (random weights; a GPU's work)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="cap each transformer stack at this many blocks (e.g. --denoiser real --layers 1 "
+        "checks the real widths on a CPU)",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute the denoiser's activations in backward (both columns of train), as a "
+        "real-size run would; bench/RESULTS_GPU.md was taken with it",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                        help="weights and forward dtype of every component (the step math stays float32)")
-    parser.add_argument("--store", choices=("auto", "float8_e5m2"), default="auto",
-                        help="the dtype a resized denoiser is saved in before the adapter loads it in --dtype: "
-                             "auto: --dtype, or float8_e5m2 where that copy would not fit the disk (FLUX.2 [dev])")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights and forward dtype of every component (the step math stays float32)",
+    )
+    parser.add_argument(
+        "--store",
+        choices=("auto", "float8_e5m2"),
+        default="auto",
+        help="the dtype a resized denoiser is saved in before the adapter loads it in --dtype: "
+        "auto: --dtype, or float8_e5m2 where that copy would not fit the disk (FLUX.2 [dev])",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     diffusers.utils.logging.disable_progress_bar()  # saving and loading each model would print bars
     transformers.utils.logging.disable_progress_bar()
     if args.device == "cpu":
         keep_freed_memory()
-    columns = ("rollout", "train_kl_off", "train_kl_on", "sampler", "sampler_big", "noisy", "scored", "kernels",
-               "train_kernels", "rollout_ms", "train_ms", "peak_GiB")
-    print(f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, {args.dtype} on {args.device}, {args.threads} threads, "
-          f"image side x{args.scale}, {args.denoiser} denoiser"
-          + (f" capped at {args.layers} blocks per stack" if args.layers else "") + "; ratio = ours / plain, "
-          "ms = ours (rollout: the whole batch; train: one GRPO step's units, KL off), peak_GiB: GPU memory")
+    columns = (
+        "rollout",
+        "train_kl_off",
+        "train_kl_on",
+        "sampler",
+        "sampler_big",
+        "noisy",
+        "scored",
+        "kernels",
+        "train_kernels",
+        "rollout_ms",
+        "train_ms",
+        "peak_GiB",
+    )
+    print(
+        f"batch {BATCH}, {NUM_STEPS} steps, LoRA rank 8, {args.dtype} on {args.device}, {args.threads} threads, "
+        f"image side x{args.scale}, {args.denoiser} denoiser"
+        + (f" capped at {args.layers} blocks per stack" if args.layers else "")
+        + "; ratio = ours / plain, "
+        "ms = ours (rollout: the whole batch; train: one GRPO step's units, KL off), peak_GiB: GPU memory"
+    )
     print(f"{'adapter':<14}{'params':>9}" + "".join(f"{c:>14}" for c in columns))
     cases = args.names.split(",")
     with tempfile.TemporaryDirectory() as root:
         for i, case in enumerate(cases):
             try:
-                row = bench_adapter(case, root, args.repeats, args.scale, args.denoiser, args.device, args.dtype,
-                                    args.layers, args.gradient_checkpointing, args.store)
+                row = bench_adapter(
+                    case,
+                    root,
+                    args.repeats,
+                    args.scale,
+                    args.denoiser,
+                    args.device,
+                    args.dtype,
+                    args.layers,
+                    args.gradient_checkpointing,
+                    args.store,
+                )
                 print(f"{case:<14}{row['params']:>8.1f}M" + "".join(_cell(c, row[c]) for c in columns), flush=True)
             except torch.OutOfMemoryError as error:
                 print(f"{case:<14}  out of memory: {str(error).splitlines()[0]}", flush=True)
             name = case.removesuffix("+ip")
-            if args.denoiser != "tiny" and all(c.removesuffix("+ip") != name for c in cases[i + 1:]):
+            if args.denoiser != "tiny" and all(c.removesuffix("+ip") != name for c in cases[i + 1 :]):
                 shutil.rmtree(model_root(root, case) / name.partition("@")[0])  # real sizes: up to 41 GB each
             gc.collect()
             if args.device != "cpu":

@@ -38,8 +38,13 @@ def run_job(args: list[str], log: Path) -> dict:
     at its start and end. Fails loudly with the log's tail."""
     load_start, start = os.getloadavg()[0], time.perf_counter()
     with open(log, "w") as out:
-        code = subprocess.call([sys.executable, "trainer/main.py", *args, "logging.progress=false"], cwd=REPO,
-                               stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        code = subprocess.call(
+            [sys.executable, "trainer/main.py", *args, "logging.progress=false"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     if code:
         raise SystemExit(f"job failed (exit {code}): {' '.join(args)}\n{log.read_text()[-3000:]}")
     return {"wall_s": time.perf_counter() - start, "load_start": load_start, "load_end": os.getloadavg()[0]}
@@ -60,13 +65,26 @@ def time_to_target(recs: list[dict], metric: str, target: float) -> dict:
     curve = []
     for r in evals:
         done = [epochs[e] for e in epochs if e <= r["step"]]
-        curve.append((r["step"], sum(e["images"] for e in done), sum(e["time_epoch_s"] for e in done),
-                      sum(e["time_epoch_cpu_s"] for e in done), r[metric]))
+        curve.append(
+            (
+                r["step"],
+                sum(e["images"] for e in done),
+                sum(e["time_epoch_s"] for e in done),
+                sum(e["time_epoch_cpu_s"] for e in done),
+                r[metric],
+            )
+        )
     hit = next((point for point in curve if point[4] >= target), None)
     final = next((r for r in recs if r["phase"] == "final"), evals[-1])
-    return {"epoch": hit[0] if hit else None, "images": hit[1] if hit else None, "wall_s": hit[2] if hit else None,
-            "cpu_s": hit[3] if hit else None, "final": final[metric], "best": max(p[4] for p in curve),
-            "curve": [p[:3] + p[4:] for p in curve]}
+    return {
+        "epoch": hit[0] if hit else None,
+        "images": hit[1] if hit else None,
+        "wall_s": hit[2] if hit else None,
+        "cpu_s": hit[3] if hit else None,
+        "final": final[metric],
+        "best": max(p[4] for p in curve),
+        "curve": [p[:3] + p[4:] for p in curve],
+    }
 
 
 def spread(values: list[float | None], fmt: str) -> str:
@@ -75,24 +93,28 @@ def spread(values: list[float | None], fmt: str) -> str:
     show = lambda v: NOT_REACHED if math.isinf(v) else format(v, fmt)  # noqa: E731
     if len({show(v) for v in finite}) == 1:
         return show(finite[0])
-    return f"{show(statistics.median_low(finite) if len(finite) % 2 == 0 else statistics.median(finite))} " \
-           f"[{show(min(finite))}-{show(max(finite))}]"
+    return (
+        f"{show(statistics.median_low(finite) if len(finite) % 2 == 0 else statistics.median(finite))} "
+        f"[{show(min(finite))}-{show(max(finite))}]"
+    )
 
 
 def summary_rows(runs: dict[str, list[dict]], metric: str) -> list[dict]:
     """One table row per algorithm from its runs' ``time_to_target`` figures (one per seed)."""
     rows = []
     for name, figures in runs.items():
-        rows.append({
-            "algorithm": name,
-            "reached": f"{sum(f['epoch'] is not None for f in figures)}/{len(figures)}",
-            "epochs to target": spread([f["epoch"] for f in figures], ".0f"),
-            "images to target": spread([f["images"] for f in figures], ".0f"),
-            "RL wall s to target": spread([f["wall_s"] for f in figures], ".0f"),
-            "CPU s to target": spread([f["cpu_s"] for f in figures], ".0f"),
-            f"final {metric}": spread([f["final"] for f in figures], ".2f"),
-            f"best {metric}": spread([f["best"] for f in figures], ".2f"),
-        })
+        rows.append(
+            {
+                "algorithm": name,
+                "reached": f"{sum(f['epoch'] is not None for f in figures)}/{len(figures)}",
+                "epochs to target": spread([f["epoch"] for f in figures], ".0f"),
+                "images to target": spread([f["images"] for f in figures], ".0f"),
+                "RL wall s to target": spread([f["wall_s"] for f in figures], ".0f"),
+                "CPU s to target": spread([f["cpu_s"] for f in figures], ".0f"),
+                f"final {metric}": spread([f["final"] for f in figures], ".2f"),
+                f"best {metric}": spread([f["best"] for f in figures], ".2f"),
+            }
+        )
     return rows
 
 
@@ -114,8 +136,17 @@ def warm_up(seed: int, args, out: Path, common: list[str], timings: dict) -> Pat
     name = f"warmup-seed{seed}"
     if not (out / name / "checkpoints").is_dir():
         print(f"seed {seed}: warm-up of {args.warmup_steps} SFT steps", flush=True)
-        timings[name] = run_job([f"--config={args.config}", *common, f"train.seed={seed}", f"logging.run_name={name}",
-                                 f"train.warmup_steps={args.warmup_steps}", "train.epochs=0"], out / f"{name}.log")
+        timings[name] = run_job(
+            [
+                f"--config={args.config}",
+                *common,
+                f"train.seed={seed}",
+                f"logging.run_name={name}",
+                f"train.warmup_steps={args.warmup_steps}",
+                "train.epochs=0",
+            ],
+            out / f"{name}.log",
+        )
     return sorted((out / name / "checkpoints").glob("step-*"))[-1]
 
 
@@ -124,15 +155,23 @@ def main() -> None:
     parser.add_argument("--config", default="configs/embedded_digits.yaml", help="the task's job config")
     parser.add_argument("--metric", default="digit_accuracy", help="the evaluation metric the target is on")
     parser.add_argument("--target", type=float, default=0.95)
-    parser.add_argument("--algorithm-configs", default="configs/algorithms",
-                        help="folder of one <algorithm>.yaml per algorithm, layered over --config")
+    parser.add_argument(
+        "--algorithm-configs",
+        default="configs/algorithms",
+        help="folder of one <algorithm>.yaml per algorithm, layered over --config",
+    )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=600)
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--warmup-per-seed", action="store_true", help="a warm-up per seed instead of one shared")
-    parser.add_argument("--only", default="", help="comma-separated subset of: " + ",".join(ALGORITHMS)
-                        + "; or other presets of --algorithm-configs (e.g. mixgrpo_flash)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated subset of: "
+        + ",".join(ALGORITHMS)
+        + "; or other presets of --algorithm-configs (e.g. mixgrpo_flash)",
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every job")
     parser.add_argument("--out", default="outputs/bench-algorithms")
     parser.add_argument("--table-only", action="store_true", help="tabulate the finished runs in --out, run nothing")
@@ -140,8 +179,10 @@ def main() -> None:
     names = [a for a in args.only.split(",") if a] or list(ALGORITHMS)
     unknown = [n for n in names if not (REPO / args.algorithm_configs / f"{n}.yaml").is_file()]
     if unknown:
-        raise SystemExit(f"--only names {unknown}, which have no preset in {args.algorithm_configs}: choose from "
-                         f"{', '.join(ALGORITHMS)} or another preset there")
+        raise SystemExit(
+            f"--only names {unknown}, which have no preset in {args.algorithm_configs}: choose from "
+            f"{', '.join(ALGORITHMS)} or another preset there"
+        )
     seeds = [int(s) for s in args.seeds.split(",") if s]
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -156,22 +197,39 @@ def main() -> None:
             if (out / run / "metrics.jsonl").is_file() and records(out / run)[-1]["phase"] == "final":
                 continue  # done before: a rerun continues where an interrupted bench stopped
             print(f"seed {seed}: {name}, {args.epochs} RL epochs", flush=True)
-            timings[run] = run_job([f"--config={args.config}", f"--config={args.algorithm_configs}/{name}.yaml",
-                                    *common, f"train.seed={seed}", f"logging.run_name={run}",
-                                    "train.warmup_steps=0", f"train.epochs={args.epochs}",
-                                    f"train.init_from={checkpoint}", f"eval.every={args.eval_every}"],
-                                   out / f"{run}.log")
+            timings[run] = run_job(
+                [
+                    f"--config={args.config}",
+                    f"--config={args.algorithm_configs}/{name}.yaml",
+                    *common,
+                    f"train.seed={seed}",
+                    f"logging.run_name={run}",
+                    "train.warmup_steps=0",
+                    f"train.epochs={args.epochs}",
+                    f"train.init_from={checkpoint}",
+                    f"eval.every={args.eval_every}",
+                ],
+                out / f"{run}.log",
+            )
             timing_file.write_text(json.dumps(timings, indent=1))
 
-    runs = {name: [time_to_target(records(out / f"{name}-seed{s}"), args.metric, args.target) for s in seeds
-                   if (out / f"{name}-seed{s}" / "metrics.jsonl").is_file()] for name in names}
+    runs = {
+        name: [
+            time_to_target(records(out / f"{name}-seed{s}"), args.metric, args.target)
+            for s in seeds
+            if (out / f"{name}-seed{s}" / "metrics.jsonl").is_file()
+        ]
+        for name in names
+    }
     runs = {name: figures for name, figures in runs.items() if figures}
     table = markdown(summary_rows(runs, args.metric))
     loads = [t[k] for t in timings.values() for k in ("load_start", "load_end")]
-    note = (f"{args.metric} >= {args.target}; seeds {args.seeds}; {args.epochs} RL epochs, evaluated every "
-            f"{args.eval_every}; warm-up {args.warmup_steps} steps, "
-            f"{'one per seed' if args.warmup_per_seed else 'one shared by all seeds'}"
-            + (f"; 1-min load average at job starts/ends {min(loads):.1f}-{max(loads):.1f}" if loads else ""))
+    note = (
+        f"{args.metric} >= {args.target}; seeds {args.seeds}; {args.epochs} RL epochs, evaluated every "
+        f"{args.eval_every}; warm-up {args.warmup_steps} steps, "
+        f"{'one per seed' if args.warmup_per_seed else 'one shared by all seeds'}"
+        + (f"; 1-min load average at job starts/ends {min(loads):.1f}-{max(loads):.1f}" if loads else "")
+    )
     print(f"\n{table}\n\n{note}")
     (out / "time_to_target.md").write_text(f"{table}\n\n{note}\n")
     (out / "time_to_target.json").write_text(json.dumps(runs))
@@ -191,10 +249,20 @@ def plot(runs: dict[str, list[dict]], metric: str, target: float, path: Path) ->
         length = min(len(f["curve"]) for f in figures)
         points = [[f["curve"][i] for f in figures] for i in range(length)]
         med = [[statistics.median(p[k] for p in column) for k in range(4)] for column in points]
-        line, = left.plot([m[1] for m in med], [m[3] for m in med], label=name, color=plt.cm.tab20(i % 20),
-                          linestyle="-" if i < 10 else "--")
-        left.fill_between([m[1] for m in med], [min(p[3] for p in c) for c in points],
-                          [max(p[3] for p in c) for c in points], color=line.get_color(), alpha=0.1)
+        (line,) = left.plot(
+            [m[1] for m in med],
+            [m[3] for m in med],
+            label=name,
+            color=plt.cm.tab20(i % 20),
+            linestyle="-" if i < 10 else "--",
+        )
+        left.fill_between(
+            [m[1] for m in med],
+            [min(p[3] for p in c) for c in points],
+            [max(p[3] for p in c) for c in points],
+            color=line.get_color(),
+            alpha=0.1,
+        )
         right.plot([m[2] for m in med], [m[3] for m in med], color=line.get_color(), linestyle=line.get_linestyle())
     left.set(xlabel="RL images sampled", ylabel=f"{metric} (median of seeds; band: min-max)", title="load-free")
     right.set(xlabel="RL wall seconds (median of seeds, evaluations excluded)", ylabel=metric, title="wall time")

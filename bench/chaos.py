@@ -171,9 +171,7 @@ class Injector:
             if now >= until:
                 _signal(pid, signal.SIGCONT)
                 del self.hung[pid]
-        if (
-            not self._progressed()
-        ):  # a replica that dies while the job starts it ends the job: not a fault here
+        if not self._progressed():  # a replica that dies while the job starts it ends the job: not a fault here
             return
         replicas = self._replicas()
         if now >= self.due["replica_kill"] and replicas:
@@ -276,9 +274,7 @@ def run_job(command: list[str], out_dir: Path, nproc: int, schedule: Schedule | 
         if "before training started" in output:  # stopped while it loaded: the same command again
             resumed = command
         if resumed is None or injector is None:
-            raise RuntimeError(
-                f"the job failed (exit status {process.returncode}), see {log}:\n{output[-3000:]}"
-            )
+            raise RuntimeError(f"the job failed (exit status {process.returncode}), see {log}:\n{output[-3000:]}")
         command = resumed
     outcome.wall_s = time.monotonic() - started
     outcome.faults = injector.faults if injector is not None else {}
@@ -307,11 +303,7 @@ def final_hashes(run_dir: Path) -> dict[str, str]:
 def compared_records(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl as it ended, without checkpoint records and the ``UNCOMPARED`` fields."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {k: v for k, v in r.items() if not k.startswith(UNCOMPARED)}
-        for r in records
-        if r["phase"] != "checkpoint"
-    ]
+    return [{k: v for k, v in r.items() if not k.startswith(UNCOMPARED)} for r in records if r["phase"] != "checkpoint"]
 
 
 def first_difference(a: list[dict], b: list[dict]) -> str | None:
@@ -387,9 +379,7 @@ def chaos(
     if baseline_dir is None:
         baseline_dir = out / "undisturbed"
         shutil.rmtree(baseline_dir, ignore_errors=True)
-        done = run_job(
-            job_command(nproc, overrides, baseline_dir), baseline_dir, nproc, None, out / "undisturbed.log"
-        )
+        done = run_job(job_command(nproc, overrides, baseline_dir), baseline_dir, nproc, None, out / "undisturbed.log")
         (baseline_dir / "bench.json").write_text(
             json.dumps({"wall_s": done.wall_s, "overrides": overrides, "nproc": nproc})
         )
@@ -409,22 +399,12 @@ def chaos(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "outputs" / "chaos", help="where both runs and logs go"
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "chaos", help="where both runs and logs go")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (not of the job)")
-    parser.add_argument(
-        "--kill-every-s", type=float, default=60.0, help="mean seconds between replica SIGKILLs"
-    )
-    parser.add_argument(
-        "--hang-every-s", type=float, default=120.0, help="mean seconds between replica hangs"
-    )
-    parser.add_argument(
-        "--hang-s", type=float, default=75.0, help="how long a hang lasts (> reward.timeout_s)"
-    )
+    parser.add_argument("--kill-every-s", type=float, default=60.0, help="mean seconds between replica SIGKILLs")
+    parser.add_argument("--hang-every-s", type=float, default=120.0, help="mean seconds between replica hangs")
+    parser.add_argument("--hang-s", type=float, default=75.0, help="how long a hang lasts (> reward.timeout_s)")
     parser.add_argument(
         "--trainer-every-s",
         type=float,

@@ -27,13 +27,24 @@ def run_seed(seed: int, out: Path, extra: list[str], config: list[str]) -> dict:
     load_start, start = os.getloadavg()[0], time.monotonic()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(out / f"seed{seed}.log", "w") as log:
-        subprocess.run([sys.executable, "trainer/main.py", *config, f"train.seed={seed}", f"logging.output_dir={out}",
-                        f"logging.run_name=seed{seed}", *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "trainer/main.py",
+                *config,
+                f"train.seed={seed}",
+                f"logging.output_dir={out}",
+                f"logging.run_name=seed{seed}",
+                *extra,
+            ],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return {"wall_s": time.monotonic() - start, "cpu_s": cpu, "load_start": load_start,
-            "load_end": os.getloadavg()[0]}
+    return {"wall_s": time.monotonic() - start, "cpu_s": cpu, "load_start": load_start, "load_end": os.getloadavg()[0]}
 
 
 def row(seed: int, out: Path) -> tuple[str, list[tuple[int, float]], int, str]:
@@ -42,15 +53,19 @@ def row(seed: int, out: Path) -> tuple[str, list[tuple[int, float]], int, str]:
     best = json.loads((out / f"seed{seed}" / "best" / "meta.json").read_text())
     metric = best["select_by"]
     final = next(r for r in records if r["phase"] == "final")
-    timing = json.loads((out / f"seed{seed}.time.json").read_text()) if (out / f"seed{seed}.time.json").is_file() else {}
+    timing = (
+        json.loads((out / f"seed{seed}.time.json").read_text()) if (out / f"seed{seed}.time.json").is_file() else {}
+    )
     alarms = sum(r["phase"] == "alarm" for r in records)
     curve = " ".join(f"{r[metric]:.2f}" for r in evals)
     wall = f"{timing['wall_s']:.0f} s" if timing else "?"
     cpu = f"{timing['cpu_s']:.0f} s" if "cpu_s" in timing else "?"
     load = f"{timing['load_start']:.1f} / {timing['load_end']:.1f}" if timing else "?"
-    text = (f"| {seed} | {evals[0][metric]:.2f} | **{best['value']:.2f}** (epoch {best['epoch']}) | "
-            f"{evals[-1][metric]:.2f} | {curve} | {alarms} | {final['time'] - records[0]['time']:.0f} s | "
-            f"{wall} | {cpu} | {load} |")
+    text = (
+        f"| {seed} | {evals[0][metric]:.2f} | **{best['value']:.2f}** (epoch {best['epoch']}) | "
+        f"{evals[-1][metric]:.2f} | {curve} | {alarms} | {final['time'] - records[0]['time']:.0f} s | "
+        f"{wall} | {cpu} | {load} |"
+    )
     return text, [(r["step"], r[metric]) for r in evals], best["epoch"], metric
 
 
@@ -70,9 +85,11 @@ def main() -> int:
             (args.out / f"seed{seed}.time.json").write_text(json.dumps(timing))
     rows = {seed: row(seed, args.out) for seed in args.seeds}
     metric = next(iter(rows.values()))[3]
-    print(f"| `train.seed` | before RL | best/ (the result) | last (final/) | {metric} at each evaluation "
-          "| alarms | first warm-up step to final evaluation | process wall time | CPU time (job + replicas) "
-          "| load average at start / end |")
+    print(
+        f"| `train.seed` | before RL | best/ (the result) | last (final/) | {metric} at each evaluation "
+        "| alarms | first warm-up step to final evaluation | process wall time | CPU time (job + replicas) "
+        "| load average at start / end |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     curves = {}
     for seed, (text, points, best, _) in rows.items():
@@ -86,7 +103,7 @@ def main() -> int:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         for seed, (points, best) in curves.items():
-            line, = ax.plot(*zip(*points, strict=True), "o-", markersize=3, label=f"train.seed={seed}")
+            (line,) = ax.plot(*zip(*points, strict=True), "o-", markersize=3, label=f"train.seed={seed}")
             ax.plot([best], [dict(points)[best]], "*", color=line.get_color(), markersize=12)
         ax.set_xlabel("RL epoch")
         ax.set_ylabel(f"{metric} (evaluation, EMA weights)")

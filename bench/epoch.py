@@ -1,7 +1,8 @@
 """The real trainer's RL epoch at a chosen shape, with ``model.compile`` and attention variants side by side.
 
 Defaults follow issue 20's recipe: 10 steps, guidance 4.5, noise level 0.7, groups of 8, 4 prompts an epoch
-(32 images), training micro-batches of 8 (16 rows with CFG), KL beta 0.04, clip 1e-4, LoRA rank 32 / alpha 64, lr 3e-4, reward ``jpeg_compressibility`` served
+(32 images), training micro-batches of 8 (16 rows with CFG), KL beta 0.04, clip 1e-4, LoRA rank 32 / alpha 64, lr
+3e-4, reward ``jpeg_compressibility`` served
 by a local replica, on the model's tiny test dataset. ``--denoiser tiny`` runs the adapter's tiny test model (CPU);
 ``--denoiser real`` its published architecture with random weights (bench/adapters.py; a GPU). Per variant:
 median of the epochs after the first (which compiles), with
@@ -50,13 +51,25 @@ from trainer.rewards.client import HttpRewardClient  # noqa: E402
 from trainer.rewards.launcher import LocalRewardPool  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
-RECIPE = ["algorithm.name=grpo", "algorithm.group_size=8", "data.prompts_per_epoch=4", "algorithm.micro_batch_size=8",
-          "algorithm.kl_beta=0.04", "algorithm.clip_range=1e-4", "algorithm.sampler.num_steps=10",
-          "algorithm.sampler.guidance_scale=4.5",
-          "algorithm.sampler.noise_level=0.7", "algorithm.sampler.sde_window=0", "algorithm.sampler.window_range=[0, 0]",
-          "train.learning_rate=3e-4", "train.warmup_steps=0",
-          "train.ema_decay=0", "reward.weights={jpeg_compressibility: 1.0}", "reward.replicas=1",
-          "logging.progress=false"]
+RECIPE = [
+    "algorithm.name=grpo",
+    "algorithm.group_size=8",
+    "data.prompts_per_epoch=4",
+    "algorithm.micro_batch_size=8",
+    "algorithm.kl_beta=0.04",
+    "algorithm.clip_range=1e-4",
+    "algorithm.sampler.num_steps=10",
+    "algorithm.sampler.guidance_scale=4.5",
+    "algorithm.sampler.noise_level=0.7",
+    "algorithm.sampler.sde_window=0",
+    "algorithm.sampler.window_range=[0, 0]",
+    "train.learning_rate=3e-4",
+    "train.warmup_steps=0",
+    "train.ema_decay=0",
+    "reward.weights={jpeg_compressibility: 1.0}",
+    "reward.replicas=1",
+    "logging.progress=false",
+]
 
 
 def gemm_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
@@ -82,8 +95,16 @@ def sync(device: torch.device) -> None:
 def make_trainer(config, device: torch.device, client, run_dir: Path) -> Trainer:
     torch.manual_seed(config.train.seed)
     adapter = build_adapter(config.model, device)
-    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
-                      client, SingleProcess(device), RunLogger(run_dir, False, False))
+    trainer = Trainer(
+        config,
+        adapter,
+        build_algorithm(config.algorithm),
+        SFT(config.warmup),
+        build_task(config.data),
+        client,
+        SingleProcess(device),
+        RunLogger(run_dir, False, False),
+    )
     trainer.backend.set_lr(config.train.learning_rate)
     if trainer.algorithm.needs_reference:
         trainer._new_reference()
@@ -104,6 +125,7 @@ def epoch_flops(config, device, client, run_dir: Path, prompts: int | None = Non
     config.model.attention, config.data.prompts_per_epoch = attention, full
     marks, update = [], trainer._update
     with FlopCounterMode(display=False) as counter:
+
         def marked(*args, **kwargs):  # the rollout's FLOPs: those counted when the first update starts
             marks.append(counter.get_total_flops())
             return update(*args, **kwargs)
@@ -129,15 +151,20 @@ def run_variant(config, device, client, run_dir: Path, epochs: int) -> dict[str,
         sync(device)
         records.append({**metrics, "epoch_s": time.perf_counter() - start})
     steady = records[1:] or records
-    row = {k: statistics.median(r[k] for r in steady) for k in
-           ("epoch_s", "time_rollout_s", "time_reward_wait_s", "time_train_s", "rollout_images_per_s")}
+    row = {
+        k: statistics.median(r[k] for r in steady)
+        for k in ("epoch_s", "time_rollout_s", "time_reward_wait_s", "time_train_s", "rollout_images_per_s")
+    }
     row["images"] = len(trainer.sampler.epoch(0)[0])
     row["kernel"] = trainer.attention.kernel
     row["compile_s"] = records[-1].get("compile_s", 0.0)
     row["recompiles"] = records[-1].get("compile_recompiles", 0)
     row["fallbacks"] = records[-1].get("compile_fallbacks", 0)
-    row["peak_gib"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+    row["peak_gib"] = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ) / 2**30
     del trainer
     gc.collect()
     return row
@@ -148,11 +175,18 @@ def main() -> None:
     parser.add_argument("--model", default="sd3", help="a registered text-to-image model (its tiny spec)")
     parser.add_argument("--denoiser", choices=sorted(DENOISER_SIZES), default="tiny")
     parser.add_argument("--compile", default="none,blocks", help="model.compile values, comma-separated")
-    parser.add_argument("--attention", default="auto",
-                        help=f"model.attention values, comma-separated, of {', '.join(ATTENTION_CHOICES)}")
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help=f"model.attention values, comma-separated, of {', '.join(ATTENTION_CHOICES)}",
+    )
     parser.add_argument("--layers", type=int, default=None, help="cap the denoiser's depth (real widths on a CPU)")
-    parser.add_argument("--flops-prompts", type=int, default=None,
-                        help="count FLOPs on an epoch of this many prompts, scaled (default: the whole epoch)")
+    parser.add_argument(
+        "--flops-prompts",
+        type=int,
+        default=None,
+        help="count FLOPs on an epoch of this many prompts, scaled (default: the whole epoch)",
+    )
     parser.add_argument("--epochs", type=int, default=3, help="epochs per variant; the first is not counted")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="model.dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -162,22 +196,32 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     config = load_config(args.config, RECIPE + args.overrides)
-    with tempfile.TemporaryDirectory() as root, LocalRewardPool(sorted(config.reward.weights), replicas=1,
-                                                                log_dir=Path(root) / "replicas") as pool:
+    with (
+        tempfile.TemporaryDirectory() as root,
+        LocalRewardPool(sorted(config.reward.weights), replicas=1, log_dir=Path(root) / "replicas") as pool,
+    ):
         spec = testing.tiny(args.model)
         if DENOISER_SIZES[args.denoiser]:
-            resize_denoiser(root, args.model, getattr(spec, DENOISER_SIZES[args.denoiser]), args.layers, args.device,
-                            dtype)
+            resize_denoiser(
+                root, args.model, getattr(spec, DENOISER_SIZES[args.denoiser]), args.layers, args.device, dtype
+            )
         # Real shapes: 1024 image tokens, as at 512 px with SD3's VAE (the tiny VAE downsamples less)
-        config.model = testing.tiny_config(args.model, root, dtype=dtype, lora=LoraSettings(rank=32, alpha=64),
-                                           **({"resolution": 2 * spec.bench_resolution} if args.denoiser == "real"
-                                              else {}))
+        config.model = testing.tiny_config(
+            args.model,
+            root,
+            dtype=dtype,
+            lora=LoraSettings(rank=32, alpha=64),
+            **({"resolution": 2 * spec.bench_resolution} if args.denoiser == "real" else {}),
+        )
         config.data.name, config.data.path = spec.data, tiny_dataset(spec.data, root)
         client = HttpRewardClient(pool.urls, config.reward.weights, batch_size=config.reward.batch_size)
         flops = epoch_flops(config, device, client, Path(root), args.flops_prompts)
         peak = gemm_peak_tflops(device, getattr(torch, dtype))
-        print(f"epoch FLOPs {flops[0]:.4g} (rollout {flops[1]:.4g}); GEMM peak {peak:.4g} TFLOP/s", file=sys.stderr,
-              flush=True)
+        print(
+            f"epoch FLOPs {flops[0]:.4g} (rollout {flops[1]:.4g}); GEMM peak {peak:.4g} TFLOP/s",
+            file=sys.stderr,
+            flush=True,
+        )
         rows = []
         for mode in args.compile.split(","):
             for attention in args.attention.split(","):
@@ -188,17 +232,22 @@ def main() -> None:
                     print(f"{mode} / {attention}: failed: {str(error).splitlines()[0]}", flush=True)
                     continue
                 rows.append((mode, attention, row))
-                print(f"{mode} / {attention}: {table_row(mode, attention, row, flops, peak)}", file=sys.stderr,
-                      flush=True)  # a run cut short still shows the variants it measured
+                print(
+                    f"{mode} / {attention}: {table_row(mode, attention, row, flops, peak)}", file=sys.stderr, flush=True
+                )  # a run cut short still shows the variants it measured
         client.close()
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else "?"
-    print(f"\n{args.model}, {args.denoiser} denoiser, {dtype} on {device} ({torch.get_num_threads()} threads), "
-          f"{rows[0][2]['images'] if rows else '?'} images an epoch, {config.algorithm.sampler.num_steps} steps; "
-          f"epoch FLOPs {flops[0]:.3g} (rollout {flops[1]:.3g}); GEMM peak {peak:.3g} TFLOP/s; "
-          f"median of epochs 2-{max(args.epochs, 2)}; "
-          f"load average {' '.join(load)}\n")
-    print("| compile | attention | epoch s | img/s | rollout img/s | rollout s | reward wait s | update s "
-          "| TFLOP/s | of peak | rollout of peak | update of peak | peak GiB | compile s | recompiles | fallbacks |")
+    print(
+        f"\n{args.model}, {args.denoiser} denoiser, {dtype} on {device} ({torch.get_num_threads()} threads), "
+        f"{rows[0][2]['images'] if rows else '?'} images an epoch, {config.algorithm.sampler.num_steps} steps; "
+        f"epoch FLOPs {flops[0]:.3g} (rollout {flops[1]:.3g}); GEMM peak {peak:.3g} TFLOP/s; "
+        f"median of epochs 2-{max(args.epochs, 2)}; "
+        f"load average {' '.join(load)}\n"
+    )
+    print(
+        "| compile | attention | epoch s | img/s | rollout img/s | rollout s | reward wait s | update s "
+        "| TFLOP/s | of peak | rollout of peak | update of peak | peak GiB | compile s | recompiles | fallbacks |"
+    )
     print("|---" * 16 + "|")
     for mode, attention, r in rows:
         print(table_row(mode, attention, r, flops, peak))
@@ -211,11 +260,13 @@ def table_row(mode: str, attention: str, r: dict[str, float], flops: tuple[float
     rollout_share = rollout / r["time_rollout_s"] / 1e12 / peak
     update_share = (total - rollout) / r["time_train_s"] / 1e12 / peak
     shown = attention if attention == r["kernel"] else f"{attention} ({r['kernel']})"
-    return (f"| {mode} | {shown} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
-            f"| {r['rollout_images_per_s']:.2f} | {r['time_rollout_s']:.2f} | {r['time_reward_wait_s']:.2f} "
-            f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {rollout_share:.1%} "
-            f"| {update_share:.1%} | {r['peak_gib']:.2f} | {r['compile_s']:.1f} | {r['recompiles']:.0f} "
-            f"| {r['fallbacks']:.0f} |")
+    return (
+        f"| {mode} | {shown} | {r['epoch_s']:.2f} | {r['images'] / r['epoch_s']:.2f} "
+        f"| {r['rollout_images_per_s']:.2f} | {r['time_rollout_s']:.2f} | {r['time_reward_wait_s']:.2f} "
+        f"| {r['time_train_s']:.2f} | {tflops:.3g} | {tflops / peak:.1%} | {rollout_share:.1%} "
+        f"| {update_share:.1%} | {r['peak_gib']:.2f} | {r['compile_s']:.1f} | {r['recompiles']:.0f} "
+        f"| {r['fallbacks']:.0f} |"
+    )
 
 
 if __name__ == "__main__":

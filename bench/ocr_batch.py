@@ -87,5 +87,6 @@ def main() -> None:
         best, median = min(seconds), float(np.median(seconds))
         print(f"{name:10s} best {len(images) / best:5.2f} images/s, median {len(images) / median:5.2f} images/s")
 
+
 if __name__ == "__main__":
     main()

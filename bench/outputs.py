@@ -60,16 +60,31 @@ def main() -> None:
             logger.trackers[0].writers["rl"].add_image("before", pixels, 0, dataformats="HWC")
             return buffer.tell()
 
-        rows.append(("evaluation grid, PNG level 6 + TensorBoard re-encoding (before)", _timed(before, args.repeats),
-                     before() / 1e6))
-        rows.append(("evaluation grid, PNG level 1, its bytes to TensorBoard (now)",
-                     _timed(lambda: logger.image_grid("grid", grid, args.prompts, 0), args.repeats),
-                     os.path.getsize(Path(tmp) / "grid.png") / 1e6))
+        rows.append(
+            (
+                "evaluation grid, PNG level 6 + TensorBoard re-encoding (before)",
+                _timed(before, args.repeats),
+                before() / 1e6,
+            )
+        )
+        rows.append(
+            (
+                "evaluation grid, PNG level 1, its bytes to TensorBoard (now)",
+                _timed(lambda: logger.image_grid("grid", grid, args.prompts, 0), args.repeats),
+                os.path.getsize(Path(tmp) / "grid.png") / 1e6,
+            )
+        )
         scores = {"a": [0.5] * args.samples, "b": [0.5] * args.samples}
-        rows.append((f"rollout samples ({args.samples}), JPEG q90, TensorBoard",
-                     _timed(lambda: logger.rollout_samples(1, samples, ["p"] * args.samples, [0.5] * args.samples,
-                                                           scores), args.repeats),
-                     os.path.getsize(Path(tmp) / "rollouts" / "epoch0001.jpg") / 1e6))
+        rows.append(
+            (
+                f"rollout samples ({args.samples}), JPEG q90, TensorBoard",
+                _timed(
+                    lambda: logger.rollout_samples(1, samples, ["p"] * args.samples, [0.5] * args.samples, scores),
+                    args.repeats,
+                ),
+                os.path.getsize(Path(tmp) / "rollouts" / "epoch0001.jpg") / 1e6,
+            )
+        )
         logger.trackers[0].close()
     print(f"{args.prompts} evaluation prompts and {args.samples} rollout samples at {args.side} px, one thread:\n")
     print("| output | s | MB |\n|---|---|---|")

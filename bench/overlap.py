@@ -59,8 +59,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=320, help="images per epoch (multiple of 16)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--chunks", default="1,2,4,5,10,20,0",
-                        help="train.rollout_chunks values (0: the default, trainer.rollout.rollout_bounds)")
+    parser.add_argument(
+        "--chunks",
+        default="1,2,4,5,10,20,0",
+        help="train.rollout_chunks values (0: the default, trainer.rollout.rollout_bounds)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     config = load_config(overrides=[f"data.prompts_per_epoch={args.images // 16}", "logging.progress=false"])
@@ -80,31 +83,58 @@ def main() -> None:
     t_rollout = best_of(args.repeats, sample_only)
     ms = 1000 * t_rollout / math.ceil(args.images / MICRO_BATCH)  # R = rollout time
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, LocalRewardPool(
-        ["sleep"], replicas=1, extra_args=["--sleep-ms", f"{ms:.1f}", "--max-batch-size", str(MICRO_BATCH)],
-    ) as pool:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalRewardPool(
+            ["sleep"],
+            replicas=1,
+            extra_args=["--sleep-ms", f"{ms:.1f}", "--max-batch-size", str(MICRO_BATCH)],
+        ) as pool,
+    ):
         client = HttpRewardClient(pool.urls, {"sleep": 1.0}, batch_size=MICRO_BATCH)
         images = to_uint8(torch.rand(args.images, 1, 16, 16))
         t_reward = best_of(args.repeats, lambda: client.score(images, prompts))
         for chunks in (int(c) for c in args.chunks.split(",")):
             config.train.rollout_chunks = chunks
-            trainer = Trainer(config, adapter, algorithm, SFT(config.warmup), task, client,
-                              SingleProcess(torch.device("cpu")), RunLogger(Path(tmp), False, False))
+            trainer = Trainer(
+                config,
+                adapter,
+                algorithm,
+                SFT(config.warmup),
+                task,
+                client,
+                SingleProcess(torch.device("cpu")),
+                RunLogger(Path(tmp), False, False),
+            )
             g = torch.Generator().manual_seed(0)
             noise = torch.Generator().manual_seed(1)
-            t = best_of(args.repeats, lambda t=trainer, g=g, n=noise: t.sample_and_score(prompts, indices, groups, g, n))
+            t = best_of(
+                args.repeats, lambda t=trainer, g=g, n=noise: t.sample_and_score(prompts, indices, groups, g, n)
+            )
             t_sampling = best_of(args.repeats, lambda c=chunks: sample_only(c))
             bound = max(t_sampling, t_reward)
             cut = len(rollout_bounds(args.images, chunks, MICRO_BATCH)) - 1
             label = f"{chunks}" if chunks else f"0 (default: {cut})"
-            rows.append((label, t, t_sampling, t / bound, 1 + min(t_sampling, t_reward) / cut / bound,
-                         (t_sampling + t_reward) / bound))
+            rows.append(
+                (
+                    label,
+                    t,
+                    t_sampling,
+                    t / bound,
+                    1 + min(t_sampling, t_reward) / cut / bound,
+                    (t_sampling + t_reward) / bound,
+                )
+            )
         client.close()
-    print(f"\nimages/epoch {args.images}; rollout alone {t_rollout:.2f} s; reward alone R {t_reward:.2f} s "
-          f"(sleep scorer, {ms:.0f} ms per {MICRO_BATCH} images); best of {args.repeats}\n")
+    print(
+        f"\nimages/epoch {args.images}; rollout alone {t_rollout:.2f} s; reward alone R {t_reward:.2f} s "
+        f"(sleep scorer, {ms:.0f} ms per {MICRO_BATCH} images); best of {args.repeats}\n"
+    )
     print("S = sampling alone at that chunking; target: epoch <= 1.10 x max(S, R)\n")
-    print("| rollout_chunks | epoch sample+score s | S s | epoch / max(S, R) | floor (max + min/chunks) / max "
-          "| no overlap (S + R) / max |")
+    print(
+        "| rollout_chunks | epoch sample+score s | S s | epoch / max(S, R) | floor (max + min/chunks) / max "
+        "| no overlap (S + R) / max |"
+    )
     print("|---|---|---|---|---|---|")
     for chunks, t, t_sampling, ratio, floor, serial in rows:
         print(f"| {chunks} | {t:.2f} | {t_sampling:.2f} | {ratio:.2f}x | {floor:.2f}x | {serial:.2f}x |")

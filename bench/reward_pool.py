@@ -135,12 +135,8 @@ def bench_scaling(args: argparse.Namespace) -> None:
             "2",
         ]
         with LocalRewardPool(["sleep"], replicas=replicas, extra_args=extra) as pool:
-            with HttpRewardClient(
-                pool.urls, {"sleep": 1.0}, batch_size=args.batch, max_concurrency=64
-            ) as client:
-                result = drive(
-                    client, images, prompts, loops=args.loops_per_replica * replicas, seconds=args.seconds
-                )
+            with HttpRewardClient(pool.urls, {"sleep": 1.0}, batch_size=args.batch, max_concurrency=64) as client:
+                result = drive(client, images, prompts, loops=args.loops_per_replica * replicas, seconds=args.seconds)
         base = base or result.images_per_s
         efficiency = result.images_per_s / (replicas * base)
         print(
@@ -237,9 +233,7 @@ def _cpu_s(pid: int | None = None) -> float:
 def _server_side(url: str, client: HttpRewardClient, body: bytes) -> tuple[float, float, int]:
     """Per-image server handler and scorer ms for one request with ``body`` (as sent), and its size."""
     headers = {
-        "Content-Type": "application/msgpack"
-        if client.wire_format.startswith("msgpack")
-        else "application/json"
+        "Content-Type": "application/msgpack" if client.wire_format.startswith("msgpack") else "application/json"
     }
     if client.encoding is not None:
         headers["Content-Encoding"] = client.encoding
@@ -250,9 +244,7 @@ def _server_side(url: str, client: HttpRewardClient, body: bytes) -> tuple[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["scaling", "ocr", "wire"], action="append")
     parser.add_argument("--sleep-ms", type=float, default=50.0, help="sleep scorer hold per micro-batch")
     parser.add_argument("--batch", type=int, default=16, help="items per request in the scaling runs")

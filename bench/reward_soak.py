@@ -52,9 +52,7 @@ def count_status(urls: list[str], status: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4, help="images per call")
@@ -130,7 +128,8 @@ def main() -> None:
     print(f"| 429 answers (retried by the clients) | {num_429} |")
     print(f"| 5xx answers | {num_5xx} |")
     print(
-        f"| call latency p50 / p99 / max | {1000 * np.percentile(flat, 50):.0f} / {1000 * np.percentile(flat, 99):.0f} / {1000 * flat.max():.0f} ms |"
+        f"| call latency p50 / p99 / max | {1000 * np.percentile(flat, 50):.0f} / "
+        f"{1000 * np.percentile(flat, 99):.0f} / {1000 * flat.max():.0f} ms |"
     )
     for i, (start_mib, end_mib) in enumerate(zip(rss_start, rss_end, strict=True)):
         print(f"| replica {i} RSS start -> end | {start_mib:.0f} -> {end_mib:.0f} MiB |")

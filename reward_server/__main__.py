@@ -56,26 +56,21 @@ def _scorer_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in _available()]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown or empty scorer list {text!r}; available: {', '.join(_available())}"
-        )
+        raise argparse.ArgumentTypeError(f"unknown or empty scorer list {text!r}; available: {', '.join(_available())}")
     return names
 
 
 def _build(names: list[str], model_dir: Path | None, sleep_ms: float, sleep_load_s: float) -> dict[str, Scorer]:
     registered = build_scorers([name for name in names if name != _SLEEP], model_dir=model_dir)
-    return {
-        name: SleepScorer(sleep_ms, sleep_load_s) if name == _SLEEP else registered[name] for name in names
-    }
+    return {name: SleepScorer(sleep_ms, sleep_load_s) if name == _SLEEP else registered[name] for name in names}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (also used by tests to check deploy files against it)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m reward_server", description="Serve reward scorers over HTTP."
+    parser = argparse.ArgumentParser(prog="python -m reward_server", description="Serve reward scorers over HTTP.")
+    parser.add_argument(
+        "--list-scorers", action=_ListScorers, nargs=0, help="print the registered scorer names, one per line, and exit"
     )
-    parser.add_argument("--list-scorers", action=_ListScorers, nargs=0,
-                        help="print the registered scorer names, one per line, and exit")
     parser.add_argument(
         "--scorers",
         type=_scorer_list,
@@ -96,21 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (0: any free one)")
-    parser.add_argument("--fd", type=int, default=None,
-                        help="serve on this inherited, already bound TCP socket instead of binding --host:--port "
-                             "(which then only name it in the log)")
+    parser.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        help="serve on this inherited, already bound TCP socket instead of binding --host:--port "
+        "(which then only name it in the log)",
+    )
     parser.add_argument(
         "--token",
         default=os.environ.get("REWARD_SERVER_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (default: $REWARD_SERVER_TOKEN; prefer it to the flag, "
         "which other users can see in the process list)",
     )
-    parser.add_argument(
-        "--model-dir", type=Path, default=None, help="directory that model-based scorers load from"
-    )
-    parser.add_argument(
-        "--instance-id", default=None, help="reported in responses (default: host-pid-random)"
-    )
+    parser.add_argument("--model-dir", type=Path, default=None, help="directory that model-based scorers load from")
+    parser.add_argument("--instance-id", default=None, help="reported in responses (default: host-pid-random)")
     parser.add_argument("--max-items", type=int, default=_DEFAULTS.max_items)
     parser.add_argument("--max-image-side", type=int, default=_DEFAULTS.max_image_side)
     parser.add_argument(
@@ -133,34 +128,63 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.max_values,
         help="values (array and map entries) in a request body (bounds the memory a parsed body takes)",
     )
-    parser.add_argument("--body-timeout-s", type=float, default=_DEFAULTS.body_timeout_s,
-                        help="a client that sends no part of its body for this long gets a 408")
-    parser.add_argument("--min-body-rate", type=int, default=_DEFAULTS.min_body_rate,
-                        help="bytes/s a body must average once it has taken --body-timeout-s, else a 408")
-    parser.add_argument("--max-body-bytes-in-flight", type=int, default=None,
-                        help="bytes of all bodies being received at once; past it a 429 (default: 4 x --max-body-bytes)")
-    parser.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
-                        help="uvicorn's HTTP implementation (auto: httptools where installed, else h11)")
-    parser.add_argument("--head-timeout-s", type=float, default=_DEFAULTS.head_timeout_s,
-                        help="a connection whose request line and headers have not all come this long after it "
-                        "opened (or after a later request's first byte) is closed")
-    parser.add_argument("--max-head-bytes", type=int, default=_DEFAULTS.max_head_bytes,
-                        help="a request whose request line and headers take more gets a 431")
+    parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=_DEFAULTS.body_timeout_s,
+        help="a client that sends no part of its body for this long gets a 408",
+    )
+    parser.add_argument(
+        "--min-body-rate",
+        type=int,
+        default=_DEFAULTS.min_body_rate,
+        help="bytes/s a body must average once it has taken --body-timeout-s, else a 408",
+    )
+    parser.add_argument(
+        "--max-body-bytes-in-flight",
+        type=int,
+        default=None,
+        help="bytes of all bodies being received at once; past it a 429 (default: 4 x --max-body-bytes)",
+    )
+    parser.add_argument(
+        "--http",
+        choices=("auto", "httptools", "h11"),
+        default="auto",
+        help="uvicorn's HTTP implementation (auto: httptools where installed, else h11)",
+    )
+    parser.add_argument(
+        "--head-timeout-s",
+        type=float,
+        default=_DEFAULTS.head_timeout_s,
+        help="a connection whose request line and headers have not all come this long after it "
+        "opened (or after a later request's first byte) is closed",
+    )
+    parser.add_argument(
+        "--max-head-bytes",
+        type=int,
+        default=_DEFAULTS.max_head_bytes,
+        help="a request whose request line and headers take more gets a 431",
+    )
     parser.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
     parser.add_argument("--batch-wait-ms", type=float, default=_DEFAULTS.batch_wait_ms)
     parser.add_argument("--max-queue-items", type=int, default=_DEFAULTS.max_queue_items)
     parser.add_argument("--drain-grace-s", type=float, default=_DEFAULTS.drain_grace_s)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--parent-pid", type=int, default=0,
-                        help="drain and exit once this process (the one that started the server) is gone")
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=0,
+        help="drain and exit once this process (the one that started the server) is gone",
+    )
     return parser
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT starts a drain instead of closing the listener at once."""
 
-    def __init__(self, config: uvicorn.Config, service: RewardService, drain_grace_s: float,
-                 parent_pid: int = 0) -> None:
+    def __init__(
+        self, config: uvicorn.Config, service: RewardService, drain_grace_s: float, parent_pid: int = 0
+    ) -> None:
         super().__init__(config)
         self.service = service
         self.drain_grace_s = drain_grace_s
@@ -221,9 +245,7 @@ def _inherited(fd: int) -> socket.socket:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = ServerSettings(
             token=args.token or None,
@@ -268,4 +290,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = _DrainingServer(config, app.state.service, settings.drain_grace_s, args.parent_pid)
     server.run(sockets=sockets)
     return server.exit_code
-

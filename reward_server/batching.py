@@ -194,9 +194,7 @@ class ScorerWorker:
             chunk = []
             for job, i in pending[start : start + self.max_batch_size]:
                 if job.abandoned or job.expired(now):
-                    job.outcomes[i] = ScoreOutcome.failure(
-                        ErrorCode.TIMEOUT, "deadline passed before scoring"
-                    )
+                    job.outcomes[i] = ScoreOutcome.failure(ErrorCode.TIMEOUT, "deadline passed before scoring")
                 else:
                     chunk.append((job, i))
             if not chunk:

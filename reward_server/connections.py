@@ -13,12 +13,15 @@ import logging
 
 logger = logging.getLogger("reward_server")
 
-TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-             b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
 
 
-def head_deadline_protocol(timeout_s: float, http: str = "auto", max_head_bytes: int = 64 * 1024
-                           ) -> type[asyncio.Protocol]:
+def head_deadline_protocol(
+    timeout_s: float, http: str = "auto", max_head_bytes: int = 64 * 1024
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol ``http`` (``auto``: httptools where installed, else h11, as uvicorn picks) that
     closes a connection whose request head has not fully arrived ``timeout_s`` after the connection opened, or
     after the first byte of a later request on it; with httptools, a head still coming past ``max_head_bytes``
@@ -86,8 +89,9 @@ def head_deadline_protocol(timeout_s: float, http: str = "auto", max_head_bytes:
             self._disarm()
             client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
             logger.warning("closed the connection of %s: a request head of more than %d bytes", client, max_head_bytes)
-            detail = json.dumps({"detail": f"the request line and headers exceed {max_head_bytes} bytes "
-                                           "(--max-head-bytes)"}).encode()
+            detail = json.dumps(
+                {"detail": f"the request line and headers exceed {max_head_bytes} bytes (--max-head-bytes)"}
+            ).encode()
             self.transport.write(TOO_LARGE % (len(detail), detail))
             # Closed while the client still sends, the socket would reset and the answer could be lost: the
             # client gets it and an end of stream now, and what more it sends is dropped for a second.

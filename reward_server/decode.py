@@ -67,9 +67,12 @@ class BodyBytes:
         def take(n: int) -> None:
             nonlocal mine
             if self.held + n > self.limit:
-                raise HTTPException(429, f"the server is receiving {self.held} bytes of request bodies already, and "
-                                         f"{self.limit} at most (--max-body-bytes-in-flight): try again",
-                                    headers={"Retry-After": "1", "Connection": "close"})
+                raise HTTPException(
+                    429,
+                    f"the server is receiving {self.held} bytes of request bodies already, and "
+                    f"{self.limit} at most (--max-body-bytes-in-flight): try again",
+                    headers={"Retry-After": "1", "Connection": "close"},
+                )
             self.held += n
             mine += n
 
@@ -88,8 +91,9 @@ async def parse_score_request(
         return await _parse(request, settings, metrics, take)
 
 
-async def _parse(request: Request, settings: ServerSettings, metrics: ServerMetrics,
-                 take: Callable[[int], None]) -> ScoreRequest:
+async def _parse(
+    request: Request, settings: ServerSettings, metrics: ServerMetrics, take: Callable[[int], None]
+) -> ScoreRequest:
     encodings = supported_encodings()
     encoding = request.headers.get("content-encoding", "identity").strip().lower() or "identity"
     if encoding != "identity" and encoding not in encodings:
@@ -101,8 +105,11 @@ async def _parse(request: Request, settings: ServerSettings, metrics: ServerMetr
     media_type = request.headers.get("content-type", JSON_MEDIA_TYPE).split(";")[0].strip().lower() or JSON_MEDIA_TYPE
     binary = media_type in MSGPACK_MEDIA_TYPES
     if not binary and media_type != JSON_MEDIA_TYPE:  # curl -d sends application/x-www-form-urlencoded
-        raise HTTPException(415, f"unsupported Content-Type {media_type!r}: send {JSON_MEDIA_TYPE} (curl: -H "
-                                 f"'Content-Type: {JSON_MEDIA_TYPE}') or {MSGPACK_MEDIA_TYPE}")
+        raise HTTPException(
+            415,
+            f"unsupported Content-Type {media_type!r}: send {JSON_MEDIA_TYPE} (curl: -H "
+            f"'Content-Type: {JSON_MEDIA_TYPE}') or {MSGPACK_MEDIA_TYPE}",
+        )
     max_body_bytes = settings.max_body_bytes
     body = await _read_body(request, settings, take)
     metrics.body_bytes.labels(MSGPACK_MEDIA_TYPE if binary else JSON_MEDIA_TYPE).observe(len(body))
@@ -145,9 +152,13 @@ async def _read_body(request: Request, settings: ServerSettings, take: Callable[
                 if size > max_bytes:
                     raise HTTPException(413, f"body exceeds the limit of {max_bytes} bytes")
                 if now - started > timeout_s and size < min_rate * (now - started):
-                    raise HTTPException(408, f"the body came at {size / (now - started):.0f} bytes/s over "
-                                             f"{now - started:.0f} s, under the {min_rate} bytes/s this server needs "
-                                             "(--min-body-rate)", headers={"Connection": "close"})
+                    raise HTTPException(
+                        408,
+                        f"the body came at {size / (now - started):.0f} bytes/s over "
+                        f"{now - started:.0f} s, under the {min_rate} bytes/s this server needs "
+                        "(--min-body-rate)",
+                        headers={"Connection": "close"},
+                    )
                 take(len(chunk))
                 chunks.append(chunk)
     except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
@@ -167,9 +178,7 @@ def _describe_validation_error(exc: ValidationError) -> str:
     return "invalid request: " + "; ".join(problems) + more
 
 
-def open_items(
-    items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSettings
-) -> tuple[list[Opened], int]:
+def open_items(items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSettings) -> tuple[list[Opened], int]:
     """Read every image's header (no pixel decoded yet): each item's opened images, or its DECODE outcome, and
     the pixels they hold in all, so that an oversized image (422) or a request over ``max_pixels_per_request``
     (413) costs no memory."""

@@ -45,9 +45,7 @@ class InProcessRewardClient:
         cls, weights: dict[str, float], *, batch_size: int = 32, combine_mode: str = "sum"
     ) -> InProcessRewardClient:
         """Build and load the weighted scorers from the scorer registry."""
-        return cls(
-            build_scorers(list(weights), load=True), weights, batch_size=batch_size, combine_mode=combine_mode
-        )
+        return cls(build_scorers(list(weights), load=True), weights, batch_size=batch_size, combine_mode=combine_mode)
 
     @property
     def weights(self) -> dict[str, float]:

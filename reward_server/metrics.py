@@ -120,9 +120,7 @@ class ServerMetrics:
             ["scorer", "outcome"],
             registry=registry,
         )
-        self.queue_depth = Gauge(
-            "rewardflow_queue_depth", "Items queued or in progress", ["scorer"], registry=registry
-        )
+        self.queue_depth = Gauge("rewardflow_queue_depth", "Items queued or in progress", ["scorer"], registry=registry)
         self.ready = Gauge("rewardflow_ready", "1 if /readyz answers 200", registry=registry)
         self.scores = _ScoreHistograms(scorers)
         registry.register(self.scores)

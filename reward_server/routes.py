@@ -151,9 +151,7 @@ async def score(request: Request) -> JSONResponse:
         request_id=score_request.request_id,
         instance=service.settings.instance_id,
         models={name: service.scorers[name].version for name in names},
-        results=[
-            ItemResult(id=item.id, scores=s) for item, s in zip(score_request.items, per_item, strict=True)
-        ],
+        results=[ItemResult(id=item.id, scores=s) for item, s in zip(score_request.items, per_item, strict=True)],
         timing=Timing(
             total_ms=(time.monotonic() - received) * 1000.0,
             decode_ms=decode_ms,
@@ -212,9 +210,7 @@ def _item_results(
     per_item: list[dict[str, ScorerResult]] = [{} for _ in decoded]
     for name, job_result in zip(names, job_results, strict=True):
         scored = dict(zip(_ok_rows(decoded), job_result.outcomes, strict=True))
-        outcomes = [
-            entry if isinstance(entry, ScoreOutcome) else scored[row] for row, entry in enumerate(decoded)
-        ]
+        outcomes = [entry if isinstance(entry, ScoreOutcome) else scored[row] for row, entry in enumerate(decoded)]
         service.metrics.record_outcomes(name, outcomes)
         for row, outcome in enumerate(outcomes):
             per_item[row][name] = _to_result(outcome)

@@ -85,9 +85,7 @@ class ServerSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_items < self.max_items:
-            raise ValueError(
-                f"max_queue_items ({self.max_queue_items}) must be >= max_items ({self.max_items})"
-            )
+            raise ValueError(f"max_queue_items ({self.max_queue_items}) must be >= max_items ({self.max_items})")
         if self.max_pixels_in_flight is None:
             object.__setattr__(self, "max_pixels_in_flight", 2 * self.max_pixels_per_request)
         elif self.max_pixels_in_flight < self.max_pixels_per_request:
@@ -98,8 +96,10 @@ class ServerSettings:
         if self.max_body_bytes_in_flight is None:
             object.__setattr__(self, "max_body_bytes_in_flight", 4 * self.max_body_bytes)
         elif self.max_body_bytes_in_flight < self.max_body_bytes:
-            raise ValueError(f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be >= max_body_bytes "
-                             f"({self.max_body_bytes})")
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be >= max_body_bytes "
+                f"({self.max_body_bytes})"
+            )
         for name in ("body_timeout_s", "head_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")

@@ -40,9 +40,7 @@ class SleepScorer:
     def load(self) -> None:
         time.sleep(self.load_s)
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         time.sleep(self.ms_per_batch / 1000.0)
         return [subsampled_brightness(image) for image in images]
 

@@ -48,9 +48,7 @@ def as_hwc_uint8(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def encode_image(
-    array: np.ndarray, format: str = "png", *, quality: int = 95, binary: bool = False
-) -> dict[str, Any]:
+def encode_image(array: np.ndarray, format: str = "png", *, quality: int = 95, binary: bool = False) -> dict[str, Any]:
     """Encode one image into a wire dict ``{"format", "data"[, "shape"]}``.
 
     Args:

@@ -76,9 +76,11 @@ def check_weights(weights: Mapping[str, float]) -> dict[str, float]:
         raise ValueError(f"reward.weights must be finite numbers, got {bad}")
     weights = {name: float(w) for name, w in weights.items()}
     if not any(weights.values()):
-        raise ValueError(f"reward.weights={weights} gives no scorer a weight (the combined reward would be 0 for "
-                         "every item, scored or not): name at least one with a non-zero weight, e.g. "
-                         "reward.weights={digit: 1.0}")
+        raise ValueError(
+            f"reward.weights={weights} gives no scorer a weight (the combined reward would be 0 for "
+            "every item, scored or not): name at least one with a non-zero weight, e.g. "
+            "reward.weights={digit: 1.0}"
+        )
     return weights
 
 
@@ -114,8 +116,9 @@ class Combination:
         """All-NaN components and empty errors for ``num_items`` items, to be filled in by a client."""
         return {name: np.full(num_items, np.nan) for name in self.weights}, {name: {} for name in self.weights}
 
-    def result(self, components: dict[str, np.ndarray], errors: dict[str, dict[int, str]],
-               instances: list[str]) -> RewardResult:
+    def result(
+        self, components: dict[str, np.ndarray], errors: dict[str, dict[int, str]], instances: list[str]
+    ) -> RewardResult:
         return RewardResult(components, self(components), errors, instances)
 
     def cat(self, parts: Sequence[RewardResult]) -> RewardResult:

@@ -109,8 +109,16 @@ def unpack_msgpack(body: bytes, max_values: int | None = None) -> Any:
 
     try:
         value = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, ext_hook=_refuse_ext, timestamp=0, use_list=True,
-            max_array_len=limit, max_map_len=limit, list_hook=count, object_hook=count,
+            body,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            timestamp=0,
+            use_list=True,
+            max_array_len=limit,
+            max_map_len=limit,
+            list_hook=count,
+            object_hook=count,
         )
     except BodyError:
         raise
@@ -212,9 +220,7 @@ def _lz4_codec() -> tuple[Callable[[bytes], bytes], Callable[[bytes, int], bytes
 
 
 # Content-Encoding name -> (compress, bounded decompress); only the codecs whose package is installed.
-_CODECS = {
-    name: codec for name, codec in (("zstd", _zstd_codec()), ("lz4", _lz4_codec())) if codec is not None
-}
+_CODECS = {name: codec for name, codec in (("zstd", _zstd_codec()), ("lz4", _lz4_codec())) if codec is not None}
 
 
 def supported_encodings() -> list[str]:

@@ -33,19 +33,13 @@ class ChatServer(ThreadingHTTPServer):
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         (user,) = [m for m in body["messages"] if m["role"] == "user"]
-        images = [
-            from_data_uri(part["image_url"]["url"])
-            for part in user["content"]
-            if part["type"] == "image_url"
-        ]
+        images = [from_data_uri(part["image_url"]["url"]) for part in user["content"] if part["type"] == "image_url"]
         (question,) = [part["text"] for part in user["content"] if part["type"] == "text"]
         query = JudgeQuery(images, question)
         with self.lock, torch.no_grad():
             if body["max_tokens"] > 1:
                 (answer,) = self.judge.answer([query], "generate")
-                return {
-                    "choices": [{"message": {"role": "assistant", "content": answer.text}, "logprobs": None}]
-                }
+                return {"choices": [{"message": {"role": "assistant", "content": answer.text}, "logprobs": None}]}
             logits = self.judge.model(**self.judge.encode([query])).logits[0, -1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logprobs, body.get("top_logprobs", 1))
@@ -54,14 +48,11 @@ class ChatServer(ThreadingHTTPServer):
             "token": tokens[0],
             "logprob": float(top.values[0]),
             "top_logprobs": [
-                {"token": token, "logprob": float(value)}
-                for token, value in zip(tokens, top.values, strict=True)
+                {"token": token, "logprob": float(value)} for token, value in zip(tokens, top.values, strict=True)
             ],
         }
         logprob_field = {"content": [content]} if self.logprobs and body.get("logprobs") else None
-        return {
-            "choices": [{"message": {"role": "assistant", "content": tokens[0]}, "logprobs": logprob_field}]
-        }
+        return {"choices": [{"message": {"role": "assistant", "content": tokens[0]}, "logprobs": logprob_field}]}
 
 
 class ChatHandler(BaseHTTPRequestHandler):

@@ -44,8 +44,7 @@ def warmed_tiny_checkpoint(tmp_path_factory, tiny_model_dir) -> str:
     return str(warmed_checkpoint(tmp_path_factory, tiny_model_dir))
 
 
-LONG_MODULE_FIXTURES = ("test_backends.py", "test_ocr_paddle.py", "test_preference_server.py",
-                        "test_geneval_server.py")
+LONG_MODULE_FIXTURES = ("test_backends.py", "test_ocr_paddle.py", "test_preference_server.py", "test_geneval_server.py")
 """Test modules whose module-scoped fixtures take 5 s (reward servers with models) to 200 s (torchrun series)."""
 
 

@@ -54,8 +54,12 @@ def start_engine(log: Path) -> str | None:
     if shutil.which("dockerd") is None or os.geteuid() != 0:
         return "no Docker engine runs, and dockerd cannot be started here (needs root and the docker.io package)"
     with log.open("ab") as out:  # at nice 10, with its builds and containers: CI builds the images beside the tests
-        subprocess.Popen(["nice", "-n", str(max(0, 10 - os.nice(0))), "dockerd"], stdout=out, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+        subprocess.Popen(
+            ["nice", "-n", str(max(0, 10 - os.nice(0))), "dockerd"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if _engine_up():
@@ -87,8 +91,19 @@ def wheelhouse(requirements: str) -> Path:
     wanted = (REPO / "deploy" / requirements).read_text()
     if not stamp.exists() or stamp.read_text() != wanted:
         folder.mkdir(parents=True, exist_ok=True)
-        got = _run(sys.executable, "-m", "pip", "download", "-q", "-d", str(folder), "-r",
-                   str(REPO / "deploy" / requirements), timeout=900, cwd=REPO / "deploy")
+        got = _run(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "-d",
+            str(folder),
+            "-r",
+            str(REPO / "deploy" / requirements),
+            timeout=900,
+            cwd=REPO / "deploy",
+        )
         if got.returncode != 0:
             raise RuntimeError(f"pip download failed: {got.stderr}")
         stamp.write_text(wanted)
@@ -141,7 +156,6 @@ if __name__ == "__main__":
             sys.exit(f"docker_engine: {why}")
         command, env, project = compose_project(Path(scratch) / "project")
         for service in ("reward-cpu", "reward-models"):  # the second reuses the first one's layers
-            built = subprocess.run([*command, "--profile", "gpu", "build", service], cwd=project, env=env,
-                                   check=False)
+            built = subprocess.run([*command, "--profile", "gpu", "build", service], cwd=project, env=env, check=False)
             if built.returncode != 0:
                 sys.exit(built.returncode)

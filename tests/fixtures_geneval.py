@@ -30,12 +30,28 @@ def build_tiny_geneval(model_dir: Path, *, favour: str | None = None) -> Path:
     root = model_dir / "geneval"
     labels = {i: DETECTOR_SPELLINGS.get(name, name) for i, name in enumerate(OBJECT_NAMES)}
     torch.manual_seed(2)
-    swin = SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
-                      window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
+    swin = SwinConfig(
+        image_size=64,
+        patch_size=4,
+        embed_dim=8,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 1, 1],
+        window_size=4,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
     config = Mask2FormerConfig(
-        backbone_config=swin, feature_size=32, mask_feature_size=32, hidden_dim=32, encoder_feedforward_dim=32,
-        encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=32, num_queries=10,
-        id2label=labels, label2id={name: i for i, name in labels.items()},
+        backbone_config=swin,
+        feature_size=32,
+        mask_feature_size=32,
+        hidden_dim=32,
+        encoder_feedforward_dim=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        num_attention_heads=2,
+        dim_feedforward=32,
+        num_queries=10,
+        id2label=labels,
+        label2id={name: i for i, name in labels.items()},
     )
     detector = Mask2FormerForUniversalSegmentation(config).eval()
     if favour is not None:
@@ -50,9 +66,14 @@ def build_tiny_geneval(model_dir: Path, *, favour: str | None = None) -> Path:
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     clip_config = CLIPConfig(
         vision_config={**small, "image_size": 32, "patch_size": 8},
-        text_config={**small, "vocab_size": len(tokenizer), "max_position_embeddings": 77,
-                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-                     "pad_token_id": tokenizer.pad_token_id},
+        text_config={
+            **small,
+            "vocab_size": len(tokenizer),
+            "max_position_embeddings": 77,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
         projection_dim=24,
     )
     CLIPModel(clip_config).eval().save_pretrained(root / "clip")

@@ -10,8 +10,18 @@ import torch
 import torch.nn.functional as F
 
 # Head counts differ between towers (and from width / 64) so that a mix-up in the conversion shows.
-TINY = {"v_width": 32, "v_layers": 2, "v_heads": 4, "patch": 8, "image": 32,
-        "t_width": 32, "t_layers": 2, "t_heads": 2, "context": 77, "embed": 24}
+TINY = {
+    "v_width": 32,
+    "v_layers": 2,
+    "v_heads": 4,
+    "patch": 8,
+    "image": 32,
+    "t_width": 32,
+    "t_layers": 2,
+    "t_heads": 2,
+    "context": 77,
+    "embed": 24,
+}
 
 
 def tiny_openclip_state(vocab: int, seed: int = 3) -> dict[str, torch.Tensor]:
@@ -26,28 +36,50 @@ def tiny_openclip_state(vocab: int, seed: int = 3) -> dict[str, torch.Tensor]:
     def tower(prefix: str, width: int, layers: int) -> None:
         for i in range(layers):
             p = f"{prefix}transformer.resblocks.{i}."
-            state.update({p + "ln_1.weight": rand(width, base=1.0), p + "ln_1.bias": rand(width),
-                      p + "attn.in_proj_weight": rand(3 * width, width, scale=0.3), p + "attn.in_proj_bias": rand(3 * width),
-                      p + "attn.out_proj.weight": rand(width, width, scale=0.2), p + "attn.out_proj.bias": rand(width),
-                      p + "ln_2.weight": rand(width, base=1.0), p + "ln_2.bias": rand(width),
-                      p + "mlp.c_fc.weight": rand(4 * width, width, scale=0.2), p + "mlp.c_fc.bias": rand(4 * width),
-                      p + "mlp.c_proj.weight": rand(width, 4 * width, scale=0.1), p + "mlp.c_proj.bias": rand(width)})
+            state.update(
+                {
+                    p + "ln_1.weight": rand(width, base=1.0),
+                    p + "ln_1.bias": rand(width),
+                    p + "attn.in_proj_weight": rand(3 * width, width, scale=0.3),
+                    p + "attn.in_proj_bias": rand(3 * width),
+                    p + "attn.out_proj.weight": rand(width, width, scale=0.2),
+                    p + "attn.out_proj.bias": rand(width),
+                    p + "ln_2.weight": rand(width, base=1.0),
+                    p + "ln_2.bias": rand(width),
+                    p + "mlp.c_fc.weight": rand(4 * width, width, scale=0.2),
+                    p + "mlp.c_fc.bias": rand(4 * width),
+                    p + "mlp.c_proj.weight": rand(width, 4 * width, scale=0.1),
+                    p + "mlp.c_proj.bias": rand(width),
+                }
+            )
 
     vw, tw, grid = TINY["v_width"], TINY["t_width"], TINY["image"] // TINY["patch"]
-    state |= {"visual.conv1.weight": rand(vw, 3, TINY["patch"], TINY["patch"], scale=0.05),
-              "visual.class_embedding": rand(vw), "visual.positional_embedding": rand(grid * grid + 1, vw),
-              "visual.ln_pre.weight": rand(vw, base=1.0), "visual.ln_pre.bias": rand(vw),
-              "visual.ln_post.weight": rand(vw, base=1.0), "visual.ln_post.bias": rand(vw),
-              "visual.proj": rand(vw, TINY["embed"], scale=0.2)}
+    state |= {
+        "visual.conv1.weight": rand(vw, 3, TINY["patch"], TINY["patch"], scale=0.05),
+        "visual.class_embedding": rand(vw),
+        "visual.positional_embedding": rand(grid * grid + 1, vw),
+        "visual.ln_pre.weight": rand(vw, base=1.0),
+        "visual.ln_pre.bias": rand(vw),
+        "visual.ln_post.weight": rand(vw, base=1.0),
+        "visual.ln_post.bias": rand(vw),
+        "visual.proj": rand(vw, TINY["embed"], scale=0.2),
+    }
     tower("visual.", vw, TINY["v_layers"])
-    state |= {"token_embedding.weight": rand(vocab, tw, scale=0.5), "positional_embedding": rand(TINY["context"], tw),
-              "ln_final.weight": rand(tw, base=1.0), "ln_final.bias": rand(tw),
-              "text_projection": rand(tw, TINY["embed"], scale=0.2), "logit_scale": torch.tensor(math.log(1 / 0.07))}
+    state |= {
+        "token_embedding.weight": rand(vocab, tw, scale=0.5),
+        "positional_embedding": rand(TINY["context"], tw),
+        "ln_final.weight": rand(tw, base=1.0),
+        "ln_final.bias": rand(tw),
+        "text_projection": rand(tw, TINY["embed"], scale=0.2),
+        "logit_scale": torch.tensor(math.log(1 / 0.07)),
+    }
     tower("", tw, TINY["t_layers"])
     return state
 
 
-def _block(x: torch.Tensor, state: dict[str, torch.Tensor], p: str, heads: int, mask: torch.Tensor | None) -> torch.Tensor:
+def _block(
+    x: torch.Tensor, state: dict[str, torch.Tensor], p: str, heads: int, mask: torch.Tensor | None
+) -> torch.Tensor:
     batch, length, width = x.shape
     h = F.layer_norm(x, (width,), state[p + "ln_1.weight"], state[p + "ln_1.bias"], 1e-5)
     qkv = h @ state[p + "attn.in_proj_weight"].T + state[p + "attn.in_proj_bias"]
@@ -98,6 +130,7 @@ def build_tiny_hps(model_dir: Path, *, seed: int = 3) -> tuple[Path, dict[str, t
     state = tiny_openclip_state(len(tokenizer), seed)
     src = model_dir / "hps-src" / "tiny_hps.pt"
     torch.save({"state_dict": {f"module.{key}": value for key, value in state.items()}, "epoch": 1}, src)
-    out = convert(src, model_dir / "hpsv2", tokenizer=tokenizer_dir, vision_heads=TINY["v_heads"],
-                  text_heads=TINY["t_heads"])
+    out = convert(
+        src, model_dir / "hpsv2", tokenizer=tokenizer_dir, vision_heads=TINY["v_heads"], text_heads=TINY["t_heads"]
+    )
     return out, state

@@ -45,17 +45,14 @@ def build_tiny_aesthetic(model_dir: Path, *, head_format: str = "pth") -> Path:
     )
     # Weights x4 so that a unit-norm embedding gives scores of order 1, not 1e-3: tight math checks.
     state = {
-        key: value * 4 if key.endswith("weight") else value
-        for key, value in AestheticHead(768).state_dict().items()
+        key: value * 4 if key.endswith("weight") else value for key, value in AestheticHead(768).state_dict().items()
     }
     if head_format == "pth":
         torch.save(state, root / "head.pth")
     else:
         from safetensors.torch import save_file
 
-        save_file(
-            {key.removeprefix("layers."): value for key, value in state.items()}, root / "head.safetensors"
-        )
+        save_file({key.removeprefix("layers."): value for key, value in state.items()}, root / "head.safetensors")
     return model_dir
 
 
@@ -75,9 +72,14 @@ def build_tiny_clip_score(model_dir: Path, name: str, *, processor_subfolder: bo
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     config = CLIPConfig(
         vision_config={**small, "image_size": 32, "patch_size": 8},
-        text_config={**small, "vocab_size": len(tokenizer), "max_position_embeddings": 16,
-                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-                     "pad_token_id": tokenizer.pad_token_id},
+        text_config={
+            **small,
+            "vocab_size": len(tokenizer),
+            "max_position_embeddings": 16,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
         projection_dim=24,
     )
     CLIPModel(config).save_pretrained(root)
@@ -105,9 +107,7 @@ def build_tiny_qwen_vl(path: Path, *, variant: str = "qwen2_5_vl") -> Path:
     for char in bytes_to_unicode().values():
         vocab[char] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=list(QWEN_SPECIAL_TOKENS))
-    ids = dict(
-        zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS)), strict=True)
-    )
+    ids = dict(zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS)), strict=True))
     text = {
         "vocab_size": len(tokenizer),
         "hidden_size": 32,
@@ -137,14 +137,10 @@ def build_tiny_qwen_vl(path: Path, *, variant: str = "qwen2_5_vl") -> Path:
             window_size=56,
             fullatt_block_indexes=[0],
         )
-        model = Qwen2_5_VLForConditionalGeneration(
-            Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
-        )
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special))
     elif variant == "qwen2_vl":
         vision.update(embed_dim=32, hidden_size=32, mlp_ratio=2)
-        model = Qwen2VLForConditionalGeneration(
-            Qwen2VLConfig(text_config=text, vision_config=vision, **special)
-        )
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **special))
     else:
         raise ValueError(f"unknown variant {variant!r}")
     model.generation_config.eos_token_id = ids["<|im_end|>"]
@@ -175,7 +171,6 @@ def rig_digits(model_dir: Path, weights: dict[str, float]) -> Path:
     return model_dir
 
 
-
 def rig_answer(model_dir: Path, answer: str) -> Path:
     """Rewrite the model so that its greedy answer to any question is ``answer`` then ``<|im_end|>``: attention
     and MLP outputs are zeroed, so each position's logits depend on its own token alone, and the embeddings and
@@ -186,7 +181,8 @@ def rig_answer(model_dir: Path, answer: str) -> Path:
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     chain = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.tokenize("\n" + answer)] + [
-        tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
     assert len(chain) == len(set(chain)) == len(answer) + 2, "the answer needs distinct one-byte characters"
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -207,7 +203,8 @@ CONFORMANCE_METADATA: dict[str, dict[str, Any]] = {"ocr": {"text": "digit"}, "oc
 for _name in ("geneval", "geneval_partial", "geneval_flow_grpo"):
     CONFORMANCE_METADATA[_name] = {"tag": "single_object", "include": [{"class": "bowl", "count": 1}]}
 CONFORMANCE_SKIP: dict[str, str] = {
-    "ocr_paddle": "runs under .venv-paddle (PaddleOCR pins its own numpy and OpenCV): tests/integration/test_ocr_paddle.py",
+    "ocr_paddle": "runs under .venv-paddle (PaddleOCR pins its own numpy and OpenCV): "
+    "tests/integration/test_ocr_paddle.py",
     "qwenvl_api": "needs a judge server (tested in test_scorer_qwenvl.py against a local one)",
     "unifiedreward_api": "needs a judge server (tested in test_scorer_unifiedreward.py against a local one)",
 }

@@ -68,12 +68,24 @@ def run_series(jobs: list[list[str]], workdir: Path, *, nproc: int = 2, timeout:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "jobs.json"
     spec.write_text(json.dumps(jobs))
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-            str(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        str(spec),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    process = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
         code = process.returncode
@@ -89,8 +101,8 @@ def _split(text: str, count: int) -> list[str]:
     parts = [""] * count
     index = -1
     for line in text.splitlines(keepends=True):
-        if line.startswith(MARK) and line[len(MARK):].strip().isdigit():
-            index = int(line[len(MARK):])
+        if line.startswith(MARK) and line[len(MARK) :].strip().isdigit():
+            index = int(line[len(MARK) :])
             continue
         parts[max(index, 0)] += line
     return parts

@@ -34,7 +34,7 @@ def replicas_of(pid: int) -> list[int]:
             args = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1:][:1] == [str(pid).encode()]:
+        if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1 :][:1] == [str(pid).encode()]:
             found.append(int(proc.name))
     return found
 
@@ -43,8 +43,11 @@ def spawn_reward_server(args: list[str], **popen: object) -> tuple[subprocess.Po
     """``python -m reward_server *args`` serving on a port bound here (``--fd``); the process and its URL."""
     with bound_socket("127.0.0.1") as sock:
         port = sock.getsockname()[1]
-        process = subprocess.Popen([sys.executable, "-m", "reward_server", *args, "--port", str(port),
-                                    "--fd", str(sock.fileno())], pass_fds=(sock.fileno(),), **popen)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "reward_server", *args, "--port", str(port), "--fd", str(sock.fileno())],
+            pass_fds=(sock.fileno(),),
+            **popen,
+        )
     return process, f"http://127.0.0.1:{port}"
 
 

@@ -59,21 +59,48 @@ class SlurmCluster:
         key.chmod(0o400)
         munge_socket = self.root / "munge.socket"
         ctld_port, node_port = _free_ports(2)
-        self.conf.write_text("\n".join([
-            f"ClusterName=rf{os.getpid()}", f"SlurmctldHost={socket.gethostname()}(127.0.0.1)",
-            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", f"AuthInfo=socket={munge_socket}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "MpiDefault=none", "ReturnToService=2",
-            f"SlurmctldPort={ctld_port}", f"SlurmdPort={node_port}",
-            f"StateSaveLocation={self.root / 'state'}", f"SlurmdSpoolDir={self.root / 'spool'}",
-            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={self.root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}",
-            f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-            "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
-        self._start(["munged", "--foreground", "--force", f"--socket={munge_socket}", f"--key-file={key}",
-                     f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'log' / 'munged.log'}",
-                     f"--seed-file={self.root / 'munge.seed'}"])
+        self.conf.write_text(
+            "\n".join(
+                [
+                    f"ClusterName=rf{os.getpid()}",
+                    f"SlurmctldHost={socket.gethostname()}(127.0.0.1)",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={munge_socket}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    f"SlurmctldPort={ctld_port}",
+                    f"SlurmdPort={node_port}",
+                    f"StateSaveLocation={self.root / 'state'}",
+                    f"SlurmdSpoolDir={self.root / 'spool'}",
+                    f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}",
+                    f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+                    "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
+        self._start(
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.root / 'munged.pid'}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+                f"--seed-file={self.root / 'munge.seed'}",
+            ]
+        )
         self._wait(lambda: munge_socket.exists(), "munged")
         self._start(["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._start(["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)])
@@ -97,8 +124,9 @@ class SlurmCluster:
 
     def _start(self, command: list[str]) -> None:
         log = open(self.root / "log" / f"{command[0]}.out", "wb")  # noqa: SIM115 (the process keeps it)
-        self._processes.append(subprocess.Popen([_which(command[0]), *command[1:]], stdout=log,
-                                                stderr=subprocess.STDOUT, env=self.env))
+        self._processes.append(
+            subprocess.Popen([_which(command[0]), *command[1:]], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        )
         log.close()
 
     def _wait(self, ready, what: str, timeout_s: float = 60) -> None:

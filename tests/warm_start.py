@@ -22,18 +22,33 @@ from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.trainer import Trainer
 
 
-def tiny_trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit", task: DigitsTask | None = None,
-                 log: bool = True, rewards: RewardClient | None = None) -> Trainer:
+def tiny_trainer(
+    run_dir: Path,
+    model_dir: str,
+    *overrides: str,
+    reward: str = "digit",
+    task: DigitsTask | None = None,
+    log: bool = True,
+    rewards: RewardClient | None = None,
+) -> Trainer:
     """The default job's Trainer on the tiny model, built in-process (rewards scored in-process too, or by
     ``rewards``) on the task and evaluation its config names (default: digits), or on ``task``; ``log=False``: no
     metrics.jsonl or images."""
     config = load_config(overrides=[f"model.path={model_dir}", *overrides])
     guards = {name: 0.0 for name in config.eval.guard_scorers}
     task, evaluated = (task, task) if task is not None else build_tasks(config.data, config.eval)
-    return Trainer(config, TinyAdapter(TinyConfig(path=model_dir)), build_algorithm(config.algorithm),
-                   SFT(config.warmup), task, rewards or InProcessRewardClient.from_names({reward: 1.0}),
-                   SingleProcess(torch.device("cpu")), RunLogger(run_dir, log, False),
-                   InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None, evaluated)
+    return Trainer(
+        config,
+        TinyAdapter(TinyConfig(path=model_dir)),
+        build_algorithm(config.algorithm),
+        SFT(config.warmup),
+        task,
+        rewards or InProcessRewardClient.from_names({reward: 1.0}),
+        SingleProcess(torch.device("cpu")),
+        RunLogger(run_dir, log, False),
+        InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None,
+        evaluated,
+    )
 
 
 def warmed_checkpoint(factory: pytest.TempPathFactory, model_dir: str) -> Path:
@@ -41,8 +56,14 @@ def warmed_checkpoint(factory: pytest.TempPathFactory, model_dir: str) -> Path:
     worker's copy has the same weights), for ``train.init_from``; the first worker to ask makes it."""
 
     def make(folder: Path) -> str:
-        trainer = tiny_trainer(folder, model_dir, "train.epochs=0", "logging.progress=false",
-                               "eval.samples_per_prompt=1", "eval.num_steps=2")
+        trainer = tiny_trainer(
+            folder,
+            model_dir,
+            "train.epochs=0",
+            "logging.progress=false",
+            "eval.samples_per_prompt=1",
+            "eval.num_steps=2",
+        )
         trainer.fit()
         trainer.logger.close()
         return str(trainer.checkpoints.latest())

@@ -57,9 +57,11 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         device = torch.device("cuda", local_rank) if device.index is None else device
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.index >= count:
-            raise ValueError(f"train.device={name!r} needs GPU {device.index}, but this process sees {count} "
-                             f"GPU(s){' (CUDA_VISIBLE_DEVICES or the driver)' if count else ''}: use train.device=auto "
-                             "or cpu, or start at most as many processes per machine as it has GPUs")
+            raise ValueError(
+                f"train.device={name!r} needs GPU {device.index}, but this process sees {count} "
+                f"GPU(s){' (CUDA_VISIBLE_DEVICES or the driver)' if count else ''}: use train.device=auto "
+                "or cpu, or start at most as many processes per machine as it has GPUs"
+            )
     return device
 
 
@@ -85,8 +87,11 @@ def run(config: Config) -> dict[str, float]:
         output = Path(config.logging.output_dir)
         run_name, refusal = choose_run_dir(config, output) if main else (None, None)
         if main and refusal is None and config.train.resume:  # another model or algorithm: before any loads
-            continued = (Path(config.train.resume) if config.train.resume != "auto"
-                         else Checkpoints(output / run_name / "checkpoints", 0, False).latest())
+            continued = (
+                Path(config.train.resume)
+                if config.train.resume != "auto"
+                else Checkpoints(output / run_name / "checkpoints", 0, False).latest()
+            )
             if continued is not None and damaged(continued, only=("config.json",)) is None:
                 refusal = other_run(config, continued)
         made = None
@@ -96,8 +101,10 @@ def run(config: Config) -> dict[str, float]:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                refusal = (f"logging.output_dir={str(output)!r}: cannot make {run_dir} there ({exc.strerror}): "
-                           "choose a folder this user can write")
+                refusal = (
+                    f"logging.output_dir={str(output)!r}: cannot make {run_dir} there ({exc.strerror}): "
+                    "choose a folder this user can write"
+                )
             else:
                 lock, refusal = hold_run_dir(run_dir)  # for the whole run: one process trains in it
                 if lock is not None:
@@ -111,16 +118,23 @@ def run(config: Config) -> dict[str, float]:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
 
         if main and (shared := shared_items(task, eval_task)):  # eval.allow_overlap let them through
-            print(f"note: eval.allow_overlap=true: data.path and eval.path share {describe_shared(shared)}: the "
-                  "evaluation is not on held-out examples", flush=True)
+            print(
+                f"note: eval.allow_overlap=true: data.path and eval.path share {describe_shared(shared)}: the "
+                "evaluation is not on held-out examples",
+                flush=True,
+            )
         warms_up = config.train.warmup_steps > 0 and (not config.train.init_from or config.train.warmup_after_init)
         if warms_up and not task.supervises:
-            raise ValueError(f"data.name={config.data.name} has prompts but no target images for the supervised "
-                             "warm-up: set train.warmup_steps=0 (or start from trained weights: train.init_from)")
+            raise ValueError(
+                f"data.name={config.data.name} has prompts but no target images for the supervised "
+                "warm-up: set train.warmup_steps=0 (or start from trained weights: train.init_from)"
+            )
         unscored = [s for s in task.metric_scorers if s not in {*config.reward.weights, *config.eval.guard_scorers}]
         if unscored:
-            raise ValueError(f"the {config.data.name} task's metrics read the {', '.join(unscored)} scorer: add it to "
-                             "reward.weights or eval.guard_scorers")
+            raise ValueError(
+                f"the {config.data.name} task's metrics read the {', '.join(unscored)} scorer: add it to "
+                "reward.weights or eval.guard_scorers"
+            )
         trackers, refusal = start_trackers(config, run_dir) if main else ([], None)
         refusal = backend.broadcast(refusal)  # before any model loads: a W&B login that fails says so at once
         if refusal:
@@ -129,9 +143,13 @@ def run(config: Config) -> dict[str, float]:
         # Each machine's first process starts replicas on its loopback for its machine's processes (no
         # reward.urls); they load their scorers while the model loads here.
         world = backend.world
-        pool = (_launch_local_pool(config, run_dir / "reward_replicas" / (f"node-{world.node}" if world.spans_machines
-                                                                           else ""), stack)
-                if not config.reward.urls and world.local_rank == 0 else None)
+        pool = (
+            _launch_local_pool(
+                config, run_dir / "reward_replicas" / (f"node-{world.node}" if world.spans_machines else ""), stack
+            )
+            if not config.reward.urls and world.local_rank == 0
+            else None
+        )
         torch.manual_seed(config.train.seed)
         if main:  # rank 0 first: it may build (tiny) or cache files the others then read
             adapter = build_adapter(config.model, device)
@@ -153,15 +171,24 @@ def run(config: Config) -> dict[str, float]:
                 _wait_for_local_pool(pool)
                 pool.supervise()  # a replica that dies is started again (the client waits: reward.outage_s)
                 mine = list(pool.urls)
-            urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[world.node]
+            urls = {node: served for node, served in backend.all_gather_object((world.node, mine)) if served}[
+                world.node
+            ]
             check_rewards(config, backend, own_urls=urls)  # their limits against the run's requests
         from trainer.rewards.client import HttpRewardClient
 
         def reward_client(weights: dict[str, float]) -> HttpRewardClient:
-            made = HttpRewardClient(urls, weights, token=reward_token(config.reward), timeout_s=config.reward.timeout_s,
-                                    max_concurrency=config.reward.max_concurrency, batch_size=config.reward.batch_size,
-                                    wire_format=config.reward.wire_format, combine_mode=config.reward.combine_mode,
-                                    outage_s=config.reward.outage_s)
+            made = HttpRewardClient(
+                urls,
+                weights,
+                token=reward_token(config.reward),
+                timeout_s=config.reward.timeout_s,
+                max_concurrency=config.reward.max_concurrency,
+                batch_size=config.reward.batch_size,
+                wire_format=config.reward.wire_format,
+                combine_mode=config.reward.combine_mode,
+                outage_s=config.reward.outage_s,
+            )
             stack.callback(made.close)
             return made
 
@@ -171,11 +198,24 @@ def run(config: Config) -> dict[str, float]:
         logger = RunLogger(run_dir, enabled=main, tensorboard=config.logging.tensorboard, trackers=trackers)
         stack.callback(logger.close)
 
-        trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
-                          backend, logger, guard_client, eval_task)
+        trainer = Trainer(
+            config,
+            adapter,
+            build_algorithm(config.algorithm),
+            SFT(config.warmup),
+            task,
+            client,
+            backend,
+            logger,
+            guard_client,
+            eval_task,
+        )
         if config.train.resume:
-            checkpoint = (trainer.checkpoints.newest_loadable(backend) if config.train.resume == "auto"
-                          else Path(config.train.resume))
+            checkpoint = (
+                trainer.checkpoints.newest_loadable(backend)
+                if config.train.resume == "auto"
+                else Path(config.train.resume)
+            )
             if checkpoint is not None:
                 trainer.resume(checkpoint)
             elif main:
@@ -199,32 +239,50 @@ def run(config: Config) -> dict[str, float]:
                 export_denoiser(final, run_dir / "final")
         except StopSignalled as stop:
             ignore_stop_signals()
-            raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
-                                 str(stop), 128 + stop.signum) from None
+            raise RunInterrupted(
+                signalled_at(trainer.progress, config, trainer.checkpoints.latest()),
+                run_dir,
+                str(stop),
+                128 + stop.signum,
+            ) from None
         except KeyboardInterrupt:
             raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir) from None
         except RewardFailure as failure:  # its checkpoint is written (Trainer.fit): fix the rewards, then continue
-            raise RunInterrupted(signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
-                                 str(failure), 1) from None
+            raise RunInterrupted(
+                signalled_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir, str(failure), 1
+            ) from None
         except RuntimeError as exc:  # out of GPU (or CPU) memory: where, and the settings that lower it; then on
             if not out_of_memory(exc):
                 raise
-            raise RunInterrupted(stopped_at(trainer.progress, config, trainer.checkpoints.latest()), run_dir,
-                                 memory_advice(exc, config), 1) from None
+            raise RunInterrupted(
+                stopped_at(trainer.progress, config, trainer.checkpoints.latest()),
+                run_dir,
+                memory_advice(exc, config),
+                1,
+            ) from None
         except OSError as full:  # a full disk, a quota, a read-only remount: what is written stays; room, then on
             if full.errno not in NO_ROOM:
                 raise
             latest = trainer.checkpoints.latest()
             room = f" (a checkpoint of this run takes {tree_mib(latest):.1f} MiB)" if latest is not None else ""
-            raise RunInterrupted(stopped_at(trainer.progress, config, latest), run_dir,
-                                 f"cannot write {full.filename or run_dir}: {full.strerror}; make room{room}, "
-                                 "then continue", 1) from None
+            raise RunInterrupted(
+                stopped_at(trainer.progress, config, latest),
+                run_dir,
+                f"cannot write {full.filename or run_dir}: {full.strerror}; make room{room}, then continue",
+                1,
+            ) from None
         if main:
-            best = (f"best/: the best evaluation's, epoch {trainer.guard.best_epoch}" if trainer.best_dir.is_dir() else
-                    f"no best/: no evaluation of this run beat epoch {trainer.guard.best_epoch}, whose weights it "
-                    "continued without")
-            print(f"done: {run_dir} (final/: the last {'EMA' if ema is not None else 'trained'} weights, as evaluated; "
-                  f"{best})", flush=True)
+            best = (
+                f"best/: the best evaluation's, epoch {trainer.guard.best_epoch}"
+                if trainer.best_dir.is_dir()
+                else f"no best/: no evaluation of this run beat epoch {trainer.guard.best_epoch}, whose weights it "
+                "continued without"
+            )
+            print(
+                f"done: {run_dir} (final/: the last {'EMA' if ema is not None else 'trained'} weights, as evaluated; "
+                f"{best})",
+                flush=True,
+            )
         backend.barrier()
         return metrics
 
@@ -236,8 +294,15 @@ def start_trackers(config: Config, run_dir: Path) -> tuple[list, str | None]:
     from trainer.trackers import WandbTracker
 
     try:
-        return [WandbTracker(run_dir, config.logging.wandb, config.logging.wandb_project,
-                             config.logging.wandb_entity, saved_dict(config))], None
+        return [
+            WandbTracker(
+                run_dir,
+                config.logging.wandb,
+                config.logging.wandb_project,
+                config.logging.wandb_entity,
+                saved_dict(config),
+            )
+        ], None
     except ValueError as exc:
         return [], str(exc)
 
@@ -251,10 +316,13 @@ def choose_run_dir(config: Config, output_dir: Path) -> tuple[str, str | None]:
         return name, None if resume else reused_run_dir(output_dir / name)
     found = newest_resumable(output_dir)
     if found is None:
-        return "", (f"--resume auto: no unfinished run in {output_dir} has a checkpoint to continue: start a run "
-                    "without --resume, or name the run to continue with logging.run_name")
-    print(f"--resume auto: continuing {found}, the unfinished run in {output_dir} with the newest checkpoint",
-          flush=True)
+        return "", (
+            f"--resume auto: no unfinished run in {output_dir} has a checkpoint to continue: start a run "
+            "without --resume, or name the run to continue with logging.run_name"
+        )
+    print(
+        f"--resume auto: continuing {found}, the unfinished run in {output_dir} with the newest checkpoint", flush=True
+    )
     return found.name, None
 
 
@@ -275,9 +343,13 @@ def reused_run_dir(run_dir: Path) -> str | None:
     if not held:
         return None
     if finished(run_dir):  # nothing to continue there
-        return f"{run_dir} already holds a finished run ({', '.join(held)}): start this one under another logging.run_name"
-    return (f"{run_dir} already holds a run ({', '.join(held)}): continue it with train.resume=auto, or start "
-            f"this one under another logging.run_name")
+        return (
+            f"{run_dir} already holds a finished run ({', '.join(held)}): start this one under another logging.run_name"
+        )
+    return (
+        f"{run_dir} already holds a run ({', '.join(held)}): continue it with train.resume=auto, or start "
+        f"this one under another logging.run_name"
+    )
 
 
 def require_shared_run_dir(run_dir: Path, rank: int) -> None:
@@ -285,9 +357,11 @@ def require_shared_run_dir(run_dir: Path, rank: int) -> None:
     whole: a rank that does not see that directory (a node-local ``logging.output_dir``) fails now, not at
     the first checkpoint."""
     if not run_dir.is_dir():
-        raise ValueError(f"rank {rank} does not see the run directory {run_dir} that rank 0 made: set "
-                         "logging.output_dir to a filesystem every node shares (checkpoints are written there by "
-                         "every rank)")
+        raise ValueError(
+            f"rank {rank} does not see the run directory {run_dir} that rank 0 made: set "
+            "logging.output_dir to a filesystem every node shares (checkpoints are written there by "
+            "every rank)"
+        )
 
 
 def _wait_for_local_pool(pool: LocalRewardPool) -> None:
@@ -301,9 +375,11 @@ def _wait_for_local_pool(pool: LocalRewardPool) -> None:
     except RewardPoolError as exc:
         if exc.exit_status != EXIT_MODEL_FILES_MISSING:
             raise
-        raise RewardPoolError("a scorer of reward.weights or eval.guard_scorers needs model files: set "
-                              "reward.model_dir to the folder that holds them (the replicas' --model-dir). "
-                              f"{exc}") from None
+        raise RewardPoolError(
+            "a scorer of reward.weights or eval.guard_scorers needs model files: set "
+            "reward.model_dir to the folder that holds them (the replicas' --model-dir). "
+            f"{exc}"
+        ) from None
 
 
 def _launch_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStack) -> LocalRewardPool:

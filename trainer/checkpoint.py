@@ -107,15 +107,20 @@ class Checkpoints:
                 for newer, reason in skipped:
                     aside = newer.with_name(f"damaged-{newer.name}-{time.strftime('%Y%m%d-%H%M%S')}")
                     os.rename(newer, aside)
-                    print(f"warning: checkpoint {newer} cannot be loaded ({reason}); kept as {aside.name}, and the run "
-                          f"continues from {path.name}", flush=True)
+                    print(
+                        f"warning: checkpoint {newer} cannot be loaded ({reason}); kept as {aside.name}, and the run "
+                        f"continues from {path.name}",
+                        flush=True,
+                    )
                 return path, None
             skipped.append((path, why))
         if not skipped:
             return None, None
-        return None, (f"train.resume=auto: no checkpoint in {self.directory} can be loaded (the newest: "
-                      f"{skipped[0][1]}): restore them from a copy, or start the run anew under another "
-                      "logging.run_name")
+        return None, (
+            f"train.resume=auto: no checkpoint in {self.directory} can be loaded (the newest: "
+            f"{skipped[0][1]}): restore them from a copy, or start the run anew under another "
+            "logging.run_name"
+        )
 
     def complete(self) -> list[Path]:
         """The complete checkpoints, oldest first."""
@@ -129,11 +134,14 @@ class Checkpoints:
         returns the progress and the named states (the shared ones and this rank's own)."""
         saved = json.loads((path / "backend.json").read_text())
         here = _backend_meta(backend)
-        if saved["optimizer"] != here["optimizer"] or (backend.sharded_optimizer_state
-                                                       and saved["world_size"] != here["world_size"]):
-            raise ValueError(f"{path} was written by {saved['backend']} on {saved['world_size']} ranks; its optimizer "
-                             f"state cannot be loaded by {here['backend']} on {here['world_size']} ranks: resume "
-                             "with the parallel.backend (and, for DeepSpeed, the number of ranks) it was written with")
+        if saved["optimizer"] != here["optimizer"] or (
+            backend.sharded_optimizer_state and saved["world_size"] != here["world_size"]
+        ):
+            raise ValueError(
+                f"{path} was written by {saved['backend']} on {saved['world_size']} ranks; its optimizer "
+                f"state cannot be loaded by {here['backend']} on {here['world_size']} ranks: resume "
+                "with the parallel.backend (and, for DeepSpeed, the number of ranks) it was written with"
+            )
         load_weights(path, adapter.denoiser, backend)
         mine = path / _rank_dir(backend.world.rank)
         if backend.sharded_optimizer_state:
@@ -156,8 +164,17 @@ class Checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def write_atomically(final: Path, progress: Progress, adapter, backend, states: dict[str, State], config: dict,
-                     optimizer: bool = True, meta: dict | None = None, replace: bool = False) -> Path | None:
+def write_atomically(
+    final: Path,
+    progress: Progress,
+    adapter,
+    backend,
+    states: dict[str, State],
+    config: dict,
+    optimizer: bool = True,
+    meta: dict | None = None,
+    replace: bool = False,
+) -> Path | None:
     """Write a checkpoint to ``final`` under a temporary name in its parent, renamed when every rank's part is
     there (every rank calls it). ``optimizer`` False leaves the optimizer state out (weights only); ``meta``
     is written as ``meta.json``; ``replace``: a previous ``final`` is swapped out (else kept, as a copy of the
@@ -170,8 +187,9 @@ def write_atomically(final: Path, progress: Progress, adapter, backend, states: 
         with diagnosed_writes(final.parent):
             if is_main:
                 final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if is_main
-                                         else None))
+            tmp = Path(
+                backend.broadcast(tempfile.mkdtemp(prefix=".incomplete-", dir=final.parent) if is_main else None)
+            )
             _write_parts(tmp, progress, backend, trainable, optimizer_state, states, config, meta)
     except BaseException:
         if is_main and tmp is not None:  # what it took of a full disk is free again
@@ -187,8 +205,16 @@ def write_atomically(final: Path, progress: Progress, adapter, backend, states: 
     return final if is_main else None
 
 
-def _write_parts(tmp: Path, progress: Progress, backend, trainable: dict, optimizer_state, states: dict[str, State],
-                 config: dict, meta: dict | None) -> None:
+def _write_parts(
+    tmp: Path,
+    progress: Progress,
+    backend,
+    trainable: dict,
+    optimizer_state,
+    states: dict[str, State],
+    config: dict,
+    meta: dict | None,
+) -> None:
     """Write this rank's part of a checkpoint into ``tmp`` (rank 0: the shared files too)."""
     is_main = backend.world.rank == 0
     if is_main:
@@ -299,8 +325,14 @@ def damaged(path: Path, only: Sequence[str] = ()) -> str | None:
         names = ["progress.json", "backend.json", "config.json", "trainable.safetensors"]
         if not any(path.glob("rank-*/optimizer.pt")):  # every backend but DeepSpeed: one full optimizer state
             names.append("optimizer.pt")
-        names += sorted({str(f.relative_to(path)) for f in [*path.iterdir(), *path.glob("rank-*/*")]
-                         if f.suffix in (".json", ".pt", ".safetensors")} - set(names))
+        names += sorted(
+            {
+                str(f.relative_to(path))
+                for f in [*path.iterdir(), *path.glob("rank-*/*")]
+                if f.suffix in (".json", ".pt", ".safetensors")
+            }
+            - set(names)
+        )
     for name in names:
         file = path / name
         if not file.is_file():
@@ -321,16 +353,26 @@ def damaged(path: Path, only: Sequence[str] = ()) -> str | None:
 def whole_before(path: Path, only: Sequence[str] = ()) -> Path | None:
     """The newest checkpoint of ``path``'s run older than ``path`` that is not ``damaged`` (in ``only``'s files),
     for a message that names it; None when there is none."""
-    return next((p for p in reversed(Checkpoints(path.parent, 0, False).complete())
-                 if p.name < path.name and damaged(p, only) is None), None)
+    return next(
+        (
+            p
+            for p in reversed(Checkpoints(path.parent, 0, False).complete())
+            if p.name < path.name and damaged(p, only) is None
+        ),
+        None,
+    )
 
 
 def load_states(path: Path, rank: int) -> dict[str, dict[str, torch.Tensor]]:
     """The named states of checkpoint ``path``: the shared ones and rank ``rank``'s own."""
-    states = {f.name.removesuffix(".safetensors"): load_file(f) for f in path.glob("*.safetensors")
-              if f.name != "trainable.safetensors"}
-    states.update({f.name.removesuffix(".safetensors"): load_file(f)
-                   for f in (path / _rank_dir(rank)).glob("*.safetensors")})
+    states = {
+        f.name.removesuffix(".safetensors"): load_file(f)
+        for f in path.glob("*.safetensors")
+        if f.name != "trainable.safetensors"
+    }
+    states.update(
+        {f.name.removesuffix(".safetensors"): load_file(f) for f in (path / _rank_dir(rank)).glob("*.safetensors")}
+    )
     return states
 
 
@@ -339,11 +381,28 @@ def load_weights(path: Path, module: torch.nn.Module, backend) -> None:
     backend.load_trainable_state(module, load_file(path / "trainable.safetensors"))
 
 
-RESUME_MAY_CHANGE = ("logging.", "train.resume", "train.epochs", "train.init_from", "train.warmup_after_init",
-                     "train.device", "train.num_threads",
-                     "train.checkpoint_every", "train.warmup_checkpoint_every", "train.keep_checkpoints",
-                     "reward.urls", "reward.token", "reward.timeout_s", "reward.max_concurrency", "reward.replicas",
-                     "model.path", "model.text_embeddings", "model.image_latents", "data.path", "eval.every")
+RESUME_MAY_CHANGE = (
+    "logging.",
+    "train.resume",
+    "train.epochs",
+    "train.init_from",
+    "train.warmup_after_init",
+    "train.device",
+    "train.num_threads",
+    "train.checkpoint_every",
+    "train.warmup_checkpoint_every",
+    "train.keep_checkpoints",
+    "reward.urls",
+    "reward.token",
+    "reward.timeout_s",
+    "reward.max_concurrency",
+    "reward.replicas",
+    "model.path",
+    "model.text_embeddings",
+    "model.image_latents",
+    "data.path",
+    "eval.every",
+)
 """Config fields (or sections, ending in '.') a resume may change without changing what the run computes:
 where things are, how often to checkpoint or evaluate, how long to train."""
 
@@ -361,15 +420,23 @@ def config_changes(saved: dict, current: dict) -> list[str]:
                     stack.append((f"{prefix}{key}.", value))
                 else:
                     flat.setdefault(f"{prefix}{key}", [None, None])[which] = json.loads(json.dumps(value, default=str))
-    return [f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(flat.items())
-            if old != new and not key.startswith(RESUME_MAY_CHANGE) and not _made_absolute(old, new)]
+    return [
+        f"{key}: {old!r} -> {new!r}"
+        for key, (old, new) in sorted(flat.items())
+        if old != new and not key.startswith(RESUME_MAY_CHANGE) and not _made_absolute(old, new)
+    ]
 
 
 def _made_absolute(old: object, new: object) -> bool:
     """Whether ``new`` is relative path ``old`` made absolute here, as a run saves its paths now (an older
     run's config kept them as written)."""
-    return isinstance(old, str) and isinstance(new, str) and bool(old) and not os.path.isabs(old) \
+    return (
+        isinstance(old, str)
+        and isinstance(new, str)
+        and bool(old)
+        and not os.path.isabs(old)
         and os.path.abspath(old) == new
+    )
 
 
 def _rank_dir(rank: int) -> str:
@@ -390,11 +457,18 @@ def _backend_meta(backend) -> dict:
 
 def _rng_state() -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                      "has_gauss": has_gauss, "gauss": gauss},
-            "python": random.getstate()}
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
+        "python": random.getstate(),
+    }
 
 
 def _set_rng_state(state: dict) -> None:

@@ -93,9 +93,7 @@ class Display:
         parts += [f"{k} {v:.4g}" for k, v in self._shown.items()]
         line = f"[progress] {name}: " + ", ".join(parts)
         if self._doing:
-            at = (
-                f"{unit} {self._done + 1} for {duration(now - self._since)}" if self._done < total else "then"
-            )
+            at = f"{unit} {self._done + 1} for {duration(now - self._since)}" if self._done < total else "then"
             line += f"; {at}: {self._doing}"
         return line
 

@@ -69,9 +69,11 @@ class Shadow:
         for i, s in enumerate(self.shadow):
             saved = state[f"{i:05d}"]
             if saved.shape != s.shape:
-                raise ValueError(f"the checkpoint's {self.what} tensor {i} is {tuple(saved.shape)} where this rank's "
-                                 f"shard is {tuple(s.shape)}: the {self.what} is kept per shard, so resume with the "
-                                 "parallel.backend and number of ranks the checkpoint was made with")
+                raise ValueError(
+                    f"the checkpoint's {self.what} tensor {i} is {tuple(saved.shape)} where this rank's "
+                    f"shard is {tuple(s.shape)}: the {self.what} is kept per shard, so resume with the "
+                    "parallel.backend and number of ranks the checkpoint was made with"
+                )
             s.copy_(saved)
 
 
@@ -97,7 +99,9 @@ class EMA(Shadow):
 
     def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
         if "ema" not in saved:
-            raise ValueError(f"{source} holds no EMA weights for this rank but train.ema_decay > 0: resume with the "
-                             "EMA settings the run started with (and, where the backend shards the weights, the "
-                             "same number of ranks)")
+            raise ValueError(
+                f"{source} holds no EMA weights for this rank but train.ema_decay > 0: resume with the "
+                "EMA settings the run started with (and, where the backend shards the weights, the "
+                "same number of ranks)"
+            )
         self.load_state(saved["ema"])

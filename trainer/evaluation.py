@@ -68,8 +68,10 @@ class RolloutBreakdown:
         return {f"rollout_{k}": v for k, v in breakdown(self.field, metadata, joined).items()}
 
 
-DIVERGED_BEFORE_RL = ("the warm-up diverged, or train.init_from's weights are not finite: lower "
-                      "train.warmup_learning_rate (or start from finite weights) and start again")
+DIVERGED_BEFORE_RL = (
+    "the warm-up diverged, or train.init_from's weights are not finite: lower "
+    "train.warmup_learning_rate (or start from finite weights) and start again"
+)
 
 
 def unscored_evaluation(which: str, scored: RewardResult, guard_scorers: Iterable[str]) -> str | None:
@@ -88,8 +90,15 @@ class Evaluation:
     """Samples ``task.eval_prompts`` (``eval.samples_per_prompt`` each) with ``eval.num_steps`` ODE steps and
     scores them with ``rewards`` (the reward's scorers and the guard scorers)."""
 
-    def __init__(self, config: EvalConfig, task: Task, adapter: ModelAdapter, backend: ParallelBackend,
-                 logger: RunLogger, rewards: RewardClient):
+    def __init__(
+        self,
+        config: EvalConfig,
+        task: Task,
+        adapter: ModelAdapter,
+        backend: ParallelBackend,
+        logger: RunLogger,
+        rewards: RewardClient,
+    ):
         self.config, self.task, self.adapter, self.backend, self.logger = config, task, adapter, backend, logger
         self.rewards = rewards
 
@@ -108,8 +117,12 @@ class Evaluation:
         return {n * self.config.samples_per_prompt for n in (min(per, slots), slots % per) if n}
 
     @torch.no_grad()
-    def __call__(self, step: int, grid_name: str | None,
-                 weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float]:
+    def __call__(
+        self,
+        step: int,
+        grid_name: str | None,
+        weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> dict[str, float]:
         """Evaluate with the weights ``weights()`` swaps in (e.g. the EMA). Prompt i is sampled by rank i mod world
         size from noise seeded by (eval seed, i) and drawn on the CPU, so that noise depends on neither the world
         size nor the device, nor (up to float round-off) on ``eval.batch_size``; every rank runs the same number
@@ -124,20 +137,29 @@ class Evaluation:
         denoiser.eval()
         samples = ev.samples_per_prompt
         # This rank's prompts (ranks past the end sample the first prompt and drop it), ev.batch_size at a time.
-        mine = [i if i < len(prompts) else 0 for i in range(world.rank, self.slots() * world.world_size,
-                                                              world.world_size)]
+        mine = [
+            i if i < len(prompts) else 0 for i in range(world.rank, self.slots() * world.world_size, world.world_size)
+        ]
         by_prompt: dict[int, torch.Tensor] = {}  # rank 0: prompt index -> its images, on the CPU
         # The weights are swapped in before the sampling context gathers them, and back after it reshards.
         with weights(), self.backend.sampling():
             for lo in range(0, len(mine), ev.batch_size):
-                ks = mine[lo:lo + ev.batch_size]
+                ks = mine[lo : lo + ev.batch_size]
                 generators = [torch.Generator().manual_seed((ev.seed * 1_000_003 + k) % 2**63) for k in ks]
                 stochastic = window_mask(settings, generators[0])  # sde_window 0: every step, nothing drawn
                 initial = torch.cat([self.adapter.prepare_latents(samples, g) for g in generators])
                 items = [task.eval_indices[k] for k in ks for _ in range(samples)]
-                ro = rollout(self.adapter, denoiser, [prompts[k] for k in ks for _ in range(samples)],
-                             torch.arange(len(items)), settings, generators[0], task.inputs(items), stochastic,
-                             initial=initial)
+                ro = rollout(
+                    self.adapter,
+                    denoiser,
+                    [prompts[k] for k in ks for _ in range(samples)],
+                    torch.arange(len(items)),
+                    settings,
+                    generators[0],
+                    task.inputs(items),
+                    stochastic,
+                    initial=initial,
+                )
                 # Gathered batch by batch and kept on the host: the device holds one batch of every rank, not
                 # the whole evaluation. Rank-major: row n is rank n // len(ks)'s prompt at position lo + n % len(ks)
                 # of its share, i.e. prompt (lo + n % len(ks)) * world size + rank.
@@ -154,9 +176,10 @@ class Evaluation:
             items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
             metadata = task.item_metadata(items)
             which = f"the evaluation {'before RL' if step == 0 else f'after RL epoch {step}'}"
-            if (bad := int((~torch.isfinite(ordered)).flatten(1).any(1).sum())):  # their 8-bit images are black
+            if bad := int((~torch.isfinite(ordered)).flatten(1).any(1).sum()):  # their 8-bit images are black
                 diverged = f"{which} sampled {bad} non-finite images (the weights it evaluated overflowed): " + (
-                    DIVERGED_BEFORE_RL if step == 0 else f"the run diverged and stops; {ADVICE}")
+                    DIVERGED_BEFORE_RL if step == 0 else f"the run diverged and stops; {ADVICE}"
+                )
             else:
                 try:
                     scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
@@ -178,7 +201,13 @@ class Evaluation:
                 metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
             self.logger.log(step, "eval", metrics)
             rows = min(len(prompts), GRID_PROMPTS)
-            self.logger.image_grid(grid_name or f"samples_epoch{step:04d}", ordered[:rows * ev.samples_per_prompt],
-                                   rows, step, prompts[:rows], task.inputs(task.eval_indices[:rows]))
+            self.logger.image_grid(
+                grid_name or f"samples_epoch{step:04d}",
+                ordered[: rows * ev.samples_per_prompt],
+                rows,
+                step,
+                prompts[:rows],
+                task.inputs(task.eval_indices[:rows]),
+            )
         self.backend.barrier()
         return metrics

@@ -89,24 +89,32 @@ def load_checkpoint(checkpoint: Path, model_path: str | None = None, ema: bool =
     from trainer.models import build_adapter
 
     if not (checkpoint / "trainable.safetensors").is_file():
-        raise ValueError(f"{checkpoint} is not a complete checkpoint (no trainable.safetensors); pass a "
-                         "<run>/checkpoints/step-* directory or <run>/best")
+        raise ValueError(
+            f"{checkpoint} is not a complete checkpoint (no trainable.safetensors); pass a "
+            "<run>/checkpoints/step-* directory or <run>/best"
+        )
     read = ("config.json", "trainable.safetensors")
     if (why := damaged(checkpoint, only=read)) is not None:
         older = whole_before(checkpoint, read)
-        raise ValueError(f"{checkpoint} cannot be loaded, {why}: "
-                         + (f"export the checkpoint before it, {older}" if older else "restore it from a copy"))
+        raise ValueError(
+            f"{checkpoint} cannot be loaded, {why}: "
+            + (f"export the checkpoint before it, {older}" if older else "restore it from a copy")
+        )
     raw = json.loads((checkpoint / "config.json").read_text())
     if model_path:
         raw.setdefault("model", {})["path"] = model_path
     config = build(Config, raw, "")
-    model = replace(config.model, text_embeddings=_store_here(config.model.text_embeddings),
-                    image_latents=_store_here(config.model.image_latents))
+    model = replace(
+        config.model,
+        text_embeddings=_store_here(config.model.text_embeddings),
+        image_latents=_store_here(config.model.image_latents),
+    )
     if not Path(model.path).exists():
         if model_path:
             raise ValueError(f"--model-path {model_path}: no such base model directory")
-        raise ValueError(f"the base model {model.path!r} named by the checkpoint's config does not exist here; "
-                         "pass --model-path")
+        raise ValueError(
+            f"the base model {model.path!r} named by the checkpoint's config does not exist here; pass --model-path"
+        )
     adapter = build_adapter(model, torch.device(device))
     load_weights(checkpoint, adapter.denoiser, SingleProcess(torch.device(device)))
     if ema:
@@ -135,18 +143,23 @@ def load_ema(checkpoint: Path, trainable: list[nn.Parameter]) -> None:
     if not path.is_file():
         raise ValueError(f"{checkpoint} holds no EMA: the run kept none (train.ema_decay=0)")
     if (why := damaged(checkpoint, only=(str(path.relative_to(checkpoint)),))) is not None:
-        raise ValueError(f"{checkpoint}'s EMA cannot be loaded, {why}: export its trained weights (without --ema), "
-                         "or use another checkpoint of the run")
+        raise ValueError(
+            f"{checkpoint}'s EMA cannot be loaded, {why}: export its trained weights (without --ema), "
+            "or use another checkpoint of the run"
+        )
     shadow = load_file(path)
     if len(shadow) != len(trainable):
-        raise ValueError(f"{checkpoint}'s EMA has {len(shadow)} tensors where the model has {len(trainable)} "
-                         "trainable ones")
+        raise ValueError(
+            f"{checkpoint}'s EMA has {len(shadow)} tensors where the model has {len(trainable)} trainable ones"
+        )
     for i, param in enumerate(trainable):
         saved = shadow[f"{i:05d}"]
         if saved.shape != param.shape:
-            raise ValueError(f"{checkpoint} holds only each rank's part of the EMA (a backend that shards the "
-                             "weights: fsdp2, zero3), which cannot be exported as a whole; export the trained "
-                             "weights (without --ema)")
+            raise ValueError(
+                f"{checkpoint} holds only each rank's part of the EMA (a backend that shards the "
+                "weights: fsdp2, zero3), which cannot be exported as a whole; export the trained "
+                "weights (without --ema)"
+            )
         param.copy_(saved)
 
 
@@ -154,14 +167,28 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.tool import cannot_write, user_path
 
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, type=user_path,
-                        help="a <run>/checkpoints/step-* directory, or <run>/best (the best evaluation's weights)")
-    parser.add_argument("--out", required=True, type=user_path,
-                        help="directory to write the diffusers model to (a previous export there is replaced)")
-    parser.add_argument("--model-path", type=lambda text: str(user_path(text)),
-                        help="the base model directory, when not where the run's config says")
-    parser.add_argument("--ema", action="store_true",
-                        help="export the EMA of the trainable weights (what the run evaluated with eval.use_ema)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=user_path,
+        help="a <run>/checkpoints/step-* directory, or <run>/best (the best evaluation's weights)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=user_path,
+        help="directory to write the diffusers model to (a previous export there is replaced)",
+    )
+    parser.add_argument(
+        "--model-path",
+        type=lambda text: str(user_path(text)),
+        help="the base model directory, when not where the run's config says",
+    )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="export the EMA of the trainable weights (what the run evaluated with eval.use_ema)",
+    )
     args = parser.parse_args(argv)
     if (why := cannot_write(args.out, folder=True)) is not None:
         parser.error(f"--out {args.out}: {why}")
@@ -177,4 +204,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"exported {args.checkpoint} -> {args.out}")
     return 0
-

@@ -1,13 +1,17 @@
 """Sample a grid of images from a run's trained weights.
 
     python -m trainer.generate --weights outputs/RUN/final --out grid.png
-    python -m trainer.generate --weights outputs/RUN/final --prompts "a handwritten digit 3" "a handwritten digit 8" --out grid.png
-    python -m trainer.generate --weights outputs/RUN/final --prompts "a sign saying OPEN" --image shop.png --mask sign.png --out grid.png
+    python -m trainer.generate --weights outputs/RUN/final --out grid.png \\
+        --prompts "a handwritten digit 3" "a handwritten digit 8"
+    python -m trainer.generate --weights outputs/RUN/final --out grid.png \\
+        --prompts "a sign saying OPEN" --image shop.png --mask sign.png
 
 ``--weights`` is a run's ``final/`` (the denoiser as the final evaluation sampled it, in diffusers format,
 LoRA merged, with the run's ``config.yaml`` one level up naming the base model) or ``best/`` (the best
-evaluation's trained weights and EMA, in a checkpoint's layout; the EMA when the run evaluated with it). Without ``--prompts`` it samples the run's evaluation items with the
-evaluation's noise (the first 16, as its grids show), so the grid of ``final/`` is the run's ``samples_after.png``. One row per prompt.
+evaluation's trained weights and EMA, in a checkpoint's layout; the EMA when the run evaluated with it). Without
+``--prompts`` it samples the run's evaluation items with the evaluation's noise (the first 16, as its grids
+show), so the grid of ``final/`` is the run's ``samples_after.png``.
+One row per prompt.
 Editing and inpainting models take the files every prompt is conditioned on (``--image``, ``--mask``, ``--reference``).
 Runs in one process on the CPU (or ``--device cuda``); no reward servers.
 """
@@ -53,27 +57,35 @@ def load_trained(weights: Path, model_path: str | None = None, device: str = "cp
         return load_checkpoint(weights, model_path, ema=use_ema, device=device)
     config_file = weights.parent / "config.yaml"
     if not (weights / "config.json").is_file() or not config_file.is_file():
-        raise ValueError(f"--weights {weights} is not a run's final/ or best/ directory (it needs the denoiser's "
-                         "config.json, and the run's config.yaml one level up): pass e.g. outputs/<run>/final")
+        raise ValueError(
+            f"--weights {weights} is not a run's final/ or best/ directory (it needs the denoiser's "
+            "config.json, and the run's config.yaml one level up): pass e.g. outputs/<run>/final"
+        )
     config = build(Config, yaml.safe_load(config_file.read_text()), "")
-    model = replace(config.model, lora=None, path=model_path or config.model.path,
-                    text_embeddings=_store_here(config.model.text_embeddings),
-                    image_latents=_store_here(config.model.image_latents))
+    model = replace(
+        config.model,
+        lora=None,
+        path=model_path or config.model.path,
+        text_embeddings=_store_here(config.model.text_embeddings),
+        image_latents=_store_here(config.model.image_latents),
+    )
     if getattr(model, "ip_adapter", None) is not None and (weights / IP_WEIGHTS).is_file():
         model = replace(model, ip_adapter=replace(model.ip_adapter, weights=str(weights)))
     if not Path(model.path).exists():
         if model_path:
             raise ValueError(f"--model-path {model_path}: no such base model directory")
-        raise ValueError(f"the run's base model {model.path!r} (model.path in {config_file}) is not here: pass "
-                         "--model-path")
+        raise ValueError(
+            f"the run's base model {model.path!r} (model.path in {config_file}) is not here: pass --model-path"
+        )
     adapter = build_adapter(model, torch.device(device))
     trained = type(adapter.denoiser).from_pretrained(str(weights), torch_dtype=adapter.denoiser.dtype)
     other = f"the denoiser in {weights} is another architecture than the base model {model.path}"
     try:
         missing, unexpected = adapter.denoiser.load_state_dict(trained.state_dict(), strict=False)
     except RuntimeError:  # same names, other shapes ("size mismatch for ...")
-        raise ValueError(f"{other} (its tensors' shapes differ): pass the run's own base model as "
-                         "--model-path") from None
+        raise ValueError(
+            f"{other} (its tensors' shapes differ): pass the run's own base model as --model-path"
+        ) from None
     if unexpected or (missing and getattr(model, "ip_adapter", None) is None):
         raise ValueError(f"{other}: pass the run's own base model as --model-path")
     adapter.denoiser.eval()
@@ -87,17 +99,28 @@ def given_inputs(files: dict[str, Path | list[Path] | None], size: int) -> Image
 
     if not any(files.values()):
         return None
-    load = {"image": lambda path: load_rgb(path, size, "--image"), "mask": lambda path: load_mask(path, size, "--mask"),
-            "reference": lambda paths: load_references(paths[0] if len(paths) == 1 else tuple(paths), size,
-                                                       "--reference"),
-            "style": lambda path: load_rgb(path, size, "--style")}
+    load = {
+        "image": lambda path: load_rgb(path, size, "--image"),
+        "mask": lambda path: load_mask(path, size, "--mask"),
+        "reference": lambda paths: load_references(paths[0] if len(paths) == 1 else tuple(paths), size, "--reference"),
+        "style": lambda path: load_rgb(path, size, "--style"),
+    }
     return ImageInputs(**{name: load[name](value)[None] for name, value in files.items() if value})
 
 
 @torch.no_grad()
-def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int | None = None, seed: int | None = None,
-             steps: int | None = None, guidance: float | None = None, model_path: str | None = None,
-             device: str = "cpu", inputs: dict[str, Path | list[Path] | None] | None = None) -> Path:
+def generate(
+    weights: Path,
+    prompts: list[str] | None,
+    out: Path,
+    samples: int | None = None,
+    seed: int | None = None,
+    steps: int | None = None,
+    guidance: float | None = None,
+    model_path: str | None = None,
+    device: str = "cpu",
+    inputs: dict[str, Path | list[Path] | None] | None = None,
+) -> Path:
     """Sample ``samples`` images per prompt (default: the run's evaluation settings) and save them as one grid row
     per prompt at ``out``; without ``prompts``, the run's evaluation items, each row led by its item's image
     inputs as the run's grids show them. ``inputs``: files (``given_inputs``) every prompt is conditioned on, for
@@ -110,25 +133,42 @@ def generate(weights: Path, prompts: list[str] | None, out: Path, samples: int |
     config, adapter = load_trained(weights, model_path, device)
     ev = config.eval
     samples, seed = samples or ev.samples_per_prompt, ev.seed if seed is None else seed
-    settings = SamplerSettings(num_steps=steps or ev.num_steps,
-                               guidance_scale=ev.guidance_scale if guidance is None else guidance, noise_level=0.0)
+    settings = SamplerSettings(
+        num_steps=steps or ev.num_steps,
+        guidance_scale=ev.guidance_scale if guidance is None else guidance,
+        noise_level=0.0,
+    )
     given = given_inputs(inputs or {}, config.data.image_size)
     if given is not None and not prompts:
-        raise ValueError("--image, --mask, --reference and --style need --prompts (without them each evaluation item "
-                         "brings its own inputs)")
+        raise ValueError(
+            "--image, --mask, --reference and --style need --prompts (without them each evaluation item "
+            "brings its own inputs)"
+        )
     task = None if prompts else build_tasks(config.data, config.eval)[1]
     rows = prompts or task.eval_prompts[:GRID_PROMPTS]
 
     def row_inputs(items: list[int]) -> ImageInputs | None:  # every row's own item, or the given files for each
         if task is not None:
             return task.inputs([task.eval_indices[k] for k in items])
-        return given and ImageInputs(**{name: value.expand(len(items), *value.shape[1:])
-                                        for name, value in vars(given).items() if value is not None})
+        return given and ImageInputs(
+            **{
+                name: value.expand(len(items), *value.shape[1:])
+                for name, value in vars(given).items()
+                if value is not None
+            }
+        )
 
     images = []
     for k, prompt in enumerate(rows):  # the noise of row k as the run's evaluation draws it for its prompt k
-        ro = rollout(adapter, adapter.denoiser, [prompt] * samples, torch.arange(samples), settings,
-                     torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63), row_inputs([k] * samples))
+        ro = rollout(
+            adapter,
+            adapter.denoiser,
+            [prompt] * samples,
+            torch.arange(samples),
+            settings,
+            torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63),
+            row_inputs([k] * samples),
+        )
         images.append(ro.images)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_grid(with_inputs(torch.cat(images), len(rows), row_inputs(list(range(len(rows))))), len(rows), out)
@@ -147,21 +187,36 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", required=True, type=user_path, help="a run's final/ or best/ directory")
-    parser.add_argument("--prompts", nargs="+", metavar="PROMPT", help="one grid row each (default: the run's "
-                        "evaluation prompts, with the evaluation's noise)")
+    parser.add_argument(
+        "--prompts",
+        nargs="+",
+        metavar="PROMPT",
+        help="one grid row each (default: the run's evaluation prompts, with the evaluation's noise)",
+    )
     parser.add_argument("--out", required=True, type=user_path, help="the PNG to write")
-    parser.add_argument("--samples", type=_positive, help="images per prompt (default: the run's eval.samples_per_prompt)")
+    parser.add_argument(
+        "--samples", type=_positive, help="images per prompt (default: the run's eval.samples_per_prompt)"
+    )
     parser.add_argument("--seed", type=int, help="noise seed (default: the run's eval.seed)")
     parser.add_argument("--steps", type=_positive, help="sampling steps (default: the run's eval.num_steps)")
     parser.add_argument("--guidance", type=float, help="CFG scale (default: the run's eval.guidance_scale)")
-    parser.add_argument("--image", type=user_path,
-                        help="the image to inpaint or edit, for every prompt (with --prompts)")
+    parser.add_argument(
+        "--image", type=user_path, help="the image to inpaint or edit, for every prompt (with --prompts)"
+    )
     parser.add_argument("--mask", type=user_path, help="the inpainting mask (white: repaint), for every prompt")
-    parser.add_argument("--reference", type=user_path, nargs="+", metavar="IMAGE",
-                        help="the reference image(s) an editing model edits, for every prompt")
+    parser.add_argument(
+        "--reference",
+        type=user_path,
+        nargs="+",
+        metavar="IMAGE",
+        help="the reference image(s) an editing model edits, for every prompt",
+    )
     parser.add_argument("--style", type=user_path, help="the IP-Adapter's image prompt, for every prompt")
-    parser.add_argument("--model-path", type=lambda text: str(user_path(text)),
-                        help="the base model directory, when not where the run's config says")
+    parser.add_argument(
+        "--model-path",
+        type=lambda text: str(user_path(text)),
+        help="the base model directory, when not where the run's config says",
+    )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     args = parser.parse_args(argv)
     from PIL import Image
@@ -179,11 +234,19 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_third_party()
     try:
-        generate(args.weights, args.prompts, args.out, args.samples, args.seed, args.steps, args.guidance,
-                 args.model_path, args.device,
-                 {"image": args.image, "mask": args.mask, "reference": args.reference, "style": args.style})
+        generate(
+            args.weights,
+            args.prompts,
+            args.out,
+            args.samples,
+            args.seed,
+            args.steps,
+            args.guidance,
+            args.model_path,
+            args.device,
+            {"image": args.image, "mask": args.mask, "reference": args.reference, "style": args.style},
+        )
     except ValueError as exc:  # an adapter names its inputs as ImageInputs' fields: here they are options
         return user_error_exit(ValueError(re.sub(r"ImageInputs\.(\w+)", r"--\1", str(exc))) if args.prompts else exc)
     print(f"wrote {args.out}")
     return 0
-

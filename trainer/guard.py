@@ -31,13 +31,20 @@ class Alarm:
     guard_now: float
 
     def message(self) -> str:
-        return (f"reward-hacking alarm at epoch {self.epoch}: the held-out {REWARD} rose {self.reward_then:.3f} -> "
-                f"{self.reward_now:.3f} since epoch {self.since} while {self.metric} fell {self.guard_then:.3f} -> "
-                f"{self.guard_now:.3f}")
+        return (
+            f"reward-hacking alarm at epoch {self.epoch}: the held-out {REWARD} rose {self.reward_then:.3f} -> "
+            f"{self.reward_now:.3f} since epoch {self.since} while {self.metric} fell {self.guard_then:.3f} -> "
+            f"{self.guard_now:.3f}"
+        )
 
     def numbers(self) -> dict[str, float]:
-        return {"since": self.since, "reward_then": self.reward_then, "reward_now": self.reward_now,
-                "guard_then": self.guard_then, "guard_now": self.guard_now}
+        return {
+            "since": self.since,
+            "reward_then": self.reward_then,
+            "reward_now": self.reward_now,
+            "guard_then": self.guard_then,
+            "guard_now": self.guard_now,
+        }
 
 
 def hacking_alarm(epochs: list[int], history: dict[str, list[float]], window: int, margin: float) -> Alarm | None:
@@ -84,8 +91,10 @@ class Guard:
     def observe(self, epoch: int, metrics: dict[str, float]) -> Verdict:
         """Record the evaluation of ``epoch`` and judge it; a ``select_by`` it lacks is a ValueError."""
         if self.select_by not in metrics:
-            raise ValueError(f"train.select_by={self.select_by!r} is not an evaluation metric; the evaluation logs: "
-                             f"{', '.join(sorted(metrics))}")
+            raise ValueError(
+                f"train.select_by={self.select_by!r} is not an evaluation metric; the evaluation logs: "
+                f"{', '.join(sorted(metrics))}"
+            )
         for name in sorted(set(metrics) | set(self.history)):
             self.history.setdefault(name, [math.nan] * len(self.epochs)).append(float(metrics.get(name, math.nan)))
         self.epochs.append(epoch)
@@ -102,8 +111,10 @@ class Guard:
             self.alarm_epoch = epoch
         stop = ""
         if self.early_stop and self.since_best >= self.early_stop:
-            stop = (f"early stop: {self.select_by} has not improved on epoch {self.best_epoch}'s "
-                    f"{self.best_value:.4g} in {self.since_best} evaluations (train.early_stop={self.early_stop})")
+            stop = (
+                f"early stop: {self.select_by} has not improved on epoch {self.best_epoch}'s "
+                f"{self.best_value:.4g} in {self.since_best} evaluations (train.early_stop={self.early_stop})"
+            )
         return Verdict(improved, alarm, stop)
 
     def report(self, best_dir: object | None, export_flags: str) -> str:
@@ -112,18 +123,26 @@ class Guard:
         values = self.history.get(self.select_by, [math.nan])
         which = "before RL" if self.best_epoch == 0 else f"epoch {self.best_epoch}"
         last = self.epochs[-1] if self.epochs else -1
-        where = ("not in this run (it continued a checkpoint of another run, which no longer holds them)"
-                 if best_dir is None else f"{best_dir} (export: python -m trainer.export --checkpoint "
-                 f"{shlex.quote(str(best_dir))} {export_flags}--out DIR)")
-        return (f"best: {which}, {self.select_by} {self.best_value:.3f} (before RL {values[0]:.3f}, "
-                f"{self.best_value - values[0]:+.3f}; last, epoch {last}: {values[-1]:.3f}); its weights: {where}")
+        where = (
+            "not in this run (it continued a checkpoint of another run, which no longer holds them)"
+            if best_dir is None
+            else f"{best_dir} (export: python -m trainer.export --checkpoint "
+            f"{shlex.quote(str(best_dir))} {export_flags}--out DIR)"
+        )
+        return (
+            f"best: {which}, {self.select_by} {self.best_value:.3f} (before RL {values[0]:.3f}, "
+            f"{self.best_value - values[0]:+.3f}; last, epoch {last}: {values[-1]:.3f}); its weights: {where}"
+        )
 
     def checkpoint_state(self) -> dict[str, State]:
         scalars = [self.best_epoch, self.best_value, self.since_best, self.alarm_epoch, float(self.stopped)]
-        tensors = {"scalars": torch.tensor(scalars, dtype=torch.float64),
-                   "epochs": torch.tensor(self.epochs, dtype=torch.int64)}
-        tensors.update({f"metric/{name}": torch.tensor(values, dtype=torch.float64)
-                        for name, values in self.history.items()})
+        tensors = {
+            "scalars": torch.tensor(scalars, dtype=torch.float64),
+            "epochs": torch.tensor(self.epochs, dtype=torch.int64),
+        }
+        tensors.update(
+            {f"metric/{name}": torch.tensor(values, dtype=torch.float64) for name, values in self.history.items()}
+        )
         return {"guard": State(tensors)}
 
     def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
@@ -134,5 +153,8 @@ class Guard:
         self.best_epoch, self.since_best, self.alarm_epoch = int(best_epoch), int(since), int(alarm_epoch)
         self.stopped = bool(stopped)
         self.epochs = state["epochs"].tolist()
-        self.history = {key.removeprefix("metric/"): values.tolist() for key, values in sorted(state.items())
-                        if key.startswith("metric/")}
+        self.history = {
+            key.removeprefix("metric/"): values.tolist()
+            for key, values in sorted(state.items())
+            if key.startswith("metric/")
+        }

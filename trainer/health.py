@@ -25,8 +25,10 @@ class TrainingDiverged(RuntimeError):
     """The policy's weights or gradients are no longer finite."""
 
 
-ADVICE = ("lower the learning rate or clip gradients harder (a smaller train.max_grad_norm, whose 0 clips none), and "
-          "start again or continue from a checkpoint before it (train.resume)")
+ADVICE = (
+    "lower the learning rate or clip gradients harder (a smaller train.max_grad_norm, whose 0 clips none), and "
+    "start again or continue from a checkpoint before it (train.resume)"
+)
 
 
 def check_rewards(failed: float, limit: float, epoch: int, reason: str | None = None) -> None:
@@ -34,8 +36,9 @@ def check_rewards(failed: float, limit: float, epoch: int, reason: str | None = 
     (``reason``: why, where this rank knows one)."""
     if failed > limit:
         why = (f"{reason}; " if reason else "") + "check the reward servers' logs"
-        raise RewardFailure(f"epoch {epoch}: {failed:.0%} of samples have no reward (reward.max_failed_share "
-                            f"= {limit:.0%}): {why}")
+        raise RewardFailure(
+            f"epoch {epoch}: {failed:.0%} of samples have no reward (reward.max_failed_share = {limit:.0%}): {why}"
+        )
 
 
 def scored_or_unscored(future: Future, size: int, scorers: list[str], what: str) -> RewardResult:
@@ -47,8 +50,11 @@ def scored_or_unscored(future: Future, size: int, scorers: list[str], what: str)
     except RewardClientError as exc:
         logger.warning("%s: %d samples got no reward: %s", what, size, exc)
         nan = np.full(size, np.nan)
-        return RewardResult({name: nan.copy() for name in scorers}, nan.copy(),
-                            {name: dict.fromkeys(range(size), f"{UNSCORED}: {exc}") for name in scorers})
+        return RewardResult(
+            {name: nan.copy() for name in scorers},
+            nan.copy(),
+            {name: dict.fromkeys(range(size), f"{UNSCORED}: {exc}") for name in scorers},
+        )
 
 
 UNSCORED = "UNAVAILABLE"
@@ -74,8 +80,10 @@ def check_samples(finite: torch.Tensor, epoch: int) -> None:
     every rank, so that all ranks stop alike): weights that overflowed sample NaN, whose rewards are those of its
     8-bit conversion (0); called before the epoch trains on them."""
     if not bool(finite.all()):
-        raise TrainingDiverged(f"RL epoch {epoch}: the policy sampled {int((finite == 0).sum())} non-finite images (its "
-                               f"weights or activations overflowed): the run diverged and stops; {ADVICE}")
+        raise TrainingDiverged(
+            f"RL epoch {epoch}: the policy sampled {int((finite == 0).sum())} non-finite images (its "
+            f"weights or activations overflowed): the run diverged and stops; {ADVICE}"
+        )
 
 
 def count_skipped(progress, norm: float, limit: int) -> None:
@@ -83,8 +91,13 @@ def count_skipped(progress, norm: float, limit: int) -> None:
     (the backend skipped them); TrainingDiverged when it reaches ``limit``, naming the step ``progress`` is at."""
     progress.skipped_in_a_row = 0 if math.isfinite(norm) else progress.skipped_in_a_row + 1
     if progress.skipped_in_a_row >= limit:
-        where = (f"RL epoch {progress.epochs_done + 1}" if progress.rl_started
-                 else f"warm-up step {progress.warmup_steps_done + 1}")
-        raise TrainingDiverged(f"{limit} optimizer steps in a row had non-finite gradients (inf or NaN), the last in "
-                               f"{where}: the run diverged and stops (those steps were skipped: the weights are the last "
-                               f"finite step's); {ADVICE}")
+        where = (
+            f"RL epoch {progress.epochs_done + 1}"
+            if progress.rl_started
+            else f"warm-up step {progress.warmup_steps_done + 1}"
+        )
+        raise TrainingDiverged(
+            f"{limit} optimizer steps in a row had non-finite gradients (inf or NaN), the last in "
+            f"{where}: the run diverged and stops (those steps were skipped: the weights are the last "
+            f"finite step's); {ADVICE}"
+        )

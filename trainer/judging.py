@@ -23,8 +23,17 @@ from trainer.models.base import ModelAdapter
 class Judge:
     """Gives each evaluation to ``guard`` on every rank alike and acts on the verdict; ``say`` prints on rank 0."""
 
-    def __init__(self, guard: Guard, best_dir: Path, adapter: ModelAdapter, backend: ParallelBackend, ema: EMA | None,
-                 logger: RunLogger, config: Config, say: Callable[[str], None]):
+    def __init__(
+        self,
+        guard: Guard,
+        best_dir: Path,
+        adapter: ModelAdapter,
+        backend: ParallelBackend,
+        ema: EMA | None,
+        logger: RunLogger,
+        config: Config,
+        say: Callable[[str], None],
+    ):
         self.guard, self.best_dir, self.adapter, self.backend, self.ema = guard, best_dir, adapter, backend, ema
         self.logger, self.config, self.say = logger, config, say
         self.rolled_back_at: int | None = None  # the evaluation whose alarm last rolled the weights back
@@ -46,8 +55,10 @@ class Judge:
                 best = self.best_dir if self.has_best() else "not in this run (see its resume's note)"
                 stop = f"stopped by the reward-hacking alarm (eval.on_alarm=stop); the best weights: {best}"
             elif action == "rollback" and not self.has_best():
-                stop = (f"stopped by the reward-hacking alarm: eval.on_alarm=rollback has no best/ to roll back to "
-                        f"(epoch {self.guard.best_epoch}'s weights were not carried into this run)")
+                stop = (
+                    f"stopped by the reward-hacking alarm: eval.on_alarm=rollback has no best/ to roll back to "
+                    f"(epoch {self.guard.best_epoch}'s weights were not carried into this run)"
+                )
             elif action == "rollback":
                 self.restore_best()
                 self.rolled_back_at = epoch
@@ -60,23 +71,43 @@ class Judge:
         """Write the weights (and EMA) just evaluated to best/, atomically, with what the evaluation measured."""
         states = self.ema.checkpoint_state() if self.ema is not None else {}
         evaluated = "ema" if self.ema is not None and self.config.eval.use_ema else "trained"
-        meta = {"epoch": epoch, "select_by": self.guard.select_by, "value": metrics[self.guard.select_by],
-                "evaluated": evaluated, "metrics": metrics}
-        checkpoint.write_atomically(self.best_dir, progress, self.adapter, self.backend, states,
-                                    saved_dict(self.config), optimizer=False, meta=meta, replace=True)
+        meta = {
+            "epoch": epoch,
+            "select_by": self.guard.select_by,
+            "value": metrics[self.guard.select_by],
+            "evaluated": evaluated,
+            "metrics": metrics,
+        }
+        checkpoint.write_atomically(
+            self.best_dir,
+            progress,
+            self.adapter,
+            self.backend,
+            states,
+            saved_dict(self.config),
+            optimizer=False,
+            meta=meta,
+            replace=True,
+        )
 
     def carry_from(self, continued: Path) -> None:
         """A run continuing another run's checkpoint ``continued`` takes that run's best/ when it holds the evaluation
         the checkpoint's guard names best (that run may have gone on past it), so that its best/, its closing
         line and a roll-back have the weights (rank 0)."""
         source = continued.parent.parent / "best"
-        if self.best_dir.exists() or not (source / "meta.json").is_file() or source.resolve() == self.best_dir.resolve():
+        if (
+            self.best_dir.exists()
+            or not (source / "meta.json").is_file()
+            or source.resolve() == self.best_dir.resolve()
+        ):
             return
         held = json.loads((source / "meta.json").read_text()).get("epoch")
         if held != self.guard.best_epoch:
-            self.say(f"note: best/ starts empty: {source} holds epoch {held}'s weights, not those of epoch "
-                     f"{self.guard.best_epoch}, the best evaluation this checkpoint knows; this run writes best/ when "
-                     f"one of its evaluations beats that {self.guard.select_by}")
+            self.say(
+                f"note: best/ starts empty: {source} holds epoch {held}'s weights, not those of epoch "
+                f"{self.guard.best_epoch}, the best evaluation this checkpoint knows; this run writes best/ when "
+                f"one of its evaluations beats that {self.guard.select_by}"
+            )
             return
         self.best_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".incomplete-best-", dir=self.best_dir.parent))

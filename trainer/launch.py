@@ -28,10 +28,16 @@ def reward_problem(config: Config, own_urls: Sequence[str] | None = None) -> str
     """Why this rank cannot get the run's rewards, or None: a reward server it cannot reach, one that lacks a
     weighted or guard scorer, or whose limits refuse the run's requests. ``own_urls``: the job's own replicas,
     once they are up (their limits; before, only the scorer names)."""
-    named_by = {**{name: "eval.guard_scorers" for name in config.eval.guard_scorers},
-                **{name: "reward.weights" for name in config.reward.weights}}
-    requests = Requests(config.reward.batch_size, getattr(config.model, "resolution", 0), config.reward.wire_format,
-                        own=own_urls is not None)
+    named_by = {
+        **{name: "eval.guard_scorers" for name in config.eval.guard_scorers},
+        **{name: "reward.weights" for name in config.reward.weights},
+    }
+    requests = Requests(
+        config.reward.batch_size,
+        getattr(config.model, "resolution", 0),
+        config.reward.wire_format,
+        own=own_urls is not None,
+    )
     urls = config.reward.urls if own_urls is None else own_urls
     return check_reward_urls(urls, dict(sorted(named_by.items())), reward_token(config.reward), requests)
 
@@ -66,12 +72,20 @@ def newest_resumable(output_dir: Path) -> Path | None:
 def fresh_start(output_dir: Path, run_name: str) -> str:
     """What ``--resume auto`` prints where run ``run_name`` has no checkpoint yet: it starts the run (as a SLURM
     job's first allocation wants), naming the unfinished runs with checkpoints that the name may be a slip for."""
-    runs = sorted(run.name for run in output_dir.iterdir() if run.name != run_name and run.is_dir() and not finished(run))
-    close = [name for name in difflib.get_close_matches(run_name, runs, n=10, cutoff=0.6)  # then their checkpoints
-             if Checkpoints(output_dir / name / "checkpoints", 0, False).latest() is not None][:3]
-    return (f"train.resume=auto: run {run_name} has no complete checkpoint in {output_dir}; starting it fresh"
-            + (f" (unfinished runs of a close name with checkpoints: {', '.join(close)}; to continue one, stop this "
-               "and pass its logging.run_name)" if close else ""))
+    runs = sorted(
+        run.name for run in output_dir.iterdir() if run.name != run_name and run.is_dir() and not finished(run)
+    )
+    close = [
+        name
+        for name in difflib.get_close_matches(run_name, runs, n=10, cutoff=0.6)  # then their checkpoints
+        if Checkpoints(output_dir / name / "checkpoints", 0, False).latest() is not None
+    ][:3]
+    return f"train.resume=auto: run {run_name} has no complete checkpoint in {output_dir}; starting it fresh" + (
+        f" (unfinished runs of a close name with checkpoints: {', '.join(close)}; to continue one, stop this "
+        "and pass its logging.run_name)"
+        if close
+        else ""
+    )
 
 
 def other_run(config: Config, checkpoint: Path) -> str | None:
@@ -81,9 +95,11 @@ def other_run(config: Config, checkpoint: Path) -> str | None:
     for section, now in ("model", config.model.name), ("algorithm", config.algorithm.name):
         then = saved.get(section, {}).get("name")
         if then is not None and then != now:
-            return (f"train.resume: {checkpoint} was written by a run of {section}.name={then}, and this one has "
-                    f"{section}.name={now}: resume with {section}.name={then}, or start a new run from its weights "
-                    f"with train.init_from={checkpoint}")
+            return (
+                f"train.resume: {checkpoint} was written by a run of {section}.name={then}, and this one has "
+                f"{section}.name={now}: resume with {section}.name={then}, or start a new run from its weights "
+                f"with train.init_from={checkpoint}"
+            )
     return None
 
 
@@ -113,8 +129,10 @@ def hold_run_dir(run_dir: Path) -> tuple[IO[str] | None, str | None]:
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
-        return None, (f"{run_dir} is in use by {holder}: wait for that run to end, or stop it (a stop signal "
-                      "checkpoints it) and continue with --resume auto")
+        return None, (
+            f"{run_dir} is in use by {holder}: wait for that run to end, or stop it (a stop signal "
+            "checkpoints it) and continue with --resume auto"
+        )
     lock.truncate(0)
     with contextlib.suppress(OSError):  # who holds it, for a refusal (unbuffered: a full disk leaves nothing to flush)
         os.write(lock.fileno(), f"process {os.getpid()} on {socket.gethostname()}\n".encode())
@@ -162,8 +180,10 @@ def stopped_at(progress: Progress, config: Config, latest: Path | None) -> str:
     if latest is None:
         return f"stopped {where}; no checkpoint was written yet, so continuing starts the run over"
     saved = Progress.load(latest)
-    return (f"stopped {where}; continuing starts from the newest checkpoint, {latest} (warm-up steps "
-            f"{saved.warmup_steps_done}, RL epochs {saved.epochs_done})")
+    return (
+        f"stopped {where}; continuing starts from the newest checkpoint, {latest} (warm-up steps "
+        f"{saved.warmup_steps_done}, RL epochs {saved.epochs_done})"
+    )
 
 
 def finishing(progress: Progress, config: Config, display) -> str:
@@ -192,7 +212,8 @@ def signalled_at(progress: Progress, config: Config, latest: Path) -> str:
         where = "the evaluation before RL"
     else:
         where = f"RL epoch {progress.epochs_done} of {train.epochs}" + (
-            " (its evaluation runs first when the run continues)" if progress.eval_due else "")
+            " (its evaluation runs first when the run continues)" if progress.eval_due else ""
+        )
     return f"stopped after {where}; its checkpoint: {latest}"
 
 
@@ -200,8 +221,13 @@ def resume_command(configs: Sequence[str], overrides: Sequence[str], run_name: s
     """The command line that continues run ``run_name``: this one's config files and overrides with
     ``--resume auto logging.run_name=...`` (under torchrun: as many processes per machine)."""
     kept = [o for o in overrides if o.partition("=")[0].strip() not in ("train.resume", "logging.run_name")]
-    args = [*(part for path in configs for part in ("--config", path)), "--resume", "auto", *kept,
-            f"logging.run_name={run_name}"]
+    args = [
+        *(part for path in configs for part in ("--config", path)),
+        "--resume",
+        "auto",
+        *kept,
+        f"logging.run_name={run_name}",
+    ]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return shlex.join(["python", "trainer/main.py", *args])

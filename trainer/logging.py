@@ -99,8 +99,9 @@ def with_inputs(images: torch.Tensor, rows: int, inputs: ImageInputs | None) -> 
     shown = input_rows(inputs, images[:: len(images) // rows])
     if not shown:
         return images
-    return torch.cat([torch.cat([*(row[r : r + 1] for row in shown), samples])
-                      for r, samples in enumerate(images.chunk(rows))])
+    return torch.cat(
+        [torch.cat([*(row[r : r + 1] for row in shown), samples]) for r, samples in enumerate(images.chunk(rows))]
+    )
 
 
 WAIT_NOTED = 0.25
@@ -110,8 +111,11 @@ WAIT_NOTED = 0.25
 def eval_line(metrics: dict[str, float]) -> str:
     """An evaluation's printed metrics: of a breakdown only the means (every value's is in metrics.jsonl), and
     failed_share only when some image got no reward."""
-    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if (not k.startswith("by_") or k.endswith("/mean"))
-                     and not (k == "failed_share" and v == 0))
+    return "  ".join(
+        f"{k} {v:.3f}"
+        for k, v in metrics.items()
+        if (not k.startswith("by_") or k.endswith("/mean")) and not (k == "failed_share" and v == 0)
+    )
 
 
 def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> str:
@@ -119,9 +123,12 @@ def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> s
     what went wrong (skipped steps; samples without a reward; no group whose rewards differ; a long wait for
     rewards)."""
     keys = [k for k in metrics if k.endswith("accuracy")] + [k for k in shown if k in metrics]
-    line = (f"epoch {epoch:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
-            + "  ".join(f"{k} {metrics[k]:.3g}" for k in keys) + f"  img/s {metrics['images_per_s']:.2f}"
-            + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}")
+    line = (
+        f"epoch {epoch:3d}  reward {metrics['reward_mean']:.3f}±{metrics['reward_std']:.3f}  "
+        + "  ".join(f"{k} {metrics[k]:.3g}" for k in keys)
+        + f"  img/s {metrics['images_per_s']:.2f}"
+        + f"  rollout img/s {metrics['rollout_images_per_s']:.2f}"
+    )
     if metrics.get("skipped_steps"):
         line += f"  ({metrics['skipped_steps']:.0f} steps skipped: gradients not finite)"
     if metrics.get("failed_share"):  # under reward.max_failed_share, else the run had stopped
@@ -130,11 +137,15 @@ def epoch_line(epoch: int, metrics: dict[str, float], shown: Sequence[str]) -> s
         line += "  (no group's rewards differ: nothing to learn from them)"
     waited = metrics.get("time_reward_wait_s", 0.0) / max(metrics.get("time_epoch_s", 0.0), 1e-9)
     if waited > WAIT_NOTED and metrics.get("reward_failed_attempts"):  # retries and failovers took the time
-        line += (f"  (waited {waited:.0%} of the epoch for rewards after sampling; {metrics['reward_failed_attempts']:.0f}"
-                 " reward requests failed and were retried: see the reward servers' logs)")
+        line += (
+            f"  (waited {waited:.0%} of the epoch for rewards after sampling; {metrics['reward_failed_attempts']:.0f}"
+            " reward requests failed and were retried: see the reward servers' logs)"
+        )
     elif waited > WAIT_NOTED:  # sampling is done and scoring is not: the devices idle
-        line += (f"  (waited {waited:.0%} of the epoch for rewards after sampling: the reward servers score slower "
-                 "than the model samples; more replicas would shorten it)")
+        line += (
+            f"  (waited {waited:.0%} of the epoch for rewards after sampling: the reward servers score slower "
+            "than the model samples; more replicas would shorten it)"
+        )
     return line
 
 
@@ -168,13 +179,25 @@ class RunLogger:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 break  # only the last line can be partial: the file is appended line by line
-        mark = next((i for i, r in enumerate(records) if r["phase"] == "checkpoint" and r["step"] == epochs_done
-                     and r.get("warmup_steps_done") == warmup_steps_done), None)
+        mark = next(
+            (
+                i
+                for i, r in enumerate(records)
+                if r["phase"] == "checkpoint"
+                and r["step"] == epochs_done
+                and r.get("warmup_steps_done") == warmup_steps_done
+            ),
+            None,
+        )
         if mark is not None:
             kept = records[: mark + 1]
         else:
-            kept = [r for r in records if r["phase"] in ("warmup", "rl", "eval", "alarm", "checkpoint")
-                    and r["step"] <= (warmup_steps_done - 1 if r["phase"] == "warmup" else epochs_done)]
+            kept = [
+                r
+                for r in records
+                if r["phase"] in ("warmup", "rl", "eval", "alarm", "checkpoint")
+                and r["step"] <= (warmup_steps_done - 1 if r["phase"] == "warmup" else epochs_done)
+            ]
         self._jsonl.close()
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -199,8 +222,15 @@ class RunLogger:
         for tracker in self.trackers if alert else ():
             tracker.alert(phase, alert)
 
-    def image_grid(self, name: str, images: torch.Tensor, rows: int, step: int, prompts: Sequence[str] = (),
-                   inputs: ImageInputs | None = None) -> None:
+    def image_grid(
+        self,
+        name: str,
+        images: torch.Tensor,
+        rows: int,
+        step: int,
+        prompts: Sequence[str] = (),
+        inputs: ImageInputs | None = None,
+    ) -> None:
         """``images`` [N, C, H, W] as ``name``.png in ``rows`` rows, each row's image ``inputs`` first
         (``with_inputs``); the trackers log every evaluation's grid as ``eval/samples`` (one series over the run)
         captioned with each row's prompt."""
@@ -217,8 +247,15 @@ class RunLogger:
         if self.enabled:
             shutil.copyfile(self.run_dir / f"{name}.png", self.run_dir / f"{copy}.png")
 
-    def rollout_samples(self, step: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
-                        scores: dict[str, list[float]], inputs: ImageInputs | None = None) -> None:
+    def rollout_samples(
+        self,
+        step: int,
+        images: torch.Tensor,
+        prompts: list[str],
+        rewards: list[float],
+        scores: dict[str, list[float]],
+        inputs: ImageInputs | None = None,
+    ) -> None:
         """RL epoch ``step``'s ``images`` [N, C, H, W] with their prompts, rewards and each scorer's scores (NaN: it
         failed): a grid ``rollouts/epochNNNN.jpg`` (the images, then a row per image input they were conditioned
         on: ``input_rows``), a row per image in ``rollouts/epochNNNN.jsonl``, and each image captioned
@@ -230,8 +267,10 @@ class RunLogger:
         pixels = to_uint8(images)
         shown = [pixels, *map(to_uint8, input_rows(inputs, images))]
         grid = save_image(grid_pixels(np.concatenate(shown), len(shown)), folder / f"epoch{step:04d}.jpg")
-        rows = [{"prompt": prompt, "reward": reward, **{name: values[i] for name, values in scores.items()}}
-                for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True))]
+        rows = [
+            {"prompt": prompt, "reward": reward, **{name: values[i] for name, values in scores.items()}}
+            for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True))
+        ]
         (folder / f"epoch{step:04d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         if not self.trackers:
             return
@@ -263,8 +302,13 @@ class RunLogger:
         best = [r for r in evals if r["step"] == best_epoch and select_by in r]
         if best:
             ax.axvline(best_epoch, color="grey", linestyle=":", linewidth=1)
-            ax.plot([best_epoch], [best[-1][select_by]], "k*", markersize=12,
-                    label=f"best: epoch {best_epoch} ({select_by} {best[-1][select_by]:.3f})")
+            ax.plot(
+                [best_epoch],
+                [best[-1][select_by]],
+                "k*",
+                markersize=12,
+                label=f"best: epoch {best_epoch} ({select_by} {best[-1][select_by]:.3f})",
+            )
         ax.set_xlabel("RL epoch")
         ax.set_ylabel("mean reward / eval metric")
         ax.grid(alpha=0.3)

@@ -23,21 +23,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="trainer/main.py",
         description="Fine-tune a diffusion / flow model with RL against a reward-server pool. With no "
-                    "arguments: the embedded default (tiny SD3-architecture model, digits, GRPO, local reward "
-                    "servers) on the CPU.",
+        "arguments: the embedded default (tiny SD3-architecture model, digits, GRPO, local reward "
+        "servers) on the CPU.",
         epilog="Overrides: section.key=value, e.g. train.epochs=20 algorithm.group_size=4 "
-               "reward.urls=[http://127.0.0.1:8000]. Sections: model, algorithm, warmup, data, reward, "
-               "parallel, train, eval, logging. `--show-config` prints every field with its value and description.",
+        "reward.urls=[http://127.0.0.1:8000]. Sections: model, algorithm, warmup, data, reward, "
+        "parallel, train, eval, logging. `--show-config` prints every field with its value and description.",
     )
-    parser.add_argument("--config", action="append", default=[],
-                        help="YAML file with any of the sections; repeatable, later files win (e.g. a model "
-                             "preset, then configs/algorithms/nft.yaml)")
-    parser.add_argument("--show-config", action="store_true",
-                        help="print the resolved config as YAML, each field with its description, and exit")
-    parser.add_argument("--resume", metavar="auto|DIR",
-                        help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name, or "
-                             "without it of the unfinished run with the newest checkpoint (same as train.resume=...); "
-                             "without --config, with that run's own config.yaml (overrides on top)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="YAML file with any of the sections; repeatable, later files win (e.g. a model "
+        "preset, then configs/algorithms/nft.yaml)",
+    )
+    parser.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the resolved config as YAML, each field with its description, and exit",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="auto|DIR",
+        help="continue a run: 'auto' takes the newest complete checkpoint of logging.run_name, or "
+        "without it of the unfinished run with the newest checkpoint (same as train.resume=...); "
+        "without --config, with that run's own config.yaml (overrides on top)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_intermixed_args(argv)  # options may come after overrides
 
@@ -85,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             if rank0:
                 print("\ninterrupted before training started: nothing to continue", flush=True)
             return 130
-        told = (f"{stop.how}: {stop.where}\n"
-                f"continue with: {resume_command(args.config, args.overrides, stop.run_dir.name)}")
+        told = (
+            f"{stop.how}: {stop.where}\ncontinue with: {resume_command(args.config, args.overrides, stop.run_dir.name)}"
+        )
         tell_launcher(told)
         if rank0:
             print(f"\n{told}", flush=True)
@@ -105,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno not in NO_ROOM:
             raise
         where = exc.filename or config.logging.output_dir  # a failed write() names no file
-        return user_error_exit(ValueError(f"cannot write {where}: {exc.strerror}: make room there, or set "
-                                          "logging.output_dir to a folder with room"))
+        return user_error_exit(
+            ValueError(
+                f"cannot write {where}: {exc.strerror}: make room there, or set "
+                "logging.output_dir to a folder with room"
+            )
+        )
     except (RewardFailure, TrainingDiverged) as exc:  # the run went wrong (trainer/health.py), alike on every rank
         exc.every_rank = True
         user_error_exit(exc)

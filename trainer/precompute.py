@@ -16,7 +16,8 @@ settings.
 ``--latents LATENTS_DIR`` loads the model as training does (with the text embeddings of ``--out`` or
 ``model.text_embeddings`` when given, and then no text encoder), hands it the image inputs of every dataset
 item (and evaluation item) as a rollout does, and writes the VAE posterior of each distinct VAE input to
-LATENTS_DIR, keyed by the input's sha256 (see ``trainer.models.latents.LatentStore``; a LATENTS_DIR of the same VAE gains the new
+LATENTS_DIR, keyed by the input's sha256 (see ``trainer.models.latents.LatentStore``; a LATENTS_DIR of the same VAE
+gains the new
 inputs). Then train with ``model.image_latents=LATENTS_DIR``: the inpainting models read their masked images'
 posteriors and the editing models (flux_kontext, flux2, the Qwen-Image-Edit ones) their references' from it
 (every adapter that VAE-encodes image inputs; the others refuse it), bit-identical to encoding them on this run's
@@ -78,15 +79,19 @@ def precompute_latents(config, directory: str) -> tuple[int, int]:
     from trainer.models.latents import LatentStore, vae_fingerprint
 
     encoders = image_encoding_models()
-    none = (f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name={config.data.name!r}: "
-            f"nothing to store with --latents ({', '.join(encoders)} with an inpainting or editing dataset encode some)")
+    none = (
+        f"the {config.model.name} adapter VAE-encodes none of the image inputs of data.name={config.data.name!r}: "
+        f"nothing to store with --latents ({', '.join(encoders)} with an inpainting or editing dataset encode some)"
+    )
     if config.model.name not in encoders:  # before any model loads or store is made
         raise ValueError(none)
     task, evaluated = build_tasks(config.data, config.eval)
     store = LatentStore.create(directory, vae_fingerprint(config.model))
     adapter = build_adapter(replace(config.model, image_latents=""), resolve_device(config.train.device, 0))
-    items = [(task, range(len(task.prompts)))] + ([(evaluated, evaluated.eval_indices)] if evaluated is not task else [])
-    chunks = [(t, list(ids[k:k + ITEMS_PER_BATCH])) for t, ids in items for k in range(0, len(ids), ITEMS_PER_BATCH)]
+    items = [(task, range(len(task.prompts)))] + (
+        [(evaluated, evaluated.eval_indices)] if evaluated is not task else []
+    )
+    chunks = [(t, list(ids[k : k + ITEMS_PER_BATCH])) for t, ids in items for k in range(0, len(ids), ITEMS_PER_BATCH)]
     latents = write_latents(adapter, store, (([t.prompts[i] for i in c], t.inputs(c)) for t, c in chunks))
     if latents.hits + latents.misses == 0:
         raise ValueError(none)
@@ -113,14 +118,23 @@ def write_latents(adapter, store, batches):
 def main(argv: list[str] | None = None) -> int:
     from trainer.tool import user_path
 
-    parser = argparse.ArgumentParser(prog="python -m trainer.precompute", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, action="append",
-                        help="the training config (YAML; repeatable, later files win): its model and data sections")
-    parser.add_argument("--out", type=lambda text: str(user_path(text)),
-                        help="directory of the text embeddings (model.text_embeddings)")
-    parser.add_argument("--latents", type=lambda text: str(user_path(text)),
-                        help="directory of the image inputs' VAE latents (model.image_latents)")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.precompute", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config",
+        required=True,
+        action="append",
+        help="the training config (YAML; repeatable, later files win): its model and data sections",
+    )
+    parser.add_argument(
+        "--out", type=lambda text: str(user_path(text)), help="directory of the text embeddings (model.text_embeddings)"
+    )
+    parser.add_argument(
+        "--latents",
+        type=lambda text: str(user_path(text)),
+        help="directory of the image inputs' VAE latents (model.image_latents)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
     if not args.out and not args.latents:
@@ -142,16 +156,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             start = time.perf_counter()
             encoded, present = precompute(config, args.out)
-            print(f"{encoded} prompts of {config.model.name} ({config.model.path}) encoded into {args.out} "
-                  f"({present} were there) in {time.perf_counter() - start:.1f} s; train with "
-                  f"{shlex.quote(f'model.text_embeddings={args.out}')}")
+            print(
+                f"{encoded} prompts of {config.model.name} ({config.model.path}) encoded into {args.out} "
+                f"({present} were there) in {time.perf_counter() - start:.1f} s; train with "
+                f"{shlex.quote(f'model.text_embeddings={args.out}')}"
+            )
             config = replace(config, model=replace(config.model, text_embeddings=args.out))
         if args.latents:
             start = time.perf_counter()
             encoded, present = precompute_latents(config, args.latents)
-            print(f"{encoded} image inputs of {config.model.name} ({config.model.path}) VAE-encoded into "
-                  f"{args.latents} ({present} were there) in {time.perf_counter() - start:.1f} s; train with "
-                  f"{shlex.quote(f'model.image_latents={args.latents}')}")
+            print(
+                f"{encoded} image inputs of {config.model.name} ({config.model.path}) VAE-encoded into "
+                f"{args.latents} ({present} were there) in {time.perf_counter() - start:.1f} s; train with "
+                f"{shlex.quote(f'model.image_latents={args.latents}')}"
+            )
     except ValueError as exc:
         return user_error_exit(exc)
     return 0

@@ -51,9 +51,7 @@ def preflight(config: Config, backend) -> tuple[Task, Task]:
         for problem in theirs:
             found.setdefault(problem, rank)
     if found:
-        raise NotReady(
-            [problem if rank == 0 else f"on rank {rank}: {problem}" for problem, rank in found.items()]
-        )
+        raise NotReady([problem if rank == 0 else f"on rank {rank}: {problem}" for problem, rank in found.items()])
     return tasks[0]
 
 
@@ -75,9 +73,7 @@ def store_problem(model, setting: str) -> str | None:
     directory = getattr(model, setting, "")
     if not directory:
         return None
-    index, command = (
-        (TEXT_INDEX, PRECOMPUTE) if setting == "text_embeddings" else (LATENT_INDEX, PRECOMPUTE_LATENTS)
-    )
+    index, command = (TEXT_INDEX, PRECOMPUTE) if setting == "text_embeddings" else (LATENT_INDEX, PRECOMPUTE_LATENTS)
     return missing_store(f"model.{setting}={directory!r}", Path(directory) / index, command)
 
 
@@ -94,9 +90,7 @@ def require_checkpoint(path: Path, setting: str) -> None:
             + (f"pass the checkpoint before it, {older}" if older else "restore it from a copy")
         )
     if not path.exists():
-        raise ValueError(
-            f"{setting}={str(path)!r}: no such directory; pass a <run>/checkpoints/step-* directory"
-        )
+        raise ValueError(f"{setting}={str(path)!r}: no such directory; pass a <run>/checkpoints/step-* directory")
     hint = "pass a <run>/checkpoints/step-* directory"
     latest = Checkpoints(path / "checkpoints", 0, False).latest()
     if latest is not None:
@@ -104,6 +98,5 @@ def require_checkpoint(path: Path, setting: str) -> None:
     if setting == "train.resume":
         hint += ", or train.resume=auto with logging.run_name to continue the run's latest"
     raise ValueError(
-        f"{setting}={str(path)!r} is not a complete checkpoint (no progress.json and "
-        f"trainable.safetensors): {hint}"
+        f"{setting}={str(path)!r} is not a complete checkpoint (no progress.json and trainable.safetensors): {hint}"
     )

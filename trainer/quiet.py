@@ -38,8 +38,10 @@ class _Once(logging.Filter):
         if self.seen:
             return False
         self.seen = True
-        record.msg, record.args = (f"{record.getMessage()}\n(shown once: every prompt longer than a text encoder "
-                                   "takes is cut the same way)"), ()
+        record.msg, record.args = (
+            (f"{record.getMessage()}\n(shown once: every prompt longer than a text encoder takes is cut the same way)"),
+            (),
+        )
         return True
 
 

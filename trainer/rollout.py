@@ -49,19 +49,27 @@ class SamplerSettings:
         if self.kind not in kinds:
             raise ValueError(f"kind={self.kind!r} is not one of {', '.join(kinds)}")
         if self.sde_window >= self.num_steps:  # no start would leave an untrained last step
-            raise ValueError(f"sde_window={self.sde_window} must be less than num_steps={self.num_steps} (the last "
-                             "step is never trained): lower sde_window or raise num_steps")
+            raise ValueError(
+                f"sde_window={self.sde_window} must be less than num_steps={self.num_steps} (the last "
+                "step is never trained): lower sde_window or raise num_steps"
+            )
         lo, hi = self.window_starts()
         if self.sde_window > 0 and not 0 <= lo < hi <= self.num_steps - self.sde_window:
-            raise ValueError(f"window_range={tuple(self.window_range)} does not fit num_steps={self.num_steps} with "
-                             f"sde_window={self.sde_window}: starts must lie in [0, {self.num_steps - self.sde_window}) "
-                             "so that a window ends before the last step, which is never trained")
+            raise ValueError(
+                f"window_range={tuple(self.window_range)} does not fit num_steps={self.num_steps} with "
+                f"sde_window={self.sde_window}: starts must lie in [0, {self.num_steps - self.sde_window}) "
+                "so that a window ends before the last step, which is never trained"
+            )
         if self.ode_compress != 1 and self.sde_window == 0:
-            raise ValueError(f"ode_compress={self.ode_compress} acts on the ODE steps after an SDE window: set "
-                             "sampler.sde_window > 0, or leave it at 1")
+            raise ValueError(
+                f"ode_compress={self.ode_compress} acts on the ODE steps after an SDE window: set "
+                "sampler.sde_window > 0, or leave it at 1"
+            )
         if self.ode_order != 1 and self.sde_window == 0 and self.noise_level > 0:
-            raise ValueError(f"ode_order={self.ode_order} acts on deterministic steps, those after an SDE window (set "
-                             "sampler.sde_window > 0) or every step at sampler.noise_level=0; or leave it at 1")
+            raise ValueError(
+                f"ode_order={self.ode_order} acts on deterministic steps, those after an SDE window (set "
+                "sampler.sde_window > 0) or every step at sampler.noise_level=0; or leave it at 1"
+            )
 
     def window_starts(self) -> tuple[int, int]:
         """[lo, hi) of the SDE window's start (``window_range``, or its default for (0, 0))."""
@@ -75,13 +83,13 @@ class Rollout:
     initial noise at sigmas[0]; index T is the final sample."""
 
     prompts: list[str]
-    group_ids: torch.Tensor       # [B] long: which prompt group (GRPO) each sample belongs to
-    cond: Conditioning            # [B, ...]
-    latents: torch.Tensor         # [B, T+1, *latent_shape] float32
-    log_probs: torch.Tensor       # [B, T] float32 (0 at deterministic steps)
-    sigmas: torch.Tensor          # [T+1] float32: the adapter's schedule (noise levels or timesteps)
-    stochastic: torch.Tensor      # [T] bool: steps that were sampled with noise
-    images: torch.Tensor          # [B, C, H, W] float32 in [0, 1]
+    group_ids: torch.Tensor  # [B] long: which prompt group (GRPO) each sample belongs to
+    cond: Conditioning  # [B, ...]
+    latents: torch.Tensor  # [B, T+1, *latent_shape] float32
+    log_probs: torch.Tensor  # [B, T] float32 (0 at deterministic steps)
+    sigmas: torch.Tensor  # [T+1] float32: the adapter's schedule (noise levels or timesteps)
+    stochastic: torch.Tensor  # [T] bool: steps that were sampled with noise
+    images: torch.Tensor  # [B, C, H, W] float32 in [0, 1]
     noise_level: float
     kind: str
     guidance_scale: float
@@ -93,10 +101,16 @@ class Rollout:
         first = parts[0]
         assert all(torch.equal(p.stochastic, first.stochastic) and torch.equal(p.sigmas, first.sigmas) for p in parts)
         return Rollout(
-            prompts=[q for p in parts for q in p.prompts], group_ids=torch.cat([p.group_ids for p in parts]),
-            cond=Conditioning.cat([p.cond for p in parts]), latents=torch.cat([p.latents for p in parts]),
-            log_probs=torch.cat([p.log_probs for p in parts]), sigmas=first.sigmas, stochastic=first.stochastic,
-            images=torch.cat([p.images for p in parts]), noise_level=first.noise_level, kind=first.kind,
+            prompts=[q for p in parts for q in p.prompts],
+            group_ids=torch.cat([p.group_ids for p in parts]),
+            cond=Conditioning.cat([p.cond for p in parts]),
+            latents=torch.cat([p.latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            sigmas=first.sigmas,
+            stochastic=first.stochastic,
+            images=torch.cat([p.images for p in parts]),
+            noise_level=first.noise_level,
+            kind=first.kind,
             guidance_scale=first.guidance_scale,
             means=torch.cat([p.means for p in parts]) if first.means is not None else None,
         )
@@ -110,16 +124,19 @@ class Rollout:
 def check_ode_steps(settings: SamplerSettings, sampler_kind: str) -> None:
     """Refuse ``ode_order`` / ``ode_compress`` for models whose steps are not flow steps (DDIM)."""
     if sampler_kind != "flow" and (settings.ode_order != 1 or settings.ode_compress != 1):
-        raise ValueError(f"sampler.ode_order={settings.ode_order} / ode_compress={settings.ode_compress} need a flow "
-                         f"model; this one samples with {sampler_kind} steps: leave them at 1")
+        raise ValueError(
+            f"sampler.ode_order={settings.ode_order} / ode_compress={settings.ode_compress} need a flow "
+            f"model; this one samples with {sampler_kind} steps: leave them at 1"
+        )
 
 
 def check_sampler(adapter: ModelAdapter, settings: SamplerSettings) -> None:
     """Raise now the ValueError that the first rollout with ``settings`` would raise: a step kind, noise level
     or ODE option the model cannot use."""
     check_ode_steps(settings, adapter.sampler_kind)
-    adapter.step_function(resolve_kind(settings.kind, adapter.sampler_kind),
-                          adapter.sigmas(settings.num_steps)).check_noise_level(settings.noise_level)
+    adapter.step_function(
+        resolve_kind(settings.kind, adapter.sampler_kind), adapter.sigmas(settings.num_steps)
+    ).check_noise_level(settings.noise_level)
 
 
 def window_mask(settings: SamplerSettings, generator: torch.Generator | None) -> torch.Tensor:
@@ -212,8 +229,16 @@ def rollout(
         if record_means:
             means.append(mean)
     return Rollout(
-        prompts=list(prompts), group_ids=group_ids, cond=cond, latents=torch.stack(latents, dim=1),
-        log_probs=torch.stack(log_probs, dim=1), sigmas=sigmas, stochastic=stochastic,
-        images=adapter.decode(x), noise_level=settings.noise_level, kind=kind,
-        guidance_scale=settings.guidance_scale, means=torch.stack(means, dim=1) if record_means else None,
+        prompts=list(prompts),
+        group_ids=group_ids,
+        cond=cond,
+        latents=torch.stack(latents, dim=1),
+        log_probs=torch.stack(log_probs, dim=1),
+        sigmas=sigmas,
+        stochastic=stochastic,
+        images=adapter.decode(x),
+        noise_level=settings.noise_level,
+        kind=kind,
+        guidance_scale=settings.guidance_scale,
+        means=torch.stack(means, dim=1) if record_means else None,
     )

@@ -28,8 +28,13 @@ class StopSignalled(BaseException):  # noqa: N818 (a request, not an error)
     ``except Exception`` of other code (diffusers' weight loading turned it into an OSError and a traceback)."""
 
     def __init__(self, signum: int):
-        super().__init__("torchrun, which started the ranks, is gone" if signum == LAUNCHER_GONE
-                         else "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received")
+        super().__init__(
+            "torchrun, which started the ranks, is gone"
+            if signum == LAUNCHER_GONE
+            else "interrupted"
+            if signum == signal.SIGINT
+            else f"{signal.Signals(signum).name} received"
+        )
         self.signum = signum
 
 
@@ -71,8 +76,11 @@ class StopRequests:
         self.received = signum
         if self.announce:  # to file descriptor 2: a print could re-enter the stream the interrupted code was writing
             with contextlib.suppress(OSError):  # an exception here would surface wherever the signal came in
-                os.write(2, f"\n{StopSignalled(signum)}: the run stops after this warm-up step or RL epoch, once a "
-                            "checkpoint is written (in its final evaluation: it finishes)\n".encode())
+                os.write(
+                    2,
+                    f"\n{StopSignalled(signum)}: the run stops after this warm-up step or RL epoch, once a "
+                    "checkpoint is written (in its final evaluation: it finishes)\n".encode(),
+                )
 
     def _ctrl_c(self, signum: int, frame) -> None:
         if self.received:  # the second: stop now

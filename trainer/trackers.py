@@ -77,8 +77,9 @@ class TensorBoardTracker:
 
         for writer in self.writers.values():
             writer.close()
-        self.writers = {axis: SummaryWriter(str(self.run_dir / "tensorboard" / axis), purge_step=purge.get(axis))
-                        for axis in AXES}
+        self.writers = {
+            axis: SummaryWriter(str(self.run_dir / "tensorboard" / axis), purge_step=purge.get(axis)) for axis in AXES
+        }
 
     def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -87,16 +88,19 @@ class TensorBoardTracker:
     def image(self, name: str, picture: Picture, step: int, caption: str = "") -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        image = Summary.Image(height=picture.height, width=picture.width, colorspace=picture.channels,
-                              encoded_image_string=picture.path.read_bytes())
+        image = Summary.Image(
+            height=picture.height,
+            width=picture.width,
+            colorspace=picture.channels,
+            encoded_image_string=picture.path.read_bytes(),
+        )
         self.writers["rl"].file_writer.add_summary(Summary(value=[Summary.Value(tag=name, image=image)]), step)
         if caption:
             self.writers["rl"].add_text(name, caption, step)
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
         self.image(f"rollouts/{name}", grid, step)
-        self.writers["rl"].add_text(f"rollouts/{name}", "\n".join(f"{i}. {c}" for i, c in enumerate(captions, 1)),
-                                    step)
+        self.writers["rl"].add_text(f"rollouts/{name}", "\n".join(f"{i}. {c}" for i, c in enumerate(captions, 1)), step)
 
     def alert(self, phase: str, text: str) -> None:
         pass  # TensorBoard has no alerts: the record and the printed warning say it
@@ -128,16 +132,26 @@ class WandbTracker:
         self.failed = False
         self._defined: set[str] = set()
         try:
-            self.run = wandb.init(project=project, entity=entity or None, name=run_dir.name, id=run_id,
-                                  resume="allow", dir=str(run_dir), mode=mode, config=config,
-                                  settings=wandb.Settings(init_timeout=60))
+            self.run = wandb.init(
+                project=project,
+                entity=entity or None,
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                mode=mode,
+                config=config,
+                settings=wandb.Settings(init_timeout=60),
+            )
             for axis in AXES:
                 self.run.define_metric(STEP_KEYS[axis])
                 self._define(axis)
         except Exception as exc:  # wandb raises its own types, and network errors as they come
             cause = " ".join(str(exc).split()) or type(exc).__name__
-            raise ValueError(f"logging.wandb={mode}: W&B did not start ({cause}): run `wandb login` or set "
-                             "WANDB_API_KEY, or use logging.wandb=offline and upload later with `wandb sync`") from None
+            raise ValueError(
+                f"logging.wandb={mode}: W&B did not start ({cause}): run `wandb login` or set "
+                "WANDB_API_KEY, or use logging.wandb=offline and upload later with `wandb sync`"
+            ) from None
         id_file.write_text(run_id)
 
     def _define(self, prefix: str) -> None:
@@ -154,8 +168,12 @@ class WandbTracker:
         except Exception as exc:  # whatever W&B raises: the training run goes on
             self.failed = True
             cause = " ".join(str(exc).split()) or type(exc).__name__
-            print(f"warning: W&B logging failed ({cause}) and is off for the rest of the run; metrics.jsonl holds "
-                  "every record", file=sys.stderr, flush=True)
+            print(
+                f"warning: W&B logging failed ({cause}) and is off for the rest of the run; metrics.jsonl holds "
+                "every record",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _log(self, prefix: str, row: dict) -> None:
         self._define(prefix)
@@ -174,15 +192,20 @@ class WandbTracker:
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
         def send():
-            pictures = [self._wandb.Image(pil_image(image), caption=caption, file_type="jpg")
-                        for image, caption in zip(images, captions, strict=True)]
+            pictures = [
+                self._wandb.Image(pil_image(image), caption=caption, file_type="jpg")
+                for image, caption in zip(images, captions, strict=True)
+            ]
             self._log("rollouts", {f"rollouts/{name}": pictures, STEP_KEYS["rl"]: step})
 
         self._safely(send)
 
     def alert(self, phase: str, text: str) -> None:
-        self._safely(lambda: self.run.alert(title=f"rewardflow {phase}: {self.run.name}", text=text,
-                                            level=self._wandb.AlertLevel.WARN))
+        self._safely(
+            lambda: self.run.alert(
+                title=f"rewardflow {phase}: {self.run.name}", text=text, level=self._wandb.AlertLevel.WARN
+            )
+        )
 
     def rewind(self, warmup_steps_done: int, epochs_done: int) -> None:
         pass  # see the class docstring

@@ -51,16 +51,27 @@ from trainer.stopping import StopRequests, StopSignalled
 
 
 class Trainer:
-    def __init__(self, config: Config, adapter: ModelAdapter, algorithm: Algorithm, warmup: SFT, task: Task,
-                 reward_client: RewardClient, backend: ParallelBackend, logger: RunLogger,
-                 guard_client: RewardClient | None = None, eval_task: Task | None = None):
+    def __init__(
+        self,
+        config: Config,
+        adapter: ModelAdapter,
+        algorithm: Algorithm,
+        warmup: SFT,
+        task: Task,
+        reward_client: RewardClient,
+        backend: ParallelBackend,
+        logger: RunLogger,
+        guard_client: RewardClient | None = None,
+        eval_task: Task | None = None,
+    ):
         """``guard_client`` scores the evaluation (the reward's scorers and eval.guard_scorers at weight 0);
         ``eval_task`` holds its items (default: ``task``'s held-out ones)."""
         build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
         self.config, self.adapter, self.algorithm, self.warmup, self.task = config, adapter, algorithm, warmup, task
         self.rewards = reward_client
-        self.evaluation = Evaluation(config.eval, eval_task or task, adapter, backend, logger,
-                                     guard_client or reward_client)
+        self.evaluation = Evaluation(
+            config.eval, eval_task or task, adapter, backend, logger, guard_client or reward_client
+        )
         self.backend, self.logger = backend, logger
         self.rollout_breakdown = RolloutBreakdown(task, config.eval.breakdown, backend)
         self.is_main = backend.world.rank == 0
@@ -70,18 +81,29 @@ class Trainer:
         self._require_text_embeddings()
         self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
         if task.holds_out and task.eval_prompts and len(self.pool) == len(task.prompts):
-            self._print(f"note: {config.data.name} has {len(task.prompts)} items, too few to hold out the evaluation's "
-                        f"{len(task.eval_prompts)} prompts: RL samples them too (hold them out with eval.path, a file "
-                        "of its own, or a smaller eval.prompts)")
-        self.sampler = GroupSampler(len(self.pool), config.data.prompts_per_epoch, algorithm.group_size,
-                                    backend.world.world_size, backend.world.rank, train.seed, algorithm.local_groups)
+            self._print(
+                f"note: {config.data.name} has {len(task.prompts)} items, too few to hold out the evaluation's "
+                f"{len(task.eval_prompts)} prompts: RL samples them too (hold them out with eval.path, a file "
+                "of its own, or a smaller eval.prompts)"
+            )
+        self.sampler = GroupSampler(
+            len(self.pool),
+            config.data.prompts_per_epoch,
+            algorithm.group_size,
+            backend.world.world_size,
+            backend.world.rank,
+            train.seed,
+            algorithm.local_groups,
+        )
         algorithm.check_batch(self.sampler.per_rank)
         first = adapter.encode_prompts(task.prompts[:1], task.inputs([0]))
         self.compiled = self._compile(first)
         self.policy = backend.prepare(
-            adapter.denoiser, adapter.trainable.parameters(),
-            lambda params: torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
-                                             weight_decay=train.weight_decay),
+            adapter.denoiser,
+            adapter.trainable.parameters(),
+            lambda params: torch.optim.AdamW(
+                params, lr=train.learning_rate, betas=train.adam_betas, weight_decay=train.weight_decay
+            ),
             shard_units=adapter.shard_units,
         )
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
@@ -95,13 +117,21 @@ class Trainer:
         ev = config.eval
         reused = sorted(set(ev.guard_scorers) & {k for k, w in config.reward.weights.items() if w})
         if reused:
-            raise ValueError(f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
-                             "must be independent of the reward; remove it from one of them")
-        logged = [*task.metric_names, REWARD, *(f"guard/{name}" for name in ev.guard_scorers),
-                  *self.evaluation.breakdown_names([*config.reward.weights, *ev.guard_scorers])]
+            raise ValueError(
+                f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
+                "must be independent of the reward; remove it from one of them"
+            )
+        logged = [
+            *task.metric_names,
+            REWARD,
+            *(f"guard/{name}" for name in ev.guard_scorers),
+            *self.evaluation.breakdown_names([*config.reward.weights, *ev.guard_scorers]),
+        ]
         if train.select_by and train.select_by not in logged:
-            raise ValueError(f"train.select_by={train.select_by!r} is not a metric this run's evaluation logs; choose "
-                             f"one of: {', '.join(logged)}")
+            raise ValueError(
+                f"train.select_by={train.select_by!r} is not a metric this run's evaluation logs; choose "
+                f"one of: {', '.join(logged)}"
+            )
         self.guard = Guard(train.select_by or logged[0], train.early_stop, ev.alarm_window, ev.alarm_margin)
         self.best_dir = logger.run_dir / "best"
         self.judge = Judge(self.guard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
@@ -116,14 +146,20 @@ class Trainer:
         prompts = [*self.task.prompts, *self.evaluation.task.eval_prompts]
         if self.config.train.warmup_steps and self.warmup.config.cfg_dropout > 0:
             prompts.append("")
-        require_stored_prompts(self.adapter, prompts, (self.algorithm.sampler.guidance_scale,
-                               self.config.eval.guidance_scale), self.config.model.text_embeddings, self.config.data)
+        require_stored_prompts(
+            self.adapter,
+            prompts,
+            (self.algorithm.sampler.guidance_scale, self.config.eval.guidance_scale),
+            self.config.model.text_embeddings,
+            self.config.data,
+        )
 
     def _compile(self, first: Conditioning) -> CompileMonitor | None:
         """``model.attention`` (probed on ``first``), then ``model.compile``, whose graphs bake that kernel in."""
         model = self.config.model
-        self.attention = attention_for_run(self.adapter, model.attention, first, self.algorithm.sampler,
-                                           self.backend.broadcast)
+        self.attention = attention_for_run(
+            self.adapter, model.attention, first, self.algorithm.sampler, self.backend.broadcast
+        )
         if self.attention.verdicts:  # probed (CUDA) or named: said and logged; auto elsewhere is torch's order
             self._print(self.attention.summary())
             self.logger.log(0, "attention", self.attention.record())
@@ -153,7 +189,11 @@ class Trainer:
                     self.logger.log(step, "warmup", metrics)
                 progress.warmup_steps_done = step + 1
                 every = train.warmup_checkpoint_every
-                if every and progress.warmup_steps_done % every == 0 and progress.warmup_steps_done < train.warmup_steps:
+                if (
+                    every
+                    and progress.warmup_steps_done % every == 0
+                    and progress.warmup_steps_done < train.warmup_steps
+                ):
                     self.save_checkpoint()
                 self._stop_if_asked()
         if not progress.rl_started:
@@ -212,8 +252,16 @@ class Trainer:
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self.judge(done, after, self.progress)
         spread = weights_rank_spread(self.backend, self.adapter.trainable.parameters())
-        self.logger.log(done, "final", {**after, "weights_rank_spread": spread,
-                                        "best_epoch": self.guard.best_epoch, "best_value": self.guard.best_value})
+        self.logger.log(
+            done,
+            "final",
+            {
+                **after,
+                "weights_rank_spread": spread,
+                "best_epoch": self.guard.best_epoch,
+                "best_value": self.guard.best_value,
+            },
+        )
         self.logger.reward_curve(self.guard.best_epoch, self.guard.select_by)
         ema = self.ema is not None and self.config.eval.use_ema
         self._print(self.guard.report(self.best_dir if self.judge.has_best() else None, "--ema " if ema else ""))
@@ -263,7 +311,9 @@ class Trainer:
                 states[name] = state
         path = self.checkpoints.save(self.progress, self.adapter, self.backend, states, saved_dict(self.config))
         if path is not None:
-            self.logger.log(self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done})
+            self.logger.log(
+                self.progress.epochs_done, "checkpoint", {"warmup_steps_done": self.progress.warmup_steps_done}
+            )
 
     def resume(self, path: Path) -> None:
         """Continue from checkpoint ``path``: weights, optimizer, progress and every stateful component."""
@@ -277,13 +327,17 @@ class Trainer:
         if self.is_main:  # another run's checkpoint: its best/, where it is the one the guard now names best
             self.judge.carry_from(path)
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
-        self._print(f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
-                    f"RL epochs {self.progress.epochs_done})" + ("; first the evaluation a stop signal put off"
-                                                                 if self.progress.eval_due else ""))
+        self._print(
+            f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
+            f"RL epochs {self.progress.epochs_done})"
+            + ("; first the evaluation a stop signal put off" if self.progress.eval_due else "")
+        )
         changes = config_changes(json.loads((path / "config.json").read_text()), saved_dict(self.config))
         if changes:
-            self._print(f"warning: resuming with settings other than {path}'s, so the run no longer continues the "
-                        f"one that was interrupted: {'; '.join(changes)}")
+            self._print(
+                f"warning: resuming with settings other than {path}'s, so the run no longer continues the "
+                f"one that was interrupted: {'; '.join(changes)}"
+            )
 
     def _new_reference(self) -> None:
         """The reference for the policy as it is now, as the adapter describes it, made by the backend (it
@@ -297,8 +351,10 @@ class Trainer:
         skip = not self.config.train.warmup_after_init and self.config.train.warmup_steps > 0
         if skip:
             self.progress.warmup_steps_done = self.config.train.warmup_steps
-        self._print(f"initialised the trainable weights from {path}"
-                    + ("; no warm-up (train.warmup_after_init=true runs it)" if skip else ""))
+        self._print(
+            f"initialised the trainable weights from {path}"
+            + ("; no warm-up (train.warmup_after_init=true runs it)" if skip else "")
+        )
 
     def warmup_step(self, step: int) -> dict[str, float]:
         g = self._generator(0, step)
@@ -350,37 +406,60 @@ class Trainer:
         metrics["reward_failed_attempts"] *= self.backend.world.world_size
         metrics.update(self.rollout_breakdown(indices.tolist(), result.components))
         valid = rewards.all[~torch.isnan(rewards.all)]
-        metrics.update({
-            "reward_mean": float(valid.mean()) if len(valid) else math.nan,
-            "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
-            "failed_share": failed, "reward_lost": float(gathered[:, 3].sum()),  # no replica scored them
-            "reward_zeroed": float((scored.isnan() & (gathered[:, 3].cpu() == 0)).sum()),  # a scorer's item error
-            "zero_std_share": zero_std_share(scored, rewards.group_ids_all.cpu()),  # no spread: advantage 0
-            "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
-            "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
-            "time_rollout_s": t1 - t0 - t_wait, "time_reward_wait_s": t_wait, "time_train_s": t2 - t1,
-            "time_epoch_s": t2 - t0, "time_epoch_cpu_s": cpu2 - cpu0, "images": len(rewards.all),
-            "lr": self.config.train.learning_rate,
-        })
+        metrics.update(
+            {
+                "reward_mean": float(valid.mean()) if len(valid) else math.nan,
+                "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
+                "failed_share": failed,
+                "reward_lost": float(gathered[:, 3].sum()),  # no replica scored them
+                "reward_zeroed": float((scored.isnan() & (gathered[:, 3].cpu() == 0)).sum()),  # a scorer's item error
+                "zero_std_share": zero_std_share(scored, rewards.group_ids_all.cpu()),  # no spread: advantage 0
+                "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
+                "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
+                "time_rollout_s": t1 - t0 - t_wait,
+                "time_reward_wait_s": t_wait,
+                "time_train_s": t2 - t1,
+                "time_epoch_s": t2 - t0,
+                "time_epoch_cpu_s": cpu2 - cpu0,
+                "images": len(rewards.all),
+                "lr": self.config.train.learning_rate,
+            }
+        )
         if self.compiled is not None:
             metrics.update(self.compiled.report())
         return metrics
 
-    def _log_samples(self, epoch: int, images: torch.Tensor, indices: torch.Tensor, rewards: np.ndarray,
-                     scores: dict[str, np.ndarray]) -> None:
+    def _log_samples(
+        self,
+        epoch: int,
+        images: torch.Tensor,
+        indices: torch.Tensor,
+        rewards: np.ndarray,
+        scores: dict[str, np.ndarray],
+    ) -> None:
         """Rank 0's first ``logging.rollout_samples`` rollouts of every ``logging.rollout_samples_every``-th epoch
         and the last, with their prompts, rewards and image inputs (before a reward failure stops the run: they
         show it)."""
         n, every = self.config.logging.rollout_samples, self.config.logging.rollout_samples_every
         if n and self.logger.enabled and ((epoch + 1) % every == 0 or epoch + 1 == self.config.train.epochs):
             shown = indices[:n].tolist()
-            self.logger.rollout_samples(epoch + 1, images[:n], [self.task.prompts[i] for i in shown],
-                                        np.asarray(rewards, dtype=float)[:n].tolist(),
-                                        {name: np.asarray(v, dtype=float)[:n].tolist() for name, v in scores.items()},
-                                        self.task.inputs(shown))
+            self.logger.rollout_samples(
+                epoch + 1,
+                images[:n],
+                [self.task.prompts[i] for i in shown],
+                np.asarray(rewards, dtype=float)[:n].tolist(),
+                {name: np.asarray(v, dtype=float)[:n].tolist() for name, v in scores.items()},
+                self.task.inputs(shown),
+            )
 
-    def sample_and_score(self, prompts: list[str], indices: torch.Tensor, group_ids: torch.Tensor,
-                          g: torch.Generator, noise: torch.Generator) -> tuple[Rollout, RewardResult, float]:
+    def sample_and_score(
+        self,
+        prompts: list[str],
+        indices: torch.Tensor,
+        group_ids: torch.Tensor,
+        g: torch.Generator,
+        noise: torch.Generator,
+    ) -> tuple[Rollout, RewardResult, float]:
         """Sample the epoch's batch in ``train.rollout_chunks`` chunks (stochastic steps drawn with ``g``, noise
         with ``noise``), with the weights the algorithm names (``rollout_weights``); each chunk is scored while the
         next samples. Returns the rollout, its rewards and the seconds waited for rewards after sampling."""
@@ -392,10 +471,22 @@ class Trainer:
         with self.algorithm.rollout_weights(), self.backend.sampling():  # the sampling policy's weights, gathered
             for chunk, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), 1):
                 self.display.doing(f"sampling rollout chunk {chunk} of {len(bounds) - 1}")
-                part = rollout(self.adapter, self.policy, prompts[lo:hi], group_ids[lo:hi], settings, noise,
-                               self.task.inputs(indices[lo:hi].tolist()), stochastic, self.algorithm.records_means)
-                futures.append(self.rewards.submit(to_uint8(part.images), prompts[lo:hi],
-                                                   self.task.item_metadata(indices[lo:hi].tolist())))
+                part = rollout(
+                    self.adapter,
+                    self.policy,
+                    prompts[lo:hi],
+                    group_ids[lo:hi],
+                    settings,
+                    noise,
+                    self.task.inputs(indices[lo:hi].tolist()),
+                    stochastic,
+                    self.algorithm.records_means,
+                )
+                futures.append(
+                    self.rewards.submit(
+                        to_uint8(part.images), prompts[lo:hi], self.task.item_metadata(indices[lo:hi].tolist())
+                    )
+                )
                 parts.append(part)
         t_sampled = time.perf_counter()
         self.display.doing("waiting for the rollouts' rewards")

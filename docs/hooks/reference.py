@@ -53,9 +53,7 @@ def _check_models(markdown: str) -> None:
 
     for name in MODELS:
         if f"`{name}`" not in markdown:
-            log.warning(
-                "models.md does not describe the registered model %r (trainer/models/__init__.py)", name
-            )
+            log.warning("models.md does not describe the registered model %r (trainer/models/__init__.py)", name)
 
 
 def _check_algorithms(markdown: str) -> None:
@@ -155,9 +153,7 @@ def _selected_section(section: str, selected: Selected, nested: dict[type, str])
     for name, cls in classes.items():
         own = [f.name for f in dataclasses.fields(cls) if f.name not in shared and f.name != "name"]
         body = _table(cls, section, nested, only=own) if own else "No settings beyond the shared ones.\n"
-        parts.append(
-            f"### `{section}.name: {name}` {{#{section}-{name}}}\n\n`{cls.__name__}`: {_class_doc(cls)}\n"
-        )
+        parts.append(f"### `{section}.name: {name}` {{#{section}-{name}}}\n\n`{cls.__name__}`: {_class_doc(cls)}\n")
         parts.append(body)
     return "\n".join(parts)
 

@@ -40,21 +40,40 @@ SCORERS: dict[str, ScorerSpec] = {
     "jpeg_compressibility": ScorerSpec("jpeg:JpegCompressibilityScorer", **_NO_MODEL),
     "colorfulness": ScorerSpec("colorfulness:ColorfulnessScorer", **_NO_MODEL),
     "ocr": ScorerSpec("ocr:OcrScorer", {"backend": "rapidocr"}),
-    "ocr_flow_grpo": ScorerSpec("ocr:OcrScorer", {"backend": "rapidocr", "similarity": "flow_grpo",
-                                                  "reading": "flow_grpo"}),
+    "ocr_flow_grpo": ScorerSpec(
+        "ocr:OcrScorer", {"backend": "rapidocr", "similarity": "flow_grpo", "reading": "flow_grpo"}
+    ),
     "ocr_paddle": ScorerSpec("ocr:OcrScorer", {"backend": "paddleocr"}),
     "qwenvl": ScorerSpec("qwenvl:QwenVLScorer", {"backend": "local"}),
     "qwenvl_api": ScorerSpec("qwenvl:QwenVLScorer", {"backend": "api"}),
     "aesthetic": ScorerSpec("aesthetic:AestheticScorer"),
-    "pickscore": ScorerSpec("clip_score:ClipScoreScorer", {
-        "name": "pickscore", "divisor": 26.0,
-        "description": "PickScore (CLIP ViT-H/14 tuned on human preferences): logit_scale * cos(text, image) / 26"}),
-    "clipscore": ScorerSpec("clip_score:ClipScoreScorer", {
-        "name": "clipscore", "divisor": 30.0,
-        "description": "CLIP score (ViT-L/14): logit_scale * cos(text, image) / 30"}),
-    "clipscore_flow_grpo": ScorerSpec("clip_score:ClipScoreScorer", {
-        "name": "clipscore_flow_grpo", "folder": "clipscore", "divisor": 30.0, "preprocess": "flow_grpo",
-        "description": "CLIP score (ViT-L/14) with Flow-GRPO's bilinear resize: logit_scale * cos(text, image) / 30"}),
+    "pickscore": ScorerSpec(
+        "clip_score:ClipScoreScorer",
+        {
+            "name": "pickscore",
+            "divisor": 26.0,
+            "description": "PickScore (CLIP ViT-H/14 tuned on human preferences): logit_scale * cos(text, image) / 26",
+        },
+    ),
+    "clipscore": ScorerSpec(
+        "clip_score:ClipScoreScorer",
+        {
+            "name": "clipscore",
+            "divisor": 30.0,
+            "description": "CLIP score (ViT-L/14): logit_scale * cos(text, image) / 30",
+        },
+    ),
+    "clipscore_flow_grpo": ScorerSpec(
+        "clip_score:ClipScoreScorer",
+        {
+            "name": "clipscore_flow_grpo",
+            "folder": "clipscore",
+            "divisor": 30.0,
+            "preprocess": "flow_grpo",
+            "description": "CLIP score (ViT-L/14) with Flow-GRPO's bilinear resize: "
+            "logit_scale * cos(text, image) / 30",
+        },
+    ),
     "geneval": ScorerSpec("geneval:GenEvalScorer", {"mode": "strict"}),
     "geneval_partial": ScorerSpec("geneval:GenEvalScorer", {"mode": "partial"}),
     "geneval_flow_grpo": ScorerSpec("geneval:GenEvalScorer", {"mode": "flow_grpo"}),
@@ -67,9 +86,7 @@ SCORERS: dict[str, ScorerSpec] = {
 """Scorer name -> how to build it."""
 
 
-def build_scorers(
-    names: Sequence[str], *, model_dir: Path | None = None, load: bool = False
-) -> dict[str, Scorer]:
+def build_scorers(names: Sequence[str], *, model_dir: Path | None = None, load: bool = False) -> dict[str, Scorer]:
     """Instantiate scorers by registry name (loading them if ``load``).
 
     Raises:

@@ -66,7 +66,6 @@ def load_head_state(path: Path) -> dict[str, torch.Tensor]:
     return {key if key.startswith("layers.") else f"layers.{key}": value for key, value in state.items()}
 
 
-
 class AestheticScorer:
     """LAION improved aesthetic predictor: MLP(normalised CLIP ViT-L/14 image embedding)."""
 
@@ -115,17 +114,13 @@ class AestheticScorer:
         head = AestheticHead(clip.config.projection_dim)
         head.load_state_dict(load_head_state(head_path))  # strict: a wrong or partial head fails here
         has_processor = (clip_dir / "preprocessor_config.json").is_file()
-        self._processor = (
-            CLIPImageProcessorPil.from_pretrained(clip_dir) if has_processor else CLIPImageProcessorPil()
-        )
+        self._processor = CLIPImageProcessorPil.from_pretrained(clip_dir) if has_processor else CLIPImageProcessorPil()
         self._clip, self._head = clip, head.eval().to(self._device)
         self._version = f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{fingerprint(clip_dir, [head_path])}"
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [{}])
 
     @torch.no_grad()
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         assert self._clip is not None and self._head is not None, "load() must be called before score()"
         rgb = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
         pixels_BCHW = self._processor(images=rgb, return_tensors="pt")["pixel_values"].to(self._device)

@@ -107,13 +107,9 @@ def _normalise(item: ScoreOutcome | float, score_range: tuple[float | None, floa
     try:
         value = float(item.score)  # type: ignore[arg-type]
     except (TypeError, ValueError, OverflowError):
-        return ScoreOutcome.failure(
-            ErrorCode.INTERNAL, f"scorer returned a non-number {item.score!r}", item.details
-        )
+        return ScoreOutcome.failure(ErrorCode.INTERNAL, f"scorer returned a non-number {item.score!r}", item.details)
     if not math.isfinite(value):
-        return ScoreOutcome.failure(
-            ErrorCode.INTERNAL, f"scorer returned a non-finite score {value}", item.details
-        )
+        return ScoreOutcome.failure(ErrorCode.INTERNAL, f"scorer returned a non-finite score {value}", item.details)
     low, high = score_range
     inside = min(value, high) if high is not None else value
     inside = max(inside, low) if low is not None else inside

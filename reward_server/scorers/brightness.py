@@ -18,7 +18,5 @@ class BrightnessScorer:
     def load(self) -> None:
         """Nothing to load."""
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         return [float(image.mean()) / 255.0 for image in images]

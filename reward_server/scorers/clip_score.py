@@ -58,12 +58,15 @@ def flow_grpo_pixels(image: np.ndarray, processor: Any) -> torch.Tensor:
     short, long = min(height, width), max(height, width)
     new_h, new_w = (int(size * long / short), size) if width <= height else (size, int(size * long / short))
     if (new_h, new_w) != (height, width):
-        pixels = F.interpolate(pixels[None], size=(new_h, new_w), mode="bilinear", align_corners=False,
-                               antialias=True)[0]
+        pixels = F.interpolate(pixels[None], size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=True)[
+            0
+        ]
     top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
-    pixels = pixels[:, top:top + crop_h, left:left + crop_w]
-    mean, std = (torch.tensor(values, dtype=torch.float32).view(3, 1, 1)
-                 for values in (processor.image_mean, processor.image_std))
+    pixels = pixels[:, top : top + crop_h, left : left + crop_w]
+    mean, std = (
+        torch.tensor(values, dtype=torch.float32).view(3, 1, 1)
+        for values in (processor.image_mean, processor.image_std)
+    )
     return (pixels - mean) / std
 
 
@@ -72,8 +75,16 @@ class ClipScoreScorer:
 
     score_range = (None, None)
 
-    def __init__(self, name: str, divisor: float, description: str, model_dir: Path | None = None,
-                 device: str | None = None, folder: str | None = None, preprocess: str = "clip") -> None:
+    def __init__(
+        self,
+        name: str,
+        divisor: float,
+        description: str,
+        model_dir: Path | None = None,
+        device: str | None = None,
+        folder: str | None = None,
+        preprocess: str = "clip",
+    ) -> None:
         """Args:
         name: registry name.
         divisor: what the scaled cosine is divided by (the reference scorer's normalisation).
@@ -109,9 +120,11 @@ class ClipScoreScorer:
         if not (self._root / "config.json").is_file():
             raise FileNotFoundError(f"{self._root} is not a transformers CLIPModel checkpoint (no config.json)")
         processor_dir = self._root / "processor" if (self._root / "processor").is_dir() else self._root
-        require_files(processor_dir, ("preprocessor_config.json", "tokenizer_config.json"),
-                      f"save the model's CLIP processor (tokenizer and image processor) there or in "
-                      f"{self._root / 'processor'}")
+        require_files(
+            processor_dir,
+            ("preprocessor_config.json", "tokenizer_config.json"),
+            f"save the model's CLIP processor (tokenizer and image processor) there or in {self._root / 'processor'}",
+        )
         model = load_strict(CLIPModel, self._root, "CLIPModel")
         self._model = model.eval().to(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(processor_dir)
@@ -129,9 +142,12 @@ class ClipScoreScorer:
             rgb = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
             pixels_BCHW = self._processor(images=rgb, return_tensors="pt")["pixel_values"].to(self._device)
         tokens, truncated = tokenize(self._tokenizer, prompts, self._max_tokens, self._device)
-        out = self._model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
-                          pixel_values=pixels_BCHW)
+        out = self._model(
+            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels_BCHW
+        )
         cosine_B = (out.image_embeds.float() * out.text_embeds.float()).sum(-1)  # both L2-normalised
         scores_B = self._model.logit_scale.exp().float() * cosine_B / self._divisor
-        return [ScoreOutcome(score=float(score), details={"cosine": float(cosine), "truncated": cut})
-                for score, cosine, cut in zip(scores_B.tolist(), cosine_B.tolist(), truncated, strict=True)]
+        return [
+            ScoreOutcome(score=float(score), details={"cosine": float(cosine), "truncated": cut})
+            for score, cosine, cut in zip(scores_B.tolist(), cosine_B.tolist(), truncated, strict=True)
+        ]

@@ -43,7 +43,5 @@ class ColorfulnessScorer:
     def load(self) -> None:
         """Nothing to load: a closed form."""
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         return [colorfulness(image) for image in images]

@@ -34,7 +34,7 @@ def load_state(path: Path) -> dict[str, torch.Tensor]:
 
 def count_blocks(state: dict[str, torch.Tensor], prefix: str) -> int:
     """How many consecutive ``<prefix>N.*`` blocks the state dict has (0..N-1 all present)."""
-    found = {int(key[len(prefix):].split(".")[0]) for key in state if key.startswith(prefix)}
+    found = {int(key[len(prefix) :].split(".")[0]) for key in state if key.startswith(prefix)}
     if not found or found != set(range(len(found))):
         raise ValueError(f"no complete {prefix}N.* blocks in the checkpoint: is it an OpenCLIP ViT state dict?")
     return len(found)
@@ -63,8 +63,12 @@ def default_heads(width: int, head_width: int) -> int:
 
 
 def openclip_to_transformers(
-    state: dict[str, torch.Tensor], *, vision_heads: int | None = None, text_heads: int | None = None,
-    hidden_act: str = "gelu", token_ids: dict[str, int] | None = None,
+    state: dict[str, torch.Tensor],
+    *,
+    vision_heads: int | None = None,
+    text_heads: int | None = None,
+    hidden_act: str = "gelu",
+    token_ids: dict[str, int] | None = None,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """(CLIPConfig, transformers state dict) for an OpenCLIP ViT CLIP state dict; projections transposed,
     sizes read from the shapes. ``token_ids``: bos/eos/pad ids for the text config (CLIP's by default)."""
@@ -73,20 +77,34 @@ def openclip_to_transformers(
     unknown = [key for key in state if key.startswith(("visual.trunk", "text.transformer", "visual.attn_pool"))]
     if unknown or "visual.conv1.weight" not in state:
         raise ValueError("only OpenCLIP's built-in ViT towers are supported (no timm or HF text towers)")
-    v_layers, t_layers = count_blocks(state, "visual.transformer.resblocks."), count_blocks(state, "transformer.resblocks.")
+    v_layers, t_layers = (
+        count_blocks(state, "visual.transformer.resblocks."),
+        count_blocks(state, "transformer.resblocks."),
+    )
     v_width, _, patch, _ = state["visual.conv1.weight"].shape
     t_width = state["token_embedding.weight"].shape[1]
     grid = round((state["visual.positional_embedding"].shape[0] - 1) ** 0.5)
-    vision = {"hidden_size": v_width, "num_hidden_layers": v_layers, "patch_size": patch, "image_size": grid * patch,
-              "intermediate_size": state["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
-              "num_attention_heads": vision_heads or default_heads(v_width, 80 if v_width == 1280 else 64),
-              "hidden_act": hidden_act, "layer_norm_eps": 1e-5}
-    text = {"hidden_size": t_width, "num_hidden_layers": t_layers,
-            "vocab_size": state["token_embedding.weight"].shape[0],
-            "max_position_embeddings": state["positional_embedding"].shape[0],
-            "intermediate_size": state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
-            "num_attention_heads": text_heads or default_heads(t_width, 64),
-            "hidden_act": hidden_act, "layer_norm_eps": 1e-5, **(token_ids or {})}
+    vision = {
+        "hidden_size": v_width,
+        "num_hidden_layers": v_layers,
+        "patch_size": patch,
+        "image_size": grid * patch,
+        "intermediate_size": state["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
+        "num_attention_heads": vision_heads or default_heads(v_width, 80 if v_width == 1280 else 64),
+        "hidden_act": hidden_act,
+        "layer_norm_eps": 1e-5,
+    }
+    text = {
+        "hidden_size": t_width,
+        "num_hidden_layers": t_layers,
+        "vocab_size": state["token_embedding.weight"].shape[0],
+        "max_position_embeddings": state["positional_embedding"].shape[0],
+        "intermediate_size": state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
+        "num_attention_heads": text_heads or default_heads(t_width, 64),
+        "hidden_act": hidden_act,
+        "layer_norm_eps": 1e-5,
+        **(token_ids or {}),
+    }
     config = CLIPConfig(vision_config=vision, text_config=text, projection_dim=state["text_projection"].shape[1])
     out = {
         "vision_model.embeddings.patch_embedding.weight": state["visual.conv1.weight"],
@@ -107,8 +125,15 @@ def openclip_to_transformers(
     return config, {key: value.contiguous().clone() for key, value in out.items()}
 
 
-def convert(src: Path, out: Path, *, tokenizer: Path | None = None, vision_heads: int | None = None,
-            text_heads: int | None = None, hidden_act: str = "gelu") -> Path:
+def convert(
+    src: Path,
+    out: Path,
+    *,
+    tokenizer: Path | None = None,
+    vision_heads: int | None = None,
+    text_heads: int | None = None,
+    hidden_act: str = "gelu",
+) -> Path:
     """Write a transformers CLIPModel (and the tokenizer, when given) converted from ``src`` into ``out``."""
     from safetensors.torch import save_file
 
@@ -117,10 +142,14 @@ def convert(src: Path, out: Path, *, tokenizer: Path | None = None, vision_heads
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
-        token_ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-                     "pad_token_id": tok.pad_token_id}
-    config, state = openclip_to_transformers(load_state(src), vision_heads=vision_heads, text_heads=text_heads,
-                                             hidden_act=hidden_act, token_ids=token_ids)
+        token_ids = {
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+        }
+    config, state = openclip_to_transformers(
+        load_state(src), vision_heads=vision_heads, text_heads=text_heads, hidden_act=hidden_act, token_ids=token_ids
+    )
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -134,15 +163,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", type=Path, required=True, help="OpenCLIP checkpoint (.pt/.pth/.bin or .safetensors)")
     parser.add_argument("--out", type=Path, required=True, help="output directory, e.g. <model_dir>/hpsv2")
-    parser.add_argument("--tokenizer", type=Path, help="a CLIP tokenizer directory to copy (e.g. a save of "
-                        "laion/CLIP-ViT-H-14-laion2B-s32B-b79K's); the scorer needs one beside the weights")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a CLIP tokenizer directory to copy (e.g. a save of "
+        "laion/CLIP-ViT-H-14-laion2B-s32B-b79K's); the scorer needs one beside the weights",
+    )
     parser.add_argument("--vision-heads", type=int, help="default: width / 80 for width 1280 (ViT-H), else / 64")
     parser.add_argument("--text-heads", type=int, help="default: width / 64")
-    parser.add_argument("--hidden-act", default="gelu", choices=["gelu", "quick_gelu"],
-                        help="gelu for LAION/HPS towers, quick_gelu for OpenAI's")
+    parser.add_argument(
+        "--hidden-act",
+        default="gelu",
+        choices=["gelu", "quick_gelu"],
+        help="gelu for LAION/HPS towers, quick_gelu for OpenAI's",
+    )
     args = parser.parse_args(argv)
-    convert(args.src, args.out, tokenizer=args.tokenizer, vision_heads=args.vision_heads,
-            text_heads=args.text_heads, hidden_act=args.hidden_act)
+    convert(
+        args.src,
+        args.out,
+        tokenizer=args.tokenizer,
+        vision_heads=args.vision_heads,
+        text_heads=args.text_heads,
+        hidden_act=args.hidden_act,
+    )
     print(f"wrote {args.out}")
 
 

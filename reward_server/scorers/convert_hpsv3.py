@@ -39,7 +39,7 @@ def rename_backbone(state: dict[str, torch.Tensor], expected: set[str]) -> dict[
     """The backbone tensors under the names in ``expected``; ValueError naming what is missing or left over."""
     out, unknown = {}, []
     for key, value in state.items():
-        candidates = [key] + [new + key[len(old):] for old, new in LEGACY_PREFIXES if key.startswith(old)]
+        candidates = [key] + [new + key[len(old) :] for old, new in LEGACY_PREFIXES if key.startswith(old)]
         name = next((c for c in candidates if c in expected), None)
         if name is None:
             unknown.append(key)
@@ -47,8 +47,10 @@ def rename_backbone(state: dict[str, torch.Tensor], expected: set[str]) -> dict[
             out[name] = value
     missing = sorted(expected - set(out))
     if unknown or missing:
-        raise ValueError(f"the checkpoint does not match the base model: unknown {unknown[:5]}, missing {missing[:5]} "
-                         "(is --base the Qwen2-VL HPSv3 was trained from?)")
+        raise ValueError(
+            f"the checkpoint does not match the base model: unknown {unknown[:5]}, missing {missing[:5]} "
+            "(is --base the Qwen2-VL HPSv3 was trained from?)"
+        )
     return out
 
 
@@ -61,15 +63,23 @@ def convert(src: Path, base: Path, out: Path) -> Path:
     state = read_checkpoint(src)
     head = {key.removeprefix("rm_head."): value for key, value in state.items() if key.startswith("rm_head.")}
     backbone = {key: value for key, value in state.items() if not key.startswith("rm_head.")}
-    embed = next((backbone[k] for k in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-                  if k in backbone), None)
+    embed = next(
+        (
+            backbone[k]
+            for k in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+            if k in backbone
+        ),
+        None,
+    )
     if not head or embed is None:
         raise ValueError(f"{src} is not an HPSv3 checkpoint: expected rm_head.* and model.embed_tokens.weight")
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
     if len(tokenizer) != embed.shape[0]:
-        raise ValueError(f"the checkpoint has {embed.shape[0]} token embeddings, the base tokenizer plus {REWARD_TOKEN} "
-                         f"{len(tokenizer)}: pass the Qwen2-VL HPSv3 was trained from as --base")
+        raise ValueError(
+            f"the checkpoint has {embed.shape[0]} token embeddings, the base tokenizer plus {REWARD_TOKEN} "
+            f"{len(tokenizer)}: pass the Qwen2-VL HPSv3 was trained from as --base"
+        )
     config = AutoConfig.from_pretrained(base)
     if config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
         raise ValueError(f"{base} holds a {config.model_type!r} model; expected qwen2_vl")
@@ -79,19 +89,27 @@ def convert(src: Path, base: Path, out: Path) -> Path:
     backbone = rename_backbone(backbone, expected)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
-    save_file({k: v.contiguous() for k, v in backbone.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in backbone.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     save_file({k: v.float().contiguous() for k, v in head.items()}, str(out / HEAD_FILE))
     tokenizer.save_pretrained(out)
     processor = base / "preprocessor_config.json"
-    (Qwen2VLImageProcessorPil.from_pretrained(base) if processor.is_file() else Qwen2VLImageProcessorPil()).save_pretrained(out)
+    (
+        Qwen2VLImageProcessorPil.from_pretrained(base) if processor.is_file() else Qwen2VLImageProcessorPil()
+    ).save_pretrained(out)
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", type=Path, required=True, help="HPSv3.safetensors (or a .pth of the reward model)")
-    parser.add_argument("--base", type=Path, required=True,
-                        help="the Qwen2-VL-7B-Instruct directory (config, tokenizer, preprocessor_config.json)")
+    parser.add_argument(
+        "--base",
+        type=Path,
+        required=True,
+        help="the Qwen2-VL-7B-Instruct directory (config, tokenizer, preprocessor_config.json)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory, e.g. <model_dir>/hpsv3")
     args = parser.parse_args(argv)
     convert(args.src, args.base, args.out)

@@ -95,9 +95,7 @@ class DigitScorer:
         self._classifier = classifier
         self.score([np.zeros((16, 16, 1), np.uint8)], ["0"], [{}])
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[ScoreOutcome]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[ScoreOutcome]:
         assert self._classifier is not None, "load() must be called before score()"
         outcomes: list[ScoreOutcome | None] = [None] * len(images)
         rows, features, targets = [], [], []

@@ -57,11 +57,16 @@ BACKGROUND = (153, 153, 153)  # GenEval's "#999" fill outside an object's mask f
 WARMUP_ROW = {"tag": "single_object", "include": [{"class": "bowl", "count": 1}]}
 FLOW_GRPO_JPEG_QUALITY = 75  # PIL's default, which Flow-GRPO's GenEval client leaves unset
 MODES = {
-    "strict": ("geneval", "GenEval object checks (Mask2Former + CLIP colours, no mmdet): 1 when every "
-               "count/colour/position check of the prompt's metadata passes, else 0"),
+    "strict": (
+        "geneval",
+        "GenEval object checks (Mask2Former + CLIP colours, no mmdet): 1 when every "
+        "count/colour/position check of the prompt's metadata passes, else 0",
+    ),
     "partial": ("geneval_partial", "GenEval object checks: the fraction of the checks passed"),
-    "flow_grpo": ("geneval_flow_grpo", "Flow-GRPO's GenEval reward: mean of its count/colour/position terms "
-                  "(exact counts, exclusions ignored)"),
+    "flow_grpo": (
+        "geneval_flow_grpo",
+        "Flow-GRPO's GenEval reward: mean of its count/colour/position terms (exact counts, exclusions ignored)",
+    ),
 }
 
 
@@ -105,15 +110,20 @@ class GenEvalScorer:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         if self._root is None:
-            raise ModelFilesMissing("geneval needs --model-dir with geneval/detector (Mask2Former) and "
-                                    "geneval/clip (CLIP)")
+            raise ModelFilesMissing(
+                "geneval needs --model-dir with geneval/detector (Mask2Former) and geneval/clip (CLIP)"
+            )
         detector_dir, clip_dir = self._root / "detector", self._root / "clip"
-        for folder, needed in ((detector_dir, ("config.json", "preprocessor_config.json")),
-                               (clip_dir, ("config.json", "preprocessor_config.json", "tokenizer_config.json"))):
+        for folder, needed in (
+            (detector_dir, ("config.json", "preprocessor_config.json")),
+            (clip_dir, ("config.json", "preprocessor_config.json", "tokenizer_config.json")),
+        ):
             for name in needed:
                 if not (folder / name).is_file():
-                    raise FileNotFoundError(f"no {name} in {folder}: save the model and its processor there "
-                                            "(see reward_server/scorers/geneval.py for the layout)")
+                    raise FileNotFoundError(
+                        f"no {name} in {folder}: save the model and its processor there "
+                        "(see reward_server/scorers/geneval.py for the layout)"
+                    )
         detector, info = Mask2FormerForUniversalSegmentation.from_pretrained(detector_dir, output_loading_info=True)
         clip, clip_info = CLIPModel.from_pretrained(clip_dir, output_loading_info=True)
         for folder, loading in ((detector_dir, info), (clip_dir, clip_info)):
@@ -131,8 +141,10 @@ class GenEvalScorer:
         self._clip_processor = CLIPImageProcessorPil.from_pretrained(clip_dir)
         self._color_embeds = {}
         digest = sha256_files(weight_files(detector_dir) + weight_files(clip_dir))[:12]
-        self._version = (f"geneval+mask2former-{detector.config.backbone_config.model_type}"
-                         f"+clip-{clip.config.vision_config.hidden_size}+{digest}")
+        self._version = (
+            f"geneval+mask2former-{detector.config.backbone_config.model_type}"
+            f"+clip-{clip.config.vision_config.hidden_size}+{digest}"
+        )
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [WARMUP_ROW])
 
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[ScoreOutcome]:
@@ -155,12 +167,15 @@ class GenEvalScorer:
         if self._mode == "flow_grpo":
             rgb = [jpeg_roundtrip(image) for image in rgb]
             seen = [np.ascontiguousarray(image[:, :, ::-1]) for image in rgb]
-        for index, candidates in zip(wanted, self._detect([seen[i] for i in wanted], list(wanted.values())), strict=True):
+        for index, candidates in zip(
+            wanted, self._detect([seen[i] for i in wanted], list(wanted.values())), strict=True
+        ):
             outcomes[index] = self._verdict(metadata[index], candidates, rgb[index])
         return outcomes  # type: ignore[return-value]
 
-    def _verdict(self, meta: dict[str, Any], candidates: dict[str, list[rules.Detection]],
-                 image: np.ndarray) -> ScoreOutcome:
+    def _verdict(
+        self, meta: dict[str, Any], candidates: dict[str, list[rules.Detection]], image: np.ndarray
+    ) -> ScoreOutcome:
         """One item's score and details from its candidate detections; CLIP reads each colour once."""
         detected = rules.select_detections(candidates, meta["tag"])
         votes: dict[tuple, list[str]] = {}
@@ -173,9 +188,15 @@ class GenEvalScorer:
 
         checks = rules.evaluate(meta, detected, colors)
         strict, partial = rules.strict_and_partial(checks)
-        details = {"strict": strict, "partial": partial, "tag": meta["tag"], "checks": checks,
-                   "detected": {name: [[*map(float, d.box), round(d.score, 4)] for d in found]
-                                for name, found in detected.items()}}
+        details = {
+            "strict": strict,
+            "partial": partial,
+            "tag": meta["tag"],
+            "checks": checks,
+            "detected": {
+                name: [[*map(float, d.box), round(d.score, 4)] for d in found] for name, found in detected.items()
+            },
+        }
         if self._mode != "flow_grpo":
             return ScoreOutcome(score=strict if self._mode == "strict" else partial, details=details)
         reward, exact, terms = rules.flow_grpo_reward(meta, detected, colors)
@@ -188,12 +209,19 @@ class GenEvalScorer:
             return []
         inputs = self._det_processor(images=images, return_tensors="pt")
         pixel_mask = inputs["pixel_mask"]
-        out = self._detector(pixel_values=inputs["pixel_values"].to(self._device), pixel_mask=pixel_mask.to(self._device))
+        out = self._detector(
+            pixel_values=inputs["pixel_values"].to(self._device), pixel_mask=pixel_mask.to(self._device)
+        )
         padded_size = tuple(inputs["pixel_values"].shape[-2:])
         return [
-            instances(out.class_queries_logits[b], out.masks_queries_logits[b], padded_size,
-                      (int(pixel_mask[b, :, 0].sum()), int(pixel_mask[b, 0, :].sum())), image.shape[:2],
-                      {i: name for i, name in self._label_names.items() if name in wanted[b]})
+            instances(
+                out.class_queries_logits[b],
+                out.masks_queries_logits[b],
+                padded_size,
+                (int(pixel_mask[b, :, 0].sum()), int(pixel_mask[b, 0, :].sum())),
+                image.shape[:2],
+                {i: name for i, name in self._label_names.items() if name in wanted[b]},
+            )
             for b, image in enumerate(images)
         ]
 
@@ -216,8 +244,12 @@ class GenEvalScorer:
 
 
 def instances(
-    class_logits_QC: torch.Tensor, mask_logits_Qhw: torch.Tensor, padded_size: tuple[int, int],
-    valid_size: tuple[int, int], image_size: tuple[int, int], labels: dict[int, str],
+    class_logits_QC: torch.Tensor,
+    mask_logits_Qhw: torch.Tensor,
+    padded_size: tuple[int, int],
+    valid_size: tuple[int, int],
+    image_size: tuple[int, int],
+    labels: dict[int, str],
 ) -> dict[str, list[rules.Detection]]:
     """One image's instances by mmdet's Mask2Former rule, for the label ids in ``labels`` only.
 
@@ -231,13 +263,20 @@ def instances(
     num_classes = probs_QC.shape[-1]
     top_scores, top_indices = probs_QC.flatten().topk(min(TOP_K, probs_QC.numel()))
     floor = min(rules.THRESHOLD, rules.COUNTING_THRESHOLD)
-    keep = [k for k, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist(), strict=True))
-            if score > floor and index % num_classes in labels]
+    keep = [
+        k
+        for k, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist(), strict=True))
+        if score > floor and index % num_classes in labels
+    ]
     found: dict[str, list[rules.Detection]] = {}
     if not keep:
         return found
-    logits = F.interpolate(mask_logits_Qhw[top_indices[keep] // num_classes][None].float(), size=padded_size,
-                           mode="bilinear", align_corners=False)[..., : valid_size[0], : valid_size[1]]
+    logits = F.interpolate(
+        mask_logits_Qhw[top_indices[keep] // num_classes][None].float(),
+        size=padded_size,
+        mode="bilinear",
+        align_corners=False,
+    )[..., : valid_size[0], : valid_size[1]]
     logits = F.interpolate(logits, size=tuple(image_size), mode="bilinear", align_corners=False)[0]
     binary = logits > 0
     mask_scores = (logits.sigmoid() * binary).flatten(1).sum(1) / (binary.flatten(1).sum(1) + 1e-6)
@@ -245,7 +284,8 @@ def instances(
         box = _mask_box(mask)
         if box is not None:
             found.setdefault(labels[int(top_indices[k]) % num_classes], []).append(
-                rules.Detection(box=box, score=float(top_scores[k]) * mask_score, mask=mask))
+                rules.Detection(box=box, score=float(top_scores[k]) * mask_score, mask=mask)
+            )
     return found
 
 
@@ -260,8 +300,9 @@ def jpeg_roundtrip(image: np.ndarray) -> np.ndarray:
 def crop_object(image: np.ndarray, detection: rules.Detection) -> np.ndarray:
     """The object's pixels (grey outside its mask, if any) inside its box, rounded to whole pixels."""
     height, width = image.shape[:2]
-    composite = image if detection.mask is None else np.where(detection.mask[..., None], image,
-                                                              np.array(BACKGROUND, np.uint8))
+    composite = (
+        image if detection.mask is None else np.where(detection.mask[..., None], image, np.array(BACKGROUND, np.uint8))
+    )
     x1, y1, x2, y2 = (round(v) for v in detection.box)
     x1, y1 = min(max(x1, 0), width - 1), min(max(y1, 0), height - 1)
     x2, y2 = min(max(x2, x1 + 1), width), min(max(y2, y1 + 1), height)

@@ -16,21 +16,100 @@ import numpy as np
 
 # GenEval's object vocabulary (the 80 COCO thing classes, spelt as its prompts spell them).
 OBJECT_NAMES = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "computer mouse", "tv remote",
-    "computer keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock",
-    "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "computer mouse",
+    "tv remote",
+    "computer keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 )
 # Other spellings of those classes in detector configs (Detectron2/transformers COCO, Pascal VOC style).
 LABEL_ALIASES = {
-    "mouse": "computer mouse", "remote": "tv remote", "keyboard": "computer keyboard", "tvmonitor": "tv",
-    "tv monitor": "tv", "sofa": "couch", "motorbike": "motorcycle", "aeroplane": "airplane",
-    "diningtable": "dining table", "pottedplant": "potted plant", "hair dryer": "hair drier",
+    "mouse": "computer mouse",
+    "remote": "tv remote",
+    "keyboard": "computer keyboard",
+    "tvmonitor": "tv",
+    "tv monitor": "tv",
+    "sofa": "couch",
+    "motorbike": "motorcycle",
+    "aeroplane": "airplane",
+    "diningtable": "dining table",
+    "pottedplant": "potted plant",
+    "hair dryer": "hair drier",
 }
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 COLOR_TEMPLATES = ("a photo of a {color} {obj}", "a photo of a {color}-colored {obj}", "a photo of a {color} object")
@@ -71,8 +150,13 @@ def box_iou(box_a: Sequence[float], box_b: Sequence[float]) -> float:
 
 
 def select_detections(
-    candidates: dict[str, list[Detection]], tag: str, *, threshold: float = THRESHOLD,
-    counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS, max_overlap: float = MAX_OVERLAP,
+    candidates: dict[str, list[Detection]],
+    tag: str,
+    *,
+    threshold: float = THRESHOLD,
+    counting_threshold: float = COUNTING_THRESHOLD,
+    max_objects: int = MAX_OBJECTS,
+    max_overlap: float = MAX_OVERLAP,
 ) -> dict[str, list[Detection]]:
     """Per class: keep detections above the tag's confidence threshold, most confident first, at most
     ``max_objects``, then greedily drop any whose IoU with a kept one reaches ``max_overlap`` (< 1.0)."""
@@ -134,8 +218,13 @@ def parse_spec(metadata: dict[str, Any]) -> tuple[str, list[dict[str, Any]], lis
             raise ValueError(f"clause {clause!r}: 'color' must be one of {COLORS}")
         if index < len(include) and "position" in clause:
             relation = clause["position"]
-            if (not isinstance(relation, list | tuple) or len(relation) != 2 or relation[0] not in RELATIONS
-                    or not isinstance(relation[1], int) or not 0 <= relation[1] < index):
+            if (
+                not isinstance(relation, list | tuple)
+                or len(relation) != 2
+                or relation[0] not in RELATIONS
+                or not isinstance(relation[1], int)
+                or not 0 <= relation[1] < index
+            ):
                 raise ValueError(f"clause {clause!r}: 'position' must be [relation, index of an earlier clause]")
     return tag, include, exclude
 
@@ -144,8 +233,11 @@ ColorClassifier = Callable[[str, list[Detection]], list[str]]
 
 
 def evaluate(
-    metadata: dict[str, Any], detected: dict[str, list[Detection]], classify_colors: ColorClassifier,
-    *, margin: float = POSITION_MARGIN,
+    metadata: dict[str, Any],
+    detected: dict[str, list[Detection]],
+    classify_colors: ColorClassifier,
+    *,
+    margin: float = POSITION_MARGIN,
 ) -> list[dict[str, Any]]:
     """GenEval's verdict as a list of checks, each ``{check, class, expected, found, passed}``.
 
@@ -162,13 +254,21 @@ def evaluate(
         name, count = clause["class"], clause["count"]
         found = detected.get(name, [])[:count]
         matched = len(found) >= count
-        checks.append({"check": "count", "class": name, "expected": f">={count}", "found": len(detected.get(name, [])),
-                       "passed": matched})
+        checks.append(
+            {
+                "check": "count",
+                "class": name,
+                "expected": f">={count}",
+                "found": len(detected.get(name, [])),
+                "passed": matched,
+            }
+        )
         if "color" in clause:
             colors = classify_colors(name, found) if matched else []
             matched = matched and colors.count(clause["color"]) >= count
-            checks.append({"check": "color", "class": name, "expected": clause["color"], "found": colors,
-                           "passed": matched})
+            checks.append(
+                {"check": "color", "class": name, "expected": clause["color"], "found": colors, "passed": matched}
+            )
         if "position" in clause:
             relation, target = clause["position"]
             targets = groups[target]
@@ -180,14 +280,22 @@ def evaluate(
                         matched = matched and relation in seen[-1]
             else:
                 matched = False
-            checks.append({"check": "position", "class": name, "expected": f"{relation} {include[target]['class']}",
-                           "found": seen, "passed": matched})
+            checks.append(
+                {
+                    "check": "position",
+                    "class": name,
+                    "expected": f"{relation} {include[target]['class']}",
+                    "found": seen,
+                    "passed": matched,
+                }
+            )
         groups.append(found if matched else None)
     for clause in exclude:
         name, count = clause["class"], clause["count"]
         present = len(detected.get(name, []))
-        checks.append({"check": "exclude", "class": name, "expected": f"<{count}", "found": present,
-                       "passed": present < count})
+        checks.append(
+            {"check": "exclude", "class": name, "expected": f"<{count}", "found": present, "passed": present < count}
+        )
     return checks
 
 
@@ -198,8 +306,11 @@ def strict_and_partial(checks: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def flow_grpo_reward(
-    metadata: dict[str, Any], detected: dict[str, list[Detection]], classify_colors: ColorClassifier,
-    *, margin: float = POSITION_MARGIN,
+    metadata: dict[str, Any],
+    detected: dict[str, list[Detection]],
+    classify_colors: ColorClassifier,
+    *,
+    margin: float = POSITION_MARGIN,
 ) -> tuple[float, bool, list[float]]:
     """Flow-GRPO's GenEval training reward (its reward server's ``evaluate_reward``): the mean of these terms.
 
@@ -227,7 +338,8 @@ def flow_grpo_reward(
             relation, target = clause["position"]
             targets = groups[target]
             matched = targets is not None and all(
-                relation in relative_position(obj.box, other.box, margin) for obj in found for other in targets)
+                relation in relative_position(obj.box, other.box, margin) for obj in found for other in targets
+            )
             terms.extend([0.0] if targets is None else [1.0] if matched else [0.0, 1.0])
         groups.append(found if matched else None)
     return sum(terms) / len(terms), all(group is not None for group in groups), terms

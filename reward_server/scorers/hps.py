@@ -52,8 +52,9 @@ def hps_pixels(image: np.ndarray, size: int) -> torch.Tensor:
     scale = size / float(max(height, width))
     if scale != 1.0:
         new_h, new_w = round(height * scale), round(width * scale)
-        pixels = F.interpolate(pixels[None], size=(new_h, new_w), mode="bicubic", align_corners=False,
-                               antialias=True)[0]
+        pixels = F.interpolate(pixels[None], size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)[
+            0
+        ]
         pad_h, pad_w = size - new_h, size - new_w
         pixels = F.pad(pixels, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
     mean = torch.tensor(OPENAI_MEAN).view(3, 1, 1)
@@ -93,10 +94,14 @@ class HpsScorer:
         from transformers import AutoTokenizer, CLIPModel
 
         if self._root is None:
-            raise ModelFilesMissing("hpsv2 needs --model-dir with hpsv2/ (see python -m "
-                                    "reward_server.scorers.convert_hps)")
-        require_files(self._root, ("config.json", "tokenizer_config.json"),
-                      "convert the HPS checkpoint there with python -m reward_server.scorers.convert_hps --tokenizer ...")
+            raise ModelFilesMissing(
+                "hpsv2 needs --model-dir with hpsv2/ (see python -m reward_server.scorers.convert_hps)"
+            )
+        require_files(
+            self._root,
+            ("config.json", "tokenizer_config.json"),
+            "convert the HPS checkpoint there with python -m reward_server.scorers.convert_hps --tokenizer ...",
+        )
         model = load_strict(CLIPModel, self._root, "CLIPModel", unexpected_ok=False)
         self._model = model.eval().to(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(self._root)
@@ -114,8 +119,10 @@ class HpsScorer:
         text_BD = self._model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
         image_BD, text_BD = (_embeds(x).float() for x in (image_BD, text_BD))
         cosine_B = (F.normalize(image_BD, dim=-1) * F.normalize(text_BD, dim=-1)).sum(-1)
-        return [ScoreOutcome(score=float(value), details={"truncated": cut})
-                for value, cut in zip(cosine_B.tolist(), truncated, strict=True)]
+        return [
+            ScoreOutcome(score=float(value), details={"truncated": cut})
+            for value, cut in zip(cosine_B.tolist(), truncated, strict=True)
+        ]
 
 
 def _embeds(output: Any) -> torch.Tensor:

@@ -91,8 +91,14 @@ def reward_head(state: dict[str, torch.Tensor]) -> nn.Sequential:
     if len(shapes) != 3 or len(state) != 6:
         raise ValueError(f"not an HPSv3 reward head: expected 0/3/5.weight and .bias, got {sorted(state)[:8]}")
     (first_out, hidden), (mid_out, _), (out, _) = shapes
-    head = nn.Sequential(nn.Linear(hidden, first_out), nn.ReLU(), nn.Dropout(0.0), nn.Linear(first_out, mid_out),
-                         nn.ReLU(), nn.Linear(mid_out, out))
+    head = nn.Sequential(
+        nn.Linear(hidden, first_out),
+        nn.ReLU(),
+        nn.Dropout(0.0),
+        nn.Linear(first_out, mid_out),
+        nn.ReLU(),
+        nn.Linear(mid_out, out),
+    )
     head.load_state_dict(state)
     return head.float().eval()
 
@@ -124,17 +130,21 @@ class Hpsv3Scorer:
         from safetensors.torch import load_file
 
         if self._model_dir is None:
-            raise ModelFilesMissing("hpsv3 needs --model-dir with hpsv3/ (see python -m "
-                                    "reward_server.scorers.convert_hpsv3)")
+            raise ModelFilesMissing(
+                "hpsv3 needs --model-dir with hpsv3/ (see python -m reward_server.scorers.convert_hpsv3)"
+            )
         root, options_path = self._model_dir / "hpsv3", self._model_dir / "hpsv3.json"
         options = json.loads(options_path.read_text()) if options_path.is_file() else {}
         if set(options) - {"image_pixels"}:
-            raise ValueError(f"{options_path}: unknown keys {sorted(set(options) - {'image_pixels'})}; "
-                             "allowed: ['image_pixels']")
+            raise ValueError(
+                f"{options_path}: unknown keys {sorted(set(options) - {'image_pixels'})}; allowed: ['image_pixels']"
+            )
         self.image_pixels = int(options.get("image_pixels", IMAGE_PIXELS))
         if not (root / HEAD_FILE).is_file():
-            raise FileNotFoundError(f"no {HEAD_FILE} in {root}: convert HPSv3.safetensors there with "
-                                    "python -m reward_server.scorers.convert_hpsv3")
+            raise FileNotFoundError(
+                f"no {HEAD_FILE} in {root}: convert HPSv3.safetensors there with "
+                "python -m reward_server.scorers.convert_hpsv3"
+            )
         judge = LocalQwenVL(root, device=self._device)
         self._reward_id = judge.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
         if judge.tokenizer.convert_ids_to_tokens(self._reward_id) != REWARD_TOKEN:

@@ -63,8 +63,13 @@ class ImageRewardModel(nn.Module):
     def forward(self, pixels_BCHW: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         image_BND = self.vision_model(pixel_values=pixels_BCHW).last_hidden_state
         image_mask = torch.ones(image_BND.shape[:-1], dtype=torch.long, device=image_BND.device)
-        text = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image_BND,
-                                 encoder_attention_mask=image_mask, is_decoder=False)
+        text = self.text_encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            encoder_hidden_states=image_BND,
+            encoder_attention_mask=image_mask,
+            is_decoder=False,
+        )
         return self.mlp(text.last_hidden_state[:, 0].float()).squeeze(-1)
 
 
@@ -96,17 +101,22 @@ class ImageRewardScorer:
         from transformers import AutoTokenizer, BlipConfig
 
         if self._root is None:
-            raise ModelFilesMissing("imagereward needs --model-dir with imagereward/ "
-                             "(see python -m reward_server.scorers.convert_imagereward)")
-        require_files(self._root, ("config.json", "model.safetensors", "tokenizer_config.json"),
-                      "convert ImageReward.pt there with python -m reward_server.scorers.convert_imagereward "
-                      "--tokenizer ...")
+            raise ModelFilesMissing(
+                "imagereward needs --model-dir with imagereward/ "
+                "(see python -m reward_server.scorers.convert_imagereward)"
+            )
+        require_files(
+            self._root,
+            ("config.json", "model.safetensors", "tokenizer_config.json"),
+            "convert ImageReward.pt there with python -m reward_server.scorers.convert_imagereward --tokenizer ...",
+        )
         config = BlipConfig.from_pretrained(self._root)
         model = ImageRewardModel(config)
         result = model.load_state_dict(load_file(str(self._root / "model.safetensors")), strict=False)
         if result.missing_keys or result.unexpected_keys:  # never run with random weights
-            raise ValueError(f"{self._root} lacks or has unknown weights: "
-                             f"{(result.missing_keys + result.unexpected_keys)[:5]}")
+            raise ValueError(
+                f"{self._root} lacks or has unknown weights: {(result.missing_keys + result.unexpected_keys)[:5]}"
+            )
         self._model = model.eval().to(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(self._root)
         self._size = config.vision_config.image_size
@@ -117,9 +127,12 @@ class ImageRewardScorer:
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[ScoreOutcome]:
         assert self._model is not None, "load() must be called before score()"
         pixels_BCHW = torch.stack([imagereward_pixels(image, self._size) for image in images]).to(self._device)
-        tokens = self._tokenizer(prompts, padding="max_length", truncation=True, max_length=MAX_TOKENS,
-                                 return_tensors="pt").to(self._device)
+        tokens = self._tokenizer(
+            prompts, padding="max_length", truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+        ).to(self._device)
         lengths = [len(ids) for ids in self._tokenizer(prompts)["input_ids"]]
         raw_B = self._model(pixels_BCHW, tokens["input_ids"], tokens["attention_mask"])
-        return [ScoreOutcome(score=(raw - REWARD_MEAN) / REWARD_STD, details={"raw": raw, "truncated": n > MAX_TOKENS})
-                for raw, n in zip(raw_B.tolist(), lengths, strict=True)]
+        return [
+            ScoreOutcome(score=(raw - REWARD_MEAN) / REWARD_STD, details={"raw": raw, "truncated": n > MAX_TOKENS})
+            for raw, n in zip(raw_B.tolist(), lengths, strict=True)
+        ]

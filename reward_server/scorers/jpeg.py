@@ -20,9 +20,7 @@ JPEG_QUALITY = 95
 def jpeg_size_kb(image: np.ndarray, quality: int = JPEG_QUALITY) -> float:
     """Size in kB (1000 bytes) of ``image`` (uint8 ``[H, W, C]``, C = 1 or 3) saved as JPEG."""
     buffer = io.BytesIO()
-    Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image).save(
-        buffer, format="JPEG", quality=quality
-    )
+    Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image).save(buffer, format="JPEG", quality=quality)
     return buffer.tell() / 1000.0
 
 
@@ -37,7 +35,5 @@ class JpegCompressibilityScorer:
     def load(self) -> None:
         """Nothing to load."""
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         return [-jpeg_size_kb(image) for image in images]

@@ -104,9 +104,7 @@ def build_query(
 ) -> JudgeQuery | ScoreOutcome:
     """The question for one item, or the failure that prevents asking it."""
     if task not in TASKS:
-        return ScoreOutcome.failure(
-            ErrorCode.BAD_INPUT, f"unknown judge_task {task!r}; one of {sorted(TASKS)}"
-        )
+        return ScoreOutcome.failure(ErrorCode.BAD_INPUT, f"unknown judge_task {task!r}; one of {sorted(TASKS)}")
     if task in OWN_FORMAT_TASKS and readout != "generate":
         return ScoreOutcome.failure(ErrorCode.BAD_INPUT, f"judge_task {task!r} needs the 'generate' readout")
     images = [rgb(image)]
@@ -137,8 +135,9 @@ def read_flow_grpo(text: str) -> ScoreOutcome:
     (1..5 only; anything else is a PARSE error)."""
     match = _FLOW_GRPO_TAG.search(text)
     if match is None or not 1 <= int(match.group(1)) <= 5:
-        return ScoreOutcome.failure(ErrorCode.PARSE, f"no <Score>1..5</Score> in the answer {text[:200]!r}",
-                                    {"answer": text})
+        return ScoreOutcome.failure(
+            ErrorCode.PARSE, f"no <Score>1..5</Score> in the answer {text[:200]!r}", {"answer": text}
+        )
     rating = float(match.group(1))
     return ScoreOutcome(score=rating / 5.0, details={"rating": rating, "answer": text})
 

@@ -114,9 +114,7 @@ def crop_to_mask(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
     0/255 masks both work. Raises ValueError for a mask of another size or with no pixel set.
     """
     if mask.shape[:2] != image.shape[:2]:
-        raise ValueError(
-            f"mask is {mask.shape[1]}x{mask.shape[0]} but the image is {image.shape[1]}x{image.shape[0]}"
-        )
+        raise ValueError(f"mask is {mask.shape[1]}x{mask.shape[0]} but the image is {image.shape[1]}x{image.shape[0]}")
     flat = mask.max(axis=2) if mask.ndim == 3 else mask
     rows, cols = np.nonzero(flat > flat.max() / 2)
     if rows.size == 0:
@@ -258,8 +256,7 @@ class PaddleOcrBackend:
         )
         files = sorted(p for d in (det_dir, rec_dir) for p in d.iterdir() if p.is_file())
         self.version = (
-            f"paddleocr-{importlib.metadata.version('paddleocr')}+{det_name}+{rec_name}"
-            f"+{sha256_files(files)[:12]}"
+            f"paddleocr-{importlib.metadata.version('paddleocr')}+{det_name}+{rec_name}+{sha256_files(files)[:12]}"
         )
 
     def read(self, images_rgb: list[np.ndarray]) -> list[list[TextLine]]:
@@ -340,9 +337,7 @@ class OcrScorer:
             self._backend = PaddleOcrBackend(root / "det", root / "rec")
         self._backend.read([np.full((32, 32, 3), 255, np.uint8)])  # warm-up: first inference allocates
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[ScoreOutcome]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[ScoreOutcome]:
         assert self._backend is not None, "load() must be called before score()"
         outcomes: list[ScoreOutcome | None] = [None] * len(images)
         rows, targets, regions = [], [], []

@@ -99,9 +99,7 @@ class LocalQwenVL:
         for digit in DIGITS:
             ids = self.tokenizer.encode(digit, add_special_tokens=False)
             if len(ids) != 1:
-                raise ValueError(
-                    f"the tokenizer splits {digit!r} into {ids}: the probs readout needs one token"
-                )
+                raise ValueError(f"the tokenizer splits {digit!r} into {ids}: the probs readout needs one token")
             self.digit_token_ids.append(ids[0])
         self.max_new_tokens = max_new_tokens
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
@@ -140,10 +138,7 @@ class LocalQwenVL:
                 ]
             generated = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False)
         new_tokens = generated[:, inputs["input_ids"].shape[1] :]
-        return [
-            JudgeAnswer(text, None)
-            for text in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-        ]
+        return [JudgeAnswer(text, None) for text in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
 
 class OpenAIQwenVL:
@@ -163,9 +158,7 @@ class OpenAIQwenVL:
         self._httpx = httpx
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False: proxy variables must never reroute calls to a local inference server.
-        self._client = httpx.Client(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False
-        )
+        self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="qwenvl-api")
         self.model = model
         self.max_new_tokens = max_new_tokens
@@ -260,15 +253,16 @@ class QwenVLScorer:
         self.task, self.readout = options.get("task", self.task), options.get("readout", self.readout)
         self.max_new_tokens = int(options.get("max_new_tokens", self.max_new_tokens))
         self._check_options()
-        self._backend = open_backend(self._model_dir / "qwenvl", options, api=self._backend_kind == "api",
-                                     device=self._device, max_new_tokens=self.max_new_tokens)
-        self._backend.answer(
-            [JudgeQuery([np.zeros((28, 28, 3), np.uint8)], TASKS["aesthetics"])], self.readout
+        self._backend = open_backend(
+            self._model_dir / "qwenvl",
+            options,
+            api=self._backend_kind == "api",
+            device=self._device,
+            max_new_tokens=self.max_new_tokens,
         )
+        self._backend.answer([JudgeQuery([np.zeros((28, 28, 3), np.uint8)], TASKS["aesthetics"])], self.readout)
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[ScoreOutcome]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[ScoreOutcome]:
         assert self._backend is not None, "load() must be called before score()"
         outcomes: list[ScoreOutcome | None] = [None] * len(images)
         tasks = [meta.get("judge_task", self.task) for meta in metadata]
@@ -298,7 +292,7 @@ class QwenVLScorer:
         if self.readout not in ANSWER_FORMATS:
             raise ValueError(f"unknown readout {self.readout!r}; one of {sorted(ANSWER_FORMATS)}")
         if self.task in OWN_FORMAT_TASKS and self.readout != "generate":
-            raise ValueError(f"task {self.task!r} needs readout 'generate' (set \"readout\": \"generate\")")
+            raise ValueError(f'task {self.task!r} needs readout \'generate\' (set "readout": "generate")')
 
 
 def read_options(model_dir: Path, name: str, *, api: bool, keys: set[str]) -> dict[str, Any]:
@@ -355,4 +349,3 @@ def _png_data_uri(image: np.ndarray) -> str:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG", compress_level=1)
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-

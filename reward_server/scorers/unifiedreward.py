@@ -45,11 +45,13 @@ _CRITERIA = (
 )
 _TASK_LINE = "Your task is provided as follows:\nText Caption: [{prompt}]"
 PROMPTS: dict[str, str] = {
-    "point": _CRITERIA + (
+    "point": _CRITERIA
+    + (
         "Extract key elements from the provided text caption, evaluate their presence in the generated image using "
         "the format: 'element (type): value' (where value=0 means not generated, and value=1 means generated), and "
         "assign a score from 1 to 5 after 'Final Score:'.\n"
-    ) + _TASK_LINE,
+    )
+    + _TASK_LINE,
     "flow_grpo": "<image>\n" + _CRITERIA + "Based on the above criteria, assign a score from 1 to 5 after "
     "'Final Score:'.\n" + _TASK_LINE,
     "acs": (
@@ -60,7 +62,8 @@ PROMPTS: dict[str, str] = {
         "glitches, object distortions, etc.).\n- Style Score: How aesthetically appealing the image looks, regardless "
         "of caption accuracy.\n\nOutput your evaluation using the format below:\n\nAlignment Score (1-5): X\n"
         "Coherence Score (1-5): Y\nStyle Score (1-5): Z\n\n"
-    ) + _TASK_LINE,
+    )
+    + _TASK_LINE,
 }
 ACS_AXES = ("Alignment", "Coherence", "Style")
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
@@ -81,8 +84,9 @@ def read_rating(text: str, task: str) -> ScoreOutcome:
     ratings = {axis: float(values[0]) for axis, values in found.items() if values}
     if len(ratings) != len(found) or not all(1.0 <= value <= 5.0 for value in ratings.values()):
         wanted = "'<Axis> Score (1-5): x' for Alignment, Coherence and Style" if task == "acs" else "'Final Score: x'"
-        return ScoreOutcome.failure(ErrorCode.PARSE, f"no {wanted} with x in 1..5 in the answer {text[-200:]!r}",
-                                    {"answer": text})
+        return ScoreOutcome.failure(
+            ErrorCode.PARSE, f"no {wanted} with x in 1..5 in the answer {text[-200:]!r}", {"answer": text}
+        )
     if task != "acs":
         return ScoreOutcome(score=ratings["final"], details={"answer": text})
     details = {axis.lower(): value for axis, value in ratings.items()}
@@ -94,8 +98,15 @@ class UnifiedRewardScorer:
 
     score_range = (1.0, 5.0)
 
-    def __init__(self, backend: str = "local", model_dir: Path | None = None, *, task: str = "point",
-                 max_new_tokens: int = 512, device: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: str = "local",
+        model_dir: Path | None = None,
+        *,
+        task: str = "point",
+        max_new_tokens: int = 512,
+        device: str | None = None,
+    ) -> None:
         """Args:
         backend: ``"local"`` (registry name ``unifiedreward``) or ``"api"`` (``unifiedreward_api``).
         model_dir: the server's ``--model-dir`` (layout in the module docstring).
@@ -124,15 +135,22 @@ class UnifiedRewardScorer:
         self.task = options.get("task", self.task)
         self.max_new_tokens = int(options.get("max_new_tokens", self.max_new_tokens))
         self._check_task()
-        self._backend = open_backend(self._model_dir / "unifiedreward", options, api=self._api,
-                                     device=self._device, max_new_tokens=self.max_new_tokens)
+        self._backend = open_backend(
+            self._model_dir / "unifiedreward",
+            options,
+            api=self._api,
+            device=self._device,
+            max_new_tokens=self.max_new_tokens,
+        )
         self._backend.answer([self._query(np.zeros((28, 28, 3), np.uint8), "")], "generate")
 
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[ScoreOutcome]:
         assert self._backend is not None, "load() must be called before score()"
         queries = [self._query(image, prompt) for image, prompt in zip(images, prompts, strict=True)]
         answers = self._backend.answer(queries, "generate")
-        return [answer if isinstance(answer, ScoreOutcome) else read_rating(answer.text, self.task) for answer in answers]
+        return [
+            answer if isinstance(answer, ScoreOutcome) else read_rating(answer.text, self.task) for answer in answers
+        ]
 
     def _query(self, image: np.ndarray, prompt: str) -> JudgeQuery:
         question = PROMPTS[self.task].format(prompt=prompt)

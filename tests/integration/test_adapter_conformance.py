@@ -133,8 +133,9 @@ def ip_weights(case: str, root) -> str:
     """A file of random IP-Adapter weights for ``case``'s model, written once under ``root``."""
     directory = root / f"{case}-weights"
     if not (directory / IP_WEIGHTS).is_file():
-        adapter = build_adapter(tiny_config(IP_CASES[case], root, dtype="float32", ip_adapter=tiny_ip_adapter(root)),
-                                "cpu")
+        adapter = build_adapter(
+            tiny_config(IP_CASES[case], root, dtype="float32", ip_adapter=tiny_ip_adapter(root)), "cpu"
+        )
         testing.randomize_ip_adapter(adapter, seed=7)
         adapter.ip_adapter.save(str(directory))
     return str(directory)
@@ -170,16 +171,22 @@ def image_inputs(adapter, seed: int = 0) -> ImageInputs | None:
 
 def settings(adapter, noise_level: float) -> SamplerSettings:
     kind = "ddim" if adapter.sampler_kind == "ddim" else "sde"
-    return SamplerSettings(num_steps=NUM_STEPS, guidance_scale=guidance(adapter), kind=kind,
-                           noise_level=noise_level)
+    return SamplerSettings(num_steps=NUM_STEPS, guidance_scale=guidance(adapter), kind=kind, noise_level=noise_level)
 
 
 # --- (a) parity with diffusers ------------------------------------------------------------------------
 @pytest.mark.parametrize("adapter", PARITY_CASES, indirect=True)
 def test_rollout_at_noise_zero_equals_pipeline(adapter, target):
     inputs = image_inputs(adapter)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
-                 target.generator(0), inputs)
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(len(PROMPTS)),
+        settings(adapter, 0.0),
+        target.generator(0),
+        inputs,
+    )
     expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, guidance(adapter), target.generator(0))
     assert ro.latents.device.type == target.device
     got, expected = ro.latents[:, -1], expected.float().reshape(ro.latents[:, -1].shape)
@@ -209,8 +216,15 @@ def test_ddim_rollout_at_noise_zero_equals_pipeline_with_any_timestep_spacing(sp
     adapter = build_adapter(dataclasses.replace(config, path=path), "cpu")
     adapter.pipeline.set_progress_bar_config(disable=True)
     inputs = image_inputs(adapter)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
-                 target.generator(0), inputs)
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(len(PROMPTS)),
+        settings(adapter, 0.0),
+        target.generator(0),
+        inputs,
+    )
     expected = testing.run_pipeline(adapter, PROMPTS, inputs, NUM_STEPS, guidance(adapter), target.generator(0))
     torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=target.parity_atol)
 
@@ -223,8 +237,9 @@ def test_sd3_rollout_at_noise_zero_equals_pipeline_with_dynamic_shifting(model_r
     target = Target("cpu", "float32", 1e-5, 1e-6)
     adapter = build_adapter(dataclasses.replace(config, path=path), "cpu")
     adapter.pipeline.set_progress_bar_config(disable=True)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0),
-                 target.generator(0))
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 0.0), target.generator(0)
+    )
     expected = testing.run_pipeline(adapter, PROMPTS, None, NUM_STEPS, guidance(adapter), target.generator(0))
     torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=target.parity_atol)
     assert not torch.equal(ro.sigmas, make_adapter("sd3", model_root, target).sigmas(NUM_STEPS))
@@ -233,16 +248,24 @@ def test_sd3_rollout_at_noise_zero_equals_pipeline_with_dynamic_shifting(model_r
 # --- (b) on-policy ratio ------------------------------------------------------------------------------
 @pytest.mark.parametrize("adapter", CASES, indirect=True)
 def test_on_policy_ratio_is_exactly_one(adapter, target):
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings(adapter, 1.0),
-                 target.generator(1), image_inputs(adapter))
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(len(PROMPTS)),
+        settings(adapter, 1.0),
+        target.generator(1),
+        image_inputs(adapter),
+    )
     step = adapter.step_function(ro.kind, ro.sigmas)
     batch = len(PROMPTS)
     with torch.no_grad():
         for i in ro.trainable_steps().tolist():
             sigma = ro.sigmas[i].expand(batch)
             out = adapter.predict(adapter.denoiser, ro.latents[:, i], sigma, ro.cond, ro.guidance_scale)
-            _, log_prob, _, _ = step(out, ro.latents[:, i], torch.full((batch,), i), ro.noise_level,
-                                     prev_sample=ro.latents[:, i + 1])
+            _, log_prob, _, _ = step(
+                out, ro.latents[:, i], torch.full((batch,), i), ro.noise_level, prev_sample=ro.latents[:, i + 1]
+            )
             assert torch.equal(torch.exp(log_prob - ro.log_probs[:, i]), torch.ones(batch, device=log_prob.device))
 
 
@@ -250,7 +273,8 @@ def test_on_policy_ratio_is_exactly_one(adapter, target):
 @per_device
 def test_compiled_blocks_are_the_repeated_blocks(adapter, target):
     """model.compile=blocks finds each adapter's repeated blocks with no declaration: every block FSDP shards
-    (``shard_units``) is one of them, inside one or holds some (a UNet's down block); none is inside another. A deep copy (a frozen reference)
+    (``shard_units``) is one of them, inside one or holds some (a UNet's down block); none is inside another. A deep
+    copy (a frozen reference)
     calls its own blocks. Cheap: nothing is compiled until called (the slow tier runs them)."""
     blocks = repeated_blocks(adapter.denoiser)
     inside = {id(m) for b in blocks for m in b.modules()}
@@ -278,8 +302,11 @@ rollout's, log p_old is the training forward's own (``policy_gradient.step_loss`
 
 def deviation_bound(case: str, target) -> float:
     spec = tiny(IP_CASES.get(case, case))
-    return spec.compiled_ratio_atol if target.dtype == "float32" else max(COMPILED_BF16_RATIO_ATOL,
-                                                                         spec.compiled_ratio_atol_bf16)
+    return (
+        spec.compiled_ratio_atol
+        if target.dtype == "float32"
+        else max(COMPILED_BF16_RATIO_ATOL, spec.compiled_ratio_atol_bf16)
+    )
 
 
 @pytest.mark.slow
@@ -301,15 +328,23 @@ def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root, target)
     blocks = compile_denoiser(adapter.denoiser, "blocks", getattr(adapter, "compiled_blocks", ()), 16, backend)
     assert blocks and all(isinstance(b.forward, types.MethodType) and b.forward.__self__ is b for b in blocks)
     adapter.denoiser.eval()
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.zeros(2, dtype=torch.long), settings(adapter, 1.0),
-                 target.generator(1), image_inputs(adapter))
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.zeros(2, dtype=torch.long),
+        settings(adapter, 1.0),
+        target.generator(1),
+        image_inputs(adapter),
+    )
     step = adapter.step_function(ro.kind, ro.sigmas)
     adapter.denoiser.train()
     deviations = []
     for i in ro.trainable_steps().tolist():
         out = adapter.predict(adapter.denoiser, ro.latents[:, i], ro.sigmas[i].expand(2), ro.cond, ro.guidance_scale)
-        _, log_prob, _, _ = step(out, ro.latents[:, i], torch.full((2,), i), ro.noise_level,
-                                 prev_sample=ro.latents[:, i + 1])
+        _, log_prob, _, _ = step(
+            out, ro.latents[:, i], torch.full((2,), i), ro.noise_level, prev_sample=ro.latents[:, i + 1]
+        )
         deviations.append((torch.exp(log_prob - ro.log_probs[:, i]) - 1).abs().detach())
     algorithm = GRPO(GRPOConfig(group_size=2, sampler=settings(adapter, 1.0), kl_beta=0.04))
     rewards = torch.tensor([0.0, 1.0])
@@ -323,8 +358,11 @@ def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root, target)
             assert float(stats["ratio"]) == 1.0 and float(stats["logp_gap"]) <= deviation_bound(case, target)
     deviation = torch.cat(deviations)
     report = monitor.report()
-    print(f"\n{case} {backend} {target.device}-{target.dtype}: |ratio - 1| max {float(deviation.max()):.3g} mean {float(deviation.mean()):.3g}; "
-          f"{report}")
+    print(
+        f"\n{case} {backend} {target.device}-{target.dtype}: |ratio - 1| max {float(deviation.max()):.3g} "
+        f"mean {float(deviation.mean()):.3g}; "
+        f"{report}"
+    )
     assert float(deviation.max()) <= deviation_bound(case, target)
     assert report["compile_fallbacks"] == 0  # graphs may be 0: blocks of a class an earlier case compiled
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.trainable.parameters())
@@ -333,7 +371,12 @@ def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root, target)
 # --- (c) training steps touch only the trainable parameters ------------------------------------------
 def _snapshot(adapter) -> dict[str, torch.Tensor]:
     modules = {"denoiser": adapter.denoiser, "vae": adapter.vae, "text": adapter.pipeline.text_encoder}
-    return {f"{m}.{k}": v.detach().clone() for m, module in modules.items() if module is not None for k, v in module.state_dict().items()}
+    return {
+        f"{m}.{k}": v.detach().clone()
+        for m, module in modules.items()
+        if module is not None
+        for k, v in module.state_dict().items()
+    }
 
 
 def _check_only_trainable_changed(adapter, before: dict[str, torch.Tensor]) -> None:
@@ -363,8 +406,15 @@ def test_grpo_sft_and_dpo_steps_change_only_trainable_parameters(name, mode, mod
     adapter = make_adapter(name, model_root, target, lora=lora)
     inputs = image_inputs(adapter)
     prompts = [PROMPTS[0]] * 2
-    ro = rollout(adapter, adapter.denoiser, prompts, torch.zeros(2, dtype=torch.long), settings(adapter, 1.0),
-                 target.generator(2), inputs)
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        prompts,
+        torch.zeros(2, dtype=torch.long),
+        settings(adapter, 1.0),
+        target.generator(2),
+        inputs,
+    )
     algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=0.1, sampler=settings(adapter, 1.0)))
     rewards = torch.tensor([0.0, 1.0])
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
@@ -381,8 +431,12 @@ def test_grpo_sft_and_dpo_steps_change_only_trainable_parameters(name, mode, mod
 
     before = _snapshot(adapter)
     x0 = adapter.encode_images(torch.rand(2, *ro.images.shape[1:], generator=torch.Generator().manual_seed(3)))
-    sft_batch = SFTBatch(x0, standard_normal(x0.shape, target.generator(4), x0.device),
-                         torch.tensor([0.3, 0.8], device=x0.device), adapter.encode_prompts(prompts, inputs))
+    sft_batch = SFTBatch(
+        x0,
+        standard_normal(x0.shape, target.generator(4), x0.device),
+        torch.tensor([0.3, 0.8], device=x0.device),
+        adapter.encode_prompts(prompts, inputs),
+    )
     sft = SFT(SFTConfig())
     (units,) = sft.plan(sft_batch, torch.Generator().manual_seed(5))
     loss = sum(sft.loss(LossContext(adapter, adapter.denoiser, None), unit)[0] for unit in units)
@@ -419,8 +473,15 @@ def test_lora_and_ip_weights_train_in_float32(name, model_root, target):
             if "lora_B" in name_:
                 p.copy_(0.02 * standard_normal(p.shape, target.generator(8), p.device))
     prompts = [PROMPTS[0]] * 2
-    ro = rollout(adapter, adapter.denoiser, prompts, torch.zeros(2, dtype=torch.long), settings(adapter, 1.0),
-                 target.generator(2), image_inputs(adapter))
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        prompts,
+        torch.zeros(2, dtype=torch.long),
+        settings(adapter, 1.0),
+        target.generator(2),
+        image_inputs(adapter),
+    )
     algorithm = GRPO(GRPOConfig(group_size=2, sampler=settings(adapter, 1.0)))
     rewards = torch.tensor([0.0, 1.0])
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
@@ -446,8 +507,9 @@ def test_gradient_checkpointing_computes_the_forward_the_rollout_computes(name, 
     (no gradients: no checkpointing) predicts, and its backward reaches the trained weights. diffusers' Chroma
     leaves the attention mask out of its checkpointed single-stream blocks (0.056 apart on the tiny model)."""
     torch.manual_seed(0)
-    adapter = make_adapter(name, model_root, CPU_FP32.values[0], lora=LoraSettings(rank=4, alpha=4),
-                           gradient_checkpointing=True)
+    adapter = make_adapter(
+        name, model_root, CPU_FP32.values[0], lora=LoraSettings(rank=4, alpha=4), gradient_checkpointing=True
+    )
     with torch.no_grad():
         for name_, p in adapter.denoiser.named_parameters():
             if "lora_B" in name_:  # B = 0 would leave LoRA out of both forwards
@@ -461,8 +523,9 @@ def test_gradient_checkpointing_computes_the_forward_the_rollout_computes(name, 
     trained = adapter.predict(adapter.denoiser, x, sigma, cond, guidance(adapter))
     assert trained.requires_grad and torch.equal(trained, rolled)
     trained.square().mean().backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in adapter.denoiser.parameters()
-               if p.requires_grad)
+    assert all(
+        p.grad is not None and torch.isfinite(p.grad).all() for p in adapter.denoiser.parameters() if p.requires_grad
+    )
 
 
 class FloatMatmuls(TorchDispatchMode):
@@ -528,15 +591,20 @@ def test_attention_auto_probes_the_cuda_kernels_and_sets_a_passing_one(name, mod
 
     adapter = build_adapter(tiny_config(name, model_root, dtype="bfloat16"), "cuda")
     try:
-        choice = attention_for_run(adapter, "auto", adapter.encode_prompts(PROMPTS[:1], image_inputs(adapter)),
-                                   settings(adapter, 1.0))
+        choice = attention_for_run(
+            adapter, "auto", adapter.encode_prompts(PROMPTS[:1], image_inputs(adapter)), settings(adapter, 1.0)
+        )
         print(f"\n{name}: {choice.summary()}")
         assert [v.kernel for v in choice.verdicts] == list(CUDA_CANDIDATES)
         verdicts = {v.kernel: v for v in choice.verdicts}
         assert verdicts[choice.kernel].passed and verdicts["math"].passed
         assert choice.kernel == min((v for v in choice.verdicts if v.passed), key=lambda v: v.seconds).kernel
-        enabled = {"flash": torch.backends.cuda.flash_sdp_enabled(), "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
-                   "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(), "math": True}
+        enabled = {
+            "flash": torch.backends.cuda.flash_sdp_enabled(),
+            "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+            "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            "math": True,
+        }
         assert {k for k, on in enabled.items() if on} == {choice.kernel, "math"}
         assert torch.backends.cuda.math_sdp_enabled()
     finally:
@@ -612,8 +680,10 @@ def same_shapes(name: str, other: str) -> bool:
 def without_denoiser_weights(path: str, dest: Path) -> str:
     """A copy of the model directory ``path`` whose denoiser has its config but no weights: an adapter that
     refuses it must do so before it loads them (a minute for FLUX.1's 12 B parameters)."""
+
     def ignore(folder: str, names: list[str]) -> list[str]:
         return [n for n in names if n.endswith(".safetensors")] if Path(folder).name in ("transformer", "unet") else []
+
     shutil.copytree(path, dest, ignore=ignore)
     return str(dest)
 
@@ -636,9 +706,12 @@ def test_another_models_directory_is_refused(name, model_root, tmp_path):
 def test_a_hub_id_as_model_path_says_how_to_download_it(name, model_root, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no such folder here
     config = dataclasses.replace(tiny_config(name, model_root), path="some-org/some-model")
-    with pytest.raises(ValueError, match=r"model\.path='some-org/some-model' is not a diffusers .*; 'some-org/some-model' "
-                                         r"reads as a Hugging Face Hub id, and the trainer reads local folders only: "
-                                         r"`hf download some-org/some-model --local-dir DIR`, then model\.path=DIR$"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.path='some-org/some-model' is not a diffusers .*; 'some-org/some-model' "
+        r"reads as a Hugging Face Hub id, and the trainer reads local folders only: "
+        r"`hf download some-org/some-model --local-dir DIR`, then model\.path=DIR$",
+    ):
         build_adapter(config, "cpu")
 
 
@@ -647,8 +720,11 @@ def test_an_sd3_resolution_past_its_position_table_is_refused_as_it_loads(model_
     (256) cannot be greater than pos_embed_max_size"; the tiny SD3's table holds 96 patches a side."""
     config = tiny_config("sd3", model_root, dtype="float32")
     build_adapter(dataclasses.replace(config, resolution=96), "cpu")
-    with pytest.raises(ValueError, match=r"model\.resolution=104 needs 104 patches a side, .* reach 96: at most "
-                                         r"model\.resolution=96"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.resolution=104 needs 104 patches a side, .* reach 96: at most "
+        r"model\.resolution=96",
+    ):
         build_adapter(dataclasses.replace(config, resolution=104), "cpu")
 
 
@@ -665,8 +741,9 @@ def test_flux_and_kontext_directories_are_told_apart_by_their_pipeline(model_roo
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trainer.models"):
         build_adapter(tiny_config("flux", model_root), "cpu")
-        build_adapter(dataclasses.replace(tiny_config("sd3", model_root), path=tiny_config("tiny", model_root).path),
-                      "cpu")  # the tiny model is an SD3 saved by SD3's pipeline
+        build_adapter(
+            dataclasses.replace(tiny_config("sd3", model_root), path=tiny_config("tiny", model_root).path), "cpu"
+        )  # the tiny model is an SD3 saved by SD3's pipeline
     assert "model_index.json" not in caplog.text
 
 
@@ -707,8 +784,18 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
     to a common length, and the log-probs re-evaluated on the whole must stay the chunks' own (``logp_gap``)
     up to the rounding that the padding mask's attention path changes."""
     sampler = settings(adapter, 1.0)
-    parts = [rollout(adapter, adapter.denoiser, [prompt], torch.zeros(1, dtype=torch.long), sampler, target.generator(10 + i),
-                     testing.image_inputs(adapter, 1, seed=i)) for i, prompt in enumerate(PROMPTS)]
+    parts = [
+        rollout(
+            adapter,
+            adapter.denoiser,
+            [prompt],
+            torch.zeros(1, dtype=torch.long),
+            sampler,
+            target.generator(10 + i),
+            testing.image_inputs(adapter, 1, seed=i),
+        )
+        for i, prompt in enumerate(PROMPTS)
+    ]
     ro = Rollout.cat(parts)
     lengths = {k: {p.cond.embeds[k].shape[1] for p in parts} for k in ro.cond.ragged}
     if ro.cond.ragged:
@@ -719,8 +806,11 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
     ctx = LossContext(adapter, adapter.denoiser, None)
     with torch.no_grad():
-        gaps = [stats["logp_gap"] for unit in algorithm.plan(batch, torch.Generator().manual_seed(0))[0]
-                for _, stats in [algorithm.loss(ctx, unit)]]
+        gaps = [
+            stats["logp_gap"]
+            for unit in algorithm.plan(batch, torch.Generator().manual_seed(0))[0]
+            for _, stats in [algorithm.loss(ctx, unit)]
+        ]
     # float32: a few ulps of the log-probs (max |log p| 1.4-5.5 here; the largest gap seen 1.07e-6, SD1.5's)
     tolerance = 2e-6 * max(1.0, float(ro.log_probs.abs().max())) if target.dtype == "float32" else 1e-4
     assert float(torch.stack(gaps).max()) <= tolerance
@@ -756,7 +846,9 @@ def recorded_vae_inputs(adapter, monkeypatch) -> list[torch.Tensor]:
     """The inputs of every ``adapter.vae.encode`` call from now on."""
     seen: list[torch.Tensor] = []
     encode = adapter.vae.encode
-    monkeypatch.setattr(adapter.vae, "encode", lambda x, *args, **kwargs: (seen.append(x), encode(x, *args, **kwargs))[1])
+    monkeypatch.setattr(
+        adapter.vae, "encode", lambda x, *args, **kwargs: (seen.append(x), encode(x, *args, **kwargs))[1]
+    )
     return seen
 
 

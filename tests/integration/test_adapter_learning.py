@@ -45,11 +45,18 @@ Measured over seeds 0-4 with these settings: tiny +0.15..+0.40, sd3 +0.017..+0.0
 flux_fill +0.016..+0.024, flux_kontext +0.014..+0.050, sd15_inpaint +0.026..+0.044, qwen_image
 +0.136..+0.148 (seed 0 is the one run here)."""
 SETTINGS = [
-    "data.prompts_per_epoch=1", "algorithm.group_size=16", "train.rollout_chunks=1",
-    "algorithm.sampler.num_steps=3", "algorithm.sampler.noise_level=1.0",
-    "algorithm.sampler.sde_window=1", "algorithm.sampler.window_range=[0,1]",
-    "train.learning_rate=0.02", "train.max_grad_norm=0", "train.seed=0",
-    "eval.samples_per_prompt=4", "eval.num_steps=3",
+    "data.prompts_per_epoch=1",
+    "algorithm.group_size=16",
+    "train.rollout_chunks=1",
+    "algorithm.sampler.num_steps=3",
+    "algorithm.sampler.noise_level=1.0",
+    "algorithm.sampler.sde_window=1",
+    "algorithm.sampler.window_range=[0,1]",
+    "train.learning_rate=0.02",
+    "train.max_grad_norm=0",
+    "train.seed=0",
+    "eval.samples_per_prompt=4",
+    "eval.num_steps=3",
 ]
 """One prompt per epoch in groups of 16, 3 steps of which only the first is stochastic and trained: the
 window puts the exploration where the credit is assigned. With every step stochastic, SD1.5's DDIM steps
@@ -91,8 +98,16 @@ def run_grpo(adapter, overrides: list[str], scorer, epochs: int, tmp_path) -> tu
     before and after, and each epoch's mean training reward."""
     config = load_config(overrides=overrides)
     client = InProcessRewardClient({scorer.name: scorer}, {scorer.name: 1.0})
-    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data),
-                      client, SingleProcess(torch.device("cpu")), RunLogger(tmp_path / "run", False, False))
+    trainer = Trainer(
+        config,
+        adapter,
+        build_algorithm(config.algorithm),
+        SFT(config.warmup),
+        build_task(config.data),
+        client,
+        SingleProcess(torch.device("cpu")),
+        RunLogger(tmp_path / "run", False, False),
+    )
     try:
         before = trainer.evaluate(0, None)["reward_mean"]
         rewards = [round(trainer.rl_epoch(epoch)["reward_mean"], 3) for epoch in range(epochs)]
@@ -102,8 +117,9 @@ def run_grpo(adapter, overrides: list[str], scorer, epochs: int, tmp_path) -> tu
     return before, after, rewards
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "tiny" else pytest.mark.slow)
-                                  for name in sorted(MODELS)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=() if name == "tiny" else pytest.mark.slow) for name in sorted(MODELS)]
+)
 def test_grpo_raises_the_reward(name, model_root, tmp_path):
     torch.manual_seed(0)
     spec = tiny(name)
@@ -133,12 +149,20 @@ def test_grpo_of_the_ip_adapter_alone_raises_the_reward(name, model_root, tmp_pa
     images come from a triplet folder, and the reward is the ``colorfulness`` scorer, which the IP path moves
     on these models (the top half's brightness moves by about 0.01 through it, within the noise)."""
     torch.manual_seed(0)
-    adapter = build_adapter(tiny_config(name, model_root, dtype="float32", ip_adapter=tiny_ip_adapter(model_root)), "cpu")
+    adapter = build_adapter(
+        tiny_config(name, model_root, dtype="float32", ip_adapter=tiny_ip_adapter(model_root)), "cpu"
+    )
     trainable = {id(p) for p in adapter.trainable.parameters()}
     assert trainable == {id(p) for p in adapter.ip_adapter.parameters()}
     side = adapter.resolution
-    overrides = [*SETTINGS, *IP_SETTINGS, "data.name=triplet_folder", f"data.image_size={side}",
-                 f"data.path={tiny_dataset('triplet_folder', tmp_path, side)}", f"data.image_inputs=[{','.join((*tiny(name).inputs, 'style'))}]"]
+    overrides = [
+        *SETTINGS,
+        *IP_SETTINGS,
+        "data.name=triplet_folder",
+        f"data.image_size={side}",
+        f"data.path={tiny_dataset('triplet_folder', tmp_path, side)}",
+        f"data.image_inputs=[{','.join((*tiny(name).inputs, 'style'))}]",
+    ]
     scorer = ColorfulnessScorer()
     scorer.load()
     before, after, rewards = run_grpo(adapter, overrides, scorer, IP_EPOCHS, tmp_path)
@@ -154,7 +178,8 @@ PEER_SETTINGS = {
 """The newer algorithms on the tiny model's learning run (``SETTINGS``, one prompt in groups of 16): the
 policy-gradient ones with its SDE window (MixGRPO's slides from the first step to the second after 4
 epochs), AWM and DGPO on deterministic rollouts. GRPO-Guard at half the learning rate: with its step reweighting
-(loss / -dt) 0.02 climbs to 0.76 and then collapses to 0.5 (seed 0, one thread), 0.01 gives 0.60 -> 1.00. AWM too: with its authors' defaults (ghuber
+(loss / -dt) 0.02 climbs to 0.76 and then collapses to 0.5 (seed 0, one thread), 0.01 gives 0.60 -> 1.00. AWM too:
+with its authors' defaults (ghuber
 weighting, the KL to its EMA policy) 0.02 overshoots (seed 0: 0.60 -> 0.91 by epoch 2, 0.60 at the end), 0.01 gives
 0.60 -> 0.87."""
 
@@ -167,8 +192,15 @@ def test_each_newer_algorithm_raises_the_reward(algorithm, model_root, tmp_path)
     torch.manual_seed(0)
     spec = tiny("tiny")
     adapter = build_adapter(tiny_config("tiny", model_root, dtype="float32"), "cpu")
-    overrides = [f"algorithm.name={algorithm}", *SETTINGS, *spec.learning, *PEER_SETTINGS[algorithm],
-                 f"data.name={spec.data}", "data.image_size=16", f"data.path={tiny_dataset(spec.data, tmp_path, 16)}"]
+    overrides = [
+        f"algorithm.name={algorithm}",
+        *SETTINGS,
+        *spec.learning,
+        *PEER_SETTINGS[algorithm],
+        f"data.name={spec.data}",
+        "data.image_size=16",
+        f"data.path={tiny_dataset(spec.data, tmp_path, 16)}",
+    ]
     before, after, rewards = run_grpo(adapter, overrides, TopHalfBrightness(), spec.learning_epochs, tmp_path)
     print(f"{algorithm}: evaluation reward {before:.3f} -> {after:.3f}; epochs {rewards}")
     assert after > before + MARGIN, f"{algorithm}: evaluation reward {before:.3f} -> {after:.3f}; epochs {rewards}"

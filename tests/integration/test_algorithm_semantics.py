@@ -21,9 +21,20 @@ from trainer.trainer import Trainer
 def _trainer(run_dir: Path, model_dir: str, algorithm: str, *extra: str) -> Trainer:
     """Two prompts of two samples each (unless ``extra`` says otherwise), sampled in four denoising steps."""
     return tiny_trainer(
-        run_dir, model_dir, f"algorithm.name={algorithm}", "algorithm.group_size=2",
-        "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "data.prompts_per_epoch=2",
-        "train.warmup_steps=0", "train.epochs=1", "eval.every=0", "logging.progress=false", *extra, log=False)
+        run_dir,
+        model_dir,
+        f"algorithm.name={algorithm}",
+        "algorithm.group_size=2",
+        "algorithm.sampler.num_steps=4",
+        "algorithm.sampler.window_range=[0,2]",
+        "data.prompts_per_epoch=2",
+        "train.warmup_steps=0",
+        "train.epochs=1",
+        "eval.every=0",
+        "logging.progress=false",
+        *extra,
+        log=False,
+    )
 
 
 def _rollout(trainer: Trainer) -> tuple[Rollout, torch.Tensor]:
@@ -31,8 +42,9 @@ def _rollout(trainer: Trainer) -> tuple[Rollout, torch.Tensor]:
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
     trainer.algorithm.start_epoch(trainer.ctx, 0)
-    ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
-                                        torch.Generator().manual_seed(1))
+    ro, _, _ = trainer.sample_and_score(
+        prompts, indices, group_ids, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    )
     return ro, group_ids
 
 
@@ -99,8 +111,9 @@ def test_dropping_zero_advantage_samples_averages_over_the_others(tmp_path, tiny
     grads = []
     for drop in (False, True):
         algo.config.drop_zero_advantage = drop
-        (units,) = algo.plan(algo.make_batch(ro, Rewards(rewards, rewards, group_ids, 0)),
-                             torch.Generator().manual_seed(2))
+        (units,) = algo.plan(
+            algo.make_batch(ro, Rewards(rewards, rewards, group_ids, 0)), torch.Generator().manual_seed(2)
+        )
         trainer.policy.zero_grad()
         sum(algo.loss(trainer.ctx, unit)[0] for unit in units).backward()
         grads.append(_grads(trainer))
@@ -130,8 +143,9 @@ def test_rank_1_gets_its_own_rows_of_the_gathered_advantages(tmp_path, tiny_mode
         values = algo.values(ro)
         adv, _ = gae(EVERY[6:12], values, config.gae_lambda)
         trained = adv[:, batch.train_steps]
-        expected = ((adv - trained.mean()) / (trained.std(unbiased=False) + 1e-4)).clamp(-config.adv_clip,
-                                                                                          config.adv_clip)
+        expected = ((adv - trained.mean()) / (trained.std(unbiased=False) + 1e-4)).clamp(
+            -config.adv_clip, config.adv_clip
+        )
     else:
         if algorithm == "grpo":
             every = group_advantages(EVERY, GROUP_IDS_ALL, config.global_std, config.adv_clip)
@@ -176,8 +190,9 @@ REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
 """One better and one worse sample in each of the rollout's two groups (the sampler orders them 1, 0, 1, 0)."""
 
 
-def _step_each_way(trainer: Trainer, ro: Rollout, group_ids: torch.Tensor,
-                   measure: Callable[[], torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+def _step_each_way(
+    trainer: Trainer, ro: Rollout, group_ids: torch.Tensor, measure: Callable[[], torch.Tensor]
+) -> tuple[list, list[torch.Tensor]]:
     """One optimizer step of the trainer on the rollout with ``REWARDS``, and one from the same weights (and
     fresh optimizer moments) with the rewards reversed (``1 - REWARDS``): the batches, and ``measure()`` after
     each step. Comparing the two cancels whatever a step does to every sample alike."""
@@ -257,7 +272,9 @@ def test_nft_samples_its_rollouts_with_the_old_policy(tmp_path, tiny_model_dir, 
     trainer._new_reference()  # the base model of the KL term, as RL starts
     ro, group_ids = _rollout(trainer)
     start = [p.detach().clone() for p in params]
-    trainer._update(algo, algo.make_batch(ro, Rewards(REWARDS, REWARDS, group_ids, 0)), torch.Generator().manual_seed(2))
+    trainer._update(
+        algo, algo.make_batch(ro, Rewards(REWARDS, REWARDS, group_ids, 0)), torch.Generator().manual_seed(2)
+    )
     stepped = [p.detach().clone() for p in params]
     assert any(not torch.equal(a, b) for a, b in zip(start, stepped, strict=True))
     algo.start_epoch(trainer.ctx, 1)
@@ -266,8 +283,9 @@ def test_nft_samples_its_rollouts_with_the_old_policy(tmp_path, tiny_model_dir, 
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
 
     def sample() -> torch.Tensor:
-        ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
-                                            torch.Generator().manual_seed(1))
+        ro, _, _ = trainer.sample_and_score(
+            prompts, indices, group_ids, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+        )
         return ro.latents
 
     rollout = sample()

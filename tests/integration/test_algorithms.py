@@ -23,18 +23,41 @@ from trainer.logging import RunLogger
 from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.trainer import Trainer
 
-EXPECTED_STATS = {"grpo": "clip_frac", "ppo": "clip_frac", "ppo_critic": "value_loss", "dpo": "dpo_margin",
-                  "sft_best": "sft_loss", "nft": "nft_loss", "grpo_guard": "clip_frac", "mixgrpo": "clip_frac",
-                  "awm": "matching_loss", "dgpo": "dgpo_loss"}
+EXPECTED_STATS = {
+    "grpo": "clip_frac",
+    "ppo": "clip_frac",
+    "ppo_critic": "value_loss",
+    "dpo": "dpo_margin",
+    "sft_best": "sft_loss",
+    "nft": "nft_loss",
+    "grpo_guard": "clip_frac",
+    "mixgrpo": "clip_frac",
+    "awm": "matching_loss",
+    "dgpo": "dgpo_loss",
+}
 
 
 def _trainer(run_dir: Path, model_dir: str, algorithm: str, *extra: str) -> Trainer:
     return tiny_trainer(
-        run_dir, model_dir, f"algorithm.name={algorithm}", "algorithm.group_size=4",
-        "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "data.prompts_per_epoch=4",
-        "train.warmup_steps=2", "warmup.batch_size=8", "train.epochs=3",
-        "train.checkpoint_every=1", "train.keep_checkpoints=0", "eval.samples_per_prompt=1", "eval.num_steps=2",
-        "eval.every=0", "train.ema_decay=0.5", "logging.progress=false", *extra)
+        run_dir,
+        model_dir,
+        f"algorithm.name={algorithm}",
+        "algorithm.group_size=4",
+        "algorithm.sampler.num_steps=4",
+        "algorithm.sampler.window_range=[0,2]",
+        "data.prompts_per_epoch=4",
+        "train.warmup_steps=2",
+        "warmup.batch_size=8",
+        "train.epochs=3",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=0",
+        "eval.samples_per_prompt=1",
+        "eval.num_steps=2",
+        "eval.every=0",
+        "train.ema_decay=0.5",
+        "logging.progress=false",
+        *extra,
+    )
 
 
 def _rl_records(run_dir: Path) -> list[dict]:
@@ -48,14 +71,14 @@ def test_every_algorithm_is_covered():
 
 # The clipped ones take two optimizer steps per rollout batch: with one, the ratio is 1 and its statistics are
 # not shown (tests/unit/test_guard.py).
-OFF_POLICY = {name: ("algorithm.steps_per_epoch=2",)
-              for name in ("grpo", "ppo", "ppo_critic", "grpo_guard", "mixgrpo", "awm")}
+OFF_POLICY = {
+    name: ("algorithm.steps_per_epoch=2",) for name in ("grpo", "ppo", "ppo_critic", "grpo_guard", "mixgrpo", "awm")
+}
 
 
 @pytest.mark.parametrize("algorithm", sorted(EXPECTED_STATS))
 def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorithm):
-    trainer = _trainer(tmp_path / "full", tiny_model_dir, algorithm, "train.epochs=2",
-                       *OFF_POLICY.get(algorithm, ()))
+    trainer = _trainer(tmp_path / "full", tiny_model_dir, algorithm, "train.epochs=2", *OFF_POLICY.get(algorithm, ()))
     before = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
     trainer.fit()
     trainer.logger.close()
@@ -73,14 +96,23 @@ def test_algorithm_trains_and_resumes_exactly(tmp_path, tiny_model_dir, algorith
     # refreshed reference, a trained critic, the EMA, MixGRPO's window) and must reproduce epoch 2 exactly
     checkpoint = tmp_path / "full" / "checkpoints" / "step-000002-000001"
     assert checkpoint.is_dir()
-    resumed = _trainer(tmp_path / "resumed", tiny_model_dir, algorithm, "train.epochs=2",
-                       *OFF_POLICY.get(algorithm, ()))
+    resumed = _trainer(
+        tmp_path / "resumed", tiny_model_dir, algorithm, "train.epochs=2", *OFF_POLICY.get(algorithm, ())
+    )
     resumed.resume(checkpoint)
     resumed.fit()
     resumed.logger.close()
     (last,) = _rl_records(tmp_path / "resumed")
-    drop = {"time", "time_rollout_s", "time_reward_wait_s", "time_train_s", "time_epoch_s", "time_epoch_cpu_s",
-            "images_per_s", "rollout_images_per_s"}
+    drop = {
+        "time",
+        "time_rollout_s",
+        "time_reward_wait_s",
+        "time_train_s",
+        "time_epoch_s",
+        "time_epoch_cpu_s",
+        "images_per_s",
+        "rollout_images_per_s",
+    }
     assert {k: v for k, v in last.items() if k not in drop} == {k: v for k, v in full[1].items() if k not in drop}
     for a, b in zip(trainer.adapter.trainable.parameters(), resumed.adapter.trainable.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -100,15 +132,22 @@ def test_the_first_step_of_an_epoch_is_on_policy(tmp_path, tiny_model_dir, algor
     unit's ratio is exactly 1 (GRPO-Guard's normalised one included), DGPO's preference weight exactly 1/2. GRPO-Guard's
     rollout keeps each step's mean (x_next itself at ODE steps); MixGRPO's SDE steps are its window of the
     epoch, which moves one step per epoch and shrinks as it reaches step T - 2."""
-    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "data.prompts_per_epoch=2", "train.warmup_steps=0",
-                       "algorithm.sampler.sde_window=2")
+    trainer = _trainer(
+        tmp_path,
+        tiny_model_dir,
+        algorithm,
+        "data.prompts_per_epoch=2",
+        "train.warmup_steps=0",
+        "algorithm.sampler.sde_window=2",
+    )
     trainer._new_reference()  # as RL starts
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
     for epoch in (1, 0):
         trainer.algorithm.start_epoch(trainer.ctx, epoch)
-        ro, result, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
-                                                 torch.Generator().manual_seed(1))
+        ro, result, _ = trainer.sample_and_score(
+            prompts, indices, group_ids, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+        )
         if algorithm == "mixgrpo":  # 4 steps, a window of 2 that starts at the epoch's step and ends before step 2
             assert ro.stochastic.tolist() == [epoch <= i < 2 for i in range(4)]
     assert (ro.means is not None) == (algorithm == "grpo_guard")
@@ -135,19 +174,28 @@ def test_mixgrpo_flash_compresses_the_steps_after_its_window_and_stays_on_policy
     flash = ("algorithm.sampler.ode_order=2", "algorithm.sampler.ode_compress=0.5")
     rollouts = {}
     for name, extra in (("plain", ()), ("flash", flash)):
-        trainer = _trainer(tmp_path / name, tiny_model_dir, "mixgrpo", "data.prompts_per_epoch=2",
-                           "train.warmup_steps=0", "algorithm.sampler.num_steps=8", *extra)
+        trainer = _trainer(
+            tmp_path / name,
+            tiny_model_dir,
+            "mixgrpo",
+            "data.prompts_per_epoch=2",
+            "train.warmup_steps=0",
+            "algorithm.sampler.num_steps=8",
+            *extra,
+        )
         indices, group_ids = trainer.sampler.epoch(0)
         prompts = [trainer.task.prompts[i] for i in indices.tolist()]
         trainer.algorithm.start_epoch(trainer.ctx, 1)  # the window: steps 1 and 2 of 8
-        ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
-                                            torch.Generator().manual_seed(1))
+        ro, _, _ = trainer.sample_and_score(
+            prompts, indices, group_ids, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+        )
         rollouts[name] = ro
     plain, ro = rollouts["plain"], rollouts["flash"]
     assert ro.stochastic.tolist() == [False, True, True, False, False]  # 5 steps after the window -> 2
     assert torch.equal(ro.sigmas, plain.sigmas[[0, 1, 2, 3, 5, 8]])
-    assert torch.equal(ro.latents[:, :4], plain.latents[:, :4]) and torch.equal(ro.log_probs[:, :3],
-                                                                                plain.log_probs[:, :3])
+    assert torch.equal(ro.latents[:, :4], plain.latents[:, :4]) and torch.equal(
+        ro.log_probs[:, :3], plain.log_probs[:, :3]
+    )
     assert not torch.equal(ro.latents[:, -1], plain.latents[:, -1])
     rewards = (torch.arange(len(indices)) % 3) / 2.0
     batch = trainer.algorithm.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
@@ -163,27 +211,43 @@ def test_evaluation_before_rl_reads_the_warmed_up_weights_with_an_ema(tmp_path, 
     must equal one without an EMA (it once evaluated the untrained initial weights)."""
     evals = {}
     for decay in ("0.5", "0"):
-        trainer = _trainer(tmp_path / decay, tiny_model_dir, "grpo", "train.warmup_steps=20", "train.epochs=0",
-                           f"train.ema_decay={decay}")
+        trainer = _trainer(
+            tmp_path / decay,
+            tiny_model_dir,
+            "grpo",
+            "train.warmup_steps=20",
+            "train.epochs=0",
+            f"train.ema_decay={decay}",
+        )
         trainer.fit()
         trainer.logger.close()
         lines = (tmp_path / decay / "metrics.jsonl").read_text().splitlines()
         evals[decay] = [r for r in map(json.loads, lines) if r["phase"] == "eval"][0]
     drop = {"time"}
-    assert {k: v for k, v in evals["0.5"].items() if k not in drop} == {k: v for k, v in evals["0"].items() if k not in drop}
+    assert {k: v for k, v in evals["0.5"].items() if k not in drop} == {
+        k: v for k, v in evals["0"].items() if k not in drop
+    }
 
 
-@pytest.mark.parametrize(("resumed", "message"), [
-    (["algorithm.name=grpo"], "optimizers, this run has 0: resume with the algorithm the checkpoint was made with"),
-    (["algorithm.critic_hidden=16"], r"holds \(256, \d+\) for critic.mlp.0.weight on rank 0, where this run's shard is "
-                                     r"\(16, \d+\): resume with the algorithm settings")])
+@pytest.mark.parametrize(
+    ("resumed", "message"),
+    [
+        (["algorithm.name=grpo"], "optimizers, this run has 0: resume with the algorithm the checkpoint was made with"),
+        (
+            ["algorithm.critic_hidden=16"],
+            r"holds \(256, \d+\) for critic.mlp.0.weight on rank 0, where this run's shard is "
+            r"\(16, \d+\): resume with the algorithm settings",
+        ),
+    ],
+)
 def test_a_checkpoint_of_other_algorithm_settings_is_refused(tmp_path, tiny_model_dir, resumed, message):
     """A run with a critic resumed without one, or with a critic of another size: the error names the fix."""
     trainer = _trainer(tmp_path / "critic", tiny_model_dir, "ppo_critic", "train.warmup_steps=0", "train.epochs=1")
     trainer.fit()
     trainer.logger.close()
-    other = _trainer(tmp_path / "other", tiny_model_dir, "ppo_critic", "train.warmup_steps=0", "train.epochs=1",
-                     *resumed)
+    other = _trainer(
+        tmp_path / "other", tiny_model_dir, "ppo_critic", "train.warmup_steps=0", "train.epochs=1", *resumed
+    )
     with pytest.raises(ValueError, match=message):
         other.resume(trainer.checkpoints.latest())
 
@@ -195,8 +259,9 @@ def test_a_steps_loss_is_the_same_whatever_micro_batches_cut_it(tmp_path, tiny_m
     of one micro-batch. Before units were scaled by their share, a last micro-batch of 1 counted as much as one of
     2, and best-of-group SFT normalised its advantage weights per micro-batch (uniform at size 1)."""
     weighted = ["algorithm.weighting=advantage"] if algorithm == "sft_best" else []  # weights that differ
-    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3",
-                       *weighted)
+    trainer = _trainer(
+        tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3", *weighted
+    )
     g = torch.Generator().manual_seed(0)
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
@@ -231,22 +296,34 @@ def test_every_sample_weighs_the_same_on_every_rank(tmp_path, tiny_model_dir, al
     average the ranks' gradients, so a unit's weight in the step is share / 2; after ``balance_ranks`` it is
     w_u / (sum of w over both ranks), as in one process (w: 1 per pair or sample that counts, or best-of-group
     SFT's advantage weight). Normalised per rank alone, rank 1's samples weighed up to 3x rank 0's."""
-    trainer = _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.group_size=2", "data.prompts_per_epoch=3",
-                       "algorithm.micro_batch_size=1", "algorithm.steps_per_epoch=1",
-                       *(["algorithm.weighting=advantage"] if algorithm == "sft_best" else []))
+    trainer = _trainer(
+        tmp_path,
+        tiny_model_dir,
+        algorithm,
+        "algorithm.group_size=2",
+        "data.prompts_per_epoch=3",
+        "algorithm.micro_batch_size=1",
+        "algorithm.steps_per_epoch=1",
+        *(["algorithm.weighting=advantage"] if algorithm == "sft_best" else []),
+    )
     g = torch.Generator().manual_seed(0)
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
     trainer.algorithm.start_epoch(trainer.ctx, 0)
     ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, g, torch.Generator().manual_seed(1))
     nan = float("nan")
-    every = torch.tensor([0.0, 1.0, 0.7, 0.2, 0.4, 0.9] + ([0.5, 0.5, 0.3, 0.3, 0.1, 0.8] if algorithm != "nft"
-                                                         else [0.5, nan, 0.3, nan, nan, 0.8]))
+    every = torch.tensor(
+        [0.0, 1.0, 0.7, 0.2, 0.4, 0.9]
+        + ([0.5, 0.5, 0.3, 0.3, 0.1, 0.8] if algorithm != "nft" else [0.5, nan, 0.3, nan, nan, 0.8])
+    )
     group_ids_all = torch.arange(12) // 2
-    steps = [trainer.algorithm.plan(trainer.algorithm.make_batch(ro, Rewards(every[6 * r : 6 * r + 6], every,
-                                                                             group_ids_all, 6 * r)),
-                                    torch.Generator().manual_seed(2 + r))
-             for r in (0, 1)]
+    steps = [
+        trainer.algorithm.plan(
+            trainer.algorithm.make_batch(ro, Rewards(every[6 * r : 6 * r + 6], every, group_ids_all, 6 * r)),
+            torch.Generator().manual_seed(2 + r),
+        )
+        for r in (0, 1)
+    ]
     assert [len(s) for s in steps] == [1, 1]
     weights = [[unit.share * unit.step_weight for unit in s[0]] for s in steps]  # each unit's weight w_u
     assert sum(w > 0 for w in weights[1]) < sum(w > 0 for w in weights[0])
@@ -261,8 +338,11 @@ def test_every_sample_weighs_the_same_on_every_rank(tmp_path, tiny_model_dir, al
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo", "ppo_critic"])
 def test_steps_that_do_not_split_the_batch_are_refused_as_the_trainer_is_built(tmp_path, tiny_model_dir, algorithm):
     """16 samples per rank in 3 steps failed at the first update: after the whole warm-up and a rollout."""
-    with pytest.raises(ValueError, match=r"16 samples per rank do not split into 3 optimizer steps: make the per-rank "
-                                         r"batch \(data.prompts_per_epoch x algorithm.group_size / ranks\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"16 samples per rank do not split into 3 optimizer steps: make the per-rank "
+        r"batch \(data.prompts_per_epoch x algorithm.group_size / ranks\)",
+    ):
         _trainer(tmp_path, tiny_model_dir, algorithm, "algorithm.steps_per_epoch=3")
     _trainer(tmp_path / "ok", tiny_model_dir, algorithm, "algorithm.steps_per_epoch=4")
 
@@ -284,8 +364,10 @@ def test_an_unsharded_ema_is_checkpointed_once_resumes_on_any_rank_and_exports(t
     resumed.resume(checkpoint)
     for a, b in zip(resumed.ema.shadow, trainer.ema.shadow, strict=True):
         assert torch.equal(a, b)
-    assert any(not torch.equal(s, p.float()) for s, p in zip(trainer.ema.shadow, trainer.adapter.trainable.parameters(),
-                                                             strict=True))
+    assert any(
+        not torch.equal(s, p.float())
+        for s, p in zip(trainer.ema.shadow, trainer.adapter.trainable.parameters(), strict=True)
+    )
 
     export_checkpoint(checkpoint, tmp_path / "exported", ema=True)
     exported = load_file(tmp_path / "exported" / "diffusion_pytorch_model.safetensors")
@@ -333,12 +415,16 @@ def test_an_epoch_without_any_reward_spread_makes_no_step(tmp_path, tiny_model_d
     indices, group_ids = trainer.sampler.epoch(0)
     prompts = [trainer.task.prompts[i] for i in indices.tolist()]
     trainer.algorithm.start_epoch(trainer.ctx, 0)
-    ro, _, _ = trainer.sample_and_score(prompts, indices, group_ids, torch.Generator().manual_seed(0),
-                                        torch.Generator().manual_seed(1))
+    ro, _, _ = trainer.sample_and_score(
+        prompts, indices, group_ids, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    )
     flat = torch.ones(len(indices))
     before = [p.detach().clone() for p in trainer.adapter.trainable.parameters()]
-    stats = trainer._update(trainer.algorithm, trainer.algorithm.make_batch(ro, Rewards(flat, flat, group_ids, 0)),
-                            torch.Generator().manual_seed(2))
+    stats = trainer._update(
+        trainer.algorithm,
+        trainer.algorithm.make_batch(ro, Rewards(flat, flat, group_ids, 0)),
+        torch.Generator().manual_seed(2),
+    )
     assert stats == {}
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.adapter.trainable.parameters(), strict=True))
 
@@ -373,8 +459,9 @@ def test_rewards_that_do_not_tell_a_groups_images_apart_are_reported(tmp_path, t
     """Rewards that differ between prompts but not within any group: the epoch's reward has a spread, yet every
     group-relative advantage is 0. The record's zero_std_share is 1 and the epoch line says so; with the digit
     classifier's rewards (which do tell images apart) it does not."""
-    trainer = _trainer(tmp_path / "blind", tiny_model_dir, "grpo", "train.warmup_steps=0", "train.epochs=1",
-                       "data.prompts_per_epoch=3")
+    trainer = _trainer(
+        tmp_path / "blind", tiny_model_dir, "grpo", "train.warmup_steps=0", "train.epochs=1", "data.prompts_per_epoch=3"
+    )
     record = _one_epoch_scored_by(trainer, {"digit": PromptOnly()})
     assert record["zero_std_share"] == 1.0 and record["reward_std"] > 0
     assert "no group's rewards differ: nothing to learn from them" in capsys.readouterr().out
@@ -392,8 +479,9 @@ def test_an_epoch_that_waits_long_for_rewards_says_so(tmp_path, tiny_model_dir, 
     from reward_server.sleep_scorer import SleepScorer
 
     job = ("grpo", "train.warmup_steps=0", "train.epochs=1", "data.prompts_per_epoch=2", "train.rollout_chunks=1")
-    record = _one_epoch_scored_by(_trainer(tmp_path / "slow", tiny_model_dir, *job),
-                                  {"sleep": SleepScorer(ms_per_batch=1500)})
+    record = _one_epoch_scored_by(
+        _trainer(tmp_path / "slow", tiny_model_dir, *job), {"sleep": SleepScorer(ms_per_batch=1500)}
+    )
     assert record["time_reward_wait_s"] > 0.25 * record["time_epoch_s"]
     assert "of the epoch for rewards after sampling: the reward servers score slower" in capsys.readouterr().out
     fast = _trainer(tmp_path / "fast", tiny_model_dir, *job)
@@ -409,8 +497,11 @@ def test_warmup_images_of_another_size_than_the_model_generates_are_refused(tiny
 
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     data = DigitsTask(24).supervised_batch(2, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"supervised images of \(24, 24\) pixels encode to latents \(1, 24, 24\), but "
-                                         r"the model generates \(1, 16, 16\).*set data.image_size"):
+    with pytest.raises(
+        ValueError,
+        match=r"supervised images of \(24, 24\) pixels encode to latents \(1, 24, 24\), but "
+        r"the model generates \(1, 16, 16\).*set data.image_size",
+    ):
         SFT(SFTConfig(batch_size=2)).data_batch(adapter, data.images, data.prompts, torch.Generator().manual_seed(1))
 
 
@@ -424,6 +515,13 @@ def test_a_config_made_in_python_is_checked_as_a_files_is(tmp_path, tiny_model_d
     config = load_config(overrides=[f"model.path={tiny_model_dir}", "logging.progress=false"])
     bad = dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=-1.0))
     with pytest.raises(ConfigError, match=r"train.learning_rate=-1.0 must be >= 0"):
-        Trainer(bad, TinyAdapter(TinyConfig(path=tiny_model_dir)), build_algorithm(config.algorithm), SFT(config.warmup),
-                DigitsTask(16), InProcessRewardClient.from_names({"digit": 1.0}), SingleProcess(torch.device("cpu")),
-                RunLogger(tmp_path, True, False))
+        Trainer(
+            bad,
+            TinyAdapter(TinyConfig(path=tiny_model_dir)),
+            build_algorithm(config.algorithm),
+            SFT(config.warmup),
+            DigitsTask(16),
+            InProcessRewardClient.from_names({"digit": 1.0}),
+            SingleProcess(torch.device("cpu")),
+            RunLogger(tmp_path, True, False),
+        )

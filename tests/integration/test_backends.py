@@ -40,9 +40,13 @@ ATOL = 1e-7
 (observed: 7e-9 under FSDP2 against exactly 0 under DDP); a relative bound alone cannot hold there."""
 
 
-VARIANTS = {"fsdp2+fp16-lora": ("fsdp2", ["model.dtype=float16", "parallel.param_dtype=float16",
-                                         "model.lora={rank: 4, alpha: 4}"]),
-            "fsdp2+critic": ("fsdp2", ["algorithm.name=ppo_critic"])}
+VARIANTS = {
+    "fsdp2+fp16-lora": (
+        "fsdp2",
+        ["model.dtype=float16", "parallel.param_dtype=float16", "model.lora={rank: 4, alpha: 4}"],
+    ),
+    "fsdp2+critic": ("fsdp2", ["algorithm.name=ppo_critic"]),
+}
 """Runs beyond the plain backends, for the checkpoint and kill -9 tests only: FSDP2 computing in fp16 with float32 LoRA
 weights over an fp16 base (the loss scale is part of the state a resume must restore), and FSDP2 training PPO's
 value network (sharded too: a resume writes each rank's saved shards back into it)."""
@@ -51,13 +55,26 @@ value network (sharded too: a resume writes each rank's saved shards back into i
 def _job(model_dir: str, out: Path, name: str, backend: str, reward_url: str) -> list[str]:
     """trainer/main.py's arguments for the tiny GRPO job of ``backend`` (a plain backend or one of VARIANTS)."""
     backend, extra = VARIANTS.get(backend, (backend, []))
-    return [*extra, f"model.path={model_dir}", f"logging.output_dir={out}", f"logging.run_name={name}",
-            "logging.progress=false", "logging.tensorboard=false", f"parallel.backend={backend}",
-            "train.warmup_steps=4", "train.warmup_checkpoint_every=2", "train.epochs=2", "train.checkpoint_every=1",
-            "data.prompts_per_epoch=4", "algorithm.group_size=4", "eval.samples_per_prompt=1", "eval.num_steps=2",
-            "eval.every=1",
-            "train.ema_decay=0.5",
-            f"reward.urls=[{reward_url}]"]
+    return [
+        *extra,
+        f"model.path={model_dir}",
+        f"logging.output_dir={out}",
+        f"logging.run_name={name}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        f"parallel.backend={backend}",
+        "train.warmup_steps=4",
+        "train.warmup_checkpoint_every=2",
+        "train.epochs=2",
+        "train.checkpoint_every=1",
+        "data.prompts_per_epoch=4",
+        "algorithm.group_size=4",
+        "eval.samples_per_prompt=1",
+        "eval.num_steps=2",
+        "eval.every=1",
+        "train.ema_decay=0.5",
+        f"reward.urls=[{reward_url}]",
+    ]
 
 
 def _series(jobs: dict[str, list[str]], workdir: Path) -> dict[str, str]:
@@ -72,7 +89,15 @@ def _env() -> dict:
 
 
 def _torchrun(job: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "trainer/main.py", *job]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "trainer/main.py",
+        *job,
+    ]
 
 
 def _records(run_dir: Path, phase: str) -> list[dict]:
@@ -156,21 +181,30 @@ def resumed_runs(tmp_path_factory, request, tiny_model_dir, ip_job, straight_run
     def make(out: Path) -> dict[str, tuple[str, str]]:
         reward_url = request.getfixturevalue("reward_url")
         for backend in KILLED:
-            victim = subprocess.Popen(_torchrun(_job(tiny_model_dir, out, backend, backend, reward_url)), cwd=REPO,
-                                      env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
+            victim = subprocess.Popen(
+                _torchrun(_job(tiny_model_dir, out, backend, backend, reward_url)),
+                cwd=REPO,
+                env=_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             metrics = out / backend / "metrics.jsonl"
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
-                if metrics.is_file() and any(r["phase"] == "rl" for r in map(json.loads, metrics.read_text().splitlines())):
+                if metrics.is_file() and any(
+                    r["phase"] == "rl" for r in map(json.loads, metrics.read_text().splitlines())
+                ):
                     break
                 assert victim.poll() is None, f"{backend}: the run ended before it could be killed"
                 time.sleep(0.05)
             killed = kill_tree(victim.pid, signal.SIGKILL)  # torchrun and both ranks (each in a session of its own)
             assert len(killed) == 3, killed
             victim.wait()
-        jobs = {backend: [*_job(tiny_model_dir, out, backend, backend, reward_url), "--resume", "auto"]
-                for backend in KILLED}
+        jobs = {
+            backend: [*_job(tiny_model_dir, out, backend, backend, reward_url), "--resume", "auto"]
+            for backend in KILLED
+        }
         for variant in VARIANTS:
             first = next((straight_runs[variant] / "checkpoints").glob("step-*-000001"))
             jobs[variant] = [*_job(tiny_model_dir, out, variant, variant, reward_url), f"train.resume={first}"]
@@ -180,8 +214,10 @@ def resumed_runs(tmp_path_factory, request, tiny_model_dir, ip_job, straight_run
         stdout = _series(jobs, out)
         return {name: (str(out / name.replace("/", "-")), stdout[name]) for name in jobs}
 
-    return {name: (Path(run_dir), stdout) for name, (run_dir, stdout) in
-            once_per_run(tmp_path_factory, "backends-killed", make).items()}
+    return {
+        name: (Path(run_dir), stdout)
+        for name, (run_dir, stdout) in once_per_run(tmp_path_factory, "backends-killed", make).items()
+    }
 
 
 @pytest.mark.parametrize("backend", (*KILLED, *VARIANTS))
@@ -220,20 +256,46 @@ def ip_job(tmp_path_factory) -> Callable[..., list[str]]:
     model = testing.tiny_config("flux", root)
     encoder = testing.tiny_ip_adapter(root).image_encoder
     data = tiny_dataset("triplet_folder", root, model.resolution)
-    common = ["model.name=flux", f"model.path={model.path}", f"model.resolution={model.resolution}",
-              f"model.max_sequence_length={model.max_sequence_length}", "model.dtype=float32",
-              f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.num_tokens=4",
-              "data.name=triplet_folder", f"data.path={data}", f"data.image_size={model.resolution}",
-              "data.image_inputs=[style]", "data.prompts_per_epoch=2", "algorithm.group_size=4",
-              "algorithm.micro_batch_size=2", "algorithm.kl_beta=0.04", "algorithm.sampler.num_steps=5",
-              "algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,3]", "train.warmup_steps=0",
-              "train.epochs=2", "train.learning_rate=0.05", "train.checkpoint_every=1", "train.keep_checkpoints=0",
-              "eval.num_steps=2", "eval.samples_per_prompt=1", "logging.progress=false", "logging.tensorboard=false",
-              "reward.weights={brightness: 1.0}"]
+    common = [
+        "model.name=flux",
+        f"model.path={model.path}",
+        f"model.resolution={model.resolution}",
+        f"model.max_sequence_length={model.max_sequence_length}",
+        "model.dtype=float32",
+        f"model.ip_adapter.image_encoder={encoder}",
+        "model.ip_adapter.num_tokens=4",
+        "data.name=triplet_folder",
+        f"data.path={data}",
+        f"data.image_size={model.resolution}",
+        "data.image_inputs=[style]",
+        "data.prompts_per_epoch=2",
+        "algorithm.group_size=4",
+        "algorithm.micro_batch_size=2",
+        "algorithm.kl_beta=0.04",
+        "algorithm.sampler.num_steps=5",
+        "algorithm.sampler.sde_window=2",
+        "algorithm.sampler.window_range=[0,3]",
+        "train.warmup_steps=0",
+        "train.epochs=2",
+        "train.learning_rate=0.05",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=0",
+        "eval.num_steps=2",
+        "eval.samples_per_prompt=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "reward.weights={brightness: 1.0}",
+    ]
 
     def job(out: Path, name: str, backend: str, reward_url: str, *extra: str) -> list[str]:
-        return [*common, f"parallel.backend={backend}", f"logging.output_dir={out}", f"logging.run_name={name}",
-                f"reward.urls=[{reward_url}]", *extra]
+        return [
+            *common,
+            f"parallel.backend={backend}",
+            f"logging.output_dir={out}",
+            f"logging.run_name={name}",
+            f"reward.urls=[{reward_url}]",
+            *extra,
+        ]
 
     return job
 
@@ -245,6 +307,7 @@ def test_ip_adapter_reference_keeps_its_snapshot_under_every_backend(straight_ru
     shards of them into the shards around the call: every backend reports the same KL, 0 in the first epoch and
     > 0 once the policy has moved. Resumed after the first epoch, the sharded backends repeat the second (each
     rank's snapshot shards are in the checkpoint)."""
+
     def kl(run_dir: Path) -> list[float]:
         return [r["kl"] for r in _records(run_dir, "rl")]
 
@@ -267,8 +330,12 @@ def test_compiled_blocks_train_under_zero_and_fsdp2(tiny_model_dir, reward_url, 
     short = ["train.warmup_steps=2", "train.epochs=1", "train.checkpoint_every=0", "eval.every=0"]
     jobs = {"ddp": [*_job(tiny_model_dir, tmp_path, "ddp", "ddp", reward_url), *short]}
     for backend in compiled:
-        jobs[backend] = [*_job(tiny_model_dir, tmp_path, backend, backend, reward_url), *short,
-                         "model.compile=blocks", "model.compile_backend=aot_eager"]
+        jobs[backend] = [
+            *_job(tiny_model_dir, tmp_path, backend, backend, reward_url),
+            *short,
+            "model.compile=blocks",
+            "model.compile_backend=aot_eager",
+        ]
     out = _series(jobs, tmp_path / "series")
     for backend in compiled:
         assert "model.compile=blocks:" in out[backend] and "0 fallbacks to eager" in out[backend], out[backend]

@@ -46,9 +46,7 @@ def _check(found: dict, kinds: tuple[str, ...], out: Path) -> None:
 
 
 def test_the_demo_under_every_fault_ends_as_the_undisturbed_run(tmp_path):
-    schedule = bench.Schedule(
-        kill_every_s=6, hang_every_s=8, hang_s=5, trainer_every_s=3, seed=1, trainer_rounds=1
-    )
+    schedule = bench.Schedule(kill_every_s=6, hang_every_s=8, hang_s=5, trainer_every_s=3, seed=1, trainer_rounds=1)
     found = bench.chaos(tmp_path, [*TOY, "train.epochs=6"], schedule)
     print(bench.table(found))
     _check(found, (*bench.REPLICA_FAULTS, *bench.TRAINER_FAULTS), tmp_path)

@@ -23,11 +23,26 @@ KEYS = ("policy_loss", "grad_norm", "reward_mean", "approx_kl", "sft_loss")
 
 
 def _args(model_dir: str, out: Path, name: str) -> list[str]:
-    return [sys.executable, "trainer/main.py", f"model.path={model_dir}", f"logging.output_dir={out}",
-            f"logging.run_name={name}", "logging.progress=false", "logging.tensorboard=false",
-            "train.warmup_steps=6", "train.warmup_checkpoint_every=3", "train.epochs=6", "train.checkpoint_every=1",
-            "data.prompts_per_epoch=4", "algorithm.group_size=4", "algorithm.kl_beta=0.01",
-            "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=0", "reward.replicas=1"]
+    return [
+        sys.executable,
+        "trainer/main.py",
+        f"model.path={model_dir}",
+        f"logging.output_dir={out}",
+        f"logging.run_name={name}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "train.warmup_steps=6",
+        "train.warmup_checkpoint_every=3",
+        "train.epochs=6",
+        "train.checkpoint_every=1",
+        "data.prompts_per_epoch=4",
+        "algorithm.group_size=4",
+        "algorithm.kl_beta=0.01",
+        "eval.samples_per_prompt=1",
+        "eval.num_steps=2",
+        "eval.every=0",
+        "reward.replicas=1",
+    ]
 
 
 def _records(run_dir: Path, phase: str) -> list[dict]:
@@ -40,16 +55,25 @@ def _env() -> dict:
 
 
 def test_kill9_then_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_model_dir):
-    subprocess.run(_args(tiny_model_dir, tmp_path, "straight"), cwd=REPO, env=_env(), check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        _args(tiny_model_dir, tmp_path, "straight"), cwd=REPO, env=_env(), check=True, capture_output=True, timeout=600
+    )
     kill_after = random.Random(os.getpid()).randint(1, 4)
-    victim = subprocess.Popen(_args(tiny_model_dir, tmp_path, "killed"), cwd=REPO, env=_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    victim = subprocess.Popen(
+        _args(tiny_model_dir, tmp_path, "killed"),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        if metrics.is_file() and any(json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= kill_after
-                                     for line in metrics.read_text().splitlines()):
+        if metrics.is_file() and any(
+            json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= kill_after
+            for line in metrics.read_text().splitlines()
+        ):
             break
         assert victim.poll() is None, "the run ended before it could be killed"
         time.sleep(0.05)
@@ -62,8 +86,14 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_mo
         time.sleep(0.1)
     assert not replicas_of(victim.pid), "reward replicas outlived the killed trainer"
 
-    resumed = subprocess.run(_args(tiny_model_dir, tmp_path, "killed") + ["--resume", "auto"], cwd=REPO, env=_env(),
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        _args(tiny_model_dir, tmp_path, "killed") + ["--resume", "auto"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     for phase in ("warmup", "rl"):
@@ -87,7 +117,9 @@ def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model
     checkpoints = Checkpoints(tmp_path, keep=2, is_main=True)
     assert checkpoints.latest() is None
     for epoch in (1, 2, 3):
-        checkpoints.save(Progress(10, epoch, True), adapter, backend, {"ema": State({"w": torch.full((2,), float(epoch))})}, {})
+        checkpoints.save(
+            Progress(10, epoch, True), adapter, backend, {"ema": State({"w": torch.full((2,), float(epoch))})}, {}
+        )
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-000010-000002", "step-000010-000003"]  # keep=2
     # A write killed half-way leaves a temporary directory, and a directory with no progress file is not
@@ -142,9 +174,18 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_the_latest(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name, done.name]
 
 
-SHORT = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
-         "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=0",
-         "logging.progress=false", "logging.tensorboard=false", "train.warmup_steps=2"]
+SHORT = [
+    "algorithm.group_size=2",
+    "algorithm.sampler.num_steps=4",
+    "algorithm.sampler.window_range=[0,2]",
+    "data.prompts_per_epoch=4",
+    "eval.samples_per_prompt=1",
+    "eval.num_steps=2",
+    "eval.every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "train.warmup_steps=2",
+]
 
 
 def test_a_resume_after_rl_began_never_warms_up_again(tmp_path, tiny_model_dir):
@@ -160,8 +201,11 @@ def test_a_resume_after_rl_began_never_warms_up_again(tmp_path, tiny_model_dir):
     again.resume(first.checkpoints.latest())
     again.fit()
     again.logger.close()
-    phases = [(r["phase"], r["step"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-              if r["phase"] in ("warmup", "rl")]
+    phases = [
+        (r["phase"], r["step"])
+        for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if r["phase"] in ("warmup", "rl")
+    ]
     assert phases == [("warmup", 0), ("warmup", 1), ("rl", 1), ("rl", 2)], phases
     assert again.progress.warmup_steps_done == 2 and again.progress.epochs_done == 2
 
@@ -187,8 +231,9 @@ def _cut(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
 
-@pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "progress.json", "rank-00000/rng.pt",
-                                  "ema.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["trainable.safetensors", "optimizer.pt", "progress.json", "rank-00000/rng.pt", "ema.safetensors"]
+)
 def test_a_damaged_file_is_named_before_anything_is_loaded(tmp_path, tiny_model_dir, name):
     from trainer.checkpoint import damaged
     from trainer.distributed import SingleProcess
@@ -197,8 +242,9 @@ def test_a_damaged_file_is_named_before_anything_is_loaded(tmp_path, tiny_model_
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
-    path = Checkpoints(tmp_path, 0, True).save(Progress(3, 0), adapter, backend, {"ema": State({"w": torch.ones(3)})},
-                                              {"train": {}})
+    path = Checkpoints(tmp_path, 0, True).save(
+        Progress(3, 0), adapter, backend, {"ema": State({"w": torch.ones(3)})}, {"train": {}}
+    )
     assert damaged(path) is None
     _cut(path / name)
     assert damaged(path).startswith(f"{name} cannot be read")
@@ -222,7 +268,9 @@ def test_resume_auto_continues_from_the_newest_checkpoint_that_can_be_loaded(tmp
     checkpoint = again.checkpoints.newest_loadable(again.backend)
     assert checkpoint.name == "step-000002-000001"
     assert f"checkpoint {newest} cannot be loaded (optimizer.pt cannot be read" in capsys.readouterr().out
-    assert [p.name.startswith(f"damaged-{newest.name}-") for p in tmp_path.joinpath("checkpoints").iterdir()].count(True) == 1
+    assert [p.name.startswith(f"damaged-{newest.name}-") for p in tmp_path.joinpath("checkpoints").iterdir()].count(
+        True
+    ) == 1
     again.resume(checkpoint)
     again.fit()
     again.logger.close()
@@ -256,8 +304,10 @@ def test_a_named_checkpoint_that_cannot_be_loaded_is_refused_naming_the_one_befo
     _cut(newer / "trainable.safetensors")
     with pytest.raises(ValueError, match="train.init_from=.* cannot be loaded, trainable.safetensors cannot be read"):
         require_checkpoint(newer, "train.init_from")
-    with pytest.raises(ValueError, match=f"cannot be loaded, trainable.safetensors cannot be read.*: export the "
-                                         f"checkpoint before it, {older}$"):
+    with pytest.raises(
+        ValueError,
+        match=f"cannot be loaded, trainable.safetensors cannot be read.*: export the checkpoint before it, {older}$",
+    ):
         load_checkpoint(newer)
     load_checkpoint(older)
     _cut(older / "trainable.safetensors")

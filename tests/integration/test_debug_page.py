@@ -74,9 +74,7 @@ def test_page_is_self_contained(server_url: str) -> None:
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html), "external asset in the debug page"
 
 
-def test_upload_png_and_see_the_brightness_score(
-    page: sync_api.Page, server_url: str, tmp_path: Path
-) -> None:
+def test_upload_png_and_see_the_brightness_score(page: sync_api.Page, server_url: str, tmp_path: Path) -> None:
     pixels = np.random.default_rng(7).integers(0, 256, (24, 32, 3), dtype=np.uint8)
     png = tmp_path / "upload.png"
     Image.fromarray(pixels).save(png)

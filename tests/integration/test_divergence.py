@@ -14,16 +14,26 @@ from warm_start import tiny_trainer
 
 from trainer.health import TrainingDiverged
 
-JOB = ("train.max_skipped_steps=3", "warmup.batch_size=4", "data.prompts_per_epoch=2", "algorithm.group_size=4",
-       "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1",
-       "eval.num_steps=1", "eval.every=0", "logging.progress=false")
+JOB = (
+    "train.max_skipped_steps=3",
+    "warmup.batch_size=4",
+    "data.prompts_per_epoch=2",
+    "algorithm.group_size=4",
+    "algorithm.sampler.num_steps=4",
+    "algorithm.sampler.window_range=[0,2]",
+    "eval.samples_per_prompt=1",
+    "eval.num_steps=1",
+    "eval.every=0",
+    "logging.progress=false",
+)
 
 
 def _poison(objective, bad) -> None:
     """Multiply ``objective``'s loss by NaN in the optimizer steps for which ``bad()`` is true."""
     loss = objective.loss
     objective.loss = lambda ctx, unit: (lambda value, stats: (value * math.nan if bad() else value, stats))(
-        *loss(ctx, unit))
+        *loss(ctx, unit)
+    )
 
 
 def _records(run_dir, phase: str) -> list[dict]:
@@ -60,8 +70,9 @@ def test_steps_with_non_finite_gradients_are_skipped_and_counted(tmp_path, tiny_
 
 @pytest.mark.parametrize("phase", ["warm-up", "RL"])
 def test_as_many_in_a_row_as_the_limit_stop_the_run_where_it_diverged(tmp_path, tiny_model_dir, phase):
-    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=6", "train.epochs=6",
-                           "algorithm.steps_per_epoch=2")
+    trainer = tiny_trainer(
+        tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=6", "train.epochs=6", "algorithm.steps_per_epoch=2"
+    )
     if phase == "warm-up":
         _poison(trainer.warmup, lambda: trainer.progress.warmup_steps_done >= 1)
         where = "warm-up step 4"  # steps 2, 3 and 4
@@ -79,8 +90,11 @@ def test_as_many_in_a_row_as_the_limit_stop_the_run_where_it_diverged(tmp_path, 
             return stats
 
         trainer.warmup_step = first
-    with pytest.raises(TrainingDiverged, match=rf"3 optimizer steps in a row had non-finite gradients .*, the last in "
-                                               rf"{where}: .* lower the learning rate or clip gradients harder \(a smaller train.max_grad_norm"):
+    with pytest.raises(
+        TrainingDiverged,
+        match=rf"3 optimizer steps in a row had non-finite gradients .*, the last in "
+        rf"{where}: .* lower the learning rate or clip gradients harder \(a smaller train.max_grad_norm",
+    ):
         trainer.fit()
     trainer.logger.close()
     if before is not None:  # the weights are the last finite step's: warm-up step 1's
@@ -92,10 +106,14 @@ def test_a_policy_that_samples_non_finite_images_stops_the_run_before_they_are_t
     """A learning rate of 1e30: the first RL step's gradients are finite, its update overflows the weights, and the
     next epoch's rollouts are NaN; the run stops there, on every rank alike (the verdict is gathered), before it
     trains on them or the task's metric reads them."""
-    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=0", "train.epochs=4",
-                           "train.learning_rate=1e30")
-    with pytest.raises(TrainingDiverged, match=r"RL epoch 2: the policy sampled 8 non-finite images .* lower the "
-                                               r"learning rate"):
+    trainer = tiny_trainer(
+        tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=0", "train.epochs=4", "train.learning_rate=1e30"
+    )
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"RL epoch 2: the policy sampled 8 non-finite images .* lower the "
+        r"learning rate",
+    ):
         trainer.fit()
     trainer.logger.close()
     assert [r["step"] for r in _records(tmp_path / "run", "rl")] == [1]
@@ -105,10 +123,20 @@ def test_a_warm_up_whose_weights_overflowed_stops_at_the_evaluation_naming_its_l
     """A warm-up learning rate of 1e30: its steps' gradients are finite, its weights overflow, and the evaluation
     before RL samples NaN. It used to reach the digits classifier, whose scikit-learn error ('Input X contains NaN')
     ended the run."""
-    trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *JOB, "train.warmup_steps=2", "train.epochs=2",
-                           "train.warmup_learning_rate=1e30", "eval.every=1")
-    with pytest.raises(TrainingDiverged, match=r"^the evaluation before RL sampled 10 non-finite images \(.*: lower "
-                                               r"train\.warmup_learning_rate"):
+    trainer = tiny_trainer(
+        tmp_path / "run",
+        tiny_model_dir,
+        *JOB,
+        "train.warmup_steps=2",
+        "train.epochs=2",
+        "train.warmup_learning_rate=1e30",
+        "eval.every=1",
+    )
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"^the evaluation before RL sampled 10 non-finite images \(.*: lower "
+        r"train\.warmup_learning_rate",
+    ):
         trainer.fit()
     trainer.logger.close()
     assert _records(tmp_path / "run", "rl") == []
@@ -119,8 +147,16 @@ def test_the_job_ends_with_the_message_in_one_line_and_exit_status_1(tmp_path, t
     a traceback, and the job exits 1 (a configuration it refuses exits 2)."""
     from trainer.main import main
 
-    job = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "logging.run_name=lr", "reward.replicas=1",
-           "train.warmup_steps=0", "train.epochs=3", "train.learning_rate=1e30", *JOB]
+    job = [
+        f"model.path={tiny_model_dir}",
+        f"logging.output_dir={tmp_path}",
+        "logging.run_name=lr",
+        "reward.replicas=1",
+        "train.warmup_steps=0",
+        "train.epochs=3",
+        "train.learning_rate=1e30",
+        *JOB,
+    ]
     assert main(job) == 1
     err = capsys.readouterr().err
     assert "error: RL epoch 2: the policy sampled 8 non-finite images" in err and "Traceback" not in err

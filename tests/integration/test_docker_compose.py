@@ -40,10 +40,12 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _runner(command: list[str], env: dict[str, str], project: Path) -> Callable[..., str]:
     def run(*args: str, timeout: float = 600) -> str:
-        done = subprocess.run([*command, *args], cwd=project, env=env, capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        done = subprocess.run(
+            [*command, *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
         assert done.returncode == 0, f"{' '.join(args)}: {done.stdout}{done.stderr}"
         return done.stdout
+
     return run
 
 
@@ -51,8 +53,9 @@ def _wait_healthy(container: str, logs: Callable[[], str], timeout: float = 240)
     deadline, status = time.monotonic() + timeout, ""
     while status != "healthy" and time.monotonic() < deadline:
         time.sleep(2)
-        state = subprocess.run(["docker", "inspect", "--format", "{{json .State}}", container],
-                               capture_output=True, text=True, check=True).stdout
+        state = subprocess.run(
+            ["docker", "inspect", "--format", "{{json .State}}", container], capture_output=True, text=True, check=True
+        ).stdout
         status = json.loads(state).get("Health", {}).get("Status", "")
         assert status != "unhealthy", logs()
     assert status == "healthy", f"not healthy within {timeout} s: {logs()}"
@@ -82,8 +85,9 @@ def test_compose_serves_ocr_with_a_token(cpu_group: tuple[str, str]) -> None:
     body = {"items": [item], "scorers": ["ocr"]}
     refused = httpx.post(f"{url}/score", json=body, trust_env=False, timeout=60)
     assert refused.status_code == 401, refused.text
-    scored = httpx.post(f"{url}/score", json=body, headers={"Authorization": f"Bearer {token}"},
-                        trust_env=False, timeout=120)
+    scored = httpx.post(
+        f"{url}/score", json=body, headers={"Authorization": f"Bearer {token}"}, trust_env=False, timeout=120
+    )
     assert scored.status_code == 200, scored.text
     (result,) = scored.json()["results"]
     ocr = result["scores"]["ocr"]
@@ -107,21 +111,52 @@ def test_model_image_scores_mounted_tiny_models_as_the_host_does(engine: Path) -
     subprocess.run(["chmod", "-R", "a+rX", str(models)], check=True)  # the image runs as an unprivileged user
 
     rng = np.random.default_rng(0)
-    items = [{"id": f"i{n}", "prompt": "a photo of a bowl", "image": encode_image(rng.integers(0, 256, (64, 64, 3),
-              dtype=np.uint8)), "metadata": {**CONFORMANCE_METADATA.get("geneval", {})}} for n in range(2)]
-    with LocalRewardPool(scorers, replicas=1, log_dir=engine / "host-server",
-                         extra_args=["--model-dir", str(models)], ready_timeout_s=300) as pool:
+    items = [
+        {
+            "id": f"i{n}",
+            "prompt": "a photo of a bowl",
+            "image": encode_image(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)),
+            "metadata": {**CONFORMANCE_METADATA.get("geneval", {})},
+        }
+        for n in range(2)
+    ]
+    with LocalRewardPool(
+        scorers,
+        replicas=1,
+        log_dir=engine / "host-server",
+        extra_args=["--model-dir", str(models)],
+        ready_timeout_s=300,
+    ) as pool:
         host = httpx.post(f"{pool.urls[0]}/score", json={"items": items}, trust_env=False, timeout=300)
     assert host.status_code == 200, host.text
 
     container = subprocess.run(
-        ["docker", "run", "-d", "--rm", "-p", "127.0.0.1::8000", "-v", f"{models}:/models:ro",
-         "rewardflow-reward-models:latest", *command], capture_output=True, text=True, check=True).stdout.strip()
+        [
+            "docker",
+            "run",
+            "-d",
+            "--rm",
+            "-p",
+            "127.0.0.1::8000",
+            "-v",
+            f"{models}:/models:ro",
+            "rewardflow-reward-models:latest",
+            *command,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     try:
-        _wait_healthy(container, lambda: subprocess.run(["docker", "logs", container], capture_output=True,
-                                                        text=True).stderr[-3000:])
-        port = subprocess.run(["docker", "port", container, "8000"], capture_output=True, text=True,
-                              check=True).stdout.split()[0].rsplit(":", 1)[1]
+        _wait_healthy(
+            container,
+            lambda: subprocess.run(["docker", "logs", container], capture_output=True, text=True).stderr[-3000:],
+        )
+        port = (
+            subprocess.run(["docker", "port", container, "8000"], capture_output=True, text=True, check=True)
+            .stdout.split()[0]
+            .rsplit(":", 1)[1]
+        )
         served = httpx.post(f"http://127.0.0.1:{port}/score", json={"items": items}, trust_env=False, timeout=300)
     finally:
         subprocess.run(["docker", "rm", "-f", container], capture_output=True, check=False)

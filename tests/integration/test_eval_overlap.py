@@ -14,9 +14,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = ["train 0", "test 7", "train 1", "test 2", "test 9", "test 0"]
 TEST = [f"test {i}" for i in range(12)]
-SHARED = (
-    "data.path='{train}' and eval.path='{test}' share 4 prompts (first three: 'test 7', 'test 2', 'test 9')"
-)
+SHARED = "data.path='{train}' and eval.path='{test}' share 4 prompts (first three: 'test 7', 'test 2', 'test 9')"
 
 
 def _job(tmp_path: Path, model: str, *overrides: str) -> subprocess.CompletedProcess:

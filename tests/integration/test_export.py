@@ -25,9 +25,13 @@ from trainer.models.trainable import LoraSettings
 def _forward(net: torch.nn.Module) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        return net(hidden_states=torch.randn(2, 1, 16, 16, generator=g), timestep=torch.tensor([300.0, 800.0]),
-                   encoder_hidden_states=torch.randn(2, 8, 64, generator=g),
-                   pooled_projections=torch.randn(2, 64, generator=g), return_dict=False)[0]
+        return net(
+            hidden_states=torch.randn(2, 1, 16, 16, generator=g),
+            timestep=torch.tensor([300.0, 800.0]),
+            encoder_hidden_states=torch.randn(2, 8, 64, generator=g),
+            pooled_projections=torch.randn(2, 64, generator=g),
+            return_dict=False,
+        )[0]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -46,7 +50,8 @@ def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_p
 
     config = Config(model=model)
     Checkpoints(tmp_path / "checkpoints", keep=1, is_main=True).save(
-        Progress(4, 2, True), adapter, backend, {}, to_dict(config))
+        Progress(4, 2, True), adapter, backend, {}, to_dict(config)
+    )
     checkpoint = next((tmp_path / "checkpoints").glob("step-*"))
     assert main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
 
@@ -56,8 +61,9 @@ def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_p
     assert (tmp_path / "exported" / "lora").is_dir() == lora
     if lora:  # the adapter alone, on the base model
         with_adapter = SD3Transformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
-        with_adapter.load_lora_adapter(str(tmp_path / "exported" / "lora"), weight_name="pytorch_lora_weights.safetensors",
-                                       prefix=None)
+        with_adapter.load_lora_adapter(
+            str(tmp_path / "exported" / "lora"), weight_name="pytorch_lora_weights.safetensors", prefix=None
+        )
         torch.testing.assert_close(_forward(with_adapter), trained, atol=1e-5, rtol=1e-5)
 
 
@@ -95,7 +101,10 @@ def test_cli_names_what_is_wrong(tmp_path, capsys):
     assert "is not a complete checkpoint (no trainable.safetensors)" in capsys.readouterr().err
     a_file = tmp_path / "a-file"  # --out at a file, or under one: a traceback once the weights had loaded
     a_file.write_text("")
-    for out, why in ((a_file, f"{a_file} is a file, not a folder"), (a_file / "x", f"{a_file} is a file, not a folder")):
+    for out, why in (
+        (a_file, f"{a_file} is a file, not a folder"),
+        (a_file / "x", f"{a_file} is a file, not a folder"),
+    ):
         with pytest.raises(SystemExit) as exited:
             main(["--checkpoint", str(tmp_path / "not-a-checkpoint"), "--out", str(out)])
         assert exited.value.code == 2 and f"--out {out}: {why}" in capsys.readouterr().err
@@ -117,7 +126,8 @@ def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path, capsys):
         for p in adapter.trainable.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     Checkpoints(tmp_path / "checkpoints", keep=1, is_main=True).save(
-        Progress(4, 2, True), adapter, backend, {}, to_dict(Config(model=model)))
+        Progress(4, 2, True), adapter, backend, {}, to_dict(Config(model=model))
+    )
     for store in stores.values():
         shutil.rmtree(store)
     checkpoint = next((tmp_path / "checkpoints").glob("step-*"))

@@ -1,4 +1,5 @@
-"""FLUX.2 reference images (multi-reference editing, the pipelines' ``image``; inpainting's ``image_reference``): a rollout at noise level 0 with
+"""FLUX.2 reference images (multi-reference editing, the pipelines' ``image``; inpainting's ``image_reference``): a
+rollout at noise level 0 with
 each item's references equals the pipeline called with them, the on-policy ratio stays exactly 1, references
 change the prediction, and references the adapter cannot take are refused with the reason."""
 
@@ -45,16 +46,34 @@ def test_rollout_with_references_at_noise_zero_equals_the_pipeline(name, model_r
     adapter, spec = _adapter(name, model_root), tiny(name)
     references = _references(adapter, 2)
     inputs = ImageInputs(reference=references.expand(len(PROMPTS), -1, -1, -1, -1))
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), _settings(name, 0.0),
-                 torch.Generator().manual_seed(0), inputs)
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(len(PROMPTS)),
+        _settings(name, 0.0),
+        torch.Generator().manual_seed(0),
+        inputs,
+    )
     images = [Image.fromarray((r.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()) for r in references]
-    latents = adapter.pipeline(prompt=PROMPTS, image=images, num_inference_steps=3, output_type="latent",
-                               generator=torch.Generator().manual_seed(0),
-                               **spec.pipeline_call(adapter, None, spec.guidance)).images
+    latents = adapter.pipeline(
+        prompt=PROMPTS,
+        image=images,
+        num_inference_steps=3,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **spec.pipeline_call(adapter, None, spec.guidance),
+    ).images
     expected = spec.pipeline_latents(adapter, latents) if spec.pipeline_latents is not None else latents
     torch.testing.assert_close(ro.latents[:, -1], expected.float().reshape(ro.latents[:, -1].shape), rtol=0, atol=1e-5)
-    plain = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), _settings(name, 0.0),
-                    torch.Generator().manual_seed(0))
+    plain = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(len(PROMPTS)),
+        _settings(name, 0.0),
+        torch.Generator().manual_seed(0),
+    )
     assert (plain.latents[:, -1] - ro.latents[:, -1]).abs().max() > 1e-3, "the references changed nothing"
 
 
@@ -65,14 +84,29 @@ def test_inpainting_with_references_at_noise_zero_equals_the_pipeline(model_root
     adapter, spec = _adapter(name, model_root), tiny(name)
     side, g = adapter.resolution, torch.Generator().manual_seed(3)
     references = _references(adapter, 2)
-    inputs = ImageInputs(image=torch.rand(1, 3, side, side, generator=g), reference=references[None],
-                         mask=(torch.rand(1, 1, side, side, generator=g) > 0.5).float())
-    ro = rollout(adapter, adapter.denoiser, PROMPTS[:1], torch.arange(1), _settings(name, 0.0),
-                 torch.Generator().manual_seed(0), inputs)
+    inputs = ImageInputs(
+        image=torch.rand(1, 3, side, side, generator=g),
+        reference=references[None],
+        mask=(torch.rand(1, 1, side, side, generator=g) > 0.5).float(),
+    )
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS[:1],
+        torch.arange(1),
+        _settings(name, 0.0),
+        torch.Generator().manual_seed(0),
+        inputs,
+    )
     images = [Image.fromarray((r.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()) for r in references]
-    latents = adapter.pipeline(prompt=PROMPTS[:1], image_reference=images, num_inference_steps=3,
-                               output_type="latent", generator=torch.Generator().manual_seed(0),
-                               **spec.pipeline_call(adapter, inputs, spec.guidance)).images
+    latents = adapter.pipeline(
+        prompt=PROMPTS[:1],
+        image_reference=images,
+        num_inference_steps=3,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **spec.pipeline_call(adapter, inputs, spec.guidance),
+    ).images
     expected = spec.pipeline_latents(adapter, latents).float().reshape(ro.latents[:, -1].shape)
     torch.testing.assert_close(ro.latents[:, -1], expected, rtol=0, atol=1e-5)
     assert ro.cond.reference.shape[1] == 2 * ro.latents.shape[2]
@@ -86,24 +120,36 @@ def test_on_policy_ratio_is_exactly_one_with_each_items_own_references(name, mod
     if name == "flux2_klein_inpaint":
         side = adapter.resolution
         inputs.image, inputs.mask = torch.rand(2, 3, side, side), (torch.rand(2, 1, side, side) > 0.5).float()
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), _settings(name, 1.0),
-                 torch.Generator().manual_seed(1), inputs)
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(len(PROMPTS)),
+        _settings(name, 1.0),
+        torch.Generator().manual_seed(1),
+        inputs,
+    )
     assert ro.cond.reference.shape[1] == 3 * ro.latents.shape[2]  # three references' tokens per item
     step = adapter.step_function(ro.kind, ro.sigmas)
     with torch.no_grad():
         for i in ro.trainable_steps().tolist():
-            out = adapter.predict(adapter.denoiser, ro.latents[:, i], ro.sigmas[i].expand(len(PROMPTS)), ro.cond,
-                                  ro.guidance_scale)
-            _, log_prob, _, _ = step(out, ro.latents[:, i], torch.full((len(PROMPTS),), i), ro.noise_level,
-                                     prev_sample=ro.latents[:, i + 1])
+            out = adapter.predict(
+                adapter.denoiser, ro.latents[:, i], ro.sigmas[i].expand(len(PROMPTS)), ro.cond, ro.guidance_scale
+            )
+            _, log_prob, _, _ = step(
+                out, ro.latents[:, i], torch.full((len(PROMPTS),), i), ro.noise_level, prev_sample=ro.latents[:, i + 1]
+            )
             assert torch.equal(torch.exp(log_prob - ro.log_probs[:, i]), torch.ones(len(PROMPTS)))
 
 
 def test_references_it_cannot_take_are_refused(model_root):
     adapter = _adapter("flux2", model_root)
     side = adapter.resolution
-    with pytest.raises(ValueError, match=r"^ImageInputs.reference holds 11 images per item; the flux2 adapter takes "
-                                         r"1 to 10 \(Flux2Pipeline\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^ImageInputs.reference holds 11 images per item; the flux2 adapter takes "
+        r"1 to 10 \(Flux2Pipeline\)",
+    ):
         adapter.encode_prompts(PROMPTS, ImageInputs(reference=torch.rand(2, 11, 3, side, side)))
     with pytest.raises(ValueError, match=r"ImageInputs.reference is \(16, 16\) pixels; .*model.resolution"):
         adapter.encode_prompts(PROMPTS, ImageInputs(reference=torch.rand(2, 3, 16, 16)))

@@ -69,8 +69,9 @@ def _fuzz(operation: Any, base_url: str, session: requests.Session) -> None:
     """``EXAMPLES_PER_OPERATION`` generated requests to one operation, each answered without a server error."""
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck),
-              database=None)
+    @settings(
+        max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
     def run(case: Any) -> None:
         response = case.call(base_url=base_url, session=session, timeout=30)
         assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text}"
@@ -78,8 +79,9 @@ def _fuzz(operation: Any, base_url: str, session: requests.Session) -> None:
     run()
 
 
-def test_fuzzing_finds_no_server_error_and_leaves_it_alive_and_scoring(base_url: str,
-                                                                      session: requests.Session) -> None:
+def test_fuzzing_finds_no_server_error_and_leaves_it_alive_and_scoring(
+    base_url: str, session: requests.Session
+) -> None:
     """One test, so that the server checked afterwards is the one fuzzed (pytest-xdist may split a module's tests
     over workers, each with its own server)."""
     operations = [result.ok() for result in schema.get_all_operations()]

@@ -25,8 +25,9 @@ def _run(tmp_path, name: str, data: str) -> tuple[str, int]:
     model = tiny_config(name, tmp_path / "model", dtype="float32")
     adapter = build_adapter(model, "cpu")
     side = adapter.resolution
-    config = replace(load_config(overrides=[f"model.name={name}", f"data.name={data}", f"data.image_size={side}"]),
-                     model=model)
+    config = replace(
+        load_config(overrides=[f"model.name={name}", f"data.name={data}", f"data.image_size={side}"]), model=model
+    )
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(saved_dict(config), sort_keys=False))
     export_denoiser(adapter.denoiser, tmp_path / "run" / "final")
@@ -42,8 +43,18 @@ def test_an_inpainting_model_fills_the_given_image_where_the_given_mask_says(tmp
         mask = np.zeros((side, side), dtype=np.uint8)
         mask[rows] = 255
         Image.fromarray(mask).save(tmp_path / f"{name}.png")
-    common = ["--weights", weights, "--prompts", "a sign saying OPEN", "--samples", "2", "--steps", "2",
-              "--image", str(tmp_path / "source.png")]
+    common = [
+        "--weights",
+        weights,
+        "--prompts",
+        "a sign saying OPEN",
+        "--samples",
+        "2",
+        "--steps",
+        "2",
+        "--image",
+        str(tmp_path / "source.png"),
+    ]
     grids = {}
     for name in ("top", "bottom"):
         out = tmp_path / f"grid-{name}.png"
@@ -54,7 +65,7 @@ def test_an_inpainting_model_fills_the_given_image_where_the_given_mask_says(tmp
 
     def cell(grid: np.ndarray, column: int) -> np.ndarray:
         left = (1 + column * (side + 1)) * scale
-        return grid[scale: scale + side * scale: scale, left: left + side * scale: scale]
+        return grid[scale : scale + side * scale : scale, left : left + side * scale : scale]
 
     # the first cell: the source with the repaint region tinted (the upper half for the "top" mask)
     tinted = source / 255
@@ -79,12 +90,29 @@ def test_an_editing_model_edits_the_given_references(tmp_path):
     grids = {}
     for pair in ("ab", "ac"):
         out = tmp_path / f"grid-{pair}.png"
-        assert main(["--weights", weights, "--prompts", "make it blue", "--samples", "1", "--steps", "2",
-                     "--reference", *(str(tmp_path / f"{name}.png") for name in pair), "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "--weights",
+                    weights,
+                    "--prompts",
+                    "make it blue",
+                    "--samples",
+                    "1",
+                    "--steps",
+                    "2",
+                    "--reference",
+                    *(str(tmp_path / f"{name}.png") for name in pair),
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         grids[pair] = np.asarray(Image.open(out))
     scale = max(1, min(4, 128 // side))
     assert grids["ab"].shape == ((side + 2) * scale, (3 * (side + 1) + 1) * scale, 3)  # 2 references, 1 sample
-    first = grids["ab"][scale: scale + side * scale: scale, scale: scale + side * scale: scale]
+    first = grids["ab"][scale : scale + side * scale : scale, scale : scale + side * scale : scale]
     assert np.array_equal(first, np.asarray(Image.open(tmp_path / "a.png")))  # at the model's size: unchanged
     last = slice((1 + 2 * (side + 1)) * scale, (1 + 2 * (side + 1) + side) * scale, scale)
     assert not np.array_equal(grids["ab"][scale::scale][:side, last], grids["ac"][scale::scale][:side, last])
@@ -95,15 +123,19 @@ def test_bad_counts_an_unknown_image_suffix_or_a_missing_gpu_are_refused_before_
     failed after sampling and --device cuda on a machine without CUDA was an AssertionError; a NaN guidance was
     taken, and an --out under a file was a traceback after sampling."""
     weights = ["--weights", str(tmp_path / "absent"), "--out"]
-    cases = [([*weights, "g.png", "--samples", "0"], "argument --samples: 0 is not a positive count"),
-             ([*weights, "g.png", "--steps", "-3"], "argument --steps: -3 is not a positive count"),
-             ([*weights, "g.jpgx"], "--out g.jpgx: .jpgx is not an image format; use .png"),
-             ([*weights, "g.png", "--guidance", "nan"], "--guidance nan: a guidance scale must be a finite number")]
+    cases = [
+        ([*weights, "g.png", "--samples", "0"], "argument --samples: 0 is not a positive count"),
+        ([*weights, "g.png", "--steps", "-3"], "argument --steps: -3 is not a positive count"),
+        ([*weights, "g.jpgx"], "--out g.jpgx: .jpgx is not an image format; use .png"),
+        ([*weights, "g.png", "--guidance", "nan"], "--guidance nan: a guidance scale must be a finite number"),
+    ]
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     (tmp_path / "d.png").mkdir()
-    cases += [([*weights, str(a_file / "g.png")], f"--out {a_file / 'g.png'}: {a_file} is a file, not a folder"),
-              ([*weights, str(tmp_path / "d.png")], f"--out {tmp_path / 'd.png'}: {tmp_path / 'd.png'} is a folder")]
+    cases += [
+        ([*weights, str(a_file / "g.png")], f"--out {a_file / 'g.png'}: {a_file} is a file, not a folder"),
+        ([*weights, str(tmp_path / "d.png")], f"--out {tmp_path / 'd.png'}: {tmp_path / 'd.png'} is a folder"),
+    ]
     if not torch.cuda.is_available():
         cases.append(([*weights, "g.png", "--device", "cuda"], "--device cuda: this torch"))
     for argv, message in cases:
@@ -128,8 +160,13 @@ def test_weights_of_another_shape_than_the_base_model_are_one_line(tmp_path, cap
     denoiser = getattr(diffusers, settings["_class_name"])
     settings = {k: v for k, v in settings.items() if not k.startswith("_")}
     denoiser(**{**settings, "attention_head_dim": 2 * settings["attention_head_dim"]}).save_pretrained(
-        other / "transformer")
+        other / "transformer"
+    )
     assert main(["--weights", final, "--model-path", str(other), "--out", str(tmp_path / "g.png")]) == 2
     err = capsys.readouterr().err
-    assert f"error: the denoiser in {final} is another architecture than the base model {other} (its tensors' shapes " \
-           "differ): pass the run's own base model as --model-path" in err and "Traceback" not in err, err
+    assert (
+        f"error: the denoiser in {final} is another architecture than the base model {other} (its tensors' shapes "
+        "differ): pass the run's own base model as --model-path"
+        in err
+        and "Traceback" not in err
+    ), err

@@ -14,9 +14,17 @@ from servers import spawn_reward_server, wait_for
 from shared.imagecodec import encode_image
 
 ROWS = [
-    {"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "purple"}], "prompt": "a photo of a purple cup"},
-    {"tag": "counting", "include": [{"class": "wine glass", "count": 2}],
-     "exclude": [{"class": "wine glass", "count": 3}], "prompt": "a photo of two wine glasses"},
+    {
+        "tag": "colors",
+        "include": [{"class": "cup", "count": 1, "color": "purple"}],
+        "prompt": "a photo of a purple cup",
+    },
+    {
+        "tag": "counting",
+        "include": [{"class": "wine glass", "count": 2}],
+        "exclude": [{"class": "wine glass", "count": 3}],
+        "prompt": "a photo of two wine glasses",
+    },
 ]
 
 
@@ -25,8 +33,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = build_tiny_geneval(tmp_path_factory.mktemp("geneval-server-models"), favour="cup")
     log = model_dir / "server.log"
     with open(log, "wb") as out:
-        process, url = spawn_reward_server(["--scorers", "geneval,geneval_partial", "--model-dir", str(model_dir),
-                                            "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+        process, url = spawn_reward_server(
+            ["--scorers", "geneval,geneval_partial", "--model-dir", str(model_dir), "--log-level", "warning"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(f"{url}/readyz", timeout_s=120)
         yield url
@@ -42,9 +53,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 def test_post_score_with_geneval(server: str) -> None:
     rng = np.random.default_rng(0)
-    items = [{"id": f"item-{i}", "prompt": row["prompt"],
-              "image": encode_image(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), "png"),
-              "metadata": {k: v for k, v in row.items() if k != "prompt"}} for i, row in enumerate(ROWS)]
+    items = [
+        {
+            "id": f"item-{i}",
+            "prompt": row["prompt"],
+            "image": encode_image(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), "png"),
+            "metadata": {k: v for k, v in row.items() if k != "prompt"},
+        }
+        for i, row in enumerate(ROWS)
+    ]
     items.append({"id": "no-spec", "prompt": "a cup", "image": items[0]["image"]})
     with httpx.Client(base_url=server, trust_env=False, timeout=60) as client:
         info = client.get("/info").json()

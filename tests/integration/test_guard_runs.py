@@ -15,9 +15,19 @@ from warm_start import tiny_trainer
 from trainer.export import export_checkpoint
 from trainer.trainer import Trainer
 
-TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
-        "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=1",
-        "train.warmup_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=0", "logging.progress=false"]
+TINY = [
+    "algorithm.group_size=2",
+    "algorithm.sampler.num_steps=4",
+    "algorithm.sampler.window_range=[0,2]",
+    "data.prompts_per_epoch=4",
+    "eval.samples_per_prompt=1",
+    "eval.num_steps=2",
+    "eval.every=1",
+    "train.warmup_steps=0",
+    "train.checkpoint_every=1",
+    "train.keep_checkpoints=0",
+    "logging.progress=false",
+]
 
 
 def _trainer(run_dir: Path, model_dir: str, *overrides: str, reward: str = "digit") -> Trainer:
@@ -29,8 +39,14 @@ def _records(run_dir: Path, phase: str) -> list[dict]:
 
 
 def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model_dir, capsys):
-    trainer = _trainer(tmp_path, tiny_model_dir, "train.epochs=2", "train.select_by=reward_mean",
-                       "train.ema_decay=0.5", "eval.guard_scorers=[brightness]")
+    trainer = _trainer(
+        tmp_path,
+        tiny_model_dir,
+        "train.epochs=2",
+        "train.select_by=reward_mean",
+        "train.ema_decay=0.5",
+        "eval.guard_scorers=[brightness]",
+    )
     seen: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     evaluate = trainer.evaluate
 
@@ -80,8 +96,11 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
 
 
 def test_a_select_by_the_evaluation_does_not_log_is_refused_before_training(tmp_path, tiny_model_dir):
-    with pytest.raises(ValueError, match="train.select_by='aesthetic' is not a metric this run's evaluation logs; "
-                                         "choose one of: digit_accuracy, reward_mean, guard/brightness"):
+    with pytest.raises(
+        ValueError,
+        match="train.select_by='aesthetic' is not a metric this run's evaluation logs; "
+        "choose one of: digit_accuracy, reward_mean, guard/brightness",
+    ):
         _trainer(tmp_path, tiny_model_dir, "train.select_by=aesthetic", "eval.guard_scorers=[brightness]")
 
 
@@ -109,13 +128,21 @@ def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, c
     assert resumed.progress.epochs_done == 2 and not _records(tmp_path / "resumed", "rl")
 
 
-def test_a_rollback_restores_best_and_an_early_stop_with_it_evaluates_the_restored_weights(tmp_path, tiny_model_dir,
-                                                                                         capsys):
+def test_a_rollback_restores_best_and_an_early_stop_with_it_evaluates_the_restored_weights(
+    tmp_path, tiny_model_dir, capsys
+):
     """eval.on_alarm=rollback with an evaluation scripted to look hacked at epoch 2 (reward up, accuracy down: the
     real hacked run is the slow test below): the weights go back to best/'s (epoch 1's), and as early stop stops
     there too, the final evaluation samples the restored weights instead of reusing epoch 2's."""
-    trainer = _trainer(tmp_path, tiny_model_dir, "train.epochs=4", "train.ema_decay=0", "eval.on_alarm=rollback",
-                       "eval.alarm_window=1", "train.early_stop=1")
+    trainer = _trainer(
+        tmp_path,
+        tiny_model_dir,
+        "train.epochs=4",
+        "train.ema_decay=0",
+        "eval.on_alarm=rollback",
+        "eval.alarm_window=1",
+        "train.early_stop=1",
+    )
     script = {0: (0.1, 0.5), 1: (0.2, 0.9), 2: (0.6, 0.3)}  # step: (reward_mean, digit_accuracy)
     evaluate, calls, weights = trainer.evaluate, [], {}
 
@@ -142,14 +169,23 @@ def test_a_rollback_restores_best_and_an_early_stop_with_it_evaluates_the_restor
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(tmp_path, tiny_model_dir,
-                                                                       warmed_tiny_checkpoint, capsys):
+def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(
+    tmp_path, tiny_model_dir, warmed_tiny_checkpoint, capsys
+):
     """GRPO twice from the warmed-up model: against the digit reward, the alarm stays quiet; against the
     brightness reward (bright blobs score, digits do not), digit accuracy falls while the reward rises, and
     the alarm (eval.on_alarm=stop) stops the run (epoch 8 of 12 here); best/ keeps the best accuracy's weights."""
     start = f"train.init_from={warmed_tiny_checkpoint}"
-    rl = ("eval.every=2", "eval.samples_per_prompt=4", "eval.num_steps=10", "algorithm.group_size=8",
-          "algorithm.sampler.num_steps=10", "algorithm.sampler.window_range=[0,3]", "eval.on_alarm=stop", start)
+    rl = (
+        "eval.every=2",
+        "eval.samples_per_prompt=4",
+        "eval.num_steps=10",
+        "algorithm.group_size=8",
+        "algorithm.sampler.num_steps=10",
+        "algorithm.sampler.window_range=[0,3]",
+        "eval.on_alarm=stop",
+        start,
+    )
     for name, reward, epochs in ("normal", "digit", 8), ("hacked", "brightness", 12):
         trainer = _trainer(tmp_path / name, tiny_model_dir, *rl, f"train.epochs={epochs}", reward=reward)
         trainer.init_from(Path(warmed_tiny_checkpoint))
@@ -178,8 +214,9 @@ def _scripted(trainer: Trainer, script: dict[int, tuple[float, float]]) -> None:
     trainer.evaluate = scripted
 
 
-def test_a_run_continuing_a_checkpoint_whose_best_weights_are_gone_says_so_and_cannot_roll_back(tmp_path,
-                                                                                             tiny_model_dir, capsys):
+def test_a_run_continuing_a_checkpoint_whose_best_weights_are_gone_says_so_and_cannot_roll_back(
+    tmp_path, tiny_model_dir, capsys
+):
     """The first run went on from its epoch-1 checkpoint to a better epoch 2, so its best/ no longer holds the epoch-1
     weights that checkpoint's guard names best. A run continuing that checkpoint had no best/, yet its closing
     line named one, and a rollback would have failed loading it."""
@@ -188,16 +225,26 @@ def test_a_run_continuing_a_checkpoint_whose_best_weights_are_gone_says_so_and_c
     first.fit()
     first.logger.close()
     assert json.loads((tmp_path / "first" / "best" / "meta.json").read_text())["epoch"] == 2
-    again = _trainer(tmp_path / "again", tiny_model_dir, "train.epochs=4", "train.ema_decay=0", "eval.on_alarm=rollback",
-                     "eval.alarm_window=1")
+    again = _trainer(
+        tmp_path / "again",
+        tiny_model_dir,
+        "train.epochs=4",
+        "train.ema_decay=0",
+        "eval.on_alarm=rollback",
+        "eval.alarm_window=1",
+    )
     _scripted(again, {2: (0.6, 0.3)})  # reward up, accuracy down: the alarm
     again.resume(tmp_path / "first" / "checkpoints" / "step-000000-000001")
-    assert (f"note: best/ starts empty: {tmp_path / 'first' / 'best'} holds epoch 2's weights, not those of epoch 1, the "
-            "best evaluation this checkpoint knows") in capsys.readouterr().out
+    assert (
+        f"note: best/ starts empty: {tmp_path / 'first' / 'best'} holds epoch 2's weights, not those of epoch 1, the "
+        "best evaluation this checkpoint knows"
+    ) in capsys.readouterr().out
     again.fit()
     again.logger.close()
     out = capsys.readouterr().out
-    assert ("stopped by the reward-hacking alarm: eval.on_alarm=rollback has no best/ to roll back to (epoch 1's "
-            "weights were not carried into this run)") in out
+    assert (
+        "stopped by the reward-hacking alarm: eval.on_alarm=rollback has no best/ to roll back to (epoch 1's "
+        "weights were not carried into this run)"
+    ) in out
     assert "its weights: not in this run (it continued a checkpoint of another run, which no longer holds them)" in out
     assert again.progress.epochs_done == 2 and not (tmp_path / "again" / "best").exists()

@@ -24,8 +24,15 @@ def test_some_adapter_reads_the_trajectory():
 def test_the_known_region_carries_no_gradient(name, tmp_path):
     adapter = build_adapter(tiny_config(name, tmp_path, dtype="float32"), "cpu")
     settings = SamplerSettings(num_steps=3, guidance_scale=testing.tiny(name).guidance, noise_level=1.0)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0),
-                 testing.image_inputs(adapter, len(PROMPTS)))
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(2),
+        settings,
+        torch.Generator().manual_seed(0),
+        testing.image_inputs(adapter, len(PROMPTS)),
+    )
     assert torch.equal(ro.cond.noise, ro.latents[:, 0]) and torch.equal(ro.cond.schedule[1], ro.sigmas)
     mask = ro.cond.mask.expand_as(ro.latents[:, 0])
     known, soft = mask == 0, (mask > 0) & (mask < 1)

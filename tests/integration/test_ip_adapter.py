@@ -57,8 +57,11 @@ def styles(adapter, seeds: list[int], style: bool = True) -> ImageInputs | None:
     every time); without ``style``, those alone (None for a text-to-image model)."""
     side = adapter.resolution
     inputs = testing.image_inputs(adapter, len(seeds)) or ImageInputs()
-    inputs.style = torch.stack([torch.rand(3, side, side, generator=torch.Generator().manual_seed(s))
-                                for s in seeds]) if style else None
+    inputs.style = (
+        torch.stack([torch.rand(3, side, side, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        if style
+        else None
+    )
     return inputs if any(v is not None for v in vars(inputs).values()) else None
 
 
@@ -96,16 +99,24 @@ def test_style_images_steer_each_item(name, root):
     torch.testing.assert_close(a_b[1], c_b[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(("name", "lora"), [("flux", False), ("flux_fill", True), ("qwen_image", False),
-                                            ("qwen_image", True)])
+@pytest.mark.parametrize(
+    ("name", "lora"), [("flux", False), ("flux_fill", True), ("qwen_image", False), ("qwen_image", True)]
+)
 def test_grpo_step_trains_only_the_ip_adapter(name, lora, root):
     adapter = make(name, root, ip={}, lora=LoraSettings(rank=4, alpha=4) if lora else None)
     lora_names = {n for n, p in adapter.denoiser.named_parameters() if "lora_" in n}
     assert {n for n, p in adapter.denoiser.named_parameters() if p.requires_grad} == ip_names(adapter) | lora_names
     settings = SamplerSettings(num_steps=3, guidance_scale=GUIDANCE[name], kind="sde", noise_level=1.0)
     inputs = styles(adapter, [1, 1])
-    ro = rollout(adapter, adapter.denoiser, [PROMPTS[0]] * 2, torch.zeros(2, dtype=torch.long), settings,
-                 torch.Generator().manual_seed(2), inputs)
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        [PROMPTS[0]] * 2,
+        torch.zeros(2, dtype=torch.long),
+        settings,
+        torch.Generator().manual_seed(2),
+        inputs,
+    )
     algorithm = GRPO(GRPOConfig(group_size=2, kl_beta=0.1, sampler=settings))
     rewards = torch.tensor([0.0, 1.0])
     batch = algorithm.make_batch(ro, Rewards(rewards, rewards, torch.zeros(2, dtype=torch.long), 0))
@@ -140,7 +151,11 @@ def test_trainable_ip_weights_round_trip(name, root, tmp_path):
     assert state["image_proj.proj.weight"].shape == (tokens * width, trained.ip_adapter.encoder.embed_dim)
     blocks = len(trained.denoiser.transformer_blocks)
     assert {k for k in state if k.startswith("ip_adapter.")} == {
-        f"ip_adapter.{k}.{kind}.{p}" for k in range(blocks) for kind in ("to_k_ip", "to_v_ip") for p in ("weight", "bias")}
+        f"ip_adapter.{k}.{kind}.{p}"
+        for k in range(blocks)
+        for kind in ("to_k_ip", "to_v_ip")
+        for p in ("weight", "bias")
+    }
 
     inputs = styles(trained, [1, 2])
     expected = predict(trained, inputs)
@@ -148,8 +163,9 @@ def test_trainable_ip_weights_round_trip(name, root, tmp_path):
     assert not torch.equal(predict(fresh, inputs), expected)
     fresh.trainable.load(str(tmp_path / "ckpt"))
     assert torch.equal(predict(fresh, inputs), expected)
-    assert torch.equal(predict(make(name, root, ip={"num_tokens": tokens, "weights": str(tmp_path / "ckpt")}), inputs),
-                       expected)
+    assert torch.equal(
+        predict(make(name, root, ip={"num_tokens": tokens, "weights": str(tmp_path / "ckpt")}), inputs), expected
+    )
     if name == "qwen_image":
         with pytest.raises(ValueError, match="have 2 image tokens; set model.ip_adapter.num_tokens=2"):
             make(name, root, ip={"num_tokens": 4, "weights": str(tmp_path / "ckpt")})
@@ -184,23 +200,32 @@ def test_flux_rollout_equals_pipeline_with_loaded_ip_adapter(root, tmp_path):
     adapter.ip_adapter.save(str(tmp_path))
     inputs = styles(adapter, [4, 4])
     settings = SamplerSettings(num_steps=3, guidance_scale=GUIDANCE["flux"], kind="sde", noise_level=0.0)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0),
-                 inputs)
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0), inputs
+    )
 
     pipeline = FluxPipeline.from_pretrained(adapter.config.path)
     pipeline.set_progress_bar_config(disable=True)
-    pipeline.load_ip_adapter(str(tmp_path), weight_name=IP_WEIGHTS,
-                              image_encoder_pretrained_model_name_or_path=None)
+    pipeline.load_ip_adapter(str(tmp_path), weight_name=IP_WEIGHTS, image_encoder_pretrained_model_name_or_path=None)
     pipeline.set_ip_adapter_scale(0.7)
     embeds = adapter.ip_adapter.encoder(inputs.style[:1])[None]
-    expected = pipeline(prompt=PROMPTS, num_inference_steps=3, guidance_scale=GUIDANCE["flux"], height=16, width=16,
-                        max_sequence_length=adapter.config.max_sequence_length, output_type="latent",
-                        generator=torch.Generator().manual_seed(0), ip_adapter_image_embeds=[embeds],
-                        negative_ip_adapter_image_embeds=[torch.zeros_like(embeds)]).images
+    expected = pipeline(
+        prompt=PROMPTS,
+        num_inference_steps=3,
+        guidance_scale=GUIDANCE["flux"],
+        height=16,
+        width=16,
+        max_sequence_length=adapter.config.max_sequence_length,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        ip_adapter_image_embeds=[embeds],
+        negative_ip_adapter_image_embeds=[torch.zeros_like(embeds)],
+    ).images
     torch.testing.assert_close(ro.latents[:, -1], expected, rtol=0, atol=1e-5)
     adapter.pipeline.set_ip_adapter_scale(0.0)
-    off = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0),
-                  inputs)
+    off = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0), inputs
+    )
     assert (off.latents[:, -1] - expected).abs().max() > 1e-3
 
 
@@ -237,10 +262,13 @@ def test_flux_token_counts_are_refused_where_diffusers_cannot_load_the_export(to
 
     plain = make("flux", root)
     IPAdapter(plain.denoiser, testing.tiny_ip_adapter(root, num_tokens=tokens), torch.float32, plain.device).save(
-        str(tmp_path))
+        str(tmp_path)
+    )
     pipeline = FluxPipeline.from_pretrained(plain.config.path)
     try:
-        pipeline.load_ip_adapter(str(tmp_path), weight_name=IP_WEIGHTS, image_encoder_pretrained_model_name_or_path=None)
+        pipeline.load_ip_adapter(
+            str(tmp_path), weight_name=IP_WEIGHTS, image_encoder_pretrained_model_name_or_path=None
+        )
         loads = True
     except (RuntimeError, ValueError) as exc:
         assert "size" in str(exc) or "shape" in str(exc), exc
@@ -249,13 +277,18 @@ def test_flux_token_counts_are_refused_where_diffusers_cannot_load_the_export(to
     if loads:
         make("flux", root, ip={"num_tokens": tokens})
     elif tokens == 16:
-        with pytest.raises(ValueError, match=r"num_tokens=16 on this transformer \(joint_attention_dim=32\): .* "
-                                             r"would read its 512 projection rows as 4 image tokens.*num_tokens=4"):
+        with pytest.raises(
+            ValueError,
+            match=r"num_tokens=16 on this transformer \(joint_attention_dim=32\): .* "
+            r"would read its 512 projection rows as 4 image tokens.*num_tokens=4",
+        ):
             with mock.patch.object(FluxTransformer2DModel, "from_pretrained", side_effect=AssertionError("loaded")):
                 make("flux", root, ip={"num_tokens": tokens})
     else:
         with pytest.raises(ConfigError, match=r"model\.ip_adapter\.num_tokens=8: .*load_ip_adapter.* set 4 .* or 16"):
-            load_config(overrides=["model.name=flux", f"model.ip_adapter={{image_encoder: /enc, num_tokens: {tokens}}}"])
+            load_config(
+                overrides=["model.name=flux", f"model.ip_adapter={{image_encoder: /enc, num_tokens: {tokens}}}"]
+            )
 
 
 def test_configuration_mistakes_name_the_fix(root, tmp_path):
@@ -279,4 +312,3 @@ def test_configuration_mistakes_name_the_fix(root, tmp_path):
     assert snapshot.keys() == ip_names(adapter)
     with pytest.raises(ValueError, match="resume with the model.ip_adapter and model.lora settings"):
         ctx.load_checkpoint_state({"reference_swapped": dict(list(snapshot.items())[1:])}, "step-000000-000001")
-

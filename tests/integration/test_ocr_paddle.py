@@ -36,9 +36,7 @@ SCORER = "ocr_paddle"
 
 if not PADDLE_PYTHON.exists() and os.environ.get("RF_REQUIRE_SYSTEM_DEPS"):
     raise RuntimeError(f"{PADDLE_PYTHON} is required here (RF_REQUIRE_SYSTEM_DEPS is set): run `make paddle-env`")
-pytestmark = pytest.mark.skipif(
-    not PADDLE_PYTHON.exists(), reason=f"{PADDLE_PYTHON} is missing: run `make paddle-env`"
-)
+pytestmark = pytest.mark.skipif(not PADDLE_PYTHON.exists(), reason=f"{PADDLE_PYTHON} is missing: run `make paddle-env`")
 
 
 @pytest.fixture(scope="module")

@@ -59,8 +59,10 @@ def assert_same_conditioning(encoding, reading, prompts) -> None:
     x = encoding.prepare_latents(len(prompts), torch.Generator().manual_seed(0))
     sigma = encoding.sigmas(3)[1].expand(len(prompts))
     with torch.no_grad():
-        assert torch.equal(encoding.predict(encoding.denoiser, x, sigma, a, GUIDANCE),
-                           reading.predict(reading.denoiser, x, sigma, b, GUIDANCE))
+        assert torch.equal(
+            encoding.predict(encoding.denoiser, x, sigma, a, GUIDANCE),
+            reading.predict(reading.denoiser, x, sigma, b, GUIDANCE),
+        )
 
 
 @pytest.mark.parametrize("name", [name for name in TINY_NAMES if testing.tiny(name).text_store])
@@ -77,8 +79,12 @@ def test_precomputed_embeddings_replace_the_text_encoders(name, root, tmp_path):
 def test_a_store_of_other_text_encoders_or_settings_is_refused(root, tmp_path):
     flux = tiny_config("flux", root, dtype="float32")
     write_store(flux, tmp_path, PROMPTS)
-    for other in (dataclasses.replace(flux, max_sequence_length=8), dataclasses.replace(flux, dtype="bfloat16"),
-                  tiny_config("flux_fill", root, dtype="float32"), tiny_config("sd3", root, dtype="float32")):
+    for other in (
+        dataclasses.replace(flux, max_sequence_length=8),
+        dataclasses.replace(flux, dtype="bfloat16"),
+        tiny_config("flux_fill", root, dtype="float32"),
+        tiny_config("sd3", root, dtype="float32"),
+    ):
         with pytest.raises(ValueError, match=r"computed for other text encoders.*trainer\.precompute"):
             build_adapter(dataclasses.replace(other, text_embeddings=str(tmp_path)), "cpu")
     with pytest.raises(ValueError, match="holds embeddings of other text encoders"):
@@ -92,13 +98,32 @@ def test_a_store_of_other_text_encoders_or_settings_is_refused(root, tmp_path):
 
 def test_precompute_cli_encodes_the_configured_dataset(root, tmp_path, capsys):
     config = tiny_config("qwen_image", root, dtype="float32")
-    prompts = ["a photo of a red cat", "a sign that says \"hello\"", "the digit five"]
+    prompts = ["a photo of a red cat", 'a sign that says "hello"', "the digit five"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "model": to_dict(config), "data": {"name": "prompt_file", "path": str(tmp_path / "prompts.txt")},
-        "train": {"device": "cpu"}}))
-    run = subprocess.run([sys.executable, "-m", "trainer.precompute", "--config", str(tmp_path / "run.yaml"), "--out",
-                          str(tmp_path / "text")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": to_dict(config),
+                "data": {"name": "prompt_file", "path": str(tmp_path / "prompts.txt")},
+                "train": {"device": "cpu"},
+            }
+        )
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.precompute",
+            "--config",
+            str(tmp_path / "run.yaml"),
+            "--out",
+            str(tmp_path / "text"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0 and "5 prompts of qwen_image" in run.stdout, run.stdout + run.stderr
     for notice in ("requires torchvision", "Loading weights", "%|"):  # transformers' notices and loading bars
         assert notice not in run.stdout + run.stderr, notice
@@ -109,13 +134,27 @@ def test_precompute_cli_encodes_the_configured_dataset(root, tmp_path, capsys):
     assert_same_conditioning(build_adapter(config, "cpu"), reading, prompts)
 
     (tmp_path / "test.txt").write_text("a test prompt\nanother test prompt\n")  # the evaluation's own file
-    assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
-                            f"eval.path={tmp_path / 'test.txt'}"]) == 0
+    assert (
+        precompute.main(
+            [
+                "--config",
+                str(tmp_path / "run.yaml"),
+                "--out",
+                str(tmp_path / "text"),
+                f"eval.path={tmp_path / 'test.txt'}",
+            ]
+        )
+        == 0
+    )
     index = json.loads((tmp_path / "text" / TEXT_INDEX).read_text())
     assert sorted(index["prompts"]) == sorted([*prompts, "", " ", "a test prompt", "another test prompt"])
 
-    assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
-                            "model.max_sequence_length=8"]) == 2
+    assert (
+        precompute.main(
+            ["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"), "model.max_sequence_length=8"]
+        )
+        == 2
+    )
     assert "holds embeddings of other text encoders" in capsys.readouterr().err
 
 
@@ -129,8 +168,12 @@ def test_precompute_cli_names_a_wrong_directory(root, tmp_path, capsys):
         precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "file")])
     assert f"--out {tmp_path / 'file'} is a file: give a directory" in capsys.readouterr().err
     missing = tmp_path / "no-model"
-    assert precompute.main(["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"),
-                            f"model.path={missing}"]) == 2
+    assert (
+        precompute.main(
+            ["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "text"), f"model.path={missing}"]
+        )
+        == 2
+    )
     assert f"model.path={str(missing)!r} is not a diffusers SD3 directory" in capsys.readouterr().err
 
 
@@ -142,22 +185,42 @@ def test_a_store_missing_a_prompt_of_the_run_is_refused_as_the_trainer_is_built(
     write_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[:7])
 
     def trainer(adapter, *overrides):
-        config = load_config(overrides=["train.device=cpu", "train.warmup_steps=0", "eval.guidance_scale=1",
-                                        "algorithm.sampler.guidance_scale=1", *overrides])
-        return Trainer(dataclasses.replace(config, model=model), adapter, build_algorithm(config.algorithm),
-                       SFT(config.warmup), DigitsTask(16), None, SingleProcess(torch.device("cpu")),
-                       RunLogger(tmp_path / "run", False, False))
+        config = load_config(
+            overrides=[
+                "train.device=cpu",
+                "train.warmup_steps=0",
+                "eval.guidance_scale=1",
+                "algorithm.sampler.guidance_scale=1",
+                *overrides,
+            ]
+        )
+        return Trainer(
+            dataclasses.replace(config, model=model),
+            adapter,
+            build_algorithm(config.algorithm),
+            SFT(config.warmup),
+            DigitsTask(16),
+            None,
+            SingleProcess(torch.device("cpu")),
+            RunLogger(tmp_path / "run", False, False),
+        )
 
     store = re.escape(str(tmp_path))
-    with pytest.raises(ValueError, match=rf"model\.text_embeddings='{store}' lacks 3 of the prompts this run encodes "
-                                         rf"\(e\.g\. '{digits[7]}', '{digits[8]}', '{digits[9]}'\): add them with "
-                                         rf"python -m trainer\.precompute --config RUN\.yaml --out {store}, "
-                                         r".*data\.name=digits"):
+    with pytest.raises(
+        ValueError,
+        match=rf"model\.text_embeddings='{store}' lacks 3 of the prompts this run encodes "
+        rf"\(e\.g\. '{digits[7]}', '{digits[8]}', '{digits[9]}'\): add them with "
+        rf"python -m trainer\.precompute --config RUN\.yaml --out {store}, "
+        r".*data\.name=digits",
+    ):
         trainer(build_adapter(model, "cpu"))
     write_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[7:])
     adapter = build_adapter(model, "cpu")
-    for uses_the_empty_prompt in (["eval.guidance_scale=4.5"], ["algorithm.sampler.guidance_scale=4.5"],
-                                  ["train.warmup_steps=1", "warmup.cfg_dropout=0.1"]):
+    for uses_the_empty_prompt in (
+        ["eval.guidance_scale=4.5"],
+        ["algorithm.sampler.guidance_scale=4.5"],
+        ["train.warmup_steps=1", "warmup.cfg_dropout=0.1"],
+    ):
         with pytest.raises(ValueError, match=r"lacks 1 of the prompts this run encodes \(e\.g\. ''\)"):
             trainer(adapter, *uses_the_empty_prompt)
     trainer(adapter, "train.warmup_steps=1", "warmup.cfg_dropout=0")
@@ -171,8 +234,11 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
     model = tiny_config("flux", root, dtype="float32")
     prompts = ["a photo of a cat", "the digit five", "a red sign", "a big dog", "small text"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    config = Config(model=model, data=DataConfig(name="prompt_file", path=str(tmp_path / "prompts.txt")),
-                    train=TrainConfig(device="cpu"))
+    config = Config(
+        model=model,
+        data=DataConfig(name="prompt_file", path=str(tmp_path / "prompts.txt")),
+        train=TrainConfig(device="cpu"),
+    )
     monkeypatch.setattr(TextEmbeddingStore, "save_every", 2)
     adapter_class = MODELS[model.name].load()
     real_encoder = adapter_class.prompt_encoder
@@ -189,13 +255,17 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
                 raise KeyboardInterrupt
             encoded.append(prompt)
             return encode(prompt)
+
         return counted
 
     def run(directory, stop_after=None):
         encoded.clear()
         loads.clear()
-        monkeypatch.setattr(adapter_class, "prompt_encoder", classmethod(
-            lambda cls, config, device: counting_encoder(cls, config, device, stop_after)))
+        monkeypatch.setattr(
+            adapter_class,
+            "prompt_encoder",
+            classmethod(lambda cls, config, device: counting_encoder(cls, config, device, stop_after)),
+        )
         return precompute.precompute(config, str(tmp_path / directory))
 
     with pytest.raises(KeyboardInterrupt):
@@ -205,27 +275,31 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
     assert held == {"out": everything[:3], "killed": everything[:2]}
     for name in ("out", "killed"):
         assert run(name) == (6 - len(held[name]), len(held[name]))
-        assert encoded == everything[len(held[name]):]
+        assert encoded == everything[len(held[name]) :]
     assert run("straight") == (6, 0)
     assert run("out") == (0, 6) and not loads
-    stores = [TextEmbeddingStore.open(str(tmp_path / name), text_fingerprint(adapter_class, model))
-              for name in ("straight", "out", "killed")]
+    stores = [
+        TextEmbeddingStore.open(str(tmp_path / name), text_fingerprint(adapter_class, model))
+        for name in ("straight", "out", "killed")
+    ]
     assert all(sorted(s.files) == sorted(everything) for s in stores)
     for prompt in everything:
         straight, *others = (s.load(prompt, torch.device("cpu")) for s in stores)
         assert all(o.keys() == straight.keys() and all(torch.equal(o[k], straight[k]) for k in o) for o in others)
 
 
-def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_next_prompt(root, tmp_path,
-                                                                                         monkeypatch):
+def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_next_prompt(root, tmp_path, monkeypatch):
     """Library code that caught a Ctrl-C (tests/unit/test_ctrl_c.py) does not let the tool encode on to the end: it
     stops before the next prompt, the store's index listing what was encoded."""
     import shared.interrupt
 
     model = tiny_config("flux", root, dtype="float32")
     (tmp_path / "prompts.txt").write_text("a photo of a cat\nthe digit five\na red sign\n")
-    config = Config(model=model, data=DataConfig(name="prompt_file", path=str(tmp_path / "prompts.txt")),
-                    train=TrainConfig(device="cpu"))
+    config = Config(
+        model=model,
+        data=DataConfig(name="prompt_file", path=str(tmp_path / "prompts.txt")),
+        train=TrainConfig(device="cpu"),
+    )
     adapter_class = MODELS[model.name].load()
     real_encoder = adapter_class.prompt_encoder
 
@@ -235,6 +309,7 @@ def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_ne
         def encoded(prompt):
             monkeypatch.setattr(shared.interrupt, "_asked", True)  # the Ctrl-C came in here, and was caught
             return encode(prompt)
+
         return encoded
 
     monkeypatch.setattr(adapter_class, "prompt_encoder", classmethod(swallowing))

@@ -70,8 +70,9 @@ def assert_same(a: Conditioning, b: Conditioning) -> None:
 
 
 def write_config(path: Path, model, data: dict) -> Path:
-    path.write_text(yaml.safe_dump({"model": to_dict(model), "data": {**data, "image_size": SIZE},
-                                    "train": {"device": "cpu"}}))
+    path.write_text(
+        yaml.safe_dump({"model": to_dict(model), "data": {**data, "image_size": SIZE}, "train": {"device": "cpu"}})
+    )
     return path
 
 
@@ -85,8 +86,10 @@ def test_stored_latents_equal_the_encoded_ones_and_spare_the_vae(name, root, tmp
     encoded = count_vae_encodes(encoding)
     live = encoding.encode_prompts(PROMPTS, inputs)
     assert encoded == [1] * 2 * per_item
-    assert_same(live, Conditioning.cat([encoding.encode_prompts(PROMPTS[i:i + 1], rows(inputs, [i]))
-                                        for i in range(len(PROMPTS))]))
+    assert_same(
+        live,
+        Conditioning.cat([encoding.encode_prompts(PROMPTS[i : i + 1], rows(inputs, [i])) for i in range(len(PROMPTS))]),
+    )
 
     store = LatentStore.create(str(tmp_path), vae_fingerprint(config))
     written = precompute.write_latents(build_adapter(config, "cpu"), store, [(PROMPTS, inputs)])
@@ -110,8 +113,12 @@ def test_a_store_of_another_vae_or_settings_is_refused(root, tmp_path):
     LatentStore.create(str(tmp_path), vae_fingerprint(fill)).save()
     build_adapter(dataclasses.replace(fill, image_latents=str(tmp_path)), "cpu")
     sd15 = tiny_config("sd15_inpaint", root, dtype="float32")
-    for other in (dataclasses.replace(fill, dtype="bfloat16"), dataclasses.replace(fill, resolution=2 * SIZE),
-                  tiny_config("flux_kontext", root, dtype="float32"), sd15):
+    for other in (
+        dataclasses.replace(fill, dtype="bfloat16"),
+        dataclasses.replace(fill, resolution=2 * SIZE),
+        tiny_config("flux_kontext", root, dtype="float32"),
+        sd15,
+    ):
         with pytest.raises(ValueError, match=r"computed for another VAE or settings.*trainer\.precompute .*--latents"):
             build_adapter(dataclasses.replace(other, image_latents=str(tmp_path)), "cpu")
     with pytest.raises(ValueError, match="holds latents of another VAE or settings"):
@@ -127,8 +134,10 @@ def test_precompute_cli_writes_the_latents_training_reads(root, tmp_path, capsys
     config = tiny_config("flux_fill", root, dtype="float32")
     data = {"name": "inpaint_jsonl", "path": str(write_inpaint_jsonl(tmp_path / "data", size=SIZE))}
     run = write_config(tmp_path / "run.yaml", config, data)
-    assert precompute.main(["--config", str(run), "--out", str(tmp_path / "text"), "--latents",
-                            str(tmp_path / "latents")]) == 0
+    assert (
+        precompute.main(["--config", str(run), "--out", str(tmp_path / "text"), "--latents", str(tmp_path / "latents")])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "4 image inputs of flux_fill" in out and "(0 were there)" in out
     assert len(json.loads((tmp_path / "latents" / LATENT_INDEX).read_text())["keys"]) == 4
@@ -136,11 +145,15 @@ def test_precompute_cli_writes_the_latents_training_reads(root, tmp_path, capsys
     task = build_task(DataConfig(image_size=SIZE, **data))
     items = [0, 0, 1, 1, 2, 2, 3, 3]
     prompts = [task.prompts[i] for i in items]
-    reading = build_adapter(dataclasses.replace(config, text_embeddings=str(tmp_path / "text"),
-                                                image_latents=str(tmp_path / "latents")), "cpu")
+    reading = build_adapter(
+        dataclasses.replace(config, text_embeddings=str(tmp_path / "text"), image_latents=str(tmp_path / "latents")),
+        "cpu",
+    )
     calls = count_vae_encodes(reading)
-    assert_same(build_adapter(config, "cpu").encode_prompts(prompts, task.inputs(items)),
-                reading.encode_prompts(prompts, task.inputs(items)))
+    assert_same(
+        build_adapter(config, "cpu").encode_prompts(prompts, task.inputs(items)),
+        reading.encode_prompts(prompts, task.inputs(items)),
+    )
     assert calls == [] and reading.image_latents.hits == 4
 
 
@@ -165,7 +178,8 @@ def test_precompute_latents_of_a_growing_editing_dataset(root, tmp_path, capsys)
     evaluation = write_edit_jsonl(tmp_path / "test", size=SIZE, count=3)  # a test split of other images
     for i in range(3):
         Image.fromarray(np.random.default_rng(i).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(
-            tmp_path / "test" / "images" / f"{i}_0.png")
+            tmp_path / "test" / "images" / f"{i}_0.png"
+        )
     assert precompute.main(["--config", str(run), "--latents", latents, f"eval.path={evaluation}"]) == 0
     assert "3 image inputs of flux_kontext" in capsys.readouterr().out
     test = build_task(DataConfig(image_size=SIZE, name="edit_jsonl", path=str(evaluation)))
@@ -180,8 +194,9 @@ def test_precompute_latents_of_a_growing_editing_dataset(root, tmp_path, capsys)
 
 def test_precompute_latents_needs_an_image_conditioned_model(root, tmp_path, capsys):
     config = tiny_config("flux", root, dtype="float32")
-    run = write_config(tmp_path / "run.yaml", config,
-                       {"name": "prompt_file", "path": str(write_prompt_file(tmp_path / "data"))})
+    run = write_config(
+        tmp_path / "run.yaml", config, {"name": "prompt_file", "path": str(write_prompt_file(tmp_path / "data"))}
+    )
     assert precompute.main(["--config", str(run), "--latents", str(tmp_path / "latents")]) == 2
     assert "VAE-encodes none of the image inputs" in capsys.readouterr().err
     assert not (tmp_path / "latents").exists()  # refused before a store (or the model) was made
@@ -213,8 +228,9 @@ def test_an_interrupted_latent_precompute_keeps_what_it_encoded(root, tmp_path, 
             yield PROMPTS[:1], item
 
     def write(name, stop_at=None):
-        return precompute.write_latents(adapter, LatentStore.create(str(tmp_path / name), vae_fingerprint(config)),
-                                        batches(stop_at))
+        return precompute.write_latents(
+            adapter, LatentStore.create(str(tmp_path / name), vae_fingerprint(config)), batches(stop_at)
+        )
 
     with pytest.raises(KeyboardInterrupt):
         write("out", stop_at=3)

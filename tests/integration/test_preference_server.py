@@ -32,8 +32,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     rig_answer(build_tiny_qwen_vl(model_dir / "unifiedreward"), "Final Score:4")
     log = model_dir / "server.log"
     with open(log, "wb") as out:
-        process, url = spawn_reward_server(["--scorers", ",".join(NAMES + VLM_NAMES), "--model-dir", str(model_dir),
-                                            "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+        process, url = spawn_reward_server(
+            ["--scorers", ",".join(NAMES + VLM_NAMES), "--model-dir", str(model_dir), "--log-level", "warning"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(f"{url}/readyz", timeout_s=120)
         yield url, model_dir
@@ -52,8 +55,10 @@ def test_post_score_with_hpsv2_and_imagereward(server) -> None:
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (40, 56, 3), dtype=np.uint8) for _ in range(2)]
     prompts = ["a red cup on a table", "digit 1"]
-    items = [{"id": f"item-{i}", "prompt": prompt, "image": encode_image(image, "png")}
-             for i, (image, prompt) in enumerate(zip(images, prompts, strict=True))]
+    items = [
+        {"id": f"item-{i}", "prompt": prompt, "image": encode_image(image, "png")}
+        for i, (image, prompt) in enumerate(zip(images, prompts, strict=True))
+    ]
     with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
         info = client.get("/info").json()
         response = client.post("/score", json={"request_id": "preference-1", "items": items, "scorers": list(NAMES)})
@@ -79,8 +84,10 @@ def test_post_score_with_hpsv3_and_unifiedreward(server) -> None:
     rng = np.random.default_rng(1)
     images = [rng.integers(0, 256, (48, 40, 3), dtype=np.uint8) for _ in range(2)]
     prompts = ["a red cup on a table", "a dog"]
-    items = [{"id": f"item-{i}", "prompt": prompt, "image": encode_image(image, "png")}
-             for i, (image, prompt) in enumerate(zip(images, prompts, strict=True))]
+    items = [
+        {"id": f"item-{i}", "prompt": prompt, "image": encode_image(image, "png")}
+        for i, (image, prompt) in enumerate(zip(images, prompts, strict=True))
+    ]
     with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
         info = client.get("/info").json()
         response = client.post("/score", json={"request_id": "vlm-1", "items": items, "scorers": list(VLM_NAMES)})

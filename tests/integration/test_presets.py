@@ -72,9 +72,12 @@ def _model_overrides(model: dict, tiny_models) -> list[str]:
         configs[name] = tiny_config(name, root)
     tiny = configs[name]
     defaults = type(tiny)()
-    overrides = [f"model.{f.name}={getattr(tiny, f.name)}" for f in dataclasses.fields(tiny)
-                 if f.name not in KEPT_MODEL_FIELDS
-                 and (f.name == "resolution" or getattr(tiny, f.name) != getattr(defaults, f.name))]
+    overrides = [
+        f"model.{f.name}={getattr(tiny, f.name)}"
+        for f in dataclasses.fields(tiny)
+        if f.name not in KEPT_MODEL_FIELDS
+        and (f.name == "resolution" or getattr(tiny, f.name) != getattr(defaults, f.name))
+    ]
     if model.get("ip_adapter"):
         encoder = tiny_ip_adapter(root).image_encoder
         overrides += [f"model.ip_adapter.image_encoder={encoder}", "model.ip_adapter.weights=null"]
@@ -101,8 +104,9 @@ def _tiny_job(path: Path, tiny_models, tmp_path, extra: list[str] | None = None)
         evaluated = [f"eval.path={data_path}", "eval.allow_overlap=true"]
     else:  # the preset's test split in the repository
         evaluated = [f"eval.path={REPO / config.eval.path}"]
-    return load_config(str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}", *evaluated,
-                                   *(extra or [])])
+    return load_config(
+        str(path), [*overrides, f"data.path={data_path}", f"data.image_size={side}", *evaluated, *(extra or [])]
+    )
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
@@ -116,11 +120,20 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
     group = min(algorithm.group_size, MAX_GROUP)
     items = [0] * group
     inputs = task.inputs(items)
-    ro = rollout(adapter, adapter.denoiser, [task.prompts[0]] * group, torch.zeros(group, dtype=torch.long),
-                 algorithm.sampler, torch.Generator().manual_seed(0), inputs)
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        [task.prompts[0]] * group,
+        torch.zeros(group, dtype=torch.long),
+        algorithm.sampler,
+        torch.Generator().manual_seed(0),
+        inputs,
+    )
 
     steps = len(ro.sigmas) - 1  # fewer than sampler.num_steps where MixGRPO-Flash compresses those after its window
-    assert steps == algorithm.sampler.num_steps or (algorithm.sampler.ode_compress < 1 and steps < algorithm.sampler.num_steps)
+    assert steps == algorithm.sampler.num_steps or (
+        algorithm.sampler.ode_compress < 1 and steps < algorithm.sampler.num_steps
+    )
     assert ro.log_probs.shape == (group, steps) and torch.isfinite(ro.log_probs).all()
     one_image = adapter.decode(torch.zeros(1, *adapter.latent_shape)).shape[1:]  # the model's image size
     assert ro.images.shape == (group, *one_image) and torch.isfinite(ro.images).all()
@@ -130,10 +143,20 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
     assert len(task.item_metadata(items)) == group
 
 
-ONE_EPOCH = ["train.epochs=1", "algorithm.group_size=4", "data.prompts_per_epoch=2", "train.rollout_chunks=4",
-             "reward.batch_size=2", "algorithm.micro_batch_size=2", "algorithm.sampler.num_steps=4",
-             "eval.num_steps=2", "eval.samples_per_prompt=1", "eval.prompts=1", "warmup.batch_size=4",
-             "warmup.micro_batch_size=2"]
+ONE_EPOCH = [
+    "train.epochs=1",
+    "algorithm.group_size=4",
+    "data.prompts_per_epoch=2",
+    "train.rollout_chunks=4",
+    "reward.batch_size=2",
+    "algorithm.micro_batch_size=2",
+    "algorithm.sampler.num_steps=4",
+    "eval.num_steps=2",
+    "eval.samples_per_prompt=1",
+    "eval.prompts=1",
+    "warmup.batch_size=4",
+    "warmup.micro_batch_size=2",
+]
 """A whole job at toy size: 2 prompts x 4 samples sampled in 4 chunks of 2 (Qwen-Image's chunks pad their text
 to different lengths when a chunk draws only the shorter prompt, as one does here), 4 sampling steps,
 micro-batches of 2; warm-up steps of 4 images in micro-batches of 2 (64 took most of a job's time); one
@@ -150,11 +173,21 @@ def _run(config, run_dir: Path, resume: Path | None = None) -> tuple[Trainer, li
     built = [p.detach().clone() for p in adapter.trainable.parameters()]
     scorer = BrightnessScorer()
     names = list(config.reward.weights) or [scorer.name]
-    client = InProcessRewardClient({name: scorer for name in names}, dict.fromkeys(names, 1.0),
-                                   batch_size=config.reward.batch_size)
+    client = InProcessRewardClient(
+        {name: scorer for name in names}, dict.fromkeys(names, 1.0), batch_size=config.reward.batch_size
+    )
     task, evaluated = build_tasks(config.data, config.eval)
-    trainer = Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), task, client,
-                      SingleProcess(torch.device("cpu")), RunLogger(run_dir, False, False), eval_task=evaluated)
+    trainer = Trainer(
+        config,
+        adapter,
+        build_algorithm(config.algorithm),
+        SFT(config.warmup),
+        task,
+        client,
+        SingleProcess(torch.device("cpu")),
+        RunLogger(run_dir, False, False),
+        eval_task=evaluated,
+    )
     try:
         if resume is not None:
             trainer.resume(resume)
@@ -228,8 +261,13 @@ def test_config_runs_a_whole_job_and_resumes_exactly(path, tiny_models, tmp_path
     the evaluation after. Resumed from the first checkpoint, the second epoch and the final evaluation repeat
     the straight run's exactly (whatever state its model, algorithm and reference keep: LoRA, IP-Adapter
     snapshots, critics, EMA), and the resume finds no setting changed."""
-    two = [*_one_epoch(_tiny_job(path, tiny_models, tmp_path)), "train.epochs=2", "train.checkpoint_every=1",
-           "train.keep_checkpoints=0", "eval.every=0"]
+    two = [
+        *_one_epoch(_tiny_job(path, tiny_models, tmp_path)),
+        "train.epochs=2",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=0",
+        "eval.every=0",
+    ]
     straight, built = _run(_tiny_job(path, tiny_models, tmp_path, two), tmp_path / "straight")
     _check_fit(straight, built, 2)
     first = next(p for p in straight.checkpoints.directory.iterdir() if p.name.endswith("-000001"))
@@ -241,8 +279,9 @@ def test_config_runs_a_whole_job_and_resumes_exactly(path, tiny_models, tmp_path
         want, got = _records(straight, phase)[-1], _records(resumed, phase)[-1]
         assert want["step"] == got["step"] == 2
         timings = {k for k in want if k.endswith(("_s", "per_s")) or k == "time"}
-        assert {k: v for k, v in got.items() if k not in timings} == {k: v for k, v in want.items()
-                                                                        if k not in timings}, phase
+        assert {k: v for k, v in got.items() if k not in timings} == {
+            k: v for k, v in want.items() if k not in timings
+        }, phase
 
 
 @pytest.mark.parametrize("preset", ["flux_fill_grpo_ocr", "sd15_inpaint_dpo"])
@@ -252,7 +291,9 @@ def test_images_of_another_size_than_the_model_generates_are_refused_before_trai
     path = REPO / "configs" / "presets" / f"{preset}.yaml"
     side = _tiny_job(path, tiny_models, tmp_path).model.resolution
     config = _tiny_job(path, tiny_models, tmp_path, [f"data.image_size={2 * side}"])
-    with pytest.raises(ValueError, match=rf"is \({2 * side}, {2 * side}\) pixels; .* set data.image_size to model.resolution"):
+    with pytest.raises(
+        ValueError, match=rf"is \({2 * side}, {2 * side}\) pixels; .* set data.image_size to model.resolution"
+    ):
         _run(config, tmp_path / "run")
 
 
@@ -263,8 +304,10 @@ def _adapter_algorithm_pairs() -> list:
     test_config_runs_a_whole_job_and_resumes_exactly's (configs/algorithms name no model)."""
     others = [name for name in sorted(MODELS) if name != "tiny"]
     default = {(name, ALGORITHM_CONFIGS[i % len(ALGORITHM_CONFIGS)]) for i, name in enumerate(others)}
-    return [pytest.param(name, algorithm, marks=() if (name, algorithm) in default else pytest.mark.slow)
-            for name, algorithm in itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)]
+    return [
+        pytest.param(name, algorithm, marks=() if (name, algorithm) in default else pytest.mark.slow)
+        for name, algorithm in itertools.product(sorted(MODELS), ALGORITHM_CONFIGS)
+    ]
 
 
 @pytest.mark.parametrize(("name", "algorithm"), _adapter_algorithm_pairs())
@@ -280,8 +323,11 @@ def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_model
     config = load_config(str(path), model)
     side = config.model.resolution or 16
     task = [f"data.name={data}", f"data.path={tiny_dataset(data, tmp_path, side)}", f"data.image_size={side}"]
-    config = load_config(str(path), [*model, *task, *_one_epoch(config), "train.rollout_chunks=1"]
-                         + (["train.warmup_steps=0"] if data == "prompt_file" else []))
+    config = load_config(
+        str(path),
+        [*model, *task, *_one_epoch(config), "train.rollout_chunks=1"]
+        + (["train.warmup_steps=0"] if data == "prompt_file" else []),
+    )
     sampler = config.algorithm.sampler
     if MODELS[name].load().sampler_kind != "flow" and (sampler.ode_order, sampler.ode_compress) != (1, 1):
         with pytest.raises(ValueError, match="need a flow model"):  # MixGRPO-Flash's steps are flow steps
@@ -312,7 +358,9 @@ def test_preset_header_starts_the_replicas_reward_urls_names_beside_the_training
     put a model on each of the 8 training GPUs, of which reward.urls named one."""
     header = _header(path)
     serve = re.search(r"^#   CUDA_VISIBLE_DEVICES=(\S*) \./run_server\.sh start --replicas (\d+) ", header, re.M)
-    train = re.search(r"^#   CUDA_VISIBLE_DEVICES=(\S+) torchrun --nproc_per_node=(\d+) trainer/main\.py ", header, re.M)
+    train = re.search(
+        r"^#   CUDA_VISIBLE_DEVICES=(\S+) torchrun --nproc_per_node=(\d+) trainer/main\.py ", header, re.M
+    )
     assert serve and train, header
     reward_gpus, train_gpus = [gpu for gpu in serve[1].split(",") if gpu], train[1].split(",")
     replicas, nproc = int(serve[2]), int(train[2])
@@ -330,13 +378,17 @@ def test_preset_header_says_what_to_set_and_which_servers_to_start(path):
     """The leading comment names what it trains, the paths to set and a start command serving every
     weighted scorer; data paths relative to the repository root (where the job is started) exist."""
     header = _header(path)
-    assert "Set:" in header and "Reward servers:" in header and "trainer/main.py --config configs/presets/" \
-        f"{path.name}" in header, header
+    assert (
+        "Set:" in header
+        and "Reward servers:" in header
+        and f"trainer/main.py --config configs/presets/{path.name}" in header
+    ), header
     config = load_config(str(path))
     served = {name for names in re.findall(r"--scorers ([a-z0-9_,]+)", header) for name in names.split(",")}
     weighted = {name for name, weight in config.reward.weights.items() if weight != 0}
-    assert weighted <= served, (f"{path.name}: reward.weights resolve to {config.reward.weights}, but the header "
-                                f"starts {sorted(served)}")
+    assert weighted <= served, (
+        f"{path.name}: reward.weights resolve to {config.reward.weights}, but the header starts {sorted(served)}"
+    )
 
 
 def _in_repository(config):
@@ -345,9 +397,13 @@ def _in_repository(config):
     for setting, value in (("data.path", data.path), ("eval.path", evaluation.path)):
         if value and not Path(value).is_absolute():
             file = (REPO / value).resolve()
-            assert file.is_relative_to(REPO.resolve()) and file.is_file(), f"{setting}={value} is not a file in the checkout"
-    return (dataclasses.replace(data, path=str(REPO / data.path)),
-            dataclasses.replace(evaluation, path=str(REPO / evaluation.path)) if evaluation.path else evaluation)
+            assert file.is_relative_to(REPO.resolve()) and file.is_file(), (
+                f"{setting}={value} is not a file in the checkout"
+            )
+    return (
+        dataclasses.replace(data, path=str(REPO / data.path)),
+        dataclasses.replace(evaluation, path=str(REPO / evaluation.path)) if evaluation.path else evaluation,
+    )
 
 
 @pytest.mark.parametrize("path", IN_REPOSITORY, ids=_id)
@@ -386,15 +442,36 @@ def test_a_step_kind_the_model_has_no_math_for_is_refused_as_the_trainer_is_buil
     config = load_config(overrides=[*_model_overrides({"name": "tiny"}, tiny_models), "algorithm.sampler.kind=ddim"])
     adapter = build_adapter(config.model, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"sampler\.kind='ddim' is not one of"):
-        Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), build_task(config.data), None,
-                SingleProcess(torch.device("cpu")), RunLogger(tmp_path, False, False))
+        Trainer(
+            config,
+            adapter,
+            build_algorithm(config.algorithm),
+            SFT(config.warmup),
+            build_task(config.data),
+            None,
+            SingleProcess(torch.device("cpu")),
+            RunLogger(tmp_path, False, False),
+        )
     # a DDIM eta above 1 (a negative variance: NaN rollouts) likewise
-    config = load_config(overrides=["model.name=sd15_inpaint", *_model_overrides({"name": "sd15_inpaint"}, tiny_models),
-                                    "algorithm.sampler.noise_level=1.5"])
+    config = load_config(
+        overrides=[
+            "model.name=sd15_inpaint",
+            *_model_overrides({"name": "sd15_inpaint"}, tiny_models),
+            "algorithm.sampler.noise_level=1.5",
+        ]
+    )
     adapter = build_adapter(config.model, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"algorithm\.sampler\.noise_level"):
-        Trainer(config, adapter, build_algorithm(config.algorithm), SFT(config.warmup), None, None,
-                SingleProcess(torch.device("cpu")), RunLogger(tmp_path, False, False))
+        Trainer(
+            config,
+            adapter,
+            build_algorithm(config.algorithm),
+            SFT(config.warmup),
+            None,
+            None,
+            SingleProcess(torch.device("cpu")),
+            RunLogger(tmp_path, False, False),
+        )
 
 
 def test_a_resume_with_other_settings_names_them(tiny_models, tmp_path, capsys):
@@ -405,8 +482,13 @@ def test_a_resume_with_other_settings_names_them(tiny_models, tmp_path, capsys):
     first, _ = _run(_tiny_job(path, tiny_models, tmp_path, one), tmp_path / "first")
     (checkpoint,) = first.checkpoints.directory.iterdir()
     capsys.readouterr()
-    _run(_tiny_job(path, tiny_models, tmp_path, [*one, "train.epochs=2", "train.learning_rate=1e-3",
-                                                 "algorithm.group_size=2"]), tmp_path / "second", resume=checkpoint)
+    _run(
+        _tiny_job(
+            path, tiny_models, tmp_path, [*one, "train.epochs=2", "train.learning_rate=1e-3", "algorithm.group_size=2"]
+        ),
+        tmp_path / "second",
+        resume=checkpoint,
+    )
     out = capsys.readouterr().out
     (warning,) = [line for line in out.splitlines() if line.startswith("warning: resuming")]
     assert "algorithm.group_size: 4 -> 2" in warning and "train.learning_rate: 0.0003 -> 0.001" in warning

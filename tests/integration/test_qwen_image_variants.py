@@ -57,8 +57,9 @@ def test_edit_text_reads_the_image_to_edit(root):
     a, b = adapter.encode_prompts(PROMPTS[:1] * 2, same), adapter.encode_prompts(PROMPTS[:1] * 2, both)
     for name in ("prompt_embeds", "negative_embeds"):
         assert torch.equal(a.embeds[name][0], a.embeds[name][1])
-        assert torch.equal(a.embeds[name][0], b.embeds[name][0]) and not torch.equal(b.embeds[name][0],
-                                                                                     b.embeds[name][1])
+        assert torch.equal(a.embeds[name][0], b.embeds[name][0]) and not torch.equal(
+            b.embeds[name][0], b.embeds[name][1]
+        )
     assert not torch.equal(a.embeds["prompt_embeds"], a.embeds["negative_embeds"])
 
 
@@ -109,6 +110,8 @@ def test_edit_plus_runs_2511s_transformer(root, tmp_path):
     assert adapter.denoiser.config.zero_cond_t
     inputs = testing.image_inputs(adapter, len(PROMPTS))
     settings = SamplerSettings(num_steps=3, guidance_scale=3.0, noise_level=0.0)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0), inputs)
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0), inputs
+    )
     expected = testing.run_pipeline(adapter, PROMPTS, inputs, 3, 3.0, torch.Generator().manual_seed(0))
     torch.testing.assert_close(ro.latents[:, -1], expected.float(), rtol=0, atol=1e-5)

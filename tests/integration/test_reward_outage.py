@@ -23,10 +23,21 @@ from trainer.health import RewardFailure
 from trainer.rewards import HttpRewardClient, LocalRewardPool, RewardRequestError, RewardUnavailableError
 from trainer.stopping import StopSignalled
 
-TINY = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
-        "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2", "eval.every=1",
-        "train.warmup_steps=2", "train.epochs=3", "train.checkpoint_every=0", "train.keep_checkpoints=0",
-        "logging.progress=false", "logging.tensorboard=false"]
+TINY = [
+    "algorithm.group_size=2",
+    "algorithm.sampler.num_steps=4",
+    "algorithm.sampler.window_range=[0,2]",
+    "data.prompts_per_epoch=4",
+    "eval.samples_per_prompt=1",
+    "eval.num_steps=2",
+    "eval.every=1",
+    "train.warmup_steps=2",
+    "train.epochs=3",
+    "train.checkpoint_every=0",
+    "train.keep_checkpoints=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
 COMPARED = ("policy_loss", "grad_norm", "reward_mean", "reward_std", "digit_accuracy", "sft_loss")
 
 
@@ -45,8 +56,9 @@ def up(pool) -> Iterator[LocalRewardPool]:
 
 
 def _client(pool: LocalRewardPool, outage_s: float) -> HttpRewardClient:
-    return HttpRewardClient(pool.urls, {"digit": 1.0}, outage_s=outage_s, backoff_s=0.01, max_retries=2,
-                            probe_interval_s=0.1, timeout_s=10)
+    return HttpRewardClient(
+        pool.urls, {"digit": 1.0}, outage_s=outage_s, backoff_s=0.01, max_retries=2, probe_interval_s=0.1, timeout_s=10
+    )
 
 
 def _images() -> tuple[np.ndarray, list[str]]:
@@ -91,12 +103,16 @@ def test_a_request_whose_replicas_stay_away_past_outage_s_fails_saying_so(up):
 
 def _records(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r[k] for k in ("phase", "step", *COMPARED) if k in r} for r in rows
-            if r["phase"] in ("warmup", "rl", "eval", "final")]
+    return [
+        {k: r[k] for k in ("phase", "step", *COMPARED) if k in r}
+        for r in rows
+        if r["phase"] in ("warmup", "rl", "eval", "final")
+    ]
 
 
-def _run(run_dir: Path, model_dir: str, pool: LocalRewardPool, before=None, resume: Path | None = None,
-         outage_s: float = 0):
+def _run(
+    run_dir: Path, model_dir: str, pool: LocalRewardPool, before=None, resume: Path | None = None, outage_s: float = 0
+):
     """A tiny run scored by ``pool``; ``before(trainer, name, step)`` is called before each RL epoch and
     evaluation."""
     client = _client(pool, outage_s=outage_s)
@@ -126,7 +142,8 @@ def reference(pool, tmp_path_factory, tiny_model_dir) -> tuple[Path, list[torch.
 
 @pytest.mark.parametrize("lost", ["rl", "eval", "rl+stop"])
 def test_a_pool_down_stops_the_run_with_a_checkpoint_and_continuing_gives_the_uninterrupted_run(
-        lost, up, reference, tmp_path, tiny_model_dir):
+    lost, up, reference, tmp_path, tiny_model_dir
+):
     """The pool dies before RL epoch 2 (or before the evaluation after epoch 1): the run stops with a
     RewardFailure and a checkpoint after epoch 1 (which puts that evaluation first); continued once the pool is
     back, its records and weights are those of the run that never lost its pool. rl+stop: a stop signal comes
@@ -138,8 +155,11 @@ def test_a_pool_down_stops_the_run_with_a_checkpoint_and_continuing_gives_the_un
             if lost.endswith("+stop"):  # as the handler does, a moment into the wait
                 threading.Timer(1.0, setattr, args=(trainer.stops, "received", signal.SIGTERM)).start()
 
-    expected = {"rl": (RewardFailure, "no reward"), "eval": (RewardFailure, "the evaluation after RL epoch 1"),
-                "rl+stop": (StopSignalled, "SIGTERM")}[lost]
+    expected = {
+        "rl": (RewardFailure, "no reward"),
+        "eval": (RewardFailure, "the evaluation after RL epoch 1"),
+        "rl+stop": (StopSignalled, "SIGTERM"),
+    }[lost]
     started = time.monotonic()
     with pytest.raises(expected[0], match=expected[1]):
         _run(tmp_path / "lost", tiny_model_dir, up, before=kill, outage_s=60 if lost.endswith("+stop") else 0)
@@ -164,8 +184,10 @@ def _until_given_up(caplog, within_s: float) -> None:
 
 def test_a_supervised_pool_restarts_a_replica_that_died_at_most_max_restarts_times(tmp_path, caplog):
     """What a run does with its own replicas: each one that exits is started again on its port, and serves."""
-    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool, \
-            caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+    with (
+        LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool,
+        caplog.at_level(logging.WARNING, logger="rewardflow.rewards"),
+    ):
         pool.supervise(max_restarts=1, interval_s=0.1)
         images, prompts = _images()
         with _client(pool, outage_s=60) as client:
@@ -186,8 +208,10 @@ def test_a_supervised_pool_counts_only_the_restarts_of_its_window(tmp_path, capl
     """A replica that dies now and then over a long run (an occasional OOM kill, a chaos bench's SIGKILLs) is started
     again every time: only ``max_restarts`` restarts within ``window_s`` are a crash loop that leaves it down. It
     was ``max_restarts`` over the pool's life, so a long run lost its replicas one by one."""
-    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool, \
-            caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+    with (
+        LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool,
+        caplog.at_level(logging.WARNING, logger="rewardflow.rewards"),
+    ):
         pool.supervise(max_restarts=1, interval_s=0.1, window_s=0.5)  # a restart takes longer than the window
         images, prompts = _images()
         with _client(pool, outage_s=60) as client:
@@ -204,8 +228,10 @@ def test_a_supervised_pool_counts_only_the_restarts_of_its_window(tmp_path, capl
 def test_a_restarted_replica_that_never_gets_ready_is_killed_and_tried_again(tmp_path, caplog):
     """A restart that hangs (a model load that never ends, here a ready time no replica meets) does not leave a
     process out of rotation for good: it is killed, and the next check starts it again, up to max_restarts."""
-    with LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool, \
-            caplog.at_level(logging.WARNING, logger="rewardflow.rewards"):
+    with (
+        LocalRewardPool(["digit"], replicas=1, log_dir=tmp_path) as pool,
+        caplog.at_level(logging.WARNING, logger="rewardflow.rewards"),
+    ):
         pool.ready_timeout_s = 0.05  # no replica imports its scorers this fast
         pool.supervise(max_restarts=2, interval_s=0.1)
         pool.kill(0)
@@ -241,9 +267,12 @@ def test_an_evaluation_answered_without_a_single_reward_stops_the_run_with_a_che
     """Every image's 'sleep' score misses the request's deadline (TIMEOUT per item, HTTP 200): the evaluation
     before RL has no reward to judge by. It used to pass as reward_mean nan, and a run of no RL epochs then
     reported 'best: epoch -1, reward_mean -inf' and a best/ that was never written."""
-    with LocalRewardPool(["digit", "sleep"], replicas=1, log_dir=tmp_path / "logs",
-                         extra_args=["--sleep-ms", "3000"]) as pool, \
-            HttpRewardClient(pool.urls, {"digit": 1.0, "sleep": 0.5}, timeout_s=1, max_retries=0) as client:
+    with (
+        LocalRewardPool(
+            ["digit", "sleep"], replicas=1, log_dir=tmp_path / "logs", extra_args=["--sleep-ms", "3000"]
+        ) as pool,
+        HttpRewardClient(pool.urls, {"digit": 1.0, "sleep": 0.5}, timeout_s=1, max_retries=0) as client,
+    ):
         trainer = tiny_trainer(tmp_path / "run", tiny_model_dir, *TINY, rewards=client)
         try:
             with pytest.raises(RewardFailure, match=r"^the evaluation before RL: no image got a reward \(sleep: "):
@@ -265,6 +294,8 @@ def test_an_evaluation_is_judged_while_some_rewards_and_every_guard_scorer_came(
     nan = float("nan")
     assert unscored_evaluation("it", result([0.5, nan], [0.1, nan]), ["ocr"]) is None  # some of each
     assert unscored_evaluation("it", result([nan, nan], [0.1, 0.2]), []).startswith("it: no image got a reward")
-    assert (unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), ["ocr"])
-            == "it: eval.guard_scorers ocr scored no image (ocr: TIMEOUT: deadline passed)")
+    assert (
+        unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), ["ocr"])
+        == "it: eval.guard_scorers ocr scored no image (ocr: TIMEOUT: deadline passed)"
+    )
     assert unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), []) is None  # ocr guards nothing here

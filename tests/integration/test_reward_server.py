@@ -66,6 +66,7 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 async def _queued(app: Any, items: int, scorer: str = "slow", timeout_s: float = 10.0) -> None:
     """Wait until ``scorer``'s queue holds ``items`` items (a request is in, not just sent)."""
+
     async def poll() -> None:
         while app.state.service.workers[scorer].queued_items < items:
             await asyncio.sleep(0.01)
@@ -95,16 +96,12 @@ class _TestScorer:
         if self.gate is not None:
             self.gate.wait(timeout=60)
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         time.sleep(self.delay_s)
         return [0.5] * len(images)
 
 
-def _item(
-    item_id: str, image: np.ndarray, prompt: str = "digit 1", wire_format: str = "png", **extra: Any
-) -> dict:
+def _item(item_id: str, image: np.ndarray, prompt: str = "digit 1", wire_format: str = "png", **extra: Any) -> dict:
     return {"id": item_id, "prompt": prompt, "image": encode_image(image, wire_format), **extra}
 
 
@@ -119,9 +116,7 @@ def _digit_images(count: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRewardPool]:
     log_dir = tmp_path_factory.mktemp("pool")
-    with LocalRewardPool(
-        SCORERS, replicas=2, log_dir=log_dir, extra_args=POOL_LIMITS, ready_timeout_s=60
-    ) as running:
+    with LocalRewardPool(SCORERS, replicas=2, log_dir=log_dir, extra_args=POOL_LIMITS, ready_timeout_s=60) as running:
         yield running
 
 
@@ -133,9 +128,7 @@ def http(pool: LocalRewardPool) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def in_process() -> Iterator[InProcessRewardClient]:
-    with InProcessRewardClient.from_names(
-        {"digit": 1.0, "brightness": 0.5, "jpeg_compressibility": 0.1}
-    ) as client:
+    with InProcessRewardClient.from_names({"digit": 1.0, "brightness": 0.5, "jpeg_compressibility": 0.1}) as client:
         yield client
 
 
@@ -229,7 +222,8 @@ def test_score_a_subset_of_scorers_and_per_item_failures(http: httpx.Client) -> 
         ),
         (b'{"itemz": []}', "itemz: Extra inputs are not permitted"),
         (
-            b'{"scorers": ["aesthetic"], "items": [{"id": "a", "prompt": "", "image": {"format": "png", "data": "AA"}}]}',
+            b'{"scorers": ["aesthetic"], "items": '
+            b'[{"id": "a", "prompt": "", "image": {"format": "png", "data": "AA"}}]}',
             "unknown scorer(s) ['aesthetic']",
         ),
     ],
@@ -257,9 +251,7 @@ def test_limits(http: httpx.Client) -> None:
     streamed = http.post("/score", content=chunks())
     assert streamed.status_code == 413
 
-    wide = http.post(
-        "/score", json={"items": [_item("ok", image), _item("wide", np.zeros((8, 65, 1), np.uint8))]}
-    )
+    wide = http.post("/score", json={"items": [_item("ok", image), _item("wide", np.zeros((8, 65, 1), np.uint8))]})
     assert wide.status_code == 422
     assert "items.1 (id 'wide'): image is 8x65, larger than the maximum side 64" in wide.json()["detail"]
 
@@ -317,9 +309,7 @@ class _CountingScorer(_TestScorer):
         super().__init__(delay_s=delay_s)
         self.calls: list[int] = []
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         self.calls.append(len(images))
         return super().score(images, prompts, metadata)
 
@@ -365,8 +355,10 @@ def test_full_queue_is_429_and_drain_lets_in_flight_work_finish() -> None:
 
 def test_a_full_queue_refuses_only_requests_for_its_own_scorer() -> None:
     """One scorer's full queue made every request a 429, also those for the server's other scorers."""
-    app = create_app({"slow": _TestScorer(delay_s=0.6), "quick": _TestScorer(name="quick")},
-                     ServerSettings(max_items=2, max_queue_items=2))
+    app = create_app(
+        {"slow": _TestScorer(delay_s=0.6), "quick": _TestScorer(name="quick")},
+        ServerSettings(max_items=2, max_queue_items=2),
+    )
     image = encode_image(np.zeros((4, 4, 1), np.uint8))
     items = [{"id": str(i), "prompt": "", "image": image} for i in range(2)]
     with serve(app) as url:
@@ -492,17 +484,13 @@ def test_client_failed_items_are_nan_not_zero(pool: LocalRewardPool) -> None:
     assert np.isnan(result.components["digit"][1]) and np.isnan(result.combined[1])
     assert not np.isnan(result.components["brightness"]).any()
     assert not np.isnan(result.combined[[0, 2]]).any()
-    assert result.errors["digit"] == {
-        1: "PARSE: no digit 0-9 or digit word in prompt 'a cat' nor metadata['digit']"
-    }
+    assert result.errors["digit"] == {1: "PARSE: no digit 0-9 or digit word in prompt 'a cat' nor metadata['digit']"}
     assert result.num_failed == 1
 
 
 def test_client_retries_on_another_replica(pool: LocalRewardPool) -> None:
     images = np.zeros((8, 16, 16, 1), np.uint8)
-    with HttpRewardClient(
-        [_dead_url(), *pool.urls], {"brightness": 1.0}, batch_size=2, backoff_s=0.01
-    ) as client:
+    with HttpRewardClient([_dead_url(), *pool.urls], {"brightness": 1.0}, batch_size=2, backoff_s=0.01) as client:
         result = client.score(images, ["x"] * 8)
         assert result.combined.tolist() == [0.0] * 8
         assert all(instance.startswith("local-") for instance in result.instances)
@@ -626,8 +614,13 @@ def test_a_killed_replica_restarts_on_its_port_while_a_client_holds_a_connection
 def test_a_server_given_an_fd_that_is_not_a_tcp_socket_exits_with_one_line(tmp_path) -> None:
     with open(tmp_path / "file", "w") as not_a_socket:
         fd = not_a_socket.fileno()
-        result = subprocess.run([sys.executable, "-m", "reward_server", "--scorers", "brightness", "--fd", str(fd)],
-                                pass_fds=(fd,), capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "reward_server", "--scorers", "brightness", "--fd", str(fd)],
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 1 and last == f"--fd {fd}: not an open socket (Socket operation on non-socket)", last
 
@@ -730,8 +723,10 @@ def test_a_body_of_another_media_type_is_a_415_naming_the_two_it_takes(http: htt
     for media_type in ("text/plain", "application/x-www-form-urlencoded"):
         response = http.post("/score", content=body, headers={"Content-Type": media_type})
         assert response.status_code == 415, response.text
-        assert response.json()["detail"] == (f"unsupported Content-Type {media_type!r}: send application/json (curl: "
-                                             "-H 'Content-Type: application/json') or application/msgpack")
+        assert response.json()["detail"] == (
+            f"unsupported Content-Type {media_type!r}: send application/json (curl: "
+            "-H 'Content-Type: application/json') or application/msgpack"
+        )
     for headers in ({}, {"Content-Type": "application/json; charset=utf-8"}):  # no type at all: JSON
         response = http.post("/score", content=body, headers=headers)
         assert response.status_code == 200, response.text
@@ -739,9 +734,7 @@ def test_a_body_of_another_media_type_is_a_415_naming_the_two_it_takes(http: htt
 
 def test_msgpack_limits_match_json(http: httpx.Client) -> None:
     image = encode_image(np.zeros((16, 16, 1), np.uint8), "raw", binary=True)
-    too_many = _post_msgpack(
-        http, {"items": [{"id": str(i), "prompt": "", "image": image} for i in range(17)]}
-    )
+    too_many = _post_msgpack(http, {"items": [{"id": str(i), "prompt": "", "image": image} for i in range(17)]})
     assert too_many.status_code == 413
     wide = encode_image(np.zeros((8, 65, 1), np.uint8), "raw", binary=True)
     response = _post_msgpack(http, {"items": [{"id": "wide", "prompt": "", "image": wide}]})
@@ -815,12 +808,7 @@ def test_prometheus_metrics() -> None:
     assert value("rewardflow_score", "rewardflow_score_bucket", scorer="brightness", le="0.9") == 0
     assert value("rewardflow_score", "rewardflow_score_bucket", scorer="brightness", le="1.0") == 3
     assert value("rewardflow_score", "rewardflow_score_sum", scorer="slow") == pytest.approx(1.5)
-    assert (
-        value(
-            "rewardflow_request_duration_seconds", "rewardflow_request_duration_seconds_count", path="/score"
-        )
-        == 2
-    )
+    assert value("rewardflow_request_duration_seconds", "rewardflow_request_duration_seconds_count", path="/score") == 2
     assert value("rewardflow_ready", "rewardflow_ready") == 1
 
 
@@ -831,8 +819,7 @@ def test_hedged_request_beats_a_straggler() -> None:
     fast = _TestScorer(name="slow", delay_s=0.0)
     straggler = _TestScorer(name="slow", delay_s=0.0)
     apps = [
-        create_app({"slow": s}, ServerSettings(instance_id=n))
-        for s, n in ((fast, "fast"), (straggler, "straggler"))
+        create_app({"slow": s}, ServerSettings(instance_id=n)) for s, n in ((fast, "fast"), (straggler, "straggler"))
     ]
     with serve(apps[0]) as fast_url, serve(apps[1]) as straggler_url:
         with HttpRewardClient([straggler_url, fast_url], {"slow": 1.0}, batch_size=1, hedge=True) as client:
@@ -892,17 +879,13 @@ def test_429_is_retried_on_another_replica_without_a_strike() -> None:
             target=httpx.post,
             args=(f"{full_url}/score",),
             kwargs={
-                "json": {
-                    "items": [{"id": "a", "prompt": "", "image": encode_image(np.zeros((4, 4, 1), np.uint8))}]
-                },
+                "json": {"items": [{"id": "a", "prompt": "", "image": encode_image(np.zeros((4, 4, 1), np.uint8))}]},
                 "trust_env": False,
             },
         )
         blocker.start()
         _wait_until(lambda: full.state.service.workers["slow"].queued_items == 1)
-        with HttpRewardClient(
-            [full_url, free_url], {"slow": 1.0}, backoff_s=0.01, verify_replicas=False
-        ) as client:
+        with HttpRewardClient([full_url, free_url], {"slow": 1.0}, backoff_s=0.01, verify_replicas=False) as client:
             result = client.score(np.zeros((1, 4, 4, 1), np.uint8), [""])
             states = client.replica_states()
         blocker.join()
@@ -980,9 +963,7 @@ def test_client_retries_any_5xx_on_another_replica(status: int) -> None:
 
     good = create_app({"slow": _TestScorer()}, ServerSettings(instance_id="good"))
     with serve(broken) as broken_url, serve(good) as good_url:
-        with HttpRewardClient(
-            [broken_url, good_url], {"slow": 1.0}, backoff_s=0.01, verify_replicas=False
-        ) as client:
+        with HttpRewardClient([broken_url, good_url], {"slow": 1.0}, backoff_s=0.01, verify_replicas=False) as client:
             result = client.score(np.zeros((1, 4, 4, 1), np.uint8), [""])
             states = client.replica_states()
     assert result.instances == ["good"]
@@ -1009,9 +990,7 @@ class _RecordingScorer(_TestScorer):
         super().__init__(name="recording")
         self.metadata: list[dict[str, Any]] = []
 
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         self.metadata.extend(metadata)
         return [0.5] * len(images)
 
@@ -1027,8 +1006,14 @@ def test_arrays_in_metadata_reach_the_scorer_as_arrays(wire_format: str) -> None
                 {"reference_image": reference[:, :, 0], "mask": np.ones((4, 4, 1), np.uint8)},
             ]
             result = client.score(np.zeros((2, 4, 4, 1), np.uint8), ["", ""], metadata)
-            with pytest.raises(ValueError, match=r"metadata\[0\]\['reference_image'\]: arrays in metadata are sent as images, and images must be uint8, got float32"):
-                client.submit(np.zeros((1, 4, 4, 1), np.uint8), [""], [{"reference_image": reference.astype(np.float32)}])
+            with pytest.raises(
+                ValueError,
+                match=r"metadata\[0\]\['reference_image'\]: arrays in metadata are sent as images, "
+                r"and images must be uint8, got float32",
+            ):
+                client.submit(
+                    np.zeros((1, 4, 4, 1), np.uint8), [""], [{"reference_image": reference.astype(np.float32)}]
+                )
     assert result.combined.tolist() == [0.5, 0.5]
     first, second = scorer.metadata
     assert first["judge_task"] == "edit" and first.keys() == {"judge_task", "reference_image"}
@@ -1038,16 +1023,12 @@ def test_arrays_in_metadata_reach_the_scorer_as_arrays(wire_format: str) -> None
 
 
 class _HugeScorer(_TestScorer):
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[int]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[int]:
         return [10**400] * len(images)
 
 
 class _ExitingScorer(_TestScorer):
-    def score(
-        self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         raise SystemExit("the scorer called sys.exit")
 
 
@@ -1083,7 +1064,9 @@ def test_a_dead_scorer_worker_fails_its_items_and_makes_the_server_unready() -> 
 def test_signals_during_a_long_load_exit_without_waiting_for_it(signals: int, drain_grace_s: float) -> None:
     process, base = spawn_reward_server(
         ["--scorers", "sleep", "--sleep-load-s", "60", "--drain-grace-s", str(drain_grace_s), "--log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"{base}/readyz"
     try:
         wait_for(url, status=503)  # up, loading
@@ -1115,8 +1098,10 @@ def test_a_replica_whose_model_changes_under_the_client_is_taken_out_not_mixed_i
     """Fingerprints were compared at start-up and by the probe only: a replica restarted with other weights
     (same URL) had its scores mixed into every batch until it failed for another reason."""
     steady, changed = _ValueScorer(0.5), _ValueScorer(0.5)
-    with serve(create_app({"slow": steady}, ServerSettings(instance_id="steady"))) as first, \
-            serve(create_app({"slow": changed}, ServerSettings(instance_id="changed"))) as second:
+    with (
+        serve(create_app({"slow": steady}, ServerSettings(instance_id="steady"))) as first,
+        serve(create_app({"slow": changed}, ServerSettings(instance_id="changed"))) as second,
+    ):
         with HttpRewardClient([first, second], {"slow": 1.0}, batch_size=1) as client:
             assert client.score(np.zeros((4, 4, 4, 3), np.uint8), [""] * 4).combined.tolist() == [0.5] * 4
             changed.version, changed.value = "t-v2", 0.9  # as if restarted with other weights

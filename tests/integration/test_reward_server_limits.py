@@ -62,8 +62,11 @@ def test_a_body_of_more_values_than_the_limit_is_a_413_before_it_is_parsed(binar
             assert "more than 1000" in response.json()["detail"]
         # Fifty million values in a few kB: refused before they are built (seconds and GBs otherwise).
         started = time.monotonic()
-        response = client.post("/score", content=compress_body(_bomb(binary, 50_000_000), "zstd"),
-                               headers={**headers, "Content-Encoding": "zstd"})
+        response = client.post(
+            "/score",
+            content=compress_body(_bomb(binary, 50_000_000), "zstd"),
+            headers={**headers, "Content-Encoding": "zstd"},
+        )
         assert response.status_code == 413, response.text
         assert time.monotonic() - started < 5.0
         assert client.get("/livez").status_code == 200
@@ -134,8 +137,14 @@ def test_a_request_that_does_not_fit_the_pixel_budget_is_decoded_only_when_earli
     body = {"items": [{"id": str(i), "prompt": "", "image": TILE} for i in range(3)]}  # 768 pixels
     with serve(app) as url:
         results: list[int] = []
-        threads = [threading.Thread(target=lambda: results.append(
-            httpx.post(f"{url}/score", json=body, trust_env=False, timeout=30).status_code)) for _ in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(
+                    httpx.post(f"{url}/score", json=body, trust_env=False, timeout=30).status_code
+                )
+            )
+            for _ in range(2)
+        ]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 10
@@ -151,9 +160,12 @@ def test_a_request_that_does_not_fit_the_pixel_budget_is_decoded_only_when_earli
 
 def _requests_by_status(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", trust_env=False).text
-    return {sample.labels["status"]: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "rewardflow_requests_total" and sample.labels.get("path") == "/score"}
+    return {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "rewardflow_requests_total" and sample.labels.get("path") == "/score"
+    }
 
 
 def test_a_stalled_upload_is_a_408_and_a_client_gone_mid_body_is_no_server_error() -> None:
@@ -180,8 +192,9 @@ def test_a_stalled_upload_is_a_408_and_a_client_gone_mid_body_is_no_server_error
 def test_a_body_trickled_under_the_minimum_rate_is_a_408_and_bodies_in_flight_are_bounded() -> None:
     """A byte now and then pushed the stall timer back each time: such a client held its connection and its part of
     the body for good, and many of them any amount of memory (4 MB each in the audit, 256 MB allowed)."""
-    settings = ServerSettings(body_timeout_s=1.0, min_body_rate=1000, max_body_bytes=100_000,
-                              max_body_bytes_in_flight=150_000)
+    settings = ServerSettings(
+        body_timeout_s=1.0, min_body_rate=1000, max_body_bytes=100_000, max_body_bytes_in_flight=150_000
+    )
     app = create_app(build_scorers(["brightness"]), settings)
     head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
     with serve(app) as url:
@@ -203,8 +216,10 @@ def test_a_body_trickled_under_the_minimum_rate_is_a_408_and_bodies_in_flight_ar
             assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
             assert b"under the 1000 bytes/s this server needs (--min-body-rate)" in answer
             assert 1.0 < time.monotonic() - started < 3.0
-        with socket.create_connection(address, timeout=10) as holding, \
-                socket.create_connection(address, timeout=10) as second:
+        with (
+            socket.create_connection(address, timeout=10) as holding,
+            socket.create_connection(address, timeout=10) as second,
+        ):
             holding.sendall(head + b" " * 90_000)  # 90 of its 100 kB, held
             time.sleep(0.3)
             second.sendall(head + b" " * 90_000)
@@ -213,8 +228,9 @@ def test_a_body_trickled_under_the_minimum_rate_is_a_408_and_bodies_in_flight_ar
             assert b"receiving 90000 bytes of request bodies already, and 150000 at most" in answer
             holding.sendall(b" " * 10_000)  # its whole body: read, and refused as no JSON
             assert holding.recv(65536).startswith(b"HTTP/1.1 422")
-        answer = httpx.post(f"{url}/score", content=b" " * 90_000, trust_env=False,
-                            headers={"Content-Type": "application/json"})
+        answer = httpx.post(
+            f"{url}/score", content=b" " * 90_000, trust_env=False, headers={"Content-Type": "application/json"}
+        )
         assert answer.status_code == 422  # the budget was let go
 
 
@@ -250,7 +266,8 @@ def test_an_integral_float_names_a_digit_in_metadata() -> None:
 
 def test_a_replica_whose_answer_cannot_be_decoded_is_failed_over() -> None:
     broken = replica_answering(  # a 200 whose gzip body httpx cannot decode
-        lambda: Response(b"not gzip", headers={"Content-Encoding": "gzip"}, media_type="application/json"))
+        lambda: Response(b"not gzip", headers={"Content-Encoding": "gzip"}, media_type="application/json")
+    )
     good = create_app(build_scorers(["brightness"]), ServerSettings(instance_id="good"))
     with serve(broken) as broken_url, serve(good) as good_url:
         with HttpRewardClient(
@@ -279,7 +296,7 @@ def _closed_after(sock: socket.socket, dribble: bytes, limit_s: float) -> float 
     for i in range(int(limit_s / 0.1)):
         try:
             if i < len(dribble):
-                sock.send(dribble[i:i + 1])
+                sock.send(dribble[i : i + 1])
             if sock.recv(1) == b"":
                 return time.monotonic() - start
         except TimeoutError:
@@ -308,8 +325,9 @@ def test_a_connection_whose_request_head_does_not_come_is_closed_and_keep_alive_
     for good: uvicorn times out idle keep-alive connections only. Both of uvicorn's HTTP implementations."""
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
-        process, url = spawn_reward_server(["--scorers", "brightness", "--head-timeout-s", "1", "--http", http],
-                                           stdout=out, stderr=subprocess.STDOUT)
+        process, url = spawn_reward_server(
+            ["--scorers", "brightness", "--head-timeout-s", "1", "--http", http], stdout=out, stderr=subprocess.STDOUT
+        )
     request = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"
     try:
         wait_for(f"{url}/readyz")
@@ -346,13 +364,16 @@ def test_a_request_head_past_its_cap_is_refused_at_once_and_bodies_do_not_count(
     until the head deadline, and one header value sent on and on stalled the event loop for seconds (a replica
     then looks dead to the trainer's probes). Past 64 KiB a head is refused (h11's own cap, 16 KiB, answers
     400 first); a body after a whole head is no part of it."""
-    process, url = spawn_reward_server(["--scorers", "brightness", "--http", http],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process, url = spawn_reward_server(
+        ["--scorers", "brightness", "--http", http], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     address = ("127.0.0.1", int(url.rpartition(":")[2]))
     try:
         wait_for(f"{url}/readyz")
-        for line, first in ((b"X-A: b\r\n", b"GET /livez HTTP/1.1\r\nHost: x\r\n"),
-                            (b"a", b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Big: ")):
+        for line, first in (
+            (b"X-A: b\r\n", b"GET /livez HTTP/1.1\r\nHost: x\r\n"),
+            (b"a", b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Big: "),
+        ):
             with socket.create_connection(address) as sock:
                 sock.settimeout(5)
                 started = time.monotonic()
@@ -367,13 +388,20 @@ def test_a_request_head_past_its_cap_is_refused_at_once_and_bodies_do_not_count(
                 sender.join(timeout=10)
                 assert not sender.is_alive() and time.monotonic() - started < 3  # not the 10 s head deadline
             if http == "httptools":
-                assert answer.startswith(b"HTTP/1.1 431 ") and b"exceed 65536 bytes (--max-head-bytes)" in answer, answer
+                assert answer.startswith(b"HTTP/1.1 431 ") and b"exceed 65536 bytes (--max-head-bytes)" in answer, (
+                    answer
+                )
             else:
                 assert answer == b"" or answer.startswith(b"HTTP/1.1 400 "), answer
         headers = {f"x-pad-{i}": "a" * 1000 for i in range(12)}  # 12 KiB of head: under both caps
         assert httpx.get(f"{url}/livez", headers=headers, trust_env=False).status_code == 200
-        big = httpx.post(f"{url}/score", content=b"x" * 2_000_000, trust_env=False, timeout=30,
-                         headers={"Content-Type": "application/json"})
+        big = httpx.post(
+            f"{url}/score",
+            content=b"x" * 2_000_000,
+            trust_env=False,
+            timeout=30,
+            headers={"Content-Type": "application/json"},
+        )
         assert big.status_code == 422, big.text  # read as a body: not JSON, said so
     finally:
         process.terminate()

@@ -152,9 +152,15 @@ def test_stop_goes_on_when_a_replica_exits_between_its_check_and_the_signal(tmp_
         for index, pid in enumerate([gone.pid, other.pid]):
             (run_dir / f"replica-{index}.pid").write_text(f"{pid}\n")
             (run_dir / f"replica-{index}.url").write_text("http://127.0.0.1:9\n")
-        stopped = subprocess.run([str(SCRIPT), "stop", "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=60, check=False,
-                                 env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+        stopped = subprocess.run(
+            [str(SCRIPT), "stop", "--run-dir", str(run_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"},
+        )
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert "stopped 1 replica(s)" in stopped.stdout
         assert other.wait(timeout=10) == -15
@@ -198,9 +204,7 @@ def test_an_ipv6_host_gets_a_bracketed_url(tmp_path: Path) -> None:
 
 def test_unknown_command_and_option() -> None:
     assert subprocess.run([str(SCRIPT), "restart"], capture_output=True, check=False).returncode == 1
-    result = subprocess.run(
-        [str(SCRIPT), "start", "--gpus", "2"], capture_output=True, text=True, check=False
-    )
+    result = subprocess.run([str(SCRIPT), "start", "--gpus", "2"], capture_output=True, text=True, check=False)
     assert result.returncode == 1 and "unknown option --gpus" in result.stderr
 
 

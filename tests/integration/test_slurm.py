@@ -28,8 +28,9 @@ def _until(condition, what: str, cluster: SlurmCluster, log: Path, timeout_s: fl
     while not condition():
         if time.monotonic() > deadline:
             text = log.read_text() if log.exists() else "(no output yet)"
-            pytest.fail(f"no {what} within {timeout_s} s; squeue:\n{cluster.run('squeue').stdout}\njob output:\n"
-                        f"{text[-6000:]}")
+            pytest.fail(
+                f"no {what} within {timeout_s} s; squeue:\n{cluster.run('squeue').stdout}\njob output:\n{text[-6000:]}"
+            )
         time.sleep(0.2)
 
 
@@ -39,21 +40,47 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def test_a_job_warned_of_its_time_limit_requeues_itself_and_its_next_allocation_finishes_the_run(
-        tmp_path, tiny_model_dir):
+    tmp_path, tiny_model_dir
+):
     """``scancel --signal=USR1 --batch`` is what ``--signal=B:USR1@600`` makes SLURM do 10 minutes before the
     limit. The requeued job waits for its begin time (SLURM's 121 s after a requeue), moved nearer here."""
     out_dir = tmp_path / "runs"
-    args = [f"model.path={tiny_model_dir}", f"logging.output_dir={out_dir}", "logging.progress=false",
-            "logging.tensorboard=false", "train.warmup_steps=2", f"train.epochs={EPOCHS}", "train.checkpoint_every=0",
-            "data.prompts_per_epoch=4", "algorithm.group_size=2", "eval.every=0", "eval.samples_per_prompt=1",
-            "eval.num_steps=2", "reward.replicas=1", "reward.weights={brightness: 1}"]
+    args = [
+        f"model.path={tiny_model_dir}",
+        f"logging.output_dir={out_dir}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "train.warmup_steps=2",
+        f"train.epochs={EPOCHS}",
+        "train.checkpoint_every=0",
+        "data.prompts_per_epoch=4",
+        "algorithm.group_size=2",
+        "eval.every=0",
+        "eval.samples_per_prompt=1",
+        "eval.num_steps=2",
+        "reward.replicas=1",
+        "reward.weights={brightness: 1}",
+    ]
     log = tmp_path / "job.out"
     with SlurmCluster(tmp_path / "slurm") as cluster:
-        cluster.env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", OMP_NUM_THREADS="1",
-                           NPROC_PER_NODE="1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
-        job = cluster.run("sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
-                          f"--output={log}", f"--chdir={REPO}", str(REPO / "deploy" / "slurm.sbatch"),
-                          *args).stdout.strip()
+        cluster.env.update(
+            PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            OMP_NUM_THREADS="1",
+            NPROC_PER_NODE="1",
+            MASTER_PORT=str(free_port()),
+            PYTHONUNBUFFERED="1",
+        )
+        job = cluster.run(
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            "--gpus-per-node=0",
+            "--cpus-per-task=2",
+            f"--output={log}",
+            f"--chdir={REPO}",
+            str(REPO / "deploy" / "slurm.sbatch"),
+            *args,
+        ).stdout.strip()
         run_dir = out_dir / f"slurm-{job}"
         _until(lambda: any(r["phase"] == "rl" for r in _records(run_dir)), "first RL epoch", cluster, log)
         cluster.run("scancel", "--signal=USR1", "--batch", job)
@@ -74,7 +101,7 @@ def test_a_job_warned_of_its_time_limit_requeues_itself_and_its_next_allocation_
         state = cluster.job(job)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", (state, text[-3000:])
-    assert f"resumed from {checkpoint}" in text[len(first):], text[len(first):][-3000:]
+    assert f"resumed from {checkpoint}" in text[len(first) :], text[len(first) :][-3000:]
     records = _records(run_dir)
     epochs = [r["step"] for r in records if r["phase"] == "rl"]
     assert epochs == list(range(1, EPOCHS + 1)), epochs  # each epoch once, over both allocations

@@ -16,10 +16,21 @@ from warm_start import tiny_trainer
 from trainer.checkpoint import Progress
 from trainer.stopping import StopSignalled
 
-ARGS = ["algorithm.group_size=2", "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]",
-        "algorithm.kl_beta=0.01", "data.prompts_per_epoch=4", "eval.samples_per_prompt=1", "eval.num_steps=2",
-        "eval.every=2", "train.warmup_steps=3", "train.epochs=4", "train.checkpoint_every=0", "train.ema_decay=0.5",
-        "logging.progress=false"]
+ARGS = [
+    "algorithm.group_size=2",
+    "algorithm.sampler.num_steps=4",
+    "algorithm.sampler.window_range=[0,2]",
+    "algorithm.kl_beta=0.01",
+    "data.prompts_per_epoch=4",
+    "eval.samples_per_prompt=1",
+    "eval.num_steps=2",
+    "eval.every=2",
+    "train.warmup_steps=3",
+    "train.epochs=4",
+    "train.checkpoint_every=0",
+    "train.ema_decay=0.5",
+    "logging.progress=false",
+]
 TIMES = ("images_per_s", "rollout_images_per_s", "time_", "time")
 
 
@@ -38,10 +49,13 @@ def straight(tmp_path_factory, tiny_model_dir):
     return trainer
 
 
-@pytest.mark.parametrize(("phase", "at", "saved"), [("warmup_step", 1, Progress(2, 0)),
-                                                     ("rl_epoch", 1, Progress(3, 2, True, 2, eval_due=True))])
-def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(tmp_path, tiny_model_dir, straight, phase,
-                                                                          at, saved, capsys):
+@pytest.mark.parametrize(
+    ("phase", "at", "saved"),
+    [("warmup_step", 1, Progress(2, 0)), ("rl_epoch", 1, Progress(3, 2, True, 2, eval_due=True))],
+)
+def test_a_stop_signal_checkpoints_the_step_and_a_resume_continues_exactly(
+    tmp_path, tiny_model_dir, straight, phase, at, saved, capsys
+):
 
     stopped = tiny_trainer(tmp_path / "stopped", tiny_model_dir, *ARGS)
     step = getattr(stopped, phase)

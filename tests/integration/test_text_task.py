@@ -21,9 +21,18 @@ from trainer.models import build_adapter
 from trainer.trainer import Trainer
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "embedded_text.yaml"
-TOY = ["train.warmup_steps=2", "train.epochs=1", "algorithm.group_size=2", "data.prompts_per_epoch=2",
-       "algorithm.sampler.num_steps=4", "algorithm.sampler.window_range=[0,2]", "eval.num_steps=2",
-       "eval.samples_per_prompt=1", "eval.every=1", "logging.progress=false"]
+TOY = [
+    "train.warmup_steps=2",
+    "train.epochs=1",
+    "algorithm.group_size=2",
+    "data.prompts_per_epoch=2",
+    "algorithm.sampler.num_steps=4",
+    "algorithm.sampler.window_range=[0,2]",
+    "eval.num_steps=2",
+    "eval.samples_per_prompt=1",
+    "eval.every=1",
+    "logging.progress=false",
+]
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -34,9 +43,16 @@ def test_a_text_job_logs_ocr_accuracy_and_keeps_best_by_it(tmp_path, tiny_model_
     config = load_config([str(CONFIG)], [f"model.path={tiny_model_dir}", *TOY])
     assert config.data.name == "words" and dict(config.reward.weights) == {"ocr": 1.0}
     client = InProcessRewardClient.from_names(dict(config.reward.weights))
-    trainer = Trainer(config, build_adapter(config.model, torch.device("cpu")), build_algorithm(config.algorithm),
-                      SFT(config.warmup), build_task(config.data), client, SingleProcess(torch.device("cpu")),
-                      RunLogger(tmp_path, True, False))
+    trainer = Trainer(
+        config,
+        build_adapter(config.model, torch.device("cpu")),
+        build_algorithm(config.algorithm),
+        SFT(config.warmup),
+        build_task(config.data),
+        client,
+        SingleProcess(torch.device("cpu")),
+        RunLogger(tmp_path, True, False),
+    )
     try:
         trainer.fit()
     finally:

@@ -24,27 +24,51 @@ def _pipeline(adapter: TinyAdapter) -> StableDiffusion3Pipeline:
     """The plain diffusers pipeline over the adapter's own components. Our model is pixel space; the
     pipeline needs a VAE object only for its scale factor, so a one-block VAE (factor 1) is given and
     outputs are compared as latents."""
-    vae = AutoencoderKL(block_out_channels=(4,), in_channels=1, out_channels=1, latent_channels=1,
-                        norm_num_groups=1, down_block_types=("DownEncoderBlock2D",),
-                        up_block_types=("UpDecoderBlock2D",), layers_per_block=1).eval()
+    vae = AutoencoderKL(
+        block_out_channels=(4,),
+        in_channels=1,
+        out_channels=1,
+        latent_channels=1,
+        norm_num_groups=1,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        layers_per_block=1,
+    ).eval()
     p = adapter.pipeline
     return StableDiffusion3Pipeline(
-        transformer=adapter.denoiser, scheduler=adapter.scheduler, vae=vae, text_encoder=p.text_encoder,
-        tokenizer=p.tokenizer, text_encoder_2=p.text_encoder_2, tokenizer_2=p.tokenizer_2, text_encoder_3=None,
-        tokenizer_3=None)
+        transformer=adapter.denoiser,
+        scheduler=adapter.scheduler,
+        vae=vae,
+        text_encoder=p.text_encoder,
+        tokenizer=p.tokenizer,
+        text_encoder_2=p.text_encoder_2,
+        tokenizer_2=p.tokenizer_2,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
 def test_noise_level_zero_rollout_equals_the_diffusers_pipeline(adapter, guidance):
     steps, seed = 6, 11
     expected = _pipeline(adapter)(
-        prompt=PROMPTS, num_inference_steps=steps, guidance_scale=guidance, height=16, width=16,
-        generator=torch.Generator().manual_seed(seed), output_type="latent",
+        prompt=PROMPTS,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        height=16,
+        width=16,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="latent",
         max_sequence_length=adapter.config.max_sequence_length,
     ).images
-    ours = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2),
-                   SamplerSettings(num_steps=steps, guidance_scale=guidance, noise_level=0.0),
-                   torch.Generator().manual_seed(seed))
+    ours = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS,
+        torch.arange(2),
+        SamplerSettings(num_steps=steps, guidance_scale=guidance, noise_level=0.0),
+        torch.Generator().manual_seed(seed),
+    )
     assert ours.latents.shape == (2, steps + 1, 1, 16, 16)
     # Same ops in the same order: equal to float32 rounding (observed max difference 0).
     torch.testing.assert_close(ours.latents[:, -1], expected, rtol=0, atol=1e-6)
@@ -53,8 +77,9 @@ def test_noise_level_zero_rollout_equals_the_diffusers_pipeline(adapter, guidanc
 
 def test_sde_rollout_reevaluates_with_ratio_one_at_every_trained_step(adapter):
     settings = SamplerSettings(num_steps=5, noise_level=0.7)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings,
-                 torch.Generator().manual_seed(0))
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings, torch.Generator().manual_seed(0)
+    )
     assert ro.stochastic.all() and torch.isfinite(ro.log_probs).all()
     algo = GRPO(GRPOConfig(group_size=2, timestep_fraction=1.0, micro_batch_size=4, sampler=settings))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -76,8 +101,15 @@ def test_log_p_old_is_the_training_forward_while_the_weights_are_the_rollouts(ad
     with two optimizer steps, the second step's samples have only the rollout's values: their ratio leaves the
     clip range without a step."""
     settings = SamplerSettings(num_steps=4, noise_level=0.7)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings,
-                 torch.Generator().manual_seed(0), record_means=name == "grpo_guard")
+    ro = rollout(
+        adapter,
+        adapter.denoiser,
+        PROMPTS * 2,
+        torch.tensor([0, 1, 0, 1]),
+        settings,
+        torch.Generator().manual_seed(0),
+        record_means=name == "grpo_guard",
+    )
     ro.log_probs = ro.log_probs + 0.01 * torch.arange(4.0)[:, None]  # sample i off by 0.01 i
     if ro.means is not None:
         ro.means = ro.means + 0.1
@@ -139,10 +171,13 @@ def test_lora_adapter_trains_only_lora_and_reference_is_the_base(tiny_model_dir)
     with torch.no_grad():
         for p in lora.trainable.parameters():
             p.add_(0.5)
-        torch.testing.assert_close(lora.predict(lora.trainable.reference(), x, sigma, cond, 1.0),
-                                   base.predict(base.denoiser, x, sigma, cond, 1.0))
-        assert not torch.allclose(lora.predict(lora.denoiser, x, sigma, cond, 1.0),
-                                  base.predict(base.denoiser, x, sigma, cond, 1.0))
+        torch.testing.assert_close(
+            lora.predict(lora.trainable.reference(), x, sigma, cond, 1.0),
+            base.predict(base.denoiser, x, sigma, cond, 1.0),
+        )
+        assert not torch.allclose(
+            lora.predict(lora.denoiser, x, sigma, cond, 1.0), base.predict(base.denoiser, x, sigma, cond, 1.0)
+        )
 
 
 def test_sd3_adapter_refuses_a_directory_without_weights(tmp_path):
@@ -169,8 +204,9 @@ def test_awm_takes_v_old_from_the_policy_itself_until_its_first_step(tiny_model_
 
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))  # its weights are moved below
     settings = SamplerSettings(num_steps=4, noise_level=0.0)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings,
-                 torch.Generator().manual_seed(0))
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings, torch.Generator().manual_seed(0)
+    )
     algo = AWM(AWMConfig(group_size=2, micro_batch_size=2, inner_epochs=2, clip_range=1e-4, sampler=settings))
     ctx = LossContext(adapter, adapter.denoiser, None)
     algo.setup(adapter, None, SingleProcess(torch.device("cpu")))

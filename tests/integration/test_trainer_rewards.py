@@ -30,9 +30,17 @@ class _NoDigitTask(DigitsTask):
 
 
 def _trainer(tmp_path: Path, tiny_model_dir: str, failing: int, limit: float) -> Trainer:
-    return tiny_trainer(tmp_path, tiny_model_dir, "algorithm.group_size=2", "data.prompts_per_epoch=10",
-                        f"reward.max_failed_share={limit}", "algorithm.sampler.num_steps=4",
-                        "algorithm.sampler.window_range=[0,2]", task=_NoDigitTask(failing), log=False)
+    return tiny_trainer(
+        tmp_path,
+        tiny_model_dir,
+        "algorithm.group_size=2",
+        "data.prompts_per_epoch=10",
+        f"reward.max_failed_share={limit}",
+        "algorithm.sampler.num_steps=4",
+        "algorithm.sampler.window_range=[0,2]",
+        task=_NoDigitTask(failing),
+        log=False,
+    )
 
 
 def test_failed_rewards_are_counted_and_get_no_advantage(tmp_path, tiny_model_dir):

@@ -51,10 +51,10 @@ def _parse(data: bytes):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if pos + 7 + length > len(data):
             return  # still being written
-        part += data[pos + 7:pos + 7 + length]
+        part += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a whole message, or its last piece
             record = Record()
@@ -74,23 +74,43 @@ def _wandb_runs(run_dir: Path) -> list[tuple[dict, list[dict]]]:
                 update = record.run.config.update if kind == "run" else record.config.update
                 config.update({item.key: json.loads(item.value_json) for item in update})
             elif kind == "history":  # an image is a few keys under its name: "eval/samples/path", ...
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
         runs.append((config, rows))
     return runs
 
 
 def _exit_codes(run_dir: Path) -> list[int]:
-    return [record.exit.exit_code for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-            for record in _records(path) if record.WhichOneof("record_type") == "exit"]
+    return [
+        record.exit.exit_code
+        for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        for record in _records(path)
+        if record.WhichOneof("record_type") == "exit"
+    ]
 
 
 def _job(tmp_path: Path, model_dir: str, *extra: str) -> list[str]:
-    return [f"model.path={model_dir}", f"logging.output_dir={tmp_path}", "logging.run_name=w",
-            "logging.progress=false", "logging.tensorboard=false", "logging.wandb=offline",
-            "logging.wandb_project=rf-test", "train.warmup_steps=2", "warmup.batch_size=4", "train.checkpoint_every=1",
-            "data.prompts_per_epoch=2", "algorithm.group_size=2", "eval.samples_per_prompt=1", "eval.num_steps=2",
-            "eval.every=1", "reward.replicas=1", "reward.token=secret-token", *extra]
+    return [
+        f"model.path={model_dir}",
+        f"logging.output_dir={tmp_path}",
+        "logging.run_name=w",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.wandb=offline",
+        "logging.wandb_project=rf-test",
+        "train.warmup_steps=2",
+        "warmup.batch_size=4",
+        "train.checkpoint_every=1",
+        "data.prompts_per_epoch=2",
+        "algorithm.group_size=2",
+        "eval.samples_per_prompt=1",
+        "eval.num_steps=2",
+        "eval.every=1",
+        "reward.replicas=1",
+        "reward.token=secret-token",
+        *extra,
+    ]
 
 
 def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path, tiny_model_dir):
@@ -106,16 +126,25 @@ def test_a_job_logs_its_metrics_to_wandb_and_a_resume_continues_the_run(tmp_path
     assert {r["phase"] for r in logged} == {"warmup", "rl", "eval", "final"}
     for record in logged:  # each record is one W&B row on its axis, with every finite number it holds
         phase, axis = record["phase"], "warmup/step" if record["phase"] == "warmup" else "rl/epoch"
-        (row,) = [row for row in rows if row.get(axis) == record["step"] and "eval/samples/caption" not in row
-                  and any(key.startswith(f"{phase}/") and key != axis for key in row)]
-        numbers = {f"{phase}/{key}": value for key, value in record.items() if key not in ("phase", "step", "time")
-                   and isinstance(value, int | float) and math.isfinite(value)}
+        (row,) = [
+            row
+            for row in rows
+            if row.get(axis) == record["step"]
+            and "eval/samples/caption" not in row
+            and any(key.startswith(f"{phase}/") and key != axis for key in row)
+        ]
+        numbers = {
+            f"{phase}/{key}": value
+            for key, value in record.items()
+            if key not in ("phase", "step", "time") and isinstance(value, int | float) and math.isfinite(value)
+        }
         assert numbers and {key: row[key] for key in numbers} == numbers
     # the evaluation grids (before and after RL): one image series, each captioned with the prompt of each row
     grids = [row for row in rows if "eval/samples/caption" in row]
     assert [row["rl/epoch"] for row in grids] == [0, 1]
-    assert {row["eval/samples/caption"] for row in grids} == {"\n".join(f"row {d + 1}: a handwritten digit {d}"
-                                                                        for d in range(10))}
+    assert {row["eval/samples/caption"] for row in grids} == {
+        "\n".join(f"row {d + 1}: a handwritten digit {d}" for d in range(10))
+    }
     # the epoch's rollout samples (2 prompts x 2), each image captioned with its prompt and reward
     (samples,) = [row for row in rows if "rollouts/samples/captions" in row]
     logged = [json.loads(line) for line in (run_dir / "rollouts" / "epoch0001.jsonl").read_text().splitlines()]
@@ -148,12 +177,15 @@ def test_an_alarm_becomes_a_wandb_alert_and_a_failed_job_a_failed_run(tmp_path, 
         raise RuntimeError("boom")
     ((_, rows),) = _wandb_runs(tmp_path)
     assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows] == [
-        {"rl/epoch": 1, "rl/reward_mean": 0.5}, {"rl/epoch": 2, "alarm/reward_now": 0.9}]
+        {"rl/epoch": 1, "rl/reward_mean": 0.5},
+        {"rl/epoch": 2, "alarm/reward_now": 0.9},
+    ]
     (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     alerts = [r.alert for r in _records(path) if r.WhichOneof("record_type") == "alert"]
     assert [r.run.project for r in _records(path) if r.WhichOneof("record_type") == "run"] == ["from-env"]
-    assert [(a.title, a.text, a.level) for a in alerts] == [(f"rewardflow alarm: {tmp_path.name}",
-                                                            "reward-hacking alarm at 2", "WARN")]
+    assert [(a.title, a.text, a.level) for a in alerts] == [
+        (f"rewardflow alarm: {tmp_path.name}", "reward-hacking alarm at 2", "WARN")
+    ]
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])["alert"] == "reward-hacking alarm at 2"
     assert _exit_codes(tmp_path) == [1]
 
@@ -192,8 +224,14 @@ def test_wandb_dying_midway_costs_the_run_its_wandb_rows_not_the_run(tmp_path):
     In a subprocess with a W&B service of its own (not the one WANDB_SERVICE names, which another test of this
     process started), so that no other test's service is the one killed."""
     env = {name: value for name, value in os.environ.items() if name != "WANDB_SERVICE"}
-    run = subprocess.run([sys.executable, "-c", _KILL_WANDB_MIDWAY, str(tmp_path)], cwd=REPO, env=env, text=True,
-                         capture_output=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", _KILL_WANDB_MIDWAY, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and "the run went on" in run.stdout, run.stderr[-3000:]
     assert run.stderr.count("warning: W&B logging failed (") == 1, run.stderr[-3000:]
     assert "and is off for the rest of the run; metrics.jsonl holds every record" in run.stderr
@@ -203,10 +241,22 @@ def test_wandb_dying_midway_costs_the_run_its_wandb_rows_not_the_run(tmp_path):
 
 def test_a_wandb_login_that_cannot_work_stops_the_job_before_the_model_loads(tmp_path, capsys):
     model = tmp_path / "not-built"  # the tiny model would be built there
-    assert main([f"model.path={model}", "model.build_if_missing=true", f"logging.output_dir={tmp_path}", "logging.wandb=online",
-                 "reward.replicas=1"]) == 2
+    assert (
+        main(
+            [
+                f"model.path={model}",
+                "model.build_if_missing=true",
+                f"logging.output_dir={tmp_path}",
+                "logging.wandb=online",
+                "reward.replicas=1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "logging.wandb=online: W&B did not start (No API key configured. Use `wandb login` to log in.): run " \
-           "`wandb login` or set WANDB_API_KEY, or use logging.wandb=offline" in err, err[-2000:]
+    assert (
+        "logging.wandb=online: W&B did not start (No API key configured. Use `wandb login` to log in.): run "
+        "`wandb login` or set WANDB_API_KEY, or use logging.wandb=offline" in err
+    ), err[-2000:]
     assert not model.exists()
     assert not [p for p in tmp_path.iterdir() if p.name != "wandb-home"]  # no run folder left behind

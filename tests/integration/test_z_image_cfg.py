@@ -31,8 +31,9 @@ def test_normalization_clamps_each_images_norm_to_k_times_its_conditional_ones()
         limit = 2.0 * cond[i].norm()
         expected = written_out[i] * (limit / written_out[i].norm()) if written_out[i].norm() > limit else written_out[i]
         torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(got[0].norm(), 2.0 * cond[0].norm()) and torch.equal(got[2], z_image_cfg(
-        cond, uncond, GUIDANCE, 0.0)[2])
+    assert torch.allclose(got[0].norm(), 2.0 * cond[0].norm()) and torch.equal(
+        got[2], z_image_cfg(cond, uncond, GUIDANCE, 0.0)[2]
+    )
 
 
 def test_a_zero_prediction_keeps_finite_gradients_under_normalization():
@@ -60,8 +61,9 @@ def _rollout_and_pipeline(config, **options):
     adapter = build_adapter(dataclasses.replace(config, **options), "cpu")
     adapter.pipeline.set_progress_bar_config(disable=True)
     settings = SamplerSettings(num_steps=STEPS, guidance_scale=GUIDANCE, kind="sde", noise_level=0.0)
-    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings,
-                 torch.Generator().manual_seed(0))
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(len(PROMPTS)), settings, torch.Generator().manual_seed(0)
+    )
     expected = testing.run_pipeline(adapter, PROMPTS, None, STEPS, GUIDANCE, torch.Generator().manual_seed(0))
     return adapter, ro, expected.float().reshape(ro.latents[:, -1].shape)
 
@@ -87,8 +89,10 @@ def test_a_batch_across_the_cut_off_predicts_each_row_as_its_own_step_does(confi
     x = adapter.prepare_latents(2, torch.Generator().manual_seed(1))
     with torch.no_grad():
         mixed = adapter.predict(adapter.denoiser, x, sigmas[[early, late]], cond, GUIDANCE)
-        alone = [adapter.predict(adapter.denoiser, x[i : i + 1], sigmas[[s]], cond.select(torch.tensor([i])), GUIDANCE)
-                 for i, s in enumerate((early, late))]
+        alone = [
+            adapter.predict(adapter.denoiser, x[i : i + 1], sigmas[[s]], cond.select(torch.tensor([i])), GUIDANCE)
+            for i, s in enumerate((early, late))
+        ]
         unguided = adapter.predict(adapter.denoiser, x[1:], sigmas[[late]], cond.select(torch.tensor([1])), 0.0)
     torch.testing.assert_close(mixed, torch.cat(alone), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(alone[1], unguided, rtol=0, atol=0)

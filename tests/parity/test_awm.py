@@ -51,9 +51,7 @@ def _log_prob_awm(noise_pred, clean_latents, random_noise, timestep, weighting, 
         log_prob = -(torch.sqrt(-log_prob + 1e-10) - 1e-5) * t
     elif weighting == "ghuber":
         tiny = torch.tensor(1e-10, dtype=log_prob.dtype)
-        log_prob = (
-            -(torch.pow(-log_prob + 1e-10, ghuber_power) - torch.pow(tiny, ghuber_power)) * t / ghuber_power
-        )
+        log_prob = -(torch.pow(-log_prob + 1e-10, ghuber_power) - torch.pow(tiny, ghuber_power)) * t / ghuber_power
     return log_prob
 
 
@@ -100,9 +98,7 @@ def _per_prompt_advantages(prompts, rewards, global_std):
         prompt_rewards = rewards[prompts == prompt]
         mean = np.mean(prompt_rewards, axis=0, keepdims=True)
         spread = rewards if global_std else prompt_rewards
-        advantages[prompts == prompt] = (prompt_rewards - mean) / (
-            np.std(spread, axis=0, keepdims=True) + 1e-4
-        )
+        advantages[prompts == prompt] = (prompt_rewards - mean) / (np.std(spread, axis=0, keepdims=True) + 1e-4)
     return advantages
 
 
@@ -118,9 +114,7 @@ def test_the_clipped_matching_loss_and_its_gradient_are_the_authors(weighting):
     t, b, shape = 3, 4, (3, 4, 4)
     noise = torch.randn((t * b, *shape), generator=gen, dtype=torch.float64)
     clean = torch.randn((t * b, *shape), generator=gen, dtype=torch.float64)
-    v_theta = (
-        noise - clean + 0.5 * torch.randn(noise.shape, generator=gen, dtype=torch.float64)
-    ).requires_grad_()
+    v_theta = (noise - clean + 0.5 * torch.randn(noise.shape, generator=gen, dtype=torch.float64)).requires_grad_()
     v_old = v_theta.detach() + 0.2 * torch.randn(noise.shape, generator=gen, dtype=torch.float64)
     sigma = torch.rand(t * b, generator=gen, dtype=torch.float64)
     adv = 3 * torch.randn(b, generator=gen, dtype=torch.float64)
@@ -130,9 +124,7 @@ def test_the_clipped_matching_loss_and_its_gradient_are_the_authors(weighting):
     theirs = _policy_loss(logp, old, adv, cfg)
     (want,) = torch.autograd.grad(theirs, v_theta)
     scaled = adv.clamp(-5, 5) / 5 * 1.0  # AWM.make_batch's rescaling
-    ours, stats = awm_loss(
-        v_theta, v_old, noise - clean, scaled.repeat(t), sigma, 0.02, None, weighting, 0.25
-    )
+    ours, stats = awm_loss(v_theta, v_old, noise - clean, scaled.repeat(t), sigma, 0.02, None, weighting, 0.25)
     (got,) = torch.autograd.grad(ours, v_theta)
     assert 0 < stats["clip_frac"].item() < 1
     torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-7)
@@ -150,10 +142,7 @@ def test_the_stratified_training_steps_are_the_authors(num_steps, fraction, draw
     ours = stratified_steps(lo, hi, draws, 5, torch.Generator().manual_seed(0))
     rand_u = torch.rand((draws, 5), generator=torch.Generator().manual_seed(0))
     for i in range(5):
-        assert (
-            ours[:, i].tolist()
-            == _discrete_t_indices(rand_u[:, i], num_steps, fraction, draws, wo_init).tolist()
-        )
+        assert ours[:, i].tolist() == _discrete_t_indices(rand_u[:, i], num_steps, fraction, draws, wo_init).tolist()
 
 
 # --- the algorithm's loss on a tiny model -----------------------------------------------------------------------
@@ -175,9 +164,7 @@ def _tiny_run(tiny_model_dir, config: AWMConfig):
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     group_ids = torch.arange(len(PROMPTS) * G) // G
     prompts = [PROMPTS[i] for i in group_ids.tolist()]
-    ro = rollout(
-        adapter, adapter.denoiser, prompts, group_ids, config.sampler, torch.Generator().manual_seed(0)
-    )
+    ro = rollout(adapter, adapter.denoiser, prompts, group_ids, config.sampler, torch.Generator().manual_seed(0))
     algo = AWM(config)
     ctx = LossContext(adapter, adapter.denoiser, None)
     algo.setup(adapter, None, SingleProcess(torch.device("cpu")))
@@ -189,9 +176,7 @@ def _tiny_run(tiny_model_dir, config: AWMConfig):
     _move(adapter, 2)
     algo.ema.update(0.5)
     params = [p for p in nets["ema"].parameters()]
-    _ema_branch_update(
-        params, list(adapter.trainable.parameters()), global_step=1, kl_ema_decay=0.5, ramp=0.5
-    )
+    _ema_branch_update(params, list(adapter.trainable.parameters()), global_step=1, kl_ema_decay=0.5, ramp=0.5)
     _move(adapter, 3)
     rewards = torch.rand(len(prompts), generator=torch.Generator().manual_seed(3))
     return adapter, ro, algo, ctx, nets, prompts, group_ids, rewards
@@ -273,9 +258,7 @@ def test_the_ema_policy_follows_the_authors_decay_schedule(tiny_model_dir):
     """One optimizer step per epoch (their recipes'): after each epoch their EMA LoRA branch moves with decay
     min(kl_ema_decay, ramp * steps done); ours, updated before the next epoch, holds the same weights (a steep
     ramp so that the cap is reached within the test)."""
-    config = AWMConfig(
-        group_size=G, ema_decay=0.3, ema_decay_ramp=0.1, sampler=SamplerSettings(noise_level=0.0)
-    )
+    config = AWMConfig(group_size=G, ema_decay=0.3, ema_decay_ramp=0.1, sampler=SamplerSettings(noise_level=0.0))
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     algo = AWM(config)
     ctx = LossContext(adapter, adapter.denoiser, None)

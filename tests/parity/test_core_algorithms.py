@@ -99,9 +99,7 @@ def _rollout(trainer: Trainer, noise_level: float | None = None) -> tuple[Rollou
     ro, _, _ = trainer.sample_and_score(
         prompts, indices, group_ids, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
     )
-    assert len(set(prompts)) == len(set(group_ids.tolist())), (
-        "a group is one prompt, as Flow-GRPO groups them"
-    )
+    assert len(set(prompts)) == len(set(group_ids.tolist())), "a group is one prompt, as Flow-GRPO groups them"
     return ro, group_ids
 
 
@@ -147,11 +145,7 @@ def _flow_grpo_advantages(prompts: list[str], rewards: np.ndarray, global_std: b
     for prompt in np.unique(prompts):
         prompt_rewards = rewards[prompts == prompt]
         mean = np.mean(prompt_rewards, axis=0, keepdims=True)
-        std = (
-            np.std(rewards, axis=0, keepdims=True)
-            if global_std
-            else np.std(prompt_rewards, axis=0, keepdims=True)
-        )
+        std = np.std(rewards, axis=0, keepdims=True) if global_std else np.std(prompt_rewards, axis=0, keepdims=True)
         advantages[prompts == prompt] = (prompt_rewards - mean) / (std + 1e-4)
     return advantages
 
@@ -214,9 +208,7 @@ def test_grpo_advantages_are_flow_grpos_stat_trackers(global_std):
 def test_grpo_loss_and_gradient_are_flow_grpos(tmp_path, tiny_model_dir):
     """Off the rollout's weights (ratios away from 1, some clipped) and the reference's (KL > 0): our GRPO step's
     loss and gradients are Flow-GRPO's training loop's on the same samples, steps and model forwards."""
-    trainer = _trainer(
-        tmp_path, tiny_model_dir, "grpo", "algorithm.kl_beta=0.04", "algorithm.timestep_fraction=0.99"
-    )
+    trainer = _trainer(tmp_path, tiny_model_dir, "grpo", "algorithm.kl_beta=0.04", "algorithm.timestep_fraction=0.99")
     algo = trainer.algorithm
     trainer._new_reference()
     ro, group_ids = _rollout(trainer)
@@ -237,9 +229,7 @@ def test_grpo_loss_and_gradient_are_flow_grpos(tmp_path, tiny_model_dir):
 def _flow_grpo_loss_ratio(trainer, ro, j) -> torch.Tensor:
     """|ratio - 1| at step j for every sample (to choose a clip range that binds for about half of them)."""
     b = len(ro.prompts)
-    v = trainer.adapter.predict(
-        trainer.policy, ro.latents[:, j], ro.sigmas[j].expand(b), ro.cond, ro.guidance_scale
-    )
+    v = trainer.adapter.predict(trainer.policy, ro.latents[:, j], ro.sigmas[j].expand(b), ro.cond, ro.guidance_scale)
     log_prob = _flow_grpo_sde_step(
         v, ro.latents[:, j], ro.sigmas, torch.full((b,), j), ro.noise_level, prev_sample=ro.latents[:, j + 1]
     )[1]
@@ -248,9 +238,7 @@ def _flow_grpo_loss_ratio(trainer, ro, j) -> torch.Tensor:
 
 @pytest.mark.parametrize("drop", [True, False])
 @transcribes("algorithm:grpo", source=FLOW_GRPO_TRAIN)
-def test_grpo_with_a_flat_group_drops_its_samples_as_flow_grpo_with_drop_zero_advantage(
-    tmp_path, tiny_model_dir, drop
-):
+def test_grpo_with_a_flat_group_drops_its_samples_as_flow_grpo_with_drop_zero_advantage(tmp_path, tiny_model_dir, drop):
     """One group of three is flat (advantage 0). Flow-GRPO drops its samples before training: with
     ``algorithm.drop_zero_advantage=true`` our step is its step; by default they stay in our mean, so our loss and
     gradients are its times kept / all = 6 / 9 (the departure docs/departures.md states)."""
@@ -264,9 +252,7 @@ def test_grpo_with_a_flat_group_drops_its_samples_as_flow_grpo_with_drop_zero_ad
     )
     algo = trainer.algorithm
     ro, group_ids = _rollout(trainer)
-    rewards = torch.where(
-        group_ids == group_ids[0], 0.5, torch.tensor([0.9, 0.1, 0.5, 0.3, 0.8, 0.2, 0.4, 0.45, 0.7])
-    )
+    rewards = torch.where(group_ids == group_ids[0], 0.5, torch.tensor([0.9, 0.1, 0.5, 0.3, 0.8, 0.2, 0.4, 0.45, 0.7]))
     batch = algo.make_batch(ro, Rewards(rewards, rewards, group_ids, 0))
     _perturb(trainer)
     advantages = torch.as_tensor(_flow_grpo_advantages(ro.prompts, rewards.numpy(), global_std=True)).float()
@@ -316,9 +302,7 @@ def test_ppo_loss_and_gradient_are_ddpos_with_its_advantage_epsilon_relation(tmp
     torch.testing.assert_close(
         batch_advantages(rewards, 5.0).double(), torch.as_tensor(theirs_adv * factor), rtol=1e-6, atol=1e-7
     )
-    theirs, their_grads = _ddpo_loss(
-        trainer, ro, torch.as_tensor(theirs_adv).float(), range(STEPS - 1), algo.config
-    )
+    theirs, their_grads = _ddpo_loss(trainer, ro, torch.as_tensor(theirs_adv).float(), range(STEPS - 1), algo.config)
     ours, our_grads = _our_step(trainer, batch)
     torch.testing.assert_close(ours, factor * theirs, rtol=1e-5, atol=1e-7)
     _assert_grads(our_grads, their_grads, factor)
@@ -425,13 +409,9 @@ def test_dpo_loss_and_gradient_are_diffusion_dpos(tmp_path, tiny_model_dir):
     (unit,) = algo.plan(batch, torch.Generator().manual_seed(2))[0]
     winners, losers = batch.pairs[unit.pairs, 0], batch.pairs[unit.pairs, 1]
     assert len(winners) == 3
-    for w, lose in zip(
-        winners.tolist(), losers.tolist(), strict=True
-    ):  # the best and the worst of each group
+    for w, lose in zip(winners.tolist(), losers.tolist(), strict=True):  # the best and the worst of each group
         members = torch.nonzero(group_ids == group_ids[w]).flatten()
-        assert w == int(members[rewards[members].argmax()]) and lose == int(
-            members[rewards[members].argmin()]
-        )
+        assert w == int(members[rewards[members].argmax()]) and lose == int(members[rewards[members].argmin()])
     trainer.policy.zero_grad()
     loss, stats = algo.loss(trainer.ctx, unit)
     (loss / unit.share).backward()
@@ -501,9 +481,7 @@ def test_warmup_loss_and_gradient_are_diffusers_sd3_flow_matching_loss(tmp_path,
     torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-8)
     _assert_grads(our_grads, _grads(trainer))
     per_sample = ((pred - (batch.noise - batch.x0)) ** 2).flatten(1).mean(1)
-    preconditioned = _diffusers_sd3_loss(
-        pred, noisy, batch.x0, batch.noise, batch.sigma, precondition_outputs=1
-    )
+    preconditioned = _diffusers_sd3_loss(pred, noisy, batch.x0, batch.noise, batch.sigma, precondition_outputs=1)
     torch.testing.assert_close(preconditioned, (batch.sigma**2 * per_sample).mean(), rtol=1e-5, atol=1e-8)
 
 
@@ -566,12 +544,8 @@ def test_best_of_group_sft_is_flow_grpos_sft_up_to_its_mean_over_every_sample(tm
         sigma, noise = torch.cat([u.draw.sigma for u in units_d]), torch.cat([u.draw.noise for u in units_d])
         x0 = ro.latents[samples, -1]
         s = sigma.view(-1, *[1] * (x0.ndim - 1))
-        pred = trainer.adapter.predict(
-            trainer.policy, (1 - s) * x0 + s * noise, sigma, ro.cond.select(samples), 1.0
-        )
-        weighted = (
-            weights[samples].view(-1, *[1] * (x0.ndim - 1)) * (pred.float() - (noise - x0).float()) ** 2
-        )
+        pred = trainer.adapter.predict(trainer.policy, (1 - s) * x0 + s * noise, sigma, ro.cond.select(samples), 1.0)
+        weighted = weights[samples].view(-1, *[1] * (x0.ndim - 1)) * (pred.float() - (noise - x0).float()) ** 2
         loss = weighted.sum() / (n * x0[0].numel())  # theirs: the mean over all N samples (the rest weigh 0)
         (loss / draws).backward()
         theirs += float(loss.detach()) / draws

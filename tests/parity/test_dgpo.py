@@ -29,9 +29,7 @@ TRAIN_STEP = Source(REPO, COMMIT, TRAIN, "main (training loop: clip_dsm, kl_loss
 # --- transcriptions of the authors' code ------------------------------------------------------------------------
 
 
-def _group_dgpo_loss(
-    model_v, ref_old_v, target_v, advantages, group_ids, beta_dpo, group_size, dsm_loss=None
-):
+def _group_dgpo_loss(model_v, ref_old_v, target_v, advantages, group_ids, beta_dpo, group_size, dsm_loss=None):
     """Luo-Yihong/DGPO@01ceb4b `scripts/train_sd3_dgpo.py` `compute_group_dgpo_loss_allreduce`, one process (the
     all-reduce of the group sums is the identity): sigmoid of each group's advantage-weighted loss gap, detached,
     weights A * dsm per sample; mean over the batch."""
@@ -61,9 +59,7 @@ def _train_loss(model_v, ref_old_v, old_v, target_v, advantages, group_ids, cfg)
     if cfg["clip_dsm"]:
         old_dsm_loss = 1 * (target_v - old_v).square().reshape(model_v.shape[0], -1).mean(dim=1)
         ratio = torch.exp(-dsm_loss + old_dsm_loss)
-        should_clip = torch.where(
-            advantages > 0, ratio > 1.0 + cfg["clip_range"], ratio < 1.0 - cfg["clip_range"]
-        )
+        should_clip = torch.where(advantages > 0, ratio > 1.0 + cfg["clip_range"], ratio < 1.0 - cfg["clip_range"])
         dsm_loss = torch.where(should_clip, dsm_loss.detach(), dsm_loss)
     loss = _group_dgpo_loss(
         model_v, ref_dgpo_v, target_v, advantages, group_ids, cfg["beta_dpo"], cfg["group_size"], dsm_loss
@@ -97,11 +93,7 @@ def _per_prompt_advantages(prompts, rewards, global_std):
     for prompt in np.unique(prompts):
         prompt_rewards = rewards[prompts == prompt]
         mean = np.mean(prompt_rewards, axis=0, keepdims=True)
-        std = (
-            np.std(rewards, axis=0, keepdims=True)
-            if global_std
-            else np.std(prompt_rewards, axis=0, keepdims=True)
-        )
+        std = np.std(rewards, axis=0, keepdims=True) if global_std else np.std(prompt_rewards, axis=0, keepdims=True)
         advantages[prompts == prompt] = (prompt_rewards - mean) / (std + 1e-4)
     return advantages
 
@@ -176,9 +168,7 @@ def _tiny_run(tiny_model_dir, config: DGPOConfig):
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     group_ids = torch.arange(len(PROMPTS) * G) // G
     prompts = [PROMPTS[i] for i in group_ids.tolist()]
-    ro = rollout(
-        adapter, adapter.denoiser, prompts, group_ids, config.sampler, torch.Generator().manual_seed(0)
-    )
+    ro = rollout(adapter, adapter.denoiser, prompts, group_ids, config.sampler, torch.Generator().manual_seed(0))
     algo = DGPO(config)
     ctx = LossContext(adapter, adapter.denoiser, None)
     algo.setup(adapter, None, SingleProcess(torch.device("cpu")))
@@ -267,9 +257,7 @@ def test_the_ema_reference_follows_the_authors_decay_schedule(tiny_model_dir):
     """One optimizer step per epoch (their recipes'): after each, their ema_ref moves with decay
     min(cap, ramp * (steps before it)); ours, updated before the next epoch, holds the same weights (a steep ramp
     so that the cap is reached within the test)."""
-    config = DGPOConfig(
-        group_size=G, ema_decay=0.3, ema_decay_ramp=0.1, sampler=SamplerSettings(noise_level=0.0)
-    )
+    config = DGPOConfig(group_size=G, ema_decay=0.3, ema_decay_ramp=0.1, sampler=SamplerSettings(noise_level=0.0))
     adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
     algo = DGPO(config)
     ctx = LossContext(adapter, adapter.denoiser, None)

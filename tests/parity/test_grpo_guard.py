@@ -59,9 +59,7 @@ def _verl_omni_guard_loss(
     return torch.mean(torch.maximum(unclipped, clipped)) / (sqrt_dt_mean**2)
 
 
-def _flow_factory_guard_loss(
-    old_log_prob, log_prob, adv, clip_range, adv_clip_range, old_mean, mean, std_dev_t, dt
-):
+def _flow_factory_guard_loss(old_log_prob, log_prob, adv, clip_range, adv_clip_range, old_mean, mean, std_dev_t, dt):
     """X-GenGroup/Flow-Factory@a0b2bc5a src/flow_factory/trainers/grpo.py GRPOGuardTrainer.optimize, the policy
     loss of one timestep (no KL): the same ratio written as s log r + mse / (2 s), no reweighting."""
     adv = torch.clamp(adv, adv_clip_range[0], adv_clip_range[1])

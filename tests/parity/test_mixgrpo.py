@@ -25,9 +25,7 @@ class _ProgressiveStates:
     strategy: ``timesteps()`` is get_current_timesteps, ``update()`` update_iteration; main() makes it with
     max_timesteps = sampling_steps - 2 and calls both once per training iteration."""
 
-    def __init__(
-        self, iters_per_group, group_size, max_timesteps, prog_overlap, prog_overlap_step, roll_back
-    ):
+    def __init__(self, iters_per_group, group_size, max_timesteps, prog_overlap, prog_overlap_step, roll_back):
         self.iters_per_group, self.group_size, self.max_timesteps = iters_per_group, group_size, max_timesteps
         self.prog_overlap, self.prog_overlap_step, self.roll_back = prog_overlap, prog_overlap_step, roll_back
         self.cur_timestep = self.cur_iter_in_group = self.init_timestep = 0
@@ -95,9 +93,7 @@ def _mixgrpo_advantages(rewards, num_generations):
     advantages = torch.zeros_like(rewards)
     for i in range(len(rewards) // num_generations):
         group = rewards[i * num_generations : (i + 1) * num_generations]
-        advantages[i * num_generations : (i + 1) * num_generations] = (group - group.mean()) / (
-            group.std() + 1e-8
-        )
+        advantages[i * num_generations : (i + 1) * num_generations] = (group - group.mean()) / (group.std() + 1e-8)
     return advantages
 
 
@@ -171,9 +167,9 @@ def test_dpm_solver_2m_step_is_the_authors_dpmsolverpp_midpoint_step():
     g = torch.Generator().manual_seed(0)
     t = torch.linspace(1, 0, 13, dtype=torch.float64)
     sigmas = (3 * t / (1 + 2 * t)).float()  # sd3_time_shift(3, linspace(1, 0, T + 1))
-    assert [bool(s) for s in second_order_steps(torch.tensor([True] * 2 + [False] * 10), 2)] == [
-        False
-    ] * 2 + [True] * 9 + [False]  # the final step is first order, as their lower_order_final
+    assert [bool(s) for s in second_order_steps(torch.tensor([True] * 2 + [False] * 10), 2)] == [False] * 2 + [
+        True
+    ] * 9 + [False]  # the final step is first order, as their lower_order_final
     host = sigmas.tolist()
     for i in range(1, len(sigmas) - 1):
         x, v, prev_x0 = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(3))
@@ -208,7 +204,5 @@ def test_compressed_schedule_keeps_the_window_and_takes_about_the_authors_number
     end, n = start + 4, steps - start - 4
     torch.testing.assert_close(ours[: end + 1], theirs[: end + 1])
     assert float(ours[-1]) == float(theirs[-1]) == 0.0 and kept[:end].tolist() == stochastic[:end].tolist()
-    assert (
-        len(ours) - 1 - end == max(1, round(ratio * n)) and len(theirs) - 1 - end == int(ratio * (n + 1)) - 1
-    )
+    assert len(ours) - 1 - end == max(1, round(ratio * n)) and len(theirs) - 1 - end == int(ratio * (n + 1)) - 1
     assert set(ours[end:].tolist()) <= set(sigmas.tolist())

@@ -131,9 +131,7 @@ def test_the_loss_and_its_gradient_are_diffusionnfts_on_random_predictions(beta)
     theirs.backward()
     ours.backward()
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)  # k = t read off in float32
-    torch.testing.assert_close(
-        ours_v.grad, theirs_v.grad, rtol=1e-6, atol=1e-6 * theirs_v.grad.abs().max().item()
-    )
+    torch.testing.assert_close(ours_v.grad, theirs_v.grad, rtol=1e-6, atol=1e-6 * theirs_v.grad.abs().max().item())
 
 
 @transcribes("algorithm:nft", source=NFT_ADVANTAGES)
@@ -164,9 +162,7 @@ def test_the_decay_schedule_is_diffusionnfts():
         2: NFTConfig(old_decay=0.999, old_decay_rate=0.0075, old_decay_delay=75),
     }
     for decay_type, config in configs.items():
-        assert [old_decay(config, n) for n in range(400)] == [
-            _authors_return_decay(n, decay_type) for n in range(400)
-        ]
+        assert [old_decay(config, n) for n in range(400)] == [_authors_return_decay(n, decay_type) for n in range(400)]
 
 
 STEPS = 4
@@ -260,9 +256,7 @@ def test_a_units_loss_and_gradient_are_diffusionnfts(tmp_path, tiny_model_dir, b
 
 @transcribes("algorithm:nft", source=NFT_DECAY)
 @pytest.mark.parametrize(("decay_type", "steps_per_epoch"), [(1, 1), (2, 2)])
-def test_the_old_policy_follows_the_policy_as_diffusionnfts(
-    tmp_path, tiny_model_dir, decay_type, steps_per_epoch
-):
+def test_the_old_policy_follows_the_policy_as_diffusionnfts(tmp_path, tiny_model_dir, decay_type, steps_per_epoch):
     """The authors copy the policy into the old adapter once, then after every epoch set
     old <- decay old + (1 - decay) policy with decay = return_decay(optimizer steps so far): ours refreshes before
     each epoch's rollout from the optimizer steps its plans counted. From step 70 (a resumed run), across the
@@ -289,9 +283,7 @@ def test_the_old_policy_follows_the_policy_as_diffusionnfts(
         global_step += len(algo.plan(batch, torch.Generator().manual_seed(epoch)))
         _perturb(trainer, epoch)  # the epoch's optimizer steps
         decay = _authors_return_decay(global_step, decay_type)
-        theirs = [
-            old * decay + p.detach().clone() * (1.0 - decay) for old, p in zip(theirs, params, strict=True)
-        ]
+        theirs = [old * decay + p.detach().clone() * (1.0 - decay) for old, p in zip(theirs, params, strict=True)]
         algo.start_epoch(ctx, epoch)
         assert algo.optimizer_steps == global_step
         for ours, old in zip(algo.old.shadow, theirs, strict=True):
@@ -310,9 +302,7 @@ def _authors_dpm2_sampling(velocity, z, sigmas):
         x0_pred = z - sigmas[i] * velocity(z, sigmas[i]).float()
         outputs = [outputs[1], x0_pred]
         t, s = sig[i + 1], sig[i]
-        if (
-            lower_order_nums < 1 or i == num_steps - 1
-        ):  # order 2: the first and the final step are first order
+        if lower_order_nums < 1 or i == num_steps - 1:  # order 2: the first and the final step are first order
             if i == 0 or i == num_steps - 1:  # ddim_update at eta 0
                 z = (1 - t) * x0_pred + t * (z - (1 - s) * x0_pred) / s
             else:
@@ -321,11 +311,7 @@ def _authors_dpm2_sampling(velocity, z, sigmas):
         else:
             h, h_0 = lam(t) - lam(s), lam(s) - lam(sig[i - 1])
             d0, d1 = outputs[1], (1.0 / (h_0 / h)) * (outputs[1] - outputs[0])
-            z = (
-                (t / s) * z
-                - ((1 - t) * (torch.exp(-h) - 1.0)) * d0
-                - 0.5 * ((1 - t) * (torch.exp(-h) - 1.0)) * d1
-            )
+            z = (t / s) * z - ((1 - t) * (torch.exp(-h) - 1.0)) * d0 - 0.5 * ((1 - t) * (torch.exp(-h) - 1.0)) * d1
         lower_order_nums = min(lower_order_nums + 1, 2)
         z = z.to(torch.float32)
     return z
@@ -346,9 +332,7 @@ def test_a_deterministic_second_order_rollout_is_diffusionnfts_dpm2_sampling(tmp
     sigmas = adapter.sigmas(6)
     assert float(sigmas[0]) == 1.0 and float(sigmas[-1]) == 0.0
     with torch.no_grad():
-        theirs = _authors_dpm2_sampling(
-            lambda z, s: adapter.predict(net, z, s.expand(3), cond, 1.0), initial, sigmas
-        )
+        theirs = _authors_dpm2_sampling(lambda z, s: adapter.predict(net, z, s.expand(3), cond, 1.0), initial, sigmas)
     euler = rollout(
         adapter,
         net,

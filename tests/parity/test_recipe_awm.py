@@ -59,9 +59,7 @@ def _one_node(c, dataset, reward_fn, num_batches, train_batch_size, noise_level,
     c.train.gradient_accumulation_steps = (
         c.sample.train_batch_size // c.train.batch_size * c.sample.num_batches_per_epoch
     )
-    c.train.num_batches_per_epoch = (
-        c.sample.train_batch_size // c.train.batch_size * c.sample.num_batches_per_epoch
-    )
+    c.train.num_batches_per_epoch = c.sample.train_batch_size // c.train.batch_size * c.sample.num_batches_per_epoch
     c.train.num_inner_epochs, c.train.beta, c.train.train_timesteps = 1, beta, 6
     c.train.kl_weight, c.train.advantage_max, c.train.ema, c.train.timestep_fraction = "Uniform", 1, True, 0.9
     c.train.loss_type, c.train.learning_rate, c.train.weighting, c.train.ghuber_power = (
@@ -83,23 +81,17 @@ def _one_node(c, dataset, reward_fn, num_batches, train_batch_size, noise_level,
 
 def _geneval_sd3_no_cfg_1node():
     """config/dgx_awm.py ``geneval_sd3_no_cfg_1node``."""
-    return _one_node(
-        _compressibility(), "dataset/geneval", {"geneval": 1.0}, 24, 3, 0.4, 0.001, "discrete_wo_init", 50
-    )
+    return _one_node(_compressibility(), "dataset/geneval", {"geneval": 1.0}, 24, 3, 0.4, 0.001, "discrete_wo_init", 50)
 
 
 def _ocr_sd3_no_cfg_1node():
     """config/dgx_awm.py ``ocr_sd3_no_cfg_1node``."""
-    return _one_node(
-        _compressibility(), "dataset/ocr", {"ocr": 1.0}, 24, 3, 0.4, 0.003, "discrete_wo_init", 20
-    )
+    return _one_node(_compressibility(), "dataset/ocr", {"ocr": 1.0}, 24, 3, 0.4, 0.003, "discrete_wo_init", 20)
 
 
 def _pickscore_sd3_no_cfg_1node():
     """config/dgx_awm.py ``pickscore_sd3_no_cfg_1node``."""
-    return _one_node(
-        _compressibility(), "dataset/pickscore", {"pickscore": 1.0}, 8, 2, 0.0, 0.0001, "discrete", 50
-    )
+    return _one_node(_compressibility(), "dataset/pickscore", {"pickscore": 1.0}, 8, 2, 0.0, 0.0001, "discrete", 50)
 
 
 LORA = {
@@ -138,9 +130,7 @@ def expected(c) -> dict:
     steps = c.train.num_batches_per_epoch // c.train.gradient_accumulation_steps
     train, test = DATA[c.dataset]
     assert c.train.loss_type == "exp_first" and c.train.kl_weight == c.train.kl_ema_weight == "Uniform"
-    assert (
-        not c.train.off_policy and not c.train.cfg and c.train.decay_steps >= 1e9
-    )  # old = own forward; constant lr
+    assert not c.train.off_policy and not c.train.cfg and c.train.decay_steps >= 1e9  # old = own forward; constant lr
     return {
         "model.name": "sd3",
         "model.resolution": c.resolution,
@@ -226,6 +216,4 @@ def test_the_preset_reproduces_the_authors_recipe(preset):
         same = math.isclose(got, value) if isinstance(value, float) else got == value
         assert same, f"{preset}: {key} is {got!r}, the authors' {value!r}"
     header = (REPO / "configs" / "presets" / f"{preset}.yaml").read_text().replace("\n# ", " ")
-    assert (
-        f"{AUTHORS} at commit {COMMIT}" in header and f"dgx_awm.py:{RECIPES[preset].__name__[1:]}" in header
-    )
+    assert f"{AUTHORS} at commit {COMMIT}" in header and f"dgx_awm.py:{RECIPES[preset].__name__[1:]}" in header

@@ -24,9 +24,7 @@ AUTHORS, COMMIT = "Luo-Yihong/DGPO", "01ceb4b83c0bbc55d96246fe1b6d9a3d4749ebd6"
 
 def _base():
     """config/base.py ``get_config``: the keys the recipes below read and do not set."""
-    c = SimpleNamespace(
-        seed=42, mixed_precision="bf16", use_lora=True, resolution=768, kl_cfg=1.0, use_ema_ref=False
-    )
+    c = SimpleNamespace(seed=42, mixed_precision="bf16", use_lora=True, resolution=768, kl_cfg=1.0, use_ema_ref=False)
     c.pretrained = SimpleNamespace(model="runwayml/stable-diffusion-v1-5")
     c.sample = SimpleNamespace(
         num_steps=40,
@@ -247,25 +245,18 @@ RECIPES = {
 
 @transcribes(
     "algorithm:dgpo",
-    source=Source(
-        AUTHORS, COMMIT, "config/dgpo.py", "geneval_sd3_4gpu, general_ocr_sd3_4gpu, pickscore_sd3_4gpu"
-    ),
+    source=Source(AUTHORS, COMMIT, "config/dgpo.py", "geneval_sd3_4gpu, general_ocr_sd3_4gpu, pickscore_sd3_4gpu"),
 )
 @pytest.mark.parametrize("preset", sorted(RECIPES))
 def test_the_preset_reproduces_the_authors_recipe(preset):
     c = RECIPES[preset]()
     assert c.pretrained.model == "stabilityai/stable-diffusion-3.5-medium" and c.use_lora and not c.clip_kl
-    assert (
-        c.kl_cfg == 1.0 and c.use_shared_noise
-    )  # the KL reference without CFG; a group's noise shared (ours too)
+    assert c.kl_cfg == 1.0 and c.use_shared_noise  # the KL reference without CFG; a group's noise shared (ours too)
     config = load_config(str(REPO / "configs" / "presets" / f"{preset}.yaml"))
     for key, value in expected(c).items():
         assert _get(config, key) == value, f"{preset}: {key} is {_get(config, key)!r}, the authors' {value!r}"
     header = (REPO / "configs" / "presets" / f"{preset}.yaml").read_text().replace("\n# ", " ")
-    assert (
-        f"{AUTHORS} at commit {COMMIT}" in header
-        and f"config/dgpo.py:{RECIPES[preset].__name__[1:]}" in header
-    )
+    assert f"{AUTHORS} at commit {COMMIT}" in header and f"config/dgpo.py:{RECIPES[preset].__name__[1:]}" in header
 
 
 @pytest.mark.parametrize("path", sorted({p for train_test in DATA.values() for p in train_test}))

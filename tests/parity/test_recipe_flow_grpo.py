@@ -165,9 +165,7 @@ def _value(config, dotted: str):
 
 
 def test_every_flow_grpo_preset_is_checked():
-    assert sorted(p.name for p in (REPO / "configs" / "presets").glob("sd35m_flow_grpo_*.yaml")) == sorted(
-        RECIPES
-    )
+    assert sorted(p.name for p in (REPO / "configs" / "presets").glob("sd35m_flow_grpo_*.yaml")) == sorted(RECIPES)
 
 
 @pytest.mark.parametrize("preset", sorted(RECIPES))

@@ -12,9 +12,7 @@ from trainer.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "configs" / "presets" / "sd3_grpo_guard_pickscore.yaml"
-FLOW_GRPO = Source(
-    "yifan123/flow_grpo", "ac4c86e8cae021841f1fde853d340e0db67690dd", "config/grpo.py", "pickscore_sd3"
-)
+FLOW_GRPO = Source("yifan123/flow_grpo", "ac4c86e8cae021841f1fde853d340e0db67690dd", "config/grpo.py", "pickscore_sd3")
 VERL_OMNI_CLIP_RATIO = 2e-6
 """verl-project/verl-omni@a1139bafffb5b9711f0a6b6edff8ecaa60bfff30
 examples/grpoguard_trainer/qwen_image/run_qwen_image_ocr_lora.sh: actor_rollout_ref.actor.diffusion_loss.clip_ratio."""
@@ -103,12 +101,8 @@ def test_grpo_guard_preset_is_flow_grpos_pickscore_recipe_with_verl_omnis_clip()
     assert config.data.prompts_per_epoch == ref["prompts_per_epoch"]
     assert dict(config.reward.weights) == ref["reward_fn"] and config.reward.combine_mode == "sum"
     # data/flow_grpo holds Flow-GRPO's dataset/ files unchanged (data/flow_grpo/README.md)
-    assert config.data.path == "data/flow_grpo/pickscore_train_prompts.txt" and ref["train"].endswith(
-        "train.txt"
-    )
-    assert config.eval.path == "data/flow_grpo/pickscore_test_prompts.txt" and ref["test"].endswith(
-        "test.txt"
-    )
+    assert config.data.path == "data/flow_grpo/pickscore_train_prompts.txt" and ref["train"].endswith("train.txt")
+    assert config.eval.path == "data/flow_grpo/pickscore_test_prompts.txt" and ref["test"].endswith("test.txt")
     assert (
         config.eval.num_steps,
         config.eval.guidance_scale,

@@ -80,11 +80,7 @@ def test_mixgrpo_preset_is_the_authors_flux_recipe():
         "fsdp2",
         "bfloat16",
     )
-    assert (
-        algo.name == "mixgrpo"
-        and ref["training_strategy"] == "part"
-        and ref["sample_strategy"] == "progressive"
-    )
+    assert algo.name == "mixgrpo" and ref["training_strategy"] == "part" and ref["sample_strategy"] == "progressive"
     assert (sampler.num_steps, sampler.noise_level, sampler.kind) == (
         ref["sampling_steps"],
         ref["eta"],

@@ -144,9 +144,7 @@ def _expected(authors: dict) -> dict:
         "algorithm.group_size": authors["sample.num_image_per_prompt"],
         "data.prompts_per_epoch": authors["num_groups"],
         "algorithm.sampler.num_steps": authors["sample.num_steps"],
-        "algorithm.sampler.noise_level": 0.0
-        if authors["sample.deterministic"]
-        else authors["sample.noise_level"],
+        "algorithm.sampler.noise_level": 0.0 if authors["sample.deterministic"] else authors["sample.noise_level"],
         "algorithm.sampler.ode_order": {"dpm2": 2, "flow": 1}[authors["sample.solver"]],
         "algorithm.sampler.guidance_scale": authors["sample.guidance_scale"],
         "algorithm.beta": authors["beta"],
@@ -191,9 +189,7 @@ def _ours(config, dotted: str):
 
 
 @transcribes("algorithm:nft", source=NFT_CONFIG)
-@pytest.mark.parametrize(
-    "recipe", ["sd3_pickscore", "sd3_hpsv2", "sd3_ocr", "sd3_geneval", "sd3_multi_reward"]
-)
+@pytest.mark.parametrize("recipe", ["sd3_pickscore", "sd3_hpsv2", "sd3_ocr", "sd3_geneval", "sd3_multi_reward"])
 def test_the_preset_holds_the_authors_recipe(recipe):
     path = REPO / "configs" / "presets" / f"sd3_nft_{recipe.removeprefix('sd3_')}.yaml"
     header = path.read_text()
@@ -201,9 +197,7 @@ def test_the_preset_holds_the_authors_recipe(recipe):
     config = load_config(str(path))
     expected = _expected(_authors_config(recipe))
     ours = {key: _ours(config, key) for key in expected}
-    ours["reward.weights"] = {
-        name: w for name, w in config.reward.weights.items() if w
-    }  # weight 0: logged only
+    ours["reward.weights"] = {name: w for name, w in config.reward.weights.items() if w}  # weight 0: logged only
     ours["data.path"], ours["eval.path"] = (
         str(Path(p).resolve().relative_to(REPO.resolve())) if Path(p).is_absolute() else p
         for p in (config.data.path, config.eval.path)

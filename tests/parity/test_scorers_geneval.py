@@ -54,9 +54,7 @@ def _iou(box_a, box_b) -> float:
     def area(box):
         return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
 
-    inter = area(
-        [max(box_a[0], box_b[0]), max(box_a[1], box_b[1]), min(box_a[2], box_b[2]), min(box_a[3], box_b[3])]
-    )
+    inter = area([max(box_a[0], box_b[0]), max(box_a[1], box_b[1]), min(box_a[2], box_b[2]), min(box_a[3], box_b[3])])
     union = area(box_a) + area(box_b) - inter
     return inter / union if union else 0
 
@@ -186,10 +184,7 @@ def _random_row(rng: np.random.Generator) -> dict[str, Any]:
         if index and rng.random() < 0.6:
             clause["position"] = [str(rng.choice(rules.RELATIONS)), int(rng.integers(0, index))]
         include.append(clause)
-    exclude = [
-        {"class": str(rng.choice(classes)), "count": int(rng.integers(1, 6))}
-        for _ in range(rng.integers(0, 3))
-    ]
+    exclude = [{"class": str(rng.choice(classes)), "count": int(rng.integers(1, 6))} for _ in range(rng.integers(0, 3))]
     return {
         "tag": str(rng.choice(["counting", "colors", "position", "color_attr"])),
         "include": include,
@@ -211,16 +206,13 @@ def _random_detections(rng: np.random.Generator, row: dict[str, Any]) -> tuple[d
         bbox[name] = np.concatenate([x1y1, x2y2, scores[:, None]], axis=1)
         target_colour = wanted.get(name, {}).get("color", "red")
         for box in bbox[name]:
-            colour_of[tuple(box[:4].tolist())] = (
-                target_colour if rng.random() < 0.7 else str(rng.choice(rules.COLORS))
-            )
+            colour_of[tuple(box[:4].tolist())] = target_colour if rng.random() < 0.7 else str(rng.choice(rules.COLORS))
     return bbox, colour_of
 
 
 def _ours(bbox: dict[str, np.ndarray], tag: str, **select) -> dict[str, list[rules.Detection]]:
     candidates = {
-        name: [rules.Detection(tuple(row[:4].tolist()), float(row[4])) for row in rows]
-        for name, rows in bbox.items()
+        name: [rules.Detection(tuple(row[:4].tolist()), float(row[4])) for row in rows] for name, rows in bbox.items()
     }
     return rules.select_detections(candidates, tag, **select)
 

@@ -220,15 +220,11 @@ def test_flow_grpo_task_sends_what_flow_grpo_sends() -> None:
         (their_turn,) = _flow_grpo_messages(theirs, caption)
         (our_turn,) = body["messages"]
         assert body["temperature"] == 0 and our_turn["role"] == their_turn["role"] == "user"
-        assert [part["type"] for part in our_turn["content"]] == [
-            part["type"] for part in their_turn["content"]
-        ]
+        assert [part["type"] for part in our_turn["content"]] == [part["type"] for part in their_turn["content"]]
         assert our_turn["content"][1] == their_turn["content"][1]
         pixels = [
             np.asarray(
-                Image.open(
-                    io.BytesIO(base64.b64decode(turn["content"][0]["image_url"]["url"].split(",", 1)[1]))
-                )
+                Image.open(io.BytesIO(base64.b64decode(turn["content"][0]["image_url"]["url"].split(",", 1)[1])))
             )
             for turn in (our_turn, their_turn)
         ]
@@ -275,9 +271,7 @@ def test_qwenvl_flow_grpo_task_asks_and_reads_as_flow_grpo() -> None:
     image = np.random.default_rng(3).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     query = build_query("flow_grpo", image, "ignored: the aesthetic question has no caption", {}, "generate")
     assert query.question == FLOW_GRPO_AESTHETIC_TASK and query.system == SYSTEM_PROMPT
-    assert chat_text(query.question, 1, query.system).startswith(
-        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>"
-    )
+    assert chat_text(query.question, 1, query.system).startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>")
     assert build_query("flow_grpo", image, "", {}, "probs").error == ErrorCode.BAD_INPUT
     answers = _answers(
         np.random.default_rng(4),

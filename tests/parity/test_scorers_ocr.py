@@ -20,9 +20,7 @@ from reward_server.scorers.ocr import TextLine, flow_grpo_region, region_to_read
 FLOW_GRPO_OCR = Source(
     "yifan123/flow_grpo", "ac4c86e8cae021841f1fde853d340e0db67690dd", "flow_grpo/ocr.py", "OcrScorer.__call__"
 )
-PROMPTS = (
-    (Path(__file__).resolve().parents[2] / "data/flow_grpo/ocr_test_prompts.txt").read_text().splitlines()
-)
+PROMPTS = (Path(__file__).resolve().parents[2] / "data/flow_grpo/ocr_test_prompts.txt").read_text().splitlines()
 
 
 def _edit_distance(a: str, b: str) -> int:
@@ -31,9 +29,7 @@ def _edit_distance(a: str, b: str) -> int:
     table[:, 0], table[0, :] = np.arange(len(a) + 1), np.arange(len(b) + 1)
     for i in range(1, len(a) + 1):
         for j in range(1, len(b) + 1):
-            table[i, j] = min(
-                table[i - 1, j] + 1, table[i, j - 1] + 1, table[i - 1, j - 1] + (a[i - 1] != b[j - 1])
-            )
+            table[i, j] = min(table[i - 1, j] + 1, table[i, j - 1] + 1, table[i - 1, j - 1] + (a[i - 1] != b[j - 1]))
     return int(table[-1, -1])
 
 
@@ -52,9 +48,7 @@ def _flow_grpo_reward(lines: list[tuple[str, float]], prompt: str) -> float:
 ALPHABET = list("abcdeXYZ0129 -%!")
 
 
-def _random_case(
-    rng: np.random.Generator, alphabet: list[str] = ALPHABET
-) -> tuple[list[tuple[str, float]], str]:
+def _random_case(rng: np.random.Generator, alphabet: list[str] = ALPHABET) -> tuple[list[tuple[str, float]], str]:
     """A prompt quoting a random target and what an engine might read of it: the target (case and spaces
     changed), the target among other text, an edited target, or unrelated text, in 1 to 3 lines."""
     target = str(rng.choice(list("abcXYZ019"))) + "".join(rng.choice(alphabet, int(rng.integers(1, 12))))
@@ -62,9 +56,7 @@ def _random_case(
     if kind == 0:
         read = "".join(c.upper() if rng.random() < 0.3 else c for c in target).replace(" ", "  ")
     elif kind == 1:
-        read = (
-            "".join(rng.choice(alphabet, 3)) + target + "".join(rng.choice(alphabet, int(rng.integers(0, 6))))
-        )
+        read = "".join(rng.choice(alphabet, 3)) + target + "".join(rng.choice(alphabet, int(rng.integers(0, 6))))
     elif kind == 2:
         chars = list(target)
         for _ in range(rng.integers(1, 4)):

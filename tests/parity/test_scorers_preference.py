@@ -35,10 +35,7 @@ FLOW_GRPO = "yifan123/flow_grpo"
 FLOW_GRPO_COMMIT = "9745241cf1101407e9b518dd4f10498092150522"
 RNG = np.random.default_rng(0)
 # Shapes whose resize and centre crop leave odd margins (a floor and a round-half offset differ there).
-IMAGES = [
-    RNG.integers(0, 256, shape, dtype=np.uint8)
-    for shape in [(48, 40, 3), (32, 67, 3), (90, 45, 1), (35, 35, 3)]
-]
+IMAGES = [RNG.integers(0, 256, shape, dtype=np.uint8) for shape in [(48, 40, 3), (32, 67, 3), (90, 45, 1), (35, 35, 3)]]
 
 
 def _clip_processor_pixels(image: np.ndarray, size: int, crop: int) -> torch.Tensor:
@@ -51,19 +48,16 @@ def _clip_processor_pixels(image: np.ndarray, size: int, crop: int) -> torch.Ten
     new_w, new_h = (size, int(size * long / short)) if width <= height else (int(size * long / short), size)
     resized = np.asarray(Image.fromarray(rgb).resize((new_w, new_h), Image.BICUBIC, reducing_gap=None))
     top, left = (new_h - crop) // 2, (new_w - crop) // 2
-    pixels = (
-        torch.tensor(resized[top : top + crop, left : left + crop], dtype=torch.float32).permute(2, 0, 1)
-        / 255
-    )
+    pixels = torch.tensor(resized[top : top + crop, left : left + crop], dtype=torch.float32).permute(2, 0, 1) / 255
     return (pixels - OPENAI_MEAN) / OPENAI_STD
 
 
 def _save_processor(directory: Path, size: int, crop: int) -> None:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    CLIPImageProcessorPil(
-        size={"shortest_edge": size}, crop_size={"height": crop, "width": crop}
-    ).save_pretrained(directory)
+    CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": crop, "width": crop}).save_pretrained(
+        directory
+    )
 
 
 def _image_embeds(clip, pixels_BCHW: torch.Tensor) -> torch.Tensor:
@@ -73,9 +67,7 @@ def _image_embeds(clip, pixels_BCHW: torch.Tensor) -> torch.Tensor:
 
 def _text_embeds(clip, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """CLIPModel.get_text_features."""
-    return clip.text_projection(
-        clip.text_model(input_ids=input_ids, attention_mask=attention_mask).pooler_output
-    )
+    return clip.text_projection(clip.text_model(input_ids=input_ids, attention_mask=attention_mask).pooler_output)
 
 
 # ----------------------------------------------------------------------------------------------------- aesthetic
@@ -107,9 +99,7 @@ def test_aesthetic_is_ddpo_aesthetic_scorer(tmp_path: Path) -> None:
     scorer = SCORERS["aesthetic"](model_dir=tmp_path)
     scorer.load()
     outcomes = run_scorer(scorer, IMAGES, [""] * len(IMAGES), [{}] * len(IMAGES))
-    expected = _ddpo_aesthetic(
-        IMAGES, clip_dir, torch.load(tmp_path / "aesthetic" / "head.pth", weights_only=True)
-    )
+    expected = _ddpo_aesthetic(IMAGES, clip_dir, torch.load(tmp_path / "aesthetic" / "head.pth", weights_only=True))
     torch.testing.assert_close(torch.tensor([o.score for o in outcomes]), expected, rtol=1e-5, atol=1e-5)
     assert float(expected.std()) > 1e-2  # the items differ: the comparison is not vacuous
 
@@ -197,9 +187,7 @@ def _torchvision_resize_crop_normalize(image: np.ndarray, size: int, crop: int) 
     short, long = min(height, width), max(height, width)
     new_h, new_w = (int(size * long / short), size) if width <= height else (size, int(size * long / short))
     if (new_h, new_w) != (height, width):
-        x = F.interpolate(x[None], size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=True)[
-            0
-        ]
+        x = F.interpolate(x[None], size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=True)[0]
     top, left = int(round((new_h - crop) / 2.0)), int(round((new_w - crop) / 2.0))
     return (x[:, top : top + crop, left : left + crop] - OPENAI_MEAN) / OPENAI_STD
 
@@ -210,13 +198,9 @@ def _flow_grpo_clipscore(root: Path, pixels_BCHW: torch.Tensor, prompts: list[st
     from transformers import AutoTokenizer, CLIPModel
 
     model = CLIPModel.from_pretrained(root, dtype=torch.float32).eval()
-    texts = AutoTokenizer.from_pretrained(root)(
-        prompts, padding="max_length", truncation=True, return_tensors="pt"
-    )
+    texts = AutoTokenizer.from_pretrained(root)(prompts, padding="max_length", truncation=True, return_tensors="pt")
     with torch.no_grad():
-        out = model(
-            pixel_values=pixels_BCHW, input_ids=texts["input_ids"], attention_mask=texts["attention_mask"]
-        )
+        out = model(pixel_values=pixels_BCHW, input_ids=texts["input_ids"], attention_mask=texts["attention_mask"])
     return out.logits_per_image.diagonal() / 30
 
 
@@ -261,9 +245,7 @@ def _hpsv2_preprocess_val(image: np.ndarray, size: int) -> torch.Tensor:
     scale = size / float(max(height, width))
     if scale != 1.0:
         new_h, new_w = round(height * scale), round(width * scale)
-        x = F.interpolate(x[None], size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)[
-            0
-        ]
+        x = F.interpolate(x[None], size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)[0]
         pad_h, pad_w = size - new_h, size - new_w
         padded = torch.zeros(3, size, size)
         padded[:, pad_h // 2 : pad_h // 2 + new_h, pad_w // 2 : pad_w // 2 + new_w] = x
@@ -277,9 +259,7 @@ def _openclip_tokenize(tokenizer, prompt: str, context: int = 77) -> torch.Tenso
     whitespace to one space, strip), BPE, [sot] + ids + [eot], cut to ``context`` with eot last, zero padded."""
     cleaned = re.sub(r"\s+", " ", html.unescape(html.unescape(prompt)).strip()).strip().lower()
     ids = (
-        [tokenizer.bos_token_id]
-        + tokenizer(cleaned, add_special_tokens=False)["input_ids"]
-        + [tokenizer.eos_token_id]
+        [tokenizer.bos_token_id] + tokenizer(cleaned, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     )
     if len(ids) > context:
         ids = ids[:context]
@@ -396,8 +376,7 @@ def test_imagereward_is_imagereward_score(tmp_path: Path) -> None:
     outcomes = run_scorer(scorer, IMAGES, prompts, [{}] * 4)
     tokenizer = AutoTokenizer.from_pretrained(root)
     expected = [
-        _imagereward_score(state, tokenizer, image, prompt)
-        for image, prompt in zip(IMAGES, prompts, strict=True)
+        _imagereward_score(state, tokenizer, image, prompt) for image, prompt in zip(IMAGES, prompts, strict=True)
     ]
     assert [o.score for o in outcomes] == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert [o.details["truncated"] for o in outcomes] == [False, True, False, False]
@@ -407,9 +386,7 @@ def test_imagereward_is_imagereward_score(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------------- hpsv3
 
 
-def _hpsv3_reward(
-    src: Path, base: Path, images: list[np.ndarray], prompts: list[str], pixels: int
-) -> torch.Tensor:
+def _hpsv3_reward(src: Path, base: Path, images: list[np.ndarray], prompts: list[str], pixels: int) -> torch.Tensor:
     """MizzenAI/HPSv3 ``hpsv3/inference.py`` ``HPSv3RewardInferencer.reward`` through ``Qwen2VLRewardModelBT.forward``
     (``hpsv3/model/qwen2vl_trainer.py``, ``reward_token="special"``, ranknet head): each image resized by qwen-vl-utils
     (``smart_resize`` with min = max pixels, PIL bicubic); Qwen2-VL's chat text (default system turn, image, the
@@ -429,11 +406,7 @@ def _hpsv3_reward(
     model = Qwen2VLForConditionalGeneration(config).eval()
     model.load_state_dict(
         {
-            (
-                "model." + key
-                if key.startswith("visual.")
-                else key.replace("model.", "model.language_model.", 1)
-            ): value
+            ("model." + key if key.startswith("visual.") else key.replace("model.", "model.language_model.", 1)): value
             for key, value in state.items()
             if not key.startswith("rm_head.")
         },

@@ -24,9 +24,7 @@ def _smooth_images(seed: int, count: int, size: int = 48) -> torch.Tensor:
     """``[count, 3, size, size]`` floats in [0, 1]: upsampled noise, so that JPEG sizes differ by content."""
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(count, 3, 6, 6, generator=g)
-    fine = torch.rand(count, 3, size, size, generator=g) * torch.linspace(0.0, 0.4, count).view(
-        count, 1, 1, 1
-    )
+    fine = torch.rand(count, 3, size, size, generator=g) * torch.linspace(0.0, 0.4, count).view(count, 1, 1, 1)
     up = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
     return (0.8 * up + fine).clamp(0, 1)
 
@@ -91,18 +89,12 @@ def test_colorfulness_is_hasler_susstrunk_with_population_deviations() -> None:
         rg, yb = red - green, 0.5 * (red + green) - blue
         offset = 0.3 * math.sqrt(rg.mean() ** 2 + yb.mean() ** 2)
         reference = _julia_hasler_susstrunk_m3(image)
-        assert score == pytest.approx(
-            (reference - offset) * math.sqrt((pixels - 1) / pixels) + offset, rel=1e-12
-        )
+        assert score == pytest.approx((reference - offset) * math.sqrt((pixels - 1) / pixels) + offset, rel=1e-12)
     assert scores[3] == scores[4] == 0.0
-    assert scores[0] != pytest.approx(
-        _julia_hasler_susstrunk_m3(images[0]), rel=1e-3
-    )  # N = 35: the departure shows
+    assert scores[0] != pytest.approx(_julia_hasler_susstrunk_m3(images[0]), rel=1e-3)  # N = 35: the departure shows
 
 
-@transcribes(
-    "scorer:brightness", own="a toy reward of ours (mean intensity); no paper or reference code defines it"
-)
+@transcribes("scorer:brightness", own="a toy reward of ours (mean intensity); no paper or reference code defines it")
 def test_brightness_is_the_mean_intensity() -> None:
     rng = np.random.default_rng(1)
     images = [
@@ -142,9 +134,7 @@ def _digit_reference(image: np.ndarray, target: int) -> float:
     return float(classifier.predict_proba((blocks * 16 / 255).reshape(1, 64))[0, target])
 
 
-@transcribes(
-    "scorer:digit", own="our toy learned reward (sklearn's bundled digits); no reference code exists"
-)
+@transcribes("scorer:digit", own="our toy learned reward (sklearn's bundled digits); no reference code exists")
 def test_digit_is_the_documented_classifier_probability() -> None:
     from sklearn.datasets import load_digits
 

@@ -80,10 +80,7 @@ def _flow_grpo_sde_step(v, x, sigmas, step_index, noise_level, prev_sample=None,
     dt = sigma_prev - sigma
     if sde_type == "sde":
         std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
-        mean = (
-            x * (1 + std_dev_t**2 / (2 * sigma) * dt)
-            + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
-        )
+        mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
         if prev_sample is None:
             prev_sample = mean + std_dev_t * torch.sqrt(-1 * dt) * noise
         scale = std_dev_t * torch.sqrt(-1 * dt)
@@ -153,9 +150,7 @@ def test_cps_step_is_flow_grpos_with_the_gaussian_log_density(call):
     gaussian = theirs[1] / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     torch.testing.assert_close(ours[1], gaussian, **TOL)
     log_ratio_ours = call("cps", v * 1.2, x, sigmas, 0.8, prev_sample=ours[0])[1] - ours[1]
-    log_ratio_theirs = (
-        _flow_grpo_sde_step(v * 1.2, x, sigmas, STEPS, 0.8, theirs[0], sde_type="cps")[1] - theirs[1]
-    )
+    log_ratio_theirs = _flow_grpo_sde_step(v * 1.2, x, sigmas, STEPS, 0.8, theirs[0], sde_type="cps")[1] - theirs[1]
     torch.testing.assert_close(log_ratio_theirs, 2 * std**2 * log_ratio_ours, rtol=1e-3, atol=1e-6)
 
 
@@ -206,15 +201,11 @@ def test_eta_step_is_dance_grpos_flux_step(call):
         for i in range(len(STEPS))
     ]
     prev, log_prob, mean = (torch.cat(parts) for parts in zip(*rows, strict=True))
-    _assert_step(
-        call("eta", v, x, sigmas, eta, seed=1), (prev, log_prob, mean, torch.tensor(eta).view(1, 1, 1, 1))
-    )
+    _assert_step(call("eta", v, x, sigmas, eta, seed=1), (prev, log_prob, mean, torch.tensor(eta).view(1, 1, 1, 1)))
     scored = call("eta", v * 0.9, x, sigmas, eta, prev_sample=prev)[1]
     theirs = torch.cat(
         [
-            _dance_grpo_flux_step(
-                v[i : i + 1] * 0.9, x[i : i + 1], eta, sigmas, int(STEPS[i]), prev[i : i + 1]
-            )[1]
+            _dance_grpo_flux_step(v[i : i + 1] * 0.9, x[i : i + 1], eta, sigmas, int(STEPS[i]), prev[i : i + 1])[1]
             for i in range(len(STEPS))
         ]
     )
@@ -379,9 +370,7 @@ def test_dpm_solver_2m_step_is_mixgrpos_ode_update():
     for i in range(2, len(sigmas) - 2):
         ours = dpm_solver_2m_step(v, x, prev_x0, float(sigmas[i - 1]), float(sigmas[i]), float(sigmas[i + 1]))
         theirs = _mixgrpo_dpm_2m_update(x64 - sigmas[i] * v64, prev64, sigmas, i, x64)
-        torch.testing.assert_close(
-            ours, theirs.float(), rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"step {i}: {m}"
-        )
+        torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"step {i}: {m}")
         first = dpm_solver_2m_step(v, x, None, float(sigmas[i - 1]), float(sigmas[i]), float(sigmas[i + 1]))
         torch.testing.assert_close(
             first,
@@ -393,6 +382,4 @@ def test_dpm_solver_2m_step_is_mixgrpos_ode_update():
     final = dpm_solver_2m_step(v, x, prev_x0, float(sigmas[last - 1]), float(sigmas[last]), 0.0)
     theirs_final = _mixgrpo_first_order_update(x64 - sigmas[last] * v64, sigmas, last, x64)
     torch.testing.assert_close(final, theirs_final.float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(
-        final, (x - float(sigmas[last]) * v), rtol=1e-5, atol=1e-5
-    )  # the data prediction
+    torch.testing.assert_close(final, (x - float(sigmas[last]) * v), rtol=1e-5, atol=1e-5)  # the data prediction

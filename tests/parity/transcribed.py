@@ -25,9 +25,7 @@ class Source:
     function: str
 
     def __post_init__(self):
-        assert re.fullmatch(r"[0-9a-f]{40}", self.commit), (
-            f"{self.repo}: commit {self.commit!r} is not 40 hex"
-        )
+        assert re.fullmatch(r"[0-9a-f]{40}", self.commit), f"{self.repo}: commit {self.commit!r} is not 40 hex"
         assert re.fullmatch(r"[\w.-]+/[\w.-]+", self.repo), self.repo
 
     def __str__(self) -> str:

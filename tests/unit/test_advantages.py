@@ -32,7 +32,9 @@ def test_group_advantages_global_std_and_clip():
     adv = group_advantages(r, g, global_std=True)
     torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, -2.0, 2.0]) / (std + 1e-4))
     clipped = group_advantages(torch.tensor([0.0, 0.0, 0.0, 100.0]), torch.zeros(4, dtype=torch.long), clip=1.5)
-    assert clipped.max().item() == 1.5 and clipped.min().item() == pytest.approx(-1 / math.sqrt(3) / (1 + 1e-4 * 4 / 100 / math.sqrt(3)), rel=1e-3)
+    assert clipped.max().item() == 1.5 and clipped.min().item() == pytest.approx(
+        -1 / math.sqrt(3) / (1 + 1e-4 * 4 / 100 / math.sqrt(3)), rel=1e-3
+    )
 
 
 def test_failed_rewards_get_zero_advantage_and_are_left_out_of_the_statistics():

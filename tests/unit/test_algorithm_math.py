@@ -42,25 +42,39 @@ def test_gae_with_lambda_half():
 
 def test_diffusion_dpo_loss_hand_value_and_weights():
     # margin = (0.1 - 0.2) - (0.3 - 0.2) = -0.2; loss = -log sigmoid(-0.5 * 10 * -0.2) = log(1 + e^-1)
-    loss, stats = diffusion_dpo_loss(torch.tensor([0.1]), torch.tensor([0.3]), torch.tensor([0.2]),
-                                     torch.tensor([0.2]), beta=10.0)
+    loss, stats = diffusion_dpo_loss(
+        torch.tensor([0.1]), torch.tensor([0.3]), torch.tensor([0.2]), torch.tensor([0.2]), beta=10.0
+    )
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-1)), rel=1e-6)
     assert stats["dpo_ranking_acc"].item() == 1.0 and stats["dpo_margin"].item() == pytest.approx(-0.2)
     # a padding pair (weight 0) changes nothing
-    padded, _ = diffusion_dpo_loss(torch.tensor([0.1, 5.0]), torch.tensor([0.3, 0.0]), torch.tensor([0.2, 0.0]),
-                                   torch.tensor([0.2, 0.0]), beta=10.0, weights=torch.tensor([1.0, 0.0]))
+    padded, _ = diffusion_dpo_loss(
+        torch.tensor([0.1, 5.0]),
+        torch.tensor([0.3, 0.0]),
+        torch.tensor([0.2, 0.0]),
+        torch.tensor([0.2, 0.0]),
+        beta=10.0,
+        weights=torch.tensor([1.0, 0.0]),
+    )
     assert padded.item() == pytest.approx(loss.item(), rel=1e-6)
     # statistics over the real pairs alone, without reading a value back (a wait for the GPU per unit)
     with KernelCounter() as counter:
-        _, stats = diffusion_dpo_loss(torch.tensor([0.1, 0.5, 5.0]), torch.tensor([0.3, 0.1, 0.0]),
-                                      torch.tensor([0.2, 0.2, 0.0]), torch.tensor([0.2, 0.2, 0.0]), beta=10.0,
-                                      weights=torch.tensor([1.0, 1.0, 0.0]))
+        _, stats = diffusion_dpo_loss(
+            torch.tensor([0.1, 0.5, 5.0]),
+            torch.tensor([0.3, 0.1, 0.0]),
+            torch.tensor([0.2, 0.2, 0.0]),
+            torch.tensor([0.2, 0.2, 0.0]),
+            beta=10.0,
+            weights=torch.tensor([1.0, 1.0, 0.0]),
+        )
     assert stats["dpo_ranking_acc"].item() == 0.5 and stats["dpo_margin"].item() == pytest.approx((-0.2 + 0.4) / 2)
     assert not {"_local_scalar_dense", "nonzero"} & set(counter.ops)
     _, none = diffusion_dpo_loss(*torch.ones(4, 2), beta=1.0, weights=torch.zeros(2))
     assert none["dpo_ranking_acc"].item() == 0.0 and none["dpo_margin"].item() == 0.0
     # with the policy equal to the reference the loss is log 2 whatever the losses are
-    same, _ = diffusion_dpo_loss(torch.tensor([0.4]), torch.tensor([0.9]), torch.tensor([0.4]), torch.tensor([0.9]), 1e3)
+    same, _ = diffusion_dpo_loss(
+        torch.tensor([0.4]), torch.tensor([0.9]), torch.tensor([0.4]), torch.tensor([0.9]), 1e3
+    )
     assert same.item() == pytest.approx(math.log(2))
 
 
@@ -195,8 +209,12 @@ def ragged_text(lengths: list[int], width: int = 2) -> Conditioning:
     length = max(lengths)
     mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).long()
     embeds = (torch.arange(len(lengths), dtype=torch.float32)[:, None, None] + 1) * mask[..., None].float()
-    return Conditioning(embeds={"e": embeds.expand(-1, -1, width), "m": mask, "pooled": torch.ones(len(lengths), 3)},
-                        ragged=("e", "m"), text_mask="m", padded=min(lengths) < length)
+    return Conditioning(
+        embeds={"e": embeds.expand(-1, -1, width), "m": mask, "pooled": torch.ones(len(lengths), 3)},
+        ragged=("e", "m"),
+        text_mask="m",
+        padded=min(lengths) < length,
+    )
 
 
 def test_ragged_text_concatenates_padded_and_pools_over_real_tokens():
@@ -218,8 +236,9 @@ def test_ragged_text_concatenates_padded_and_pools_over_real_tokens():
     torch.testing.assert_close(condition_vector(short), vec[:2])
 
 
-@pytest.mark.parametrize(("units", "steps", "sizes"), [(8, 3, [2, 3, 3]), (4, 3, [1, 1, 2]), (2, 4, [1, 1]),
-                                                       (6, 1, [6]), (0, 2, [])])
+@pytest.mark.parametrize(
+    ("units", "steps", "sizes"), [(8, 3, [2, 3, 3]), (4, 3, [1, 1, 2]), (2, 4, [1, 1]), (6, 1, [6]), (0, 2, [])]
+)
 def test_units_split_into_the_configured_steps_of_nearly_equal_size(units, steps, sizes):
     """4 units in 3 steps used to give 2 steps (of 2): chunks of ceil(4 / 3)."""
     from trainer.algorithms.clean_sample import split_units

@@ -41,8 +41,11 @@ def _step(adapter):
     """A forward+backward of the tiny SD3's blocks (each block class's first call), as a run's probe has it."""
     sigma = adapter.sigmas(3)[:1]
     cond = _cond(adapter)
-    forward = lambda: adapter.predict(adapter.denoiser, adapter.prepare_latents(1, torch.Generator().manual_seed(0)),  # noqa: E731
-                                      sigma, cond, 3.0)
+    latents = adapter.prepare_latents(1, torch.Generator().manual_seed(0))
+
+    def forward():
+        return adapter.predict(adapter.denoiser, latents, sigma, cond, 3.0)
+
     return block_step(repeated_blocks(adapter.denoiser), forward)
 
 
@@ -84,8 +87,10 @@ def test_probe_rejects_a_kernel_whose_blocks_give_nan_or_drift(adapter):
             results[-1] = results[-1] * 1.05
         return results
 
-    for broken, reason in ((nan_under_flash, "non-finite values in tensor 1"),
-                           (drift_under_flash, "relative error 0.05 > 0.005")):
+    for broken, reason in (
+        (nan_under_flash, "non-finite values in tensor 1"),
+        (drift_under_flash, "relative error 0.05 > 0.005"),
+    ):
         choice = probe(broken, ["flash", "math"], torch.float32, repeats=1)
         flash = choice.verdicts[0]
         assert choice.kernel == "math" and not flash.passed and flash.runs, choice.summary()
@@ -104,10 +109,17 @@ def test_named_kernel_is_checked_then_set_for_the_process(adapter):
     choice = attention_for_run(adapter, "flash", _cond(adapter), sampler)
     assert choice.kernel == "flash" and choice.verdicts[0].passed
     cuda = torch.backends.cuda
-    assert (cuda.flash_sdp_enabled(), cuda.math_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
-            cuda.cudnn_sdp_enabled()) == (True, True, False, False)  # flash where it runs, math the rest
-    with pytest.raises(ValueError, match=r"^model.attention=efficient cannot run this model's blocks on cpu "
-                                         r"\(No viable backend.*\); use auto or one of math, flash$"):
+    assert (
+        cuda.flash_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
+    ) == (True, True, False, False)  # flash where it runs, math the rest
+    with pytest.raises(
+        ValueError,
+        match=r"^model.attention=efficient cannot run this model's blocks on cpu "
+        r"\(No viable backend.*\); use auto or one of math, flash$",
+    ):
         attention_for_run(adapter, "efficient", _cond(adapter), sampler)
     auto = attention_for_run(adapter, "auto", _cond(adapter), sampler)  # on the CPU: torch's order, no probe
     assert auto.kernel == "default" and not auto.verdicts
@@ -141,12 +153,15 @@ def test_compiling_tags_its_caches_with_the_kernels():
 def test_config_names_the_choices_and_reads_the_retired_cudnn_switch(caplog):
     with pytest.raises(ConfigError) as error:
         load_config(overrides=["model.attention=fastest"])
-    assert str(error.value) == ("model.attention: 'fastest' is not one of 'auto', 'math', 'flash', 'efficient', "
-                                "'cudnn'")
+    assert str(error.value) == (
+        "model.attention: 'fastest' is not one of 'auto', 'math', 'flash', 'efficient', 'cudnn'"
+    )
     assert load_config().model.attention == "auto"
     with caplog.at_level(logging.WARNING):
         assert load_config(overrides=["model.cudnn_attention=true"]).model.attention == "cudnn"
         assert load_config(overrides=["model.cudnn_attention=false"]).model.attention == "auto"
-        assert load_config(overrides=["model.attention=flash", "model.cudnn_attention=false"]).model.attention == "flash"
+        assert (
+            load_config(overrides=["model.attention=flash", "model.cudnn_attention=false"]).model.attention == "flash"
+        )
     warnings = [r.getMessage() for r in caplog.records if "cudnn_attention" in r.getMessage()]
     assert len(warnings) == 3 and "model.cudnn_attention is deprecated and read as model.attention=cudnn" in warnings[0]

@@ -25,7 +25,13 @@ def _records(accuracies: list[float]) -> list[dict]:
 def test_time_to_target_sums_the_epochs_up_to_the_first_evaluation_at_the_target():
     got = bench.time_to_target(_records([0.9, 0.94, 0.96, 0.93]), "digit_accuracy", 0.95)
     assert {k: got[k] for k in ("epoch", "images", "wall_s", "cpu_s", "final", "best")} == {
-        "epoch": 2, "images": 320, "wall_s": 20.0, "cpu_s": 16.0, "final": 0.93, "best": 0.96}
+        "epoch": 2,
+        "images": 320,
+        "wall_s": 20.0,
+        "cpu_s": 16.0,
+        "final": 0.93,
+        "best": 0.96,
+    }
     assert got["curve"][0] == (0, 0, 0, 0.9)
     assert bench.time_to_target(_records([0.96, 0.9]), "digit_accuracy", 0.95)["images"] == 0  # before RL
     missed = bench.time_to_target(_records([0.9, 0.94]), "digit_accuracy", 0.95)
@@ -35,8 +41,10 @@ def test_time_to_target_sums_the_epochs_up_to_the_first_evaluation_at_the_target
 
 
 def test_the_table_counts_unreached_seeds_as_infinite_and_parses_back():
-    seeds = [bench.time_to_target(_records(curve), "digit_accuracy", 0.95)
-             for curve in ([0.9, 0.96, 0.97], [0.9, 0.9, 0.94], [0.9, 0.94, 0.95])]
+    seeds = [
+        bench.time_to_target(_records(curve), "digit_accuracy", 0.95)
+        for curve in ([0.9, 0.96, 0.97], [0.9, 0.9, 0.94], [0.9, 0.94, 0.95])
+    ]
     rows = bench.summary_rows({"grpo": seeds, "dpo": seeds[1:2]}, "digit_accuracy")
     table = bench.parse_markdown("text before\n\n" + bench.markdown(rows) + "\n\nnote")
     assert table == rows

@@ -19,9 +19,7 @@ from trainer.rewards import HttpRewardClient
 
 @pytest.fixture(scope="module")
 def client() -> InProcessRewardClient:
-    with InProcessRewardClient.from_names(
-        {"brightness": 2.0, "jpeg_compressibility": -0.5, "digit": 0.0}
-    ) as c:
+    with InProcessRewardClient.from_names({"brightness": 2.0, "jpeg_compressibility": -0.5, "digit": 0.0}) as c:
         yield c
 
 
@@ -51,9 +49,7 @@ def test_in_process_client_matches_closed_forms(client: InProcessRewardClient) -
     brightness = images.reshape(5, -1).mean(axis=1) / 255
     np.testing.assert_allclose(result.components["brightness"], brightness)
     assert (result.components["jpeg_compressibility"] < 0).all()
-    np.testing.assert_allclose(
-        result.combined, 2.0 * brightness - 0.5 * result.components["jpeg_compressibility"]
-    )
+    np.testing.assert_allclose(result.combined, 2.0 * brightness - 0.5 * result.components["jpeg_compressibility"])
     assert set(result.components) == {"brightness", "jpeg_compressibility", "digit"}
     assert all(array.dtype == np.float64 and array.shape == (5,) for array in result.components.values())
 
@@ -112,8 +108,11 @@ def test_weights_must_name_given_scorers(client: InProcessRewardClient) -> None:
 
 def test_all_zero_weights_are_refused(client: InProcessRewardClient) -> None:
     """Zero weights everywhere would give every item a combined reward of 0, failed items included."""
-    with pytest.raises(ValueError, match=r"reward.weights=\{'brightness': 0.0, 'digit': -0.0\} gives no scorer a "
-                                         r"weight .*non-zero weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward.weights=\{'brightness': 0.0, 'digit': -0.0\} gives no scorer a "
+        r"weight .*non-zero weight",
+    ):
         InProcessRewardClient(client.scorers, {"brightness": 0.0, "digit": -0.0})
     with pytest.raises(ValueError, match=r"reward.weights=\{'brightness': 0.0\} gives no scorer a weight"):
         HttpRewardClient(["http://127.0.0.1:1"], {"brightness": 0.0})
@@ -150,11 +149,7 @@ def test_normalise_then_sum_weighs_components_on_different_scales_equally() -> N
     components = {"small": rng.normal(0, 0.01, 64), "large": rng.normal(0, 100, 64)}
     combined = combine(components, {"small": 1.0, "large": 1.0}, "normalise-then-sum")
     assert (
-        abs(
-            np.corrcoef(combined, components["small"])[0, 1]
-            - np.corrcoef(combined, components["large"])[0, 1]
-        )
-        < 0.2
+        abs(np.corrcoef(combined, components["small"])[0, 1] - np.corrcoef(combined, components["large"])[0, 1]) < 0.2
     )
     summed = combine(components, {"small": 1.0, "large": 1.0}, "sum-then-normalise")
     assert np.corrcoef(summed, components["large"])[0, 1] > 0.999  # the large scale drowns the small one
@@ -173,8 +168,9 @@ def test_in_process_client_combine_mode(client: InProcessRewardClient) -> None:
 def test_merge_standardises_over_the_whole_batch_and_offsets_errors(client: InProcessRewardClient) -> None:
     """The loop scores a batch in chunks and merges them: a normalising mode standardises over the batch, not
     per chunk, and a chunk's error indices are shifted to the item's place in the batch."""
-    normalised = InProcessRewardClient(client.scorers, {"brightness": 1.0, "digit": 0.0},
-                                       combine_mode="sum-then-normalise")
+    normalised = InProcessRewardClient(
+        client.scorers, {"brightness": 1.0, "digit": 0.0}, combine_mode="sum-then-normalise"
+    )
     images = _images(6)
     parts = [normalised.score(images[:4], ["digit 1"] * 4), normalised.score(images[4:], ["digit 2", "no target"])]
     merged = normalised.merge(parts)
@@ -196,12 +192,15 @@ def test_the_trainer_names_no_reward_server_and_shared_rewards_needs_only_numpy(
     """The reward boundary: the trainer reaches servers through the client contract and an installed console
     script, never by importing (or naming) the server package; shared.rewards is usable by both sides."""
     root = Path(__file__).resolve().parents[2]
-    naming = [str(path.relative_to(root)) for path in (root / "trainer").rglob("*.py")
-              if "reward_server" in path.read_text()]
+    naming = [
+        str(path.relative_to(root)) for path in (root / "trainer").rglob("*.py") if "reward_server" in path.read_text()
+    ]
     assert naming == []
     tree = ast.parse((root / "shared" / "rewards.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module}
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
     assert imported - set(sys.stdlib_module_names) == {"numpy"}

@@ -40,40 +40,60 @@ def test_yaml_and_overrides(tmp_path):
     assert config.reward.urls == ["http://h:1"]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.epoch=3", "unknown config key train.epoch; valid keys here: "),
-    ("train.epochs=three", "train.epochs: expected an integer, got 'three'"),
-    ("model.name=nope", "model.name='nope' is not registered"),
-    ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of"),
-    ("algorithm.group_size=1", "algorithm.group_size must be >= 2"),
-    ("algorithm.timestep_fraction=0", "algorithm.timestep_fraction=0.0 must be in (0, 1]"),
-    ("train.rollout_chunks=-1", "train.rollout_chunks=-1 must be >= 0"),
-    ("train.learning_rate=.nan", "train.learning_rate=nan must be >= 0"),
-    ("reward.weights={digit: .inf}", "reward.weights.digit=inf must be a finite number"),
-    ("train.adam_betas=[0.9, 1.0]", "train.adam_betas[1]=1.0 must be in [0, 1)"),
-    ("algorithm.clip_range=.inf", None),
-    ("algorithm.sampler.kind=sdee", "algorithm.sampler: kind='sdee' is not one of auto, cps, cps_mse, ddim, eta, sde"),
-    ("algorithm.sampler.window_range=[0, 9]",
-     "algorithm.sampler: window_range=(0, 9) does not fit num_steps=10 with sde_window=2"),
-    ("train.seed=-1", "train.seed=-1 must be in [0, 9.22337e+18]"),
-    ("eval.seed=99999999999999999999", "eval.seed=99999999999999999999 must be in [0, 9.22337e+18]"),
-    ("train.epochs=" + "9" * 400, None),  # checked without a float conversion, which overflowed
-    ("train", "must look like section.key=value"),
-    ("train.epochs.x=1", "train.epochs is not a section"),
-    ("data.name=nosuch", "data.name='nosuch' is not registered; choose one of: digits,"),  # was after the model loaded
-    ("reward.weights={}", "reward.weights={} gives no scorer a weight"),
-    ("reward.weights={digit: 0}", "reward.weights={'digit': 0.0} gives no scorer a weight"),
-    ("algorithm.sampler.noise_level=0", "noise_level=0 samples every step deterministically: a policy gradient "
-                                        "then has no log-probability to train"),  # was a run that trained nothing
-    ("reward.model_dir=/nonexistent", "reward.model_dir='/nonexistent': no such folder"),
-    ("logging.run_name=../escape", "logging.run_name='../escape' must be a plain folder name"),  # wrote outside
-    ("reward.weights={digit:1}", "YAML needs a space after the colon: {digit: 1}, not {digit:1}"),  # was 'got None'
-    ("reward.weights={digit:", "not valid YAML (quote the whole override for the shell: 'section.key={a: 1, b: 2}')"),
-    # each was a message naming the wrong fix: a range [0, -6) of window starts, the server command for port 80
-    ("algorithm.sampler.sde_window=10", "sde_window=10 must be less than num_steps=10 (the last step is never "
-                                        "trained): lower sde_window or raise num_steps"),
-    ("reward.urls=[localhost:8000]", "reward: urls: 'localhost:8000' has no scheme: write http://localhost:8000"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.epoch=3", "unknown config key train.epoch; valid keys here: "),
+        ("train.epochs=three", "train.epochs: expected an integer, got 'three'"),
+        ("model.name=nope", "model.name='nope' is not registered"),
+        ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of"),
+        ("algorithm.group_size=1", "algorithm.group_size must be >= 2"),
+        ("algorithm.timestep_fraction=0", "algorithm.timestep_fraction=0.0 must be in (0, 1]"),
+        ("train.rollout_chunks=-1", "train.rollout_chunks=-1 must be >= 0"),
+        ("train.learning_rate=.nan", "train.learning_rate=nan must be >= 0"),
+        ("reward.weights={digit: .inf}", "reward.weights.digit=inf must be a finite number"),
+        ("train.adam_betas=[0.9, 1.0]", "train.adam_betas[1]=1.0 must be in [0, 1)"),
+        ("algorithm.clip_range=.inf", None),
+        (
+            "algorithm.sampler.kind=sdee",
+            "algorithm.sampler: kind='sdee' is not one of auto, cps, cps_mse, ddim, eta, sde",
+        ),
+        (
+            "algorithm.sampler.window_range=[0, 9]",
+            "algorithm.sampler: window_range=(0, 9) does not fit num_steps=10 with sde_window=2",
+        ),
+        ("train.seed=-1", "train.seed=-1 must be in [0, 9.22337e+18]"),
+        ("eval.seed=99999999999999999999", "eval.seed=99999999999999999999 must be in [0, 9.22337e+18]"),
+        ("train.epochs=" + "9" * 400, None),  # checked without a float conversion, which overflowed
+        ("train", "must look like section.key=value"),
+        ("train.epochs.x=1", "train.epochs is not a section"),
+        (
+            "data.name=nosuch",
+            "data.name='nosuch' is not registered; choose one of: digits,",
+        ),  # was after the model loaded
+        ("reward.weights={}", "reward.weights={} gives no scorer a weight"),
+        ("reward.weights={digit: 0}", "reward.weights={'digit': 0.0} gives no scorer a weight"),
+        (
+            "algorithm.sampler.noise_level=0",
+            "noise_level=0 samples every step deterministically: a policy gradient "
+            "then has no log-probability to train",
+        ),  # was a run that trained nothing
+        ("reward.model_dir=/nonexistent", "reward.model_dir='/nonexistent': no such folder"),
+        ("logging.run_name=../escape", "logging.run_name='../escape' must be a plain folder name"),  # wrote outside
+        ("reward.weights={digit:1}", "YAML needs a space after the colon: {digit: 1}, not {digit:1}"),  # was 'got None'
+        (
+            "reward.weights={digit:",
+            "not valid YAML (quote the whole override for the shell: 'section.key={a: 1, b: 2}')",
+        ),
+        # each was a message naming the wrong fix: a range [0, -6) of window starts, the server command for port 80
+        (
+            "algorithm.sampler.sde_window=10",
+            "sde_window=10 must be less than num_steps=10 (the last step is never "
+            "trained): lower sde_window or raise num_steps",
+        ),
+        ("reward.urls=[localhost:8000]", "reward: urls: 'localhost:8000' has no scheme: write http://localhost:8000"),
+    ],
+)
 def test_bad_keys_and_values_name_the_field(override, message):
     if message is None:  # in range (an unclipped ratio; a huge epoch count)
         load_config(overrides=[override])
@@ -108,10 +128,15 @@ def _outside(bounds: Bounds, base: type) -> list:
     return values
 
 
-SECTIONS = ([("model", f"model.name={name}", MODELS[name].config_class) for name in sorted(MODELS)]
-            + [("algorithm", f"algorithm.name={name}", ALGORITHMS[name].config_class) for name in sorted(ALGORITHMS)]
-            + [(name, None, cls) for name, cls in typing.get_type_hints(Config).items()
-               if name not in ("model", "algorithm") and any(_bounded_fields(cls, name))])
+SECTIONS = (
+    [("model", f"model.name={name}", MODELS[name].config_class) for name in sorted(MODELS)]
+    + [("algorithm", f"algorithm.name={name}", ALGORITHMS[name].config_class) for name in sorted(ALGORITHMS)]
+    + [
+        (name, None, cls)
+        for name, cls in typing.get_type_hints(Config).items()
+        if name not in ("model", "algorithm") and any(_bounded_fields(cls, name))
+    ]
+)
 OPTIONAL_SECTIONS = {"model.lora": "", "model.ip_adapter": ", image_encoder: /enc"}
 """Sections that are None by default, written whole: (path, what else they need)."""
 
@@ -131,8 +156,11 @@ def test_every_out_of_range_value_is_refused_naming_its_field(section, select, c
         parent = path.rsplit(".", 1)[0]
         for value in _outside(bounds, base):
             written = ".nan" if math.isnan(value) else {math.inf: ".inf"}.get(value, value)
-            override = (f"{parent}={{{leaf}: {written}{OPTIONAL_SECTIONS[parent]}}}" if parent in OPTIONAL_SECTIONS
-                        else f"{path}={written}")
+            override = (
+                f"{parent}={{{leaf}: {written}{OPTIONAL_SECTIONS[parent]}}}"
+                if parent in OPTIONAL_SECTIONS
+                else f"{path}={written}"
+            )
             with pytest.raises(ConfigError, match=rf"^{re.escape(path)}={re.escape(repr(base(value)))} must be "):
                 load_config(overrides=[select, override] if select else [override])
 
@@ -151,15 +179,21 @@ def test_cli_help_and_config_errors(capsys):
     assert main(["--show-config", "train.epochs=7"]) == 0 and "epochs: 7" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args", [["model.name=nosuch"], ["--show-config", "--config", "configs/presets/flux_fill_ip_adapter_grpo.yaml"]])
+@pytest.mark.parametrize(
+    "args", [["model.name=nosuch"], ["--show-config", "--config", "configs/presets/flux_fill_ip_adapter_grpo.yaml"]]
+)
 def test_reading_a_config_imports_no_diffusers_or_transformers(args):
     """Every adapter module is imported for its config class; their libraries load only when a model does (they
     took a config error 4 s here, ~20 s on a slower machine)."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "trainer/main.py", *args], cwd=REPO,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "trainer/main.py", *args], cwd=REPO, capture_output=True, text=True
+    )
     assert out.returncode == (2 if "model.name=nosuch" in args else 0), out.stderr[-2000:]
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in out.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "torch" in imported and "trainer" in imported  # the import log was read
     assert not imported & {"diffusers", "transformers", "peft", "accelerate"}, imported & {"diffusers", "transformers"}
 
@@ -238,8 +272,15 @@ def test_overrides_naming_a_class_apply_first_and_text_fields_take_the_text_as_w
     assert load_config(overrides=["algorithm.group_size=4", "algorithm.name=dpo"]).algorithm.group_size == 4
     assert load_config(overrides=["model.path=/w/sd3", "model.name=sd3"]).model.path == "/w/sd3"
     assert load_config(overrides=["algorithm.name=grpo"]).algorithm.sampler.sde_window == 2  # the same class: kept
-    config = load_config(overrides=["model.name=sd3", "model.negative_prompt=low quality, #watermark",
-                                    "logging.run_name=2024-06-01", "reward.token=null", "train.epochs=3"])
+    config = load_config(
+        overrides=[
+            "model.name=sd3",
+            "model.negative_prompt=low quality, #watermark",
+            "logging.run_name=2024-06-01",
+            "reward.token=null",
+            "train.epochs=3",
+        ]
+    )
     assert config.model.negative_prompt == "low quality, #watermark"  # YAML cut it at the '#'
     assert config.logging.run_name == "2024-06-01"  # YAML read a date, then refused it
     assert config.reward.token is None and config.train.epochs == 3
@@ -299,11 +340,18 @@ def test_the_config_package_loads_its_names_on_first_use():
         trainer.config.configuration  # noqa: B018
 
 
-@pytest.mark.parametrize("override, suggestion", [
-    ("train.epoch=3", "did you mean train.epochs?"), ("trian.epochs=3", "did you mean train?"),
-    ("algorithm.sampler.numsteps=4", "did you mean algorithm.sampler.num_steps?"),
-    ("algorithm.name=gpro", "did you mean grpo?"), ("algorithm.name=GRPO", "did you mean grpo?"),
-    ("model.name=SD3", "did you mean sd3?"), ("data.name=Digits", "did you mean digits?")])
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("train.epoch=3", "did you mean train.epochs?"),
+        ("trian.epochs=3", "did you mean train?"),
+        ("algorithm.sampler.numsteps=4", "did you mean algorithm.sampler.num_steps?"),
+        ("algorithm.name=gpro", "did you mean grpo?"),
+        ("algorithm.name=GRPO", "did you mean grpo?"),
+        ("model.name=SD3", "did you mean sd3?"),
+        ("data.name=Digits", "did you mean digits?"),
+    ],
+)
 def test_a_misspelt_key_or_name_gets_the_nearest_valid_one(override, suggestion):
     with pytest.raises(ConfigError, match=re.escape(suggestion)):
         load_config(overrides=[override])
@@ -326,7 +374,9 @@ def test_show_config_describes_every_field_and_loads_back(tmp_path, capsys):
     commented = shown.splitlines()
     assert all(commented[commented.index(line) - 1].lstrip().startswith("#") for line in described)
     (tmp_path / "shown.yaml").write_text(shown)
-    assert load_config(str(tmp_path / "shown.yaml")) == load_config(overrides=["model.lora={rank: 4}", "train.epochs=7"])
+    assert load_config(str(tmp_path / "shown.yaml")) == load_config(
+        overrides=["model.lora={rank: 4}", "train.epochs=7"]
+    )
     assert set(field_docs(TrainConfig)) == {f.name for f in dataclasses.fields(TrainConfig)}
 
 
@@ -334,8 +384,9 @@ def test_a_config_path_that_is_a_folder_or_a_section_that_is_a_value_is_one_line
     """A run folder given as --config was an IsADirectoryError traceback; ``train: 5`` in a file was blamed on
     the command line's override (``train is not a section``)."""
     (tmp_path / "config.yaml").write_text("train: {epochs: 3}\n")
-    with pytest.raises(ConfigError, match=f"^--config {tmp_path} is a directory: pass a YAML file, such as "
-                                          f"{tmp_path / 'config.yaml'}$"):
+    with pytest.raises(
+        ConfigError, match=f"^--config {tmp_path} is a directory: pass a YAML file, such as {tmp_path / 'config.yaml'}$"
+    ):
         load_config(str(tmp_path))
     binary = tmp_path / "model.safetensors"
     binary.write_bytes(bytes(range(256)))  # was a UnicodeDecodeError traceback
@@ -343,8 +394,11 @@ def test_a_config_path_that_is_a_folder_or_a_section_that_is_a_value_is_one_line
         load_config(str(binary))
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("train: 5\n")
-    with pytest.raises(ConfigError, match=rf"^--config {scalar}: train must be a section of fields \(train: "
-                                          r"\{key: value\}\), got 5$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^--config {scalar}: train must be a section of fields \(train: "
+        r"\{key: value\}\), got 5$",
+    ):
         load_config(str(scalar), ["train.warmup_steps=2"])
 
 
@@ -363,8 +417,9 @@ def test_a_single_step_rollout_under_a_policy_gradient_is_refused_as_the_config_
     """It was found after the warm-up: the last step, the only one, is never trained."""
     for name in ("grpo", "ppo"):
         with pytest.raises(ConfigError, match="algorithm.sampler.num_steps=1 leaves no trainable denoising step"):
-            load_config(overrides=[f"algorithm.name={name}", "algorithm.sampler.num_steps=1",
-                                   "algorithm.sampler.sde_window=0"])
+            load_config(
+                overrides=[f"algorithm.name={name}", "algorithm.sampler.num_steps=1", "algorithm.sampler.sde_window=0"]
+            )
     load_config(overrides=["algorithm.sampler.num_steps=2", "algorithm.sampler.sde_window=0"])
 
 
@@ -376,8 +431,11 @@ def test_a_word_yaml_reads_as_a_boolean_is_shown_as_written(tmp_path):
     assert load_config(overrides=["logging.wandb=none"]).logging.wandb == "none"
     path = tmp_path / "run.yaml"
     path.write_text("logging:\n  wandb: off\n")
-    with pytest.raises(ConfigError, match=r"logging.wandb: False \(YAML reads an unquoted yes, no, on or off as a "
-                                          r"boolean\) is not one of 'none', 'online', 'offline'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"logging.wandb: False \(YAML reads an unquoted yes, no, on or off as a "
+        r"boolean\) is not one of 'none', 'online', 'offline'",
+    ):
         load_config(str(path))
 
 
@@ -386,8 +444,9 @@ def test_a_path_written_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
     named ~ in the checkout, data.path=~/p.txt was "no such file"."""
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "run.yaml").write_text("train: {epochs: 3}\n")
-    config = load_config("~/run.yaml", ["logging.output_dir=~/runs", "data.name=prompt_file", "data.path=~",
-                                        "logging.run_name=a~b"])
+    config = load_config(
+        "~/run.yaml", ["logging.output_dir=~/runs", "data.name=prompt_file", "data.path=~", "logging.run_name=a~b"]
+    )
     assert config.train.epochs == 3 and config.logging.output_dir == f"{tmp_path}/runs"
     assert config.data.path == str(tmp_path) and config.logging.run_name == "a~b"  # only a leading ~ is the home
 

@@ -70,9 +70,15 @@ run_tool(main, "interrupted: nothing done")
 def _tool(tmp_path: Path, case: str, sigint=signal.SIG_DFL) -> subprocess.CompletedProcess:
     """The tool above run as ours are, ``python -m`` (the module mode has a way of its own to end by SIGINT)."""
     (tmp_path / "small_tool.py").write_text(TOOL)
-    return subprocess.run([sys.executable, "-m", "small_tool", case], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    return subprocess.run(
+        [sys.executable, "-m", "small_tool", case],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
+    )
 
 
 def test_a_ctrl_c_that_library_code_turned_into_its_own_error_still_ends_in_one_line(tmp_path):
@@ -101,4 +107,3 @@ def test_a_ctrl_c_that_library_code_swallowed_stops_the_run_at_its_next_step(mon
     assert stops.asked() == 0
     monkeypatch.setattr(shared.interrupt, "_asked", True)
     assert StopRequests(SingleProcess(torch.device("cpu")), announce=False).asked() == signal.SIGINT
-

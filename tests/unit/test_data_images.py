@@ -34,10 +34,18 @@ def test_inpaint_rows_give_source_mask_and_reward_metadata(tmp_path):
     green = solid(tmp_path / "elsewhere" / "green.png", (12, 12), (0, 255, 0))
     half_mask(tmp_path / "elsewhere" / "green_mask.png", (12, 12))
     rows = [
-        {"image_path": "a/red.png", "mask_path": "a/red_mask.png", "prompt": 'a sign saying "OPEN 24h"',
-         "t5_embedding_path": "a/never_read.pt", "judge_task": "text"},
-        {"image_path": str(green.resolve()), "mask_path": str(green.with_name("green_mask.png").resolve()),
-         "prompt": "a green field"},
+        {
+            "image_path": "a/red.png",
+            "mask_path": "a/red_mask.png",
+            "prompt": 'a sign saying "OPEN 24h"',
+            "t5_embedding_path": "a/never_read.pt",
+            "judge_task": "text",
+        },
+        {
+            "image_path": str(green.resolve()),
+            "mask_path": str(green.with_name("green_mask.png").resolve()),
+            "prompt": "a green field",
+        },
     ]
     task = read_inpaint_jsonl(str(_jsonl(tmp_path / "rows.jsonl", rows)), SIZE)
     assert task.prompts == ['a sign saying "OPEN 24h"', "a green field"] and task.eval_indices == [0, 1]
@@ -48,7 +56,7 @@ def test_inpaint_rows_give_source_mask_and_reward_metadata(tmp_path):
     assert torch.allclose(inputs.image[1], torch.tensor([1.0, 0, 0]).view(3, 1, 1))
     assert torch.allclose(inputs.image[0], torch.tensor([0, 1.0, 0]).view(3, 1, 1))
     assert set(inputs.mask.unique().tolist()) == {0.0, 1.0}
-    assert inputs.mask[:, :, :, SIZE // 2:].eq(1).all() and inputs.mask[:, :, :, : SIZE // 2].eq(0).all()
+    assert inputs.mask[:, :, :, SIZE // 2 :].eq(1).all() and inputs.mask[:, :, :, : SIZE // 2].eq(0).all()
 
     meta = task.item_metadata([0, 1])
     assert meta[0]["text"] == "OPEN 24h" and meta[0]["judge_task"] == "text" and "text" not in meta[1]
@@ -57,7 +65,7 @@ def test_inpaint_rows_give_source_mask_and_reward_metadata(tmp_path):
     assert mask.dtype == np.uint8 and mask.shape == (SIZE, SIZE, 1) and set(np.unique(mask)) == {0, 255}
     # the OCR scorer reads only the repainted region: the right half of the generated image
     generated = np.arange(SIZE * SIZE * 3, dtype=np.uint8).reshape(SIZE, SIZE, 3)
-    assert np.array_equal(crop_to_mask(generated, mask), generated[:, SIZE // 2:])
+    assert np.array_equal(crop_to_mask(generated, mask), generated[:, SIZE // 2 :])
 
     batch = task.supervised_batch(5, torch.Generator().manual_seed(0))
     assert batch.images.shape == (5, 3, SIZE, SIZE) and len(batch.prompts) == 5
@@ -76,8 +84,8 @@ def test_rows_sharing_a_prompt_keep_their_own_masks(tmp_path):
     rows[1].update(prompt=rows[0]["prompt"], mask_path=str(tmp_path / "top.png"))
     task = read_inpaint_jsonl(str(_jsonl(path, rows)), SIZE)
     first, second = task.item_metadata([0, 1])
-    assert first["mask"][:, SIZE // 2:].all() and not first["mask"][:, : SIZE // 2].any()
-    assert second["mask"][: SIZE // 2].all() and not second["mask"][SIZE // 2:].any()
+    assert first["mask"][:, SIZE // 2 :].all() and not first["mask"][:, : SIZE // 2].any()
+    assert second["mask"][: SIZE // 2].all() and not second["mask"][SIZE // 2 :].any()
     assert torch.equal(task.inputs([1]).mask[0, 0], torch.from_numpy(second["mask"][:, :, 0] / 255).float())
 
 
@@ -116,17 +124,20 @@ def _bad_inpaint(tmp_path: Path, case: str) -> Path:
     return _jsonl(tmp_path / "rows.jsonl", [good, "", bad])  # the bad row is on line 3
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing image", r"image_path .*nope.png does not exist"),
-    ("unreadable image", r".*text.png is not a readable image"),
-    ("truncated image", r".*cut.png is not a readable image"),
-    ("truncated jpeg", r".*cut.jpg is not a readable image"),
-    ("empty prompt", r"a record needs a non-empty \"prompt\""),
-    ("mask of another size", r".*small_mask.png is 8x16 but its image is 16x16"),
-    ("empty mask", r".*black.png has no pixel to repaint"),
-    ("no mask_path", r"\"mask_path\" must be a path"),
-    ("not json", r"not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing image", r"image_path .*nope.png does not exist"),
+        ("unreadable image", r".*text.png is not a readable image"),
+        ("truncated image", r".*cut.png is not a readable image"),
+        ("truncated jpeg", r".*cut.jpg is not a readable image"),
+        ("empty prompt", r"a record needs a non-empty \"prompt\""),
+        ("mask of another size", r".*small_mask.png is 8x16 but its image is 16x16"),
+        ("empty mask", r".*black.png has no pixel to repaint"),
+        ("no mask_path", r"\"mask_path\" must be a path"),
+        ("not json", r"not valid JSON"),
+    ],
+)
 def test_bad_inpaint_rows_name_file_and_line(tmp_path, case, message):
     path = _bad_inpaint(tmp_path, case)
     with pytest.raises(ValueError, match=rf"{path}:3: {message}"):
@@ -137,10 +148,13 @@ def test_edit_rows_give_reference_judge_metadata_and_targets(tmp_path):
     solid(tmp_path / "cat.png", (16, 16), (255, 0, 0))
     solid(tmp_path / "cat_blue.png", (16, 16), (0, 0, 255))
     solid(tmp_path / "dog.png", (16, 16), (0, 255, 0))
-    path = _jsonl(tmp_path / "edit.jsonl", [
-        {"image_path": "cat.png", "target_path": "cat_blue.png", "prompt": "make the cat blue"},
-        {"image_path": "dog.png", "prompt": "add a hat", "source": "bench-7"},
-    ])
+    path = _jsonl(
+        tmp_path / "edit.jsonl",
+        [
+            {"image_path": "cat.png", "target_path": "cat_blue.png", "prompt": "make the cat blue"},
+            {"image_path": "dog.png", "prompt": "add a hat", "source": "bench-7"},
+        ],
+    )
     task = read_edit_jsonl(str(path), SIZE)
     inputs = task.inputs([0, 1])
     assert inputs.image is None and inputs.mask is None and inputs.style is None
@@ -155,8 +169,9 @@ def test_edit_rows_give_reference_judge_metadata_and_targets(tmp_path):
     assert torch.allclose(batch.images, torch.tensor([0, 0, 1.0]).view(1, 3, 1, 1).expand(4, 3, SIZE, SIZE))
     assert torch.allclose(batch.inputs.reference, inputs.reference[:1].expand(4, -1, -1, -1))
 
-    only_untargeted = read_edit_jsonl(str(_jsonl(tmp_path / "e2.jsonl", [{"image_path": "dog.png", "prompt": "x"}])),
-                                      SIZE)
+    only_untargeted = read_edit_jsonl(
+        str(_jsonl(tmp_path / "e2.jsonl", [{"image_path": "dog.png", "prompt": "x"}])), SIZE
+    )
     with pytest.raises(ValueError, match=r"need \"target_path\"\); set train.warmup_steps=0"):
         only_untargeted.supervised_batch(2, torch.Generator())
     solid(tmp_path / "big.png", (32, 16), (0, 0, 0))
@@ -165,25 +180,30 @@ def test_edit_rows_give_reference_judge_metadata_and_targets(tmp_path):
         read_edit_jsonl(str(bad), SIZE)
 
 
-@pytest.mark.parametrize("line, parsed", [
-    ("s001\ta cat in the style of the reference", ("s001", "a cat in the style of the reference")),
-    ("id with spaces\t a prompt ", ("id with spaces", "a prompt")),
-    ("s002 a dog  wearing a hat", ("s002", "a dog  wearing a hat")),
-    ("  s003   padded prompt\r", ("s003", "padded prompt")),
-    ("s004", ("s004", "")),
-])
+@pytest.mark.parametrize(
+    "line, parsed",
+    [
+        ("s001\ta cat in the style of the reference", ("s001", "a cat in the style of the reference")),
+        ("id with spaces\t a prompt ", ("id with spaces", "a prompt")),
+        ("s002 a dog  wearing a hat", ("s002", "a dog  wearing a hat")),
+        ("  s003   padded prompt\r", ("s003", "padded prompt")),
+        ("s004", ("s004", "")),
+    ],
+)
 def test_triplet_list_lines_split_at_tab_else_first_space(line, parsed):
     assert parse_line(line) == parsed
 
 
 def test_triplet_folder_gives_source_mask_reference_and_centred_style_crop(tmp_path):
     folder = write_triplet_folder(tmp_path / "bench", size=16, count=2)
-    (folder / "self_bench.txt").write_text("s000\ta cat\n\ns001 a \"SALE\" sign\n")
+    (folder / "self_bench.txt").write_text('s000\ta cat\n\ns001 a "SALE" sign\n')
     task = read_triplet_folder(str(folder), SIZE)
     assert task.prompts == ["a cat", 'a "SALE" sign']
     inputs = task.inputs([0, 1])
-    assert all(getattr(inputs, f).shape == (2, c, SIZE, SIZE) for f, c in
-               (("image", 3), ("mask", 1), ("reference", 3), ("style", 3)))
+    assert all(
+        getattr(inputs, f).shape == (2, c, SIZE, SIZE)
+        for f, c in (("image", 3), ("mask", 1), ("reference", 3), ("style", 3))
+    )
     red = torch.tensor([1.0, 0, 0]).view(3, 1, 1)
     assert torch.allclose(inputs.style, red.expand(2, 3, SIZE, SIZE), atol=1e-6)  # the red centre only
     assert torch.allclose(inputs.reference[:, :, 0, 0], torch.tensor([0, 0, 1.0]))  # blue border kept
@@ -196,8 +216,11 @@ def test_triplet_folder_gives_source_mask_reference_and_centred_style_crop(tmp_p
     assert only.image is None and only.mask is None and only.reference is None
     assert torch.equal(only.style, inputs.style[1:])
     assert style_only.item_metadata([1])[0]["mask"].shape == (SIZE, SIZE, 1)  # the reward still sees the mask
-    with pytest.raises(ValueError, match=r"data.image_inputs=\['style', 'depth'\] names depth; .* provides "
-                                         r"image, mask, reference, style"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.image_inputs=\['style', 'depth'\] names depth; .* provides "
+        r"image, mask, reference, style",
+    ):
         read_triplet_folder(str(folder), SIZE, image_inputs=["style", "depth"])
     whole = read_triplet_folder(str(folder), SIZE, style_crop=1.0)
     assert torch.equal(whole.inputs([0]).style, whole.inputs([0]).reference)
@@ -205,13 +228,16 @@ def test_triplet_folder_gives_source_mask_reference_and_centred_style_crop(tmp_p
         read_triplet_folder(str(folder), SIZE, style_crop=0)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing ref", r"ref image .*s001_ref.png does not exist"),
-    ("no prompt", r"expected '<sample id><TAB><prompt>', found no prompt in 's001'"),
-    ("repeated id", r"sample id 's000' already listed on line 1"),
-    ("mask of another size", r".*s001_mask.png is 8x8 but its image is 16x16"),
-    ("unreadable ref", r".*s001_ref.png is not a readable image"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing ref", r"ref image .*s001_ref.png does not exist"),
+        ("no prompt", r"expected '<sample id><TAB><prompt>', found no prompt in 's001'"),
+        ("repeated id", r"sample id 's000' already listed on line 1"),
+        ("mask of another size", r".*s001_mask.png is 8x8 but its image is 16x16"),
+        ("unreadable ref", r".*s001_ref.png is not a readable image"),
+    ],
+)
 def test_bad_triplets_name_list_file_and_line(tmp_path, case, message):
     folder = write_triplet_folder(tmp_path / "bench", size=16, count=2)
     bench = folder / "self_bench.txt"
@@ -262,23 +288,27 @@ def test_unknown_dataset_names_the_choices():
         build_task(DataConfig(name="webdataset"))
 
 
-
 def test_edit_rows_with_several_references(tmp_path):
     """A list of ``image_path``: [B, N, 3, H, W] references (Qwen-Image-Edit-Plus), the first one the judge's;
     a row with another count of references names its line."""
     for name, colour in (("a.png", (255, 0, 0)), ("b.png", (0, 255, 0)), ("c.png", (0, 0, 255))):
         solid(tmp_path / name, (16, 16), colour)
-    path = _jsonl(tmp_path / "plus.jsonl", [
-        {"image_path": ["a.png", "b.png"], "prompt": "put the first on the second"},
-        {"image_path": ["c.png", "a.png"], "prompt": "swap them"},
-    ])
+    path = _jsonl(
+        tmp_path / "plus.jsonl",
+        [
+            {"image_path": ["a.png", "b.png"], "prompt": "put the first on the second"},
+            {"image_path": ["c.png", "a.png"], "prompt": "swap them"},
+        ],
+    )
     task = read_edit_jsonl(str(path), SIZE)
     references = task.inputs([1, 0, 1]).reference
     assert references.shape == (3, 2, 3, SIZE, SIZE)
     assert torch.allclose(references[0, 0], torch.tensor([0, 0, 1.0]).view(3, 1, 1))
     assert torch.allclose(references[1, 1], torch.tensor([0, 1.0, 0]).view(3, 1, 1))
     assert (task.item_metadata([1])[0]["reference_image"] == [0, 0, 255]).all()
-    bad = _jsonl(tmp_path / "bad.jsonl", [{"image_path": ["a.png", "b.png"], "prompt": "x"},
-                                          {"image_path": "c.png", "prompt": "y"}])
+    bad = _jsonl(
+        tmp_path / "bad.jsonl",
+        [{"image_path": ["a.png", "b.png"], "prompt": "x"}, {"image_path": "c.png", "prompt": "y"}],
+    )
     with pytest.raises(ValueError, match=rf"{bad}:2: 1 image_path entries, but the first row has 2"):
         read_edit_jsonl(str(bad), SIZE)

@@ -66,9 +66,7 @@ def test_an_image_dataset_shares_an_item_only_with_its_prompt_and_files(tmp_path
             }
         )
     other.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shared = (
-        f"share 2 items (prompt and image files) (first three: {task.prompts[1]!r}, {task.prompts[2]!r}):"
-    )
+    shared = f"share 2 items (prompt and image files) (first three: {task.prompts[1]!r}, {task.prompts[2]!r}):"
     with pytest.raises(ValueError, match=re.escape(shared)):  # in the training file's order
         build_tasks(config.data, config.eval)
 

@@ -74,7 +74,9 @@ def test_a_task_mask_travels_in_the_item_mask_field(wire_format):
     else:
         (item,) = ScoreRequest.model_validate_json(body).items
     assert item.metadata == {"text": "OPEN"} and item.mask is not None
-    np.testing.assert_array_equal(decode_image(item.mask.format, item.mask.data, item.mask.shape).reshape(4, 4, -1)[..., :1], mask)
+    np.testing.assert_array_equal(
+        decode_image(item.mask.format, item.mask.data, item.mask.shape).reshape(4, 4, -1)[..., :1], mask
+    )
 
 
 def test_real_ocr_and_geneval_files():
@@ -143,7 +145,9 @@ def test_a_repeated_prompt_keeps_each_records_metadata(tmp_path):
     """Metadata belongs to the item, not to the prompt text: a prompt listed twice with other fields sends
     each record's own."""
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "two cats", "tag": "counting"}\n{"prompt": "a dog"}\n'
-                    '{"prompt": "two cats", "tag": "colors", "include": [1]}\n')
+    path.write_text(
+        '{"prompt": "two cats", "tag": "counting"}\n{"prompt": "a dog"}\n'
+        '{"prompt": "two cats", "tag": "colors", "include": [1]}\n'
+    )
     task = PromptFileTask(str(path))
     assert task.item_metadata([2, 0, 1]) == [{"tag": "colors", "include": [1]}, {"tag": "counting"}, {}]

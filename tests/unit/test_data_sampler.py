@@ -13,7 +13,13 @@ import torch
 from trainer.data.sampler import GroupSampler
 
 LAYOUTS = [  # (pool size, prompts per epoch, group size)
-    (10, 4, 8), (3, 8, 2), (100, 6, 4), (7, 12, 2), (1, 2, 16), (48, 48, 24), (5, 5, 16),
+    (10, 4, 8),
+    (3, 8, 2),
+    (100, 6, 4),
+    (7, 12, 2),
+    (1, 2, 16),
+    (48, 48, 24),
+    (5, 5, 16),
 ]
 CASES = [(layout, world) for layout in LAYOUTS for world in (1, 2, 4, 8) if layout[1] * layout[2] % world == 0]
 
@@ -26,8 +32,10 @@ def test_every_world_size_is_exercised():
 def test_union_over_ranks_is_whole_groups(layout, world):
     pool, prompts_per_epoch, group_size = layout
     for epoch in range(3):
-        parts = [GroupSampler(pool, prompts_per_epoch, group_size, world, rank, seed=11).epoch(epoch)
-                 for rank in range(world)]
+        parts = [
+            GroupSampler(pool, prompts_per_epoch, group_size, world, rank, seed=11).epoch(epoch)
+            for rank in range(world)
+        ]
         assert {len(indices) for indices, _ in parts} == {prompts_per_epoch * group_size // world}
         indices = torch.cat([p[0] for p in parts])
         groups = torch.cat([p[1] for p in parts])
@@ -48,8 +56,9 @@ def test_local_groups_keep_each_group_on_one_rank(layout, world):
     pool, prompts_per_epoch, group_size = layout
     owners: dict[int, int] = {}
     for rank in range(world):
-        indices, groups = GroupSampler(pool, prompts_per_epoch, group_size, world, rank, seed=11,
-                                       local_groups=True).epoch(1)
+        indices, groups = GroupSampler(
+            pool, prompts_per_epoch, group_size, world, rank, seed=11, local_groups=True
+        ).epoch(1)
         assert Counter(groups.tolist()) == {g: group_size for g in set(groups.tolist())}
         for g in set(groups.tolist()):
             assert owners.setdefault(g, rank) == rank and len(set(indices[groups == g].tolist())) == 1

@@ -85,9 +85,7 @@ def test_geneval_training_records_share_no_check_with_the_test_set():
     assert len(train) == geneval.ROWS
     assert not {geneval.spec(r) for r in train} & {geneval.spec(r) for r in test}
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
-    mirrored = geneval.position(
-        "laptop", "left of", "cow"
-    )  # the test set's "a cow right of a laptop", mirrored
+    mirrored = geneval.position("laptop", "left of", "cow")  # the test set's "a cow right of a laptop", mirrored
     assert geneval.spec(mirrored) in {geneval.spec(r) for r in test}
     for record in train:
         geneval_rules.parse_spec(record)

@@ -31,8 +31,11 @@ def test_supervised_images_are_the_prompts_words_dark_on_white(task):
     assert batch.images.shape == (8, 1, 16, 16) and batch.images.min() >= 0 and batch.images.max() <= 1
     for image, prompt in zip(batch.images, batch.prompts, strict=True):
         word = prompt.rsplit(" ", 1)[1]
-        assert any(torch.equal(image[0], torch.from_numpy(render_word(word, 16, face, shift)))
-                   for face in words.FONTS for shift in words.SHIFTS)
+        assert any(
+            torch.equal(image[0], torch.from_numpy(render_word(word, 16, face, shift)))
+            for face in words.FONTS
+            for shift in words.SHIFTS
+        )
         assert image.mean() > 0.7 and image.min() < 0.2  # mostly paper, some ink
 
 

@@ -14,8 +14,15 @@ from trainer.samplers.ddim import ddim_step, ddim_step_with_logprob
 
 def _scheduler(num_steps: int = 10, spacing: str = "leading") -> DDIMScheduler:
     """SD1.5's scheduler settings (leading spacing, steps_offset 1, no final alpha of one)."""
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                              clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing=spacing)
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        timestep_spacing=spacing,
+    )
     scheduler.set_timesteps(num_steps)
     return scheduler
 
@@ -27,9 +34,16 @@ def _inputs(seed: int = 0, shape=(3, 4, 8, 8)) -> tuple[torch.Tensor, torch.Tens
 
 def _step(scheduler: DDIMScheduler, eps, x, t, eta, **kwargs):
     t_prev = t - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
-    return ddim_step_with_logprob(eps, x, torch.full((x.shape[0],), t), torch.full((x.shape[0],), t_prev), eta,
-                                  alphas_cumprod=scheduler.alphas_cumprod,
-                                  final_alpha_cumprod=scheduler.final_alpha_cumprod, **kwargs)
+    return ddim_step_with_logprob(
+        eps,
+        x,
+        torch.full((x.shape[0],), t),
+        torch.full((x.shape[0],), t_prev),
+        eta,
+        alphas_cumprod=scheduler.alphas_cumprod,
+        final_alpha_cumprod=scheduler.final_alpha_cumprod,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("index", [0, 5, 9])
@@ -64,8 +78,9 @@ def test_log_prob_is_closed_form_gaussian_averaged():
     a_t, a_prev = abar[t].double(), abar[t - 100].double()
     sigma = math.sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))
     assert float(std.flatten()[0]) == pytest.approx(sigma, rel=1e-5)
-    expected = (-((prev.double() - mean.double()) ** 2) / (2 * sigma**2) - math.log(sigma)
-                - 0.5 * math.log(2 * math.pi)).mean(dim=(1, 2, 3))
+    expected = (
+        -((prev.double() - mean.double()) ** 2) / (2 * sigma**2) - math.log(sigma) - 0.5 * math.log(2 * math.pi)
+    ).mean(dim=(1, 2, 3))
     torch.testing.assert_close(log_prob.double(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -84,12 +99,20 @@ def test_per_sample_timesteps_and_bf16_inputs():
     eps, x = _inputs(4)
     t = scheduler.timesteps[[0, 4, 9]]
     prev, log_prob, mean, _ = ddim_step_with_logprob(
-        eps.bfloat16(), x.bfloat16(), t, t - 100, 0.5, generator=torch.Generator().manual_seed(0),
-        alphas_cumprod=scheduler.alphas_cumprod, final_alpha_cumprod=scheduler.final_alpha_cumprod)
+        eps.bfloat16(),
+        x.bfloat16(),
+        t,
+        t - 100,
+        0.5,
+        generator=torch.Generator().manual_seed(0),
+        alphas_cumprod=scheduler.alphas_cumprod,
+        final_alpha_cumprod=scheduler.final_alpha_cumprod,
+    )
     assert prev.dtype == torch.bfloat16 and mean.dtype == torch.float32 and log_prob.shape == (3,)
     for i in range(3):
-        _, _, mean_i, _ = _step(scheduler, eps[i : i + 1].bfloat16().float(), x[i : i + 1].bfloat16().float(),
-                                int(t[i]), 0.5)
+        _, _, mean_i, _ = _step(
+            scheduler, eps[i : i + 1].bfloat16().float(), x[i : i + 1].bfloat16().float(), int(t[i]), 0.5
+        )
         torch.testing.assert_close(mean[i : i + 1], mean_i, rtol=0, atol=0)
 
 
@@ -103,10 +126,16 @@ def test_scheduled_step_equals_the_step_at_the_schedules_timesteps():
     eps, x = _inputs(5)
     for i in range(5):
         t, t_prev = int(timesteps[i]), int(timesteps[i]) - 200
-        expected = ddim_step_with_logprob(eps, x, torch.full((3,), t), torch.full((3,), t_prev), 0.7,
-                                          generator=torch.Generator().manual_seed(i),
-                                          alphas_cumprod=scheduler.alphas_cumprod,
-                                          final_alpha_cumprod=scheduler.final_alpha_cumprod)
+        expected = ddim_step_with_logprob(
+            eps,
+            x,
+            torch.full((3,), t),
+            torch.full((3,), t_prev),
+            0.7,
+            generator=torch.Generator().manual_seed(i),
+            alphas_cumprod=scheduler.alphas_cumprod,
+            final_alpha_cumprod=scheduler.final_alpha_cumprod,
+        )
         got = step(eps, x, i, 0.7, generator=torch.Generator().manual_seed(i))
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
@@ -115,9 +144,9 @@ def test_scheduled_step_equals_the_step_at_the_schedules_timesteps():
     steps = torch.tensor([4, 0, 2])
     _, per_sample, mean, std = step(eps, x, steps, 0.7, prev_sample=x)
     for j, i in enumerate(steps.tolist()):
-        _, one, one_mean, one_std = step(eps[j:j + 1], x[j:j + 1], i, 0.7, prev_sample=x[j:j + 1])
-        assert torch.equal(per_sample[j:j + 1], one) and torch.equal(mean[j:j + 1], one_mean)
-        assert torch.equal(std[j:j + 1], one_std)
+        _, one, one_mean, one_std = step(eps[j : j + 1], x[j : j + 1], i, 0.7, prev_sample=x[j : j + 1])
+        assert torch.equal(per_sample[j : j + 1], one) and torch.equal(mean[j : j + 1], one_mean)
+        assert torch.equal(std[j : j + 1], one_std)
     alone, kl_std = step.mean(eps, x, steps, 0.7)
     assert torch.equal(alone, mean) and torch.equal(kl_std, std)
 
@@ -166,5 +195,6 @@ def test_eta_outside_zero_to_one_is_refused_before_the_first_step():
     with pytest.raises(ValueError, match=message):
         _step(scheduler, eps, x, int(timesteps[0]), 1.5)
     step.check_noise_level(1.0)
-    assert all(torch.isfinite(step(eps, x, i, 1.0, generator=torch.Generator().manual_seed(i))[0]).all()
-               for i in range(5))
+    assert all(
+        torch.isfinite(step(eps, x, i, 1.0, generator=torch.Generator().manual_seed(i))[0]).all() for i in range(5)
+    )

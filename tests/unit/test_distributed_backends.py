@@ -33,8 +33,14 @@ summed by a collective) than one process computes them, so float32 sums differ i
 
 def test_backends_match_a_single_process_replica(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          __file__, str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, f"{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     for backend in BACKENDS:
         assert f"ok {backend} rank 0" in out.stdout and f"ok {backend} rank 1" in out.stdout, out.stdout
@@ -157,8 +163,8 @@ def _worker(kind: str, tmp: Path):
             assert torch.equal(shard, expected), (name, shard.shape, expected.shape)
         elif kind == "zero3" and shard.numel() != whole.numel():
             size = -(-flat.numel() // world)
-            part = flat[rank * size:(rank + 1) * size]
-            assert shard.numel() == size and torch.equal(shard[:len(part)], part), name
+            part = flat[rank * size : (rank + 1) * size]
+            assert shard.numel() == size and torch.equal(shard[: len(part)], part), name
         else:
             assert torch.equal(shard, whole), name
     x = x_all[:2]
@@ -210,8 +216,13 @@ def _worker(kind: str, tmp: Path):
     checkpoints = Checkpoints(tmp / kind, keep=1, is_main=rank == 0)
     ema_like = {"shard": shards[0].clone()}
     critic_state = dict(zip(critic_names, (t.clone() for t in backend.local_shards(critic_params)), strict=True))
-    checkpoints.save(Progress(1, 2, True), Adapter(net), backend,
-                     {"ema": State(ema_like, per_rank=True), "critic": State(critic_state, per_rank=True)}, {})
+    checkpoints.save(
+        Progress(1, 2, True),
+        Adapter(net),
+        backend,
+        {"ema": State(ema_like, per_rank=True), "critic": State(critic_state, per_rank=True)},
+        {},
+    )
     drawn = (torch.rand(3), np.random.rand(3), random.random())  # the global streams as saved
     trainable = backend.trainable_state(net)
     if rank == 0:
@@ -283,8 +294,12 @@ def _loop_collectives(backend, pool: Path, kind: str) -> None:
     pool.write_text("".join(json.dumps({"tag": t, "prompt": f"thing {i}"}) + "\n" for i, t in enumerate(tags)))
     mine = [3 * rank, 3 * rank + 1, 3 * rank + 2]
     got = RolloutBreakdown(PromptFileTask(str(pool), eval_count=0), "tag", backend)(mine, {"s": np.array(mine, float)})
-    assert got == {"rollout_by_tag/s/a": 2.0, "rollout_by_tag/s/b": 3.0, "rollout_by_tag/s/c": 3.0,
-                   "rollout_by_tag/s/mean": 8 / 3}, (kind, got)
+    assert got == {
+        "rollout_by_tag/s/a": 2.0,
+        "rollout_by_tag/s/b": 3.0,
+        "rollout_by_tag/s/c": 3.0,
+        "rollout_by_tag/s/mean": 8 / 3,
+    }, (kind, got)
 
 
 if __name__ == "__main__":

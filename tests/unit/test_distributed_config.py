@@ -44,42 +44,83 @@ def test_a_deepspeed_config_is_refused_where_no_deepspeed_reads_it(backend):
 
 
 def test_auto_values_are_filled_from_our_config_and_explicit_ones_kept(tmp_path):
-    config = deepspeed_config(3, "", max_grad_norm=0.5, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                              cpu_offload=True)
+    config = deepspeed_config(
+        3, "", max_grad_norm=0.5, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cpu_offload=True
+    )
     assert config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"] and not config["fp16"]["enabled"]
     assert config["communication_data_type"] == "fp32"
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     own = tmp_path / "ds.json"
-    own.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}},
-                               "communication_data_type": "bf16"}))
-    config = deepspeed_config(2, str(own), max_grad_norm=1.0, param_dtype=torch.float32,
-                              reduce_dtype=torch.float32, cpu_offload=True)
+    own.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}},
+                "communication_data_type": "bf16",
+            }
+        )
+    )
+    config = deepspeed_config(
+        2, str(own), max_grad_norm=1.0, param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=True
+    )
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "none"  # the file's choice
     assert config["communication_data_type"] == "bf16" and config["gradient_clipping"] == 1.0
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ({"zero_optimization": {"stage": 2}}, "but parallel.backend=zero3"),
-    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
-      "gradient_clipping": 2.0}, "set it to \"auto\""),
-    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000,
-                            "stage3_prefetch_bucket_size": 0}}, "stage3_param_persistence_threshold"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ({"zero_optimization": {"stage": 2}}, "but parallel.backend=zero3"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_param_persistence_threshold": 0,
+                    "stage3_prefetch_bucket_size": 0,
+                },
+                "gradient_clipping": 2.0,
+            },
+            'set it to "auto"',
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_param_persistence_threshold": 1000,
+                    "stage3_prefetch_bucket_size": 0,
+                }
+            },
+            "stage3_param_persistence_threshold",
+        ),
+    ],
+)
 def test_bad_deepspeed_configs_are_refused(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(ValueError, match=message):
-        deepspeed_config(3, str(path), max_grad_norm=1.0, param_dtype=torch.float32, reduce_dtype=torch.float32,
-                         cpu_offload=False)
+        deepspeed_config(
+            3, str(path), max_grad_norm=1.0, param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=False
+        )
     with pytest.raises(ValueError, match="not found; set parallel.deepspeed_config"):
-        deepspeed_config(3, str(tmp_path / "missing.json"), max_grad_norm=1.0, param_dtype=torch.float32,
-                         reduce_dtype=torch.float32, cpu_offload=False)
+        deepspeed_config(
+            3,
+            str(tmp_path / "missing.json"),
+            max_grad_norm=1.0,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            cpu_offload=False,
+        )
 
 
-@pytest.mark.parametrize(("gather", "offload", "expected"), [
-    (None, False, True), (None, True, False), (True, True, True), (False, False, False),
-])
+@pytest.mark.parametrize(
+    ("gather", "offload", "expected"),
+    [
+        (None, False, True),
+        (None, True, False),
+        (True, True, True),
+        (False, False, False),
+    ],
+)
 def test_sampling_gathers_unless_offloading_or_told(gather, offload, expected):
     """Unset, gather_for_sampling follows cpu_offload: offloading exists not to hold the full weights on the
     device, which gathering them for a rollout would do."""
@@ -91,7 +132,10 @@ def test_compiling_under_zero3_is_refused_as_the_config_is_read():
     processes: 94 graphs and fallbacks to eager); the other sharded backends compile (tests/integration)."""
     from trainer.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"model.compile=blocks does not compose with parallel.backend=zero3: .*; "
-                                          r"use parallel.backend=fsdp2 .* or zero2, or model.compile=none$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.compile=blocks does not compose with parallel.backend=zero3: .*; "
+        r"use parallel.backend=fsdp2 .* or zero2, or model.compile=none$",
+    ):
         load_config(overrides=["parallel.backend=zero3", "model.compile=blocks"])
     assert load_config(overrides=["parallel.backend=zero2", "model.compile=blocks"]).model.compile == "blocks"

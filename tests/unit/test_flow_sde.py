@@ -52,18 +52,22 @@ def test_the_fast_step_matches_the_plain_reference_step(noise_level):
     other = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
     for i in range(5):  # the last step (sigma_next = 0) is deterministic only at noise level 0
         sigma, sigma_next = schedule[i].expand(3), schedule[i + 1].expand(3)
-        expected = reference_sde_step(v, x, sigma, sigma_next, noise_level, generator=torch.Generator().manual_seed(i),
-                                      sigma_max=schedule[1])
+        expected = reference_sde_step(
+            v, x, sigma, sigma_next, noise_level, generator=torch.Generator().manual_seed(i), sigma_max=schedule[1]
+        )
         by_index = fast(v, x, i, noise_level, generator=torch.Generator().manual_seed(i))
-        by_sigma = sde_step_with_logprob(v, x, sigma, sigma_next, noise_level, sigma_max=schedule[1],
-                                         generator=torch.Generator().manual_seed(i))
+        by_sigma = sde_step_with_logprob(
+            v, x, sigma, sigma_next, noise_level, sigma_max=schedule[1], generator=torch.Generator().manual_seed(i)
+        )
         for got in (by_index, by_sigma):
             for a, b in zip(got, expected, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        _, reference_score, _, _ = reference_sde_step(v, x, sigma, sigma_next, noise_level, prev_sample=other,
-                                                      sigma_max=schedule[1])
-        torch.testing.assert_close(fast(v, x, i, noise_level, prev_sample=other)[1], reference_score,
-                                   rtol=1e-5, atol=1e-5)
+        _, reference_score, _, _ = reference_sde_step(
+            v, x, sigma, sigma_next, noise_level, prev_sample=other, sigma_max=schedule[1]
+        )
+        torch.testing.assert_close(
+            fast(v, x, i, noise_level, prev_sample=other)[1], reference_score, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_log_prob_is_the_averaged_closed_form_gaussian_density():
@@ -74,9 +78,7 @@ def test_log_prob_is_the_averaged_closed_form_gaussian_density():
     dt = (sigma_next - sigma).view(-1, 1, 1, 1)
     s = sigma.view(-1, 1, 1, 1)
     expected_std = 0.7 * torch.sqrt(s / (1 - s))
-    expected_mean = (
-        x * (1 + expected_std**2 / (2 * s) * dt) + v * (1 + expected_std**2 * (1 - s) / (2 * s)) * dt
-    )
+    expected_mean = x * (1 + expected_std**2 / (2 * s) * dt) + v * (1 + expected_std**2 * (1 - s) / (2 * s)) * dt
     torch.testing.assert_close(std, expected_std)
     torch.testing.assert_close(mean, expected_mean)
     scale = expected_std * torch.sqrt(-dt)
@@ -97,9 +99,7 @@ def test_mean_equals_the_score_form_of_the_reverse_sde():
 
 def test_reevaluating_the_drawn_sample_gives_ratio_exactly_one():
     x, v, sigma, sigma_next = _inputs()
-    prev, log_prob, _, _ = sde_step_with_logprob(
-        v, x, sigma, sigma_next, generator=torch.Generator().manual_seed(3)
-    )
+    prev, log_prob, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, generator=torch.Generator().manual_seed(3))
     _, again, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, prev_sample=prev)
     assert torch.equal(torch.exp(again - log_prob), torch.ones(3))
 
@@ -113,9 +113,7 @@ def test_noise_level_zero_is_the_diffusers_euler_step():
         scheduler._step_index = None
         sigma = scheduler.sigmas[i].expand(2)
         sigma_next = scheduler.sigmas[i + 1].expand(2)
-        prev, _, _, std = sde_step_with_logprob(
-            v, x, sigma, sigma_next, noise_level=0.0, sigma_max=scheduler.sigmas[1]
-        )
+        prev, _, _, std = sde_step_with_logprob(v, x, sigma, sigma_next, noise_level=0.0, sigma_max=scheduler.sigmas[1])
         assert torch.equal(std, torch.zeros_like(std))
         torch.testing.assert_close(prev, expected, rtol=0, atol=1e-6)
 
@@ -219,9 +217,9 @@ def test_scheduled_step_equals_the_step_at_the_schedules_sigmas(kind):
     steps = torch.tensor([0, 3, 1])
     _, per_sample, mean, _ = scheduled(v, x, steps, 0.7, prev_sample=x)
     for j, i in enumerate(steps.tolist()):
-        _, one, one_mean, _ = scheduled(v[j:j + 1], x[j:j + 1], i, 0.7, prev_sample=x[j:j + 1])
-        torch.testing.assert_close(per_sample[j:j + 1], one, rtol=0, atol=0)
-        torch.testing.assert_close(mean[j:j + 1], one_mean, rtol=0, atol=0)
+        _, one, one_mean, _ = scheduled(v[j : j + 1], x[j : j + 1], i, 0.7, prev_sample=x[j : j + 1])
+        torch.testing.assert_close(per_sample[j : j + 1], one, rtol=0, atol=0)
+        torch.testing.assert_close(mean[j : j + 1], one_mean, rtol=0, atol=0)
     kernels = []
     for index in (2, steps):  # the mean alone (a reference's KL term): the step's, in 2 kernels (+ 1 gather)
         with KernelCounter() as counter:
@@ -275,8 +273,9 @@ def test_cps_mse_scores_minus_the_mean_square_and_its_log_ratio_is_2_std_squared
     x, v, sigma, sigma_next = _inputs()
     draw = dict(generator=torch.Generator().manual_seed(0))
     prev, gaussian, mean, std = cps_step_with_logprob(v, x, sigma, sigma_next, 0.6, **draw)
-    prev_mse, mse, mean_mse, std_mse = cps_mse_step_with_logprob(v, x, sigma, sigma_next, 0.6,
-                                                                 generator=torch.Generator().manual_seed(0))
+    prev_mse, mse, mean_mse, std_mse = cps_mse_step_with_logprob(
+        v, x, sigma, sigma_next, 0.6, generator=torch.Generator().manual_seed(0)
+    )
     assert torch.equal(prev, prev_mse) and torch.equal(mean, mean_mse) and torch.equal(std, std_mse)
     torch.testing.assert_close(mse, -((prev - mean) ** 2).mean(dim=(1, 2, 3)))
     _, gaussian_other, _, _ = cps_step_with_logprob(v + 0.1, x, sigma, sigma_next, 0.6, prev_sample=prev)

@@ -15,8 +15,11 @@ from trainer.guard import REWARD, Guard, hacking_alarm
 
 def test_alarm_fires_when_the_reward_rises_while_a_guard_falls_past_the_margin():
     epochs = [0, 5, 10, 15]
-    history = {REWARD: [0.50, 0.70, 0.80, 0.90], "digit_accuracy": [0.80, 0.90, 0.85, 0.75],
-               "guard/aesthetic": [5.0, 5.0, 5.0, 5.0]}
+    history = {
+        REWARD: [0.50, 0.70, 0.80, 0.90],
+        "digit_accuracy": [0.80, 0.90, 0.85, 0.75],
+        "guard/aesthetic": [5.0, 5.0, 5.0, 5.0],
+    }
     alarm = hacking_alarm(epochs, history, window=2, margin=0.1)
     # compared with epoch 5: reward 0.70 -> 0.90, accuracy 0.90 -> 0.75 (a fall of 0.15 > 0.1)
     assert alarm is not None and (alarm.epoch, alarm.since, alarm.metric) == (15, 5, "digit_accuracy")
@@ -71,8 +74,11 @@ def test_guard_state_round_trips_and_judges_the_same_afterwards():
 
 
 def test_guard_refuses_a_select_by_the_evaluation_does_not_log():
-    with pytest.raises(ValueError, match="train.select_by='aesthetic' is not an evaluation metric; the evaluation "
-                                         "logs: digit_accuracy, reward_mean"):
+    with pytest.raises(
+        ValueError,
+        match="train.select_by='aesthetic' is not an evaluation metric; the evaluation "
+        "logs: digit_accuracy, reward_mean",
+    ):
         Guard("aesthetic", 0, 2, 0.1).observe(0, {REWARD: 0.5, "digit_accuracy": 0.9})
 
 
@@ -107,14 +113,20 @@ def test_an_evaluation_file_or_count_sets_what_is_evaluated_and_what_rl_keeps(tm
     config = load_config(overrides=["eval.prompts=4"])
     task, evaluated = build_tasks(config.data, config.eval)
     assert evaluated is task and task.eval_prompts == task.prompts[:4] and training_items(task) == list(range(10))
-    with pytest.raises(ValueError, match=r"eval.path='.*test.txt' is not read by data.name='digits', an embedded task "
-                                         r"that evaluates its own prompts; remove eval.path"):
+    with pytest.raises(
+        ValueError,
+        match=r"eval.path='.*test.txt' is not read by data.name='digits', an embedded task "
+        r"that evaluates its own prompts; remove eval.path",
+    ):
         build_tasks(config.data, load_config(overrides=[f"eval.path={test}"]).eval)
     with pytest.raises(ValueError, match=r"^eval.path='.*missing.txt': no such file"):
         tasks(f"eval.path={tmp_path / 'missing.txt'}")
     # more than there are: refused naming the count, where it was cut to what there was without a word
-    with pytest.raises(ValueError, match=r"^eval.prompts=11 but data.name='digits' has 10 items: set eval.prompts to "
-                                         r"at most that"):
+    with pytest.raises(
+        ValueError,
+        match=r"^eval.prompts=11 but data.name='digits' has 10 items: set eval.prompts to "
+        r"at most that",
+    ):
         build_tasks(config.data, load_config(overrides=["eval.prompts=11"]).eval)
     with pytest.raises(ValueError, match=r"^eval.prompts=31 but data.path='.*train.txt' has 30 items"):
         tasks("eval.prompts=31")
@@ -122,12 +134,15 @@ def test_an_evaluation_file_or_count_sets_what_is_evaluated_and_what_rl_keeps(tm
         tasks(f"eval.path={test}", "eval.prompts=21")
 
 
-@pytest.mark.parametrize(("overrides", "shown"), [
-    ([], ()),  # one optimizer step per rollout batch: the ratio is 1, its statistics say nothing
-    (["algorithm.steps_per_epoch=2"], ("approx_kl", "clip_frac", "logp_gap")),  # later steps: the rollout's log p
-    (["algorithm.inner_epochs=2", "algorithm.kl_beta=0.01"], ("approx_kl", "clip_frac", "kl")),
-    (["algorithm.name=ppo_critic"], ("value_loss",)),
-])
+@pytest.mark.parametrize(
+    ("overrides", "shown"),
+    [
+        ([], ()),  # one optimizer step per rollout batch: the ratio is 1, its statistics say nothing
+        (["algorithm.steps_per_epoch=2"], ("approx_kl", "clip_frac", "logp_gap")),  # later steps: the rollout's log p
+        (["algorithm.inner_epochs=2", "algorithm.kl_beta=0.01"], ("approx_kl", "clip_frac", "kl")),
+        (["algorithm.name=ppo_critic"], ("value_loss",)),
+    ],
+)
 def test_the_progress_line_shows_ratio_statistics_only_off_policy(overrides, shown):
     config = load_config(overrides=overrides)
     assert build_algorithm(config.algorithm).shown_metrics == shown

@@ -139,8 +139,11 @@ def test_module_level_imports_form_no_cycle():
 
 
 def test_deferred_imports_form_no_cycle_but_the_allowed_ones():
-    loops = [loop for loop in cycles(graph(deferred=True))
-             if not any(all(m == p or m.startswith(p + ".") for m in loop) for p in DEFERRED_ALLOWED)]
+    loops = [
+        loop
+        for loop in cycles(graph(deferred=True))
+        if not any(all(m == p or m.startswith(p + ".") for m in loop) for p in DEFERRED_ALLOWED)
+    ]
     assert not loops, "import cycles through deferred imports:\n" + "\n".join(" -> ".join(loop) for loop in loops)
 
 

@@ -1,5 +1,6 @@
 """``flow.inpaint_velocity``: an Euler step with it is the inpainting pipelines' blend after the step, given
-the trajectory's initial noise and schedule that ``rollout`` binds to the conditioning (``Conditioning.starting_at``)."""
+the trajectory's initial noise and schedule that ``rollout`` binds to the conditioning
+(``Conditioning.starting_at``)."""
 
 from __future__ import annotations
 
@@ -40,13 +41,17 @@ def test_off_the_trajectory_it_points_at_the_known_latents():
     velocity whose clean estimate x - sigma u is the known latents."""
     x, v, known, noise, mask = _inputs(1)
     sigma = torch.tensor([0.6, 0.3])
-    for u in (inpaint_velocity(v, x, sigma, known, mask, noise, SCHEDULE.expand(2, -1)),
-              inpaint_velocity(v, x, sigma, known, mask)):
+    for u in (
+        inpaint_velocity(v, x, sigma, known, mask, noise, SCHEDULE.expand(2, -1)),
+        inpaint_velocity(v, x, sigma, known, mask),
+    ):
         torch.testing.assert_close(x[:, 0] - sigma.view(2, 1) * u[:, 0], known[:, 0], rtol=0, atol=1e-6)
     mixed = torch.tensor([0.75, 0.3])  # one row on the schedule, one off
     u = inpaint_velocity(v, x, mixed, known, mask, noise, SCHEDULE.expand(2, -1))
     torch.testing.assert_close(x[1, 0] - 0.3 * u[1, 0], known[1, 0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(x[0, 0] + (0.4 - 0.75) * u[0, 0], 0.4 * noise[0, 0] + 0.6 * known[0, 0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        x[0, 0] + (0.4 - 0.75) * u[0, 0], 0.4 * noise[0, 0] + 0.6 * known[0, 0], rtol=0, atol=1e-6
+    )
 
 
 def test_the_trajectory_travels_with_the_conditioning():

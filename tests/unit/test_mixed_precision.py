@@ -29,8 +29,7 @@ class HalfBase(nn.Module):
 
 def _prepared(module: nn.Module) -> SingleProcess:
     backend = SingleProcess(torch.device("cpu"))
-    backend.prepare(module, [p for p in module.parameters() if p.requires_grad],
-                    lambda ps: torch.optim.SGD(ps, lr=1.0))
+    backend.prepare(module, [p for p in module.parameters() if p.requires_grad], lambda ps: torch.optim.SGD(ps, lr=1.0))
     return backend
 
 
@@ -53,8 +52,12 @@ def test_fp16_loss_scaling_keeps_gradients_that_fp16_would_flush_to_zero():
     before = module.trainable.weight.detach().clone()
     backend.step(max_grad_norm=0.0)
     assert not torch.equal(module.trainable.weight, before)
-    torch.testing.assert_close(module.trainable.weight.detach(), expected, rtol=0, atol=float(
-        reference.trainable.weight.grad.abs().max()) * 2e-2)  # fp16 activations: ~1e-3 relative error
+    torch.testing.assert_close(
+        module.trainable.weight.detach(),
+        expected,
+        rtol=0,
+        atol=float(reference.trainable.weight.grad.abs().max()) * 2e-2,
+    )  # fp16 activations: ~1e-3 relative error
 
 
 def test_an_overflowing_step_is_skipped_and_the_scale_round_trips():
@@ -100,6 +103,7 @@ def test_fsdp2_says_when_it_would_compute_a_low_precision_model_in_float32():
     model = nn.Sequential(base, lora)
     assert upcast_hint(model, torch.float32) == (
         "fsdp2 gathers the model's bfloat16 weights as parallel.param_dtype=float32: forwards and backwards run "
-        "in float32. Set parallel.param_dtype=bfloat16 to compute in bfloat16")
+        "in float32. Set parallel.param_dtype=bfloat16 to compute in bfloat16"
+    )
     assert upcast_hint(model, torch.bfloat16) is None
     assert upcast_hint(nn.Linear(4, 4), torch.float32) is None

@@ -32,8 +32,9 @@ def _solve(num_steps: int, order: int, start: float = 0.8, end: float = 0.2) -> 
     x, prev_x0 = (1 - start) * MU + _std(start) * z, None
     for i in range(num_steps):
         v = _velocity(x, sigmas[i])
-        x_next = dpm_solver_2m_step(v, x, prev_x0 if order == 2 else None, sigmas[i - 1] if i else 1.0, sigmas[i],
-                                    sigmas[i + 1])
+        x_next = dpm_solver_2m_step(
+            v, x, prev_x0 if order == 2 else None, sigmas[i - 1] if i else 1.0, sigmas[i], sigmas[i + 1]
+        )
         prev_x0, x = x - sigmas[i] * v, x_next
     exact = (1 - end) * MU + _std(end) * z
     return float((x - exact).abs().max())

@@ -22,26 +22,52 @@ def test_the_wheel_ships_the_deepspeed_templates_and_zero_reads_them_from_the_in
         shutil.copy(REPO / name, source / name)
     for package in ("trainer", "reward_server", "shared"):
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "dist").glob("rewardflow-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         archive.extractall(tmp_path / "installed")
-    assert {"trainer/distributed/deepspeed_configs/zero2.json", "trainer/distributed/deepspeed_configs/zero3.json",
-            "reward_server/static/debug.html"} <= names
+    assert {
+        "trainer/distributed/deepspeed_configs/zero2.json",
+        "trainer/distributed/deepspeed_configs/zero3.json",
+        "reward_server/static/debug.html",
+    } <= names
 
     installed = str(tmp_path / "installed")
-    reads = ("from trainer.distributed import zero\n"
-             "import torch, json\n"
-             f"assert zero.__file__.startswith({installed!r}), zero.__file__\n"
-             "for stage in (2, 3):\n"
-             "    config = zero.deepspeed_config(stage, '', max_grad_norm=1.0, param_dtype=torch.bfloat16,\n"
-             "                                   reduce_dtype=torch.float32, cpu_offload=False)\n"
-             "    print(json.dumps(config['zero_optimization']['stage']))\n")
-    run = subprocess.run([sys.executable, "-c", reads], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": installed})
+    reads = (
+        "from trainer.distributed import zero\n"
+        "import torch, json\n"
+        f"assert zero.__file__.startswith({installed!r}), zero.__file__\n"
+        "for stage in (2, 3):\n"
+        "    config = zero.deepspeed_config(stage, '', max_grad_norm=1.0, param_dtype=torch.bfloat16,\n"
+        "                                   reduce_dtype=torch.float32, cpu_offload=False)\n"
+        "    print(json.dumps(config['zero_optimization']['stage']))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", reads],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": installed},
+    )
     assert run.returncode == 0, run.stderr
     assert [json.loads(line) for line in run.stdout.split()] == [2, 3]
 

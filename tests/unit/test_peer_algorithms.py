@@ -26,8 +26,9 @@ def test_guard_log_ratio_is_the_debiased_rescaled_gaussian_log_ratio():
     x, v = torch.randn(3, 2, 4, 4, generator=g), torch.randn(3, 2, 4, 4, generator=g)
     sigma, sigma_next = torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0.8, 0.4, 0.1])
     x_next, logp_old, mean_old, std_dev_t = sde_step_with_logprob(v, x, sigma, sigma_next, 0.7, generator=g)
-    _, logp, mean, _ = sde_step_with_logprob(v + 0.05 * torch.randn(v.shape, generator=g), x, sigma, sigma_next, 0.7,
-                                             prev_sample=x_next)
+    _, logp, mean, _ = sde_step_with_logprob(
+        v + 0.05 * torch.randn(v.shape, generator=g), x, sigma, sigma_next, 0.7, prev_sample=x_next
+    )
     s = std_dev_t.reshape(-1) * torch.sqrt(sigma - sigma_next)
     expected = s * (logp - logp_old) + ((mean - mean_old) ** 2).mean(dim=(1, 2, 3)) / (2 * s)
     torch.testing.assert_close(guard_log_ratio(x_next, mean, mean_old, s), expected, rtol=1e-4, atol=1e-6)
@@ -44,10 +45,13 @@ def test_guard_step_weight_is_one_over_minus_dt():
     torch.testing.assert_close(guard_step_weight(schedule, torch.tensor([0, 1, 0])), torch.tensor([4.0, 2.0, 4.0]))
 
 
-@pytest.mark.parametrize(("wrap", "windows"), [
-    (False, [(0, 3), (0, 3), (1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1), (3, 1), (3, 1)]),
-    (True, [(0, 3), (0, 3), (1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1), (0, 3), (0, 3)]),
-])
+@pytest.mark.parametrize(
+    ("wrap", "windows"),
+    [
+        (False, [(0, 3), (0, 3), (1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1), (3, 1), (3, 1)]),
+        (True, [(0, 3), (0, 3), (1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1), (0, 3), (0, 3)]),
+    ],
+)
 def test_mixgrpo_window_slides_by_stride_every_shift_shrinks_at_the_tail_and_stops_or_wraps(wrap, windows):
     """T = 6 steps, window w = 3: windows end before step T - 2 = 4, so starts 0..3, the last two shrunk to 2
     and 1 steps; one step every 2 epochs; with stride 2 the starts are 0 and 2."""
@@ -115,9 +119,16 @@ def test_dgpo_clip_detaches_the_losses_past_the_clip_in_their_advantages_directi
     assert loss.grad.tolist() == [0.0, 1.0, 1.0, 0.0]
 
 
-@pytest.mark.parametrize(("weighting", "expected"), [
-    ("uniform", -0.25), ("sigma", -0.5 * 0.25), ("sigma**2", -0.25 * 0.25),
-    ("huber", -0.5 * (math.sqrt(0.25 + 1e-10) - 1e-5)), ("ghuber", -0.5 * ((0.25 + 1e-10) ** 0.5 - 1e-5) / 0.5)])
+@pytest.mark.parametrize(
+    ("weighting", "expected"),
+    [
+        ("uniform", -0.25),
+        ("sigma", -0.5 * 0.25),
+        ("sigma**2", -0.25 * 0.25),
+        ("huber", -0.5 * (math.sqrt(0.25 + 1e-10) - 1e-5)),
+        ("ghuber", -0.5 * ((0.25 + 1e-10) ** 0.5 - 1e-5) / 0.5),
+    ],
+)
 def test_awm_time_weightings_hand_values(weighting, expected):
     """log p = -w(sigma, e) at e = 0.25, sigma = 0.5 (ghuber with p = 1/2 is huber times 2)."""
     from trainer.algorithms.awm import matching_log_prob

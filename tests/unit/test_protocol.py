@@ -165,9 +165,7 @@ def test_as_hwc_uint8_makes_contiguous() -> None:
 def _request(**overrides: object) -> dict:
     body = {
         "request_id": "r1",
-        "items": [
-            {"id": "a", "prompt": "digit 3", "image": encode_image(GRAY, "png"), "metadata": {"digit": 3}}
-        ],
+        "items": [{"id": "a", "prompt": "digit 3", "image": encode_image(GRAY, "png"), "metadata": {"digit": 3}}],
     }
     body.update(overrides)
     return body
@@ -194,19 +192,11 @@ def test_score_request_parses_and_defaults() -> None:
         ),
         ({"items": [{"id": "a", "prompt": "", "image": {"format": "raw", "data": "AA"}}]}, "requires shape"),
         (
-            {
-                "items": [
-                    {"id": "a", "prompt": "", "image": {"format": "raw", "data": "AA", "shape": [1, 1, 4]}}
-                ]
-            },
+            {"items": [{"id": "a", "prompt": "", "image": {"format": "raw", "data": "AA", "shape": [1, 1, 4]}}]},
             "1 \\(grayscale\\) or 3",
         ),
         (
-            {
-                "items": [
-                    {"id": "a", "prompt": "", "image": {"format": "png", "data": "AA", "shape": [1, 1, 1]}}
-                ]
-            },
+            {"items": [{"id": "a", "prompt": "", "image": {"format": "png", "data": "AA", "shape": [1, 1, 1]}}]},
             "only allowed with format 'raw'",
         ),
         (
@@ -214,7 +204,16 @@ def test_score_request_parses_and_defaults() -> None:
             "reserved",
         ),
         (
-            {"items": [{"id": "a", "prompt": "", "image": encode_image(GRAY), "metadata_images": {"mask": encode_image(GRAY)}}]},
+            {
+                "items": [
+                    {
+                        "id": "a",
+                        "prompt": "",
+                        "image": encode_image(GRAY),
+                        "metadata_images": {"mask": encode_image(GRAY)},
+                    }
+                ]
+            },
             "reserved",
         ),
         (

@@ -22,8 +22,9 @@ print("encoded", len(adapter.prompts.cache))
 
 
 def test_the_truncation_notice_is_shown_for_the_first_cut_prompt_only(tiny_model_dir):
-    run = subprocess.run([sys.executable, "-c", ENCODE, tiny_model_dir], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", ENCODE, tiny_model_dir], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0 and "encoded 5" in run.stdout, run.stderr[-2000:]
     assert run.stderr.count("The following part of your input was truncated") == 1, run.stderr[-3000:]
     assert "['word 0 x" in run.stderr  # the first prompt's cut part, as diffusers says it

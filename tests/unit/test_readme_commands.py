@@ -21,7 +21,5 @@ def test_every_readme_command_that_picks_a_run_picks_the_newest(tmp_path):
         final.mkdir(parents=True)
         os.utime(final, (1_000_000 - age, 1_000_000 - age))
     for pick in picks:
-        chosen = subprocess.run(
-            ["bash", "-c", pick], cwd=tmp_path, capture_output=True, text=True, check=True
-        ).stdout
+        chosen = subprocess.run(["bash", "-c", pick], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
         assert chosen == "outputs/20261202-090000/final\n", pick

@@ -55,10 +55,20 @@ def test_a_run_saves_the_files_it_reads_as_absolute_paths(tmp_path, monkeypatch)
     folder finds them), except a Hub id given for a folder and what is empty; other text is kept as written."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "encoders" / "clip").mkdir(parents=True)  # a folder here, though it reads as a Hub id too
-    config = load_config(overrides=["model.name=flux", "model.path=some-org/some-model", "model.text_embeddings=emb",
-                                    "model.ip_adapter.image_encoder=encoders/clip", "model.ip_adapter.weights=ip",
-                                    "data.name=prompt_file", "data.path=../prompts.txt", "eval.path=/data/eval.txt",
-                                    "train.init_from=runs/a/best", "model.negative_prompt=blurry/grainy"])
+    config = load_config(
+        overrides=[
+            "model.name=flux",
+            "model.path=some-org/some-model",
+            "model.text_embeddings=emb",
+            "model.ip_adapter.image_encoder=encoders/clip",
+            "model.ip_adapter.weights=ip",
+            "data.name=prompt_file",
+            "data.path=../prompts.txt",
+            "eval.path=/data/eval.txt",
+            "train.init_from=runs/a/best",
+            "model.negative_prompt=blurry/grainy",
+        ]
+    )
     saved = saved_dict(config)
     assert saved["model"]["path"] == "some-org/some-model"  # model.path's error names `hf download`
     assert saved["model"]["text_embeddings"] == str(tmp_path / "emb") and saved["model"]["image_latents"] == ""
@@ -72,5 +82,6 @@ def test_a_run_saves_the_files_it_reads_as_absolute_paths(tmp_path, monkeypatch)
     older = to_dict(config)
     assert config_changes(older, saved) == []
     older["model"]["ip_adapter"]["image_encoder"] = "encoders/siglip"
-    assert config_changes(older, saved) == [f"model.ip_adapter.image_encoder: 'encoders/siglip' -> "
-                                            f"{str(tmp_path / 'encoders' / 'clip')!r}"]
+    assert config_changes(older, saved) == [
+        f"model.ip_adapter.image_encoder: 'encoders/siglip' -> {str(tmp_path / 'encoders' / 'clip')!r}"
+    ]

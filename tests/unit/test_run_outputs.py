@@ -33,8 +33,9 @@ def test_a_grid_enlarges_only_small_images(tmp_path, side, scale):
     assert (picture.height, picture.width, picture.channels) == pixels.shape
     assert np.array_equal(np.asarray(Image.open(picture.path)), pixels)  # lossless
     first = (images[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-    assert np.array_equal(pixels[scale: scale * (1 + first.shape[0]): scale, scale: scale * (1 + first.shape[1]): scale],
-                          first)
+    assert np.array_equal(
+        pixels[scale : scale * (1 + first.shape[0]) : scale, scale : scale * (1 + first.shape[1]) : scale], first
+    )
 
 
 def test_a_grey_grid_is_saved_once_and_tensorboard_holds_its_bytes(tmp_path):
@@ -71,8 +72,10 @@ def test_rollout_samples_are_written_with_their_prompts_and_rewards(tmp_path):
     assert image.step == 7 and image.encoded_image_string == (tmp_path / "rollouts" / "epoch0007.jpg").read_bytes()
     (text,) = events.Tensors("rollouts/samples/text_summary")
     assert text.tensor_proto.string_val[0].decode().splitlines() == [
-        "1. a cat | reward 0.350 (ocr 0.500, pickscore 0.200)", "2. a dog | reward nan (ocr nan, pickscore 0.300)",
-        "3. a sign saying hi | reward 0.700 (ocr 1.000, pickscore 0.400)"]
+        "1. a cat | reward 0.350 (ocr 0.500, pickscore 0.200)",
+        "2. a dog | reward nan (ocr nan, pickscore 0.300)",
+        "3. a sign saying hi | reward 0.700 (ocr 1.000, pickscore 0.400)",
+    ]
 
 
 def test_rollout_samples_show_what_each_image_was_conditioned_on(tmp_path):
@@ -80,8 +83,9 @@ def test_rollout_samples_show_what_each_image_was_conditioned_on(tmp_path):
     reference image (several per item: a row each), in the rollouts' own size and channels."""
     outputs = torch.full((2, 3, 24, 24), 0.5)
     ramp = torch.linspace(0, 1, 24)
-    source = torch.stack([ramp.view(1, 24).expand(24, 24), ramp.view(24, 1).expand(24, 24),
-                          torch.full((24, 24), 0.2)]).repeat(2, 1, 1, 1)  # smooth: JPEG keeps it
+    source = torch.stack(
+        [ramp.view(1, 24).expand(24, 24), ramp.view(24, 1).expand(24, 24), torch.full((24, 24), 0.2)]
+    ).repeat(2, 1, 1, 1)  # smooth: JPEG keeps it
     mask = torch.zeros(2, 1, 24, 24)
     mask[:, :, 8:16, 8:16] = 1
     references = torch.rand(2, 2, 3, 48, 48)  # two per item, larger than the outputs
@@ -101,15 +105,23 @@ def test_rollout_samples_show_what_each_image_was_conditioned_on(tmp_path):
 
     recorder = Recorder()
     logger = RunLogger(tmp_path, True, False, [recorder])
-    logger.rollout_samples(1, outputs, ["fill it", "fill it"], [0.1, 0.2], {"ocr": [0.1, 0.2]},
-                           ImageInputs(image=source, mask=mask, reference=references))
+    logger.rollout_samples(
+        1,
+        outputs,
+        ["fill it", "fill it"],
+        [0.1, 0.2],
+        {"ocr": [0.1, 0.2]},
+        ImageInputs(image=source, mask=mask, reference=references),
+    )
     # each image for the trackers: its inputs, then itself, side by side
     assert [image.shape for image in recorder.images] == [(24, 4 * 24, 3)] * 2
     for i, image in enumerate(recorder.images):
-        assert np.array_equal(image[:, :24], to_uint8(rows[0])[i]) and np.array_equal(image[:, 72:], to_uint8(outputs)[i])
+        assert np.array_equal(image[:, :24], to_uint8(rows[0])[i]) and np.array_equal(
+            image[:, 72:], to_uint8(outputs)[i]
+        )
     grid = np.asarray(Image.open(tmp_path / "rollouts" / "epoch0001.jpg"), dtype=np.float64) / 255
     assert grid.shape == ((4 * 25 + 1) * 4, (2 * 25 + 1) * 4, 3)  # outputs, then 3 input rows; 24 px: 4x
-    second_row = grid[4 * 26: 4 * 50, 4: 4 * 25].reshape(24, 4, 24, 4, 3).mean((1, 3))
+    second_row = grid[4 * 26 : 4 * 50, 4 : 4 * 25].reshape(24, 4, 24, 4, 3).mean((1, 3))
     assert np.abs(second_row - rows[0][0].permute(1, 2, 0).numpy()).mean() < 0.03  # JPEG: lossy
 
 
@@ -122,23 +134,39 @@ def test_an_evaluation_grid_puts_each_rows_inputs_before_its_samples():
     assert shown.shape == (12, 3, 8, 8)
     for r in range(3):
         assert torch.equal(shown[4 * r], references[r, 0]) and torch.equal(shown[4 * r + 1], references[r, 1])
-        assert torch.equal(shown[4 * r + 2: 4 * r + 4], samples[2 * r: 2 * r + 2])
+        assert torch.equal(shown[4 * r + 2 : 4 * r + 4], samples[2 * r : 2 * r + 2])
     assert with_inputs(samples, 3, None) is samples
 
 
 def test_a_breakdown_gives_each_values_mean_and_their_unweighted_mean():
     from trainer.evaluation import breakdown
 
-    metadata = [{"tag": "counting"}, {"tag": "counting"}, {"tag": "colors"}, {}, {"tag": "position"},
-                {"tag": "position"}, {"tag": 3}]
-    scores = {"geneval": np.array([1.0, 0.0, 1.0, 1.0, np.nan, 0.0, 1.0]),
-              "aesthetic": np.array([5.0, 6.0, 4.0, 9.0, np.nan, np.nan, 2.0])}
+    metadata = [
+        {"tag": "counting"},
+        {"tag": "counting"},
+        {"tag": "colors"},
+        {},
+        {"tag": "position"},
+        {"tag": "position"},
+        {"tag": 3},
+    ]
+    scores = {
+        "geneval": np.array([1.0, 0.0, 1.0, 1.0, np.nan, 0.0, 1.0]),
+        "aesthetic": np.array([5.0, 6.0, 4.0, 9.0, np.nan, np.nan, 2.0]),
+    }
     got = breakdown("tag", metadata, scores)
-    assert got == {"by_tag/geneval/3": 1.0, "by_tag/geneval/colors": 1.0, "by_tag/geneval/counting": 0.5,
-                   "by_tag/geneval/position": 0.0, "by_tag/geneval/mean": (1.0 + 1.0 + 0.5 + 0.0) / 4,
-                   "by_tag/aesthetic/3": 2.0, "by_tag/aesthetic/colors": 4.0, "by_tag/aesthetic/counting": 5.5,
-                   "by_tag/aesthetic/position": got["by_tag/aesthetic/position"],
-                   "by_tag/aesthetic/mean": got["by_tag/aesthetic/mean"]}
+    assert got == {
+        "by_tag/geneval/3": 1.0,
+        "by_tag/geneval/colors": 1.0,
+        "by_tag/geneval/counting": 0.5,
+        "by_tag/geneval/position": 0.0,
+        "by_tag/geneval/mean": (1.0 + 1.0 + 0.5 + 0.0) / 4,
+        "by_tag/aesthetic/3": 2.0,
+        "by_tag/aesthetic/colors": 4.0,
+        "by_tag/aesthetic/counting": 5.5,
+        "by_tag/aesthetic/position": got["by_tag/aesthetic/position"],
+        "by_tag/aesthetic/mean": got["by_tag/aesthetic/mean"],
+    }
     # a category whose every score failed is NaN, and so is the overall score: never a silent 0
     assert math.isnan(got["by_tag/aesthetic/position"]) and math.isnan(got["by_tag/aesthetic/mean"])
     assert breakdown("", metadata, scores) == {} and breakdown("category", metadata, scores) == {}
@@ -150,10 +178,18 @@ def test_the_outputs_bench_prints_its_table():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "bench/outputs.py", "--side", "16", "--prompts", "2", "--samples", "2",
-                          "--repeats", "1"], cwd=repo, capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "bench/outputs.py", "--side", "16", "--prompts", "2", "--samples", "2", "--repeats", "1"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and not line.startswith("| output")]
-    assert [r[0] for r in rows] == ["| evaluation grid, PNG level 6 + TensorBoard re-encoding (before)",
-                                    "| evaluation grid, PNG level 1, its bytes to TensorBoard (now)",
-                                    "| rollout samples (2), JPEG q90, TensorBoard"]
+    assert [r[0] for r in rows] == [
+        "| evaluation grid, PNG level 6 + TensorBoard re-encoding (before)",
+        "| evaluation grid, PNG level 1, its bytes to TensorBoard (now)",
+        "| rollout samples (2), JPEG q90, TensorBoard",
+    ]
     assert all(float(r[1]) >= 0 and float(r[2].rstrip(" |")) > 0 for r in rows)

@@ -35,8 +35,11 @@ def test_devices_name_this_ranks_gpu_unless_an_index_is_given():
         if index < count:
             assert resolve_device(name, 3) == torch.device("cuda", index)
         else:  # torch.cuda.set_device would fail with an AttributeError or "invalid device ordinal"
-            with pytest.raises(ValueError, match=rf"train.device='{name}' needs GPU {index}, but this process sees "
-                                                 rf"{count} GPU\(s\).*use train.device=auto or cpu"):
+            with pytest.raises(
+                ValueError,
+                match=rf"train.device='{name}' needs GPU {index}, but this process sees "
+                rf"{count} GPU\(s\).*use train.device=auto or cpu",
+            ):
                 resolve_device(name, 3)
     assert resolve_device("cpu", 3) == torch.device("cpu")
     expected = torch.device("cuda", 2) if torch.cuda.is_available() else torch.device("cpu")
@@ -59,15 +62,24 @@ def _fake_checkpoint(path: Path) -> Path:
 
 def test_a_path_that_is_not_a_checkpoint_is_refused_naming_the_one_meant(tmp_path):
     require_checkpoint(_fake_checkpoint(tmp_path / "run" / "checkpoints" / "step-000004-000002"), "train.resume")
-    with pytest.raises(ValueError, match=r"train.init_from='.*nowhere': no such directory; pass a "
-                                         r"<run>/checkpoints/step-\* directory$"):  # was "not a complete checkpoint"
+    with pytest.raises(
+        ValueError,
+        match=r"train.init_from='.*nowhere': no such directory; pass a "
+        r"<run>/checkpoints/step-\* directory$",
+    ):  # was "not a complete checkpoint"
         require_checkpoint(tmp_path / "nowhere", "train.init_from")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"train.init_from='.*empty' is not a complete checkpoint .*: pass a "
-                                         r"<run>/checkpoints/step-\* directory$"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.init_from='.*empty' is not a complete checkpoint .*: pass a "
+        r"<run>/checkpoints/step-\* directory$",
+    ):
         require_checkpoint(tmp_path / "empty", "train.init_from")
-    with pytest.raises(ValueError, match=r"is a run directory: pass one of its checkpoints, e.g. .*step-000004-000002"
-                                         r", or train.resume=auto"):
+    with pytest.raises(
+        ValueError,
+        match=r"is a run directory: pass one of its checkpoints, e.g. .*step-000004-000002"
+        r", or train.resume=auto",
+    ):
         require_checkpoint(tmp_path / "run", "train.resume")
 
 
@@ -97,9 +109,11 @@ def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_buil
     (tmp_path / "same" / "metrics.jsonl").write_text('{"phase": "rl", "step": 1}\n')
     model = tmp_path / "not-built"  # the tiny model would be built there
     base = [f"logging.output_dir={tmp_path}", f"model.path={model}", "model.build_if_missing=true"]
-    for extra, message in (("logging.run_name=same", "already holds a run (metrics.jsonl)"),
-                           (f"train.resume={tmp_path / 'same'}", "is not a complete checkpoint"),
-                           ("data.name=prompt_file", "data.path")):  # checked after the model loaded, before
+    for extra, message in (
+        ("logging.run_name=same", "already holds a run (metrics.jsonl)"),
+        (f"train.resume={tmp_path / 'same'}", "is not a complete checkpoint"),
+        ("data.name=prompt_file", "data.path"),
+    ):  # checked after the model loaded, before
         assert main([*base, extra]) == 2
         assert message in capsys.readouterr().err
     assert not model.exists()
@@ -116,9 +130,11 @@ def test_a_resume_under_another_model_or_algorithm_is_refused_before_anything_lo
     base = [f"logging.output_dir={tmp_path}", f"model.path={model}", "model.build_if_missing=true", "reward.replicas=1"]
     for resume in ([f"train.resume={checkpoint}"], ["--resume", "auto", "logging.run_name=older"]):
         assert main([*base, *resume]) == 2
-        assert (f"error: train.resume: {checkpoint} was written by a run of algorithm.name=dpo, and this one has "
-                f"algorithm.name=grpo: resume with algorithm.name=dpo, or start a new run from its weights with "
-                f"train.init_from={checkpoint}") in capsys.readouterr().err
+        assert (
+            f"error: train.resume: {checkpoint} was written by a run of algorithm.name=dpo, and this one has "
+            f"algorithm.name=grpo: resume with algorithm.name=dpo, or start a new run from its weights with "
+            f"train.init_from={checkpoint}"
+        ) in capsys.readouterr().err
     assert not model.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["older"]
 
 
@@ -130,8 +146,9 @@ def test_checkpoint_directories_get_the_users_usual_mode(tmp_path):
     backend.prepare(net, list(net.parameters()), lambda params: torch.optim.SGD(params, lr=0.1))
     old = os.umask(0o022)
     try:
-        path = Checkpoints(tmp_path, keep=0, is_main=True).save(Progress(1, 0), SimpleNamespace(denoiser=net),
-                                                                backend, {}, {})
+        path = Checkpoints(tmp_path, keep=0, is_main=True).save(
+            Progress(1, 0), SimpleNamespace(denoiser=net), backend, {}, {}
+        )
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o755
@@ -189,8 +206,11 @@ def test_a_resume_hides_the_redone_steps_in_tensorboard(tmp_path):
     logger.truncate(4, 2)
     logger.log(3, "rl", {"reward_mean": 0.9})
     logger.close()
-    assert _scalars(tmp_path, "rl", "rl/reward_mean") == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)),
-                                                          (3, pytest.approx(0.9))]
+    assert _scalars(tmp_path, "rl", "rl/reward_mean") == [
+        (1, pytest.approx(0.1)),
+        (2, pytest.approx(0.2)),
+        (3, pytest.approx(0.9)),
+    ]
     assert [step for step, _ in _scalars(tmp_path, "warmup", "warmup/loss")] == [0, 1, 2, 3]
 
 
@@ -203,8 +223,10 @@ def test_the_jobs_own_reward_servers_expect_the_token_its_client_sends(tmp_path,
         pool = _launch_local_pool(config, tmp_path, stack)
         pool.wait_ready()
         (url,) = pool.urls
-        status = {token: httpx.get(f"{url}/info", headers={"Authorization": f"Bearer {token}"}, trust_env=False).status_code
-                  for token in ("from-config", "from-shell")}
+        status = {
+            token: httpx.get(f"{url}/info", headers={"Authorization": f"Bearer {token}"}, trust_env=False).status_code
+            for token in ("from-config", "from-shell")
+        }
     assert status == {"from-config": 200, "from-shell": 401}
 
 
@@ -221,17 +243,35 @@ def test_the_reward_replicas_load_while_the_model_loads(tmp_path, monkeypatch):
         logs = tmp_path / "outputs" / "run" / "reward_replicas"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(
-                "Application startup complete" in log.read_text() for log in logs.glob("replica-*.log")):
+            "Application startup complete" in log.read_text() for log in logs.glob("replica-*.log")
+        ):
             time.sleep(0.05)
         waited.append(time.monotonic() < deadline)
         return build_adapter(config, device)
 
     monkeypatch.setattr(trainer.build, "build_adapter", after_a_replica_loaded)
-    assert main([f"model.path={tmp_path / 'tiny'}", "model.build_if_missing=true", f"logging.output_dir={tmp_path / 'outputs'}",
-                 "logging.run_name=run", "logging.progress=false", "logging.tensorboard=false", "reward.replicas=1",
-                 "train.warmup_steps=0",
-                 "train.epochs=1", "data.prompts_per_epoch=1", "algorithm.group_size=2", "algorithm.sampler.num_steps=4",
-                 "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1", "eval.num_steps=1"]) == 0
+    assert (
+        main(
+            [
+                f"model.path={tmp_path / 'tiny'}",
+                "model.build_if_missing=true",
+                f"logging.output_dir={tmp_path / 'outputs'}",
+                "logging.run_name=run",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                "reward.replicas=1",
+                "train.warmup_steps=0",
+                "train.epochs=1",
+                "data.prompts_per_epoch=1",
+                "algorithm.group_size=2",
+                "algorithm.sampler.num_steps=4",
+                "algorithm.sampler.window_range=[0,2]",
+                "eval.samples_per_prompt=1",
+                "eval.num_steps=1",
+            ]
+        )
+        == 0
+    )
     assert waited == [True]
 
 
@@ -260,7 +300,8 @@ def _fails_fast(tmp_path, capsys, *overrides: str) -> str:
 
 
 def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is_built(
-        tmp_path, capsys, monkeypatch, brightness_server):
+    tmp_path, capsys, monkeypatch, brightness_server
+):
     """Each used to show after the warm-up (or 116 s in) as a 35-line traceback ending in RewardUnavailableError."""
     from servers import free_port
 
@@ -270,7 +311,9 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
     assert f"`rewardflow-reward-server --scorers digit --host 127.0.0.1 --port {port}`" in line
 
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
-    line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={digit: 1, brightness: 1}")
+    line = _fails_fast(
+        tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={digit: 1, brightness: 1}"
+    )
     assert f"reward server {brightness_server} does not serve digit (it serves brightness): restart it with " in line
     assert f"--scorers brightness,digit --host 127.0.0.1 --port {brightness_server.rsplit(':', 1)[1]}`" in line
 
@@ -283,8 +326,13 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
 
     # Guard scorers too: a server without one used to fail after the warm-up, a local pool with a 35-line traceback.
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
-    line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}",
-                       "eval.guard_scorers=[colorfulness]")
+    line = _fails_fast(
+        tmp_path,
+        capsys,
+        f"reward.urls=[{brightness_server}]",
+        "reward.weights={brightness: 1}",
+        "eval.guard_scorers=[colorfulness]",
+    )
     assert f"reward server {brightness_server} does not serve colorfulness (it serves brightness)" in line
     assert line.endswith("or take colorfulness out of eval.guard_scorers")
     line = _fails_fast(tmp_path, capsys, "eval.guard_scorers=[aesthetik]")
@@ -292,41 +340,61 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
 
 
 def test_requests_beyond_a_servers_limits_are_refused_before_anything_is_built(
-        tmp_path, capsys, monkeypatch, brightness_server):
+    tmp_path, capsys, monkeypatch, brightness_server
+):
     """Each was an HTTP 413 at the first scoring, after the warm-up: the server's /info says its limits first."""
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
     served = [f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}"]
     line = _fails_fast(tmp_path, capsys, *served, "reward.batch_size=300")
-    assert line == (f"error: reward.batch_size=300 makes requests of 300 items, more than reward server "
-                    f"{brightness_server} takes in one (HTTP 413): set reward.batch_size=256 or less, or restart the "
-                    "server with --max-items 300")
+    assert line == (
+        f"error: reward.batch_size=300 makes requests of 300 items, more than reward server "
+        f"{brightness_server} takes in one (HTTP 413): set reward.batch_size=256 or less, or restart the "
+        "server with --max-items 300"
+    )
     line = _fails_fast(tmp_path, capsys, *served, "model.resolution=2048")  # 32 raw images: 402653184 bytes
-    assert line.endswith("takes in one (HTTP 413): set reward.batch_size=21 or less, or restart the server with "
-                         "--max-body-bytes 402653184")
+    assert line.endswith(
+        "takes in one (HTTP 413): set reward.batch_size=21 or less, or restart the server with "
+        "--max-body-bytes 402653184"
+    )
     line = _fails_fast(tmp_path, capsys, *served, "model.resolution=8192")
-    assert line.endswith(f"is above the largest image side reward server {brightness_server} takes (4096): restart "
-                         "it with --max-image-side 8192")
+    assert line.endswith(
+        f"is above the largest image side reward server {brightness_server} takes (4096): restart "
+        "it with --max-image-side 8192"
+    )
     from shared.protocol import Limits
     from trainer.rewards.preflight import Requests
 
     limits = Limits(max_items=256, max_image_side=4096, max_body_bytes=256 * 2**20, max_pixels_per_request=2**27)
     assert Requests(32, 2048).beyond("u", limits) is not None
     assert Requests(32, 2048, "png").beyond("u", limits) is None  # compressed: its size is not known before
-    assert Requests(33, 2048, "png").beyond("u", limits).endswith("set reward.batch_size=32 or less, or restart the "
-                                                                  "server with --max-pixels-per-request 138412032")
+    assert (
+        Requests(33, 2048, "png")
+        .beyond("u", limits)
+        .endswith("set reward.batch_size=32 or less, or restart the server with --max-pixels-per-request 138412032")
+    )
     assert Requests(32).beyond("u", limits) is None  # the model's own side: checked once it is known
 
 
-def test_requests_beyond_the_jobs_own_replicas_limits_are_refused_before_the_warm_up(tmp_path, capsys,
-                                                                                      tiny_model_dir):
+def test_requests_beyond_the_jobs_own_replicas_limits_are_refused_before_the_warm_up(tmp_path, capsys, tiny_model_dir):
     from trainer.main import main
 
-    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path}", "reward.replicas=1",
-                 "reward.batch_size=300", "train.warmup_steps=1"]) == 2
+    assert (
+        main(
+            [
+                f"model.path={tiny_model_dir}",
+                f"logging.output_dir={tmp_path}",
+                "reward.replicas=1",
+                "reward.batch_size=300",
+                "train.warmup_steps=1",
+            ]
+        )
+        == 2
+    )
     out, err = capsys.readouterr()
     line = next(line for line in err.splitlines() if line.startswith("error: "))
-    assert line.startswith("error: reward.batch_size=300 makes requests of 300 items, more than reward server "
-                           "http://127.0.0.1:") and line.endswith("set reward.batch_size=256 or less"), err
+    assert line.startswith(
+        "error: reward.batch_size=300 makes requests of 300 items, more than reward server http://127.0.0.1:"
+    ) and line.endswith("set reward.batch_size=256 or less"), err
     assert "warm-up" not in out and list(tmp_path.iterdir()) == []
 
 
@@ -335,14 +403,24 @@ def test_a_prompt_file_with_the_default_warm_up_is_refused_before_any_model_load
     reward replicas and the run directory were made."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\na dog\n")
-    line = _fails_fast(tmp_path, capsys, "data.name=prompt_file", f"data.path={prompts}",
-                       "reward.weights={brightness: 1}")
-    assert line == ("error: data.name=prompt_file has prompts but no target images for the supervised warm-up: set "
-                    "train.warmup_steps=0 (or start from trained weights: train.init_from)")
+    line = _fails_fast(
+        tmp_path, capsys, "data.name=prompt_file", f"data.path={prompts}", "reward.weights={brightness: 1}"
+    )
+    assert line == (
+        "error: data.name=prompt_file has prompts but no target images for the supervised warm-up: set "
+        "train.warmup_steps=0 (or start from trained weights: train.init_from)"
+    )
 
 
-SHORT = ["train.warmup_steps=0", "train.epochs=0", "eval.samples_per_prompt=1", "eval.num_steps=1", "reward.replicas=1",
-         "logging.progress=false", "logging.tensorboard=false"]
+SHORT = [
+    "train.warmup_steps=0",
+    "train.epochs=0",
+    "eval.samples_per_prompt=1",
+    "eval.num_steps=1",
+    "reward.replicas=1",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
 """A job that ends as soon as it has started: no warm-up, no RL, one cheap evaluation."""
 
 
@@ -354,9 +432,11 @@ def test_a_mistyped_tiny_model_path_is_refused_not_built(tmp_path, capsys) -> No
     typo, output = tmp_path / "modles" / "tiny", tmp_path / "outputs"
     assert main([f"model.path={typo}", f"logging.output_dir={output}", *SHORT]) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert line == (f"error: model.path='{typo}': no such folder: fix the path, leave model.path unset for the default "
-                    "tiny model (.cache/rewardflow/tiny-sd3-digits), or set model.build_if_missing=true to build a new "
-                    "random tiny model there")
+    assert line == (
+        f"error: model.path='{typo}': no such folder: fix the path, leave model.path unset for the default "
+        "tiny model (.cache/rewardflow/tiny-sd3-digits), or set model.build_if_missing=true to build a new "
+        "random tiny model there"
+    )
     assert not (tmp_path / "modles").exists() and not output.exists()
     assert main([f"model.path={typo}", "model.build_if_missing=true", f"logging.output_dir={output}", *SHORT]) == 0
     assert (typo / "transformer" / "config.json").is_file()
@@ -369,28 +449,52 @@ def test_every_missing_piece_is_reported_at_once_before_anything_loads(tmp_path)
 
     port = free_port()
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"name": "sd3", "path": str(tmp_path / "sd3.5-medium"), "text_embeddings": str(tmp_path / "emb")},
-        "data": {"name": "prompt_file", "path": "no/such/prompts.txt"}, "eval": {"path": str(tmp_path / "test.txt")},
-        "train": {"warmup_steps": 0}, "reward": {"urls": [f"http://127.0.0.1:{port}"], "weights": {"ocr": 1.0}},
-        "logging": {"output_dir": str(tmp_path / "outputs")}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "name": "sd3",
+                    "path": str(tmp_path / "sd3.5-medium"),
+                    "text_embeddings": str(tmp_path / "emb"),
+                },
+                "data": {"name": "prompt_file", "path": "no/such/prompts.txt"},
+                "eval": {"path": str(tmp_path / "test.txt")},
+                "train": {"warmup_steps": 0},
+                "reward": {"urls": [f"http://127.0.0.1:{port}"], "weights": {"ocr": 1.0}},
+                "logging": {"output_dir": str(tmp_path / "outputs")},
+            }
+        )
+    )
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "trainer/main.py", "--config", str(config)], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, "trainer/main.py", "--config", str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     took = time.monotonic() - start
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
     lines = run.stderr.splitlines()
     assert lines[0] == "error: this run cannot start; 5 things to fix first:", run.stderr
     assert lines[1].startswith(f"  - reward server http://127.0.0.1:{port} is unreachable") and lines[1].endswith(
         f"start it with `rewardflow-reward-server --scorers ocr --host 127.0.0.1 --port {port}`, or leave "
-        "reward.urls empty and the job starts its own")
-    assert lines[2] == ("  - data.path='no/such/prompts.txt': no such file (a .txt with one prompt per line or a "
-                        f".jsonl, looked for at {REPO / 'no/such/prompts.txt'}): set data.path to it")
+        "reward.urls empty and the job starts its own"
+    )
+    assert lines[2] == (
+        "  - data.path='no/such/prompts.txt': no such file (a .txt with one prompt per line or a "
+        f".jsonl, looked for at {REPO / 'no/such/prompts.txt'}): set data.path to it"
+    )
     assert lines[3].startswith(f"  - eval.path='{tmp_path / 'test.txt'}': no such file") and "set eval.path" in lines[3]
-    assert lines[4] == (f"  - model.path='{tmp_path / 'sd3.5-medium'}' is not a diffusers StableDiffusion3Pipeline "
-                        "directory (no such folder); point model.path at a local copy of the weights")
-    assert lines[5] == (f"  - model.text_embeddings='{tmp_path / 'emb'}': no such folder; write the store there with "
-                        "python -m trainer.precompute --config CONFIG.yaml --out DIR")
+    assert lines[4] == (
+        f"  - model.path='{tmp_path / 'sd3.5-medium'}' is not a diffusers StableDiffusion3Pipeline "
+        "directory (no such folder); point model.path at a local copy of the weights"
+    )
+    assert lines[5] == (
+        f"  - model.text_embeddings='{tmp_path / 'emb'}': no such folder; write the store there with "
+        "python -m trainer.precompute --config CONFIG.yaml --out DIR"
+    )
     assert lines[6:] == ["(set RF_TRACEBACK=1 for the traceback)"] and run.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"] and took < 60
 
@@ -404,8 +508,10 @@ def test_an_output_dir_or_a_model_path_that_is_a_file_is_one_line(tmp_path, caps
     line = _fails_fast(tmp_path, capsys, f"logging.output_dir={a_file / 'runs'}")
     assert line == f"error: logging.output_dir='{a_file / 'runs'}': {a_file} is a file, not a folder"
     assert main([f"model.path={a_file}", f"logging.output_dir={tmp_path / 'outputs'}", "reward.replicas=1"]) == 2
-    assert (f"error: model.path='{a_file}' is a file: name the model's folder (a diffusers pipeline's, with "
-            "model_index.json)") in capsys.readouterr().err
+    assert (
+        f"error: model.path='{a_file}' is a file: name the model's folder (a diffusers pipeline's, with "
+        "model_index.json)"
+    ) in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no .building-*, no run left behind
 
 
@@ -416,14 +522,19 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path, capsys) -> None
     assert line.endswith("choose a folder this user can write")
 
 
-def test_supervised_images_of_another_size_than_the_model_are_refused_before_training(tmp_path, capsys,
-                                                                                      tiny_model_dir) -> None:
+def test_supervised_images_of_another_size_than_the_model_are_refused_before_training(
+    tmp_path, capsys, tiny_model_dir
+) -> None:
     """It came at the first warm-up step, after the run had started, and left its run folder behind."""
     from trainer.main import main
 
     output = tmp_path / "outputs"
-    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", "model.resolution=32",
-                 "reward.replicas=1"]) == 2
+    assert (
+        main(
+            [f"model.path={tiny_model_dir}", f"logging.output_dir={output}", "model.resolution=32", "reward.replicas=1"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err  # after the model's loading bars
     (line,) = [line for line in err.splitlines() if "error:" in line]
     assert line.startswith("error: supervised images of (16, 16) pixels encode to latents") and "Traceback" not in err
@@ -431,19 +542,32 @@ def test_supervised_images_of_another_size_than_the_model_are_refused_before_tra
     assert not output.exists()
 
 
-def test_image_inputs_a_model_does_not_take_are_refused_naming_them_before_the_warm_up(tmp_path, capsys,
-                                                                                      tiny_model_dir) -> None:
+def test_image_inputs_a_model_does_not_take_are_refused_naming_them_before_the_warm_up(
+    tmp_path, capsys, tiny_model_dir
+) -> None:
     """Inpainting rows for the text-to-image tiny model: the warm-up's shape check said to set data.image_size."""
     from trainer.data.testing import tiny_dataset
     from trainer.main import main
 
     output = tmp_path / "outputs"
     data = tiny_dataset("inpaint_jsonl", tmp_path)
-    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", "data.name=inpaint_jsonl",
-                 f"data.path={data}", "reward.replicas=1"]) == 2
+    assert (
+        main(
+            [
+                f"model.path={tiny_model_dir}",
+                f"logging.output_dir={output}",
+                "data.name=inpaint_jsonl",
+                f"data.path={data}",
+                "reward.replicas=1",
+            ]
+        )
+        == 2
+    )
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert line == ("error: the tiny adapter takes no ImageInputs.image, .mask (it is a text-to-image model): train it "
-                    "on a data.name without images, or set model.name to a model that takes them")
+    assert line == (
+        "error: the tiny adapter takes no ImageInputs.image, .mask (it is a text-to-image model): train it "
+        "on a data.name without images, or set model.name to a model that takes them"
+    )
     assert not output.exists()
 
 
@@ -451,11 +575,23 @@ def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_t
     """aesthetic needs model files, which a job's own replicas are not given: a 33-line traceback before."""
     from trainer.main import main
 
-    assert main([f"model.path={tmp_path / 'tiny'}", "model.build_if_missing=true", f"logging.output_dir={tmp_path / 'outputs'}",
-                 "reward.weights={aesthetic: 1}", "reward.replicas=1"]) == 2
+    assert (
+        main(
+            [
+                f"model.path={tmp_path / 'tiny'}",
+                "model.build_if_missing=true",
+                f"logging.output_dir={tmp_path / 'outputs'}",
+                "reward.weights={aesthetic: 1}",
+                "reward.replicas=1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert ("\nerror: a scorer of reward.weights or eval.guard_scorers needs model files: set reward.model_dir to the "
-            "folder that holds them (the replicas' --model-dir). reward replica 0 (http://127.0.0.1:") in f"\n{err}"
+    assert (
+        "\nerror: a scorer of reward.weights or eval.guard_scorers needs model files: set reward.model_dir to the "
+        "folder that holds them (the replicas' --model-dir). reward replica 0 (http://127.0.0.1:"
+    ) in f"\n{err}"
     assert "aesthetic needs --model-dir" in err and 'trainer/main.py", line' not in err  # the replica's log, no more
 
 
@@ -463,47 +599,91 @@ def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_t
 def test_the_jobs_own_replicas_score_with_model_files_from_reward_model_dir(tmp_path, tiny_aesthetic_model_dir):
     from trainer.main import main
 
-    assert main([f"model.path={tmp_path / 'tiny'}", "model.build_if_missing=true", f"logging.output_dir={tmp_path / 'outputs'}",
-                 "logging.run_name=r", "logging.progress=false", "logging.tensorboard=false", "reward.weights={aesthetic: 1}",
-                 f"reward.model_dir={tiny_aesthetic_model_dir}", "reward.replicas=1", "train.warmup_steps=0",
-                 "train.epochs=1", "data.prompts_per_epoch=1", "algorithm.group_size=2", "algorithm.sampler.num_steps=4",
-                 "algorithm.sampler.window_range=[0,2]", "eval.samples_per_prompt=1", "eval.num_steps=1"]) == 0
+    assert (
+        main(
+            [
+                f"model.path={tmp_path / 'tiny'}",
+                "model.build_if_missing=true",
+                f"logging.output_dir={tmp_path / 'outputs'}",
+                "logging.run_name=r",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                "reward.weights={aesthetic: 1}",
+                f"reward.model_dir={tiny_aesthetic_model_dir}",
+                "reward.replicas=1",
+                "train.warmup_steps=0",
+                "train.epochs=1",
+                "data.prompts_per_epoch=1",
+                "algorithm.group_size=2",
+                "algorithm.sampler.num_steps=4",
+                "algorithm.sampler.window_range=[0,2]",
+                "eval.samples_per_prompt=1",
+                "eval.num_steps=1",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "outputs" / "r" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["phase"] == "rl"]
     assert rl and all(math.isfinite(r["reward/aesthetic"]) and r["failed_share"] == 0 for r in rl)
 
 
 def test_a_task_whose_metrics_read_a_scorer_the_run_does_not_use_is_refused_before_building(
-        tmp_path, capsys, monkeypatch, brightness_server):
+    tmp_path, capsys, monkeypatch, brightness_server
+):
     """The text task's metrics are read off ``ocr`` scores: without it they were NaN, with no word why."""
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
-    line = _fails_fast(tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}",
-                       "data.name=words")
-    assert line == ("error: the words task's metrics read the ocr scorer: add it to reward.weights or "
-                    "eval.guard_scorers")
+    line = _fails_fast(
+        tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}", "data.name=words"
+    )
+    assert line == (
+        "error: the words task's metrics read the ocr scorer: add it to reward.weights or eval.guard_scorers"
+    )
 
 
-def test_a_run_refused_before_training_leaves_no_run_folder(tmp_path, capsys, monkeypatch, brightness_server,
-                                                            tiny_model_dir):
+def test_a_run_refused_before_training_leaves_no_run_folder(
+    tmp_path, capsys, monkeypatch, brightness_server, tiny_model_dir
+):
     """Six typos made six empty run folders: a run that fails after its folder was made (here: a sampler step the
     model has no math for, found once the model is loaded) removes it."""
     from trainer.main import main
 
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
     output = tmp_path / "outputs"
-    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", f"reward.urls=[{brightness_server}]",
-                 "reward.weights={brightness: 1}", "algorithm.sampler.kind=ddim"]) == 2
+    assert (
+        main(
+            [
+                f"model.path={tiny_model_dir}",
+                f"logging.output_dir={output}",
+                f"reward.urls=[{brightness_server}]",
+                "reward.weights={brightness: 1}",
+                "algorithm.sampler.kind=ddim",
+            ]
+        )
+        == 2
+    )
     assert "ddim" in capsys.readouterr().err
     assert not output.exists()
     (output / "older").mkdir(parents=True)
-    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", "data.name=prompt_file",
-                 f"data.path={tmp_path / 'missing.txt'}", f"reward.urls=[{brightness_server}]",
-                 "reward.weights={brightness: 1}"]) == 2
+    assert (
+        main(
+            [
+                f"model.path={tiny_model_dir}",
+                f"logging.output_dir={output}",
+                "data.name=prompt_file",
+                f"data.path={tmp_path / 'missing.txt'}",
+                f"reward.urls=[{brightness_server}]",
+                "reward.weights={brightness: 1}",
+            ]
+        )
+        == 2
+    )
     assert [p.name for p in output.iterdir()] == ["older"]
 
 
-def test_a_ctrl_c_swallowed_while_the_run_is_set_up_ends_it_before_training(tmp_path, capsys, monkeypatch,
-                                                                           brightness_server, tiny_model_dir):
+def test_a_ctrl_c_swallowed_while_the_run_is_set_up_ends_it_before_training(
+    tmp_path, capsys, monkeypatch, brightness_server, tiny_model_dir
+):
     """Library code that swallowed a Ctrl-C (tests/unit/test_ctrl_c.py): the run stops where training would begin and
     leaves nothing, its folder removed as for a typo."""
     import shared.interrupt
@@ -512,8 +692,18 @@ def test_a_ctrl_c_swallowed_while_the_run_is_set_up_ends_it_before_training(tmp_
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
     monkeypatch.setattr(shared.interrupt, "_asked", True)
     output = tmp_path / "outputs"
-    assert main([f"model.path={tiny_model_dir}", f"logging.output_dir={output}", f"reward.urls=[{brightness_server}]",
-                 "reward.weights={brightness: 1}", "train.warmup_steps=1"]) == 130
+    assert (
+        main(
+            [
+                f"model.path={tiny_model_dir}",
+                f"logging.output_dir={output}",
+                f"reward.urls=[{brightness_server}]",
+                "reward.weights={brightness: 1}",
+                "train.warmup_steps=1",
+            ]
+        )
+        == 130
+    )
     assert "interrupted before training started: nothing to continue" in capsys.readouterr().out
     assert not output.exists()
 
@@ -544,9 +734,11 @@ def test_resume_auto_of_a_run_without_checkpoints_starts_it_and_names_the_runs_t
     (tmp_path / "sweep-lr3e4").mkdir()  # the run being started
     assert fresh_start(tmp_path, "sweep-lr3e4") == (
         f"train.resume=auto: run sweep-lr3e4 has no complete checkpoint in {tmp_path}; starting it fresh (unfinished "
-        "runs of a close name with checkpoints: sweep-lr3e-4; to continue one, stop this and pass its logging.run_name)")
-    assert fresh_start(tmp_path, "other") == (f"train.resume=auto: run other has no complete checkpoint in {tmp_path}; "
-                                              "starting it fresh")
+        "runs of a close name with checkpoints: sweep-lr3e-4; to continue one, stop this and pass its logging.run_name)"
+    )
+    assert fresh_start(tmp_path, "other") == (
+        f"train.resume=auto: run other has no complete checkpoint in {tmp_path}; starting it fresh"
+    )
 
 
 def test_a_finished_run_is_never_offered_as_the_run_to_continue(tmp_path, capsys, tiny_model_dir):
@@ -562,12 +754,16 @@ def test_a_finished_run_is_never_offered_as_the_run_to_continue(tmp_path, capsys
     base = [f"model.path={tiny_model_dir}", f"logging.output_dir={output}", *SHORT]
     assert main([*base, "--resume", "auto", "logging.run_name=sweep-lr3e4"]) == 0
     (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train.resume=auto: ")]
-    assert said.endswith("starting it fresh (unfinished runs of a close name with checkpoints: sweep-lr3e-5; to "
-                         "continue one, stop this and pass its logging.run_name)"), said
+    assert said.endswith(
+        "starting it fresh (unfinished runs of a close name with checkpoints: sweep-lr3e-5; to "
+        "continue one, stop this and pass its logging.run_name)"
+    ), said
     assert main([*base, "logging.run_name=sweep-lr3e-4"]) == 2
-    assert capsys.readouterr().err.startswith(f"error: {output / 'sweep-lr3e-4'} already holds a finished run "
-                                              "(checkpoints, metrics.jsonl, final): start this one under another "
-                                              "logging.run_name\n")
+    assert capsys.readouterr().err.startswith(
+        f"error: {output / 'sweep-lr3e-4'} already holds a finished run "
+        "(checkpoints, metrics.jsonl, final): start this one under another "
+        "logging.run_name\n"
+    )
     assert main([*base, "logging.run_name=sweep-lr3e-5"]) == 2  # an unfinished one: continuing it is the offer
     assert "continue it with train.resume=auto" in capsys.readouterr().err
 
@@ -576,27 +772,30 @@ def test_an_interrupted_run_says_where_it_stopped_and_how_to_continue(tmp_path, 
     from trainer.launch import resume_command, stopped_at
 
     config = load_config(overrides=["train.warmup_steps=10", "train.epochs=4"])
-    assert stopped_at(Progress(3, 0), config, None) == ("stopped in the warm-up, 3 of 10 steps done; no checkpoint was "
-                                                        "written yet, so continuing starts the run over")
+    assert stopped_at(Progress(3, 0), config, None) == (
+        "stopped in the warm-up, 3 of 10 steps done; no checkpoint was written yet, so continuing starts the run over"
+    )
     checkpoint = tmp_path / "step-000010-000002"
     checkpoint.mkdir()
     Progress(10, 2, True).save(checkpoint)
     assert stopped_at(Progress(10, 3, True), config, checkpoint) == (
         f"stopped in RL epoch 4 of 4; continuing starts from the newest checkpoint, {checkpoint} (warm-up steps 10, "
-        "RL epochs 2)")
+        "RL epochs 2)"
+    )
     assert stopped_at(Progress(10, 0, False), config, checkpoint).startswith("stopped in the evaluation before RL")
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert resume_command(["a b.yaml"], ["train.epochs=4", "logging.run_name=old", "train.resume=x"], "run-1") == (
-        "python trainer/main.py --config 'a b.yaml' --resume auto train.epochs=4 logging.run_name=run-1")
+        "python trainer/main.py --config 'a b.yaml' --resume auto train.epochs=4 logging.run_name=run-1"
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resume_command([], [], "r").startswith("torchrun --nproc_per_node=2 trainer/main.py --resume auto")
 
 
-
-def test_a_text_embedding_store_lacking_the_runs_prompts_is_refused_naming_how_many(tmp_path, capsys,
-                                                                                    tiny_model_dir) -> None:
+def test_a_text_embedding_store_lacking_the_runs_prompts_is_refused_naming_how_many(
+    tmp_path, capsys, tiny_model_dir
+) -> None:
     """The early image-size check used to encode a warm-up prompt first, so a store made for another dataset failed
     there, on that one prompt (``load``'s error), instead of in the check that counts what the store lacks."""
     from trainer import precompute
@@ -604,12 +803,35 @@ def test_a_text_embedding_store_lacking_the_runs_prompts_is_refused_naming_how_m
 
     (tmp_path / "one.txt").write_text("a handwritten digit 3\n")
     store, output = tmp_path / "text", tmp_path / "outputs"
-    assert precompute.main(["--config", "configs/embedded_digits.yaml", "--out", str(store), f"model.path={tiny_model_dir}",
-                            "data.name=prompt_file", f"data.path={tmp_path / 'one.txt'}"]) == 0
-    assert main([f"model.path={tiny_model_dir}", f"model.text_embeddings={store}", f"logging.output_dir={output}",
-                 "reward.replicas=1"]) == 2
+    assert (
+        precompute.main(
+            [
+                "--config",
+                "configs/embedded_digits.yaml",
+                "--out",
+                str(store),
+                f"model.path={tiny_model_dir}",
+                "data.name=prompt_file",
+                f"data.path={tmp_path / 'one.txt'}",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                f"model.path={tiny_model_dir}",
+                f"model.text_embeddings={store}",
+                f"logging.output_dir={output}",
+                "reward.replicas=1",
+            ]
+        )
+        == 2
+    )
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert line.startswith(f"error: model.text_embeddings={str(store)!r} lacks 9 of the prompts this run encodes")  # the other digits
+    assert line.startswith(
+        f"error: model.text_embeddings={str(store)!r} lacks 9 of the prompts this run encodes"
+    )  # the other digits
     assert not output.exists()
 
 
@@ -621,14 +843,29 @@ def test_a_run_directory_in_use_by_another_process_is_refused(tmp_path, capsys, 
 
     run = tmp_path / "outputs" / "busy"
     run.mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
-                               "from trainer.launch import hold_run_dir; lock, _ = hold_run_dir(Path(sys.argv[1])); "
-                               "print('held', flush=True); sys.stdin.read()", str(run)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; "
+            "from trainer.launch import hold_run_dir; lock, _ = hold_run_dir(Path(sys.argv[1])); "
+            "print('held', flush=True); sys.stdin.read()",
+            str(run),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "held\n"
-        args = [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path / 'outputs'}", "logging.run_name=busy",
-                "--resume", "auto", "reward.replicas=1"]
+        args = [
+            f"model.path={tiny_model_dir}",
+            f"logging.output_dir={tmp_path / 'outputs'}",
+            "logging.run_name=busy",
+            "--resume",
+            "auto",
+            "reward.replicas=1",
+        ]
         assert main(args) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {run} is in use by process {holder.pid} on ") and "Traceback" not in err

@@ -30,7 +30,8 @@ def aesthetic(tiny_aesthetic_model_dir: Path) -> AestheticScorer:
 
 
 def _manual_score(image: np.ndarray, model_dir: Path) -> float:
-    """Through the full CLIPModel (not the scorer's vision-only load): OpenAI CLIP preprocessing by hand (PIL bicubic short side to 32, centre crop 32, mean/std), the
+    """Through the full CLIPModel (not the scorer's vision-only load): OpenAI CLIP preprocessing by hand (PIL bicubic
+    short side to 32, centre crop 32, mean/std), the
     projected embedding, L2 normalisation, then the five linear layers of the LAION head one by one."""
     pil = Image.fromarray(image)
     scale = 32 / min(pil.size)
@@ -49,9 +50,7 @@ def _manual_score(image: np.ndarray, model_dir: Path) -> float:
     return float(x.item())
 
 
-def test_aesthetic_matches_the_manual_computation(
-    aesthetic: AestheticScorer, tiny_aesthetic_model_dir: Path
-) -> None:
+def test_aesthetic_matches_the_manual_computation(aesthetic: AestheticScorer, tiny_aesthetic_model_dir: Path) -> None:
     rng = np.random.default_rng(0)
     images = [
         rng.integers(0, 256, (48, 40, 3), dtype=np.uint8),
@@ -71,9 +70,7 @@ def test_aesthetic_is_batch_invariant_and_takes_gray(aesthetic: AestheticScorer)
     single = aesthetic.score([color], [""], [{}])
     assert all(outcome.ok for outcome in batch)
     assert batch[1].score == pytest.approx(single[0], abs=1e-5)
-    assert batch[0].score == pytest.approx(
-        aesthetic.score([np.repeat(gray, 3, axis=2)], [""], [{}])[0], abs=1e-5
-    )
+    assert batch[0].score == pytest.approx(aesthetic.score([np.repeat(gray, 3, axis=2)], [""], [{}])[0], abs=1e-5)
 
 
 def test_aesthetic_loads_a_safetensors_head_without_the_layers_prefix(

@@ -46,7 +46,9 @@ def _manual_score(image: np.ndarray, prompt: str, root: Path, divisor: float) ->
     clip = CLIPModel.from_pretrained(root).eval()
     with torch.no_grad():
         image_D = clip.visual_projection(
-            clip.vision_model(pixel_values=torch.tensor(pixels.transpose(2, 0, 1)[None], dtype=torch.float32)).pooler_output
+            clip.vision_model(
+                pixel_values=torch.tensor(pixels.transpose(2, 0, 1)[None], dtype=torch.float32)
+            ).pooler_output
         )[0].double()
         text_D = clip.text_projection(clip.text_model(input_ids=torch.tensor([ids])).pooler_output)[0].double()
         cosine = image_D @ text_D / (image_D.norm() * text_D.norm())
@@ -56,8 +58,11 @@ def _manual_score(image: np.ndarray, prompt: str, root: Path, divisor: float) ->
 def test_each_item_matches_the_manual_computation_whatever_its_batch(loaded) -> None:
     scorer, root = loaded
     rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (48, 40, 3), dtype=np.uint8), rng.integers(0, 256, (32, 64, 1), dtype=np.uint8),
-              rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)]
+    images = [
+        rng.integers(0, 256, (48, 40, 3), dtype=np.uint8),
+        rng.integers(0, 256, (32, 64, 1), dtype=np.uint8),
+        rng.integers(0, 256, (40, 40, 3), dtype=np.uint8),
+    ]
     outcomes = run_scorer(scorer, images, PROMPTS, [{}] * 3)
     assert all(outcome.ok for outcome in outcomes)
     for image, prompt, outcome in zip(images, PROMPTS, outcomes, strict=True):
@@ -96,7 +101,9 @@ def test_missing_or_partial_weights_are_refused_naming_the_fix(tmp_path: Path) -
         SCORERS["pickscore"](model_dir=tmp_path).load()
     root = build_tiny_clip_score(tmp_path, "pickscore", processor_subfolder=True)
     shutil.rmtree(root / "processor")
-    with pytest.raises(FileNotFoundError, match=r"no preprocessor_config.json in .*pickscore: save the model's CLIP processor"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no preprocessor_config.json in .*pickscore: save the model's CLIP processor"
+    ):
         SCORERS["pickscore"](model_dir=tmp_path).load()
     vision_only = build_tiny_clip_score(tmp_path / "other", "clipscore", processor_subfolder=False)
     model = CLIPModel.from_pretrained(vision_only)

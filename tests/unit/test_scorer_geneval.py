@@ -103,8 +103,10 @@ def test_relative_position_margins(box_a: tuple, expected: set[str]) -> None:
     assert rules.relative_position(box_a, (40, 40, 60, 60)) == expected
 
 
-POSITION = {"tag": "position",
-            "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["right of", 0]}]}
+POSITION = {
+    "tag": "position",
+    "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["right of", 0]}],
+}
 
 
 def test_position_right_side_passes_and_a_wrong_side_scores_zero() -> None:
@@ -126,8 +128,10 @@ def fixed_colors(colors: dict[str, list[str]]):
     return lambda name, found: colors[name][: len(found)]
 
 
-COLOR_ATTR = {"tag": "color_attr", "include": [{"class": "handbag", "count": 1, "color": "pink"},
-                                               {"class": "scissors", "count": 1, "color": "black"}]}
+COLOR_ATTR = {
+    "tag": "color_attr",
+    "include": [{"class": "handbag", "count": 1, "color": "pink"}, {"class": "scissors", "count": 1, "color": "black"}],
+}
 
 
 def test_colour_attribution_and_a_wrong_colour_scores_zero() -> None:
@@ -179,8 +183,11 @@ def test_two_objects_and_exclusions() -> None:
     assert strict_partial(TWO, {"bowl": [det(0, 0, 5, 5)], "skis": [det(9, 9, 19, 19, 0.31)]}) == (1.0, 1.0)
     assert strict_partial(TWO, {"bowl": [det(0, 0, 5, 5)], "skis": [det(9, 9, 19, 19, 0.29)]}) == (0.0, 0.5)
     assert strict_partial(TWO, {"bowl": [det(0, 0, 5, 5)], "cup": [det(9, 9, 19, 19)]}) == (0.0, 0.5)
-    single = {"tag": "single_object", "include": [{"class": "bowl", "count": 1}],
-              "exclude": [{"class": "cup", "count": 1}]}
+    single = {
+        "tag": "single_object",
+        "include": [{"class": "bowl", "count": 1}],
+        "exclude": [{"class": "cup", "count": 1}],
+    }
     assert strict_partial(single, {"bowl": [det(0, 0, 5, 5)]}) == (1.0, 1.0)
     assert strict_partial(single, {"bowl": [det(0, 0, 5, 5)], "cup": [det(9, 9, 19, 19)]}) == (0.0, 0.5)
 
@@ -194,8 +201,13 @@ def test_two_objects_and_exclusions() -> None:
         ({"tag": "single_object", "include": [{"class": "cup", "count": 0}]}, "positive integer"),
         ({"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "teal"}]}, "'color' must be"),
         ({"tag": "position", "include": [{"class": "cup", "count": 1, "position": ["left of", 0]}]}, "earlier clause"),
-        ({"tag": "position", "include": [{"class": "cup", "count": 1},
-                                         {"class": "dog", "count": 1, "position": ["near", 0]}]}, "'position'"),
+        (
+            {
+                "tag": "position",
+                "include": [{"class": "cup", "count": 1}, {"class": "dog", "count": 1, "position": ["near", 0]}],
+            },
+            "'position'",
+        ),
     ],
 )
 def test_malformed_rows_are_refused(row: dict, message: str) -> None:
@@ -238,7 +250,10 @@ def _score(scorer, rows: list[dict], seed: int = 0) -> list[ScoreOutcome]:
 
 CUP_ROWS = [
     {"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "red"}]},
-    {"tag": "position", "include": [{"class": "cup", "count": 1}, {"class": "cup", "count": 1, "position": ["left of", 0]}]},
+    {
+        "tag": "position",
+        "include": [{"class": "cup", "count": 1}, {"class": "cup", "count": 1, "position": ["left of", 0]}],
+    },
     {"tag": "counting", "include": [{"class": "cup", "count": 3}], "exclude": [{"class": "cup", "count": 4}]},
 ]
 

@@ -43,7 +43,7 @@ def reference_pixels(image: np.ndarray, size: int) -> torch.Tensor:
         resized = F.interpolate(x[None], (nh, nw), mode="bicubic", antialias=True)[0]
         x = torch.zeros(3, size, size)
         top, left = (size - nh) // 2, (size - nw) // 2
-        x[:, top:top + nh, left:left + nw] = resized
+        x[:, top : top + nh, left : left + nw] = resized
     return (x - MEAN) / STD
 
 
@@ -103,8 +103,9 @@ def test_conversion_splits_in_proj_and_transposes_projections() -> None:
     assert config.projection_dim == 24 and config.vision_config.hidden_act == "gelu"
     fused = state["visual.transformer.resblocks.1.attn.in_proj_weight"]
     for i, name in enumerate("qkv"):
-        torch.testing.assert_close(converted[f"vision_model.encoder.layers.1.self_attn.{name}_proj.weight"],
-                                   fused[32 * i: 32 * (i + 1)])
+        torch.testing.assert_close(
+            converted[f"vision_model.encoder.layers.1.self_attn.{name}_proj.weight"], fused[32 * i : 32 * (i + 1)]
+        )
     torch.testing.assert_close(converted["text_projection.weight"], state["text_projection"].T)
     torch.testing.assert_close(converted["visual_projection.weight"], state["visual.proj"].T)
     assert converted["logit_scale"].shape == ()
@@ -142,8 +143,18 @@ def test_command_line_and_load_refusals(tmp_path: Path, tiny) -> None:
     from safetensors.torch import save_file
 
     save_file({key: value.contiguous() for key, value in state.items()}, str(tmp_path / "src.safetensors"))
-    main(["--src", str(tmp_path / "src.safetensors"), "--out", str(tmp_path / "hpsv2"), "--vision-heads", "4",
-          "--text-heads", "2"])
+    main(
+        [
+            "--src",
+            str(tmp_path / "src.safetensors"),
+            "--out",
+            str(tmp_path / "hpsv2"),
+            "--vision-heads",
+            "4",
+            "--text-heads",
+            "2",
+        ]
+    )
     assert (tmp_path / "hpsv2" / "model.safetensors").is_file()
     with pytest.raises(FileNotFoundError, match="no tokenizer_config.json"):
         SCORERS["hpsv2"](model_dir=tmp_path).load()

@@ -55,8 +55,11 @@ def direct_mu_sigma(src: Path, base: Path, images: list[np.ndarray], prompts: li
     config = AutoConfig.from_pretrained(base)
     config.text_config.vocab_size = state["model.embed_tokens.weight"].shape[0]
     model = Qwen2VLForConditionalGeneration(config).eval()
-    renamed = {("model." + key if key.startswith("visual.") else key.replace("model.", "model.language_model.", 1)):
-               value for key, value in state.items() if not key.startswith("rm_head.")}
+    renamed = {
+        ("model." + key if key.startswith("visual.") else key.replace("model.", "model.language_model.", 1)): value
+        for key, value in state.items()
+        if not key.startswith("rm_head.")
+    }
     model.load_state_dict(renamed, strict=True)
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
@@ -67,9 +70,13 @@ def direct_mu_sigma(src: Path, base: Path, images: list[np.ndarray], prompts: li
         pil = Image.fromarray(np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image)
         vision = processor(images=[pil.resize((width, height), Image.BICUBIC)], return_tensors="pt", do_resize=False)
         num_tokens = int(vision["image_grid_thw"].prod()) // 4
-        text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-                + "<|image_pad|>" * num_tokens + "<|vision_end|>" + question(prompt)
-                + "<|im_end|>\n<|im_start|>assistant\n")
+        text = (
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+            + "<|image_pad|>" * num_tokens
+            + "<|vision_end|>"
+            + question(prompt)
+            + "<|im_end|>\n<|im_start|>assistant\n"
+        )
         ids = tokenizer(text, return_tensors="pt")["input_ids"]
         with torch.no_grad():
             embeds = model.model.language_model.embed_tokens(ids)
@@ -106,12 +113,15 @@ def test_sequential_positions_are_what_the_head_was_trained_on(scorer) -> None:
     assert float((mrope - scorer.forward(queries)).abs().max()) > 1e-3
 
 
-@pytest.mark.parametrize(("size", "expected"), [
-    ((512, 512), (448, 448)),   # 504 x 504 rounded is over 256 * 28 * 28: scaled down, floored to 28
-    ((1024, 768), (504, 364)),  # beta = sqrt(1024 * 768 / 200704) = 1.979: 517.3 -> 504, 388.0 -> 364
-    ((64, 48), (532, 392)),     # under: beta = sqrt(200704 / 3072) = 8.083: 517.3 -> 532, 388.0 -> 392
-    ((448, 448), (448, 448)),
-])
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        ((512, 512), (448, 448)),  # 504 x 504 rounded is over 256 * 28 * 28: scaled down, floored to 28
+        ((1024, 768), (504, 364)),  # beta = sqrt(1024 * 768 / 200704) = 1.979: 517.3 -> 504, 388.0 -> 364
+        ((64, 48), (532, 392)),  # under: beta = sqrt(200704 / 3072) = 8.083: 517.3 -> 532, 388.0 -> 392
+        ((448, 448), (448, 448)),
+    ],
+)
 def test_images_are_resized_to_the_reference_area(size: tuple[int, int], expected: tuple[int, int]) -> None:
     assert fixed_area_size(*size, 256 * 28 * 28) == expected
 
@@ -120,8 +130,12 @@ def test_prompt_with_the_reward_token_and_bad_inputs(converted, scorer, tmp_path
     from transformers import AutoTokenizer
 
     model_dir, src, base = converted
-    outcomes = run_scorer(scorer, [IMAGES[0], IMAGES[0], np.zeros((2, 500, 3), np.uint8)],
-                          [f"a {REWARD_TOKEN} cat", "a cat", "a line"], [{}, {}, {}])
+    outcomes = run_scorer(
+        scorer,
+        [IMAGES[0], IMAGES[0], np.zeros((2, 500, 3), np.uint8)],
+        [f"a {REWARD_TOKEN} cat", "a cat", "a line"],
+        [{}, {}, {}],
+    )
     assert [o.error for o in outcomes] == [ErrorCode.BAD_INPUT, None, ErrorCode.BAD_INPUT]
     with pytest.raises(ValueError, match="--model-dir"):
         SCORERS["hpsv3"]().load()

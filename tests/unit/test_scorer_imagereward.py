@@ -37,8 +37,9 @@ def test_converted_checkpoint_scores_as_the_reference_layout(tiny) -> None:
     outcomes = run_scorer(scorer, images, prompts, [{}] * 3)
     assert all(o.ok for o in outcomes), [o.message for o in outcomes]
     assert [o.details["truncated"] for o in outcomes] == [False, False, True]
-    tokens = scorer._tokenizer(prompts, padding="max_length", truncation=True, max_length=MAX_TOKENS,
-                               return_tensors="pt")
+    tokens = scorer._tokenizer(
+        prompts, padding="max_length", truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+    )
     assert tokens["input_ids"].shape == (3, MAX_TOKENS) and tokens["input_ids"][0, 0] == scorer._tokenizer.cls_token_id
     pixels = torch.stack([imagereward_pixels(image, TINY["image"]) for image in images])
     with torch.no_grad():
@@ -76,10 +77,14 @@ def test_conversion_maps_the_blip_layout() -> None:
     assert config.vision_config.layer_norm_eps == 1e-6 and config.text_config.layer_norm_eps == 1e-12
     assert config.text_config.encoder_hidden_size == 32 and config.text_config.vocab_size == 100
     assert not any(key.startswith(("blip.", "text_encoder.embeddings.position_ids")) for key in converted)
-    torch.testing.assert_close(converted["vision_model.encoder.layers.1.self_attn.qkv.weight"],
-                               state["blip.visual_encoder.blocks.1.attn.qkv.weight"])
-    torch.testing.assert_close(converted["text_encoder.encoder.layer.0.crossattention.self.key.weight"],
-                               state["blip.text_encoder.encoder.layer.0.crossattention.self.key.weight"])
+    torch.testing.assert_close(
+        converted["vision_model.encoder.layers.1.self_attn.qkv.weight"],
+        state["blip.visual_encoder.blocks.1.attn.qkv.weight"],
+    )
+    torch.testing.assert_close(
+        converted["text_encoder.encoder.layer.0.crossattention.self.key.weight"],
+        state["blip.text_encoder.encoder.layer.0.crossattention.self.key.weight"],
+    )
     with pytest.raises(ValueError, match="not an ImageReward checkpoint"):
         blip_to_transformers({"visual.conv1.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="head width 64: pass the head count"):
@@ -94,8 +99,18 @@ def test_command_line_and_load_refusals(tmp_path: Path, tiny) -> None:
         SCORERS["imagereward"](model_dir=tmp_path).load()
     partial = {key: value for key, value in state.items() if "layer.1.crossattention" not in key}
     torch.save({"state_dict": partial}, tmp_path / "partial.pt")
-    main(["--src", str(tmp_path / "partial.pt"), "--out", str(tmp_path / "imagereward"), "--vision-heads", "4",
-          "--text-heads", "2"])
+    main(
+        [
+            "--src",
+            str(tmp_path / "partial.pt"),
+            "--out",
+            str(tmp_path / "imagereward"),
+            "--vision-heads",
+            "4",
+            "--text-heads",
+            "2",
+        ]
+    )
     with pytest.raises(FileNotFoundError, match="no tokenizer_config.json"):
         SCORERS["imagereward"](model_dir=tmp_path).load()
     (tmp_path / "imagereward" / "tokenizer_config.json").write_text("{}")

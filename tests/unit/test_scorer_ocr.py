@@ -73,9 +73,7 @@ def test_ocr_scores_a_wrong_target_lower(ocr: OcrScorer) -> None:
 
 def test_ocr_small_text_stays_one_line(ocr: OcrScorer) -> None:
     """Detection with limit type "max" does not upsample a small image and split its words."""
-    (outcome,) = ocr.score(
-        [render("Spring Collect", size=(256, 64), font_size=24)], ['"Spring Collect"'], [{}]
-    )
+    (outcome,) = ocr.score([render("Spring Collect", size=(256, 64), font_size=24)], ['"Spring Collect"'], [{}])
     assert outcome.score == pytest.approx(1.0)
     assert len(outcome.details["line_confidences"]) == 1
 
@@ -127,9 +125,7 @@ def test_ocr_reads_text_touching_every_edge_of_its_mask_and_of_the_image(
     corner[: tight.shape[0], : tight.shape[1]] = tight  # top-left: the mask's edges are the image's
     corner_mask = np.zeros((*corner.shape[:2], 1), np.uint8)
     corner_mask[: tight.shape[0], : tight.shape[1]] = 255
-    outcomes = ocr.score(
-        [tight, canvas, corner], [f'a sign "{text}"'] * 3, [{}, {"mask": mask}, {"mask": corner_mask}]
-    )
+    outcomes = ocr.score([tight, canvas, corner], [f'a sign "{text}"'] * 3, [{}, {"mask": mask}, {"mask": corner_mask}])
     for outcome in outcomes:
         assert outcome.ok and outcome.score >= 0.9, outcome.details
 

@@ -141,9 +141,7 @@ def test_build_query_shows_the_reference_first() -> None:
     query = build_query("edit", IMAGES[0], "make it blue", {"reference_image": IMAGES[1]}, "generate")
     assert isinstance(query, JudgeQuery)
     assert [image.shape for image in query.images] == [IMAGES[1].shape, IMAGES[0].shape]
-    assert '"make it blue"' in query.question and query.question.endswith(
-        "<Score>x</Score> with x from 1 to 5."
-    )
+    assert '"make it blue"' in query.question and query.question.endswith("<Score>x</Score> with x from 1 to 5.")
 
 
 @pytest.mark.parametrize(
@@ -168,9 +166,7 @@ def test_probs_readout_math_and_text_fallback() -> None:
     logprobs = {1: np.log(0.1), 2: np.log(0.1), 3: np.log(0.2), 4: np.log(0.4), 5: np.log(0.0 + 1e-300)}
     outcome = read_answer(JudgeAnswer("4", logprobs), "probs", 0.5)
     rating = (0.1 * 1 + 0.1 * 2 + 0.2 * 3 + 0.4 * 4) / 0.8
-    assert outcome.score == pytest.approx((rating - 1) / 4) and outcome.details[
-        "answer_mass"
-    ] == pytest.approx(0.8)
+    assert outcome.score == pytest.approx((rating - 1) / 4) and outcome.details["answer_mass"] == pytest.approx(0.8)
     assert read_answer(JudgeAnswer("4", {4: np.log(0.3)}), "probs", 0.5).error == ErrorCode.PARSE
     assert read_answer(JudgeAnswer(" 2\n", None), "probs", 0.5).score == pytest.approx(0.25)
     assert read_answer(JudgeAnswer("two", None), "probs", 0.5).error == ErrorCode.PARSE
@@ -220,9 +216,7 @@ def _api_scorer(server: ChatServer, tmp_path: Path, **options: Any) -> QwenVLSco
     return scorer
 
 
-def test_api_backend_matches_the_local_backend(
-    chat_server: ChatServer, rigged_dir: Path, tmp_path: Path
-) -> None:
+def test_api_backend_matches_the_local_backend(chat_server: ChatServer, rigged_dir: Path, tmp_path: Path) -> None:
     api = _api_scorer(chat_server, tmp_path, task="aesthetics")
     local = _scorer(rigged_dir, task="aesthetics")
     metadata = [{}, {"judge_task": "edit", "reference_image": IMAGES[0]}]
@@ -238,9 +232,7 @@ def test_api_backend_matches_the_local_backend(
 
 
 @pytest.mark.parametrize("chat_server", [{"logprobs": False}], indirect=True)
-def test_api_backend_reads_the_digit_when_the_server_gives_no_logprobs(
-    chat_server: ChatServer, tmp_path: Path
-) -> None:
+def test_api_backend_reads_the_digit_when_the_server_gives_no_logprobs(chat_server: ChatServer, tmp_path: Path) -> None:
     (outcome,) = _api_scorer(chat_server, tmp_path).score(IMAGES[:1], ["a cat"], [{}])
     assert outcome.score == pytest.approx(0.75) and outcome.details["readout"] == "text"
 
@@ -257,8 +249,6 @@ def test_api_backend_failures_are_per_item(chat_server: ChatServer, tmp_path: Pa
     assert generated[0].error == ErrorCode.PARSE  # the rigged model answers "4444...", no <Score> tag
 
 
-def test_api_backend_refuses_a_model_the_server_does_not_serve(
-    chat_server: ChatServer, tmp_path: Path
-) -> None:
+def test_api_backend_refuses_a_model_the_server_does_not_serve(chat_server: ChatServer, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not 'other-model'"):
         _api_scorer(chat_server, tmp_path, model="other-model")

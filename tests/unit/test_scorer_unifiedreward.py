@@ -47,40 +47,52 @@ def test_local_backend_reads_the_generated_rating(model_dir: Path) -> None:
 def test_api_backend_sends_the_prompt_and_reads_the_same_rating(model_dir: Path, tmp_path: Path) -> None:
     with serve_chat(LocalQwenVL(model_dir / "unifiedreward", max_new_tokens=32)) as server:
         host, port = server.server_address[:2]
-        options = {"base_url": f"http://{host}:{port}/v1", "model": "tiny-qwen", "task": "flow_grpo",
-                   "max_new_tokens": 32}
+        options = {
+            "base_url": f"http://{host}:{port}/v1",
+            "model": "tiny-qwen",
+            "task": "flow_grpo",
+            "max_new_tokens": 32,
+        }
         (tmp_path / "unifiedreward_api.json").write_text(json.dumps(options))
         scorer = SCORERS["unifiedreward_api"](model_dir=tmp_path)
         scorer.load()
         outcomes = run_scorer(scorer, IMAGES, PROMPT_TEXTS, [{}, {}])
     assert [(o.ok, o.score) for o in outcomes] == [(True, 4.0)] * 2
-    sent = server.requests[-len(PROMPT_TEXTS):]  # one request per image, sent concurrently: in any order
-    questions = sorted(part["text"] for request in sent for part in request["messages"][-1]["content"]
-                       if part["type"] == "text")
+    sent = server.requests[-len(PROMPT_TEXTS) :]  # one request per image, sent concurrently: in any order
+    questions = sorted(
+        part["text"] for request in sent for part in request["messages"][-1]["content"] if part["type"] == "text"
+    )
     assert questions == sorted(PROMPTS["flow_grpo"].format(prompt=text) for text in PROMPT_TEXTS)
     assert all(request["max_tokens"] == 32 for request in sent)
     assert all(request["messages"][0]["role"] == "user" for request in sent)  # no system message, as Flow-GRPO
-    sizes = {Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))).size
-             for request in sent for part in request["messages"][-1]["content"] if part["type"] == "image_url"}
+    sizes = {
+        Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))).size
+        for request in sent
+        for part in request["messages"][-1]["content"]
+        if part["type"] == "image_url"
+    }
     assert sizes == {(512, 512)}
     assert all(question.startswith("<image>\n") for question in questions)
     assert {question.rsplit("Text Caption: ", 1)[1] for question in questions} == {f"[{t}]" for t in PROMPT_TEXTS}
 
 
-@pytest.mark.parametrize(("task", "text", "score"), [
-    ("point", "cat (object): 1\nred (attribute): 0\nFinal Score: 3", 3.0),
-    ("point", "Final Score: 2\n... on reflection, Final Score: 4.5", 4.5),
-    ("point", "Final Score:5", 5.0),
-    ("point", "Final Score: 0", None),
-    ("point", "Final Score: 7", None),
-    ("point", "I would rate it 4 out of 5.", None),
-    ("flow_grpo", "Final Score: 1.0", 1.0),
-    ("flow_grpo", "Final Score: 2\n... on reflection, Final Score: 4.5", 2.0),  # the first, as Flow-GRPO
-    ("flow_grpo", "Final Score: 0", None),
-    ("acs", "Alignment Score (1-5): 2.5\nCoherence Score (1-5): 4\nStyle Score (1-5): 3", 9.5 / 3),
-    ("acs", "Alignment Score (1-5): 2\nStyle Score (1-5): 3", None),
-    ("acs", "Final Score: 4", None),
-])
+@pytest.mark.parametrize(
+    ("task", "text", "score"),
+    [
+        ("point", "cat (object): 1\nred (attribute): 0\nFinal Score: 3", 3.0),
+        ("point", "Final Score: 2\n... on reflection, Final Score: 4.5", 4.5),
+        ("point", "Final Score:5", 5.0),
+        ("point", "Final Score: 0", None),
+        ("point", "Final Score: 7", None),
+        ("point", "I would rate it 4 out of 5.", None),
+        ("flow_grpo", "Final Score: 1.0", 1.0),
+        ("flow_grpo", "Final Score: 2\n... on reflection, Final Score: 4.5", 2.0),  # the first, as Flow-GRPO
+        ("flow_grpo", "Final Score: 0", None),
+        ("acs", "Alignment Score (1-5): 2.5\nCoherence Score (1-5): 4\nStyle Score (1-5): 3", 9.5 / 3),
+        ("acs", "Alignment Score (1-5): 2\nStyle Score (1-5): 3", None),
+        ("acs", "Final Score: 4", None),
+    ],
+)
 def test_ratings_are_read_from_the_answer_or_are_parse_errors(task: str, text: str, score: float | None) -> None:
     outcome = read_rating(text, task)
     if score is None:

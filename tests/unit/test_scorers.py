@@ -35,8 +35,7 @@ def _held_out_digits(count: int) -> tuple[list[np.ndarray], np.ndarray]:
     digits = load_digits()
     held_out = np.random.default_rng(0).permutation(len(digits.target))[900 : 900 + count]
     images = [
-        np.round(np.kron(digits.images[i], np.ones((2, 2))) * 255 / 16).astype(np.uint8)[:, :, None]
-        for i in held_out
+        np.round(np.kron(digits.images[i], np.ones((2, 2))) * 255 / 16).astype(np.uint8)[:, :, None] for i in held_out
     ]
     return images, digits.target[held_out]
 
@@ -59,12 +58,8 @@ def test_digit_classifier_is_the_same_whatever_the_blas_threads(digit_scorer: Di
 
 def test_digit_scores_the_named_digit_high_and_others_low(digit_scorer: DigitScorer) -> None:
     images, labels = _held_out_digits(200)
-    right = digit_scorer.score(
-        images, [f"a handwritten digit {label}" for label in labels], [{}] * len(images)
-    )
-    wrong = digit_scorer.score(
-        images, [f"the number {(label + 3) % 10}" for label in labels], [{}] * len(images)
-    )
+    right = digit_scorer.score(images, [f"a handwritten digit {label}" for label in labels], [{}] * len(images))
+    wrong = digit_scorer.score(images, [f"the number {(label + 3) % 10}" for label in labels], [{}] * len(images))
     right_scores = np.array([outcome.score for outcome in right])
     assert right_scores.mean() > 0.85
     assert np.mean([o.details["predicted"] == label for o, label in zip(right, labels, strict=True)]) > 0.9
@@ -112,9 +107,7 @@ def test_parse_target_digit(prompt: str, metadata: dict[str, Any], expected: int
 
 def test_digit_failures_are_errors_not_zeros(digit_scorer: DigitScorer) -> None:
     images, _ = _held_out_digits(1)
-    outcomes = digit_scorer.score(
-        [images[0], np.zeros((12, 12, 1), np.uint8)], ["no target here", "3"], [{}, {}]
-    )
+    outcomes = digit_scorer.score([images[0], np.zeros((12, 12, 1), np.uint8)], ["no target here", "3"], [{}, {}])
     assert outcomes[0].score is None and outcomes[0].error == ErrorCode.PARSE
     assert outcomes[1].score is None and outcomes[1].error == ErrorCode.BAD_INPUT
     assert "multiples of 8" in outcomes[1].message
@@ -136,9 +129,7 @@ def test_jpeg_compressibility_closed_form() -> None:
     scores = scorer.score([flat, noise, gray], [""] * 3, [{}] * 3)
     for image, score in zip([flat, noise, gray], scores, strict=True):
         buffer = io.BytesIO()
-        Image.fromarray(image.squeeze(2) if image.shape[2] == 1 else image).save(
-            buffer, format="JPEG", quality=95
-        )
+        Image.fromarray(image.squeeze(2) if image.shape[2] == 1 else image).save(buffer, format="JPEG", quality=95)
         assert score == pytest.approx(-len(buffer.getvalue()) / 1000)
     assert scores[1] < scores[2] < scores[0] < 0
 

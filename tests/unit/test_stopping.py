@@ -40,8 +40,9 @@ def test_a_first_ctrl_c_is_a_stop_request_said_at_once_and_a_second_stops_now(ca
     signal does); a Ctrl-C the shell ignored (a background job's) stays ignored."""
     monkeypatch.setattr(shared.interrupt, "_asked", False)  # the second Ctrl-C records itself there
     before = signal.getsignal(signal.SIGINT)
-    stops = StopRequests(SingleProcess(torch.device("cpu")), finishing=lambda: "finishing RL epoch 3 of 8 and saving a "
-                         "checkpoint")
+    stops = StopRequests(
+        SingleProcess(torch.device("cpu")), finishing=lambda: "finishing RL epoch 3 of 8 and saving a checkpoint"
+    )
     with stops:
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: the run goes on to its step's end
         assert stops.asked() == signal.SIGINT and not shared.interrupt.interrupted()
@@ -49,8 +50,9 @@ def test_a_first_ctrl_c_is_a_stop_request_said_at_once_and_a_second_stops_now(ca
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
     assert shared.interrupt.interrupted() and signal.getsignal(signal.SIGINT) == before
-    assert capfd.readouterr().err == ("\nCtrl-C: finishing RL epoch 3 of 8 and saving a checkpoint; Ctrl-C again to stop "
-                                      "now\n")
+    assert capfd.readouterr().err == (
+        "\nCtrl-C: finishing RL epoch 3 of 8 and saving a checkpoint; Ctrl-C again to stop now\n"
+    )
     assert str(StopSignalled(signal.SIGINT)) == "interrupted"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -88,7 +90,8 @@ def test_a_run_stopped_by_a_signal_says_after_which_step_and_names_its_checkpoin
     assert where(Progress(10, 0, True)).startswith("stopped after the evaluation before RL;")
     assert where(Progress(10, 2, True)).startswith("stopped after RL epoch 2 of 4;")
     assert where(Progress(10, 2, True, eval_due=True)).startswith(
-        "stopped after RL epoch 2 of 4 (its evaluation runs first when the run continues);")
+        "stopped after RL epoch 2 of 4 (its evaluation runs first when the run continues);"
+    )
 
 
 WATCHED = """

@@ -26,7 +26,10 @@ def test_a_window_reaching_the_last_step_is_refused():
     """As the settings are made (the config is read), not at the first rollout after a warm-up."""
     with pytest.raises(ValueError, match=r"window_range=\(0, 3\).*num_steps=4.*\[0, 2\).*last step"):
         SamplerSettings(num_steps=4, sde_window=2, window_range=(0, 3))
-    with pytest.raises(ValueError, match=r"^sde_window=4 must be less than num_steps=4 \(the last step is never "
-                                         r"trained\): lower sde_window or raise num_steps$"):  # was "in [0, 0)"
+    with pytest.raises(
+        ValueError,
+        match=r"^sde_window=4 must be less than num_steps=4 \(the last step is never "
+        r"trained\): lower sde_window or raise num_steps$",
+    ):  # was "in [0, 0)"
         SamplerSettings(num_steps=4, sde_window=4)
     assert window_mask(SamplerSettings(num_steps=4), None).all()  # no window: every step

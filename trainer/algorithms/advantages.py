@@ -49,7 +49,10 @@ def zero_std_share(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
 
 
 def clipped_policy_loss(
-    advantages: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor, clip_range: float,
+    advantages: torch.Tensor,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    clip_range: float,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip: ratio = exp(logp - logp_old); L = mean(max(-A ratio, -A clamp(ratio, 1-eps, 1+eps))).
@@ -90,7 +93,9 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torc
     return sq / (2 * std_dev_t.reshape(-1) ** 2)
 
 
-def gae(final_rewards: torch.Tensor, values: torch.Tensor, lam: float, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    final_rewards: torch.Tensor, values: torch.Tensor, lam: float, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the T denoising steps of each sample.
 
     The reward arrives only after the last step, so with V_t = V(x_t) [B, T] and r [B]:
@@ -109,7 +114,11 @@ def gae(final_rewards: torch.Tensor, values: torch.Tensor, lam: float, gamma: fl
 
 
 def diffusion_dpo_loss(
-    loss_win: torch.Tensor, loss_lose: torch.Tensor, ref_win: torch.Tensor, ref_lose: torch.Tensor, beta: float,
+    loss_win: torch.Tensor,
+    loss_lose: torch.Tensor,
+    ref_win: torch.Tensor,
+    ref_lose: torch.Tensor,
+    beta: float,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Diffusion-DPO on per-pair denoising losses l (each [P], at a shared noise level and noise):
@@ -125,8 +134,10 @@ def diffusion_dpo_loss(
     with torch.no_grad():  # means over the real pairs (0 without any), with no read of a device value
         real = w > 0
         count = real.sum().clamp_min(1)
-        stats = {"dpo_ranking_acc": (real & (margin < 0)).sum() / count,
-                 "dpo_margin": torch.where(real, margin, 0.0).sum() / count}
+        stats = {
+            "dpo_ranking_acc": (real & (margin < 0)).sum() / count,
+            "dpo_margin": torch.where(real, margin, 0.0).sum() / count,
+        }
     return loss, stats
 
 
@@ -156,7 +167,11 @@ ADAPTIVE_FLOOR = 1e-5
 
 
 def nft_loss(
-    v_theta: torch.Tensor, v_old: torch.Tensor, v_target: torch.Tensor, optimality: torch.Tensor, beta: float,
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    v_target: torch.Tensor,
+    optimality: torch.Tensor,
+    beta: float,
     error_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DiffusionNFT's forward-process objective, per sample [B]:

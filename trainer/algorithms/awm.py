@@ -53,16 +53,24 @@ def matching_log_prob(error: torch.Tensor, sigma: torch.Tensor, weighting: str, 
     if weighting == "sigma":
         return -sigma * error
     if weighting == "sigma**2":
-        return -sigma**2 * error
+        return -(sigma**2) * error
     if weighting == "huber":
         return -sigma * (torch.sqrt(error + HUBER_EPS) - math.sqrt(HUBER_EPS))
     assert weighting == "ghuber", weighting
     return -sigma * ((error + HUBER_EPS) ** power - HUBER_EPS**power) / power
 
 
-def awm_loss(v_theta: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
-             sigma: torch.Tensor, clip_range: float, weights: torch.Tensor | None = None,
-             weighting: str = "uniform", power: float = 0.25) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def awm_loss(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    target: torch.Tensor,
+    advantages: torch.Tensor,
+    sigma: torch.Tensor,
+    clip_range: float,
+    weights: torch.Tensor | None = None,
+    weighting: str = "uniform",
+    power: float = 0.25,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss on matching log-likelihoods log p = -w(sigma, mean((v - target)^2)) per sample
     ([B] each: ``advantages``, ``sigma``, ``weights`` 0 for samples left out); returns (loss, stats)."""
     log_prob = matching_log_prob(per_sample_mse(v_theta, target), sigma, weighting, power)
@@ -108,17 +116,19 @@ class AWMConfig(CleanSampleConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.time_type != "logit_normal" and int(self.sampler.num_steps * self.timestep_fraction) <= 1:
-            raise ValueError(f"time_type={self.time_type} draws steps below int(num_steps x timestep_fraction) = "
-                             f"{int(self.sampler.num_steps * self.timestep_fraction)}: raise either")
+            raise ValueError(
+                f"time_type={self.time_type} draws steps below int(num_steps x timestep_fraction) = "
+                f"{int(self.sampler.num_steps * self.timestep_fraction)}: raise either"
+            )
 
 
 @dataclass
 class AWMBatch:
     rollout: Rollout
     advantages: torch.Tensor  # [B] this rank's samples
-    weights: torch.Tensor     # [B] 0 where the reward failed
+    weights: torch.Tensor  # [B] 0 where the reward failed
     rewards: Rewards
-    plans: int = 0            # plans made of this batch: the first one's first optimizer step is on policy
+    plans: int = 0  # plans made of this batch: the first one's first optimizer step is on policy
 
 
 class AWM(NoExtras):
@@ -180,9 +190,17 @@ class AWM(NoExtras):
         v_theta = ctx.adapter.predict(ctx.policy, x_t, sigma, cond, 1.0)
         v_old = v_theta.detach() if v_old is None else v_old
         weights = batch.weights[idx].to(v_theta.device)  # host-side rewards
-        loss, stats = awm_loss(v_theta, v_old, target, batch.advantages[idx].to(v_theta.device),
-                               sigma.float().to(v_theta.device), cfg.clip_range, weights, cfg.time_weighting,
-                               cfg.ghuber_power)
+        loss, stats = awm_loss(
+            v_theta,
+            v_old,
+            target,
+            batch.advantages[idx].to(v_theta.device),
+            sigma.float().to(v_theta.device),
+            cfg.clip_range,
+            weights,
+            cfg.time_weighting,
+            cfg.ghuber_power,
+        )
         mean = lambda per_sample: (per_sample * weights).sum() / weights.sum().clamp_min(1.0)  # noqa: E731
         with torch.no_grad():
             stats["matching_loss"] = mean(per_sample_mse(v_theta, target))

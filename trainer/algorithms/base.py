@@ -27,10 +27,10 @@ from trainer.state import State
 class Rewards:
     """Combined rewards of a rollout, locally and gathered over every rank (NaN = failed, never 0)."""
 
-    local: torch.Tensor           # [B] this rank's samples
-    all: torch.Tensor             # [N] every rank's samples, rank-major
-    group_ids_all: torch.Tensor   # [N] prompt group of each gathered sample
-    offset: int                   # where this rank's samples start in ``all``
+    local: torch.Tensor  # [B] this rank's samples
+    all: torch.Tensor  # [N] every rank's samples, rank-major
+    group_ids_all: torch.Tensor  # [N] prompt group of each gathered sample
+    offset: int  # where this rank's samples start in ``all``
 
 
 @dataclass
@@ -232,13 +232,16 @@ def mark_on_policy(batch: Any, steps: list[list[Any]]) -> list[list[Any]]:
 def check_steps(num_samples: int, num_steps: int) -> None:
     """Refuse ``num_steps`` optimizer steps that do not split ``num_samples`` samples per rank evenly."""
     if num_samples % num_steps:
-        raise ValueError(f"{num_samples} samples per rank do not split into {num_steps} optimizer steps: make the "
-                         "per-rank batch (data.prompts_per_epoch x algorithm.group_size / ranks) a multiple of "
-                         "algorithm.steps_per_epoch")
+        raise ValueError(
+            f"{num_samples} samples per rank do not split into {num_steps} optimizer steps: make the "
+            "per-rank batch (data.prompts_per_epoch x algorithm.group_size / ranks) a multiple of "
+            "algorithm.steps_per_epoch"
+        )
 
 
-def split_steps(num_samples: int, num_steps: int, micro_batch_size: int,
-                generator: torch.Generator) -> list[list[torch.Tensor]]:
+def split_steps(
+    num_samples: int, num_steps: int, micro_batch_size: int, generator: torch.Generator
+) -> list[list[torch.Tensor]]:
     """Shuffle sample indices into ``num_steps`` optimizer steps of micro-batches of ``micro_batch_size``."""
     check_steps(num_samples, num_steps)
     perm = torch.randperm(num_samples, generator=generator)

@@ -18,8 +18,9 @@ from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveInt
 from trainer.rollout import SamplerSettings
 
 
-def logit_normal_sigmas(n: int, mean: float, std: float, generator: torch.Generator | None,
-                        shift: float = 1.0) -> torch.Tensor:
+def logit_normal_sigmas(
+    n: int, mean: float, std: float, generator: torch.Generator | None, shift: float = 1.0
+) -> torch.Tensor:
     """sigma = shift u / (1 + (shift - 1) u), u = sigmoid(m + s * z), z ~ N(0, 1): SD3's training density over
     noise levels; ``shift`` 3 reads them as diffusers' SD3 training reads its shift-3 scheduler's grid."""
     u = torch.sigmoid(mean + std * torch.randn(n, generator=generator))
@@ -93,16 +94,24 @@ def stratified_steps(lo: int, hi: int, draws: int, n: int, generator: torch.Gene
     return lower + (torch.rand((draws, n), generator=generator) * width).long()
 
 
-def draw_units(x0: torch.Tensor, config: CleanSampleConfig, generator: torch.Generator, per_unit: int,
-               make_unit: Callable[[torch.Tensor, NoiseDraws], Any], draws: NoiseDraws | None = None) -> list:
+def draw_units(
+    x0: torch.Tensor,
+    config: CleanSampleConfig,
+    generator: torch.Generator,
+    per_unit: int,
+    make_unit: Callable[[torch.Tensor, NoiseDraws], Any],
+    draws: NoiseDraws | None = None,
+) -> list:
     """Loss units of every row of ``x0`` under each of ``config.noise_draws`` (noise level, noise) draws, in
     shuffled chunks of ``per_unit`` rows: ``make_unit(rows, their draw)`` for each chunk, draw after draw.
     ``draws``: given ones ([D, len(x0)]) instead of logit-normal levels."""
     if draws is None:
         draws = NoiseDraws.draw(config.noise_draws, x0, config.logit_mean, config.logit_std, generator)
-    return [make_unit(rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
-            for d in range(len(draws.sigma))
-            for rows in torch.randperm(len(x0), generator=generator).split(per_unit)]
+    return [
+        make_unit(rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
+        for d in range(len(draws.sigma))
+        for rows in torch.randperm(len(x0), generator=generator).split(per_unit)
+    ]
 
 
 @dataclass
@@ -110,20 +119,27 @@ class CleanUnit:
     """One micro-batch of a clean-sample algorithm (sft_best, nft): rows of its batch with their noise draw."""
 
     batch: Any
-    rows: torch.Tensor    # [m] rows of the batch
-    draw: NoiseDraws      # the rows' noise levels and noises
-    share: float = 0.0    # the unit's share of its optimizer step's loss (``set_shares``)
+    rows: torch.Tensor  # [m] rows of the batch
+    draw: NoiseDraws  # the rows' noise levels and noises
+    share: float = 0.0  # the unit's share of its optimizer step's loss (``set_shares``)
     step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
-    on_policy: bool = False   # no optimizer step since the rollout (the ratio-clipped ones: AWM)
+    on_policy: bool = False  # no optimizer step since the rollout (the ratio-clipped ones: AWM)
 
 
-def weighted_plan(batch: Any, config: CleanSampleConfig, generator: torch.Generator,
-                  draws: NoiseDraws | None = None) -> list[list[CleanUnit]]:
+def weighted_plan(
+    batch: Any, config: CleanSampleConfig, generator: torch.Generator, draws: NoiseDraws | None = None
+) -> list[list[CleanUnit]]:
     """Every clean sample of ``batch`` under each of ``noise_draws`` draws (or the given ``draws``), in shuffled
     micro-batches cut into ``steps_per_epoch`` optimizer steps; a step's loss is the mean over its samples,
     weighted by ``batch.weights`` (0: no reward)."""
-    units = draw_units(batch.rollout.latents[:, -1], config, generator, config.micro_batch_size,
-                       lambda rows, draw: CleanUnit(batch, rows, draw), draws)
+    units = draw_units(
+        batch.rollout.latents[:, -1],
+        config,
+        generator,
+        config.micro_batch_size,
+        lambda rows, draw: CleanUnit(batch, rows, draw),
+        draws,
+    )
     return set_shares(split_units(units, config.steps_per_epoch), lambda unit: float(batch.weights[unit.rows].sum()))
 
 

@@ -43,8 +43,13 @@ from trainer.rollout import Rollout
 from trainer.state import State
 
 
-def dgpo_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantages: torch.Tensor, beta: float,
-              form: str = "sigmoid_weighted") -> tuple[torch.Tensor, torch.Tensor]:
+def dgpo_loss(
+    loss_theta: torch.Tensor,
+    loss_ref: torch.Tensor,
+    advantages: torch.Tensor,
+    beta: float,
+    form: str = "sigmoid_weighted",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group ([M, G] inputs: M groups of G samples), with s_g = beta / G sum_i A_i (l_theta_i - l_ref_i):
     "sigmoid_weighted" (the authors'): L_g = sigmoid(s_g).detach() / G sum_i A_i l_theta_i;
     "softplus": L_g = -log sigmoid(-s_g) = softplus(s_g), whose gradient is beta times the former's.
@@ -56,8 +61,9 @@ def dgpo_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantages: torc
     return weight * (advantages * loss_theta).mean(dim=1), weight
 
 
-def clip_denoising_loss(loss: torch.Tensor, old_loss: torch.Tensor, advantages: torch.Tensor,
-                        clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_denoising_loss(
+    loss: torch.Tensor, old_loss: torch.Tensor, advantages: torch.Tensor, clip_range: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The authors' PPO-style clip of per-sample denoising losses: ratio = exp(l_old - l); where the ratio has
     left [1 - eps, 1 + eps] in the advantage's direction (A > 0: ratio > 1 + eps, else ratio < 1 - eps) the loss
     is detached (no gradient pushes it further). Returns (loss, clipped mask)."""
@@ -106,17 +112,19 @@ class DGPOConfig(CleanSampleConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.time_type == "discrete" and self.noise_draws > min(self.trunc_steps + 1, self.sampler.num_steps):
-            raise ValueError(f"time_type=discrete draws noise_draws={self.noise_draws} distinct steps among the first "
-                             f"trunc_steps + 1 = {self.trunc_steps + 1} of the {self.sampler.num_steps} sampler steps: "
-                             "lower noise_draws or raise trunc_steps")
+            raise ValueError(
+                f"time_type=discrete draws noise_draws={self.noise_draws} distinct steps among the first "
+                f"trunc_steps + 1 = {self.trunc_steps + 1} of the {self.sampler.num_steps} sampler steps: "
+                "lower noise_draws or raise trunc_steps"
+            )
 
 
 @dataclass
 class DGPOBatch:
     rollout: Rollout
-    groups: torch.Tensor      # [M, G] local sample indices of this rank's groups
+    groups: torch.Tensor  # [M, G] local sample indices of this rank's groups
     advantages: torch.Tensor  # [B] this rank's samples
-    weights: torch.Tensor     # [M] 1 where a group has a reward, 0 where all of its rewards failed
+    weights: torch.Tensor  # [M] 1 where a group has a reward, 0 where all of its rewards failed
     rewards: Rewards
 
 
@@ -189,8 +197,9 @@ class DGPO(NoExtras):
             policy, clipped = clip_denoising_loss(policy, per_sample_mse(v_ema, target), adv, cfg.clip_range)
             stats["clip_frac"] = clipped.float().mean()
         ref = per_sample_mse(v_ref if cfg.dpo_reference == "reference" else v_ema, target)
-        per_group, preference = dgpo_loss(policy.reshape(m, g), ref.reshape(m, g), adv.reshape(m, g), cfg.beta,
-                                          cfg.loss_form)
+        per_group, preference = dgpo_loss(
+            policy.reshape(m, g), ref.reshape(m, g), adv.reshape(m, g), cfg.beta, cfg.loss_form
+        )
         w = batch.weights[rows].to(per_group.device)
         loss = (per_group * w).sum() / w.sum().clamp_min(1.0)
         stats["dgpo_loss"], stats["dgpo_weight"] = loss.detach(), (preference * w).sum() / w.sum().clamp_min(1.0)

@@ -45,18 +45,18 @@ class DPOConfig(CleanSampleConfig):
 @dataclass
 class DPOBatch:
     rollout: Rollout
-    pairs: torch.Tensor     # [P, 2] local (winner, loser) sample indices
-    weights: torch.Tensor   # [P] 1 real pair, 0 padding (equal pair counts on every rank)
+    pairs: torch.Tensor  # [P, 2] local (winner, loser) sample indices
+    weights: torch.Tensor  # [P] 1 real pair, 0 padding (equal pair counts on every rank)
     rewards: Rewards
 
 
 @dataclass
 class DPOUnit:
     batch: DPOBatch
-    pairs: torch.Tensor     # [m] rows of batch.pairs
-    sigma: torch.Tensor     # [m]
-    noise: torch.Tensor     # [m, *latent_shape]
-    share: float = 0.0      # the unit's share of its optimizer step's loss (``set_shares``)
+    pairs: torch.Tensor  # [m] rows of batch.pairs
+    sigma: torch.Tensor  # [m]
+    noise: torch.Tensor  # [m, *latent_shape]
+    share: float = 0.0  # the unit's share of its optimizer step's loss (``set_shares``)
     step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
 
 
@@ -67,7 +67,6 @@ class DPO(NoExtras):
     needs_reference = True
     local_groups = True
     shown_metrics = ("dpo_margin",)
-
 
     def start_epoch(self, ctx: LossContext, epoch: int) -> None:
         # Epoch 0 too: after a LoRA warm-up the LoRA-disabled base is not the policy RL starts from.
@@ -84,13 +83,17 @@ class DPO(NoExtras):
         if len(batch.pairs) == 0:
             return []
         x0 = batch.rollout.latents[:, -1]
-        draws = NoiseDraws.draw(self.config.noise_draws, x0[batch.pairs[:, 0]], self.config.logit_mean,
-                                self.config.logit_std, generator)
-        units = [DPOUnit(batch, rows, draws.sigma[d, rows], draws.noise[d, rows])
-                 for d in range(self.config.noise_draws)
-                 for rows in torch.randperm(len(batch.pairs), generator=generator).split(self.config.micro_batch_size)]
-        return set_shares(split_units(units, self.config.steps_per_epoch),
-                          lambda unit: float(batch.weights[unit.pairs].sum()))
+        draws = NoiseDraws.draw(
+            self.config.noise_draws, x0[batch.pairs[:, 0]], self.config.logit_mean, self.config.logit_std, generator
+        )
+        units = [
+            DPOUnit(batch, rows, draws.sigma[d, rows], draws.noise[d, rows])
+            for d in range(self.config.noise_draws)
+            for rows in torch.randperm(len(batch.pairs), generator=generator).split(self.config.micro_batch_size)
+        ]
+        return set_shares(
+            split_units(units, self.config.steps_per_epoch), lambda unit: float(batch.weights[unit.pairs].sum())
+        )
 
     def loss(self, ctx: LossContext, unit: DPOUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ro = unit.batch.rollout
@@ -102,8 +105,9 @@ class DPO(NoExtras):
         with torch.no_grad():
             ref = per_sample_mse(ctx.adapter.predict(ctx.reference, x_t, sigma, cond, 1.0), target)
         m = len(unit.pairs)
-        loss, stats = diffusion_dpo_loss(policy[:m], policy[m:], ref[:m], ref[m:], self.config.beta,
-                                         unit.batch.weights[unit.pairs])
+        loss, stats = diffusion_dpo_loss(
+            policy[:m], policy[m:], ref[:m], ref[m:], self.config.beta, unit.batch.weights[unit.pairs]
+        )
         stats["dpo_loss"] = loss.detach()
         real = unit.batch.weights[unit.pairs].to(policy).repeat(2)
         stats["denoise_loss"] = (policy * real).sum().detach() / real.sum().clamp_min(1.0)

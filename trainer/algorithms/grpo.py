@@ -47,6 +47,11 @@ class GRPO(ClippedPolicyGradient):
     config_class = GRPOConfig
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:
-        adv_all = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, self.config.adv_clip,
-                                   ddof=int(self.config.unbiased_std))
+        adv_all = group_advantages(
+            rewards.all,
+            rewards.group_ids_all,
+            self.config.global_std,
+            self.config.adv_clip,
+            ddof=int(self.config.unbiased_std),
+        )
         return adv_all[rewards.offset : rewards.offset + len(rewards.local)]

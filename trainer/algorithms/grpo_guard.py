@@ -29,7 +29,9 @@ from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.algorithms.policy_gradient import StepUnit, step_loss
 
 
-def guard_log_ratio(x_next: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def guard_log_ratio(
+    x_next: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
     """log r~ = mean over elements of eps (mean - old_mean), eps = (x_next - old_mean) / std, per sample [B]
     (std: [B] or [B, 1, ...]); equal to s (log p - log p_old) + mean((mean - old_mean)^2) / (2 s) for the
     Gaussian log-densities."""

@@ -46,7 +46,8 @@ def sde_window(epoch: int, size: int, stride: int, shift_every: int, num_steps: 
 @dataclass
 class MixGRPOConfig(GRPOConfig):
     """MixGRPO hyper-parameters: GRPO's, with the sliding window's size (``sampler.sde_window``) and pace; the
-    authors' FLUX recipe slides a window of 4 by 1 step every 25 epochs (configs/presets/flux_mixgrpo_multi_reward.yaml)."""
+    authors' FLUX recipe slides a window of 4 by 1 step every 25 epochs
+    (configs/presets/flux_mixgrpo_multi_reward.yaml)."""
 
     name: str = "mixgrpo"
     shift_every: PositiveInt = 1
@@ -64,8 +65,10 @@ class MixGRPOConfig(GRPOConfig):
         if self.sampler.sde_window == 0:
             raise ValueError("mixgrpo needs algorithm.sampler.sde_window > 0: the size of its sliding SDE window")
         if self.sampler.num_steps < 3:
-            raise ValueError(f"algorithm.sampler.num_steps={self.sampler.num_steps}: mixgrpo's windows end before step "
-                             "T - 2, so they need num_steps >= 3")
+            raise ValueError(
+                f"algorithm.sampler.num_steps={self.sampler.num_steps}: mixgrpo's windows end before step "
+                "T - 2, so they need num_steps >= 3"
+            )
 
 
 class MixGRPO(GRPO):

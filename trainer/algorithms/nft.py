@@ -86,7 +86,7 @@ class NFTConfig(CleanSampleConfig):
 class NFTBatch:
     rollout: Rollout
     optimality: torch.Tensor  # [B] r~ of this rank's samples
-    weights: torch.Tensor     # [B] 0 where the reward failed
+    weights: torch.Tensor  # [B] 0 where the reward failed
     rewards: Rewards
 
 
@@ -158,8 +158,9 @@ class NFT(NoExtras):
         scale = self.config.optimality_scale
         adv = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, clip=scale)
         mine = slice(rewards.offset, rewards.offset + len(rewards.local))
-        return NFTBatch(rollout, optimality_probability(adv[mine], scale), (~torch.isnan(rewards.local)).float(),
-                        rewards)
+        return NFTBatch(
+            rollout, optimality_probability(adv[mine], scale), (~torch.isnan(rewards.local)).float(), rewards
+        )
 
     def plan(self, batch: NFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """The batch's clean samples at the schedule's (or logit-normal) levels, weighted by reward
@@ -197,8 +198,10 @@ class NFT(NoExtras):
         return loss * unit.share, stats
 
     def batch_metrics(self, batch: NFTBatch) -> dict[str, float]:
-        return {"optimality_mean": float(batch.optimality.mean()),
-                "optimality_extreme_share": float(((batch.optimality - 0.5).abs() == 0.5).float().mean())}
+        return {
+            "optimality_mean": float(batch.optimality.mean()),
+            "optimality_extreme_share": float(((batch.optimality - 0.5).abs() == 0.5).float().mean()),
+        }
 
     def checkpoint_state(self) -> dict[str, State]:
         """The old policy's weights and the optimizer steps its decay has counted."""
@@ -207,8 +210,9 @@ class NFT(NoExtras):
 
     def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
         if "nft_old" not in saved:
-            raise ValueError(f"{source} holds no DiffusionNFT old policy: resume a run of algorithm.name=nft made "
-                             "with this version")
+            raise ValueError(
+                f"{source} holds no DiffusionNFT old policy: resume a run of algorithm.name=nft made with this version"
+            )
         state = dict(saved["nft_old"])
         self.optimizer_steps = int(state.pop("optimizer_steps"))
         self.old.load_state(state)

@@ -64,18 +64,22 @@ class PolicyGradientConfig:
 
     def __post_init__(self):
         if self.sampler.noise_level == 0:
-            raise ValueError("algorithm.sampler.noise_level=0 samples every step deterministically: a policy gradient "
-                             "then has no log-probability to train (its loss and gradients are 0); set it > 0 (0.7 is "
-                             "Flow-GRPO's)")
+            raise ValueError(
+                "algorithm.sampler.noise_level=0 samples every step deterministically: a policy gradient "
+                "then has no log-probability to train (its loss and gradients are 0); set it > 0 (0.7 is "
+                "Flow-GRPO's)"
+            )
         if self.sampler.num_steps == 1 and self.sampler.sde_window == 0:
-            raise ValueError("algorithm.sampler.num_steps=1 leaves no trainable denoising step (the last step is never "
-                             "trained: its noise is near 0): set num_steps >= 2")
+            raise ValueError(
+                "algorithm.sampler.num_steps=1 leaves no trainable denoising step (the last step is never "
+                "trained: its noise is near 0): set num_steps >= 2"
+            )
 
 
 @dataclass
 class PolicyGradientBatch:
     rollout: Rollout
-    advantages: torch.Tensor   # [B, T] this rank's samples, per denoising step
+    advantages: torch.Tensor  # [B, T] this rank's samples, per denoising step
     train_steps: torch.Tensor  # [K] denoising step indices eligible for training
     rewards: Rewards
     returns: torch.Tensor | None = None  # [B, T] value targets (critic algorithms)
@@ -94,22 +98,25 @@ class PolicyGradientBatch:
 @dataclass
 class StepUnit:
     batch: PolicyGradientBatch
-    indices: torch.Tensor      # [m] samples of this micro-batch
-    steps: torch.Tensor        # [m] denoising step trained for each sample
-    share: float = 1.0         # the unit's share of its optimizer step's loss (``set_shares``)
-    step_weight: float = 0.0   # this rank's total unit weight in that step (``balance_ranks``)
-    on_policy: bool = False    # no optimizer step since the rollout: log p_old is this unit's own forward
+    indices: torch.Tensor  # [m] samples of this micro-batch
+    steps: torch.Tensor  # [m] denoising step trained for each sample
+    share: float = 1.0  # the unit's share of its optimizer step's loss (``set_shares``)
+    step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
+    on_policy: bool = False  # no optimizer step since the rollout: log p_old is this unit's own forward
 
 
 def trainable_steps(rollout: Rollout) -> torch.Tensor:
     steps = rollout.trainable_steps()
     if len(steps) == 0:
-        raise ValueError("no trainable denoising steps: raise algorithm.sampler.num_steps or algorithm.sampler.sde_window")
+        raise ValueError(
+            "no trainable denoising steps: raise algorithm.sampler.num_steps or algorithm.sampler.sde_window"
+        )
     return steps
 
 
-def plan_units(batch: PolicyGradientBatch, config: PolicyGradientConfig,
-               generator: torch.Generator) -> list[list[StepUnit]]:
+def plan_units(
+    batch: PolicyGradientBatch, config: PolicyGradientConfig, generator: torch.Generator
+) -> list[list[StepUnit]]:
     """Each sample trains on its own random subset of ``ceil(timestep_fraction * K)`` steps; a unit is one
     micro-batch at one step position; the per-rank batch splits into ``steps_per_epoch`` optimizer steps, whose
     loss is the mean over all of their (sample, step) pairs. The batch's first plan's first step is on policy."""
@@ -135,8 +142,13 @@ StepWeight = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(the rollout's schedule t[0..T], the unit's steps [m]) -> a positive weight [m] on each sample's policy loss."""
 
 
-def step_loss(ctx: LossContext, unit: StepUnit, config: PolicyGradientConfig, log_ratio: LogRatio | None = None,
-              step_weight: StepWeight | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def step_loss(
+    ctx: LossContext,
+    unit: StepUnit,
+    config: PolicyGradientConfig,
+    log_ratio: LogRatio | None = None,
+    step_weight: StepWeight | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (plus beta KL) of one unit, a mean over its samples (not scaled by its
     ``share``): re-evaluates log p(x_{t+1} | x_t) under the policy; ``log_ratio`` replaces
     log p_theta - log p_old in the ratio where an algorithm defines its own, and ``step_weight`` w scales each
@@ -189,8 +201,10 @@ def advantage_metrics(batch: PolicyGradientBatch) -> dict[str, float]:
     """Statistics of the advantages at the trained steps, and the failed share of the gathered rewards."""
     adv = batch.advantages[:, batch.train_steps]
     return {
-        "adv_mean": float(adv.mean()), "adv_std": float(adv.std(unbiased=False)),
-        "adv_abs_mean": float(adv.abs().mean()), "adv_max": float(adv.abs().max()),
+        "adv_mean": float(adv.mean()),
+        "adv_std": float(adv.std(unbiased=False)),
+        "adv_abs_mean": float(adv.abs().mean()),
+        "adv_max": float(adv.abs().max()),
     }
 
 
@@ -214,9 +228,11 @@ class ClippedPolicyGradient(NoExtras):
         # Later optimizer steps' samples have only the rollout's log p_old: their ratio holds its gap to the
         # training forward, shown then. The KL to the reference is shown where kl_beta > 0 puts it in the loss.
         reused = config.inner_epochs > 1 or config.steps_per_epoch > 1
-        self.shown_metrics = (tuple(m for m in type(self).shown_metrics if reused or m not in ("approx_kl", "clip_frac"))
-                              + (("logp_gap",) if config.steps_per_epoch > 1 else ())
-                              + (("kl",) if config.kl_beta > 0 else ()))
+        self.shown_metrics = (
+            tuple(m for m in type(self).shown_metrics if reused or m not in ("approx_kl", "clip_frac"))
+            + (("logp_gap",) if config.steps_per_epoch > 1 else ())
+            + (("kl",) if config.kl_beta > 0 else ())
+        )
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:
         raise NotImplementedError
@@ -225,8 +241,9 @@ class ClippedPolicyGradient(NoExtras):
         check_steps(samples_per_rank, self.config.steps_per_epoch)
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> PolicyGradientBatch:
-        return PolicyGradientBatch(rollout, per_step(self.advantages(rewards), rollout), trainable_steps(rollout),
-                                   rewards)
+        return PolicyGradientBatch(
+            rollout, per_step(self.advantages(rewards), rollout), trainable_steps(rollout), rewards
+        )
 
     def plan(self, batch: PolicyGradientBatch, generator: torch.Generator) -> list[list[StepUnit]]:
         return plan_units(batch, self.config, generator)

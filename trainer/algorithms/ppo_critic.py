@@ -86,8 +86,11 @@ class ValueNetwork(nn.Module):
         super().__init__()
         self.latent_features = min(latent_numel, latent_features)
         self.mlp = nn.Sequential(
-            nn.Linear(self.latent_features + 64 + cond_dim, hidden), nn.SiLU(),
-            nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 1),
+            nn.Linear(self.latent_features + 64 + cond_dim, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, 1),
         )
 
     def forward(self, latents: torch.Tensor, t: torch.Tensor, cond_vec: torch.Tensor) -> torch.Tensor:
@@ -112,10 +115,15 @@ class PPOCritic(ClippedPolicyGradient):
         latent_numel = math.prod(adapter.latent_shape)
         device = next(adapter.denoiser.parameters()).device
         self.backend = backend
-        self.critic = ValueNetwork(latent_numel, condition_vector(example).shape[1], self.config.critic_hidden,
-                                   self.config.critic_latent_features).to(device)
+        self.critic = ValueNetwork(
+            latent_numel,
+            condition_vector(example).shape[1],
+            self.config.critic_hidden,
+            self.config.critic_latent_features,
+        ).to(device)
         self.critic_train = backend.prepare_auxiliary(
-            self.critic, lambda params: torch.optim.AdamW(params, lr=self.config.critic_learning_rate))
+            self.critic, lambda params: torch.optim.AdamW(params, lr=self.config.critic_learning_rate)
+        )
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> torch.Tensor:
@@ -135,22 +143,27 @@ class PPOCritic(ClippedPolicyGradient):
         steps = trainable_steps(rollout)
         trained = adv[valid][:, steps]
         adv = torch.where(valid[:, None], (adv - trained.mean()) / (trained.std(unbiased=False) + 1e-4), 0.0)
-        return PolicyGradientBatch(rollout, adv.clamp(-self.config.adv_clip, self.config.adv_clip), steps,
-                                   rewards, torch.where(valid[:, None], returns, values))
+        return PolicyGradientBatch(
+            rollout,
+            adv.clamp(-self.config.adv_clip, self.config.adv_clip),
+            steps,
+            rewards,
+            torch.where(valid[:, None], returns, values),
+        )
 
     def loss(self, ctx: LossContext, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, stats = step_loss(ctx, unit, self.config)
         ro = unit.batch.rollout
-        predicted = self.critic_train(ro.latents[unit.indices, unit.steps], ro.sigmas[unit.steps],
-                                      condition_vector(ro.cond.select(unit.indices)))
+        predicted = self.critic_train(
+            ro.latents[unit.indices, unit.steps], ro.sigmas[unit.steps], condition_vector(ro.cond.select(unit.indices))
+        )
         value_loss = F.mse_loss(predicted, unit.batch.returns[unit.indices, unit.steps])
         stats["value_loss"] = value_loss.detach()
         return (loss + self.config.value_coef * value_loss) * unit.share, stats
 
     def batch_metrics(self, batch: PolicyGradientBatch) -> dict[str, float]:
         steps = batch.train_steps
-        return {**super().batch_metrics(batch),
-                "value_target_mean": float(batch.returns[:, steps].mean())}
+        return {**super().batch_metrics(batch), "value_target_mean": float(batch.returns[:, steps].mean())}
 
     def _shards(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the critic's tensors, by name (under FSDP2 its parameters are sharded)."""
@@ -168,7 +181,9 @@ class PPOCritic(ClippedPolicyGradient):
             value = values.get(name)
             if value is None or value.shape != shard.shape:
                 held = "nothing" if value is None else tuple(value.shape)
-                raise ValueError(f"{source} holds {held} for {name} on rank {self.backend.world.rank}, where this "
-                                 f"run's shard is {tuple(shard.shape)}: resume with the algorithm settings, "
-                                 "parallel.backend and number of ranks the checkpoint was made with")
+                raise ValueError(
+                    f"{source} holds {held} for {name} on rank {self.backend.world.rank}, where this "
+                    f"run's shard is {tuple(shard.shape)}: resume with the algorithm settings, "
+                    "parallel.backend and number of ranks the checkpoint was made with"
+                )
             shard.copy_(value)

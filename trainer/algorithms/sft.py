@@ -41,9 +41,9 @@ class SFTConfig:
 
 @dataclass
 class SFTBatch:
-    x0: torch.Tensor          # [B, *latent_shape] targets in latent space
-    noise: torch.Tensor       # [B, *latent_shape]
-    sigma: torch.Tensor       # [B]
+    x0: torch.Tensor  # [B, *latent_shape] targets in latent space
+    noise: torch.Tensor  # [B, *latent_shape]
+    sigma: torch.Tensor  # [B]
     cond: Conditioning
 
 
@@ -52,9 +52,11 @@ def supervised_latents(adapter: ModelAdapter, images: torch.Tensor) -> torch.Ten
     do not encode to the shape the model generates (build.py checks this before the warm-up)."""
     x0 = adapter.encode_images(images)
     if tuple(x0.shape[1:]) != tuple(adapter.latent_shape):
-        raise ValueError(f"supervised images of {tuple(images.shape[-2:])} pixels encode to latents "
-                         f"{tuple(x0.shape[1:])}, but the model generates {tuple(adapter.latent_shape)} (model."
-                         "resolution): set data.image_size to the model's resolution")
+        raise ValueError(
+            f"supervised images of {tuple(images.shape[-2:])} pixels encode to latents "
+            f"{tuple(x0.shape[1:])}, but the model generates {tuple(adapter.latent_shape)} (model."
+            "resolution): set data.image_size to the model's resolution"
+        )
     return x0
 
 
@@ -66,22 +68,31 @@ class SFT:
     def __init__(self, config: SFTConfig):
         self.config = config
 
-    def data_batch(self, adapter: ModelAdapter, images: torch.Tensor, prompts: list[str],
-                   generator: torch.Generator, inputs: ImageInputs | None = None) -> SFTBatch:
+    def data_batch(
+        self,
+        adapter: ModelAdapter,
+        images: torch.Tensor,
+        prompts: list[str],
+        generator: torch.Generator,
+        inputs: ImageInputs | None = None,
+    ) -> SFTBatch:
         """Target images in [0, 1] [B, C, H, W], their prompts and image inputs -> one supervised batch."""
         drop = torch.rand(len(prompts), generator=generator) < self.config.cfg_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         x0 = supervised_latents(adapter, images)
         noise = torch.randn(x0.shape, generator=generator).to(x0.device)
-        sigma = logit_normal_sigmas(len(prompts), self.config.logit_mean, self.config.logit_std, generator,
-                                    self.config.sigma_shift)
+        sigma = logit_normal_sigmas(
+            len(prompts), self.config.logit_mean, self.config.logit_std, generator, self.config.sigma_shift
+        )
         return SFTBatch(x0, noise, sigma.to(x0.device), adapter.encode_prompts(prompts, inputs))
 
     def plan(self, batch: SFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """One optimizer step over the batch, accumulated over micro-batches (each unit's loss scaled by its
         share of the batch, so that a smaller last micro-batch counts per sample like the others)."""
-        units = [CleanUnit(batch, idx, NoiseDraws(batch.sigma[idx], batch.noise[idx]))
-                 for idx in torch.arange(len(batch.sigma)).split(self.config.micro_batch_size)]
+        units = [
+            CleanUnit(batch, idx, NoiseDraws(batch.sigma[idx], batch.noise[idx]))
+            for idx in torch.arange(len(batch.sigma)).split(self.config.micro_batch_size)
+        ]
         return set_shares([units], lambda unit: len(unit.rows))
 
     def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -43,8 +43,8 @@ class BestOfGroupConfig(CleanSampleConfig):
 @dataclass
 class BestBatch:
     rollout: Rollout
-    samples: torch.Tensor   # [M] local indices of the chosen samples (padded)
-    weights: torch.Tensor   # [M] loss weights, 0 for padding
+    samples: torch.Tensor  # [M] local indices of the chosen samples (padded)
+    weights: torch.Tensor  # [M] loss weights, 0 for padding
     rewards: Rewards
 
 
@@ -55,7 +55,6 @@ class BestOfGroupSFT(NoExtras):
     needs_reference = False
     local_groups = True
     shown_metrics = ("sft_loss",)
-
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> BestBatch:
         groups, best, _ = best_and_worst(rewards.all, rewards.group_ids_all)
@@ -76,11 +75,14 @@ class BestOfGroupSFT(NoExtras):
             return []
         x0 = batch.rollout.latents[batch.samples, -1]
         draws = NoiseDraws.draw(self.config.noise_draws, x0, self.config.logit_mean, self.config.logit_std, generator)
-        units = [CleanUnit(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
-                 for d in range(self.config.noise_draws)
-                 for rows in torch.arange(len(batch.samples)).split(self.config.micro_batch_size)]
-        return set_shares(split_units(units, self.config.steps_per_epoch),
-                          lambda unit: float(batch.weights[unit.rows].sum()))
+        units = [
+            CleanUnit(batch, rows, NoiseDraws(draws.sigma[d, rows], draws.noise[d, rows]))
+            for d in range(self.config.noise_draws)
+            for rows in torch.arange(len(batch.samples)).split(self.config.micro_batch_size)
+        ]
+        return set_shares(
+            split_units(units, self.config.steps_per_epoch), lambda unit: float(batch.weights[unit.rows].sum())
+        )
 
     def loss(self, ctx: LossContext, unit: CleanUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch, draw = unit.batch, unit.draw

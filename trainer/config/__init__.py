@@ -52,5 +52,18 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["Config", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "ParallelConfig", "RewardConfig",
-           "TrainConfig", "load_config", "reward_token", "saved_dict", "to_dict", "user_error_exit"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "ParallelConfig",
+    "RewardConfig",
+    "TrainConfig",
+    "load_config",
+    "reward_token",
+    "saved_dict",
+    "to_dict",
+    "user_error_exit",
+]

@@ -80,8 +80,10 @@ def build(cls: type, raw: Any, path: str) -> Any:
     if unknown:
         where = f"{path}." if path else ""
         close = difflib.get_close_matches(str(unknown[0]), fields, n=1, cutoff=0.6)
-        raise ConfigError(f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}"
-                          + (f"; did you mean {where}{close[0]}?" if close else ""))
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}"
+            + (f"; did you mean {where}{close[0]}?" if close else "")
+        )
     kwargs = {}
     for name, value in raw.items():
         value = _over_default(fields[name], hints[name], value)
@@ -95,8 +97,11 @@ def build(cls: type, raw: Any, path: str) -> Any:
 def _over_default(field: dataclasses.Field, hint: Any, value: Any) -> Any:
     """``value`` merged over the field's default where that is a section (a dataclass) and ``value`` a mapping;
     a section chosen by name (``Selected``) starts from its class's defaults instead."""
-    if (not isinstance(value, Mapping) or field.default_factory is dataclasses.MISSING
-            or selected_field(hint) is not None):
+    if (
+        not isinstance(value, Mapping)
+        or field.default_factory is dataclasses.MISSING
+        or selected_field(hint) is not None
+    ):
         return value
     default = field.default_factory()
     if not dataclasses.is_dataclass(default):
@@ -150,8 +155,11 @@ def convert(tp: Any, value: Any, path: str) -> Any:
                 return convert(option, value, path)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of "
-                          f"{', '.join(_type_name(o) for o in options)}")
+        raise ConfigError(
+            errors[0]
+            if len(errors) == 1
+            else f"{path}: {value!r} matches none of {', '.join(_type_name(o) for o in options)}"
+        )
     if origin is Literal:
         if value not in args:
             read_as = " (YAML reads an unquoted yes, no, on or off as a boolean)" if isinstance(value, bool) else ""
@@ -171,7 +179,7 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         key_t, val_t = args or (Any, Any)
-        return {convert(key_t, k, f"{path}") : convert(val_t, v, f"{path}.{k}") for k, v in value.items()}
+        return {convert(key_t, k, f"{path}"): convert(val_t, v, f"{path}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path)
     if tp is bool:
@@ -206,8 +214,10 @@ def build_selected(selected: Selected, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected a mapping with a 'name' key, got {value!r}")
     name = value.get("name", selected.default)
     if name not in registry:
-        raise ConfigError(f"{path}.name={name!r} is not registered; choose one of: {', '.join(sorted(registry))}"
-                          + did_you_mean(name, registry))
+        raise ConfigError(
+            f"{path}.name={name!r} is not registered; choose one of: {', '.join(sorted(registry))}"
+            + did_you_mean(name, registry)
+        )
     return build(registry[name], {**value, "name": name}, path)
 
 

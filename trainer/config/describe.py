@@ -32,8 +32,13 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, after in zip(body[:-1], body[1:], strict=True):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
     return docs
 
@@ -56,8 +61,14 @@ def _section(obj: Any, raw: dict, indent: str, lines: list[str]) -> None:
         if doc is None and dataclasses.is_dataclass(value):
             doc = (inspect.getdoc(type(value)) or "").split("\n\n")[0]
         if doc:
-            lines.extend(textwrap.wrap(" ".join(doc.split()), max(40, WIDTH - len(indent)),
-                                       initial_indent=f"{indent}# ", subsequent_indent=f"{indent}# "))
+            lines.extend(
+                textwrap.wrap(
+                    " ".join(doc.split()),
+                    max(40, WIDTH - len(indent)),
+                    initial_indent=f"{indent}# ",
+                    subsequent_indent=f"{indent}# ",
+                )
+            )
         if dataclasses.is_dataclass(value) and isinstance(shown, dict):
             lines.append(f"{indent}{field.name}:")
             _section(value, shown, indent + "  ", lines)

@@ -54,7 +54,9 @@ class Bounds:
     """Whether ``high`` itself is excluded."""
 
     def admits(self, value: float) -> bool:
-        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not (value > 0 and self.high == math.inf))):
+        if isinstance(value, float) and (
+            math.isnan(value) or (math.isinf(value) and not (value > 0 and self.high == math.inf))
+        ):
             return False
         above = self.low is None or (value > self.low if self.low_open else value >= self.low)
         below = self.high is None or (value < self.high if self.high_open else value <= self.high)

@@ -90,8 +90,10 @@ def override_value(override: str, text: str, hint: Any) -> Any:
         raise ConfigError(f"override {override!r}: value is not valid YAML{hint} ({exc})") from exc
     glued = [key for key, item in value.items() if ":" in str(key) and item is None] if isinstance(value, dict) else []
     if glued:  # YAML reads {digit:1} as the key 'digit:1' with no value
-        raise ConfigError(f"override {override!r}: YAML needs a space after the colon: "
-                          f"{{{str(glued[0]).replace(':', ': ', 1)}}}, not {{{glued[0]}}}")
+        raise ConfigError(
+            f"override {override!r}: YAML needs a space after the colon: "
+            f"{{{str(glued[0]).replace(':', ': ', 1)}}}, not {{{glued[0]}}}"
+        )
     return value
 
 
@@ -110,15 +112,20 @@ def load_yaml(path: str) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"--config {path}: not a text file (YAML is UTF-8 text)") from None
     if raw is None:  # an empty or all-comment file: a failed redirect or an unsaved editor, not a job
-        raise ConfigError(f"--config {path}: the file is empty (no sections); write the sections to change, or "
-                          "leave --config off to run the embedded job")
+        raise ConfigError(
+            f"--config {path}: the file is empty (no sections); write the sections to change, or "
+            "leave --config off to run the embedded job"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
     for section, fields in raw.items():
         if fields is not None and not isinstance(fields, dict):
-            example = f"{{name: {fields}}}" if f"{section}.name" in _NAMED and isinstance(fields, str) else "{key: value}"
-            raise ConfigError(f"--config {path}: {section} must be a section of fields ({section}: {example}), "
-                              f"got {fields!r}")
+            example = (
+                f"{{name: {fields}}}" if f"{section}.name" in _NAMED and isinstance(fields, str) else "{key: value}"
+            )
+            raise ConfigError(
+                f"--config {path}: {section} must be a section of fields ({section}: {example}), got {fields!r}"
+            )
     return raw
 
 

@@ -76,8 +76,10 @@ class DataConfig:
         from trainer.data import DATASETS
 
         if self.name not in DATASETS:
-            raise ValueError(f"data.name={self.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}"
-                             + did_you_mean(self.name, DATASETS))
+            raise ValueError(
+                f"data.name={self.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}"
+                + did_you_mean(self.name, DATASETS)
+            )
 
 
 @dataclass
@@ -122,8 +124,10 @@ class RewardConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"urls: {url!r} has no scheme: write http://{url.split('://')[-1]}")
         if self.model_dir and self.urls:
-            raise ValueError(f"reward.model_dir={self.model_dir!r} is for the job's own replicas, but reward.urls "
-                             "names servers: start those with --model-dir instead, or leave reward.urls empty")
+            raise ValueError(
+                f"reward.model_dir={self.model_dir!r} is for the job's own replicas, but reward.urls "
+                "names servers: start those with --model-dir instead, or leave reward.urls empty"
+            )
         if self.model_dir and not os.path.isdir(self.model_dir):
             raise ValueError(f"reward.model_dir={self.model_dir!r}: no such folder")
 
@@ -306,11 +310,14 @@ class LoggingConfig:
         import importlib.util
 
         if self.run_name in (".", "..") or any(sep in self.run_name for sep in ("/", os.sep)):
-            raise ValueError(f"logging.run_name={self.run_name!r} must be a plain folder name (runs go in "
-                             "logging.output_dir): set logging.output_dir for another place")
+            raise ValueError(
+                f"logging.run_name={self.run_name!r} must be a plain folder name (runs go in "
+                "logging.output_dir): set logging.output_dir for another place"
+            )
         if self.wandb != "none" and importlib.util.find_spec("wandb") is None:
-            raise ValueError(f"logging.wandb={self.wandb} needs the wandb package: pip install -c constraints.txt "
-                             "-e \".[wandb]\"")
+            raise ValueError(
+                f'logging.wandb={self.wandb} needs the wandb package: pip install -c constraints.txt -e ".[wandb]"'
+            )
 
 
 @dataclass
@@ -333,14 +340,18 @@ class Config:
     def __post_init__(self):
         compile_mode = getattr(self.model, "compile", "none")
         if compile_mode != "none" and self.parallel.backend == "zero3":
-            raise ValueError(f"model.compile={compile_mode} does not compose with parallel.backend=zero3: DeepSpeed "
-                             "gathers ZeRO-3 weights in a hook on every layer, which splits each compiled block into "
-                             "per-layer graphs (no fusion; graphs, recompiles and compile time multiply); use "
-                             "parallel.backend=fsdp2 (whole blocks sharded, each one graph) or zero2, or "
-                             "model.compile=none")
+            raise ValueError(
+                f"model.compile={compile_mode} does not compose with parallel.backend=zero3: DeepSpeed "
+                "gathers ZeRO-3 weights in a hook on every layer, which splits each compiled block into "
+                "per-layer graphs (no fusion; graphs, recompiles and compile time multiply); use "
+                "parallel.backend=fsdp2 (whole blocks sharded, each one graph) or zero2, or "
+                "model.compile=none"
+            )
         if self.train.early_stop and not self.eval.every:
-            raise ValueError(f"train.early_stop={self.train.early_stop} counts evaluations, but eval.every=0 runs none "
-                             "during RL: set eval.every, or train.early_stop=0")
+            raise ValueError(
+                f"train.early_stop={self.train.early_stop} counts evaluations, but eval.every=0 runs none "
+                "during RL: set eval.every, or train.early_stop=0"
+            )
 
 
 def reward_token(config: RewardConfig) -> str | None:

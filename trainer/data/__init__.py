@@ -1,6 +1,7 @@
 """Tasks and datasets, registered by name: where prompts, supervised examples and task metrics come from.
 
-Formats (``data.name``): ``digits`` (the embedded task), ``words`` (the embedded text task), ``prompt_file`` (.txt prompts or GenEval-style
+Formats (``data.name``): ``digits`` (the embedded task), ``words`` (the embedded text task), ``prompt_file`` (.txt
+prompts or GenEval-style
 .jsonl), ``inpaint_jsonl`` (image, mask, prompt rows), ``edit_jsonl`` (image to edit, instruction rows),
 ``triplet_folder`` (IP-Adapter source / mask / reference triplets). A bad row fails when the task is built,
 before training, naming its file and line.
@@ -61,17 +62,21 @@ class DigitsTask:
 
 def _digits_task(config) -> DigitsTask:
     if config.path:
-        raise ValueError(f"data.path={config.path!r} is not read by data.name='digits' (the embedded task); "
-                         "set data.name to the file's format (prompt_file, inpaint_jsonl, edit_jsonl, "
-                         "triplet_folder) or remove data.path")
+        raise ValueError(
+            f"data.path={config.path!r} is not read by data.name='digits' (the embedded task); "
+            "set data.name to the file's format (prompt_file, inpaint_jsonl, edit_jsonl, "
+            "triplet_folder) or remove data.path"
+        )
     _refuse_image_inputs(config)
     return DigitsTask(config.image_size)
 
 
 def _words_task(config) -> WordsTask:
     if config.path:
-        raise ValueError(f"data.path={config.path!r} is not read by data.name='words' (the embedded text task, "
-                         "whose vocabulary is built in); remove data.path")
+        raise ValueError(
+            f"data.path={config.path!r} is not read by data.name='words' (the embedded text task, "
+            "whose vocabulary is built in); remove data.path"
+        )
     _refuse_image_inputs(config)
     return WordsTask(config.image_size)
 
@@ -83,9 +88,11 @@ def _prompt_file_task(config) -> PromptFileTask:
 
 def _refuse_image_inputs(config) -> None:
     if config.image_inputs:
-        raise ValueError(f"data.image_inputs={list(config.image_inputs)} but data.name={config.name!r} gives no "
-                         "image inputs; remove data.image_inputs or pick a format with images (inpaint_jsonl, "
-                         "edit_jsonl, triplet_folder)")
+        raise ValueError(
+            f"data.image_inputs={list(config.image_inputs)} but data.name={config.name!r} gives no "
+            "image inputs; remove data.image_inputs or pick a format with images (inpaint_jsonl, "
+            "edit_jsonl, triplet_folder)"
+        )
 
 
 DATASETS = {
@@ -94,9 +101,9 @@ DATASETS = {
     "prompt_file": _prompt_file_task,
     "inpaint_jsonl": lambda config: read_inpaint_jsonl(config.path, config.image_size, list(config.image_inputs)),
     "edit_jsonl": lambda config: read_edit_jsonl(config.path, config.image_size, list(config.image_inputs)),
-    "triplet_folder": lambda config: read_triplet_folder(config.path, config.image_size,
-                                                         config.style_crop,
-                                                         list(config.image_inputs)),
+    "triplet_folder": lambda config: read_triplet_folder(
+        config.path, config.image_size, config.style_crop, list(config.image_inputs)
+    ),
 }
 
 
@@ -135,16 +142,20 @@ def build_tasks(data, ev) -> tuple[Task, Task]:
         _evaluate_first(task, ev.prompts, source)
         return task, task
     if not task.holds_out:  # an embedded task's prompts are its classes
-        raise ValueError(f"eval.path={ev.path!r} is not read by data.name={data.name!r}, an embedded task that "
-                         "evaluates its own prompts; remove eval.path")
+        raise ValueError(
+            f"eval.path={ev.path!r} is not read by data.name={data.name!r}, an embedded task that "
+            "evaluates its own prompts; remove eval.path"
+        )
     evaluated = _eval_file_task(data, ev.path)
     _evaluate_first(evaluated, ev.prompts or len(evaluated.prompts), f"eval.path={ev.path!r}")
     task.eval_indices, task.eval_prompts = [], []
     shared = shared_items(task, evaluated)
     if shared and not ev.allow_overlap:
-        raise ValueError(f"data.path={data.path!r} and eval.path={ev.path!r} share {describe_shared(shared)}: an "
-                         "evaluation on examples RL trains on measures memorisation; remove them from one of the "
-                         "files, or set eval.allow_overlap=true to run anyway")
+        raise ValueError(
+            f"data.path={data.path!r} and eval.path={ev.path!r} share {describe_shared(shared)}: an "
+            "evaluation on examples RL trains on measures memorisation; remove them from one of the "
+            "files, or set eval.allow_overlap=true to run anyway"
+        )
     return task, evaluated
 
 
@@ -159,7 +170,7 @@ def shared_items(task: Task, evaluated: Task) -> list[str | tuple]:
 
 
 def describe_shared(keys: list[str | tuple]) -> str:
-    """"N prompts (first three: ...)" of ``shared_items``' keys, for messages."""
+    """ "N prompts (first three: ...)" of ``shared_items``' keys, for messages."""
     prompts = [key if isinstance(key, str) else key[0] for key in keys]
     what = "prompts" if all(isinstance(key, str) for key in keys) else "items (prompt and image files)"
     return f"{len(keys)} {what} (first three: {', '.join(repr(p) for p in prompts[:3])})"
@@ -171,19 +182,34 @@ def _eval_file_task(data, path: str) -> Task:
     try:
         return build_task(replace(data, path=path))
     except ValueError as exc:
-        raise ValueError(str(exc).replace(f"data.path={path!r}", f"eval.path={path!r}")
-                         .replace("set data.path", "set eval.path")) from None
+        raise ValueError(
+            str(exc).replace(f"data.path={path!r}", f"eval.path={path!r}").replace("set data.path", "set eval.path")
+        ) from None
 
 
 def _evaluate_first(task: Task, count: int, source: str) -> None:
     """Evaluate ``task``'s first ``count`` items (0: keep its own choice); ``source`` names where they come from."""
     if count > len(task.prompts):
-        raise ValueError(f"eval.prompts={count} but {source} has {len(task.prompts)} items: set eval.prompts to at "
-                         "most that (0: the default choice)")
+        raise ValueError(
+            f"eval.prompts={count} but {source} has {len(task.prompts)} items: set eval.prompts to at "
+            "most that (0: the default choice)"
+        )
     if count:
         task.eval_indices = list(range(count))
         task.eval_prompts = [task.prompts[i] for i in task.eval_indices]
 
 
-__all__ = ["DATASETS", "DataProblems", "DigitsTask", "PromptFileTask", "SupervisedBatch", "Task", "WordsTask",
-           "build_task", "build_tasks", "describe_shared", "shared_items", "training_items"]
+__all__ = [
+    "DATASETS",
+    "DataProblems",
+    "DigitsTask",
+    "PromptFileTask",
+    "SupervisedBatch",
+    "Task",
+    "WordsTask",
+    "build_task",
+    "build_tasks",
+    "describe_shared",
+    "shared_items",
+    "training_items",
+]

@@ -31,16 +31,20 @@ def read_edit_jsonl(path: str, image_size: int, image_inputs: Sequence[str] = ()
         images = tuple(resolve(file.parent, p, "image_path", where) for p in (paths if several else [paths]))
         count = count or len(images)
         if len(images) != count:
-            raise ValueError(f"{where}: {len(images)} image_path entries, but the first row has {count}; every row "
-                             "needs as many reference images")
+            raise ValueError(
+                f"{where}: {len(images)} image_path entries, but the first row has {count}; every row "
+                "needs as many reference images"
+            )
         image = images if several else images[0]
         size = image_size_of(images[0], where)
         target = None
         if record.get("target_path") is not None:
             target = resolve(file.parent, record["target_path"], "target_path", where)
             if image_size_of(target, where) != size:
-                raise ValueError(f"{where}: target {target} is {image_size_of(target, where)} pixels but the image "
-                                 f"to edit is {size}; they must be the same size")
+                raise ValueError(
+                    f"{where}: target {target} is {image_size_of(target, where)} pixels but the image "
+                    f"to edit is {size}; they must be the same size"
+                )
         extra = {k: v for k, v in record.items() if k not in NOT_METADATA}
         items.append(ImageItem(record["prompt"], where, reference=image, target=target, metadata=extra))
     return ImageTask(items, image_size, str(file), edit=True, image_inputs=image_inputs)

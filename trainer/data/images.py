@@ -28,7 +28,7 @@ from trainer.models.base import ImageInputs
 def resolve(base: Path, value: object, key: str, where: str) -> Path:
     """``value`` (a path relative to ``base``, or absolute) as an existing file, else a ValueError."""
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{where}: \"{key}\" must be a path (relative to {base} or absolute)")
+        raise ValueError(f'{where}: "{key}" must be a path (relative to {base} or absolute)')
     path = Path(value) if Path(value).is_absolute() else base / value
     if not path.is_file():
         raise ValueError(f"{where}: {key} {path} does not exist")
@@ -94,11 +94,12 @@ def check_mask(mask: Path, image_size: tuple[int, int], size: int, where: str) -
     """The mask file matches its image's size and keeps at least one repaint pixel at ``size``."""
     mask_size = image_size_of(mask, where)
     if mask_size != image_size:
-        raise ValueError(f"{where}: mask {mask} is {mask_size[0]}x{mask_size[1]} but its image is "
-                         f"{image_size[0]}x{image_size[1]}; they must be the same size")
+        raise ValueError(
+            f"{where}: mask {mask} is {mask_size[0]}x{mask_size[1]} but its image is "
+            f"{image_size[0]}x{image_size[1]}; they must be the same size"
+        )
     if not load_mask(mask, size, where).any():
-        raise ValueError(f"{where}: mask {mask} has no pixel to repaint at data.image_size={size} "
-                         "(white = repaint)")
+        raise ValueError(f"{where}: mask {mask} has no pixel to repaint at data.image_size={size} (white = repaint)")
 
 
 def to_uint8_hwc(image: torch.Tensor) -> np.ndarray:
@@ -142,8 +143,16 @@ class ImageTask:
     holds_out = True
     supervises = True
 
-    def __init__(self, items: list[ImageItem], image_size: int, source: str, *, style_crop: float = 0.0,
-                 edit: bool = False, image_inputs: Sequence[str] = ()):
+    def __init__(
+        self,
+        items: list[ImageItem],
+        image_size: int,
+        source: str,
+        *,
+        style_crop: float = 0.0,
+        edit: bool = False,
+        image_inputs: Sequence[str] = (),
+    ):
         if not items:
             raise ValueError(f"{source} holds no rows")
         if image_size < 1:
@@ -153,13 +162,22 @@ class ImageTask:
         self.style_crop = style_crop
         self.edit = edit
         first = items[0]
-        provided = [name for name, path in (("image", first.image), ("mask", first.mask),
-                                            ("reference", first.reference), ("style", first.reference))
-                    if path is not None and (name != "style" or style_crop > 0)]
+        provided = [
+            name
+            for name, path in (
+                ("image", first.image),
+                ("mask", first.mask),
+                ("reference", first.reference),
+                ("style", first.reference),
+            )
+            if path is not None and (name != "style" or style_crop > 0)
+        ]
         unknown = [name for name in image_inputs if name not in provided]
         if unknown:
-            raise ValueError(f"data.image_inputs={list(image_inputs)} names {', '.join(unknown)}; {source} provides "
-                             f"{', '.join(provided)}")
+            raise ValueError(
+                f"data.image_inputs={list(image_inputs)} names {', '.join(unknown)}; {source} provides "
+                f"{', '.join(provided)}"
+            )
         self.image_inputs = tuple(image_inputs) or tuple(provided)
         self.prompts = [item.prompt for item in items]
         self.eval_indices = list(range(min(EVAL_COUNT, len(items))))
@@ -214,12 +232,18 @@ class ImageTask:
         (inpainting: the reference image inside the mask)."""
         usable = [i for i, item in enumerate(self.items) if (item.target or item.image) is not None]
         if not usable:
-            raise ValueError("these rows have no target images for supervised training (editing rows need "
-                             "\"target_path\"); set train.warmup_steps=0")
+            raise ValueError(
+                "these rows have no target images for supervised training (editing rows need "
+                '"target_path"); set train.warmup_steps=0'
+            )
         picks = torch.randint(len(usable), (batch_size,), generator=generator).tolist()
         indices = [usable[p] for p in picks]
-        targets = torch.stack([load_rgb(self.items[i].target or self.items[i].image, self.image_size,
-                                        self.items[i].where) for i in indices])
+        targets = torch.stack(
+            [
+                load_rgb(self.items[i].target or self.items[i].image, self.image_size, self.items[i].where)
+                for i in indices
+            ]
+        )
         return SupervisedBatch(targets, [self.prompts[i] for i in indices], self.inputs(indices))
 
     def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict) -> dict[str, float]:

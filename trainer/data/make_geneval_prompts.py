@@ -263,16 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.data.make_geneval_prompts", description=__doc__.split("\n")[0]
     )
-    parser.add_argument(
-        "--test", default=TEST, help=f"GenEval's test metadata, whose prompts are left out ({TEST})"
-    )
+    parser.add_argument("--test", default=TEST, help=f"GenEval's test metadata, whose prompts are left out ({TEST})")
     parser.add_argument("--out", default=OUT, help=f"the file written ({OUT})")
     parser.add_argument("--rows", type=int, default=ROWS, help=f"records written ({ROWS})")
     parser.add_argument("--seed", type=int, default=SEED, help=f"seed of every choice ({SEED})")
     args = parser.parse_args(argv)
-    test = [
-        json.loads(line) for line in Path(args.test).read_text(encoding="utf-8").splitlines() if line.strip()
-    ]
+    test = [json.loads(line) for line in Path(args.test).read_text(encoding="utf-8").splitlines() if line.strip()]
     records = generate(test, args.rows, args.seed)
     write(records, Path(args.out))
     print(f"{args.out}: {len(records)} records, {len({r['prompt'] for r in records})} distinct prompts")

@@ -275,11 +275,14 @@ TEXTS: dict[str, tuple[Callable[[random.Random], str], ...]] = {
 
 SCENES: dict[str, tuple[str, ...]] = {
     "name": (
-        'A hand-painted wooden sign above the door of a small shop reading "{text}", flower boxes on the windowsill, {light}.',
+        'A hand-painted wooden sign above the door of a small shop reading "{text}", flower boxes on the '
+        "windowsill, {light}.",
         'A glowing neon sign in a rain-streaked window spelling "{text}", reflections shimmering on the wet pavement.',
         'The stern of a fishing boat moored in a quiet harbor, its name "{text}" painted in white capitals, {light}.',
-        'A canvas awning over a market stall with "{text}" printed along its scalloped edge, crates of produce below, {light}.',
-        'A vintage delivery van parked on a cobbled street, "{text}" lettered in gold script on its side panel, {light}.',
+        'A canvas awning over a market stall with "{text}" printed along its scalloped edge, crates of '
+        "produce below, {light}.",
+        'A vintage delivery van parked on a cobbled street, "{text}" lettered in gold script on its side '
+        "panel, {light}.",
         'A bass drum on a festival stage with the band name "{text}" stencilled across its front skin, {light}.',
         'A brass plaque beside a green front door engraved with "{text}", ivy climbing the brick wall around it.',
     ),
@@ -288,15 +291,18 @@ SCENES: dict[str, tuple[str, ...]] = {
         'A laminated paper notice taped to a glass door saying "{text}", a dim corridor visible behind it.',
         'An enamel sign on a railway station wall showing "{text}" in bold sans-serif letters, {light}.',
         'A chalkboard easel on a busy sidewalk with "{text}" written in looping white chalk, {light}.',
-        'A painted wooden arrow nailed to a fence post along a hiking trail, pointing left and marked "{text}", {light}.',
+        "A painted wooden arrow nailed to a fence post along a hiking trail, pointing left and marked "
+        '"{text}", {light}.',
         'A green highway sign above a wide empty road displaying "{text}", {light}.',
         'A small ceramic tile set into a garden wall with the words "{text}" glazed in cobalt blue.',
     ),
     "title": (
         'A hardcover book lying on a wooden desk, its cover titled "{text}" in embossed gold letters, {light}.',
         'A vintage travel poster pinned to a cafe wall, "{text}" across the top above an illustrated coastline.',
-        'A vinyl record sleeve propped on a shelf, the album title "{text}" in hand-drawn lettering over abstract shapes.',
-        'A cinema marquee at night announcing "{text}" in black plastic letters, people queueing under the bright bulbs.',
+        'A vinyl record sleeve propped on a shelf, the album title "{text}" in hand-drawn lettering over '
+        "abstract shapes.",
+        'A cinema marquee at night announcing "{text}" in black plastic letters, people queueing under the '
+        "bright bulbs.",
         'A colourful banner stretched between two lampposts over a town square, announcing "{text}", {light}.',
         'A theatre programme on a red velvet seat with "{text}" printed on its cover in elegant serif type.',
         'A museum exhibition wall with "{text}" in tall letters above a row of framed photographs, {light}.',
@@ -354,12 +360,8 @@ def generate(test_prompts: list[str], count: int = PROMPTS, seed: int = SEED) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer.data.make_ocr_prompts", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument(
-        "--test", default=TEST, help=f"the OCR test prompts, whose texts are left out ({TEST})"
-    )
+    parser = argparse.ArgumentParser(prog="python -m trainer.data.make_ocr_prompts", description=__doc__.split("\n")[0])
+    parser.add_argument("--test", default=TEST, help=f"the OCR test prompts, whose texts are left out ({TEST})")
     parser.add_argument("--out", default=OUT, help=f"the file written ({OUT})")
     parser.add_argument("--prompts", type=int, default=PROMPTS, help=f"prompts written ({PROMPTS})")
     parser.add_argument("--seed", type=int, default=SEED, help=f"seed of every choice ({SEED})")

@@ -48,8 +48,9 @@ def text_lines(file: Path) -> list[str]:
         return data.decode("utf-8").splitlines()
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise ValueError(f"{file}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): save "
-                         "it as UTF-8") from None
+        raise ValueError(
+            f"{file}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): save it as UTF-8"
+        ) from None
 
 
 def read_jsonl(file: Path) -> Iterator[tuple[int, dict]]:
@@ -63,7 +64,7 @@ def read_jsonl(file: Path) -> Iterator[tuple[int, dict]]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file}:{number}: not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
-            raise ValueError(f"{file}:{number}: a record needs a non-empty \"prompt\"")
+            raise ValueError(f'{file}:{number}: a record needs a non-empty "prompt"')
         yield number, record
 
 
@@ -94,9 +95,11 @@ class PromptFileTask:
             lines = text_lines(file)
             records = [{"prompt": line.strip()} for line in lines if line.strip()]
         else:
-            raise ValueError(f"data.path={str(file)!r}: prompt_file reads .txt (one prompt per line) or .jsonl (one "
-                             f"JSON object with a \"prompt\" per line), not {file.suffix or 'a file without a suffix'}; "
-                             "rename the file to the suffix of its format")
+            raise ValueError(
+                f"data.path={str(file)!r}: prompt_file reads .txt (one prompt per line) or .jsonl (one "
+                f'JSON object with a "prompt" per line), not {file.suffix or "a file without a suffix"}; '
+                "rename the file to the suffix of its format"
+            )
         for record in records:
             text = quoted_text(record["prompt"])
             if text and "text" not in record:

@@ -13,18 +13,28 @@ class GroupSampler:
     gathered batch always holds whole groups; the epoch number is the whole sampler state (resumable).
     """
 
-    def __init__(self, pool_size: int, prompts_per_epoch: int, group_size: int, world_size: int, rank: int,
-                 seed: int, local_groups: bool = False):
+    def __init__(
+        self,
+        pool_size: int,
+        prompts_per_epoch: int,
+        group_size: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        local_groups: bool = False,
+    ):
         total = prompts_per_epoch * group_size
         if local_groups and prompts_per_epoch % world_size:
             raise ValueError(
                 f"this algorithm keeps each prompt group on one rank, so data.prompts_per_epoch="
-                f"{prompts_per_epoch} must be a multiple of the {world_size} ranks")
+                f"{prompts_per_epoch} must be a multiple of the {world_size} ranks"
+            )
         if total % world_size:
             raise ValueError(
                 f"data.prompts_per_epoch x algorithm.group_size = {prompts_per_epoch} x {group_size} = {total} "
                 f"samples per epoch do not divide over {world_size} ranks; choose values whose product is a "
-                f"multiple of {world_size}")
+                f"multiple of {world_size}"
+            )
         if pool_size < 1:
             raise ValueError("the prompt pool is empty")
         self.pool_size, self.prompts_per_epoch, self.group_size = pool_size, prompts_per_epoch, group_size

@@ -1,7 +1,8 @@
 """Tiny datasets in every registered format, written with PIL (tests, benchmarks, trying a preset).
 
 ``tiny_dataset(name, root, size)`` writes a small dataset of format ``name`` under ``root`` and returns
-the ``data.path`` to give it ("" for the built-in digits and words), as ``trainer.models.testing.tiny_config`` does for models (whose
+the ``data.path`` to give it ("" for the built-in digits and words), as ``trainer.models.testing.tiny_config`` does
+for models (whose
 ``TinySpec.data`` names the format each adapter takes). Images are
 flat colours with a different colour per row; masks keep the right half (white = repaint); references
 are a red centre on a blue border, so a centred style crop is recognisably red.
@@ -60,7 +61,9 @@ def write_inpaint_jsonl(root: Path, size: int = 16, count: int = 4) -> Path:
     for i in range(count):
         solid(root / "images" / f"{i}.png", (size, size), COLOURS[i % len(COLOURS)])
         half_mask(root / "masks" / f"{i}.png", (size, size))
-        rows.append({"image_path": f"images/{i}.png", "mask_path": f"masks/{i}.png", "prompt": PROMPTS[i % len(PROMPTS)]})
+        rows.append(
+            {"image_path": f"images/{i}.png", "mask_path": f"masks/{i}.png", "prompt": PROMPTS[i % len(PROMPTS)]}
+        )
     path = root / "inpaint.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -75,8 +78,13 @@ def write_edit_jsonl(root: Path, size: int = 16, count: int = 4, references: int
             solid(root / "images" / f"{i}_{j}.png", (size, size), COLOURS[(i + j) % len(COLOURS)])
             paths.append(f"images/{i}_{j}.png")
         solid(root / "targets" / f"{i}.png", (size, size), COLOURS[(i + 1) % len(COLOURS)])
-        rows.append({"image_path": paths if references > 1 else paths[0], "target_path": f"targets/{i}.png",
-                     "prompt": f"make it {('green', 'blue', 'yellow', 'red')[i % 4]}"})
+        rows.append(
+            {
+                "image_path": paths if references > 1 else paths[0],
+                "target_path": f"targets/{i}.png",
+                "prompt": f"make it {('green', 'blue', 'yellow', 'red')[i % 4]}",
+            }
+        )
     path = root / "edit.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -30,8 +30,9 @@ def parse_line(line: str) -> tuple[str, str]:
     return sample_id.strip(), prompt.strip()
 
 
-def read_triplet_folder(path: str, image_size: int, style_crop: float = STYLE_CROP,
-                        image_inputs: Sequence[str] = ()) -> ImageTask:
+def read_triplet_folder(
+    path: str, image_size: int, style_crop: float = STYLE_CROP, image_inputs: Sequence[str] = ()
+) -> ImageTask:
     """Every sample checked (its three files exist and decode, mask size = source size, mask not empty at
     ``image_size``); the first bad line raises a ValueError naming the list file and line."""
     folder = Path(path)
@@ -39,8 +40,10 @@ def read_triplet_folder(path: str, image_size: int, style_crop: float = STYLE_CR
     if not bench.is_file():
         raise ValueError(f"data.path={path!r}: no {LIST_FILE} there (a triplet folder lists its samples in it)")
     if not 0 < style_crop <= 1:
-        raise ValueError(f"data.style_crop={style_crop} must be in (0, 1]: the side fraction of the reference "
-                         "kept as the style image")
+        raise ValueError(
+            f"data.style_crop={style_crop} must be in (0, 1]: the side fraction of the reference "
+            "kept as the style image"
+        )
     items, seen = [], {}
     for number, line in enumerate(text_lines(bench), start=1):
         if not line.strip():
@@ -59,6 +62,14 @@ def read_triplet_folder(path: str, image_size: int, style_crop: float = STYLE_CR
                 raise ValueError(f"{where}: {part} image {files[part]} does not exist")
         check_mask(files["mask"], image_size_of(files["source"], where), image_size, where)
         image_size_of(files["ref"], where)
-        items.append(ImageItem(prompt, where, image=files["source"], mask=files["mask"], reference=files["ref"],
-                               metadata={"sample_id": sample_id}))
+        items.append(
+            ImageItem(
+                prompt,
+                where,
+                image=files["source"],
+                mask=files["mask"],
+                reference=files["ref"],
+                metadata={"sample_id": sample_id},
+            )
+        )
     return ImageTask(items, image_size, str(bench), style_crop=style_crop, image_inputs=image_inputs)

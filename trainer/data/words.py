@@ -21,8 +21,24 @@ FONTS = ("DejaVuSansMono-Bold.ttf",)
 """Faces of the supervised renders, each at the largest size at which every word fits the image. One face, one
 position: at 16 pixels the tiny model learns one rendering per word in a few hundred steps, a blend of faces and
 shifts in many more (bench/RESULTS.md); Sans and Serif Bold must also shrink to 5-6 points, which PP-OCR misreads."""
-VOCABULARY = ("cat", "dog", "sun", "red", "box", "car", "hat", "pen", "cup", "map", "bus", "fox",
-              "key", "egg", "ice", "owl")
+VOCABULARY = (
+    "cat",
+    "dog",
+    "sun",
+    "red",
+    "box",
+    "car",
+    "hat",
+    "pen",
+    "cup",
+    "map",
+    "bus",
+    "fox",
+    "key",
+    "egg",
+    "ice",
+    "owl",
+)
 """Three-letter words whose letters the tiny model's tokenizer knows (no j or q)."""
 TEMPLATE = "the text {word}"
 SHIFTS = ((0, 0),)
@@ -83,9 +99,11 @@ class WordsTask:
         self.eval_prompts = list(self.prompts)
         self._word = {p: p.rsplit(" ", 1)[1] for p in self.prompts}
         # every word in every face and shift: [words, faces * shifts, 1, H, W]
-        self._images = torch.from_numpy(np.stack([
-            np.stack([render_word(w, image_size, face, s) for face in FONTS for s in SHIFTS]) for w in self.words
-        ])).unsqueeze(2)
+        self._images = torch.from_numpy(
+            np.stack(
+                [np.stack([render_word(w, image_size, face, s) for face in FONTS for s in SHIFTS]) for w in self.words]
+            )
+        ).unsqueeze(2)
 
     def item_key(self, index: int) -> str:
         return self.prompts[index]

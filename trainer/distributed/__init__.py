@@ -35,21 +35,28 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
     if kind not in BACKENDS:
         raise ValueError(f"parallel.backend={kind!r} is not one of auto, {', '.join(BACKENDS)}")
     param_dtype, reduce_dtype = _DTYPES[parallel.param_dtype], _DTYPES[parallel.reduce_dtype]
-    if kind in ("single", "ddp") and (param_dtype != torch.float32 or reduce_dtype != torch.float32
-                                      or parallel.cpu_offload):
-        raise ValueError(f"parallel.backend={kind} trains the model in model.dtype without offloading; "
-                         "parallel.param_dtype / reduce_dtype / cpu_offload need fsdp2, zero2 or zero3")
+    if kind in ("single", "ddp") and (
+        param_dtype != torch.float32 or reduce_dtype != torch.float32 or parallel.cpu_offload
+    ):
+        raise ValueError(
+            f"parallel.backend={kind} trains the model in model.dtype without offloading; "
+            "parallel.param_dtype / reduce_dtype / cpu_offload need fsdp2, zero2 or zero3"
+        )
     if parallel.deepspeed_config and kind not in ("zero2", "zero3"):
-        raise ValueError(f"parallel.deepspeed_config={parallel.deepspeed_config!r} is read by zero2 and zero3 only, "
-                         f"not by parallel.backend={kind}: set parallel.backend=zero2 or zero3, or drop it")
+        raise ValueError(
+            f"parallel.deepspeed_config={parallel.deepspeed_config!r} is read by zero2 and zero3 only, "
+            f"not by parallel.backend={kind}: set parallel.backend=zero2 or zero3, or drop it"
+        )
     if kind == "single":
         if world.world_size > 1:
             raise ValueError("parallel.backend=single under torchrun with several processes; use ddp or auto")
         return SingleProcess(device)
     if world.world_size == 1 and "RANK" not in os.environ:
-        raise ValueError(f"parallel.backend={kind} needs the torch.distributed environment; start the job with "
-                         f"torchrun (e.g. `torchrun --nproc_per_node=2 trainer/main.py parallel.backend={kind} ...`),"
-                         " or use parallel.backend=single for one process")
+        raise ValueError(
+            f"parallel.backend={kind} needs the torch.distributed environment; start the job with "
+            f"torchrun (e.g. `torchrun --nproc_per_node=2 trainer/main.py parallel.backend={kind} ...`),"
+            " or use parallel.backend=single for one process"
+        )
     dist_backend = parallel.dist_backend
     if dist_backend == "auto":
         dist_backend = "nccl" if device.type == "cuda" else "gloo"
@@ -58,18 +65,33 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
     if kind == "fsdp2":
         from trainer.distributed.fsdp import FSDP2
 
-        return FSDP2(device, world, dist_backend, param_dtype, reduce_dtype, parallel.cpu_offload,
-                     gathers_for_sampling(parallel))
+        return FSDP2(
+            device, world, dist_backend, param_dtype, reduce_dtype, parallel.cpu_offload, gathers_for_sampling(parallel)
+        )
     from trainer.distributed.zero import DeepSpeedZeRO, deepspeed_config
 
     stage = int(kind[-1])
-    config = deepspeed_config(stage, parallel.deepspeed_config, max_grad_norm=max_grad_norm,
-                              param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=parallel.cpu_offload)
+    config = deepspeed_config(
+        stage,
+        parallel.deepspeed_config,
+        max_grad_norm=max_grad_norm,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        cpu_offload=parallel.cpu_offload,
+    )
     return DeepSpeedZeRO(device, world, dist_backend, stage, config, gathers_for_sampling(parallel))
 
 
-__all__ = ["BACKENDS", "ParallelBackend", "SingleProcess", "World", "detect_world", "gathers_for_sampling", "init_backend",
-           "weights_rank_spread"]
+__all__ = [
+    "BACKENDS",
+    "ParallelBackend",
+    "SingleProcess",
+    "World",
+    "detect_world",
+    "gathers_for_sampling",
+    "init_backend",
+    "weights_rank_spread",
+]
 
 
 @torch.no_grad()

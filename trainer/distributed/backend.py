@@ -35,8 +35,13 @@ class World:
 def detect_world() -> World:
     """The process's place in the job, from torchrun's environment (one process when absent)."""
     env = os.environ
-    return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
-                 int(env.get("LOCAL_WORLD_SIZE", 1)), int(env.get("GROUP_RANK", 0)))
+    return World(
+        int(env.get("RANK", 0)),
+        int(env.get("WORLD_SIZE", 1)),
+        int(env.get("LOCAL_RANK", 0)),
+        int(env.get("LOCAL_WORLD_SIZE", 1)),
+        int(env.get("GROUP_RANK", 0)),
+    )
 
 
 class ParallelBackend(Protocol):
@@ -45,15 +50,21 @@ class ParallelBackend(Protocol):
     sharded_optimizer_state: bool
     """True when ``optimizer_state()`` holds only this rank's partition: checkpoints then keep one optimizer
     file per rank and resume needs the same world size. False: rank 0's state is the whole state."""
-    def prepare(self, module: nn.Module, params: Iterable[nn.Parameter],
-                make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                shard_units: tuple[type[nn.Module], ...] = ()) -> nn.Module:
+
+    def prepare(
+        self,
+        module: nn.Module,
+        params: Iterable[nn.Parameter],
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        shard_units: tuple[type[nn.Module], ...] = (),
+    ) -> nn.Module:
         """Wrap ``module`` for training and build the optimizer over ``params``; returns the module to call.
         ``shard_units`` are the block classes a sharding backend shards one by one (the adapter's)."""
         ...
 
-    def prepare_auxiliary(self, module: nn.Module,
-                          make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> nn.Module:
+    def prepare_auxiliary(
+        self, module: nn.Module, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    ) -> nn.Module:
         """Wrap an algorithm's own trainable network (e.g. a critic) with its own optimizer; it is
         synchronised, stepped, reset and checkpointed together with the main one. Returns the module to call."""
         ...
@@ -219,8 +230,11 @@ class SingleProcess:
             opt.state.clear()
 
     def optimizer_state(self) -> dict:
-        return {"main": self.optimizer.state_dict(), "auxiliary": self._auxiliary_state(),
-                "scaler": self.scaler.state_dict()}
+        return {
+            "main": self.optimizer.state_dict(),
+            "auxiliary": self._auxiliary_state(),
+            "scaler": self.scaler.state_dict(),
+        }
 
     def _auxiliary_state(self) -> list[dict]:
         return [opt.state_dict() for _, opt in self.auxiliary]
@@ -259,8 +273,11 @@ class SingleProcess:
     @torch.no_grad()
     def frozen_copy(self, module: nn.Module) -> nn.Module:
         module = getattr(module, "module", module)  # DDP's wrapper
-        return materialize(self.skeletons[id(module)], {n: p.detach().clone() for n, p in module.named_parameters()},
-                           dict(module.named_buffers()))
+        return materialize(
+            self.skeletons[id(module)],
+            {n: p.detach().clone() for n, p in module.named_parameters()},
+            dict(module.named_buffers()),
+        )
 
     def reference(self, module: nn.Module, spec) -> nn.Module:
         """Whole weights in every forward: the spec's own single-device view (a functional call)."""
@@ -308,8 +325,12 @@ def clip_gradients(params: list[nn.Parameter], max_grad_norm: float) -> float:
     return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
 
 
-def loss_scaler(module: nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None,
-                scaler_class: type = torch.amp.GradScaler) -> torch.amp.GradScaler:
+def loss_scaler(
+    module: nn.Module,
+    device: torch.device,
+    compute_dtype: torch.dtype | None = None,
+    scaler_class: type = torch.amp.GradScaler,
+) -> torch.amp.GradScaler:
     """Dynamic loss scaling, enabled when ``module`` computes in float16 (its weights, or ``compute_dtype``):
     the loss is multiplied by the scale (65536 at first) before backward, so that gradients below fp16's
     smallest value (6e-8) do not flush to zero in the network's backward, and divided out before clipping."""
@@ -328,13 +349,16 @@ def refuse_low_precision_updates(params: list[nn.Parameter], backend: str) -> No
             f"in {low[0]}, losing small optimizer steps. Use model.dtype=float32 (parallel.backend=fsdp2 with "
             f"parallel.param_dtype={low[0]} still computes in {low[0]}), parallel.backend=zero2/zero3 with "
             f"parallel.param_dtype={low[0]} (float32 master weights), or LoRA (model.lora), whose weights stay "
-            "float32")
+            "float32"
+        )
 
 
 def check_auxiliary_count(state: dict, expected: int) -> None:
     if len(state["auxiliary"]) != expected:
-        raise ValueError(f"the checkpoint holds {len(state['auxiliary'])} auxiliary optimizers, this run "
-                         f"has {expected}: resume with the algorithm the checkpoint was made with")
+        raise ValueError(
+            f"the checkpoint holds {len(state['auxiliary'])} auxiliary optimizers, this run "
+            f"has {expected}: resume with the algorithm the checkpoint was made with"
+        )
 
 
 def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -348,22 +372,24 @@ def checked_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> list
     names = {name for name, _ in named}
     if names != set(state):
         missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
-        raise ValueError(f"the saved trainable weights do not match this model (missing: {missing[:5]}, "
-                         f"unexpected: {unexpected[:5]}); resume with the model and LoRA settings they were "
-                         "saved with")
+        raise ValueError(
+            f"the saved trainable weights do not match this model (missing: {missing[:5]}, "
+            f"unexpected: {unexpected[:5]}); resume with the model and LoRA settings they were "
+            "saved with"
+        )
     return named
 
 
 def skeleton(module: nn.Module) -> nn.Module:
     """A structural copy of ``module`` whose parameters live on the meta device (no memory), taken before
     a backend shards or wraps it: ``materialize`` later fills it with full weights."""
-    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-            for p in module.parameters()}
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False) for p in module.parameters()}
     return copy.deepcopy(module, memo)
 
 
-def main_only_copy(rank: int, template: nn.Module, params: Iterable[tuple[str, torch.Tensor]],
-                   module: nn.Module) -> nn.Module | None:
+def main_only_copy(
+    rank: int, template: nn.Module, params: Iterable[tuple[str, torch.Tensor]], module: nn.Module
+) -> nn.Module | None:
     """``main_copy``'s work: on rank 0, ``materialize`` on the CPU from ``(name, full value)`` pairs, each copied
     there as it comes (a generator that gathers one parameter at a time then holds one full parameter on the
     device at most; the copies never share storage with the live weights, which an export's LoRA fusion would
@@ -372,14 +398,18 @@ def main_only_copy(rank: int, template: nn.Module, params: Iterable[tuple[str, t
         for _ in params:
             pass
         return None
-    return materialize(template, {name: value.to("cpu", copy=True) for name, value in params},
-                       {name: b.cpu() for name, b in module.named_buffers()})
+    return materialize(
+        template,
+        {name: value.to("cpu", copy=True) for name, value in params},
+        {name: b.cpu() for name, b in module.named_buffers()},
+    )
 
 
 def materialize(template: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> nn.Module:
     """A frozen eval-mode copy of ``template`` holding ``params`` (full values, by name) and ``buffers``."""
-    memo: dict[int, object] = {id(p): nn.Parameter(params[name], requires_grad=False)
-                               for name, p in template.named_parameters()}
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(params[name], requires_grad=False) for name, p in template.named_parameters()
+    }
     memo.update({id(b): buffers[name].detach().clone() for name, b in template.named_buffers()})
     return copy.deepcopy(template, memo).requires_grad_(False).eval()
 
@@ -400,7 +430,8 @@ class DDP(SingleProcess):
 
     def _wrap_auxiliary(self, module: nn.Module) -> nn.Module:
         wrapped = nn.parallel.DistributedDataParallel(
-            module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            module, device_ids=[self.device.index] if self.device.type == "cuda" else None
+        )
         self.modules.append(wrapped)
         return wrapped
 
@@ -445,5 +476,6 @@ class DDP(SingleProcess):
 def init_process_group(device: torch.device, dist_backend: str) -> None:
     """Join torchrun's process group (once per process)."""
     if not dist.is_initialized():
-        dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=30),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            dist_backend, timeout=datetime.timedelta(minutes=30), device_id=device if device.type == "cuda" else None
+        )

@@ -47,13 +47,20 @@ def upcast_hint(module: nn.Module, param_dtype: torch.dtype) -> str | None:
     every gathered parameter to it): the forwards then run at that dtype's speed and memory, which a
     low-precision model.dtype rarely means. None when nothing is upcast."""
     width = torch.finfo(param_dtype).bits
-    low = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
-                  if p.is_floating_point() and torch.finfo(p.dtype).bits < width})
+    low = sorted(
+        {
+            str(p.dtype).removeprefix("torch.")
+            for p in module.parameters()
+            if p.is_floating_point() and torch.finfo(p.dtype).bits < width
+        }
+    )
     if not low:
         return None
     wanted = str(param_dtype).removeprefix("torch.")
-    return (f"fsdp2 gathers the model's {low[0]} weights as parallel.param_dtype={wanted}: forwards and backwards "
-            f"run in {wanted}. Set parallel.param_dtype={low[0]} to compute in {low[0]}")
+    return (
+        f"fsdp2 gathers the model's {low[0]} weights as parallel.param_dtype={wanted}: forwards and backwards "
+        f"run in {wanted}. Set parallel.param_dtype={low[0]} to compute in {low[0]}"
+    )
 
 
 class FSDP2(DDP):
@@ -61,8 +68,16 @@ class FSDP2(DDP):
 
     name = "fsdp2"
 
-    def __init__(self, device: torch.device, world: World, dist_backend: str, param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, cpu_offload: bool, gather_for_sampling: bool = True):
+    def __init__(
+        self,
+        device: torch.device,
+        world: World,
+        dist_backend: str,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        cpu_offload: bool,
+        gather_for_sampling: bool = True,
+    ):
         super().__init__(device, world, dist_backend)
         self.gather_for_sampling = gather_for_sampling
         self.shard_options = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
@@ -86,8 +101,9 @@ class FSDP2(DDP):
         self.aux_modules.append(module)
         return module
 
-    def _shard(self, module: nn.Module, params: Iterable[nn.Parameter],
-               shard_units: tuple[type[nn.Module], ...]) -> list[nn.Parameter]:
+    def _shard(
+        self, module: nn.Module, params: Iterable[nn.Parameter], shard_units: tuple[type[nn.Module], ...]
+    ) -> list[nn.Parameter]:
         """Shard ``module`` in place (each ``shard_units`` block, then the root); returns the sharded
         parameters that replace ``params`` (fully_shard registers new DTensor parameters)."""
         params = list(params)
@@ -152,10 +168,14 @@ class FSDP2(DDP):
 
     def optimizer_state(self) -> dict:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"main": get_optimizer_state_dict(self.modules[0], self.optimizer, options=options),
-                "auxiliary": [get_optimizer_state_dict(m, opt, options=options)
-                              for m, (_, opt) in zip(self.aux_modules, self.auxiliary, strict=True)],
-                "scaler": self.scaler.state_dict()}
+        return {
+            "main": get_optimizer_state_dict(self.modules[0], self.optimizer, options=options),
+            "auxiliary": [
+                get_optimizer_state_dict(m, opt, options=options)
+                for m, (_, opt) in zip(self.aux_modules, self.auxiliary, strict=True)
+            ],
+            "scaler": self.scaler.state_dict(),
+        }
 
     def load_optimizer_state(self, state: dict) -> None:
         options = StateDictOptions(full_state_dict=True)
@@ -224,4 +244,3 @@ def _clip_sharded(params: list[nn.Parameter], max_grad_norm: float) -> float:
     else:
         norm = torch.nn.utils.get_total_norm(grads)
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-

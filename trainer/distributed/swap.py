@@ -17,8 +17,11 @@ class ShardSwap:
 
     per_rank = True
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]],
-                 local_shards: Callable[[Iterable[nn.Parameter]], list[torch.Tensor]]):
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        local_shards: Callable[[Iterable[nn.Parameter]], list[torch.Tensor]],
+    ):
         self.params = [p for _, p in named]  # the same objects for the whole run: their shards change in place
         self.local_shards = local_shards
         self.frozen = {name: shard.clone() for (name, _), shard in zip(named, local_shards(self.params), strict=True)}

@@ -39,8 +39,15 @@ TEMPLATES = Path(__file__).resolve().parent / "deepspeed_configs"
 _DS_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def deepspeed_config(stage: int, path: str, *, max_grad_norm: float, param_dtype: torch.dtype,
-                     reduce_dtype: torch.dtype, cpu_offload: bool) -> dict:
+def deepspeed_config(
+    stage: int,
+    path: str,
+    *,
+    max_grad_norm: float,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool,
+) -> dict:
     """The DeepSpeed config for ``stage``: the JSON at ``path`` (default: our template) with every
     ``"auto"`` value filled from our config; explicit values are the user's and are kept."""
     file = Path(path) if path else TEMPLATES / f"zero{stage}.json"
@@ -48,8 +55,10 @@ def deepspeed_config(stage: int, path: str, *, max_grad_norm: float, param_dtype
         raise ValueError(f"DeepSpeed config {str(file)!r} not found; set parallel.deepspeed_config to a JSON file")
     config = json.loads(file.read_text())
     if config.get("zero_optimization", {}).get("stage") != stage:
-        raise ValueError(f"{file} sets zero_optimization.stage={config.get('zero_optimization', {}).get('stage')}, "
-                         f"but parallel.backend=zero{stage}")
+        raise ValueError(
+            f"{file} sets zero_optimization.stage={config.get('zero_optimization', {}).get('stage')}, "
+            f"but parallel.backend=zero{stage}"
+        )
     filled = {
         # The loop forms the micro-batches and calls step() once per optimizer step (the accumulation
         # boundary is set explicitly), so DeepSpeed's batch counters only feed its throughput log.
@@ -70,15 +79,20 @@ def deepspeed_config(stage: int, path: str, *, max_grad_norm: float, param_dtype
         if node.get(key, "auto") == "auto":
             node[key] = value
     zero = config["zero_optimization"]
-    if stage == 3 and (zero.get("stage3_param_persistence_threshold") != 0
-                       or zero.get("stage3_prefetch_bucket_size") != 0):
-        raise ValueError(f"{file}: set zero_optimization.stage3_param_persistence_threshold and "
-                         "stage3_prefetch_bucket_size to 0. Persistent and prefetched parameters stay gathered "
-                         "across forwards, so weights written into the partitions (EMA swapped in for evaluation, "
-                         "loaded checkpoints) would not reach the next forward")
+    if stage == 3 and (
+        zero.get("stage3_param_persistence_threshold") != 0 or zero.get("stage3_prefetch_bucket_size") != 0
+    ):
+        raise ValueError(
+            f"{file}: set zero_optimization.stage3_param_persistence_threshold and "
+            "stage3_prefetch_bucket_size to 0. Persistent and prefetched parameters stay gathered "
+            "across forwards, so weights written into the partitions (EMA swapped in for evaluation, "
+            "loaded checkpoints) would not reach the next forward"
+        )
     if config["gradient_clipping"] != max_grad_norm:
-        raise ValueError(f"{file} sets gradient_clipping={config['gradient_clipping']} but train.max_grad_norm="
-                         f"{max_grad_norm}; set it to \"auto\" (the engine clips, with our value)")
+        raise ValueError(
+            f"{file} sets gradient_clipping={config['gradient_clipping']} but train.max_grad_norm="
+            f'{max_grad_norm}; set it to "auto" (the engine clips, with our value)'
+        )
     return config
 
 
@@ -87,8 +101,15 @@ class DeepSpeedZeRO(DDP):
 
     sharded_optimizer_state = True
 
-    def __init__(self, device: torch.device, world: World, dist_backend: str, stage: int, config: dict,
-                 gather_for_sampling: bool = True):
+    def __init__(
+        self,
+        device: torch.device,
+        world: World,
+        dist_backend: str,
+        stage: int,
+        config: dict,
+        gather_for_sampling: bool = True,
+    ):
         if device.type == "cpu":
             # Must precede importing deepspeed: it picks its accelerator once, at import.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -113,13 +134,16 @@ class DeepSpeedZeRO(DDP):
         want = {torch.bfloat16: self.config["bf16"]["enabled"], torch.float16: self.config["fp16"]["enabled"]}
         dtype = next(module.parameters()).dtype
         if any(want.values()) and not want.get(dtype, False):
-            raise ValueError(f"the DeepSpeed config trains in {'bf16' if want[torch.bfloat16] else 'fp16'}, the model "
-                             f"is loaded in {dtype}: set model.dtype to match parallel.param_dtype (DeepSpeed runs "
-                             "the module in that dtype and does not cast its inputs)")
+            raise ValueError(
+                f"the DeepSpeed config trains in {'bf16' if want[torch.bfloat16] else 'fp16'}, the model "
+                f"is loaded in {dtype}: set model.dtype to match parallel.param_dtype (DeepSpeed runs "
+                "the module in that dtype and does not cast its inputs)"
+            )
         self.skeletons[id(module)] = skeleton(module)
         self.params = list(params)
-        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=make_optimizer(self.params),
-                                                    config=self.config, dist_init_required=False)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=make_optimizer(self.params), config=self.config, dist_init_required=False
+        )
         return self.engine
 
     def prepare_auxiliary(self, module, make_optimizer):
@@ -127,9 +151,11 @@ class DeepSpeedZeRO(DDP):
         # DDP (inherited): the engine's backward is an autograd backward of the whole loss, so the network's
         # gradients land in its .grad and DDP all-reduces them; its optimizer steps after the engine's.
         if self.config["fp16"]["enabled"]:
-            raise ValueError("parallel.backend=zero2/zero3 with fp16 does not train an algorithm's own network (a "
-                             "critic): DeepSpeed's loss scale would reach its gradients unscaled; use bf16 "
-                             "(parallel.param_dtype=bfloat16) or parallel.backend=ddp/fsdp2")
+            raise ValueError(
+                "parallel.backend=zero2/zero3 with fp16 does not train an algorithm's own network (a "
+                "critic): DeepSpeed's loss scale would reach its gradients unscaled; use bf16 "
+                "(parallel.param_dtype=bfloat16) or parallel.backend=ddp/fsdp2"
+            )
         return super().prepare_auxiliary(module, make_optimizer)
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
@@ -175,8 +201,9 @@ class DeepSpeedZeRO(DDP):
     def load_optimizer_state(self, state: dict) -> None:
         # ZeRO takes one state per data-parallel rank and picks its own; the fp32 master partition comes
         # from the saved state (exact also when the module trains in bf16).
-        self.engine.optimizer.load_state_dict([state["main"]] * self.world.world_size, load_optimizer_states=True,
-                                              load_from_fp32_weights=True)
+        self.engine.optimizer.load_state_dict(
+            [state["main"]] * self.world.world_size, load_optimizer_states=True, load_from_fp32_weights=True
+        )
         self._load_auxiliary_state(state)
 
     def local_shards(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -191,7 +218,9 @@ class DeepSpeedZeRO(DDP):
         with self._gather(params), torch.no_grad():
             yield [p.detach() for p in params]
 
-    def _gather(self, params: list[nn.Parameter], modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
+    def _gather(
+        self, params: list[nn.Parameter], modifier_rank: int | None = None
+    ) -> contextlib.AbstractContextManager:
         if self.stage != 3:
             return contextlib.nullcontext()
         import deepspeed

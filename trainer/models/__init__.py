@@ -97,14 +97,18 @@ def model_path_problem(config) -> str | None:
 
     path = Path(config.path)
     if path.is_file():
-        return (f"model.path={config.path!r} is a file: name the model's folder (a diffusers pipeline's, with "
-                "model_index.json)")
+        return (
+            f"model.path={config.path!r} is a file: name the model's folder (a diffusers pipeline's, with "
+            "model_index.json)"
+        )
     adapter_class = MODELS[config.name].load()
     if (own := getattr(adapter_class, "path_problem", None)) is not None:
         return own(config)
     if not path.is_dir() or not any(path.iterdir()):
-        return (f"model.path={config.path!r} is not a diffusers {adapter_class.pipeline_class.__name__} directory "
-                f"({'an empty folder' if path.is_dir() else 'no such folder'}); {weights_fix(config.path)}")
+        return (
+            f"model.path={config.path!r} is not a diffusers {adapter_class.pipeline_class.__name__} directory "
+            f"({'an empty folder' if path.is_dir() else 'no such folder'}); {weights_fix(config.path)}"
+        )
     return None
 
 
@@ -122,6 +126,8 @@ def other_models_pipeline(config, adapter_class: type) -> str | None:
     owners = sorted(name for name, spec in MODELS.items() if spec.load().pipeline_class.__name__ == saved)
     if not owners:
         return None
-    return (f"model.path={config.path!r} was saved by a {saved} (model_index.json), the pipeline of "
-            f"model.name={owners[0]}, and model.name={config.name} runs it as a {ours}: set "
-            f"model.name={owners[0]} if these are its weights")
+    return (
+        f"model.path={config.path!r} was saved by a {saved} (model_index.json), the pipeline of "
+        f"model.name={owners[0]}, and model.name={config.name} runs it as a {ours}: set "
+        f"model.name={owners[0]} if these are its weights"
+    )

@@ -29,15 +29,23 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_CHOICES = ("auto", "math", "flash", "efficient", "cudnn")
 """``model.attention`` values: ``auto`` chooses (a probe on CUDA; :data:`UNPROBED` elsewhere)."""
-KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
-           "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+KERNELS = {
+    "math": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 CUDA_CANDIDATES = ("cudnn", "flash", "efficient", "math")
 """What ``auto`` tries on CUDA (math last: it is also the reference the others are checked against)."""
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 """Largest relative error ||x - math|| / ||math|| of any block output or input gradient, by the run's dtype:
 a few roundings of the dtype through softmax and the block's matmuls (TF32 ones in float32)."""
-_SWITCHES = {"math": torch.backends.cuda.enable_math_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
-             "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "cudnn": torch.backends.cuda.enable_cudnn_sdp}
+_SWITCHES = {
+    "math": torch.backends.cuda.enable_math_sdp,
+    "flash": torch.backends.cuda.enable_flash_sdp,
+    "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+    "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+}
 
 
 @dataclass
@@ -65,8 +73,10 @@ class AttentionChoice:
         head = f"model.attention={self.mode}: {self.kernel}"
         if not self.verdicts:
             return head + (" (torch's order without cuDNN)" if self.kernel == "default" else "")
-        parts = [f"{v.kernel} {v.seconds * 1e3:.2f} ms" if v.passed else f"{v.kernel} rejected ({v.reason})"
-                 for v in self.verdicts]
+        parts = [
+            f"{v.kernel} {v.seconds * 1e3:.2f} ms" if v.passed else f"{v.kernel} rejected ({v.reason})"
+            for v in self.verdicts
+        ]
         return f"{head} (blocks forward+backward: {'; '.join(parts)})"
 
     def record(self) -> dict:
@@ -99,8 +109,14 @@ def use_attention(kernel: str) -> None:
         switch(name in enabled)
 
 
-def probe(step: Callable[[], Sequence[torch.Tensor]], candidates: Sequence[str], dtype: torch.dtype, *,
-          repeats: int = 3, sync: Callable[[], None] = lambda: None) -> AttentionChoice:
+def probe(
+    step: Callable[[], Sequence[torch.Tensor]],
+    candidates: Sequence[str],
+    dtype: torch.dtype,
+    *,
+    repeats: int = 3,
+    sync: Callable[[], None] = lambda: None,
+) -> AttentionChoice:
     """The fastest of ``candidates`` whose ``step()`` (a forward+backward returning outputs and gradients) gives
     finite results within ``TOLERANCE[dtype]`` of the math kernel's; math when none passes. Each candidate
     runs alone (``sdpa_kernel``), once checked, then ``repeats`` times timed (``sync`` waits for the device)."""
@@ -128,9 +144,11 @@ def _try(name: str, step, reference: list[torch.Tensor], tolerance: float, repea
                 times.append(time.perf_counter() - start)
     except RuntimeError as error:
         if "CUDA error" in str(error):  # the context is unusable now: no later candidate could run
-            raise ValueError(f"model.attention=auto: the {name} kernel broke the CUDA context "
-                             f"({str(error).splitlines()[0]}); set model.attention to another of "
-                             f"{', '.join(k for k in KERNELS if k != name)}") from error
+            raise ValueError(
+                f"model.attention=auto: the {name} kernel broke the CUDA context "
+                f"({str(error).splitlines()[0]}); set model.attention to another of "
+                f"{', '.join(k for k in KERNELS if k != name)}"
+            ) from error
         return Verdict(name, False, None, str(error).strip().splitlines()[0][:160], runs=False)
     return Verdict(name, True, statistics.median(times), "")
 
@@ -146,8 +164,9 @@ def _mismatch(result: list[torch.Tensor], reference: list[torch.Tensor], toleran
     return ""
 
 
-def block_step(blocks: Sequence[nn.Module], forward: Callable[[], object],
-               seed: int = 0) -> Callable[[], list[torch.Tensor]]:
+def block_step(
+    blocks: Sequence[nn.Module], forward: Callable[[], object], seed: int = 0
+) -> Callable[[], list[torch.Tensor]]:
     """A forward+backward of ``blocks`` at the run's shapes: ``forward()`` (one denoiser forward) runs once
     without gradients to capture each block class's first call; the returned function calls those blocks
     again and returns their outputs and the gradients of their floating-point inputs (fixed random
@@ -198,8 +217,9 @@ def _detached(tree):
     return tree_unflatten([t.detach().clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
 
-def attention_for_run(adapter, mode: str, cond, sampler,
-                      broadcast: Callable[[object], object] = lambda choice: choice) -> AttentionChoice:
+def attention_for_run(
+    adapter, mode: str, cond, sampler, broadcast: Callable[[object], object] = lambda choice: choice
+) -> AttentionChoice:
     """Apply ``model.attention`` for a run, before its denoiser is compiled or wrapped: ``auto`` probes the
     CUDA candidates on the blocks of one denoiser forward (``cond``: one item's conditioning, at ``sampler``'s
     guidance and first noise level) and uses the
@@ -214,8 +234,12 @@ def attention_for_run(adapter, mode: str, cond, sampler,
     blocks = repeated_blocks(adapter.denoiser, getattr(adapter, "compiled_blocks", ()))
     sigma = adapter.sigmas(sampler.num_steps)[:1]
     generator = torch.Generator(device).manual_seed(0)
-    step = block_step(blocks, lambda: adapter.predict(adapter.denoiser, adapter.prepare_latents(1, generator),
-                                                      sigma, cond, sampler.guidance_scale))
+    step = block_step(
+        blocks,
+        lambda: adapter.predict(
+            adapter.denoiser, adapter.prepare_latents(1, generator), sigma, cond, sampler.guidance_scale
+        ),
+    )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     dtype = DTYPES[adapter.config.dtype]
     if mode == "auto":
@@ -225,11 +249,17 @@ def attention_for_run(adapter, mode: str, cond, sampler,
         (verdict,) = choice.verdicts
         if not verdict.runs:
             usable = ", ".join(k for k in (KERNELS if device.type == "cuda" else ("math", "flash")) if k != mode)
-            raise ValueError(f"model.attention={mode} cannot run this model's blocks on {device.type} "
-                             f"({verdict.reason}); use auto or one of {usable}")
+            raise ValueError(
+                f"model.attention={mode} cannot run this model's blocks on {device.type} "
+                f"({verdict.reason}); use auto or one of {usable}"
+            )
         if not verdict.passed:
-            logger.warning("warning: model.attention=%s failed the check against math on this model's blocks (%s); "
-                           "used as asked: model.attention=auto chooses a kernel that passes", mode, verdict.reason)
+            logger.warning(
+                "warning: model.attention=%s failed the check against math on this model's blocks (%s); "
+                "used as asked: model.attention=auto chooses a kernel that passes",
+                mode,
+                verdict.reason,
+            )
         choice = AttentionChoice(mode, mode, choice.verdicts)
     use_attention(choice.kernel)
     return choice

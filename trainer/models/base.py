@@ -63,8 +63,11 @@ class Conditioning:
 
     def _map(self, fn) -> Conditioning:
         changes = {k: fn(v) for k, v in self.embeds.items()}
-        images = {name: fn(getattr(self, name)) for name in (*IMAGE_FIELDS, *TRAJECTORY_FIELDS)
-                  if getattr(self, name) is not None}
+        images = {
+            name: fn(getattr(self, name))
+            for name in (*IMAGE_FIELDS, *TRAJECTORY_FIELDS)
+            if getattr(self, name) is not None
+        }
         return replace(self, embeds=changes, **images)
 
     def starting_at(self, noise: torch.Tensor, schedule: torch.Tensor) -> Conditioning:
@@ -84,10 +87,15 @@ class Conditioning:
         entries zero-padded to the longest part's length."""
         first = parts[0]
         length = {k: max(p.embeds[k].shape[1] for p in parts) for k in first.ragged}
-        embeds = {k: torch.cat([pad_dim1(p.embeds[k], length[k]) if k in length else p.embeds[k] for p in parts])
-                  for k in first.embeds}
-        images = {name: torch.cat([getattr(p, name) for p in parts]) for name in (*IMAGE_FIELDS, *TRAJECTORY_FIELDS)
-                  if getattr(first, name) is not None}
+        embeds = {
+            k: torch.cat([pad_dim1(p.embeds[k], length[k]) if k in length else p.embeds[k] for p in parts])
+            for k in first.embeds
+        }
+        images = {
+            name: torch.cat([getattr(p, name) for p in parts])
+            for name in (*IMAGE_FIELDS, *TRAJECTORY_FIELDS)
+            if getattr(first, name) is not None
+        }
         padded = any(p.padded or p.embeds[k].shape[1] < length[k] for p in parts for k in first.ragged)
         return Conditioning(embeds=embeds, **images, ragged=first.ragged, text_mask=first.text_mask, padded=padded)
 
@@ -116,12 +124,19 @@ class StepFunction(Protocol):
     ``(prev_sample, log_prob [B], prev_sample_mean, std)`` for the step t[index] -> t[index + 1]
     (``index`` an int, or [B] step indices per sample; DDIM steps to t[index] - N // T as diffusers' does)."""
 
-    def __call__(self, model_output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
-                 noise_level: float, prev_sample: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]: ...
+    def __call__(
+        self,
+        model_output: torch.Tensor,
+        sample: torch.Tensor,
+        index: int | torch.Tensor,
+        noise_level: float,
+        prev_sample: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, ...]: ...
 
-    def mean(self, model_output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
-             noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def mean(
+        self, model_output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prev_sample_mean, std)`` alone: no sample drawn or scored (the reference network's KL term)."""
 
     def check_noise_level(self, noise_level: float) -> None:
@@ -195,7 +210,9 @@ class ModelAdapter(Protocol):
         """
         ...
 
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_target(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(noisy input x_sigma, regression target) for the supervised denoising loss."""
         ...
 

@@ -37,22 +37,29 @@ class ChromaConfig(FluxConfig):
 
     def __post_init__(self):
         if self.ip_adapter is not None:
-            raise ValueError("model.ip_adapter is not supported for chroma (diffusers has no Chroma IP-Adapter to "
-                             "check it against): remove model.ip_adapter")
+            raise ValueError(
+                "model.ip_adapter is not supported for chroma (diffusers has no Chroma IP-Adapter to "
+                "check it against): remove model.ip_adapter"
+            )
 
 
 class ChromaAdapter(FluxAdapter):
     """ModelAdapter for Chroma checkpoints (Chroma1-HD, Chroma1-Base): text-to-image with true CFG."""
 
-    shard_units = Imported(("diffusers.models.transformers.transformer_chroma:ChromaTransformerBlock",
-                            "diffusers.models.transformers.transformer_chroma:ChromaSingleTransformerBlock"))
+    shard_units = Imported(
+        (
+            "diffusers.models.transformers.transformer_chroma:ChromaTransformerBlock",
+            "diffusers.models.transformers.transformer_chroma:ChromaSingleTransformerBlock",
+        )
+    )
     config_class = ChromaConfig
     pipeline_class = Imported("diffusers:ChromaPipeline")
     transformer_class = Imported("diffusers:ChromaTransformer2DModel")
     label = "Chroma"
     model_name = "chroma"
-    text_components = Imported({"text_encoder": "transformers:T5EncoderModel",
-                                "tokenizer": "transformers:T5TokenizerFast"})
+    text_components = Imported(
+        {"text_encoder": "transformers:T5EncoderModel", "tokenizer": "transformers:T5TokenizerFast"}
+    )
 
     def __init__(self, config: ChromaConfig, device: torch.device | str = "cpu"):
         super().__init__(config, device)
@@ -60,12 +67,16 @@ class ChromaAdapter(FluxAdapter):
             checkpoint_single_blocks_with_mask(self.denoiser)
 
     @staticmethod
-    def encode_text(pipeline: ChromaPipeline, config: ChromaConfig, device: torch.device,
-                    prompt: str) -> dict[str, torch.Tensor]:
+    def encode_text(
+        pipeline: ChromaPipeline, config: ChromaConfig, device: torch.device, prompt: str
+    ) -> dict[str, torch.Tensor]:
         """T5 embeddings [1, L, D] of one prompt and their mask [1, L] via the pipeline's encode_prompt."""
-        embeds, _, mask, _, _, _ = pipeline.encode_prompt(prompt=[prompt], device=device,
-                                                          do_classifier_free_guidance=False,
-                                                          max_sequence_length=config.max_sequence_length)
+        embeds, _, mask, _, _, _ = pipeline.encode_prompt(
+            prompt=[prompt],
+            device=device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=config.max_sequence_length,
+        )
         return {"prompt_embeds": embeds, "prompt_mask": mask}
 
     def predict(
@@ -86,8 +97,15 @@ class ChromaAdapter(FluxAdapter):
             hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
         attention_mask = self.pipeline._prepare_attention_mask(len(hidden), hidden.shape[1], self.dtype, mask)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
-        out = net(hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds, txt_ids=txt_ids,
-                  img_ids=self.img_ids, attention_mask=attention_mask, return_dict=False)[0]
+        out = net(
+            hidden_states=hidden,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=self.img_ids,
+            attention_mask=attention_mask,
+            return_dict=False,
+        )[0]
         if cfg:
             return cfg_combine(*out.chunk(2), guidance_scale)
         return out.float()
@@ -113,19 +131,44 @@ def checkpoint_single_blocks_with_mask(denoiser: nn.Module) -> None:
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["chroma"].tiny) ----------------
-_TINY_TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=[4, 4, 8],
-                         approximator_num_channels=8, approximator_hidden_dim=32, approximator_layers=1)
-_TINY_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                       max_image_seq_len=4096)
+_TINY_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    axes_dims_rope=[4, 4, 8],
+    approximator_num_channels=8,
+    approximator_hidden_dim=32,
+    approximator_layers=1,
+)
+_TINY_SCHEDULER = dict(
+    use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+)
 """Chroma1-HD's scheduler: FLUX.1's dynamic shifting."""
-_CHROMA_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=6,
-                  axes_dims_rope=[16, 24, 24], approximator_num_channels=64, approximator_hidden_dim=512,
-                  approximator_layers=2)
+_CHROMA_9M = dict(
+    attention_head_dim=64,
+    num_attention_heads=4,
+    num_layers=2,
+    num_single_layers=6,
+    axes_dims_rope=[16, 24, 24],
+    approximator_num_channels=64,
+    approximator_hidden_dim=512,
+    approximator_layers=2,
+)
 """About 9 M parameters."""
-_CHROMA_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=19, num_single_layers=38,
-                    axes_dims_rope=[16, 56, 56], approximator_num_channels=64, approximator_hidden_dim=5120,
-                    approximator_layers=5)
+_CHROMA_REAL = dict(
+    attention_head_dim=128,
+    num_attention_heads=24,
+    num_layers=19,
+    num_single_layers=38,
+    axes_dims_rope=[16, 56, 56],
+    approximator_num_channels=64,
+    approximator_hidden_dim=5120,
+    approximator_layers=5,
+)
 """Chroma1-HD's published widths, heads, depths and approximator (diffusers' defaults; 8.9 B parameters)."""
 
 
@@ -136,15 +179,24 @@ def _tiny_components(path: Path) -> dict:
     from trainer.models import testing
 
     t5 = testing.t5_tokenizer(path / "tokenizer")
-    return dict(transformer=ChromaTransformer2DModel(**_TINY_TRANSFORMER).eval(),
-                scheduler=FlowMatchEulerDiscreteScheduler(**_TINY_SCHEDULER), vae=testing.vae_1x(1),
-                text_encoder=testing.t5_encoder(t5), tokenizer=t5)
+    return dict(
+        transformer=ChromaTransformer2DModel(**_TINY_TRANSFORMER).eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(**_TINY_SCHEDULER),
+        vae=testing.vae_1x(1),
+        text_encoder=testing.t5_encoder(t5),
+        tokenizer=t5,
+    )
 
 
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     """ChromaPipeline's arguments at the adapter's resolution, with its negative prompt."""
-    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
-                negative_prompt=adapter.config.negative_prompt, max_sequence_length=adapter.config.max_sequence_length)
+    return dict(
+        height=adapter.resolution,
+        width=adapter.resolution,
+        guidance_scale=guidance_scale,
+        negative_prompt=adapter.config.negative_prompt,
+        max_sequence_length=adapter.config.max_sequence_length,
+    )
 
 
 def tiny_spec():
@@ -152,6 +204,12 @@ def tiny_spec():
     from trainer.models import testing
 
     return testing.TinySpec(
-        components=_tiny_components, pipeline_call=_pipeline_call,
-        config=dict(resolution=16, max_sequence_length=testing.TEXT_LENGTH), guidance=3.0,
-        bench_resolution=32, bench_guidance=4.0, denoiser_9m=_CHROMA_9M, denoiser_real=_CHROMA_REAL)
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        config=dict(resolution=16, max_sequence_length=testing.TEXT_LENGTH),
+        guidance=3.0,
+        bench_resolution=32,
+        bench_guidance=4.0,
+        denoiser_9m=_CHROMA_9M,
+        denoiser_real=_CHROMA_REAL,
+    )

@@ -81,8 +81,12 @@ def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     """ChromaInpaintPipeline's arguments: Chroma's, the source image and mask, strength 1."""
     from trainer.models import chroma
 
-    return {**chroma._pipeline_call(adapter, inputs, guidance_scale), "image": inputs.image,
-            "mask_image": inputs.mask, "strength": 1.0}
+    return {
+        **chroma._pipeline_call(adapter, inputs, guidance_scale),
+        "image": inputs.image,
+        "mask_image": inputs.mask,
+        "strength": 1.0,
+    }
 
 
 def tiny_spec():
@@ -92,6 +96,13 @@ def tiny_spec():
 
     from trainer.models import chroma
 
-    return replace(chroma.tiny_spec(), components=_tiny_components, pipeline_call=_pipeline_call, inputs=("image", "mask"),
-                   data="inpaint_jsonl", same_shapes=("chroma",), slow_dtype_cases=True,
-                   posterior_draw="diffusers.pipelines.chroma.pipeline_chroma_inpainting.retrieve_latents")
+    return replace(
+        chroma.tiny_spec(),
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        inputs=("image", "mask"),
+        data="inpaint_jsonl",
+        same_shapes=("chroma",),
+        slow_dtype_cases=True,
+        posterior_draw="diffusers.pipelines.chroma.pipeline_chroma_inpainting.retrieve_latents",
+    )

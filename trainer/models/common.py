@@ -109,16 +109,21 @@ class DiffusersModelConfig:
         raw = dict(raw)
         if raw.pop("cudnn_attention"):
             raw["attention"] = "cudnn"
-        logger.warning("warning: model.cudnn_attention is deprecated and read as model.attention=%s: replace it by "
-                       "model.attention (one of auto, math, flash, efficient, cudnn)", raw.get("attention", "auto"))
+        logger.warning(
+            "warning: model.cudnn_attention is deprecated and read as model.attention=%s: replace it by "
+            "model.attention (one of auto, math, flash, efficient, cudnn)",
+            raw.get("attention", "auto"),
+        )
         return raw
 
 
 def weights_fix(path: str) -> str:
     """What to do where ``model.path`` holds no weights: download a Hub id it reads as, or point it at a copy."""
     if hub_id(path):
-        return (f"{path!r} reads as a Hugging Face Hub id, and the trainer reads local folders only: "
-                f"`hf download {path} --local-dir DIR`, then model.path=DIR")
+        return (
+            f"{path!r} reads as a Hugging Face Hub id, and the trainer reads local folders only: "
+            f"`hf download {path} --local-dir DIR`, then model.path=DIR"
+        )
     return "point model.path at a local copy of the weights"
 
 
@@ -129,13 +134,17 @@ def denoiser_config(cls: type, config: Any, subfolder: str, label: str) -> dict[
     an adapter can check what it will feed the denoiser without loading billions of parameters first."""
     file = Path(config.path) / subfolder / "config.json"
     if not file.is_file():
-        raise ValueError(f"model.path={config.path!r} is not a diffusers {label} directory (no {subfolder}/config.json); "
-                         f"{weights_fix(config.path)}")
+        raise ValueError(
+            f"model.path={config.path!r} is not a diffusers {label} directory (no {subfolder}/config.json); "
+            f"{weights_fix(config.path)}"
+        )
     saved = json.loads(file.read_text())
     if saved.get("_class_name") != cls.__name__:
-        raise ValueError(f"model.path={config.path!r} holds a {saved.get('_class_name')} in {subfolder}/, and "
-                         f"model.name={config.name} loads a {cls.__name__}: point model.path at a {label} directory, "
-                         "or set model.name to the adapter of the model there")
+        raise ValueError(
+            f"model.path={config.path!r} holds a {saved.get('_class_name')} in {subfolder}/, and "
+            f"model.name={config.name} loads a {cls.__name__}: point model.path at a {label} directory, "
+            "or set model.name to the adapter of the model there"
+        )
     return saved
 
 
@@ -150,4 +159,3 @@ def freeze(*modules: nn.Module | None) -> None:
     for module in modules:
         if module is not None:
             module.requires_grad_(False).eval()
-

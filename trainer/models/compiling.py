@@ -34,8 +34,12 @@ def repeated_blocks(denoiser: nn.Module, declared: tuple[type[nn.Module], ...] =
     for name, module in denoiser.named_modules():
         if any(name.startswith(prefix) for prefix in taken):
             continue
-        if (isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
-                and next(module[0].children(), None) is not None):
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and len({type(m) for m in module}) == 1
+            and next(module[0].children(), None) is not None
+        ):
             found.extend(module)
             taken.append(f"{name}.")
     return found
@@ -67,14 +71,20 @@ class CompileMonitor:
                 self._seen.add(str(m.compile_id))
                 self.recompiles += m.recompile_reason is not None
         graphs, seconds = self._totals()
-        return {"compile_graphs": graphs - self._start[0], "compile_recompiles": self.recompiles,
-                "compile_s": seconds - self._start[1], "compile_fallbacks": len(self.fallbacks)}
+        return {
+            "compile_graphs": graphs - self._start[0],
+            "compile_recompiles": self.recompiles,
+            "compile_s": seconds - self._start[1],
+            "compile_fallbacks": len(self.fallbacks),
+        }
 
     def summary(self, mode: str, metrics: dict[str, float]) -> str:
         """One line on what compiling ``mode`` cost, from an epoch's ``metrics`` (``report()``'s keys)."""
-        return (f"model.compile={mode}: {metrics['compile_graphs']:.0f} graphs compiled in {metrics['compile_s']:.1f} "
-                f"s, {metrics['compile_recompiles']:.0f} recompiles (limit {self.limit}), "
-                f"{metrics['compile_fallbacks']:.0f} fallbacks to eager")
+        return (
+            f"model.compile={mode}: {metrics['compile_graphs']:.0f} graphs compiled in {metrics['compile_s']:.1f} "
+            f"s, {metrics['compile_recompiles']:.0f} recompiles (limit {self.limit}), "
+            f"{metrics['compile_fallbacks']:.0f} fallbacks to eager"
+        )
 
 
 def _metrics() -> list:
@@ -104,12 +114,21 @@ class _LimitHandler(logging.Handler):
         if self.monitor is not None and "hit config." in message and "limit" in message:
             cause = " ".join(line.strip() for line in message.splitlines()[1:3])
             self.monitor.fallbacks.append(cause)
-            logger.warning("warning: model.compile: a compiled block runs eagerly from now on (its recompile limit "
-                           "%d is reached: %s); raise it or make the block's inputs stable", self.monitor.limit, cause)
+            logger.warning(
+                "warning: model.compile: a compiled block runs eagerly from now on (its recompile limit "
+                "%d is reached: %s); raise it or make the block's inputs stable",
+                self.monitor.limit,
+                cause,
+            )
 
 
-def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Module], ...] = (),
-                     recompile_limit: int = 8, backend: str = "inductor") -> list[nn.Module]:
+def compile_denoiser(
+    denoiser: nn.Module,
+    mode: str,
+    declared: tuple[type[nn.Module], ...] = (),
+    recompile_limit: int = 8,
+    backend: str = "inductor",
+) -> list[nn.Module]:
     """Compile ``denoiser`` in place as ``mode`` says ("blocks": its ``repeated_blocks``; "full": its whole
     forward; "none": nothing); returns the modules whose forward is now compiled. ``recompile_limit`` bounds
     the variants (shapes, grad mode, LoRA on / off) each compiled function keeps before running eagerly."""
@@ -119,8 +138,10 @@ def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Mod
         raise ValueError(f"model.compile={mode!r}: use one of {', '.join(COMPILE_MODES)}")
     modules = [denoiser] if mode == "full" else repeated_blocks(denoiser, declared)
     if not modules:
-        raise ValueError(f"model.compile=blocks found no repeated blocks in {type(denoiser).__name__}: use "
-                         "model.compile=full, or declare the adapter's compiled_blocks")
+        raise ValueError(
+            f"model.compile=blocks found no repeated blocks in {type(denoiser).__name__}: use "
+            "model.compile=full, or declare the adapter's compiled_blocks"
+        )
     tag_compile_caches()
     by_class: dict[type, list[nn.Module]] = {}
     for module in modules:
@@ -132,8 +153,9 @@ def compile_denoiser(denoiser: nn.Module, mode: str, declared: tuple[type[nn.Mod
         static = len({_widths(m) for m in members}) > 1
         limit = recompile_limit * (len(members) if static else 1)
         if "recompile_limit" in inspect.signature(torch.compile).parameters:
-            compiled = torch.compile(cls.forward, backend=backend, dynamic=False if static else None,
-                                     recompile_limit=limit)
+            compiled = torch.compile(
+                cls.forward, backend=backend, dynamic=False if static else None, recompile_limit=limit
+            )
         else:  # torch < 2.13 (CUDA images that ship their own torch): the process-wide limit
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
             compiled = torch.compile(cls.forward, backend=backend, dynamic=False if static else None)
@@ -151,8 +173,12 @@ def tag_compile_caches() -> None:
     AOTAutograd cache keys include: a compiled graph bakes in the kernel that was enabled when it compiled, and
     those keys leave the kernel out (pytorch/pytorch#185449), so another run's graph could be reused."""
     cuda = torch.backends.cuda
-    enabled = {"math": cuda.math_sdp_enabled(), "flash": cuda.flash_sdp_enabled(),
-               "efficient": cuda.mem_efficient_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+    enabled = {
+        "math": cuda.math_sdp_enabled(),
+        "flash": cuda.flash_sdp_enabled(),
+        "efficient": cuda.mem_efficient_sdp_enabled(),
+        "cudnn": cuda.cudnn_sdp_enabled(),
+    }
     tag = torch.compiler.config.cache_key_tag.split("|sdpa=")[0]
     torch.compiler.config.cache_key_tag = f"{tag}|sdpa={','.join(k for k, on in enabled.items() if on)}"
 

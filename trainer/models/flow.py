@@ -13,9 +13,15 @@ def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch
     return torch.lerp(uncond.float(), cond.float(), scale)
 
 
-
-def inpaint_velocity(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, known: torch.Tensor, mask: torch.Tensor,
-                     noise: torch.Tensor | None = None, schedule: torch.Tensor | None = None) -> torch.Tensor:
+def inpaint_velocity(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    known: torch.Tensor,
+    mask: torch.Tensor,
+    noise: torch.Tensor | None = None,
+    schedule: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The velocity that reproduces an inpainting pipeline's blend after each step, x' <- (1 - m) k(sigma') +
     m x', with k(s) = s noise + (1 - s) known and a mask m in [0, 1] (1 = repaint): m v + (1 - m) u, where u
     is the Euler step from x to k(sigma'). So a rollout at noise level 0 equals the pipeline, and where m = 0
@@ -35,7 +41,9 @@ def inpaint_velocity(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, know
     return m * v + (1 - m) * ((target - x) / (s_next - s))
 
 
-def rectified_flow_target(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rectified_flow_target(
+    x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x_sigma = (1 - sigma) x0 + sigma noise and the velocity target noise - x0 (flow models)."""
     s = sigma.float().reshape(-1, *([1] * (x0.ndim - 1)))
     return (1 - s) * x0 + s * noise, noise - x0
@@ -61,6 +69,11 @@ def shifted_flow_sigmas(scheduler, num_steps: int, image_seq_len: int, device: t
     import numpy as np
     from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
-    retrieve_timesteps(scheduler, num_steps, device, sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
-                       mu=dynamic_shift_mu(scheduler, image_seq_len))
+    retrieve_timesteps(
+        scheduler,
+        num_steps,
+        device,
+        sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
+        mu=dynamic_shift_mu(scheduler, image_seq_len),
+    )
     return scheduler.sigmas.to(torch.float32)

@@ -61,8 +61,12 @@ class FluxAdapter:
     """ModelAdapter for FLUX.1-dev checkpoints."""
 
     sampler_kind = "flow"
-    shard_units = Imported(("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
-                            "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"))
+    shard_units = Imported(
+        (
+            "diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
+            "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock",
+        )
+    )
     config_class = FluxConfig
     pipeline_class = Imported("diffusers:FluxPipeline")
     transformer_class = Imported("diffusers:FluxTransformer2DModel")
@@ -71,9 +75,14 @@ class FluxAdapter:
     model_name = "flux"
     encodes_image_inputs = False
     """Whether ``_image_conditioning`` VAE-encodes per-item inputs (Fill, Kontext): ``model.image_latents``."""
-    text_components = Imported({"text_encoder": "transformers:CLIPTextModel", "tokenizer": "transformers:CLIPTokenizer",
-                                "text_encoder_2": "transformers:T5EncoderModel",
-                                "tokenizer_2": "transformers:T5TokenizerFast"})
+    text_components = Imported(
+        {
+            "text_encoder": "transformers:CLIPTextModel",
+            "tokenizer": "transformers:CLIPTokenizer",
+            "text_encoder_2": "transformers:T5EncoderModel",
+            "tokenizer_2": "transformers:T5TokenizerFast",
+        }
+    )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
     prompt_encoder = classmethod(prompt_encoder)
@@ -101,13 +110,19 @@ class FluxAdapter:
         self.latent_shape = (tokens_side * tokens_side, 4 * self.latent_channels)
         fed = self.latent_shape[1] + self._extra_input_channels()
         if saved["in_channels"] != fed:
-            raise ValueError(f"model.path={config.path!r} holds a FLUX transformer reading {saved['in_channels']} "
-                             f"input channels, and model.name={config.name} feeds it {fed}: FLUX.1 Fill reads 384 "
-                             "(latents | masked-image latents | mask), FLUX.1-dev and Kontext 64; point model.path at "
-                             "the weights of the model that model.name names")
+            raise ValueError(
+                f"model.path={config.path!r} holds a FLUX transformer reading {saved['in_channels']} "
+                f"input channels, and model.name={config.name} feeds it {fed}: FLUX.1 Fill reads 384 "
+                "(latents | masked-image latents | mask), FLUX.1-dev and Kontext 64; point model.path at "
+                "the weights of the model that model.name names"
+            )
         self.denoiser = self.transformer_class.from_pretrained(path, subfolder="transformer", **load)
-        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                            **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(
+            scheduler=self.scheduler,
+            vae=self.vae,
+            transformer=self.denoiser,
+            **load_text_components(type(self), config, self.device),
+        )
         self.pipeline.to(self.device)
         assert self.pipeline.vae_scale_factor == self.vae_factor
         freeze(self.vae)
@@ -117,7 +132,9 @@ class FluxAdapter:
         self.img_ids = self.pipeline._prepare_latent_image_ids(1, tokens_side, tokens_side, self.device, self.dtype)
         self.guidance_embeds = bool(self.denoiser.config.get("guidance_embeds", False))
 
-        self.ip_adapter = IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
+        self.ip_adapter = (
+            IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
+        )
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
 
@@ -127,10 +144,13 @@ class FluxAdapter:
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
-    def encode_text(pipeline: FluxPipeline, config: FluxConfig, device: torch.device, prompt: str) -> dict[str, torch.Tensor]:
+    def encode_text(
+        pipeline: FluxPipeline, config: FluxConfig, device: torch.device, prompt: str
+    ) -> dict[str, torch.Tensor]:
         """T5 sequence + CLIP pooled embeddings of one prompt via the pipeline's encode_prompt."""
-        embeds, pooled, _ = pipeline.encode_prompt(prompt=[prompt], prompt_2=None, device=device,
-                                                   max_sequence_length=config.max_sequence_length)
+        embeds, pooled, _ = pipeline.encode_prompt(
+            prompt=[prompt], prompt_2=None, device=device, max_sequence_length=config.max_sequence_length
+        )
         return {"prompt_embeds": embeds, "pooled": pooled}
 
     @torch.no_grad()
@@ -185,7 +205,9 @@ class FluxAdapter:
         # (sigma * 1000) / 1000 in the model dtype, exactly as the pipeline rounds its timestep.
         timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
         hidden, img_ids = self._model_input(latents.to(self.dtype), cond)
-        guidance = torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32) if self.guidance_embeds else None
+        guidance = (
+            torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32) if self.guidance_embeds else None
+        )
         cfg = self._runs_cfg(guidance_scale)
         if cfg:
             neg = self.prompts([self.config.negative_prompt])[0]
@@ -195,18 +217,31 @@ class FluxAdapter:
         extra = {}
         if self.ip_adapter is not None:
             if cond.style is None:
-                raise ValueError(f"{self.model_name} has model.ip_adapter and needs Conditioning.style: encode "
-                                 "prompts with ImageInputs.style")
+                raise ValueError(
+                    f"{self.model_name} has model.ip_adapter and needs Conditioning.style: encode "
+                    "prompts with ImageInputs.style"
+                )
             extra["joint_attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
-        out = net(hidden_states=hidden, timestep=timestep, guidance=guidance, pooled_projections=pooled,
-                  encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False, **extra)[0]
+        out = net(
+            hidden_states=hidden,
+            timestep=timestep,
+            guidance=guidance,
+            pooled_projections=pooled,
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+            **extra,
+        )[0]
         out = out[:, : latents.shape[1]]
         if cfg:
             return cfg_combine(*out.chunk(2), guidance_scale)
         return out.float()
 
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_target(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
         return rectified_flow_target(x0, noise, sigma)
 
@@ -238,16 +273,28 @@ class FluxAdapter:
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["flux"].tiny) ------------------
-_TINY_TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                         axes_dims_rope=[4, 4, 8], guidance_embeds=True)
-_TINY_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                       max_image_seq_len=4096)
-_FLUX_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4,
-                axes_dims_rope=[16, 24, 24])
+_TINY_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=[4, 4, 8],
+    guidance_embeds=True,
+)
+_TINY_SCHEDULER = dict(
+    use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+)
+_FLUX_9M = dict(
+    attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4, axes_dims_rope=[16, 24, 24]
+)
 """About 9 M parameters."""
-_FLUX_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=19, num_single_layers=38,
-                  axes_dims_rope=[16, 56, 56])
+_FLUX_REAL = dict(
+    attention_head_dim=128, num_attention_heads=24, num_layers=19, num_single_layers=38, axes_dims_rope=[16, 56, 56]
+)
 """FLUX.1's widths, heads and depths (11.89 B parameters)."""
 
 
@@ -264,15 +311,21 @@ def tiny_components(path: Path, latent_channels: int = 1, **transformer) -> dict
         transformer=FluxTransformer2DModel(**{**_TINY_TRANSFORMER, **transformer}).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(**_TINY_SCHEDULER),
         vae=testing.vae_1x(latent_channels),
-        text_encoder=testing.clip_text_encoder(clip), tokenizer=clip, text_encoder_2=testing.t5_encoder(t5),
+        text_encoder=testing.clip_text_encoder(clip),
+        tokenizer=clip,
+        text_encoder_2=testing.t5_encoder(t5),
         tokenizer_2=t5,
     )
 
 
 def pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     """The FLUX pipelines' arguments for a text-to-image call at the adapter's resolution."""
-    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
-                max_sequence_length=adapter.config.max_sequence_length)
+    return dict(
+        height=adapter.resolution,
+        width=adapter.resolution,
+        guidance_scale=guidance_scale,
+        max_sequence_length=adapter.config.max_sequence_length,
+    )
 
 
 def tiny_spec():
@@ -280,7 +333,14 @@ def tiny_spec():
     from trainer.models import testing
 
     return testing.TinySpec(
-        components=tiny_components, pipeline_call=pipeline_call,
-        config=dict(resolution=16, max_sequence_length=testing.TEXT_LENGTH), guidance=3.5,
-        ip_adapter=True, ip_pipeline=True,
-        bench_resolution=32, bench_guidance=3.5, denoiser_9m=_FLUX_9M, denoiser_real=_FLUX_REAL)
+        components=tiny_components,
+        pipeline_call=pipeline_call,
+        config=dict(resolution=16, max_sequence_length=testing.TEXT_LENGTH),
+        guidance=3.5,
+        ip_adapter=True,
+        ip_pipeline=True,
+        bench_resolution=32,
+        bench_guidance=3.5,
+        denoiser_9m=_FLUX_9M,
+        denoiser_real=_FLUX_REAL,
+    )

@@ -54,8 +54,13 @@ def flux2_sigmas(scheduler, num_steps: int, image_seq_len: int, device: torch.de
     import numpy as np
     from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 
-    retrieve_timesteps(scheduler, num_steps, device, sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
-                       mu=compute_empirical_mu(image_seq_len, num_steps))
+    retrieve_timesteps(
+        scheduler,
+        num_steps,
+        device,
+        sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
+        mu=compute_empirical_mu(image_seq_len, num_steps),
+    )
     return scheduler.sigmas.to(torch.float32)
 
 
@@ -69,8 +74,12 @@ class Flux2Adapter:
     """ModelAdapter for FLUX.2 [dev] checkpoints (text-to-image)."""
 
     sampler_kind = "flow"
-    shard_units = Imported(("diffusers.models.transformers.transformer_flux2:Flux2TransformerBlock",
-                            "diffusers.models.transformers.transformer_flux2:Flux2SingleTransformerBlock"))
+    shard_units = Imported(
+        (
+            "diffusers.models.transformers.transformer_flux2:Flux2TransformerBlock",
+            "diffusers.models.transformers.transformer_flux2:Flux2SingleTransformerBlock",
+        )
+    )
     config_class = Flux2Config
     pipeline_class = Imported("diffusers:Flux2Pipeline")
     model_name = "flux2"
@@ -80,8 +89,9 @@ class Flux2Adapter:
     encodes_image_inputs = True
     max_references = 10
     """Reference images per item: FLUX.2's multi-reference editing takes up to 10."""
-    text_components = Imported({"text_encoder": "transformers:Mistral3ForConditionalGeneration",
-                                "tokenizer": "transformers:AutoProcessor"})
+    text_components = Imported(
+        {"text_encoder": "transformers:Mistral3ForConditionalGeneration", "tokenizer": "transformers:AutoProcessor"}
+    )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length", "text_encoder_out_layers")
     prompt_encoder = classmethod(prompt_encoder)
@@ -96,10 +106,14 @@ class Flux2Adapter:
         load = {"torch_dtype": self.dtype}
         saved = denoiser_config(Flux2Transformer2DModel, config, "transformer", self.label)
         if bool(saved.get("guidance_embeds", True)) != self.guidance_embedded:
-            has = "has a guidance embedding (FLUX.2 [dev])" if saved.get("guidance_embeds", True) else "has none (Klein)"
-            raise ValueError(f"model.path={config.path!r} holds a FLUX.2 transformer that {has}, which "
-                             f"model.name={config.name} does not run: point model.path at {self.label} weights, "
-                             "or set model.name to flux2 for FLUX.2 [dev] and flux2_klein for Klein")
+            has = (
+                "has a guidance embedding (FLUX.2 [dev])" if saved.get("guidance_embeds", True) else "has none (Klein)"
+            )
+            raise ValueError(
+                f"model.path={config.path!r} holds a FLUX.2 transformer that {has}, which "
+                f"model.name={config.name} does not run: point model.path at {self.label} weights, "
+                "or set model.name to flux2 for FLUX.2 [dev] and flux2_klein for Klein"
+            )
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", **load)
         self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # as the pipelines' vae_scale_factor
@@ -111,19 +125,27 @@ class Flux2Adapter:
         self.latent_shape = (self.tokens_side**2, 4 * self.vae.config.latent_channels)
         fed = self.latent_shape[1]
         if saved.get("in_channels", 128) != fed:
-            raise ValueError(f"model.path={config.path!r} holds a FLUX.2 transformer reading {saved.get('in_channels')} "
-                             f"channels, and its VAE gives {fed}: point model.path at one complete FLUX.2 directory")
+            raise ValueError(
+                f"model.path={config.path!r} holds a FLUX.2 transformer reading {saved.get('in_channels')} "
+                f"channels, and its VAE gives {fed}: point model.path at one complete FLUX.2 directory"
+            )
         self.denoiser = Flux2Transformer2DModel.from_pretrained(path, subfolder="transformer", **load)
-        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                            **load_text_components(type(self), config, self.device),
-                                            **self._pipeline_settings(path))
+        self.pipeline = self.pipeline_class(
+            scheduler=self.scheduler,
+            vae=self.vae,
+            transformer=self.denoiser,
+            **load_text_components(type(self), config, self.device),
+            **self._pipeline_settings(path),
+        )
         self.pipeline.to(self.device)
         assert self.pipeline.vae_scale_factor == self.vae_factor
         freeze(self.vae)
         self.image_latents = ImageLatents.of(self.vae, config)
         bn = self.vae.bn
         self.bn_mean = bn.running_mean.to(self.device, torch.float32).view(1, -1, 1, 1)
-        self.bn_std = torch.sqrt(bn.running_var.to(self.device, torch.float32) + self.vae.config.batch_norm_eps).view(1, -1, 1, 1)
+        self.bn_std = torch.sqrt(bn.running_var.to(self.device, torch.float32) + self.vae.config.batch_norm_eps).view(
+            1, -1, 1, 1
+        )
         self.img_ids = position_ids(0, self.tokens_side, self.tokens_side).to(self.device)
         self._txt_ids: dict[int, torch.Tensor] = {}
         self._image_ids: dict[int, torch.Tensor] = {}
@@ -139,8 +161,12 @@ class Flux2Adapter:
     @staticmethod
     def encode_text(pipeline, config: Flux2Config, device: torch.device, prompt: str) -> dict[str, torch.Tensor]:
         """The [1, max_sequence_length, 3D] embeddings of one prompt via the pipeline's encode_prompt."""
-        embeds, _ = pipeline.encode_prompt(prompt=[prompt], device=device, max_sequence_length=config.max_sequence_length,
-                                           text_encoder_out_layers=tuple(config.text_encoder_out_layers))
+        embeds, _ = pipeline.encode_prompt(
+            prompt=[prompt],
+            device=device,
+            max_sequence_length=config.max_sequence_length,
+            text_encoder_out_layers=tuple(config.text_encoder_out_layers),
+        )
         return {"prompt_embeds": embeds}
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
@@ -166,18 +192,32 @@ class Flux2Adapter:
         nothing without references."""
         if inputs is None or inputs.reference is None:
             return {}
-        references = require_references(self.model_name, inputs, batch_size, (self.resolution, self.resolution),
-                                         self.max_references, self.pipeline_class.__name__)
-        return {"reference": torch.cat([self.model_latents(self.image_latents(self._vae_input(references[:, i])).mode())
-                                        for i in range(references.shape[1])], dim=1)}
+        references = require_references(
+            self.model_name,
+            inputs,
+            batch_size,
+            (self.resolution, self.resolution),
+            self.max_references,
+            self.pipeline_class.__name__,
+        )
+        return {
+            "reference": torch.cat(
+                [
+                    self.model_latents(self.image_latents(self._vae_input(references[:, i])).mode())
+                    for i in range(references.shape[1])
+                ],
+                dim=1,
+            )
+        }
 
     def _conditioning_ids(self, images: int) -> torch.Tensor:
         """Position ids of the generated tokens followed by ``images`` conditioning images' (time ids 10, 20,
         ... as the pipelines' ``_prepare_image_ids``)."""
         if images not in self._image_ids:
             side = self.tokens_side
-            self._image_ids[images] = torch.cat([self.img_ids, *(position_ids(10 * (i + 1), side, side).to(self.device)
-                                                                for i in range(images))])
+            self._image_ids[images] = torch.cat(
+                [self.img_ids, *(position_ids(10 * (i + 1), side, side).to(self.device) for i in range(images))]
+            )
         return self._image_ids[images]
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +225,9 @@ class Flux2Adapter:
         the references' tokens, if any."""
         if cond.reference is None:
             return x, self.img_ids
-        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), self._conditioning_ids(cond.reference.shape[1] // x.shape[1])
+        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), self._conditioning_ids(
+            cond.reference.shape[1] // x.shape[1]
+        )
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, 4C, h, w] packed to tokens, drawn as the pipelines' ``prepare_latents`` draw it."""
@@ -228,14 +270,23 @@ class Flux2Adapter:
             neg = self.prompts([self.config.negative_prompt])[0]["prompt_embeds"]
             embeds = torch.cat([neg.expand(n, -1, -1), embeds])
             hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
-        out = net(hidden_states=hidden, timestep=timestep, guidance=guidance, encoder_hidden_states=embeds,
-                  txt_ids=self._txt_ids_for(embeds.shape[1]), img_ids=img_ids, return_dict=False)[0]
+        out = net(
+            hidden_states=hidden,
+            timestep=timestep,
+            guidance=guidance,
+            encoder_hidden_states=embeds,
+            txt_ids=self._txt_ids_for(embeds.shape[1]),
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
         out = out[:, : latents.shape[1]]
         if cfg:
             return cfg_combine(*out.chunk(2), guidance_scale)
         return out.float()
 
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_target(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
         return rectified_flow_target(x0, noise, sigma)
 
@@ -268,18 +319,21 @@ class Flux2Adapter:
         return (x / 2 + 0.5).clamp(0, 1)
 
 
-
 # --- tiny test model and test facts (read by tests and benches through MODELS["flux2"].tiny) -----------------
-_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] != 'system' %}{% for c in m['content'] %}{% if c['type'] == "
-                  "'text' %}<|im_start|>{{ m['role'] }}\n{{ c['text'] }}<|im_end|>\n{% endif %}{% endfor %}{% endif %}"
-                  "{% endfor %}")
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] != 'system' %}{% for c in m['content'] %}{% if c['type'] == "
+    "'text' %}<|im_start|>{{ m['role'] }}\n{{ c['text'] }}<|im_end|>\n{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}"
+)
 """A chat template for the tiny tokenizer that drops the system message: the pipeline's long one would leave
 no room for the prompt in the tests' 48 tokens."""
-FLUX2_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4,
-                axes_dims_rope=(16, 16, 16, 16))
+FLUX2_9M = dict(
+    attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4, axes_dims_rope=(16, 16, 16, 16)
+)
 """About 9 M parameters (FLUX.2 [dev] and Klein)."""
-_FLUX2_REAL = dict(attention_head_dim=128, num_attention_heads=48, num_layers=8, num_single_layers=48,
-                   axes_dims_rope=(32, 32, 32, 32))
+_FLUX2_REAL = dict(
+    attention_head_dim=128, num_attention_heads=48, num_layers=8, num_single_layers=48, axes_dims_rope=(32, 32, 32, 32)
+)
 """FLUX.2 [dev]'s widths, heads and depths (diffusers' defaults; the text width stays the tiny encoder's)."""
 
 
@@ -287,9 +341,18 @@ def tiny_transformer(joint_attention_dim: int, guidance_embeds: bool):
     """FLUX.2's transformer at test size: 8 input channels (2x2 patches of ``tiny_vae``'s 2 channels)."""
     from diffusers import Flux2Transformer2DModel
 
-    return Flux2Transformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                   num_attention_heads=2, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
-                                   joint_attention_dim=joint_attention_dim, guidance_embeds=guidance_embeds).eval()
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=8,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        joint_attention_dim=joint_attention_dim,
+        guidance_embeds=guidance_embeds,
+    ).eval()
 
 
 def tiny_vae(seed: int = 0):
@@ -297,10 +360,18 @@ def tiny_vae(seed: int = 0):
     sees a latent normalisation that is missing or inverted."""
     from diffusers import AutoencoderKLFlux2
 
-    vae = AutoencoderKLFlux2(block_out_channels=(4,), down_block_types=("DownEncoderBlock2D",),
-                             up_block_types=("UpDecoderBlock2D",), layers_per_block=1, latent_channels=2,
-                             norm_num_groups=1, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
-                             mid_block_add_attention=False).eval()
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(4,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        layers_per_block=1,
+        latent_channels=2,
+        norm_num_groups=1,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    ).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
@@ -324,22 +395,46 @@ def _tiny_components(path: Path) -> dict:
     tok = testing.qwen_tokenizer(path / "tokenizer")
     tok.chat_template = _CHAT_TEMPLATE
     tok.save_pretrained(path / "tokenizer")
-    text = MistralConfig(vocab_size=len(tok), hidden_size=24, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=12, max_position_embeddings=512,
-                         pad_token_id=tok.pad_token_id)
-    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                 image_size=16, patch_size=8, head_dim=8)
-    encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text.to_dict(),
-                                                              vision_config=vision.to_dict())).eval()
-    return dict(transformer=tiny_transformer(joint_attention_dim=72, guidance_embeds=True), vae=tiny_vae(),
-                text_encoder=encoder, tokenizer=tok,
-                scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0))
+    text = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=24,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+    )
+    vision = PixtralVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=8,
+        head_dim=8,
+    )
+    encoder = Mistral3ForConditionalGeneration(
+        Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    ).eval()
+    return dict(
+        transformer=tiny_transformer(joint_attention_dim=72, guidance_embeds=True),
+        vae=tiny_vae(),
+        text_encoder=encoder,
+        tokenizer=tok,
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0),
+    )
 
 
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
-                max_sequence_length=adapter.config.max_sequence_length,
-                text_encoder_out_layers=tuple(adapter.config.text_encoder_out_layers))
+    return dict(
+        height=adapter.resolution,
+        width=adapter.resolution,
+        guidance_scale=guidance_scale,
+        max_sequence_length=adapter.config.max_sequence_length,
+        text_encoder_out_layers=tuple(adapter.config.text_encoder_out_layers),
+    )
 
 
 def tiny_spec():
@@ -348,6 +443,13 @@ def tiny_spec():
     from trainer.models import testing
 
     return testing.TinySpec(
-        components=_tiny_components, pipeline_call=_pipeline_call,
-        config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]), guidance=4.0,
-        optional_inputs=("reference",), bench_resolution=32, bench_guidance=4.0, denoiser_9m=FLUX2_9M, denoiser_real=_FLUX2_REAL)
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]),
+        guidance=4.0,
+        optional_inputs=("reference",),
+        bench_resolution=32,
+        bench_guidance=4.0,
+        denoiser_9m=FLUX2_9M,
+        denoiser_real=_FLUX2_REAL,
+    )

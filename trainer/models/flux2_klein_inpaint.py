@@ -55,7 +55,11 @@ class Flux2KleinInpaintAdapter(Flux2KleinAdapter):
         known = self.model_latents(self.image_latents(self._vae_input(image)).mode())
         binary = (mask.to(self.device, torch.float32) >= 0.5).float()
         soft = nn.functional.interpolate(binary, size=(self.tokens_side, self.tokens_side), mode="bilinear")
-        return {"image": known, "mask": self.pipeline._pack_latents(soft), **self._reference_latents(batch_size, inputs)}
+        return {
+            "image": known,
+            "mask": self.pipeline._pack_latents(soft),
+            **self._reference_latents(batch_size, inputs),
+        }
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
         """The latents followed by the source's tokens and the references', and their position ids."""
@@ -77,8 +81,12 @@ class Flux2KleinInpaintAdapter(Flux2KleinAdapter):
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     from trainer.models import flux2_klein
 
-    return {**flux2_klein.pipeline_call(adapter, inputs, guidance_scale), "image": inputs.image,
-            "mask_image": inputs.mask, "strength": 1.0}
+    return {
+        **flux2_klein.pipeline_call(adapter, inputs, guidance_scale),
+        "image": inputs.image,
+        "mask_image": inputs.mask,
+        "strength": 1.0,
+    }
 
 
 def tiny_spec():
@@ -89,5 +97,11 @@ def tiny_spec():
 
     from trainer.models import flux2_klein
 
-    return replace(flux2_klein.tiny_spec(), pipeline_call=_pipeline_call, inputs=("image", "mask"),
-                   data="inpaint_jsonl", same_shapes=("flux2_klein",), slow_dtype_cases=True)
+    return replace(
+        flux2_klein.tiny_spec(),
+        pipeline_call=_pipeline_call,
+        inputs=("image", "mask"),
+        data="inpaint_jsonl",
+        same_shapes=("flux2_klein",),
+        slow_dtype_cases=True,
+    )

@@ -51,8 +51,17 @@ class FluxFillAdapter(FluxAdapter):
         masked = (image.to(self.device, torch.float32) * 2 - 1) * (1 - mask)
         latents = self.image_latents(masked.to(self.dtype)).mode()
         mask_tokens, image_tokens = self.pipeline.prepare_mask_latents(
-            mask, latents, batch_size, self.latent_channels, 1, self.resolution, self.resolution, self.dtype,
-            self.device, None)
+            mask,
+            latents,
+            batch_size,
+            self.latent_channels,
+            1,
+            self.resolution,
+            self.resolution,
+            self.dtype,
+            self.device,
+            None,
+        )
         return {"image": image_tokens, "mask": mask_tokens}
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +85,12 @@ def tiny_spec():
 
     from trainer.models import flux
 
-    return replace(flux.tiny_spec(), pipeline_call=_pipeline_call,
-                   components=partial(flux.tiny_components, latent_channels=2, in_channels=20, out_channels=8),
-                   inputs=("image", "mask"), data="inpaint_jsonl", ip_pipeline=False,
-                   posterior_draw="diffusers.pipelines.flux.pipeline_flux_fill.retrieve_latents")
+    return replace(
+        flux.tiny_spec(),
+        pipeline_call=_pipeline_call,
+        components=partial(flux.tiny_components, latent_channels=2, in_channels=20, out_channels=8),
+        inputs=("image", "mask"),
+        data="inpaint_jsonl",
+        ip_pipeline=False,
+        posterior_draw="diffusers.pipelines.flux.pipeline_flux_fill.retrieve_latents",
+    )

@@ -39,8 +39,9 @@ class FluxKontextAdapter(FluxAdapter):
         """``reference``: the scaled reference latents [B, C, h, w] (packed at each forward); the posterior is
         read from ``model.image_latents`` when it holds it."""
         reject_image_inputs(self.model_name, inputs, allowed=("reference",))
-        reference = require_image_input(self.model_name, inputs, "reference", batch_size, 3,
-                                        multiple_of=2 * self.vae_factor)
+        reference = require_image_input(
+            self.model_name, inputs, "reference", batch_size, 3, multiple_of=2 * self.vae_factor
+        )
         posterior = self.image_latents((reference.to(self.device, torch.float32) * 2 - 1).to(self.dtype))
         return {"reference": self.scale_latents(posterior.mode())}
 
@@ -58,8 +59,12 @@ class FluxKontextAdapter(FluxAdapter):
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     from trainer.models import flux
 
-    return {**flux.pipeline_call(adapter, inputs, guidance_scale), "image": inputs.reference,
-            "_auto_resize": False, "max_area": adapter.resolution**2}
+    return {
+        **flux.pipeline_call(adapter, inputs, guidance_scale),
+        "image": inputs.reference,
+        "_auto_resize": False,
+        "max_area": adapter.resolution**2,
+    }
 
 
 def tiny_spec():
@@ -69,6 +74,12 @@ def tiny_spec():
 
     from trainer.models import flux
 
-    return replace(flux.tiny_spec(), pipeline_call=_pipeline_call, inputs=("reference",), data="edit_jsonl",
-                   ip_adapter=False, same_shapes=("flux",),
-                   posterior_draw="diffusers.pipelines.flux.pipeline_flux_kontext.retrieve_latents")
+    return replace(
+        flux.tiny_spec(),
+        pipeline_call=_pipeline_call,
+        inputs=("reference",),
+        data="edit_jsonl",
+        ip_adapter=False,
+        same_shapes=("flux",),
+        posterior_draw="diffusers.pipelines.flux.pipeline_flux_kontext.retrieve_latents",
+    )

@@ -16,36 +16,52 @@ def reject_image_inputs(model: str, inputs: ImageInputs | None, allowed: Sequenc
         return
     extra = [f.name for f in fields(inputs) if f.name not in allowed and getattr(inputs, f.name) is not None]
     if extra:
-        fix = (f" (it uses {', '.join(allowed)}): name those in data.image_inputs" if allowed else
-               " (it is a text-to-image model): train it on a data.name without images, or set model.name to a model "
-               "that takes them")
+        fix = (
+            f" (it uses {', '.join(allowed)}): name those in data.image_inputs"
+            if allowed
+            else " (it is a text-to-image model): train it on a data.name without images, or set model.name to a model "
+            "that takes them"
+        )
         raise ValueError(f"the {model} adapter takes no ImageInputs.{', .'.join(extra)}{fix}")
 
 
 def require_image_input(
-    model: str, inputs: ImageInputs | None, name: str, batch_size: int, channels: int,
-    size: tuple[int, int] | None = None, multiple_of: int = 1, because: str = "",
+    model: str,
+    inputs: ImageInputs | None,
+    name: str,
+    batch_size: int,
+    channels: int,
+    size: tuple[int, int] | None = None,
+    multiple_of: int = 1,
+    because: str = "",
 ) -> torch.Tensor:
     """``inputs.<name>`` checked to be [batch_size, channels, H, W] (H, W = ``size`` if given, else
     multiples of ``multiple_of``), or a ValueError that names the input, what was expected and ``because``."""
     value = None if inputs is None else getattr(inputs, name)
     what = f"ImageInputs.{name}"
     if value is None:
-        raise ValueError(f"the {model} adapter needs {what} ([B, {channels}, H, W] in [0, 1])"
-                         f"{' because ' + because if because else ''}; none was given")
+        raise ValueError(
+            f"the {model} adapter needs {what} ([B, {channels}, H, W] in [0, 1])"
+            f"{' because ' + because if because else ''}; none was given"
+        )
     if value.ndim != 4 or value.shape[0] != batch_size or value.shape[1] != channels:
-        raise ValueError(f"{what} has shape {tuple(value.shape)}; the {model} adapter expects "
-                         f"[{batch_size}, {channels}, H, W] (one per prompt)")
+        raise ValueError(
+            f"{what} has shape {tuple(value.shape)}; the {model} adapter expects "
+            f"[{batch_size}, {channels}, H, W] (one per prompt)"
+        )
     if size is not None and tuple(value.shape[-2:]) != tuple(size):
-        raise ValueError(f"{what} is {tuple(value.shape[-2:])} pixels; the {model} adapter generates "
-                         f"{tuple(size)} (model.resolution): set data.image_size to model.resolution")
+        raise ValueError(
+            f"{what} is {tuple(value.shape[-2:])} pixels; the {model} adapter generates "
+            f"{tuple(size)} (model.resolution): set data.image_size to model.resolution"
+        )
     if value.shape[-2] % multiple_of or value.shape[-1] % multiple_of:
         raise ValueError(f"{what} sides {tuple(value.shape[-2:])} must be multiples of {multiple_of}")
     return value
 
 
-def require_references(model: str, inputs: ImageInputs | None, batch_size: int, size: tuple[int, int], most: int,
-                       pipeline: str) -> torch.Tensor:
+def require_references(
+    model: str, inputs: ImageInputs | None, batch_size: int, size: tuple[int, int], most: int, pipeline: str
+) -> torch.Tensor:
     """``inputs.reference`` checked, as [B, N, 3, H, W] (N = 1 for [B, 3, H, W]; 1 to ``most`` per item, the
     number ``pipeline`` takes), each at ``size``; a ValueError naming what is wrong otherwise."""
     value = None if inputs is None else inputs.reference
@@ -53,7 +69,14 @@ def require_references(model: str, inputs: ImageInputs | None, batch_size: int, 
         return require_image_input(model, inputs, "reference", batch_size, 3, size)[:, None]
     if not 1 <= value.shape[1] <= most:
         allowed = "one" if most == 1 else f"1 to {most}"
-        raise ValueError(f"ImageInputs.reference holds {value.shape[1]} images per item; the {model} adapter takes "
-                         f"{allowed} ({pipeline}): give each row that many")
-    return torch.stack([require_image_input(model, ImageInputs(reference=value[:, i]), "reference", batch_size, 3, size)
-                        for i in range(value.shape[1])], dim=1)
+        raise ValueError(
+            f"ImageInputs.reference holds {value.shape[1]} images per item; the {model} adapter takes "
+            f"{allowed} ({pipeline}): give each row that many"
+        )
+    return torch.stack(
+        [
+            require_image_input(model, ImageInputs(reference=value[:, i]), "reference", batch_size, 3, size)
+            for i in range(value.shape[1])
+        ],
+        dim=1,
+    )

@@ -79,8 +79,10 @@ class IPAdapterSettings:
 
     def __post_init__(self):
         if not self.image_encoder:
-            raise ValueError("model.ip_adapter.image_encoder is empty: set it to the local directory of a "
-                             "CLIPVisionModelWithProjection or SiglipVisionModel")
+            raise ValueError(
+                "model.ip_adapter.image_encoder is empty: set it to the local directory of a "
+                "CLIPVisionModelWithProjection or SiglipVisionModel"
+            )
 
 
 def refuse_unloadable_flux_tokens(num_tokens: int, width: int | None = None) -> None:
@@ -88,18 +90,22 @@ def refuse_unloadable_flux_tokens(num_tokens: int, width: int | None = None) -> 
     count, failing with a shape error on the exported file: any count but 4 and 16, and, once the transformer's
     ``joint_attention_dim`` ``width`` is known, a count whose projection rows it reads otherwise."""
     if num_tokens not in (4, 16):
-        raise ValueError(f"model.ip_adapter.num_tokens={num_tokens}: diffusers' FluxPipeline.load_ip_adapter, which "
-                         "reads the exported IP-Adapter, knows 4 image tokens, and 16 on FLUX.1's 4096-wide text "
-                         "features; set 4 (XLabs' FLUX IP-Adapter) or 16")
+        raise ValueError(
+            f"model.ip_adapter.num_tokens={num_tokens}: diffusers' FluxPipeline.load_ip_adapter, which "
+            "reads the exported IP-Adapter, knows 4 image tokens, and 16 on FLUX.1's 4096-wide text "
+            "features; set 4 (XLabs' FLUX IP-Adapter) or 16"
+        )
     if width is None:
         return
     loadable = [n for n in (4, 16) if (n * width == FLUX_LOADER_ROWS_16) == (n == 16)]
     if num_tokens not in loadable:
         read = 16 if num_tokens * width == FLUX_LOADER_ROWS_16 else 4
-        raise ValueError(f"model.ip_adapter.num_tokens={num_tokens} on this transformer (joint_attention_dim={width}): "
-                         f"diffusers' FluxPipeline.load_ip_adapter would read its {num_tokens * width} projection rows "
-                         f"as {read} image tokens; it reads {' or '.join(map(str, loadable)) or 'no count'} correctly "
-                         "here" + (f": set model.ip_adapter.num_tokens={loadable[0]}" if loadable else ""))
+        raise ValueError(
+            f"model.ip_adapter.num_tokens={num_tokens} on this transformer (joint_attention_dim={width}): "
+            f"diffusers' FluxPipeline.load_ip_adapter would read its {num_tokens * width} projection rows "
+            f"as {read} image tokens; it reads {' or '.join(map(str, loadable)) or 'no count'} correctly "
+            "here" + (f": set model.ip_adapter.num_tokens={loadable[0]}" if loadable else "")
+        )
 
 
 class ImageEncoder:
@@ -112,12 +118,16 @@ class ImageEncoder:
 
         path = Path(directory)
         if not (path / "config.json").is_file() or not (path / "preprocessor_config.json").is_file():
-            raise ValueError(f"model.ip_adapter.image_encoder={directory!r} needs config.json and "
-                             "preprocessor_config.json (an image encoder and its processor saved with save_pretrained)")
+            raise ValueError(
+                f"model.ip_adapter.image_encoder={directory!r} needs config.json and "
+                "preprocessor_config.json (an image encoder and its processor saved with save_pretrained)"
+            )
         architecture = (json.loads((path / "config.json").read_text()).get("architectures") or ["?"])[0]
         if architecture not in IMAGE_ENCODERS:
-            raise ValueError(f"model.ip_adapter.image_encoder={directory!r} is a {architecture}; supported: "
-                             f"{', '.join(IMAGE_ENCODERS)}")
+            raise ValueError(
+                f"model.ip_adapter.image_encoder={directory!r} is a {architecture}; supported: "
+                f"{', '.join(IMAGE_ENCODERS)}"
+            )
         self.model = getattr(transformers, architecture).from_pretrained(path, torch_dtype=dtype).to(device)
         self.model.requires_grad_(False).eval()
         self.output = IMAGE_ENCODERS[architecture]
@@ -134,8 +144,13 @@ class ImageEncoder:
         x = images.to(self.device, torch.float32)
         h, w = x.shape[-2:]
         scale = self.size / min(h, w)
-        x = nn.functional.interpolate(x, size=(max(self.size, round(h * scale)), max(self.size, round(w * scale))),
-                                      mode="bicubic", antialias=True, align_corners=False)
+        x = nn.functional.interpolate(
+            x,
+            size=(max(self.size, round(h * scale)), max(self.size, round(w * scale))),
+            mode="bicubic",
+            antialias=True,
+            align_corners=False,
+        )
         top, left = (x.shape[-2] - self.size) // 2, (x.shape[-1] - self.size) // 2
         x = x[..., top : top + self.size, left : left + self.size].clamp(0, 1)
         return (x - self.mean) / self.std
@@ -157,8 +172,15 @@ class QwenImageIPAdapterAttnProcessor(nn.Module):
     IP-Adapter in ``to_k_ip``/``to_v_ip``, ``scale`` a list), so both share one weight format.
     """
 
-    def __init__(self, hidden_size: int, cross_attention_dim: int, num_tokens: tuple[int, ...] = (4,),
-                 scale: float = 1.0, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        cross_attention_dim: int,
+        num_tokens: tuple[int, ...] = (4,),
+        scale: float = 1.0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
@@ -166,18 +188,27 @@ class QwenImageIPAdapterAttnProcessor(nn.Module):
         self.attend = dispatch_attention_fn
         self.hidden_size, self.cross_attention_dim = hidden_size, cross_attention_dim
         self.scale = [scale] * len(num_tokens)
-        self.to_k_ip = nn.ModuleList([nn.Linear(cross_attention_dim, hidden_size, device=device, dtype=dtype)
-                                      for _ in num_tokens])
-        self.to_v_ip = nn.ModuleList([nn.Linear(cross_attention_dim, hidden_size, device=device, dtype=dtype)
-                                      for _ in num_tokens])
+        self.to_k_ip = nn.ModuleList(
+            [nn.Linear(cross_attention_dim, hidden_size, device=device, dtype=dtype) for _ in num_tokens]
+        )
+        self.to_v_ip = nn.ModuleList(
+            [nn.Linear(cross_attention_dim, hidden_size, device=device, dtype=dtype) for _ in num_tokens]
+        )
         self.joint = QwenDoubleStreamAttnProcessor2_0()
 
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 encoder_hidden_states_mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 ip_hidden_states: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        img_out, txt_out = self.joint(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
-                                      attention_mask, image_rotary_emb)
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        ip_hidden_states: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        img_out, txt_out = self.joint(
+            attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb
+        )
         if ip_hidden_states is None:
             return img_out, txt_out
         head_dim = attn.inner_dim // attn.heads
@@ -211,15 +242,17 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
 
     file = os.path.join(path, IP_WEIGHTS) if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"IP-Adapter weights {path!r}: no such file (a .safetensors file, or a directory "
-                         f"holding {IP_WEIGHTS})")
+        raise ValueError(
+            f"IP-Adapter weights {path!r}: no such file (a .safetensors file, or a directory holding {IP_WEIGHTS})"
+        )
     state = {}
     for key, value in load_file(file).items():
         if key.startswith("ip_adapter_proj_model."):
             key = "image_proj." + key.removeprefix("ip_adapter_proj_model.")
         elif key.startswith("double_blocks."):
-            key = ("ip_adapter." + key.removeprefix("double_blocks.").replace("processor.", "")
-                   .replace("ip_adapter_double_stream_k_proj", "to_k_ip").replace("ip_adapter_double_stream_v_proj", "to_v_ip"))
+            key = "ip_adapter." + key.removeprefix("double_blocks.").replace("processor.", "").replace(
+                "ip_adapter_double_stream_k_proj", "to_k_ip"
+            ).replace("ip_adapter_double_stream_v_proj", "to_v_ip")
         state[key] = value
     return state
 
@@ -242,13 +275,17 @@ class IPAdapter:
         state = read_weights(settings.weights) if settings.weights else None
         config = denoiser.config
         width, inner = config.joint_attention_dim, config.num_attention_heads * config.attention_head_dim
-        self.projection = ImageProjection(image_embed_dim=self.encoder.embed_dim, cross_attention_dim=width,
-                                          num_image_text_embeds=settings.num_tokens)
+        self.projection = ImageProjection(
+            image_embed_dim=self.encoder.embed_dim, cross_attention_dim=width, num_image_text_embeds=settings.num_tokens
+        )
         flux = isinstance(denoiser, FluxTransformer2DModel)
         processor_class = FluxIPAdapterAttnProcessor if flux else QwenImageIPAdapterAttnProcessor
-        self.processors = [processor_class(hidden_size=inner, cross_attention_dim=width,
-                                           num_tokens=(settings.num_tokens,), scale=settings.scale)
-                           for _ in denoiser.transformer_blocks]
+        self.processors = [
+            processor_class(
+                hidden_size=inner, cross_attention_dim=width, num_tokens=(settings.num_tokens,), scale=settings.scale
+            )
+            for _ in denoiser.transformer_blocks
+        ]
         if state is None:
             for processor in self.processors:
                 nn.init.zeros_(processor.to_v_ip[0].weight)
@@ -292,20 +329,28 @@ class IPAdapter:
         own = self.state_dict()
         if set(state) != set(own):
             missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-            raise ValueError(f"IP-Adapter weights {source!r} do not fit this model ({len(self.processors)} "
-                             f"double-stream blocks): missing {missing[:3]}, unexpected {extra[:3]}")
+            raise ValueError(
+                f"IP-Adapter weights {source!r} do not fit this model ({len(self.processors)} "
+                f"double-stream blocks): missing {missing[:3]}, unexpected {extra[:3]}"
+            )
         rows, dim = state["image_proj.proj.weight"].shape
         width = self.projection.norm.weight.shape[0]
         if dim != self.encoder.embed_dim:
-            raise ValueError(f"IP-Adapter weights {source!r} take {dim}-dim image embeddings; "
-                             f"model.ip_adapter.image_encoder gives {self.encoder.embed_dim}")
+            raise ValueError(
+                f"IP-Adapter weights {source!r} take {dim}-dim image embeddings; "
+                f"model.ip_adapter.image_encoder gives {self.encoder.embed_dim}"
+            )
         if rows != self.settings.num_tokens * width and rows % width == 0:
-            raise ValueError(f"IP-Adapter weights {source!r} have {rows // width} image tokens; set "
-                             f"model.ip_adapter.num_tokens={rows // width}")
+            raise ValueError(
+                f"IP-Adapter weights {source!r} have {rows // width} image tokens; set "
+                f"model.ip_adapter.num_tokens={rows // width}"
+            )
         for key, value in state.items():
             if value.shape != own[key].shape:
-                raise ValueError(f"IP-Adapter weights {source!r}: {key} is {tuple(value.shape)}, this model "
-                                 f"expects {tuple(own[key].shape)} (weights of another model)")
+                raise ValueError(
+                    f"IP-Adapter weights {source!r}: {key} is {tuple(value.shape)}, this model "
+                    f"expects {tuple(own[key].shape)} (weights of another model)"
+                )
         with torch.no_grad():
             for key, value in state.items():
                 own[key].copy_(value)
@@ -323,8 +368,12 @@ class IPAdapter:
 
 
 def _file_state(projection: ImageProjection, processors: list[nn.Module]) -> dict[str, torch.Tensor]:
-    state = {"image_proj.proj.weight": projection.image_embeds.weight, "image_proj.proj.bias": projection.image_embeds.bias,
-             "image_proj.norm.weight": projection.norm.weight, "image_proj.norm.bias": projection.norm.bias}
+    state = {
+        "image_proj.proj.weight": projection.image_embeds.weight,
+        "image_proj.proj.bias": projection.image_embeds.bias,
+        "image_proj.norm.weight": projection.norm.weight,
+        "image_proj.norm.bias": projection.norm.bias,
+    }
     for k, processor in enumerate(processors):
         for kind in ("to_k_ip", "to_v_ip"):
             layer = getattr(processor, kind)[0]
@@ -344,8 +393,9 @@ def detach_ip_adapter(denoiser: nn.Module) -> dict[str, torch.Tensor] | None:
     projection = getattr(denoiser, "encoder_hid_proj", None)
     if not isinstance(projection, MultiIPAdapterImageProjection):
         return None
-    state = _file_state(projection.image_projection_layers[0],
-                        [block.attn.processor for block in denoiser.transformer_blocks])
+    state = _file_state(
+        projection.image_projection_layers[0], [block.attn.processor for block in denoiser.transformer_blocks]
+    )
     default = FluxAttnProcessor if isinstance(denoiser, FluxTransformer2DModel) else QwenDoubleStreamAttnProcessor2_0
     for block in denoiser.transformer_blocks:
         block.attn.set_processor(default())
@@ -353,8 +403,9 @@ def detach_ip_adapter(denoiser: nn.Module) -> dict[str, torch.Tensor] | None:
     return state
 
 
-def split_style(model: str, ip_adapter: IPAdapter | None, inputs: ImageInputs | None,
-                batch_size: int) -> tuple[torch.Tensor | None, ImageInputs | None]:
+def split_style(
+    model: str, ip_adapter: IPAdapter | None, inputs: ImageInputs | None, batch_size: int
+) -> tuple[torch.Tensor | None, ImageInputs | None]:
     """(image embeddings of ``inputs.style`` [B, D], the other inputs) for a model with an IP-Adapter, which
     needs the style image (ValueError naming ``ImageInputs.style``); (None, ``inputs``) for one without (whose
     adapter then rejects a style image)."""

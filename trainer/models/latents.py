@@ -54,15 +54,25 @@ class LatentStore:
     @classmethod
     def open(cls, directory: str, fingerprint: str) -> LatentStore:
         """The store in ``directory`` for training; a missing index or another fingerprint is refused."""
-        index = read_index(f"model.image_latents={directory!r}", Path(directory) / LATENT_INDEX, fingerprint,
-                           "another VAE", "VAE files, dtype, resolution", PRECOMPUTE_LATENTS)
+        index = read_index(
+            f"model.image_latents={directory!r}",
+            Path(directory) / LATENT_INDEX,
+            fingerprint,
+            "another VAE",
+            "VAE files, dtype, resolution",
+            PRECOMPUTE_LATENTS,
+        )
         return cls(directory, fingerprint, index["keys"])
 
     @classmethod
     def create(cls, directory: str, fingerprint: str) -> LatentStore:
         """The store in ``directory`` (created when missing); one of another fingerprint is refused."""
-        index = index_to_extend(directory, LATENT_INDEX, fingerprint, f"--latents {directory!r} holds latents of "
-                                "another VAE or settings; choose another directory")
+        index = index_to_extend(
+            directory,
+            LATENT_INDEX,
+            fingerprint,
+            f"--latents {directory!r} holds latents of another VAE or settings; choose another directory",
+        )
         return cls(directory, fingerprint, index["keys"] if index else ())
 
     def __contains__(self, key: str) -> bool:
@@ -93,8 +103,7 @@ class LatentStore:
 def refuse_image_latents(model: str, config: DiffusersModelConfig) -> None:
     """ValueError when ``model.image_latents`` is set for an adapter that VAE-encodes no image input."""
     if config.image_latents:
-        raise ValueError(f"model.image_latents is set, but the {model} adapter VAE-encodes no image input: "
-                         "unset it")
+        raise ValueError(f"model.image_latents is set, but the {model} adapter VAE-encodes no image input: unset it")
 
 
 class ImageLatents:
@@ -138,8 +147,10 @@ class ImageLatents:
             if self.record:
                 self.store.add(key, parameters[key])
             elif self.store is not None and self.misses == 1:
-                logger.warning("an image input is not in model.image_latents=%s: VAE-encoding it (and any other "
-                               "missing one); rerun %s to include the dataset's current images",
-                               self.store.directory, PRECOMPUTE_LATENTS)
+                logger.warning(
+                    "an image input is not in model.image_latents=%s: VAE-encoding it (and any other "
+                    "missing one); rerun %s to include the dataset's current images",
+                    self.store.directory,
+                    PRECOMPUTE_LATENTS,
+                )
         return DiagonalGaussianDistribution(torch.cat([parameters[key] for key in keys]))
-

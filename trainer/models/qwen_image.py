@@ -5,7 +5,8 @@ have a per-prompt length: a batch is right-padded to its longest prompt and carr
 the transformer turns into its joint attention mask (padding changes nothing else: text positions count
 from the start). The conditioning marks that text as ``ragged`` (rollout chunks concatenate padded to a
 common length) and says on the host whether it holds padding, so that no forward reads the mask back to
-drop it when it is all ones, as the pipeline does. CFG is Qwen-Image's "true CFG" against ``negative_prompt`` with the pipeline's norm
+drop it when it is all ones, as the pipeline does. CFG is Qwen-Image's "true CFG" against ``negative_prompt`` with
+the pipeline's norm
 rescaling, batched as one forward over [negative; prompt] (the pipeline runs two), so the rollout equals
 the pipeline up to float rounding of the masked padding.
 
@@ -81,8 +82,9 @@ class QwenImageAdapter:
     pipeline_class = Imported("diffusers:QwenImagePipeline")
     encodes_image_inputs = False
     """Whether a variant VAE-encodes per-item inputs (inpainting, editing): ``model.image_latents``."""
-    text_components = Imported({"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
-                                "tokenizer": "transformers:Qwen2Tokenizer"})
+    text_components = Imported(
+        {"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration", "tokenizer": "transformers:Qwen2Tokenizer"}
+    )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
     prompt_encoder = classmethod(prompt_encoder)
@@ -102,8 +104,12 @@ class QwenImageAdapter:
         self.denoiser = load_denoiser(QwenImageTransformer2DModel, config, "transformer", "Qwen-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                            **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(
+            scheduler=self.scheduler,
+            vae=self.vae,
+            transformer=self.denoiser,
+            **load_text_components(type(self), config, self.device),
+        )
         self.pipeline.to(self.device)
         freeze(self.vae)
         if not self.encodes_image_inputs:
@@ -122,15 +128,18 @@ class QwenImageAdapter:
         self.latents_mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
         self.latents_std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
 
-        self.ip_adapter = IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
+        self.ip_adapter = (
+            IPAdapter(self.denoiser, config.ip_adapter, self.dtype, self.device) if config.ip_adapter else None
+        )
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
         self._padded_negative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
-    def encode_text(pipeline: QwenImagePipeline, config: QwenImageConfig, device: torch.device,
-                    prompt: str) -> dict[str, torch.Tensor]:
+    def encode_text(
+        pipeline: QwenImagePipeline, config: QwenImageConfig, device: torch.device, prompt: str
+    ) -> dict[str, torch.Tensor]:
         """Unpadded [L, D] embeddings of one prompt via the pipeline's encode_prompt."""
         embeds, _ = pipeline.encode_prompt([prompt], device=device, max_sequence_length=config.max_sequence_length)
         return {"prompt_embeds": embeds[0]}
@@ -157,9 +166,14 @@ class QwenImageAdapter:
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
-        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask}, style=style, **images,
-                            ragged=("prompt_embeds", "prompt_mask"), text_mask="prompt_mask",
-                            padded=any(len(t) < length for t in text))
+        return Conditioning(
+            embeds={"prompt_embeds": embeds, "prompt_mask": mask},
+            style=style,
+            **images,
+            ragged=("prompt_embeds", "prompt_mask"),
+            text_mask="prompt_mask",
+            padded=any(len(t) < length for t in text),
+        )
 
     def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
         """Conditioning image fields from ``inputs``; text-to-image Qwen-Image takes none."""
@@ -209,12 +223,20 @@ class QwenImageAdapter:
         extra = {}
         if self.ip_adapter is not None:
             if cond.style is None:
-                raise ValueError("qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts "
-                                 "with ImageInputs.style")
+                raise ValueError(
+                    "qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts "
+                    "with ImageInputs.style"
+                )
             extra["attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
-        out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
-                  encoder_hidden_states_mask=mask if padded else None, img_shapes=[shapes] * x.shape[0],
-                  return_dict=False, **extra)[0][:, : latents.shape[1]]
+        out = net(
+            hidden_states=x,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask if padded else None,
+            img_shapes=[shapes] * x.shape[0],
+            return_dict=False,
+            **extra,
+        )[0][:, : latents.shape[1]]
         if cfg:
             return true_cfg(*out.chunk(2), guidance_scale)
         return out.float()
@@ -230,7 +252,9 @@ class QwenImageAdapter:
         neg_embeds, neg_mask, neg_length = self._negative(length)
         return neg_embeds, neg_mask, neg_length != neg_embeds.shape[1]
 
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_target(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
         return rectified_flow_target(x0, noise, sigma)
 
@@ -274,32 +298,70 @@ def _tiny_components(path: Path, vision: bool = False) -> dict:
     if vision:
         ids = {key: tok.convert_tokens_to_ids(t) for key, t in zip(ids, VISION_TOKENS, strict=True)}
     text_config = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=len(tok), rope_theta=1e6, bos_token_id=tok.eos_token_id,
-                         eos_token_id=tok.eos_token_id,
-                         rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}),
+        text_config=dict(
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=len(tok),
+            rope_theta=1e6,
+            bos_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id,
+            rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+        ),
         vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
-        hidden_size=16, vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-        vision_token_id=len(tok) + 3, video_token_id=len(tok) + 5, **ids,
+        hidden_size=16,
+        vocab_size=len(tok),
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        vision_token_id=len(tok) + 3,
+        video_token_id=len(tok) + 5,
+        **ids,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=math.log(3), max_shift=math.log(3), base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+        use_dynamic_shifting=True,
+        base_shift=math.log(3),
+        max_shift=math.log(3),
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
     return dict(
         transformer=QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-            num_attention_heads=3, joint_attention_dim=16, axes_dims_rope=(8, 4, 4)).eval(),
-        vae=AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
-                                   temperal_downsample=[False, True], latents_mean=[0.0] * 4,
-                                   latents_std=[1.0] * 4).eval(),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(text_config).eval(), tokenizer=tok, scheduler=scheduler,
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=3,
+            joint_attention_dim=16,
+            axes_dims_rope=(8, 4, 4),
+        ).eval(),
+        vae=AutoencoderKLQwenImage(
+            base_dim=24,
+            z_dim=4,
+            dim_mult=[1, 2, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        ).eval(),
+        text_encoder=Qwen2_5_VLForConditionalGeneration(text_config).eval(),
+        tokenizer=tok,
+        scheduler=scheduler,
     )
 
 
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    return dict(height=adapter.resolution, width=adapter.resolution, true_cfg_scale=guidance_scale,
-                negative_prompt=adapter.config.negative_prompt if guidance_scale > 1 else None,
-                max_sequence_length=adapter.config.max_sequence_length)
+    return dict(
+        height=adapter.resolution,
+        width=adapter.resolution,
+        true_cfg_scale=guidance_scale,
+        negative_prompt=adapter.config.negative_prompt if guidance_scale > 1 else None,
+        max_sequence_length=adapter.config.max_sequence_length,
+    )
 
 
 def tiny_spec():
@@ -308,8 +370,13 @@ def tiny_spec():
     from trainer.models import testing
 
     return testing.TinySpec(
-        components=_tiny_components, pipeline_call=_pipeline_call, config=dict(resolution=32), guidance=3.0,
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        config=dict(resolution=32),
+        guidance=3.0,
         ip_adapter=True,
-        bench_resolution=128, bench_guidance=4.5,
+        bench_resolution=128,
+        bench_guidance=4.5,
         denoiser_9m=dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, axes_dims_rope=[16, 24, 24]),
-        denoiser_real=_QWEN_REAL)
+        denoiser_real=_QWEN_REAL,
+    )

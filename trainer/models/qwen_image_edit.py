@@ -53,8 +53,10 @@ class QwenImageEditConfig(QwenImageConfig):
 
     def __post_init__(self):
         if self.text_embeddings:
-            raise ValueError("model.text_embeddings is set, but qwen_image_edit's prompt embeddings depend on the "
-                             "image to edit (its text encoder reads it): unset it")
+            raise ValueError(
+                "model.text_embeddings is set, but qwen_image_edit's prompt embeddings depend on the "
+                "image to edit (its text encoder reads it): unset it"
+            )
         if self.ip_adapter is not None:
             raise ValueError("model.ip_adapter is set, but the qwen_image_edit adapter takes no IP-Adapter: unset it")
 
@@ -68,8 +70,13 @@ class QwenImageEditAdapter(QwenImageAdapter):
     encodes_image_inputs = True
     max_references = 1
     """Reference images per item its pipeline takes."""
-    text_components = Imported({"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
-                                "tokenizer": "transformers:Qwen2Tokenizer", "processor": image_processor_class})
+    text_components = Imported(
+        {
+            "text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
+            "tokenizer": "transformers:Qwen2Tokenizer",
+            "processor": image_processor_class,
+        }
+    )
 
     def __init__(self, config: QwenImageEditConfig, device: torch.device | str = "cpu"):
         super().__init__(config, device)
@@ -78,15 +85,19 @@ class QwenImageEditAdapter(QwenImageAdapter):
     @classmethod
     def prompt_encoder(cls, config, device):
         """Refused: there are no prompt embeddings to precompute without the images (``--latents`` works)."""
-        raise ValueError("qwen_image_edit's prompt embeddings depend on the image to edit: there is nothing to "
-                         "precompute with --out; precompute the references' VAE latents with --latents")
+        raise ValueError(
+            "qwen_image_edit's prompt embeddings depend on the image to edit: there is nothing to "
+            "precompute with --out; precompute the references' VAE latents with --latents"
+        )
 
     @staticmethod
-    def encode_text(pipeline: QwenImageEditPipeline, config: QwenImageEditConfig, device: torch.device, prompt: str,
-                    image=None) -> dict[str, torch.Tensor]:
+    def encode_text(
+        pipeline: QwenImageEditPipeline, config: QwenImageEditConfig, device: torch.device, prompt: str, image=None
+    ) -> dict[str, torch.Tensor]:
         """Unpadded [L, D] embeddings of one prompt read with its image (a PIL image, or a list) via encode_prompt."""
-        embeds, _ = pipeline.encode_prompt([prompt], image=image, device=device,
-                                           max_sequence_length=config.max_sequence_length)
+        embeds, _ = pipeline.encode_prompt(
+            [prompt], image=image, device=device, max_sequence_length=config.max_sequence_length
+        )
         return {"prompt_embeds": embeds[0]}
 
     def _encoded(self, prompt: str, key: str, image) -> torch.Tensor:
@@ -95,7 +106,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         if (prompt, key) in cache:
             cache.move_to_end((prompt, key))
         else:
-            cache[prompt, key] = self.encode_text(self.pipeline, self.config, self.device, prompt, image)["prompt_embeds"]
+            cache[prompt, key] = self.encode_text(self.pipeline, self.config, self.device, prompt, image)[
+                "prompt_embeds"
+            ]
             if len(cache) > TEXT_CACHE:
                 cache.popitem(last=False)
         return cache[prompt, key]
@@ -122,13 +135,22 @@ class QwenImageEditAdapter(QwenImageAdapter):
         packed = self.pipeline._pack_latents(latents, b, c, h, w)
         return Conditioning(
             embeds={"prompt_embeds": embeds, "prompt_mask": mask, "negative_embeds": torch.stack(negative)},
-            reference=packed.reshape(len(prompts), -1, packed.shape[-1]), ragged=("prompt_embeds", "prompt_mask"),
-            text_mask="prompt_mask", padded=any(len(t) < length for t in text))
+            reference=packed.reshape(len(prompts), -1, packed.shape[-1]),
+            ragged=("prompt_embeds", "prompt_mask"),
+            text_mask="prompt_mask",
+            padded=any(len(t) < length for t in text),
+        )
 
     def _references(self, inputs: ImageInputs | None, batch_size: int) -> torch.Tensor:
         """``ImageInputs.reference`` checked, as [B, N, 3, H, W] (1 to ``max_references`` per item)."""
-        return require_references(self.model_name, inputs, batch_size, (self.resolution, self.resolution),
-                                  self.max_references, self.pipeline_class.__name__)
+        return require_references(
+            self.model_name,
+            inputs,
+            batch_size,
+            (self.resolution, self.resolution),
+            self.max_references,
+            self.pipeline_class.__name__,
+        )
 
     def _text_images(self, pixels):
         """What the text encoder reads of one item's references (uint8 [N, 3, H, W]): the one PIL image."""
@@ -183,8 +205,11 @@ def _reference_area(adapter) -> dict:
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
     calculate = pipeline_qwenimage_edit.calculate_dimensions
-    return {f"{pipeline_qwenimage_edit.__name__}.calculate_dimensions":
-            lambda area, ratio: calculate(adapter.resolution**2, ratio)}
+    return {
+        f"{pipeline_qwenimage_edit.__name__}.calculate_dimensions": lambda area, ratio: calculate(
+            adapter.resolution**2, ratio
+        )
+    }
 
 
 def tiny_spec():
@@ -195,7 +220,16 @@ def tiny_spec():
 
     from trainer.models import qwen_image
 
-    return replace(qwen_image.tiny_spec(), components=_tiny_components, pipeline_call=_pipeline_call,
-                   config=dict(resolution=32), pipeline_patches=_reference_area, inputs=("reference",),
-                   data="edit_jsonl", ip_adapter=False, text_store=False, same_shapes=("qwen_image", "qwen_image_inpaint"),
-                   slow_dtype_cases=True)
+    return replace(
+        qwen_image.tiny_spec(),
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        config=dict(resolution=32),
+        pipeline_patches=_reference_area,
+        inputs=("reference",),
+        data="edit_jsonl",
+        ip_adapter=False,
+        text_store=False,
+        same_shapes=("qwen_image", "qwen_image_inpaint"),
+        slow_dtype_cases=True,
+    )

@@ -56,8 +56,9 @@ class QwenImageEditInpaintAdapter(QwenImageEditAdapter):
     ) -> torch.Tensor:
         """Qwen-Image-Edit's velocity where the mask is set; (x - z) / sigma elsewhere (the module docstring)."""
         if cond.image is None or cond.mask is None:
-            raise ValueError("qwen_image_edit_inpaint needs Conditioning.image and .mask: encode prompts with "
-                             "ImageInputs")
+            raise ValueError(
+                "qwen_image_edit_inpaint needs Conditioning.image and .mask: encode prompts with ImageInputs"
+            )
         v = super().predict(net, latents, sigma, cond, guidance_scale)
         return inpaint_velocity(v, latents, sigma, cond.image, cond.mask)
 
@@ -75,8 +76,11 @@ def _image_area(adapter) -> dict:
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_inpaint
 
     calculate = pipeline_qwenimage_edit_inpaint.calculate_dimensions
-    return {f"{pipeline_qwenimage_edit_inpaint.__name__}.calculate_dimensions":
-            lambda area, ratio: calculate(adapter.resolution**2, ratio)}
+    return {
+        f"{pipeline_qwenimage_edit_inpaint.__name__}.calculate_dimensions": lambda area, ratio: calculate(
+            adapter.resolution**2, ratio
+        )
+    }
 
 
 def tiny_spec():
@@ -85,7 +89,12 @@ def tiny_spec():
 
     from trainer.models import qwen_image_edit
 
-    return replace(qwen_image_edit.tiny_spec(), pipeline_call=_pipeline_call, pipeline_patches=_image_area,
-                   inputs=("image", "mask"), data="inpaint_jsonl",
-                   same_shapes=("qwen_image", "qwen_image_inpaint", "qwen_image_edit", "qwen_image_edit_plus"),
-                   posterior_draw="diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_inpaint.retrieve_latents")
+    return replace(
+        qwen_image_edit.tiny_spec(),
+        pipeline_call=_pipeline_call,
+        pipeline_patches=_image_area,
+        inputs=("image", "mask"),
+        data="inpaint_jsonl",
+        same_shapes=("qwen_image", "qwen_image_inpaint", "qwen_image_edit", "qwen_image_edit_plus"),
+        posterior_draw="diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_inpaint.retrieve_latents",
+    )

@@ -33,8 +33,10 @@ class QwenImageEditPlusConfig(QwenImageEditConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.condition_size % 32:
-            raise ValueError(f"model.condition_size={self.condition_size} must be a multiple of 32 (the pipeline "
-                             "rounds its condition images' sides to 32): 384 is the pipeline's")
+            raise ValueError(
+                f"model.condition_size={self.condition_size} must be a multiple of 32 (the pipeline "
+                "rounds its condition images' sides to 32): 384 is the pipeline's"
+            )
 
 
 class QwenImageEditPlusAdapter(QwenImageEditAdapter):
@@ -53,8 +55,10 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         from PIL import Image
 
         side = self.config.condition_size
-        return [self.pipeline.image_processor.resize(Image.fromarray(p.permute(1, 2, 0).numpy()), side, side)
-                for p in pixels]
+        return [
+            self.pipeline.image_processor.resize(Image.fromarray(p.permute(1, 2, 0).numpy()), side, side)
+            for p in pixels
+        ]
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image_edit_plus"].tiny) --
@@ -76,8 +80,10 @@ def _pipeline_sizes(adapter) -> dict:
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 
     module = pipeline_qwenimage_edit_plus.__name__
-    return {f"{module}.CONDITION_IMAGE_SIZE": adapter.config.condition_size**2,
-            f"{module}.VAE_IMAGE_SIZE": adapter.resolution**2}
+    return {
+        f"{module}.CONDITION_IMAGE_SIZE": adapter.config.condition_size**2,
+        f"{module}.VAE_IMAGE_SIZE": adapter.resolution**2,
+    }
 
 
 def tiny_spec():
@@ -87,6 +93,12 @@ def tiny_spec():
 
     from trainer.models import qwen_image_edit
 
-    return replace(qwen_image_edit.tiny_spec(), pipeline_call=_pipeline_call, pipeline_patches=_pipeline_sizes,
-                   config=dict(resolution=32, condition_size=64), references=2, pipeline_one_prompt=True,
-                   same_shapes=("qwen_image", "qwen_image_inpaint", "qwen_image_edit"))
+    return replace(
+        qwen_image_edit.tiny_spec(),
+        pipeline_call=_pipeline_call,
+        pipeline_patches=_pipeline_sizes,
+        config=dict(resolution=32, condition_size=64),
+        references=2,
+        pipeline_one_prompt=True,
+        same_shapes=("qwen_image", "qwen_image_inpaint", "qwen_image_edit"),
+    )

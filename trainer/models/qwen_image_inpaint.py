@@ -78,8 +78,12 @@ def packed_mask(adapter, mask: torch.Tensor) -> torch.Tensor:
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     from trainer.models import qwen_image
 
-    return {**qwen_image._pipeline_call(adapter, inputs, guidance_scale), "image": inputs.image,
-            "mask_image": inputs.mask, "strength": 1.0}
+    return {
+        **qwen_image._pipeline_call(adapter, inputs, guidance_scale),
+        "image": inputs.image,
+        "mask_image": inputs.mask,
+        "strength": 1.0,
+    }
 
 
 def tiny_spec():
@@ -89,6 +93,14 @@ def tiny_spec():
 
     from trainer.models import qwen_image
 
-    return replace(qwen_image.tiny_spec(), pipeline_call=_pipeline_call, config=dict(resolution=32),
-                   inputs=("image", "mask"), data="inpaint_jsonl", ip_adapter=False, same_shapes=("qwen_image",), slow_dtype_cases=True,
-                   posterior_draw="diffusers.pipelines.qwenimage.pipeline_qwenimage_inpaint.retrieve_latents")
+    return replace(
+        qwen_image.tiny_spec(),
+        pipeline_call=_pipeline_call,
+        config=dict(resolution=32),
+        inputs=("image", "mask"),
+        data="inpaint_jsonl",
+        ip_adapter=False,
+        same_shapes=("qwen_image",),
+        slow_dtype_cases=True,
+        posterior_draw="diffusers.pipelines.qwenimage.pipeline_qwenimage_inpaint.retrieve_latents",
+    )

@@ -60,8 +60,12 @@ class ReferenceSpec:
     disable_lora: bool = False
     swapped: tuple[str, ...] = ()
 
-    def build(self, net: nn.Module, copy: Callable[[nn.Module], nn.Module] = frozen_copy,
-              swap: Callable[[list[tuple[str, nn.Parameter]]], Swap] = FunctionalSwap) -> Reference:
+    def build(
+        self,
+        net: nn.Module,
+        copy: Callable[[nn.Module], nn.Module] = frozen_copy,
+        swap: Callable[[list[tuple[str, nn.Parameter]]], Swap] = FunctionalSwap,
+    ) -> Reference:
         """The reference of ``net`` (the policy's network) as it is now; ``copy`` and ``swap`` are how the
         caller copies weights and runs a forward with some of them replaced."""
         if self.copy:
@@ -107,8 +111,9 @@ class FrozenCopy(Reference):
 
     def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
         if "reference_swapped" in saved:
-            raise ValueError(f"{source} holds a view's reference snapshot where this run's reference is a copy: "
-                             f"{_SETTINGS}")
+            raise ValueError(
+                f"{source} holds a view's reference snapshot where this run's reference is a copy: {_SETTINGS}"
+            )
         if "reference" in saved:
             self.net.load_state_dict(saved["reference"])
 
@@ -146,11 +151,15 @@ class ReferenceView(Reference):
             return
         values, frozen = saved["reference_swapped"], self.swap.frozen if self.swap is not None else {}
         if values.keys() != frozen.keys():
-            raise ValueError(f"{source} holds a reference snapshot of {len(values)} tensors where this run's "
-                             f"reference swaps in {len(frozen)}: {_SETTINGS}")
+            raise ValueError(
+                f"{source} holds a reference snapshot of {len(values)} tensors where this run's "
+                f"reference swaps in {len(frozen)}: {_SETTINGS}"
+            )
         for name, tensor in values.items():
             if tensor.shape != frozen[name].shape:
-                raise ValueError(f"{source} holds {name} of the reference snapshot as {tuple(tensor.shape)} "
-                                 f"where this rank's is {tuple(frozen[name].shape)}: resume with the "
-                                 "parallel.backend and number of ranks the checkpoint was made with")
+                raise ValueError(
+                    f"{source} holds {name} of the reference snapshot as {tuple(tensor.shape)} "
+                    f"where this rank's is {tuple(frozen[name].shape)}: resume with the "
+                    "parallel.backend and number of ranks the checkpoint was made with"
+                )
             frozen[name].copy_(tensor)

@@ -49,13 +49,25 @@ class SD15InpaintAdapter:
     """ModelAdapter for SD1.5 inpainting: needs ``ImageInputs.image`` and ``.mask`` per prompt."""
 
     sampler_kind = "ddim"
-    shard_units = Imported(tuple(f"diffusers.models.unets.unet_2d_blocks:{block}" for block in (
-        "CrossAttnDownBlock2D", "DownBlock2D", "UNetMidBlock2DCrossAttn", "CrossAttnUpBlock2D", "UpBlock2D")))
+    shard_units = Imported(
+        tuple(
+            f"diffusers.models.unets.unet_2d_blocks:{block}"
+            for block in (
+                "CrossAttnDownBlock2D",
+                "DownBlock2D",
+                "UNetMidBlock2DCrossAttn",
+                "CrossAttnUpBlock2D",
+                "UpBlock2D",
+            )
+        )
+    )
     config_class = SD15InpaintConfig
     model_name = "sd15_inpaint"
     pipeline_class = Imported("diffusers:StableDiffusionInpaintPipeline")
     encodes_image_inputs = True
-    text_components = Imported({"text_encoder": "transformers:CLIPTextModel", "tokenizer": "transformers:CLIPTokenizer"})
+    text_components = Imported(
+        {"text_encoder": "transformers:CLIPTextModel", "tokenizer": "transformers:CLIPTokenizer"}
+    )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype",)
     prompt_encoder = classmethod(prompt_encoder)
@@ -70,17 +82,25 @@ class SD15InpaintAdapter:
         load = {"torch_dtype": self.dtype}
         in_channels = denoiser_config(UNet2DConditionModel, config, "unet", "SD1.5")["in_channels"]
         if in_channels != 9:
-            raise ValueError(f"model.path={config.path!r} has a {in_channels}-channel UNet, and the sd15_inpaint "
-                             "adapter needs an inpainting UNet (9 channels: latents | mask | masked-image latents): "
-                             "point model.path at an SD1.5 inpainting checkpoint")
+            raise ValueError(
+                f"model.path={config.path!r} has a {in_channels}-channel UNet, and the sd15_inpaint "
+                "adapter needs an inpainting UNet (9 channels: latents | mask | masked-image latents): "
+                "point model.path at an SD1.5 inpainting checkpoint"
+            )
         self.denoiser = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **load)
         self.scheduler = DDIMScheduler.from_pretrained(path, subfolder="scheduler")
         if self.scheduler.config.prediction_type != "epsilon":
             raise ValueError(f"sd15_inpaint supports epsilon prediction, not {self.scheduler.config.prediction_type!r}")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
         self.pipeline = self.pipeline_class(
-            vae=self.vae, unet=self.denoiser, scheduler=self.scheduler, safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False, **load_text_components(type(self), config, self.device))
+            vae=self.vae,
+            unet=self.denoiser,
+            scheduler=self.scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+            **load_text_components(type(self), config, self.device),
+        )
         self.pipeline.to(self.device)
         freeze(self.vae)
         self.image_latents = ImageLatents.of(self.vae, config)
@@ -110,7 +130,8 @@ class SD15InpaintAdapter:
         masked = (image.to(self.device, torch.float32) * 2 - 1) * (mask < 0.5)
         masked_latents = self.image_latents(masked.to(self.dtype)).mode() * self.vae.config.scaling_factor
         latent_mask, masked_latents = self.pipeline.prepare_mask_latents(
-            mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False)
+            mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False
+        )
         return Conditioning(embeds=self.prompts.cat(prompts), image=masked_latents, mask=latent_mask)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
@@ -120,8 +141,9 @@ class SD15InpaintAdapter:
         return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
     @staticmethod
-    def encode_text(pipeline: StableDiffusionInpaintPipeline, config: SD15InpaintConfig, device: torch.device,
-                    prompt: str) -> dict[str, torch.Tensor]:
+    def encode_text(
+        pipeline: StableDiffusionInpaintPipeline, config: SD15InpaintConfig, device: torch.device, prompt: str
+    ) -> dict[str, torch.Tensor]:
         """CLIP embeddings of one prompt via the pipeline's encode_prompt."""
         return {"prompt_embeds": pipeline.encode_prompt([prompt], device, 1, False)[0]}
 
@@ -141,8 +163,11 @@ class SD15InpaintAdapter:
         """The DDIM step (noise level = eta) with this scheduler's alphas bound; only kind "ddim"."""
         if kind != "ddim":
             raise ValueError(f"sampler.kind={kind!r}: sd15_inpaint is an epsilon (DDIM) model; use sampler.kind=ddim")
-        return ddim_step(schedule * self.num_train_timesteps, self.alphas_cumprod,
-                         torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32))
+        return ddim_step(
+            schedule * self.num_train_timesteps,
+            self.alphas_cumprod,
+            torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32),
+        )
 
     # --- the network ---------------------------------------------------------------------------------
     def _timesteps(self, u: torch.Tensor) -> torch.Tensor:
@@ -169,7 +194,9 @@ class SD15InpaintAdapter:
             return cfg_combine(*out.chunk(2), guidance_scale)
         return out.float()
 
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_target(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """DDPM forward process at t = round(u N): x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) noise; target noise."""
         t = self._timesteps(sigma).clamp(0, self.num_train_timesteps - 1)
         abar = self.alphas_cumprod[t].reshape(-1, *([1] * (x0.ndim - 1)))
@@ -189,9 +216,13 @@ class SD15InpaintAdapter:
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["sd15_inpaint"].tiny) ----------
-_REAL_UNET = dict(block_out_channels=[320, 640, 1280, 1280], attention_head_dim=8, norm_num_groups=32,
-                  down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-                  up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3)
+_REAL_UNET = dict(
+    block_out_channels=[320, 640, 1280, 1280],
+    attention_head_dim=8,
+    norm_num_groups=32,
+    down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+)
 """The SD1.5 UNet's widths and blocks (0.84 B parameters: its cross-attention reads the tiny text width)."""
 
 
@@ -202,23 +233,54 @@ def _tiny_components(path: Path) -> dict:
     from trainer.models import testing
 
     unet = UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=2, sample_size=8, in_channels=9, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=8,
+        in_channels=9,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=32,
     ).eval()
-    vae = AutoencoderKL(block_out_channels=[32, 64], in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
-                        sample_size=16).eval()
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1)
+    vae = AutoencoderKL(
+        block_out_channels=[32, 64],
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        sample_size=16,
+    ).eval()
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
     tok = testing.clip_tokenizer(path / "tokenizer")
-    return dict(vae=vae, text_encoder=testing.clip_text_encoder(tok), tokenizer=tok, unet=unet, scheduler=scheduler,
-                safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    return dict(
+        vae=vae,
+        text_encoder=testing.clip_text_encoder(tok),
+        tokenizer=tok,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
 
 
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale, eta=0.0,
-                image=inputs.image, mask_image=inputs.mask)
+    return dict(
+        height=adapter.resolution,
+        width=adapter.resolution,
+        guidance_scale=guidance_scale,
+        eta=0.0,
+        image=inputs.image,
+        mask_image=inputs.mask,
+    )
 
 
 def tiny_spec():
@@ -227,9 +289,19 @@ def tiny_spec():
     from trainer.models import testing
 
     return testing.TinySpec(
-        components=_tiny_components, pipeline_call=_pipeline_call, config=dict(resolution=16), guidance=3.0,
-        inputs=("image", "mask"), data="inpaint_jsonl",
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        config=dict(resolution=16),
+        guidance=3.0,
+        inputs=("image", "mask"),
+        data="inpaint_jsonl",
         posterior_draw="diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint.retrieve_latents",
-        learning=("train.learning_rate=0.003", "algorithm.group_size=32"), learning_epochs=15,
-        bench_resolution=32, bench_guidance=4.5, denoiser_9m=dict(block_out_channels=[96, 192]),
-        denoiser_real=_REAL_UNET, compiled_ratio_atol=1e-5, compiled_ratio_atol_bf16=0.08)
+        learning=("train.learning_rate=0.003", "algorithm.group_size=32"),
+        learning_epochs=15,
+        bench_resolution=32,
+        bench_guidance=4.5,
+        denoiser_9m=dict(block_out_channels=[96, 192]),
+        denoiser_real=_REAL_UNET,
+        compiled_ratio_atol=1e-5,
+        compiled_ratio_atol_bf16=0.08,
+    )

@@ -53,12 +53,16 @@ class SD3Adapter:
     shard_units = Imported(("diffusers.models.transformers.transformer_sd3:JointTransformerBlock",))
     config_class = SD3Config
     pipeline_class = Imported("diffusers:StableDiffusion3Pipeline")
-    text_components = Imported({"text_encoder": "transformers:CLIPTextModelWithProjection",
-                                "tokenizer": "transformers:CLIPTokenizer",
-                                "text_encoder_2": "transformers:CLIPTextModelWithProjection",
-                                "tokenizer_2": "transformers:CLIPTokenizer",
-                                "text_encoder_3": "transformers:T5EncoderModel",
-                                "tokenizer_3": "transformers:T5TokenizerFast"})
+    text_components = Imported(
+        {
+            "text_encoder": "transformers:CLIPTextModelWithProjection",
+            "tokenizer": "transformers:CLIPTokenizer",
+            "text_encoder_2": "transformers:CLIPTextModelWithProjection",
+            "tokenizer_2": "transformers:CLIPTokenizer",
+            "text_encoder_3": "transformers:T5EncoderModel",
+            "tokenizer_3": "transformers:T5TokenizerFast",
+        }
+    )
     optional_text = ("text_encoder_3", "tokenizer_3")
     text_settings = ("dtype", "max_sequence_length")
 
@@ -73,8 +77,12 @@ class SD3Adapter:
         self.denoiser = load_denoiser(SD3Transformer2DModel, config, "transformer", "SD3", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load) if (path / "vae").is_dir() else None
-        self.pipeline = self.pipeline_class(transformer=self.denoiser, scheduler=self.scheduler, vae=self.vae,
-                                            **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(
+            transformer=self.denoiser,
+            scheduler=self.scheduler,
+            vae=self.vae,
+            **load_text_components(type(self), config, self.device),
+        )
         self.pipeline.to(self.device)
         freeze(self.vae)
         refuse_image_latents("sd3", config)
@@ -82,11 +90,15 @@ class SD3Adapter:
         vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         side = config.resolution or self.denoiser.config.sample_size * vae_factor
         if side % (vae_factor * self.denoiser.config.patch_size):
-            raise ValueError(f"model.resolution={side} must be a multiple of {vae_factor * self.denoiser.config.patch_size}")
+            raise ValueError(
+                f"model.resolution={side} must be a multiple of {vae_factor * self.denoiser.config.patch_size}"
+            )
         most, pixels = self.denoiser.config.pos_embed_max_size, vae_factor * self.denoiser.config.patch_size
         if most is not None and side // pixels > most:  # SD3's position table: none beyond it (None: no table)
-            raise ValueError(f"model.resolution={side} needs {side // pixels} patches a side, but this transformer's "
-                             f"positions (pos_embed_max_size) reach {most}: at most model.resolution={most * pixels}")
+            raise ValueError(
+                f"model.resolution={side} needs {side // pixels} patches a side, but this transformer's "
+                f"positions (pos_embed_max_size) reach {most}: at most model.resolution={most * pixels}"
+            )
         self.latent_shape = (self.denoiser.config.in_channels, side // vae_factor, side // vae_factor)
 
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
@@ -103,16 +115,23 @@ class SD3Adapter:
         if not (Path(config.path) / "text_encoder_3").is_dir():
             with torch.device("meta"):
                 extra["transformer"] = SD3Transformer2DModel.from_config(
-                    denoiser_config(SD3Transformer2DModel, config, "transformer", "SD3"))
+                    denoiser_config(SD3Transformer2DModel, config, "transformer", "SD3")
+                )
         return prompt_encoder(cls, config, device, **extra)
 
     @staticmethod
-    def encode_text(pipeline: StableDiffusion3Pipeline, config: SD3Config, device: torch.device,
-                    prompt: str) -> dict[str, torch.Tensor]:
+    def encode_text(
+        pipeline: StableDiffusion3Pipeline, config: SD3Config, device: torch.device, prompt: str
+    ) -> dict[str, torch.Tensor]:
         """CLIP-L/G (+ T5) sequence and pooled embeddings of one prompt via the pipeline's encode_prompt."""
         embeds, _, pooled, _ = pipeline.encode_prompt(
-            prompt=[prompt], prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False,
-            max_sequence_length=config.max_sequence_length)
+            prompt=[prompt],
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=config.max_sequence_length,
+        )
         return {"prompt_embeds": embeds, "pooled": pooled}
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
@@ -160,13 +179,20 @@ class SD3Adapter:
             pooled = torch.cat([neg["pooled"].expand(n, -1), pooled])
             x = torch.cat([x, x])
             timestep = torch.cat([timestep, timestep])
-        out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
-                  pooled_projections=pooled, return_dict=False)[0]
+        out = net(
+            hidden_states=x,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
         if cfg:
             return cfg_combine(*out.chunk(2), guidance_scale)
         return out.float()
 
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_target(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
         s = sigma.float().reshape(-1, *([1] * (x0.ndim - 1)))
         return (1 - s) * x0 + s * noise, noise - x0
@@ -179,7 +205,7 @@ class SD3Adapter:
         if self.vae is None:
             return x
         latents = self.vae.encode(x.to(self.dtype)).latent_dist.mode()
-        return ((latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor)
+        return (latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -193,11 +219,23 @@ class SD3Adapter:
 # --- tiny test model and test facts (read by tests and benches through MODELS["sd3"].tiny) -------------------
 _SD3_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, caption_projection_dim=256)
 """About 9 M parameters."""
-_SD3_REAL = dict(attention_head_dim=64, num_attention_heads=24, num_layers=24, caption_projection_dim=1536,
-                 qk_norm="rms_norm", dual_attention_layers=list(range(13)))
+_SD3_REAL = dict(
+    attention_head_dim=64,
+    num_attention_heads=24,
+    num_layers=24,
+    caption_projection_dim=1536,
+    qk_norm="rms_norm",
+    dual_attention_layers=list(range(13)),
+)
 """SD3.5 Medium's widths, heads and depths (2.23 B parameters)."""
-_SD35_LARGE = dict(attention_head_dim=64, num_attention_heads=38, num_layers=38, caption_projection_dim=2432,
-                   qk_norm="rms_norm", dual_attention_layers=[])
+_SD35_LARGE = dict(
+    attention_head_dim=64,
+    num_attention_heads=38,
+    num_layers=38,
+    caption_projection_dim=2432,
+    qk_norm="rms_norm",
+    dual_attention_layers=[],
+)
 """SD3.5 Large's widths, heads and depths (8.1 B parameters published)."""
 
 
@@ -211,21 +249,33 @@ def _tiny_components(path: Path) -> dict:
     t5 = testing.t5_tokenizer(path / "tokenizer_3")
     return dict(
         transformer=SD3Transformer2DModel(
-            sample_size=8, patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
-            num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64,
+            sample_size=8,
+            patch_size=1,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_projection_dim=32,
+            joint_attention_dim=32,
+            pooled_projection_dim=64,
         ).eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=testing.vae_1x(4),
-        text_encoder=testing.clip_text_encoder(clip[""], "CLIPTextModelWithProjection"), tokenizer=clip[""],
-        text_encoder_2=testing.clip_text_encoder(clip["_2"], "CLIPTextModelWithProjection"), tokenizer_2=clip["_2"],
-        text_encoder_3=testing.t5_encoder(t5), tokenizer_3=t5,
+        text_encoder=testing.clip_text_encoder(clip[""], "CLIPTextModelWithProjection"),
+        tokenizer=clip[""],
+        text_encoder_2=testing.clip_text_encoder(clip["_2"], "CLIPTextModelWithProjection"),
+        tokenizer_2=clip["_2"],
+        text_encoder_3=testing.t5_encoder(t5),
+        tokenizer_3=t5,
     )
 
 
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     side = adapter.latent_shape[-1] * adapter.pipeline.vae_scale_factor
-    return dict(height=side, width=side, guidance_scale=guidance_scale,
-                max_sequence_length=adapter.config.max_sequence_length)
+    return dict(
+        height=side, width=side, guidance_scale=guidance_scale, max_sequence_length=adapter.config.max_sequence_length
+    )
 
 
 def tiny_spec():
@@ -234,8 +284,15 @@ def tiny_spec():
     from trainer.models import testing
 
     return testing.TinySpec(
-        components=_tiny_components, pipeline_call=_pipeline_call,
-        config=dict(max_sequence_length=testing.TEXT_LENGTH), guidance=3.0,
-        learning=("algorithm.sampler.sde_window=0",), learning_epochs=20,
-        bench_resolution=16, bench_guidance=4.5, denoiser_9m=_SD3_9M, denoiser_real=_SD3_REAL,
-        denoiser_variants={"large": _SD35_LARGE})
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        config=dict(max_sequence_length=testing.TEXT_LENGTH),
+        guidance=3.0,
+        learning=("algorithm.sampler.sde_window=0",),
+        learning_epochs=20,
+        bench_resolution=16,
+        bench_guidance=4.5,
+        denoiser_9m=_SD3_9M,
+        denoiser_real=_SD3_REAL,
+        denoiser_variants={"large": _SD35_LARGE},
+    )

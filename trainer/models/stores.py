@@ -38,8 +38,10 @@ def read_index(setting: str, index_file: Path, fingerprint: str, other: str, cov
         raise ValueError(missing)
     index = json.loads(index_file.read_text())
     if index["fingerprint"] != fingerprint:
-        raise ValueError(f"{setting} was computed for {other} or settings (its fingerprint {index['fingerprint'][:12]}, "
-                         f"this model's {fingerprint[:12]}: {covers}); recompute it for this model.path with {command}")
+        raise ValueError(
+            f"{setting} was computed for {other} or settings (its fingerprint {index['fingerprint'][:12]}, "
+            f"this model's {fingerprint[:12]}: {covers}); recompute it for this model.path with {command}"
+        )
     return index
 
 
@@ -72,8 +74,10 @@ def require_stored_prompts(adapter, prompts: list[str], guidance_scales, store: 
     """Refuse a ``model.text_embeddings`` store that lacks one of ``prompts``, naming the command that adds them."""
     missing = adapter.missing_prompts(prompts, guidance_scales)
     if missing:
-        raise ValueError(f"model.text_embeddings={store!r} lacks {len(missing)} of the prompts this run encodes "
-                         f"(e.g. {', '.join(repr(p) for p in missing[:3])}): add them with python -m "
-                         f"trainer.precompute --config RUN.yaml --out {store}, RUN.yaml holding this run's data "
-                         f"settings (data.name={data.name}, data.path={data.path!r}): it encodes just the prompts the "
-                         "store lacks")
+        raise ValueError(
+            f"model.text_embeddings={store!r} lacks {len(missing)} of the prompts this run encodes "
+            f"(e.g. {', '.join(repr(p) for p in missing[:3])}): add them with python -m "
+            f"trainer.precompute --config RUN.yaml --out {store}, RUN.yaml holding this run's data "
+            f"settings (data.name={data.name}, data.path={data.path!r}): it encodes just the prompts the "
+            "store lacks"
+        )

@@ -20,16 +20,48 @@ import torch
 
 from trainer.models import MODELS
 
-CLIP_TEXT = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
-                 projection_dim=32, max_position_embeddings=77, hidden_act="gelu")
-T5_ENCODER = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-                  feed_forward_proj="gated-gelu", is_encoder_decoder=False)
-VAE_1X = dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
-              norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
-              scaling_factor=1.5035)
+CLIP_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    projection_dim=32,
+    max_position_embeddings=77,
+    hidden_act="gelu",
+)
+T5_ENCODER = dict(
+    d_model=32,
+    d_kv=8,
+    d_ff=37,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    feed_forward_proj="gated-gelu",
+    is_encoder_decoder=False,
+)
+VAE_1X = dict(
+    sample_size=32,
+    in_channels=3,
+    out_channels=3,
+    block_out_channels=(4,),
+    layers_per_block=1,
+    norm_num_groups=1,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    shift_factor=0.0609,
+    scaling_factor=1.5035,
+)
 """One-block VAE without downsampling: latents have the image's size (fast, and enough to test the code)."""
-CLIP_VISION = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, image_size=32,
-                   patch_size=8, projection_dim=24, hidden_act="gelu")
+CLIP_VISION = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    image_size=32,
+    patch_size=8,
+    projection_dim=24,
+    hidden_act="gelu",
+)
 """16 patches of 8x8 pixels; 24-dim image embeddings (unlike every text width, so a mix-up fails)."""
 TEXT_LENGTH = 16
 """Tokens per prompt for every tiny text encoder (CLIP model_max_length, T5 max_sequence_length)."""
@@ -107,8 +139,10 @@ class TinySpec:
         assert (self.components is None) != (self.build is None), "a TinySpec has components or a build, not both"
 
 
-_WORDS = ("a photo of the digit number cat dog red blue green big small image picture text sign handwritten "
-          "zero one two three four five six seven eight nine").split()
+_WORDS = (
+    "a photo of the digit number cat dog red blue green big small image picture text sign handwritten "
+    "zero one two three four five six seven eight nine"
+).split()
 
 
 def _corpus() -> list[str]:
@@ -148,13 +182,25 @@ def qwen_tokenizer(directory: Path, extra_special: tuple[str, ...] = ()):
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    bpe.train_from_iterator(
+        _corpus(),
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=special,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     state = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    tok = Qwen2Tokenizer(vocab=state["vocab"], merges=merges, unk_token=None, bos_token=None,
-                         eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok = Qwen2Tokenizer(
+        vocab=state["vocab"],
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *extra_special]})
     tok.save_pretrained(directory)
     return tok
@@ -163,16 +209,28 @@ def qwen_tokenizer(directory: Path, extra_special: tuple[str, ...] = ()):
 def clip_text_encoder(tok, cls_name: str = "CLIPTextModel"):
     import transformers
 
-    config = transformers.CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **CLIP_TEXT)
+    config = transformers.CLIPTextConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **CLIP_TEXT,
+    )
     return getattr(transformers, cls_name)(config).eval()
 
 
 def t5_encoder(tok):
     from transformers import T5Config, T5EncoderModel
 
-    return T5EncoderModel(T5Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                   eos_token_id=tok.eos_token_id, decoder_start_token_id=0, **T5_ENCODER)).eval()
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tok),
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            decoder_start_token_id=0,
+            **T5_ENCODER,
+        )
+    ).eval()
 
 
 def vae_1x(latent_channels: int):
@@ -213,8 +271,6 @@ def randomize_ip_adapter(adapter, seed: int = 0, std: float = 0.5) -> None:
             p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-
-
 TINY_NAMES = tuple(name for name, spec in MODELS.items() if spec.tiny is not None)
 """Registered adapters that declare a tiny model (every one should)."""
 
@@ -247,9 +303,16 @@ def tiny_config(name: str, root: str | Path, **overrides: Any):
     return replace(MODELS[name].config_class(path=str(path), **tiny(name).config), **overrides)
 
 
-def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_scale: float,
-                 generator: torch.Generator, output_type: str = "latent", latents: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def run_pipeline(
+    adapter,
+    prompts: list[str],
+    inputs,
+    num_steps: int,
+    guidance_scale: float,
+    generator: torch.Generator,
+    output_type: str = "latent",
+    latents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sample with the adapter's own diffusers pipeline (same components) as a rollout would: same prompts,
     image inputs, steps, guidance and generator; the reference for parity tests and benchmarks.
 
@@ -264,14 +327,27 @@ def run_pipeline(adapter, prompts: list[str], inputs, num_steps: int, guidance_s
         from trainer.models.base import ImageInputs
 
         def item(i: int):
-            return None if inputs is None else ImageInputs(**{k: v if v is None else v[i : i + 1]
-                                                              for k, v in vars(inputs).items()})
+            return (
+                None
+                if inputs is None
+                else ImageInputs(**{k: v if v is None else v[i : i + 1] for k, v in vars(inputs).items()})
+            )
+
         # The rollout's one draw for the batch: on CUDA, two draws of one item's noise differ from it
         noise = adapter.prepare_latents(len(prompts), generator)
-        return torch.cat([run_pipeline(adapter, [p], item(i), num_steps, guidance_scale, generator, output_type,
-                                       noise[i : i + 1]) for i, p in enumerate(prompts)])
-    kwargs: dict[str, Any] = dict(prompt=prompts, num_inference_steps=num_steps, generator=generator,
-                                  output_type=output_type, **({} if latents is None else {"latents": latents}))
+        return torch.cat(
+            [
+                run_pipeline(adapter, [p], item(i), num_steps, guidance_scale, generator, output_type, noise[i : i + 1])
+                for i, p in enumerate(prompts)
+            ]
+        )
+    kwargs: dict[str, Any] = dict(
+        prompt=prompts,
+        num_inference_steps=num_steps,
+        generator=generator,
+        output_type=output_type,
+        **({} if latents is None else {"latents": latents}),
+    )
     if getattr(adapter, "ip_adapter", None) is not None:
         kwargs.update(ip_pipeline_kwargs(adapter, inputs))
     kwargs.update(spec.pipeline_call(adapter, inputs, guidance_scale))
@@ -292,8 +368,9 @@ def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:
     pipeline repeats one image per IP-Adapter over the batch), and zero embeddings for the negative branch as
     the adapter uses (the pipeline would encode a black image)."""
     if not tiny(adapter.config.name).ip_pipeline:
-        raise ValueError(f"{adapter.pipeline_class.__name__} has no IP-Adapter: there is no diffusers reference "
-                         "to compare with")
+        raise ValueError(
+            f"{adapter.pipeline_class.__name__} has no IP-Adapter: there is no diffusers reference to compare with"
+        )
     if not all(torch.equal(s, inputs.style[0]) for s in inputs.style):
         raise ValueError("the FLUX pipelines take one style image for the whole batch")
     embeds = adapter.ip_adapter.encoder(inputs.style[:1])[None]  # [1 image, 1 item, D]

@@ -55,8 +55,9 @@ def text_pipeline(adapter_class: type, config: DiffusersModelConfig, device: tor
     return adapter_class.pipeline_class(**{**dict.fromkeys(required), **text, **extra})
 
 
-def prompt_encoder(adapter_class: type, config: DiffusersModelConfig, device: torch.device | str,
-                   **extra: Any) -> Callable[[str], dict[str, torch.Tensor]]:
+def prompt_encoder(
+    adapter_class: type, config: DiffusersModelConfig, device: torch.device | str, **extra: Any
+) -> Callable[[str], dict[str, torch.Tensor]]:
     """The adapter's text path alone (text encoders and tokenizers; no denoiser or VAE is loaded) as a
     function: prompt -> the tensors its ``encode_prompts`` caches for that prompt. Adapters expose it as the
     classmethod ``prompt_encoder(config, device)``; ``trainer.precompute`` runs it."""
@@ -71,14 +72,17 @@ def text_fingerprint(adapter_class: type, config: DiffusersModelConfig) -> str:
     classes, the config fields ``adapter_class.text_settings`` (dtype, max_sequence_length), and per file of
     the text subfolders its name, size and the sha256 of its last MiB (whole configs and tokenizers; weight
     files by a tail of their tensor data, cheap for a 9 GB T5)."""
-    digest = hashlib.sha256(json.dumps({
-        "components": {sub: cls.__name__ for sub, cls in adapter_class.text_components.items()},
-        "settings": {name: getattr(config, name) for name in adapter_class.text_settings},
-    }, sort_keys=True).encode())
+    digest = hashlib.sha256(
+        json.dumps(
+            {
+                "components": {sub: cls.__name__ for sub, cls in adapter_class.text_components.items()},
+                "settings": {name: getattr(config, name) for name in adapter_class.text_settings},
+            },
+            sort_keys=True,
+        ).encode()
+    )
     hash_files(digest, Path(config.path), adapter_class.text_components)
     return digest.hexdigest()
-
-
 
 
 class TextEmbeddingStore:
@@ -98,15 +102,25 @@ class TextEmbeddingStore:
     @classmethod
     def open(cls, directory: str, fingerprint: str) -> TextEmbeddingStore:
         """The store in ``directory`` for training; a missing index or another fingerprint is refused."""
-        index = read_index(f"model.text_embeddings={directory!r}", Path(directory) / TEXT_INDEX, fingerprint,
-                           "other text encoders", "text encoder files, dtype, max_sequence_length", PRECOMPUTE)
+        index = read_index(
+            f"model.text_embeddings={directory!r}",
+            Path(directory) / TEXT_INDEX,
+            fingerprint,
+            "other text encoders",
+            "text encoder files, dtype, max_sequence_length",
+            PRECOMPUTE,
+        )
         return cls(directory, fingerprint, index["prompts"])
 
     @classmethod
     def create(cls, directory: str, fingerprint: str) -> TextEmbeddingStore:
         """The store in ``directory`` (created when missing); one of another fingerprint is refused."""
-        index = index_to_extend(directory, TEXT_INDEX, fingerprint, f"--out {directory!r} holds embeddings of other "
-                                "text encoders or settings; choose another directory")
+        index = index_to_extend(
+            directory,
+            TEXT_INDEX,
+            fingerprint,
+            f"--out {directory!r} holds embeddings of other text encoders or settings; choose another directory",
+        )
         return cls(directory, fingerprint, index["prompts"] if index else None)
 
     def missing(self, prompts: Iterable[str]) -> list[str]:
@@ -117,8 +131,10 @@ class TextEmbeddingStore:
         from safetensors.torch import load_file
 
         if prompt not in self.files:
-            raise ValueError(f"prompt {prompt!r} is not in model.text_embeddings={str(self.directory)!r} "
-                             f"({len(self.files)} prompts); add it to the dataset and rerun {PRECOMPUTE}")
+            raise ValueError(
+                f"prompt {prompt!r} is not in model.text_embeddings={str(self.directory)!r} "
+                f"({len(self.files)} prompts); add it to the dataset and rerun {PRECOMPUTE}"
+            )
         return load_file(self.directory / self.files[prompt], device=str(device))
 
     def add(self, prompt: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -144,8 +160,12 @@ class PromptEmbeddings:
     batched matmuls does, and a resumed run would drift from the uninterrupted one), or read from a
     ``TextEmbeddingStore`` when the adapter runs without text encoders."""
 
-    def __init__(self, encode: Callable[[str], dict[str, torch.Tensor]] | None, store: TextEmbeddingStore | None,
-                 device: torch.device):
+    def __init__(
+        self,
+        encode: Callable[[str], dict[str, torch.Tensor]] | None,
+        store: TextEmbeddingStore | None,
+        device: torch.device,
+    ):
         assert (encode is None) != (store is None)
         self.encode, self.store, self.device = encode, store, device
         self.cache: dict[str, dict[str, torch.Tensor]] = {}
@@ -158,8 +178,9 @@ class PromptEmbeddings:
             store = TextEmbeddingStore.open(config.text_embeddings, text_fingerprint(type(adapter), config))
             return cls(None, store, adapter.device)
         truncation_notice_once()
-        return cls(lambda p: type(adapter).encode_text(adapter.pipeline, config, adapter.device, p), None,
-                   adapter.device)
+        return cls(
+            lambda p: type(adapter).encode_text(adapter.pipeline, config, adapter.device, p), None, adapter.device
+        )
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> list[dict[str, torch.Tensor]]:
@@ -179,4 +200,3 @@ class PromptEmbeddings:
 
     def clear(self) -> None:
         self.cache.clear()
-

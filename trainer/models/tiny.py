@@ -24,14 +24,30 @@ from trainer.models.tokenizers import clip_bpe_tokenizer
 DEFAULT_TINY_PATH = os.path.join(".cache", "rewardflow", "tiny-sd3-digits")
 
 TINY_TRANSFORMER = dict(
-    sample_size=16, patch_size=2, in_channels=1, out_channels=1, num_layers=4, attention_head_dim=16,
-    num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=64,
+    sample_size=16,
+    patch_size=2,
+    in_channels=1,
+    out_channels=1,
+    num_layers=4,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=64,
+    caption_projection_dim=64,
+    pooled_projection_dim=64,
     pos_embed_max_size=16,
 )
 """0.6 M parameters; 16x16 one-channel pixels in 2x2 patches = 64 image tokens."""
 
-TINY_CLIP = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
-                 projection_dim=32, max_position_embeddings=77, hidden_act="gelu")
+TINY_CLIP = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    projection_dim=32,
+    max_position_embeddings=77,
+    hidden_act="gelu",
+)
+
 
 def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int = 16) -> Path:
     """Write a random tiny SD3 model (pixel space, two CLIP encoders, no T5) to ``path``; atomic."""
@@ -47,16 +63,31 @@ def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int 
     for suffix in ("", "_2"):
         clip_bpe_tokenizer(tmp / f"tokenizer{suffix}", text_max_length)
         tok = CLIPTokenizer.from_pretrained(tmp / f"tokenizer{suffix}")
-        config = CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id, **TINY_CLIP)
+        config = CLIPTextConfig(
+            vocab_size=len(tok),
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            **TINY_CLIP,
+        )
         CLIPTextModelWithProjection(config).eval().save_pretrained(tmp / f"text_encoder{suffix}")
-    (tmp / "model_index.json").write_text(json.dumps({
-        "_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModelWithProjection"], "tokenizer": ["transformers", "CLIPTokenizer"],
-        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
-        "text_encoder_3": [None, None], "tokenizer_3": [None, None], "vae": [None, None],
-    }, indent=2))
+    (tmp / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "StableDiffusion3Pipeline",
+                "transformer": ["diffusers", "SD3Transformer2DModel"],
+                "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+                "tokenizer": ["transformers", "CLIPTokenizer"],
+                "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+                "tokenizer_2": ["transformers", "CLIPTokenizer"],
+                "text_encoder_3": [None, None],
+                "tokenizer_3": [None, None],
+                "vae": [None, None],
+            },
+            indent=2,
+        )
+    )
     try:
         os.rename(tmp, path)
     except OSError:
@@ -106,13 +137,17 @@ class TinyAdapter(SD3Adapter):
         if (path / "transformer" / "config.json").is_file():
             return None
         if path.is_dir() and any(path.iterdir()):
-            return (f"model.path={config.path!r} holds files but not the tiny model (no transformer/config.json): "
-                    "point model.path at a new directory, where the tiny model is built, or at one it was built in")
+            return (
+                f"model.path={config.path!r} holds files but not the tiny model (no transformer/config.json): "
+                "point model.path at a new directory, where the tiny model is built, or at one it was built in"
+            )
         if config.build_if_missing or is_default_tiny_path(path):
             return None
-        return (f"model.path={config.path!r}: no such folder: fix the path, leave model.path unset for the default "
-                f"tiny model ({DEFAULT_TINY_PATH}), or set model.build_if_missing=true to build a new random tiny "
-                "model there")
+        return (
+            f"model.path={config.path!r}: no such folder: fix the path, leave model.path unset for the default "
+            f"tiny model ({DEFAULT_TINY_PATH}), or set model.build_if_missing=true to build a new random tiny "
+            "model there"
+        )
 
 
 def is_default_tiny_path(path: str | os.PathLike) -> bool:
@@ -128,5 +163,13 @@ def tiny_spec():
 
     from trainer.models import sd3
 
-    return replace(sd3.tiny_spec(), components=None, build=build_tiny_sd3, config={}, same_shapes=("sd3",),
-                   learning=(), learning_epochs=12, bench_resolution=None)
+    return replace(
+        sd3.tiny_spec(),
+        components=None,
+        build=build_tiny_sd3,
+        config={},
+        same_shapes=("sd3",),
+        learning=(),
+        learning_epochs=12,
+        bench_resolution=None,
+    )

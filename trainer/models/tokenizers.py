@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 _CORPUS = [
-    "a handwritten digit {d}", "a photo of the number {d}", "the digit {d} written by hand",
-    "a picture of a cat and a dog", "a black and white image of a number", "an image", "text on a sign",
+    "a handwritten digit {d}",
+    "a photo of the number {d}",
+    "the digit {d} written by hand",
+    "a picture of a cat and a dog",
+    "a black and white image of a number",
+    "an image",
+    "text on a sign",
 ]
 _DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
 

@@ -93,8 +93,13 @@ class Trainable:
     or every weight, or no base weight when ``added`` weights train by themselves; ``added`` train exactly
     when they say so."""
 
-    def __init__(self, denoiser: nn.Module, lora: LoraSettings | None, gradient_checkpointing: bool = False,
-                 added: AddedWeights | None = None):
+    def __init__(
+        self,
+        denoiser: nn.Module,
+        lora: LoraSettings | None,
+        gradient_checkpointing: bool = False,
+        added: AddedWeights | None = None,
+    ):
         self.denoiser, self.lora, self.added = denoiser, lora, added
         self.trains_added = added is not None and added.trainable
         self.full = lora is None and not self.trains_added
@@ -104,9 +109,14 @@ class Trainable:
         if lora is not None:
             from peft import LoraConfig
 
-            denoiser.add_adapter(LoraConfig(
-                r=lora.rank, lora_alpha=lora.alpha, init_lora_weights="gaussian", target_modules=lora.target_modules,
-            ))
+            denoiser.add_adapter(
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    init_lora_weights="gaussian",
+                    target_modules=lora.target_modules,
+                )
+            )
         if added is not None:
             for p in added.parameters():
                 p.requires_grad_(added.trainable)
@@ -153,8 +163,9 @@ class Trainable:
         added weights swapped for their values when it is built (no copy of the base)."""
         if self.full:
             return ReferenceSpec(copy=True)
-        return ReferenceSpec(disable_lora=self.lora is not None,
-                             swapped=tuple(self.added.parameter_names) if self.trains_added else ())
+        return ReferenceSpec(
+            disable_lora=self.lora is not None, swapped=tuple(self.added.parameter_names) if self.trains_added else ()
+        )
 
     def reference(self) -> Reference:
         """The reference built in this process (no parallel backend) at the first call, the same one after."""
@@ -199,8 +210,10 @@ class Trainable:
         state = load_file(path)
         expected = get_peft_model_state_dict(self.denoiser)
         if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in state):
-            raise ValueError(f"LoRA weights in {directory!r} do not match this model's adapter (different "
-                             "target_modules or rank than model.lora)")
+            raise ValueError(
+                f"LoRA weights in {directory!r} do not match this model's adapter (different "
+                "target_modules or rank than model.lora)"
+            )
         set_peft_model_state_dict(self.denoiser, state)
 
     def _load_full(self, directory: str) -> None:

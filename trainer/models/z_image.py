@@ -76,13 +76,18 @@ class ZImageAdapter:
         self.denoiser = load_denoiser(ZImageTransformer2DModel, config, "transformer", "Z-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
-        self.pipeline = self.pipeline_class(scheduler=self.scheduler, vae=self.vae, transformer=self.denoiser,
-                                            **load_text_components(type(self), config, self.device))
+        self.pipeline = self.pipeline_class(
+            scheduler=self.scheduler,
+            vae=self.vae,
+            transformer=self.denoiser,
+            **load_text_components(type(self), config, self.device),
+        )
         self.pipeline.to(self.device)
         encode = self.pipeline._encode_prompt
         # the pipeline writes the chat-templated prompts into the caller's list: hand it a copy
         self.pipeline._encode_prompt = lambda prompt, *a, **k: encode(
-            list(prompt) if isinstance(prompt, list) else prompt, *a, **k)
+            list(prompt) if isinstance(prompt, list) else prompt, *a, **k
+        )
         freeze(self.vae)
         refuse_image_latents(self.model_name, config)
 
@@ -100,11 +105,13 @@ class ZImageAdapter:
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
-    def encode_text(pipeline: ZImagePipeline, config: ZImageConfig, device: torch.device,
-                    prompt: str) -> dict[str, torch.Tensor]:
+    def encode_text(
+        pipeline: ZImagePipeline, config: ZImageConfig, device: torch.device, prompt: str
+    ) -> dict[str, torch.Tensor]:
         """Unpadded [L, D] embeddings of one prompt via the pipeline's encode_prompt."""
-        embeds, _ = pipeline.encode_prompt([prompt], device=device, do_classifier_free_guidance=False,
-                                           max_sequence_length=config.max_sequence_length)
+        embeds, _ = pipeline.encode_prompt(
+            [prompt], device=device, do_classifier_free_guidance=False, max_sequence_length=config.max_sequence_length
+        )
         return {"prompt_embeds": embeds[0]}
 
     def _text(self, prompts: list[str]) -> list[torch.Tensor]:
@@ -116,9 +123,12 @@ class ZImageAdapter:
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
-        return Conditioning(embeds={"prompt_embeds": embeds, "prompt_mask": mask},
-                            ragged=("prompt_embeds", "prompt_mask"), text_mask="prompt_mask",
-                            padded=any(len(t) < length for t in text))
+        return Conditioning(
+            embeds={"prompt_embeds": embeds, "prompt_mask": mask},
+            ragged=("prompt_embeds", "prompt_mask"),
+            text_mask="prompt_mask",
+            padded=any(len(t) < length for t in text),
+        )
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG (> 0), those the
@@ -170,10 +180,13 @@ class ZImageAdapter:
         if guided is False:
             return -out.float()
         pred = z_image_cfg(out[:n], out[n:], guidance_scale, self.config.cfg_normalization)
-        return -(pred if guided is True else torch.where(guided.reshape(-1, *[1] * (pred.ndim - 1)), pred,
-                                                         out[:n].float()))
+        return -(
+            pred if guided is True else torch.where(guided.reshape(-1, *[1] * (pred.ndim - 1)), pred, out[:n].float())
+        )
 
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_target(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
         return rectified_flow_target(x0, noise, sigma)
 
@@ -216,13 +229,22 @@ def z_image_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, normaliz
 
 
 # --- tiny test model and test facts (read by tests and benches through MODELS["z_image"].tiny) ---------------
-_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 """A Qwen3-style chat template for the tiny tokenizer (the pipeline applies one)."""
 _Z_IMAGE_9M = dict(dim=256, n_layers=5, n_refiner_layers=2, n_heads=4, n_kv_heads=4, axes_dims=[16, 24, 24])
 """About 9 M parameters."""
-_Z_IMAGE_REAL = dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
-                     axes_lens=[1024, 512, 512])
+_Z_IMAGE_REAL = dict(
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,
+    n_heads=30,
+    n_kv_heads=30,
+    axes_dims=[32, 48, 48],
+    axes_lens=[1024, 512, 512],
+)
 """Z-Image's published widths, heads and depths (diffusers' defaults; the text width stays the tiny
 encoder's instead of Qwen3-4B's 2560)."""
 
@@ -238,22 +260,49 @@ def _tiny_components(path: Path) -> dict:
     tok = testing.qwen_tokenizer(path / "tokenizer")
     tok.chat_template = _CHAT_TEMPLATE
     tok.save_pretrained(path / "tokenizer")
-    text = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    text = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     transformer = ZImageTransformer2DModel(
-        in_channels=4, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
-        axes_dims=[4, 6, 6], axes_lens=[256, 64, 64]).eval()
-    return dict(transformer=transformer, vae=testing.vae_1x(4), text_encoder=Qwen3Model(text).eval(), tokenizer=tok,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+        in_channels=4,
+        dim=32,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=16,
+        axes_dims=[4, 6, 6],
+        axes_lens=[256, 64, 64],
+    ).eval()
+    return dict(
+        transformer=transformer,
+        vae=testing.vae_1x(4),
+        text_encoder=Qwen3Model(text).eval(),
+        tokenizer=tok,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
 
 
 def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
     """The pipeline takes one negative prompt per prompt (a list), and defaults to "" for each."""
     assert not adapter.config.negative_prompt, "the parity reference runs the default negative prompt"
-    return dict(height=adapter.resolution, width=adapter.resolution, guidance_scale=guidance_scale,
-                max_sequence_length=adapter.config.max_sequence_length,
-                cfg_normalization=adapter.config.cfg_normalization, cfg_truncation=adapter.config.cfg_truncation)
+    return dict(
+        height=adapter.resolution,
+        width=adapter.resolution,
+        guidance_scale=guidance_scale,
+        max_sequence_length=adapter.config.max_sequence_length,
+        cfg_normalization=adapter.config.cfg_normalization,
+        cfg_truncation=adapter.config.cfg_truncation,
+    )
 
 
 def tiny_spec():
@@ -263,6 +312,14 @@ def tiny_spec():
     from trainer.models import testing
 
     return testing.TinySpec(
-        components=_tiny_components, pipeline_call=_pipeline_call, config=dict(resolution=16, max_sequence_length=64),
-        guidance=3.0, learning=("train.learning_rate=0.003",), learning_epochs=24,
-        bench_resolution=32, bench_guidance=4.0, denoiser_9m=_Z_IMAGE_9M, denoiser_real=_Z_IMAGE_REAL)
+        components=_tiny_components,
+        pipeline_call=_pipeline_call,
+        config=dict(resolution=16, max_sequence_length=64),
+        guidance=3.0,
+        learning=("train.learning_rate=0.003",),
+        learning_epochs=24,
+        bench_resolution=32,
+        bench_guidance=4.0,
+        denoiser_9m=_Z_IMAGE_9M,
+        denoiser_real=_Z_IMAGE_REAL,
+    )

@@ -118,9 +118,7 @@ class HttpRewardClient:
             raise ValueError(f"wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
         self.encoding = wire_format.partition("+")[2] or None
         if self.encoding is not None and self.encoding not in supported_encodings():
-            raise ValueError(
-                f"wire_format {wire_format!r} needs the {self.encoding} package, which is not installed"
-            )
+            raise ValueError(f"wire_format {wire_format!r} needs the {self.encoding} package, which is not installed")
         if batch_size < 1 or max_concurrency < 1 or max_retries < 0 or breaker_failures < 1:
             raise ValueError("batch_size, max_concurrency, breaker_failures must be >= 1, max_retries >= 0")
         if timeout_s <= 0 or connect_timeout_s <= 0 or (step_timeout_s is not None and step_timeout_s <= 0):
@@ -146,8 +144,14 @@ class HttpRewardClient:
         must not wait for reward.outage_s before its checkpoint)."""
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
-        self.pool = ReplicaPool(self.urls, list(self.weights), http=self._client, auth=self._auth,
-                                breaker_failures=breaker_failures, probe_interval_s=probe_interval_s)
+        self.pool = ReplicaPool(
+            self.urls,
+            list(self.weights),
+            http=self._client,
+            auth=self._auth,
+            breaker_failures=breaker_failures,
+            probe_interval_s=probe_interval_s,
+        )
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-client", daemon=True)
@@ -245,9 +249,7 @@ class HttpRewardClient:
         if self._http is not None:
             await self._http.aclose()
 
-    async def _score(
-        self, images: np.ndarray, prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> RewardResult:
+    async def _score(self, images: np.ndarray, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardResult:
         self._client()
         assert self._verify_lock is not None
         if self.verify_replicas and not self._verified:
@@ -310,14 +312,17 @@ class HttpRewardClient:
                         attempt, failures = 0, failures[-1:]  # a fresh round of attempts
                         tried.clear()
                         continue
-                    failures.append("the run was asked to stop while it waited for a replica" if self.give_up_waiting()
-                                    else f"no replica back in rotation within reward.outage_s = {self.outage_s:g} s")
+                    failures.append(
+                        "the run was asked to stop while it waited for a replica"
+                        if self.give_up_waiting()
+                        else f"no replica back in rotation within reward.outage_s = {self.outage_s:g} s"
+                    )
                 break
             store_scores(response, start, stop, components, errors)
             return response.instance
         raise RewardUnavailableError(
             f"items {start}-{stop - 1}: no reward replica answered after {attempts} attempts: "
-            + "; ".join(failures[-(self.max_retries + 2):])
+            + "; ".join(failures[-(self.max_retries + 2) :])
         )
 
     async def _attempt_hedged(
@@ -388,9 +393,7 @@ class HttpRewardClient:
                 raise self.pool.failed(replica, f"{replica.url}: no answer within {self.timeout_s} s") from None
             except httpx.RequestError as exc:  # transport errors, and an answer it cannot decode
                 down = isinstance(exc, httpx.ConnectError)
-                raise self.pool.failed(
-                    replica, f"{replica.url}: {type(exc).__name__}: {exc}", down=down
-                ) from None
+                raise self.pool.failed(replica, f"{replica.url}: {type(exc).__name__}: {exc}", down=down) from None
             finally:
                 replica.outstanding -= 1
         elapsed = time.monotonic() - started
@@ -410,9 +413,7 @@ class HttpRewardClient:
             replica.encodings = frozenset()
             raise AttemptFailed(f"{replica.url}: HTTP 415: {detail(response)}", retry_after_s=0.0)
         if status == 429:  # overloaded, not broken: no strike against the replica
-            raise AttemptFailed(
-                f"{replica.url}: HTTP 429: {detail(response)}", retry_after_s=retry_after_s(response)
-            )
+            raise AttemptFailed(f"{replica.url}: HTTP 429: {detail(response)}", retry_after_s=retry_after_s(response))
         if is_retryable(status):
             raise self.pool.failed(
                 replica,
@@ -421,17 +422,17 @@ class HttpRewardClient:
                 down=status == 503,
             )
         if status in REPLICA_REFUSALS and self.pool.others_in_rotation(replica):
-            raise self.pool.failed(replica, f"{replica.url} refused the request with HTTP {status} ("
-                                   f"{detail(response)}), which the others may take: check its token and limits",
-                                   retry_after_s=0.0, down=True)
-        raise RewardRequestError(
-            f"{replica.url}/score rejected the request with HTTP {status}: {detail(response)}"
-        )
+            raise self.pool.failed(
+                replica,
+                f"{replica.url} refused the request with HTTP {status} ("
+                f"{detail(response)}), which the others may take: check its token and limits",
+                retry_after_s=0.0,
+                down=True,
+            )
+        raise RewardRequestError(f"{replica.url}/score rejected the request with HTTP {status}: {detail(response)}")
 
     def _encoding_for(self, replica: Replica) -> str | None:
-        if self.encoding is None or (
-            replica.encodings is not None and self.encoding not in replica.encodings
-        ):
+        if self.encoding is None or (replica.encodings is not None and self.encoding not in replica.encodings):
             return None
         return self.encoding
 
@@ -446,5 +447,12 @@ class HttpRewardClient:
 
         Item ids are ``str(start + i)``. Public for benchmarks and tools; ``score`` calls it per chunk.
         """
-        return encode_body(images, prompts, metadata, start, wire_format=self.wire_format,
-                           scorers=list(self.weights), timeout_s=self.timeout_s)
+        return encode_body(
+            images,
+            prompts,
+            metadata,
+            start,
+            wire_format=self.wire_format,
+            scorers=list(self.weights),
+            timeout_s=self.timeout_s,
+        )

@@ -69,8 +69,10 @@ def server_module() -> str:
     """The module that runs one reward server, from the installed :data:`SERVER_SCRIPT` console script."""
     found = importlib.metadata.entry_points(group="console_scripts", name=SERVER_SCRIPT)
     if not found:
-        raise RewardPoolError(f"no {SERVER_SCRIPT} console script is installed: install the package "
-                              "(pip install -e . in the checkout), or set reward.urls to running servers")
+        raise RewardPoolError(
+            f"no {SERVER_SCRIPT} console script is installed: install the package "
+            "(pip install -e . in the checkout), or set reward.urls to running servers"
+        )
     return next(iter(found)).module
 
 
@@ -220,8 +222,10 @@ class LocalRewardPool:
             try:
                 sock = bound_socket(self.host, self.ports[index])
             except OSError as exc:
-                raise RewardPoolError(f"reward replica {index} cannot restart on its port {self.ports[index]} "
-                                      f"({exc.strerror}): another process took it meanwhile") from None
+                raise RewardPoolError(
+                    f"reward replica {index} cannot restart on its port {self.ports[index]} "
+                    f"({exc.strerror}): another process took it meanwhile"
+                ) from None
             with sock:
                 self._processes[index] = self._spawn(index, sock)
         try:
@@ -237,8 +241,9 @@ class LocalRewardPool:
         Each exit and restart is logged with the end of the replica's log. The client's requests meanwhile go to
         the others, or wait (``outage_s``)."""
         if self._supervisor is None:
-            self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts, interval_s, window_s),
-                                                name="reward-replicas", daemon=True)
+            self._supervisor = threading.Thread(
+                target=self._supervise, args=(max_restarts, interval_s, window_s), name="reward-replicas", daemon=True
+            )
             self._supervisor.start()
 
     def _supervise(self, max_restarts: int, interval_s: float, window_s: float) -> None:
@@ -248,18 +253,22 @@ class LocalRewardPool:
             for index, process in enumerate(list(self._processes)):
                 if process.poll() is None or index in given_up or self._stopping.is_set():
                     continue
-                what = (f"reward replica {index} ({self.urls[index]}) exited with status {process.returncode}; end "
-                        f"of {self.log_paths[index]}:\n{_tail(self.log_paths[index], 10)}")
+                what = (
+                    f"reward replica {index} ({self.urls[index]}) exited with status {process.returncode}; end "
+                    f"of {self.log_paths[index]}:\n{_tail(self.log_paths[index], 10)}"
+                )
                 now = time.monotonic()
                 recent = restarted[index] = [t for t in restarted.get(index, []) if now - t < window_s]
                 if len(recent) >= max_restarts:
-                    logger.warning("%s\nnot restarted: it has restarted %d times in %.0f s", what, max_restarts,
-                                   window_s)
+                    logger.warning(
+                        "%s\nnot restarted: it has restarted %d times in %.0f s", what, max_restarts, window_s
+                    )
                     given_up.add(index)
                     continue
                 recent.append(now)
-                logger.warning("%s\nrestarting it (restart %d of at most %d in %.0f s)", what, len(recent),
-                               max_restarts, window_s)
+                logger.warning(
+                    "%s\nrestarting it (restart %d of at most %d in %.0f s)", what, len(recent), max_restarts, window_s
+                )
                 try:
                     self.restart(index)
                 except (RewardPoolError, RuntimeError, IndexError) as exc:  # again at the next check; IndexError:
@@ -292,8 +301,14 @@ class LocalRewardPool:
         # A session of their own: the terminal's Ctrl-C reaches the trainer alone, which stops them after
         # it has said where it stopped (stopping first, they would fail the rollout that waits on them).
         with open(self.log_paths[index], "ab") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._child_env(),
-                                    start_new_session=True, pass_fds=(sock.fileno(),))
+            return subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._child_env(),
+                start_new_session=True,
+                pass_fds=(sock.fileno(),),
+            )
 
     def _child_env(self) -> dict[str, str]:
         """A replica's environment: ``env`` (read at each start, so a restart sees a change) or ours, unbuffered,

@@ -51,8 +51,16 @@ class ReplicaPool:
     Runs on the client's event loop; ``http`` returns its (lazily made) HTTP client and ``auth`` its headers.
     """
 
-    def __init__(self, urls: Sequence[str], scorers: Sequence[str], *, http: Callable[[], httpx.AsyncClient],
-                 auth: dict[str, str], breaker_failures: int, probe_interval_s: float) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        scorers: Sequence[str],
+        *,
+        http: Callable[[], httpx.AsyncClient],
+        auth: dict[str, str],
+        breaker_failures: int,
+        probe_interval_s: float,
+    ) -> None:
         self.urls = list(urls)
         self.scorers = list(scorers)
         self.replicas = {url: Replica(url) for url in self.urls}
@@ -109,8 +117,10 @@ class ReplicaPool:
         request may wait in all)."""
         if self.outage_since is None:
             self.outage_since = time.monotonic()
-            logger.warning("every reward replica is out of rotation: waiting up to %.0f s for one to come back "
-                           "(reward.outage_s)", allowed_s)
+            logger.warning(
+                "every reward replica is out of rotation: waiting up to %.0f s for one to come back (reward.outage_s)",
+                allowed_s,
+            )
         deadline = time.monotonic() + timeout_s
         while self.all_out():
             left = deadline - time.monotonic()
@@ -160,8 +170,12 @@ class ReplicaPool:
             replica.consecutive_failures = 0
             replica.available = True
             if self.outage_since is not None:  # the end of an outage is as visible as its start
-                logger.warning("reward replica %s back in rotation (%s) after %.1f s without any", replica.url,
-                               parsed.instance, time.monotonic() - self.outage_since)
+                logger.warning(
+                    "reward replica %s back in rotation (%s) after %.1f s without any",
+                    replica.url,
+                    parsed.instance,
+                    time.monotonic() - self.outage_since,
+                )
                 self.outage_since = None
             else:
                 logger.info("reward replica %s back in rotation (%s)", replica.url, parsed.instance)

@@ -50,9 +50,11 @@ class Requests:
         if self.items > limits.max_items:
             got, fits, flag = f"{self.items} items", limits.max_items, f"--max-items {self.items}"
         elif self.side and self.side > limits.max_image_side:
-            return (f"model.resolution={self.side} is above the largest image side reward server {url} takes "
-                    f"({limits.max_image_side}): " + ("lower model.resolution" if self.own else
-                                                       f"restart it with --max-image-side {self.side}"))
+            return (
+                f"model.resolution={self.side} is above the largest image side reward server {url} takes "
+                f"({limits.max_image_side}): "
+                + ("lower model.resolution" if self.own else f"restart it with --max-image-side {self.side}")
+            )
         elif self.side and limits.max_pixels_per_request and self.items * self.side**2 > limits.max_pixels_per_request:
             got, flag = f"{self.items * self.side**2} pixels", f"--max-pixels-per-request {self.items * self.side**2}"
             fits = limits.max_pixels_per_request // self.side**2
@@ -61,13 +63,20 @@ class Requests:
             fits = limits.max_body_bytes // (3 * self.side**2)
         if fits is None:
             return None
-        return (f"reward.batch_size={self.items} makes requests of {got}, more than reward server {url} takes in one "
-                f"(HTTP 413): set reward.batch_size={max(fits, 1)} or less"
-                + ("" if self.own else f", or restart the server with {flag}"))
+        return (
+            f"reward.batch_size={self.items} makes requests of {got}, more than reward server {url} takes in one "
+            f"(HTTP 413): set reward.batch_size={max(fits, 1)} or less"
+            + ("" if self.own else f", or restart the server with {flag}")
+        )
 
 
-def check_reward_urls(urls: Sequence[str], scorers: Mapping[str, str], token: str | None,
-                      requests: Requests | None = None, timeout_s: float = 5.0) -> str | None:
+def check_reward_urls(
+    urls: Sequence[str],
+    scorers: Mapping[str, str],
+    token: str | None,
+    requests: Requests | None = None,
+    timeout_s: float = 5.0,
+) -> str | None:
     """Why the servers at ``urls`` cannot score ``scorers`` (name -> the config field that names it: the fix
     says where), or take ``requests``: the first problem found, or None. Without ``urls`` the job starts its
     own servers: then every scorer must be registered."""
@@ -82,31 +91,42 @@ def check_reward_urls(urls: Sequence[str], scorers: Mapping[str, str], token: st
     return None
 
 
-def _check_one(client: httpx.Client, url: str, scorers: Mapping[str, str], headers: dict[str, str],
-               requests: Requests | None) -> str | None:
+def _check_one(
+    client: httpx.Client, url: str, scorers: Mapping[str, str], headers: dict[str, str], requests: Requests | None
+) -> str | None:
     try:
         response = client.get(f"{url}/info", headers=headers)
     except httpx.TransportError as exc:
         reason = str(exc) or type(exc).__name__
-        return (f"reward server {url} is unreachable ({reason}): start it with `{server_command(url, scorers)}`, "
-                "or leave reward.urls empty and the job starts its own")
+        return (
+            f"reward server {url} is unreachable ({reason}): start it with `{server_command(url, scorers)}`, "
+            "or leave reward.urls empty and the job starts its own"
+        )
     if response.status_code == 401:
-        return (f"reward server {url} refused the bearer token (HTTP 401, {detail(response)}): export "
-                "REWARD_SERVER_TOKEN=<the token the server was started with> before the job, or pass reward.token")
+        return (
+            f"reward server {url} refused the bearer token (HTTP 401, {detail(response)}): export "
+            "REWARD_SERVER_TOKEN=<the token the server was started with> before the job, or pass reward.token"
+        )
     if response.status_code != 200:
-        return (f"reward server {url}/info answered HTTP {response.status_code} ({detail(response)[:200]}): is "
-                f"{url} a rewardflow reward server? Start one with `{server_command(url, scorers)}`")
+        return (
+            f"reward server {url}/info answered HTTP {response.status_code} ({detail(response)[:200]}): is "
+            f"{url} a rewardflow reward server? Start one with `{server_command(url, scorers)}`"
+        )
     try:
         info = InfoResponse.model_validate_json(response.content)
     except ValidationError:
-        return (f"{url}/info is not a rewardflow reward server's answer: point reward.urls at servers started "
-                f"with `{server_command(url, scorers)}`")
+        return (
+            f"{url}/info is not a rewardflow reward server's answer: point reward.urls at servers started "
+            f"with `{server_command(url, scorers)}`"
+        )
     served = [s.name for s in info.scorers]
     missing = [name for name in scorers if name not in served]
     if missing:
-        return (f"reward server {url} does not serve {', '.join(missing)} (it serves {', '.join(served) or 'nothing'}):"
-                f" restart it with `{server_command(url, [*served, *missing])}`, or take "
-                f"{', '.join(missing)} out of {' and '.join(sorted({scorers[name] for name in missing}))}")
+        return (
+            f"reward server {url} does not serve {', '.join(missing)} (it serves {', '.join(served) or 'nothing'}):"
+            f" restart it with `{server_command(url, [*served, *missing])}`, or take "
+            f"{', '.join(missing)} out of {' and '.join(sorted({scorers[name] for name in missing}))}"
+        )
     return requests.beyond(url, info.limits) if requests is not None else None
 
 
@@ -114,8 +134,13 @@ def _unknown_scorers(scorers: Mapping[str, str]) -> str | None:
     """A local pool's servers would exit at start-up on a scorer name they do not know: the installed server's
     ``--list-scorers`` names the ones it has."""
     try:
-        listed = subprocess.run([sys.executable, "-m", server_module(), "--list-scorers"], capture_output=True,
-                                text=True, timeout=120, check=False)
+        listed = subprocess.run(
+            [sys.executable, "-m", server_module(), "--list-scorers"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     except (RewardPoolError, subprocess.TimeoutExpired):  # the pool's own start reports a missing server
         return None
     known = listed.stdout.split()
@@ -124,7 +149,9 @@ def _unknown_scorers(scorers: Mapping[str, str]) -> str | None:
     for name in scorers:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
-            return (f"{scorers[name]} names scorer {name!r}, which no reward server has"
-                    + (f" (did you mean {close[0]!r}?)" if close else "")
-                    + f": use one of {', '.join(known)}")
+            return (
+                f"{scorers[name]} names scorer {name!r}, which no reward server has"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f": use one of {', '.join(known)}"
+            )
     return None

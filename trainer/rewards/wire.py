@@ -69,8 +69,9 @@ def encode_body(
         raise ValueError(f"metadata must be JSON-serialisable: {exc}") from exc
 
 
-def _item(item_id: str, image: np.ndarray, prompt: str, meta: dict[str, Any], image_format: str,
-          binary: bool) -> dict[str, Any]:
+def _item(
+    item_id: str, image: np.ndarray, prompt: str, meta: dict[str, Any], image_format: str, binary: bool
+) -> dict[str, Any]:
     """One ``/score`` item. A task's mask (``meta["mask"]``, uint8 [H, W, 1], where in-process scorers read
     it) travels in the item's ``mask`` field: the protocol reserves that metadata key for the decoded mask.
     Other arrays in metadata (e.g. an edit's ``reference_image``) travel in ``metadata_images``, which the
@@ -78,8 +79,12 @@ def _item(item_id: str, image: np.ndarray, prompt: str, meta: dict[str, Any], im
     meta = dict(meta)
     mask = meta.pop("mask", None)
     arrays = {key: meta.pop(key) for key, value in list(meta.items()) if isinstance(value, np.ndarray)}
-    item = {"id": item_id, "prompt": prompt, "image": encode_image(image, image_format, binary=binary),
-            "metadata": meta}
+    item = {
+        "id": item_id,
+        "prompt": prompt,
+        "image": encode_image(image, image_format, binary=binary),
+        "metadata": meta,
+    }
     if mask is not None:
         item["mask"] = encode_image(np.asarray(mask, dtype=np.uint8), image_format, binary=binary)
     if arrays:

@@ -21,5 +21,12 @@ def resolve_kind(kind: str, sampler_kind: str) -> str:
     return DEFAULT_KIND[sampler_kind] if kind == "auto" else kind
 
 
-__all__ = ["DEFAULT_KIND", "flow_step", "resolve_kind", "sde_step_with_logprob", "STEP_FUNCTIONS",
-           "generator_device", "standard_normal"]
+__all__ = [
+    "DEFAULT_KIND",
+    "flow_step",
+    "resolve_kind",
+    "sde_step_with_logprob",
+    "STEP_FUNCTIONS",
+    "generator_device",
+    "standard_normal",
+]

@@ -46,8 +46,13 @@ class DDIMCoefficients(NamedTuple):
     lp_const: torch.Tensor
 
 
-def ddim_coefficients(t: torch.Tensor, t_prev: torch.Tensor, eta: float, alphas_cumprod: torch.Tensor,
-                      final_alpha_cumprod: float | torch.Tensor = 1.0) -> DDIMCoefficients:
+def ddim_coefficients(
+    t: torch.Tensor,
+    t_prev: torch.Tensor,
+    eta: float,
+    alphas_cumprod: torch.Tensor,
+    final_alpha_cumprod: float | torch.Tensor = 1.0,
+) -> DDIMCoefficients:
     """``ddim_step_with_logprob``'s constants from timestep ``t`` to ``t_prev`` ([N] each, or scalars), each
     computed as ``DDIMScheduler.step`` computes it (``DDIMCoefficients`` has the formulas), with
         std = kl_std = sigma_t = eta sqrt((1 - abar_prev) / (1 - abar_t) (1 - abar_t / abar_prev))"""
@@ -56,20 +61,29 @@ def ddim_coefficients(t: torch.Tensor, t_prev: torch.Tensor, eta: float, alphas_
     beta_t = 1 - alpha_t
     beta_prev = 1 - alpha_prev
     std_dev_t = eta * ((beta_prev / beta_t) * (1 - alpha_t / alpha_prev)) ** (0.5)
-    return DDIMCoefficients(beta_t ** (0.5), alpha_t ** (0.5), alpha_prev ** (0.5),
-                            (1 - alpha_prev - std_dev_t**2) ** (0.5), std_dev_t, std_dev_t,
-                            *log_prob_constants(std_dev_t))
+    return DDIMCoefficients(
+        beta_t ** (0.5),
+        alpha_t ** (0.5),
+        alpha_prev ** (0.5),
+        (1 - alpha_prev - std_dev_t**2) ** (0.5),
+        std_dev_t,
+        std_dev_t,
+        *log_prob_constants(std_dev_t),
+    )
 
 
 def _check_eta(eta: float) -> None:
     if not 0 <= eta <= 1:
-        raise ValueError(f"algorithm.sampler.noise_level={eta}: with sampler.kind=ddim the noise level is DDIM's eta, "
-                         "which must be in [0, 1] (above 1 the step's variance exceeds 1 - abar_prev and the samples "
-                         "are NaN); set it to at most 1")
+        raise ValueError(
+            f"algorithm.sampler.noise_level={eta}: with sampler.kind=ddim the noise level is DDIM's eta, "
+            "which must be in [0, 1] (above 1 the step's variance exceeds 1 - abar_prev and the samples "
+            "are NaN); set it to at most 1"
+        )
 
 
-def _alphas_cumprod_at(t: torch.Tensor, t_prev: torch.Tensor, alphas_cumprod: torch.Tensor,
-                       final_alpha_cumprod: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _alphas_cumprod_at(
+    t: torch.Tensor, t_prev: torch.Tensor, alphas_cumprod: torch.Tensor, final_alpha_cumprod: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(abar_t, abar_prev) in float32: abar at the rounded timesteps, ``final_alpha_cumprod`` where t_prev < 0."""
     alphas_cumprod = alphas_cumprod.to(dtype=torch.float32)
     t = torch.as_tensor(t, device=alphas_cumprod.device).round().long()
@@ -119,8 +133,9 @@ def ddim_step_with_logprob(
     return shaped_step(ddim_mean, shaped_coefficients(coefficients, sample), eps, sample, prev_sample, generator)
 
 
-def ddim_step(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
-              final_alpha_cumprod: float | torch.Tensor = 1.0) -> ScheduledStep:
+def ddim_step(
+    timesteps: torch.Tensor, alphas_cumprod: torch.Tensor, final_alpha_cumprod: float | torch.Tensor = 1.0
+) -> ScheduledStep:
     """``ddim_step_with_logprob`` bound to training timesteps t[0..T] (t[T]: the end of the chain), called
     with step indices and eta as the noise level: index i steps t[i] -> t[i] - N // T, N = len(alphas_cumprod)
     (num_train_timesteps), as ``DDIMScheduler.step`` does. That is t[i + 1] only for "leading" timestep
@@ -128,5 +143,4 @@ def ddim_step(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
     alphas_cumprod = alphas_cumprod.to(device=timesteps.device, dtype=torch.float32)
     t = timesteps[:-1]
     t_prev = t - alphas_cumprod.shape[0] // t.shape[0]
-    return ScheduledStep(lambda eta: ddim_coefficients(t, t_prev, eta, alphas_cumprod, final_alpha_cumprod),
-                         ddim_mean)
+    return ScheduledStep(lambda eta: ddim_coefficients(t, t_prev, eta, alphas_cumprod, final_alpha_cumprod), ddim_mean)

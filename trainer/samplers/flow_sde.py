@@ -49,7 +49,9 @@ def _coefficients(c_x: torch.Tensor, c_v: torch.Tensor, std: torch.Tensor, kl_st
     return StepCoefficients(c_x, c_v, std, kl_std, *log_prob_constants(std))
 
 
-def _drift_coefficients(sigma: torch.Tensor, dt: torch.Tensor, std_dev_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _drift_coefficients(
+    sigma: torch.Tensor, dt: torch.Tensor, std_dev_t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The marginal-preserving drift's c_x = 1 + std_dev_t^2 dt / (2 sigma), c_v = (1 + std_dev_t^2 (1 - sigma) /
     (2 sigma)) dt. At std_dev_t = 0 they are 1 and dt: x + v dt, bit for bit diffusers' Euler step."""
     return 1 + std_dev_t**2 / (2 * sigma) * dt, (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
@@ -64,18 +66,20 @@ def _below_one(sigma: torch.Tensor, noise_level: float, sigma_max: float | torch
     return torch.where(sigma == 1, torch.as_tensor(sigma_max, device=sigma.device, dtype=torch.float32), sigma)
 
 
-def sde_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
-                     sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+def sde_coefficients(
+    sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, sigma_max: float | torch.Tensor | None = None
+) -> StepCoefficients:
     """Flow-GRPO's SDE step from ``sigma`` to ``sigma_next`` ([N] each), a = ``noise_level``, dt = sigma_next - sigma:
-        std_dev_t = a sqrt(sigma / (1 - s)),  s = sigma, or sigma_max where sigma = 1
-        c_x, c_v = the drift's (``_drift_coefficients``),  std = std_dev_t sqrt(-dt),  kl_std = std_dev_t"""
+    std_dev_t = a sqrt(sigma / (1 - s)),  s = sigma, or sigma_max where sigma = 1
+    c_x, c_v = the drift's (``_drift_coefficients``),  std = std_dev_t sqrt(-dt),  kl_std = std_dev_t"""
     dt = sigma_next - sigma
     std_dev_t = noise_level * torch.sqrt(sigma / (1 - _below_one(sigma, noise_level, sigma_max)))
     return _coefficients(*_drift_coefficients(sigma, dt, std_dev_t), std_dev_t * torch.sqrt(-dt), std_dev_t)
 
 
-def cps_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
-                     sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+def cps_coefficients(
+    sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, sigma_max: float | torch.Tensor | None = None
+) -> StepCoefficients:
     """Coefficient-preserving sampling, a = ``noise_level``: std = kl_std = sigma_next sin(a pi / 2) and
     r = sqrt(sigma_next^2 - std^2); the mean (1 - sigma_next) (x - sigma v) + r (x + (1 - sigma) v) gives
         c_x = 1 - sigma_next + r,  c_v = r (1 - sigma) - (1 - sigma_next) sigma"""
@@ -84,8 +88,9 @@ def cps_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level:
     return _coefficients(1 - sigma_next + r, r * (1 - sigma) - (1 - sigma_next) * sigma, std, std)
 
 
-def cps_mse_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
-                         sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+def cps_mse_coefficients(
+    sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, sigma_max: float | torch.Tensor | None = None
+) -> StepCoefficients:
     """The CPS step scored as Flow-GRPO and FlowCPS score it: log_prob = -mean_elements((x_next - mean)^2),
     i.e. lp_scale = -1 and lp_const = 0 where std > 0 (no 1 / (2 std^2), no normaliser); same mean and noise.
     Its log-ratios are 2 std^2 times the Gaussian ones, so a clip range tuned for their code transfers."""
@@ -94,10 +99,11 @@ def cps_mse_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_le
     return c._replace(lp_scale=-stochastic, lp_const=torch.zeros_like(c.std))
 
 
-def eta_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
-                     sigma_max: float | torch.Tensor | None = None) -> StepCoefficients:
+def eta_coefficients(
+    sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, sigma_max: float | torch.Tensor | None = None
+) -> StepCoefficients:
     """The SDE step with a constant std_dev_t = kl_std = eta = ``noise_level``:
-        c_x, c_v = the drift's (``_drift_coefficients``),  std = eta sqrt(sigma - sigma_next)"""
+    c_x, c_v = the drift's (``_drift_coefficients``),  std = eta sqrt(sigma - sigma_next)"""
     dt = sigma_next - sigma
     std_dev_t = torch.full_like(sigma, noise_level)
     return _coefficients(*_drift_coefficients(sigma, dt, std_dev_t), std_dev_t * torch.sqrt(-dt), std_dev_t)
@@ -127,8 +133,9 @@ def flow_mean(c: StepCoefficients, velocity: torch.Tensor, sample: torch.Tensor)
 def _step(coefficients_fn, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max):
     sigma = per_sample(sigma, sample).reshape(-1)
     sigma_next = per_sample(sigma_next, sample).reshape(-1)
-    return linear_gaussian_step(coefficients_fn(sigma, sigma_next, noise_level, sigma_max), velocity, sample,
-                                prev_sample, generator)
+    return linear_gaussian_step(
+        coefficients_fn(sigma, sigma_next, noise_level, sigma_max), velocity, sample, prev_sample, generator
+    )
 
 
 def sde_step_with_logprob(
@@ -165,8 +172,7 @@ def sde_step_with_logprob(
         (prev_sample [B, ...] in sample's dtype, log_prob [B] float32, prev_sample_mean [B, ...] float32,
          std_dev_t [B, 1, ...] float32).
     """
-    return _step(sde_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
-                 sigma_max)
+    return _step(sde_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max)
 
 
 def cps_step_with_logprob(
@@ -187,8 +193,7 @@ def cps_step_with_logprob(
     sigma_next. Returns the same 4-tuple as ``sde_step_with_logprob``; the 4th item is ``std``.
     ``sigma_max`` is accepted for a common signature and not needed (nothing divides by 1 - sigma).
     """
-    return _step(cps_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
-                 sigma_max)
+    return _step(cps_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max)
 
 
 def cps_mse_step_with_logprob(
@@ -204,8 +209,9 @@ def cps_mse_step_with_logprob(
     """``cps_step_with_logprob`` with Flow-GRPO's CPS log-probability, -mean((x_next - mean)^2) (not a density;
     see ``cps_mse_coefficients``). The Gaussian "cps" stays the default: its log-ratios mean the same as
     every other kind's, so one clip range and KL weight hold across step kinds and noise levels."""
-    return _step(cps_mse_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
-                 sigma_max)
+    return _step(
+        cps_mse_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max
+    )
 
 
 def eta_step_with_logprob(
@@ -224,8 +230,7 @@ def eta_step_with_logprob(
     eta * sqrt(sigma - sigma_next) and the drift keeps the marginal-preserving score correction.
     ``sigma_max`` is accepted for a common signature and not needed (nothing divides by 1 - sigma).
     """
-    return _step(eta_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator,
-                 sigma_max)
+    return _step(eta_coefficients, velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max)
 
 
 STEP_FUNCTIONS = {
@@ -236,13 +241,20 @@ STEP_FUNCTIONS = {
 }
 """Registry of flow step functions, chosen by ``sampler.kind`` in the algorithm config."""
 
-COEFFICIENTS = {"sde": sde_coefficients, "cps": cps_coefficients, "eta": eta_coefficients,
-                "cps_mse": cps_mse_coefficients}
+COEFFICIENTS = {
+    "sde": sde_coefficients,
+    "cps": cps_coefficients,
+    "eta": eta_coefficients,
+    "cps_mse": cps_mse_coefficients,
+}
 """The same steps' constants, for ``scheduled_flow_step``."""
 
 
-def scheduled_flow_step(kind: str, schedule: torch.Tensor, sigma_max: float | torch.Tensor | None = None) -> ScheduledStep:
+def scheduled_flow_step(
+    kind: str, schedule: torch.Tensor, sigma_max: float | torch.Tensor | None = None
+) -> ScheduledStep:
     """``STEP_FUNCTIONS[kind]`` bound to ``schedule``: index i steps sigma = t[i] -> sigma_next = t[i + 1]."""
     schedule, coefficients = schedule.to(torch.float32), COEFFICIENTS[kind]
-    return ScheduledStep(lambda noise_level: coefficients(schedule[:-1], schedule[1:], noise_level, sigma_max),
-                         flow_mean)
+    return ScheduledStep(
+        lambda noise_level: coefficients(schedule[:-1], schedule[1:], noise_level, sigma_max), flow_mean
+    )

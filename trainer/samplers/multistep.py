@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 
 
-def dpm_solver_2m_step(velocity: torch.Tensor, sample: torch.Tensor, prev_x0: torch.Tensor | None,
-                       sigma_prev: float, sigma: float, sigma_next: float) -> torch.Tensor:
+def dpm_solver_2m_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    prev_x0: torch.Tensor | None,
+    sigma_prev: float,
+    sigma: float,
+    sigma_next: float,
+) -> torch.Tensor:
     """One DPM-Solver++(2M) step (multistep, midpoint form, as diffusers' ``dpmsolver++``) from ``sigma`` to
     ``sigma_next``, with ``prev_x0`` the data prediction made at ``sigma_prev`` (the step before):
         x0 = x - sigma v,  h = lambda(sigma_next) - lambda(sigma),  r = (lambda(sigma) - lambda(sigma_prev)) / h
@@ -30,8 +36,9 @@ def dpm_solver_2m_step(velocity: torch.Tensor, sample: torch.Tensor, prev_x0: to
     return (sigma_next / sigma * x + (1 - sigma_next) * float(-torch.expm1(-h)) * d).to(sample.dtype)
 
 
-def compress_after_window(sigmas: torch.Tensor, stochastic: torch.Tensor,
-                          ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+def compress_after_window(
+    sigmas: torch.Tensor, stochastic: torch.Tensor, ratio: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule t[0..T] with its n ODE steps after the last stochastic step cut to max(1, round(ratio n)),
     keeping those of the model's own noise levels that lie nearest to evenly spaced step indices (the window and
     every step before it are unchanged, so trained steps keep their kernels). Returns (sigmas, stochastic)."""

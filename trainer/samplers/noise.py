@@ -18,8 +18,9 @@ def generator_device(generator: torch.Generator | None, default: torch.device | 
     return torch.device(default) if generator is None else generator.device
 
 
-def standard_normal(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None,
-                    device: torch.device | str) -> torch.Tensor:
+def standard_normal(
+    shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None, device: torch.device | str
+) -> torch.Tensor:
     """N(0, I) float32 of ``shape`` on ``device``, drawn on ``generator``'s device (``device`` without one)."""
     noise = torch.randn(shape, generator=generator, device=generator_device(generator, device), dtype=torch.float32)
     return noise.to(device)  # a no-op when the generator lives on ``device``

@@ -42,13 +42,22 @@ def log_prob_constants(std: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def shaped_coefficients(coefficients: NamedTuple, like: torch.Tensor) -> NamedTuple:
     """Per-sample constants ([B] or scalars) as float32 tensors that broadcast in the step: [B, 1, ...] over
     ``like``, except lp_scale and lp_const: [B, 1]."""
-    return type(coefficients)(*(per_sample(c, like).reshape(-1, 1) if name.startswith("lp_") else per_sample(c, like)
-                                for name, c in zip(coefficients._fields, coefficients, strict=True)))
+    return type(coefficients)(
+        *(
+            per_sample(c, like).reshape(-1, 1) if name.startswith("lp_") else per_sample(c, like)
+            for name, c in zip(coefficients._fields, coefficients, strict=True)
+        )
+    )
 
 
-def shaped_step(mean_fn: Callable[[NamedTuple, torch.Tensor, torch.Tensor], torch.Tensor], c: NamedTuple,
-                output: torch.Tensor, sample: torch.Tensor, prev_sample: torch.Tensor | None,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def shaped_step(
+    mean_fn: Callable[[NamedTuple, torch.Tensor, torch.Tensor], torch.Tensor],
+    c: NamedTuple,
+    output: torch.Tensor,
+    sample: torch.Tensor,
+    prev_sample: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A linear-Gaussian step on shaped constants ``c``: draws ``prev_sample`` ~ N(mean, std^2) unless given,
     with mean = ``mean_fn(c, output, sample)``, and returns (prev_sample in sample's dtype, log_prob [B], mean
     float32, kl_std [B, 1, ...]), log_prob = lp_scale * mean_elements((prev_sample - mean)^2) + lp_const.
@@ -72,21 +81,33 @@ class ScheduledStep:
     shaping them (at small models on a GPU, launches and host time are the cost).
     """
 
-    def __init__(self, constants: Callable[[float], NamedTuple],
-                 mean: Callable[[NamedTuple, torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        constants: Callable[[float], NamedTuple],
+        mean: Callable[[NamedTuple, torch.Tensor, torch.Tensor], torch.Tensor],
+    ):
         self._constants, self._mean = constants, mean
         self._tables: dict[float, tuple[type, torch.Tensor]] = {}
         self._shaped: dict[tuple, NamedTuple] = {}
         """Rollout steps (an int index): the shaped views per (noise level, index, batch, ndim)."""
 
-    def __call__(self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float,
-                 prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None):
+    def __call__(
+        self,
+        output: torch.Tensor,
+        sample: torch.Tensor,
+        index: int | torch.Tensor,
+        noise_level: float,
+        prev_sample: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ):
         """``index``: the step (an int, or [B] per sample); returns (prev_sample, log_prob [B], mean, kl_std)."""
-        return shaped_step(self._mean, self._shaped_constants(index, noise_level, sample), output, sample,
-                           prev_sample, generator)
+        return shaped_step(
+            self._mean, self._shaped_constants(index, noise_level, sample), output, sample, prev_sample, generator
+        )
 
-    def mean(self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor,
-             noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def mean(
+        self, output: torch.Tensor, sample: torch.Tensor, index: int | torch.Tensor, noise_level: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, kl_std) of the step alone, without drawing or scoring a sample (a reference's KL term)."""
         c = self._shaped_constants(index, noise_level, sample)
         return self._mean(c, output, sample), c.kl_std
