@@ -433,15 +433,8 @@ def main() -> int:
     kinds = tuple(k for k in chosen.split(",") if k)
     if unknown := set(kinds) - set(TRAINER_FAULTS):
         parser.error(f"--trainer-faults: unknown {sorted(unknown)}; choose from {TRAINER_FAULTS}")
-    schedule = Schedule(
-        args.kill_every_s,
-        args.hang_every_s,
-        args.hang_s,
-        args.trainer_every_s,
-        kinds,
-        args.seed,
-        args.trainer_rounds,
-    )
+    periods = (args.kill_every_s, args.hang_every_s, args.hang_s, args.trainer_every_s)
+    schedule = Schedule(*periods, kinds, args.seed, args.trainer_rounds)
     baseline = args.baseline / "undisturbed" if args.baseline else None
     found = chaos(args.out.absolute(), overrides, schedule, args.nproc, baseline)
     print(table(found))
