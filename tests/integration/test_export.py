@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from tiny_models import tiny_config
 
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, to_dict
@@ -16,7 +17,6 @@ from trainer.distributed import SingleProcess
 from trainer.export import export_denoiser, main
 from trainer.models.flux_kontext import FluxKontextAdapter
 from trainer.models.latents import LatentStore, vae_fingerprint
-from trainer.models.testing import tiny_config
 from trainer.models.text import TextEmbeddingStore, text_fingerprint
 from trainer.models.tiny import TinyAdapter, TinyConfig
 from trainer.models.trainable import LoraSettings

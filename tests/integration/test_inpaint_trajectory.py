@@ -6,10 +6,11 @@ known region (mask 0) is not the policy's: its velocity carries no gradient, the
 from __future__ import annotations
 
 import pytest
+import tiny_models as testing
 import torch
+from tiny_models import tiny_config
 
-from trainer.models import MODELS, build_adapter, testing
-from trainer.models.testing import tiny_config
+from trainer.models import MODELS, build_adapter
 from trainer.rollout import SamplerSettings, rollout
 
 PROMPTS = ["a photo of a cat", "the digit five"]

@@ -16,8 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_models as testing
 import torch
 import yaml
+from tiny_models import TINY_NAMES, tiny_config
 
 from trainer import precompute
 from trainer.algorithms import build_algorithm
@@ -26,8 +28,7 @@ from trainer.config import Config, DataConfig, TrainConfig, load_config, to_dict
 from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
-from trainer.models import MODELS, build_adapter, testing
-from trainer.models.testing import TINY_NAMES, tiny_config
+from trainer.models import MODELS, build_adapter
 from trainer.models.text import TEXT_INDEX, TextEmbeddingStore, text_fingerprint
 from trainer.trainer import Trainer
 

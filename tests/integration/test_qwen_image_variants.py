@@ -11,11 +11,12 @@ import json
 import shutil
 
 import pytest
+import tiny_models as testing
 import torch
+from tiny_models import tiny_config
 
-from trainer.models import MODELS, build_adapter, testing
+from trainer.models import MODELS, build_adapter
 from trainer.models.ip_adapter import IPAdapterSettings
-from trainer.models.testing import tiny_config
 from trainer.rollout import SamplerSettings, rollout
 
 PROMPTS = ["a photo of a cat", "the digit five"]

@@ -1,9 +1,8 @@
-"""Model adapters, registered by name. A new model family is one file (its adapter, with its tiny test model
-in a ``tiny_spec()``) plus one line here."""
+"""Model adapters, registered by name. A new model family is one file (its adapter) plus one line here; its tiny
+test model lives beside the tests (tests/tiny_models)."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import logging
@@ -26,18 +25,6 @@ class ModelSpec:
     def load(self):
         module, cls = self.adapter.split(":")
         return getattr(importlib.import_module(module), cls)
-
-    @property
-    def tiny(self):
-        """The adapter's tiny test model and test facts (``trainer.models.testing.TinySpec``), from the
-        ``tiny_spec()`` of its module; None when it declares none."""
-        return _tiny_spec(self.adapter.split(":")[0])
-
-
-@functools.cache
-def _tiny_spec(module: str):
-    make = getattr(importlib.import_module(module), "tiny_spec", None)
-    return make() if make is not None else None
 
 
 MODELS: dict[str, ModelSpec] = {

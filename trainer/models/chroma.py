@@ -10,7 +10,6 @@ forward over [negative; prompt], each half with its own mask (the pipeline runs 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -128,88 +127,3 @@ def checkpoint_single_blocks_with_mask(denoiser: nn.Module) -> None:
 
     denoiser.register_forward_pre_hook(record, with_kwargs=True)
     denoiser.enable_gradient_checkpointing(checkpoint)
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["chroma"].tiny) ----------------
-_TINY_TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=4,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    axes_dims_rope=[4, 4, 8],
-    approximator_num_channels=8,
-    approximator_hidden_dim=32,
-    approximator_layers=1,
-)
-_TINY_SCHEDULER = dict(
-    use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-)
-"""Chroma1-HD's scheduler: FLUX.1's dynamic shifting."""
-_CHROMA_9M = dict(
-    attention_head_dim=64,
-    num_attention_heads=4,
-    num_layers=2,
-    num_single_layers=6,
-    axes_dims_rope=[16, 24, 24],
-    approximator_num_channels=64,
-    approximator_hidden_dim=512,
-    approximator_layers=2,
-)
-"""About 9 M parameters."""
-_CHROMA_REAL = dict(
-    attention_head_dim=128,
-    num_attention_heads=24,
-    num_layers=19,
-    num_single_layers=38,
-    axes_dims_rope=[16, 56, 56],
-    approximator_num_channels=64,
-    approximator_hidden_dim=5120,
-    approximator_layers=5,
-)
-"""Chroma1-HD's published widths, heads, depths and approximator (diffusers' defaults; 8.9 B parameters)."""
-
-
-def _tiny_components(path: Path) -> dict:
-    """Chroma: a 2-layer T5 encoder, a one-block VAE (1x, one latent channel) and the transformer."""
-    from diffusers import ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
-
-    from trainer.models import testing
-
-    t5 = testing.t5_tokenizer(path / "tokenizer")
-    return dict(
-        transformer=ChromaTransformer2DModel(**_TINY_TRANSFORMER).eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(**_TINY_SCHEDULER),
-        vae=testing.vae_1x(1),
-        text_encoder=testing.t5_encoder(t5),
-        tokenizer=t5,
-    )
-
-
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    """ChromaPipeline's arguments at the adapter's resolution, with its negative prompt."""
-    return dict(
-        height=adapter.resolution,
-        width=adapter.resolution,
-        guidance_scale=guidance_scale,
-        negative_prompt=adapter.config.negative_prompt,
-        max_sequence_length=adapter.config.max_sequence_length,
-    )
-
-
-def tiny_spec():
-    """The tiny Chroma and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens."""
-    from trainer.models import testing
-
-    return testing.TinySpec(
-        components=_tiny_components,
-        pipeline_call=_pipeline_call,
-        config=dict(resolution=16, max_sequence_length=testing.TEXT_LENGTH),
-        guidance=3.0,
-        bench_resolution=32,
-        bench_guidance=4.0,
-        denoiser_9m=_CHROMA_9M,
-        denoiser_real=_CHROMA_REAL,
-    )

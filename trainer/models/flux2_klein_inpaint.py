@@ -75,33 +75,3 @@ class Flux2KleinInpaintAdapter(Flux2KleinAdapter):
         """Klein's velocity where the mask is 1, the pipeline's blend where it is below (see the module docstring)."""
         v = super().predict(net, latents, sigma, cond, guidance_scale)
         return inpaint_velocity(v, latents, sigma, cond.image, cond.mask, cond.noise, cond.schedule)
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["flux2_klein_inpaint"].tiny) ----
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    from trainer.models import flux2_klein
-
-    return {
-        **flux2_klein.pipeline_call(adapter, inputs, guidance_scale),
-        "image": inputs.image,
-        "mask_image": inputs.mask,
-        "strength": 1.0,
-    }
-
-
-def tiny_spec():
-    """Klein's tiny model and facts with an inpainting dataset (its pipeline encodes the source with the
-    posterior's mode, as the adapter does: no draw to replace). Its learning run's reward (only the masked right
-    half is the policy's) peaks near Klein's 24 epochs and drifts back after them."""
-    from dataclasses import replace
-
-    from trainer.models import flux2_klein
-
-    return replace(
-        flux2_klein.tiny_spec(),
-        pipeline_call=_pipeline_call,
-        inputs=("image", "mask"),
-        data="inpaint_jsonl",
-        same_shapes=("flux2_klein",),
-        slow_dtype_cases=True,
-    )

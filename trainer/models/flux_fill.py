@@ -68,29 +68,3 @@ class FluxFillAdapter(FluxAdapter):
         if cond.image is None or cond.mask is None:
             raise ValueError("flux_fill needs Conditioning.image and .mask: encode prompts with ImageInputs")
         return torch.cat([x, cond.image.to(x.dtype), cond.mask.to(x.dtype)], dim=2), self.img_ids
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["flux_fill"].tiny) -------------
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    from trainer.models import flux
-
-    return {**flux.pipeline_call(adapter, inputs, guidance_scale), "image": inputs.image, "mask_image": inputs.mask}
-
-
-def tiny_spec():
-    """FLUX.1-dev's tiny model and facts with Fill's channels (20 in: latents | masked image | mask; 8 out), an
-    inpainting dataset, and no IP-Adapter in the pipeline (``FluxFillPipeline`` takes none)."""
-    from dataclasses import replace
-    from functools import partial
-
-    from trainer.models import flux
-
-    return replace(
-        flux.tiny_spec(),
-        pipeline_call=_pipeline_call,
-        components=partial(flux.tiny_components, latent_channels=2, in_channels=20, out_channels=8),
-        inputs=("image", "mask"),
-        data="inpaint_jsonl",
-        ip_pipeline=False,
-        posterior_draw="diffusers.pipelines.flux.pipeline_flux_fill.retrieve_latents",
-    )

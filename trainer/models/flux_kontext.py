@@ -53,33 +53,3 @@ class FluxKontextAdapter(FluxAdapter):
         ref_ids[..., 0] = 1
         tokens = self.pack(cond.reference.to(x.dtype))
         return torch.cat([x, tokens], dim=1), torch.cat([self.img_ids, ref_ids], dim=0)
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["flux_kontext"].tiny) ----------
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    from trainer.models import flux
-
-    return {
-        **flux.pipeline_call(adapter, inputs, guidance_scale),
-        "image": inputs.reference,
-        "_auto_resize": False,
-        "max_area": adapter.resolution**2,
-    }
-
-
-def tiny_spec():
-    """FLUX.1-dev's tiny model and facts with a reference image from an editing dataset; FLUX.1-dev weights
-    have Kontext's shapes."""
-    from dataclasses import replace
-
-    from trainer.models import flux
-
-    return replace(
-        flux.tiny_spec(),
-        pipeline_call=_pipeline_call,
-        inputs=("reference",),
-        data="edit_jsonl",
-        ip_adapter=False,
-        same_shapes=("flux",),
-        posterior_draw="diffusers.pipelines.flux.pipeline_flux_kontext.retrieve_latents",
-    )

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from trainer.config.fields import PositiveInt
 from trainer.models.common import Imported
 from trainer.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditConfig
@@ -59,46 +57,3 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
             self.pipeline.image_processor.resize(Image.fromarray(p.permute(1, 2, 0).numpy()), side, side)
             for p in pixels
         ]
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image_edit_plus"].tiny) --
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    """One item's call (the pipeline takes one prompt): its references as PIL images."""
-    from PIL import Image
-
-    from trainer.models import qwen_image
-
-    references = inputs.reference if inputs.reference.ndim == 5 else inputs.reference[:, None]
-    (pixels,) = (references.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    images = [Image.fromarray(p.permute(1, 2, 0).numpy()) for p in pixels]
-    return {**qwen_image._pipeline_call(adapter, inputs, guidance_scale), "image": images}
-
-
-def _pipeline_sizes(adapter) -> dict:
-    """The pipeline's reference areas brought to the adapter's: ``condition_size`` squared for the text
-    encoder's images and ``model.resolution`` squared for the VAE's (1024^2 in the pipeline)."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
-
-    module = pipeline_qwenimage_edit_plus.__name__
-    return {
-        f"{module}.CONDITION_IMAGE_SIZE": adapter.config.condition_size**2,
-        f"{module}.VAE_IMAGE_SIZE": adapter.resolution**2,
-    }
-
-
-def tiny_spec():
-    """Qwen-Image-Edit's tiny model and facts with two references per item, read by the text encoder at 64
-    pixels (twice the 32 of the VAE's: the two sizes differ, as in the pipeline)."""
-    from dataclasses import replace
-
-    from trainer.models import qwen_image_edit
-
-    return replace(
-        qwen_image_edit.tiny_spec(),
-        pipeline_call=_pipeline_call,
-        pipeline_patches=_pipeline_sizes,
-        config=dict(resolution=32, condition_size=64),
-        references=2,
-        pipeline_one_prompt=True,
-        same_shapes=("qwen_image", "qwen_image_inpaint", "qwen_image_edit"),
-    )

@@ -72,35 +72,3 @@ def packed_mask(adapter, mask: torch.Tensor) -> torch.Tensor:
     side, c = adapter.resolution // adapter.vae_factor, adapter.latent_channels
     grid = nn.functional.interpolate((mask.to(adapter.device, torch.float32) >= 0.5).float(), size=(side, side))
     return adapter.pipeline._pack_latents(grid.repeat(1, c, 1, 1), mask.shape[0], c, side, side) > 0.5
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image_inpaint"].tiny) ----
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    from trainer.models import qwen_image
-
-    return {
-        **qwen_image._pipeline_call(adapter, inputs, guidance_scale),
-        "image": inputs.image,
-        "mask_image": inputs.mask,
-        "strength": 1.0,
-    }
-
-
-def tiny_spec():
-    """Qwen-Image's tiny model and facts at 32 pixels (16 image tokens: its 3D VAE's cost is the suite's) with
-    an inpainting dataset; its pipeline takes no IP-Adapter."""
-    from dataclasses import replace
-
-    from trainer.models import qwen_image
-
-    return replace(
-        qwen_image.tiny_spec(),
-        pipeline_call=_pipeline_call,
-        config=dict(resolution=32),
-        inputs=("image", "mask"),
-        data="inpaint_jsonl",
-        ip_adapter=False,
-        same_shapes=("qwen_image",),
-        slow_dtype_cases=True,
-        posterior_draw="diffusers.pipelines.qwenimage.pipeline_qwenimage_inpaint.retrieve_latents",
-    )

@@ -154,22 +154,3 @@ def is_default_tiny_path(path: str | os.PathLike) -> bool:
     """Whether ``path`` is the tiny model's default folder, as given (relative) or as a run's saved config holds it
     (absolute, from the folder that run started in): a resume builds it again where it was removed."""
     return Path(path).parts[-3:] == Path(DEFAULT_TINY_PATH).parts
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["tiny"].tiny) ----------------
-def tiny_spec():
-    """The embedded model as the tests' tiny model: SD3's facts, built by ``build_tiny_sd3``, at its own size."""
-    from dataclasses import replace
-
-    from trainer.models import sd3
-
-    return replace(
-        sd3.tiny_spec(),
-        components=None,
-        build=build_tiny_sd3,
-        config={},
-        same_shapes=("sd3",),
-        learning=(),
-        learning_epochs=12,
-        bench_resolution=None,
-    )
