@@ -15,7 +15,7 @@ from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, to_dict
 from trainer.distributed import SingleProcess
 from trainer.export import export_denoiser, main
-from trainer.models.flux_kontext import FluxKontextAdapter
+from trainer.models.flux import FluxAdapter
 from trainer.models.latents import LatentStore, vae_fingerprint
 from trainer.models.text import TextEmbeddingStore, text_fingerprint
 from trainer.models.tiny import TinyAdapter, TinyConfig
@@ -115,10 +115,10 @@ def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path, capsys):
     exists: the weights do not depend on them."""
     model = tiny_config("flux_kontext", tmp_path / "models", dtype="float32")
     stores = {"text_embeddings": tmp_path / "text", "image_latents": tmp_path / "latents"}
-    TextEmbeddingStore.create(str(stores["text_embeddings"]), text_fingerprint(FluxKontextAdapter, model)).save()
+    TextEmbeddingStore.create(str(stores["text_embeddings"]), text_fingerprint(model)).save()
     LatentStore.create(str(stores["image_latents"]), vae_fingerprint(model)).save()
     model = dataclasses.replace(model, **{k: str(v) for k, v in stores.items()})
-    adapter = FluxKontextAdapter(model)
+    adapter = FluxAdapter(model)
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p))
     g = torch.Generator().manual_seed(1)

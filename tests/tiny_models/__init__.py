@@ -59,7 +59,7 @@ def build_tiny(name: str, path: str | Path, seed: int = 0) -> Path:
         spec.build(path, seed)
         return path
     torch.manual_seed(seed)
-    MODELS[name].load().pipeline_class(**spec.components(path)).save_pretrained(path)
+    MODELS[name].pipeline_class(**spec.components(path)).save_pretrained(path)
     return path
 
 
@@ -69,7 +69,7 @@ def tiny_config(name: str, root: str | Path, **overrides: Any):
     path = Path(root) / name
     if not (path / "model_index.json").is_file():
         build_tiny(name, path)
-    return replace(MODELS[name].config_class(path=str(path), **tiny(name).config), **overrides)
+    return replace(MODELS[name].config_class(name=name, path=str(path), **tiny(name).config), **overrides)
 
 
 def run_pipeline(

@@ -94,7 +94,7 @@ class Flux2Adapter:
     )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length", "text_encoder_out_layers")
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: Flux2Config, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
@@ -134,7 +134,7 @@ class Flux2Adapter:
             scheduler=self.scheduler,
             vae=self.vae,
             transformer=self.denoiser,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
             **self._pipeline_settings(path),
         )
         self.pipeline.to(self.device)

@@ -87,7 +87,7 @@ class QwenImageAdapter:
     )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: QwenImageConfig, device: torch.device | str = "cpu"):
         from diffusers import (
@@ -108,7 +108,7 @@ class QwenImageAdapter:
             scheduler=self.scheduler,
             vae=self.vae,
             transformer=self.denoiser,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         freeze(self.vae)

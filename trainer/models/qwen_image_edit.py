@@ -82,8 +82,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
         super().__init__(config, device)
         self._text_cache: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
 
-    @classmethod
-    def prompt_encoder(cls, config, device):
+    @staticmethod
+    def prompt_encoder(model, config, device):
         """Refused: there are no prompt embeddings to precompute without the images (``--latents`` works)."""
         raise ValueError(
             "qwen_image_edit's prompt embeddings depend on the image to edit: there is nothing to "

@@ -70,7 +70,7 @@ class SD15InpaintAdapter:
     )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype",)
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: SD15InpaintConfig, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
@@ -99,7 +99,7 @@ class SD15InpaintAdapter:
             safety_checker=None,
             feature_extractor=None,
             requires_safety_checker=False,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         freeze(self.vae)

@@ -81,7 +81,7 @@ class SD3Adapter:
             transformer=self.denoiser,
             scheduler=self.scheduler,
             vae=self.vae,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         freeze(self.vae)
@@ -105,9 +105,9 @@ class SD3Adapter:
         self.prompts = PromptEmbeddings.of(self, config)
 
     # --- conditioning -------------------------------------------------------------------------------
-    @classmethod
-    def prompt_encoder(cls, config: SD3Config, device: torch.device | str):
-        """``common.prompt_encoder``; without T5 the pipeline reads the transformer's config for its zero T5
+    @staticmethod
+    def prompt_encoder(model, config: SD3Config, device: torch.device | str):
+        """``text.prompt_encoder``; without T5 the pipeline reads the transformer's config for its zero T5
         tokens, which a weightless (meta-device) transformer provides."""
         from diffusers import SD3Transformer2DModel
 
@@ -117,7 +117,7 @@ class SD3Adapter:
                 extra["transformer"] = SD3Transformer2DModel.from_config(
                     denoiser_config(SD3Transformer2DModel, config, "transformer", "SD3")
                 )
-        return prompt_encoder(cls, config, device, **extra)
+        return prompt_encoder(model, config, device, **extra)
 
     @staticmethod
     def encode_text(

@@ -63,7 +63,7 @@ class ZImageAdapter:
     text_components = Imported({"text_encoder": "transformers:Qwen3Model", "tokenizer": "transformers:Qwen2Tokenizer"})
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: ZImageConfig, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
@@ -80,7 +80,7 @@ class ZImageAdapter:
             scheduler=self.scheduler,
             vae=self.vae,
             transformer=self.denoiser,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         encode = self.pipeline._encode_prompt
