@@ -136,7 +136,7 @@ def _edit_components(path) -> dict:
     """Qwen-Image's tiny components with vision tokens, and a Qwen2-VL processor (14-pixel patches)."""
     from transformers import Qwen2VLImageProcessorPil
 
-    from trainer.models.qwen_image_edit import image_processor_class
+    from trainer.models.qwen_edit import image_processor_class
 
     components = _tiny_components(path, vision=True)
     processor = image_processor_class()(image_processor=Qwen2VLImageProcessorPil(), tokenizer=components["tokenizer"])

@@ -29,6 +29,7 @@ class Inpaint:
 
     trajectory: bool = False
     fields = ("image", "mask")
+    encodes_text = False
 
     @property
     def reads_trajectory(self) -> bool:
@@ -66,6 +67,7 @@ class References:
     optional: bool = False
     fields = ("reference",)
     reads_trajectory = False
+    encodes_text = False
 
     @torch.no_grad()
     def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:

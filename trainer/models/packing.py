@@ -63,8 +63,14 @@ class PackedLatents:
         return (x / 2 + 0.5).clamp(0, 1)
 
     def mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """True where to repaint, per packed latent entry: ``mask`` [B, 1, H, W] binarised at 0.5 and folded to the
-        latent grid as the pipelines' ``prepare_mask_latents`` do (Chroma's inpainting)."""
-        side, c = self.resolution // self.vae_factor, self.channels
-        grid = nn.functional.interpolate((mask.to(self.device, torch.float32) >= 0.5).float(), size=(side, side))
-        return self.pipeline_class._pack_latents(grid.repeat(1, c, 1, 1), mask.shape[0], c, side, side) > 0.5
+        """True where to repaint, per packed latent entry (``fold_mask``; Chroma's inpainting)."""
+        side = self.resolution // self.vae_factor
+        return fold_mask(mask, side, self.channels, self.pipeline_class._pack_latents, self.device)
+
+
+def fold_mask(mask: torch.Tensor, side: int, channels: int, pack, device: torch.device) -> torch.Tensor:
+    """True where to repaint, per packed latent entry: ``mask`` [B, 1, H, W] binarised at 0.5 and folded to the
+    ``side`` x ``side`` latent grid of ``channels`` channels, then packed by ``pack`` (a pipeline's
+    ``_pack_latents``), as the Qwen-Image and FLUX-layout (Chroma) pipelines' ``prepare_mask_latents`` do."""
+    grid = nn.functional.interpolate((mask.to(device, torch.float32) >= 0.5).float(), size=(side, side))
+    return pack(grid.repeat(1, channels, 1, 1), mask.shape[0], channels, side, side) > 0.5

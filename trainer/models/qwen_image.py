@@ -12,10 +12,16 @@ the pipeline up to float rounding of the masked padding.
 
 An optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``; diffusers has none for
 Qwen-Image) conditions the image stream on ``ImageInputs.style``.
+
+Its variants are this adapter with conditioning parts (registry data, ``MODELS``): inpainting
+(``conditioning.INPAINT``: the transformer reads no mask, the known region comes from the prediction as the
+pipeline's blend), editing (``qwen_edit.EDIT``, ``EDIT_PLUS``: the text encoder and the transformer read the
+images to edit) and editing inside a mask (``qwen_edit.EDIT_SOURCE`` with ``INPAINT``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,7 @@ from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
 from trainer.models.latents import ImageLatents, refuse_image_latents
+from trainer.models.packing import fold_mask
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -78,10 +85,9 @@ class QwenImageAdapter:
     sampler_kind = "flow"
     shard_units = Imported(("diffusers.models.transformers.transformer_qwenimage:QwenImageTransformerBlock",))
     config_class = QwenImageConfig
-    model_name = "qwen_image"
     pipeline_class = Imported("diffusers:QwenImagePipeline")
-    encodes_image_inputs = False
-    """Whether a variant VAE-encodes per-item inputs (inpainting, editing): ``model.image_latents``."""
+    reads_trajectory = False
+    compiled_blocks = ()
     text_components = Imported(
         {"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration", "tokenizer": "transformers:Qwen2Tokenizer"}
     )
@@ -96,10 +102,15 @@ class QwenImageAdapter:
             QwenImageTransformer2DModel,
         )
 
+        from trainer.models import MODELS
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
+        self.pipeline_class, self.parts = MODELS[config.name].pipeline_class, MODELS[config.name].conditioning
+        self.editing = next((part for part in self.parts if part.encodes_text), None)
+        """The part that encodes the prompts with their images (editing), or None."""
         load = {"torch_dtype": self.dtype}
         self.denoiser = load_denoiser(QwenImageTransformer2DModel, config, "transformer", "Qwen-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
@@ -112,8 +123,8 @@ class QwenImageAdapter:
         )
         self.pipeline.to(self.device)
         freeze(self.vae)
-        if not self.encodes_image_inputs:
-            refuse_image_latents(self.model_name, config)
+        if not self.parts:
+            refuse_image_latents(config.name, config)
         self.image_latents = ImageLatents.of(self.vae, config)
 
         self.vae_factor = self.pipeline.vae_scale_factor
@@ -134,6 +145,8 @@ class QwenImageAdapter:
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
         self._padded_negative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.text_cache: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+        """(prompt, images) -> embeddings, for a part whose text encoder reads images (``qwen_edit.Edit``)."""
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
@@ -160,9 +173,13 @@ class QwenImageAdapter:
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``; the style image's
-        embeddings when there is an IP-Adapter."""
-        style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
-        images = self._image_conditioning(len(prompts), inputs)
+        embeddings when there is an IP-Adapter; the image conditioning of its parts (an editing part encodes the
+        prompts itself, with their images)."""
+        if self.editing is not None:
+            return self.editing.encode_prompts(self, prompts, inputs)
+        style, inputs = split_style(self.config.name, self.ip_adapter, inputs, len(prompts))
+        reject_image_inputs(self.config.name, inputs, allowed=tuple(f for part in self.parts for f in part.fields))
+        images = {k: v for part in self.parts for k, v in part.encode(self, len(prompts), inputs).items()}
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
@@ -175,14 +192,25 @@ class QwenImageAdapter:
             padded=any(len(t) < length for t in text),
         )
 
-    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """Conditioning image fields from ``inputs``; text-to-image Qwen-Image takes none."""
-        reject_image_inputs(self.model_name, inputs)
-        return {}
+    def inpaint_source(self, image: torch.Tensor) -> torch.Tensor:
+        """The source's normalised, packed latents (posterior mean; read from ``model.image_latents`` when it
+        holds them), float32, as the inpainting pipeline makes them."""
+        x = (image.to(self.device, torch.float32) * 2 - 1).to(self.dtype)[:, :, None]
+        latents = self.image_latents(x).mode().float()
+        latents = (latents - self.latents_mean) * (1 / self.latents_std)  # the pipeline's rounding
+        b, c, _, h, w = latents.shape
+        return self.pipeline._pack_latents(latents, b, c, h, w)
+
+    def inpaint_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """True where to repaint, per packed latent entry, as the pipelines' ``prepare_mask_latents`` fold it."""
+        side = self.resolution // self.vae_factor
+        return fold_mask(mask, side, self.latent_channels, self.pipeline._pack_latents, self.device)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
-        ``model.text_embeddings`` store lacks."""
+        ``model.text_embeddings`` store lacks (none for an editing part: its text encoders always encode)."""
+        if self.editing is not None:
+            return []
         cfg = any(scale > 1.0 for scale in guidance_scales)
         return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
@@ -205,7 +233,9 @@ class QwenImageAdapter:
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity; with ``guidance_scale > 1`` true CFG against ``negative_prompt`` in one forward (zero
-        image embeddings in the unconditional half when there is an IP-Adapter)."""
+        image embeddings in the unconditional half when there is an IP-Adapter); each part's change after."""
+        for part in self.parts:
+            part.check(self, cond)
         embeds, mask = cond.embeds["prompt_embeds"], cond.embeds["prompt_mask"]
         n = latents.shape[0]
         x, shapes = self._model_input(latents.to(self.dtype), cond)
@@ -220,14 +250,6 @@ class QwenImageAdapter:
             if padded:
                 mask = torch.cat([pad_dim1(neg_mask.expand(n, -1), length), pad_dim1(mask, length)])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        extra = {}
-        if self.ip_adapter is not None:
-            if cond.style is None:
-                raise ValueError(
-                    "qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts "
-                    "with ImageInputs.style"
-                )
-            extra["attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
         out = net(
             hidden_states=x,
             timestep=timestep,
@@ -235,20 +257,41 @@ class QwenImageAdapter:
             encoder_hidden_states_mask=mask if padded else None,
             img_shapes=[shapes] * x.shape[0],
             return_dict=False,
-            **extra,
+            **self._ip_kwargs(cond, cfg),
         )[0][:, : latents.shape[1]]
-        if cfg:
-            return true_cfg(*out.chunk(2), guidance_scale)
-        return out.float()
+        v = true_cfg(*out.chunk(2), guidance_scale) if cfg else out.float()
+        for part in self.parts:
+            v = part.velocity(self, v, latents, sigma, cond)
+        return v
+
+    def _ip_kwargs(self, cond: Conditioning, cfg: bool) -> dict:
+        """The transformer's ``attention_kwargs`` of the IP-Adapter's image embeddings, if there is one."""
+        if self.ip_adapter is None:
+            return {}
+        if cond.style is None:
+            raise ValueError(
+                "qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts with ImageInputs.style"
+            )
+        return {"attention_kwargs": self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)}
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """(transformer hidden_states, one sample's img_shapes) for packed latents ``x`` in the model dtype: a
-        variant appends its image tokens (editing's reference) and their grid."""
-        return x, [(1, self.tokens_side, self.tokens_side)]
+        """(transformer hidden_states, one sample's img_shapes) for packed latents ``x`` in the model dtype, with
+        an editing part's reference tokens appended, each with its grid."""
+        grid = (1, self.tokens_side, self.tokens_side)
+        if self.editing is None:
+            return x, [grid]
+        if cond.reference is None:
+            raise ValueError("qwen_image_edit needs Conditioning.reference: encode prompts with ImageInputs.reference")
+        references = cond.reference.shape[1] // x.shape[1]
+        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), [grid] * (1 + references)
 
     def _negative_text(self, cond: Conditioning, length: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """CFG's negative text ([1 or B, L, D] embeddings, [1 or B, L] mask, whether it holds padding), at least
-        ``length`` long: the negative prompt's, one for the whole batch."""
+        ``length`` long: the negative prompt's, one for the whole batch; with an editing part each item's negative
+        prompt read with its images (no padding: all ones mask)."""
+        if self.editing is not None:
+            negative = cond.embeds["negative_embeds"]
+            return negative, torch.ones(negative.shape[:2], dtype=torch.long, device=negative.device), False
         neg_embeds, neg_mask, neg_length = self._negative(length)
         return neg_embeds, neg_mask, neg_length != neg_embeds.shape[1]
 
