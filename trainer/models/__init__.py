@@ -143,9 +143,22 @@ MODELS: dict[str, ModelSpec] = {
         text="trainer.models.qwen_edit:EditText",
         loads_pipelines=("QwenImageEditPipeline",),
     ),
-    "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter"),
-    "flux2_klein": ModelSpec("trainer.models.flux2_klein:Flux2KleinAdapter"),
-    "flux2_klein_inpaint": ModelSpec("trainer.models.flux2_klein_inpaint:Flux2KleinInpaintAdapter"),
+    "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter", parts=("trainer.models.conditioning:FLUX2_REFERENCES",)),
+    "flux2_klein": ModelSpec(
+        "trainer.models.flux2:Flux2Adapter",
+        "diffusers:Flux2KleinPipeline",
+        config="trainer.models.flux2:Flux2KleinConfig",
+        parts=("trainer.models.conditioning:FLUX2_REFERENCES",),
+        text="trainer.models.flux2:KleinText",
+    ),
+    "flux2_klein_inpaint": ModelSpec(
+        "trainer.models.flux2:Flux2Adapter",
+        "diffusers:Flux2KleinInpaintPipeline",
+        config="trainer.models.flux2:Flux2KleinConfig",
+        parts=("trainer.models.conditioning:SOFT_INPAINT", "trainer.models.conditioning:FLUX2_REFERENCES"),
+        text="trainer.models.flux2:KleinText",
+        loads_pipelines=("Flux2KleinPipeline",),
+    ),
 }
 """Model name -> its family's adapter and variant. Adding a variant of a family: one entry here (and a preset);
 adding a family: its adapter file and one entry."""

@@ -92,3 +92,5 @@ INPAINT = Inpaint()
 """Inpainting with a binary mask (Qwen-Image, Chroma)."""
 SOFT_INPAINT = Inpaint(trajectory=True)
 """Inpainting with a mask made soft on the latent grid (FLUX.2 [klein])."""
+FLUX2_REFERENCES = References(most=10, optional=True)
+"""FLUX.2's multi-reference editing: up to 10 reference images per item, or none."""
