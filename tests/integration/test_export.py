@@ -17,8 +17,9 @@ from trainer.distributed import SingleProcess
 from trainer.export import export_denoiser, main
 from trainer.models.flux import FluxAdapter
 from trainer.models.latents import LatentStore, vae_fingerprint
+from trainer.models.sd3 import SD3Adapter
 from trainer.models.text import TextEmbeddingStore, text_fingerprint
-from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.tiny import TinyConfig
 from trainer.models.trainable import LoraSettings
 
 
@@ -37,7 +38,7 @@ def _forward(net: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_path, tiny_model_dir, lora):
     model = TinyConfig(path=tiny_model_dir, lora=LoraSettings(rank=4, alpha=8) if lora else None)
-    adapter = TinyAdapter(model)
+    adapter = SD3Adapter(model)
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p))
     g = torch.Generator().manual_seed(1)
@@ -70,7 +71,7 @@ def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_p
 def test_an_export_is_whole_or_absent_and_replaces_the_previous_one(tmp_path, tiny_model_dir, capsys):
     """Written aside and renamed into place: an export cut short (here Ctrl-C as the weights are gathered) leaves
     no half model at ``out`` (it left a lone config.json there, which diffusers and generate then failed on)."""
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
 
     def interrupted(*_):
         raise KeyboardInterrupt

@@ -37,10 +37,19 @@ class ModelSpec:
     """Saved pipelines whose weights are its own (an inpainting pipeline reads its base model's folder)."""
     path_check: str = ""
     """"module:function" (config -> problem or None) replacing the check that ``model.path`` holds weights."""
+    builds: str = ""
+    """"module:function" (config -> None) that writes the model at ``model.path`` where it is missing and may be
+    built (the embedded tiny model): ``provide``."""
 
     def load(self) -> type:
         """The family's adapter class."""
         return _load(self.adapter)
+
+    def provide(self, config) -> None:
+        """Make sure ``model.path`` holds the model before its adapter loads it: built where this model builds its
+        own (``builds``), a ValueError naming the fix where it may not be."""
+        if self.builds:
+            _load(self.builds)(config)
 
     @property
     def config_class(self) -> type:
@@ -94,7 +103,12 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec("trainer.models.tiny:TinyAdapter"),
+    "tiny": ModelSpec(
+        "trainer.models.sd3:SD3Adapter",
+        config="trainer.models.tiny:TinyConfig",
+        path_check="trainer.models.tiny:path_problem",
+        builds="trainer.models.tiny:build_missing",
+    ),
     "sd3": ModelSpec("trainer.models.sd3:SD3Adapter"),
     "flux": ModelSpec("trainer.models.flux:FluxAdapter"),
     "flux_fill": ModelSpec(
@@ -118,14 +132,14 @@ MODELS: dict[str, ModelSpec] = {
     "qwen_image_edit": ModelSpec(
         "trainer.models.qwen_image:QwenImageAdapter",
         "diffusers:QwenImageEditPipeline",
-        config="trainer.models.qwen_edit:QwenImageEditConfig",
+        config="trainer.models.qwen_image:QwenImageEditConfig",
         parts=("trainer.models.qwen_edit:EDIT",),
         text="trainer.models.qwen_edit:EditText",
     ),
     "qwen_image_edit_plus": ModelSpec(
         "trainer.models.qwen_image:QwenImageAdapter",
         "diffusers:QwenImageEditPlusPipeline",
-        config="trainer.models.qwen_edit:QwenImageEditPlusConfig",
+        config="trainer.models.qwen_image:QwenImageEditPlusConfig",
         parts=("trainer.models.qwen_edit:EDIT_PLUS",),
         text="trainer.models.qwen_edit:EditText",
     ),
@@ -138,7 +152,7 @@ MODELS: dict[str, ModelSpec] = {
     "qwen_image_edit_inpaint": ModelSpec(
         "trainer.models.qwen_image:QwenImageAdapter",
         "diffusers:QwenImageEditInpaintPipeline",
-        config="trainer.models.qwen_edit:QwenImageEditConfig",
+        config="trainer.models.qwen_image:QwenImageEditConfig",
         parts=("trainer.models.qwen_edit:EDIT_SOURCE", "trainer.models.conditioning:INPAINT"),
         text="trainer.models.qwen_edit:EditText",
         loads_pipelines=("QwenImageEditPipeline",),

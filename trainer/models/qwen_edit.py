@@ -21,12 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.config.fields import PositiveInt
-from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.base import Conditioning, ImageInputs, pad_text
 from trainer.models.common import Imported
 from trainer.models.inputs import reject_image_inputs, require_image_input, require_references
 from trainer.models.latents import vae_input_key
-from trainer.models.qwen_image import QwenImageConfig, pad_text
 
 if TYPE_CHECKING:
     from diffusers import QwenImageEditPipeline
@@ -47,42 +45,6 @@ def image_processor_class() -> type:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     return ImageProcessor
-
-
-@dataclass
-class QwenImageEditConfig(QwenImageConfig):
-    """Where the Qwen-Image-Edit weights are (Qwen-Image's folders plus processor/) and how to run them."""
-
-    name: str = "qwen_image_edit"
-    """Registry name of the adapter."""
-
-    def __post_init__(self):
-        if self.text_embeddings:
-            raise ValueError(
-                "model.text_embeddings is set, but qwen_image_edit's prompt embeddings depend on the "
-                "image to edit (its text encoder reads it): unset it"
-            )
-        if self.ip_adapter is not None:
-            raise ValueError("model.ip_adapter is set, but the qwen_image_edit adapter takes no IP-Adapter: unset it")
-
-
-@dataclass
-class QwenImageEditPlusConfig(QwenImageEditConfig):
-    """Where the Qwen-Image-Edit-2509 (or 2511) weights are and how to run them."""
-
-    name: str = "qwen_image_edit_plus"
-    """Registry name of the adapter."""
-    condition_size: PositiveInt = 384
-    """Side in pixels of the square image the text encoder reads each reference at (the pipeline's
-    CONDITION_IMAGE_SIZE area of 384^2; a multiple of 32, as the pipeline rounds it)."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.condition_size % 32:
-            raise ValueError(
-                f"model.condition_size={self.condition_size} must be a multiple of 32 (the pipeline "
-                "rounds its condition images' sides to 32): 384 is the pipeline's"
-            )
 
 
 class EditText:
@@ -108,7 +70,7 @@ class EditText:
 
     @staticmethod
     def encode_text(
-        pipeline: QwenImageEditPipeline, config: QwenImageEditConfig, device: torch.device, prompt: str, image=None
+        pipeline: QwenImageEditPipeline, config, device: torch.device, prompt: str, image=None
     ) -> dict[str, torch.Tensor]:
         """Unpadded [L, D] embeddings of one prompt read with its image (a PIL image, or a list) via encode_prompt."""
         embeds, _ = pipeline.encode_prompt(

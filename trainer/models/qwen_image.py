@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1
+from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1, pad_text
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
@@ -62,14 +62,40 @@ class QwenImageConfig(DiffusersModelConfig):
     """An IP-Adapter conditioned on ``ImageInputs.style``; None: the model takes no style image."""
 
 
-def pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad [L_i, D] embeddings to ``length``: ([B, length, D], mask [B, length] long)."""
-    out = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
-    mask = torch.zeros(len(embeds), length, dtype=torch.long, device=out.device)
-    for i, e in enumerate(embeds):
-        out[i, : len(e)] = e
-        mask[i, : len(e)] = 1
-    return out, mask
+@dataclass
+class QwenImageEditConfig(QwenImageConfig):
+    """Where the Qwen-Image-Edit weights are (Qwen-Image's folders plus processor/) and how to run them."""
+
+    name: str = "qwen_image_edit"
+    """Registry name of the adapter."""
+
+    def __post_init__(self):
+        if self.text_embeddings:
+            raise ValueError(
+                "model.text_embeddings is set, but qwen_image_edit's prompt embeddings depend on the "
+                "image to edit (its text encoder reads it): unset it"
+            )
+        if self.ip_adapter is not None:
+            raise ValueError("model.ip_adapter is set, but the qwen_image_edit adapter takes no IP-Adapter: unset it")
+
+
+@dataclass
+class QwenImageEditPlusConfig(QwenImageEditConfig):
+    """Where the Qwen-Image-Edit-2509 (or 2511) weights are and how to run them."""
+
+    name: str = "qwen_image_edit_plus"
+    """Registry name of the adapter."""
+    condition_size: PositiveInt = 384
+    """Side in pixels of the square image the text encoder reads each reference at (the pipeline's
+    CONDITION_IMAGE_SIZE area of 384^2; a multiple of 32, as the pipeline rounds it)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.condition_size % 32:
+            raise ValueError(
+                f"model.condition_size={self.condition_size} must be a multiple of 32 (the pipeline "
+                "rounds its condition images' sides to 32): 384 is the pipeline's"
+            )
 
 
 def true_cfg(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:

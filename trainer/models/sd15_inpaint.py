@@ -62,7 +62,8 @@ class SD15InpaintAdapter:
         )
     )
     config_class = SD15InpaintConfig
-    model_name = "sd15_inpaint"
+    reads_trajectory = False
+    compiled_blocks = ()
     pipeline_class = Imported("diffusers:StableDiffusionInpaintPipeline")
     encodes_image_inputs = True
     text_components = Imported(
@@ -122,10 +123,10 @@ class SD15InpaintAdapter:
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """CLIP embeddings (cached per prompt); ``image``: masked-image latents (the posterior read from
         ``model.image_latents`` when it holds it), ``mask``: the latent-size mask."""
-        reject_image_inputs(self.model_name, inputs, allowed=("image", "mask"))
+        reject_image_inputs(self.config.name, inputs, allowed=("image", "mask"))
         size = (self.resolution, self.resolution)
-        image = require_image_input(self.model_name, inputs, "image", len(prompts), 3, size)
-        mask = require_image_input(self.model_name, inputs, "mask", len(prompts), 1, size)
+        image = require_image_input(self.config.name, inputs, "image", len(prompts), 3, size)
+        mask = require_image_input(self.config.name, inputs, "mask", len(prompts), 1, size)
         mask = (mask.to(self.device, torch.float32) >= 0.5).float()
         masked = (image.to(self.device, torch.float32) * 2 - 1) * (mask < 0.5)
         masked_latents = self.image_latents(masked.to(self.dtype)).mode() * self.vae.config.scaling_factor

@@ -27,7 +27,7 @@ from trainer.models.common import (
 )
 from trainer.models.flow import cfg_combine, dynamic_shift_mu
 from trainer.models.inputs import reject_image_inputs
-from trainer.models.latents import refuse_image_latents
+from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -65,10 +65,15 @@ class SD3Adapter:
     )
     optional_text = ("text_encoder_3", "tokenizer_3")
     text_settings = ("dtype", "max_sequence_length")
+    reads_trajectory = False
+    compiled_blocks = ()
 
     def __init__(self, config: SD3Config, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
+        from trainer.models import MODELS
+
+        MODELS[config.name].provide(config)  # the embedded tiny model is built on first use
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -86,6 +91,7 @@ class SD3Adapter:
         self.pipeline.to(self.device)
         freeze(self.vae)
         refuse_image_latents("sd3", config)
+        self.image_latents = ImageLatents.of(self.vae, config)  # never read: no input is VAE-encoded
 
         vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         side = config.resolution or self.denoiser.config.sample_size * vae_factor

@@ -20,12 +20,11 @@ import torch
 from torch import nn
 
 from trainer.config.fields import NonNegativeFloat, NonNegativeInt, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_text
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
-from trainer.models.latents import refuse_image_latents
-from trainer.models.qwen_image import pad_text
+from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -58,7 +57,8 @@ class ZImageAdapter:
     sampler_kind = "flow"
     shard_units = Imported(("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",))
     config_class = ZImageConfig
-    model_name = "z_image"
+    reads_trajectory = False
+    compiled_blocks = ()
     pipeline_class = Imported("diffusers:ZImagePipeline")
     text_components = Imported({"text_encoder": "transformers:Qwen3Model", "tokenizer": "transformers:Qwen2Tokenizer"})
     optional_text: tuple[str, ...] = ()
@@ -89,7 +89,8 @@ class ZImageAdapter:
             list(prompt) if isinstance(prompt, list) else prompt, *a, **k
         )
         freeze(self.vae)
-        refuse_image_latents(self.model_name, config)
+        refuse_image_latents(self.config.name, config)
+        self.image_latents = ImageLatents.of(self.vae, config)  # never read: no input is VAE-encoded
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -119,7 +120,7 @@ class ZImageAdapter:
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``."""
-        reject_image_inputs(self.model_name, inputs)
+        reject_image_inputs(self.config.name, inputs)
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
