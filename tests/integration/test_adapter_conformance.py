@@ -62,7 +62,7 @@ from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.algorithms.sft import SFT, SFTBatch, SFTConfig
 from trainer.kernels import KernelCounter
 from trainer.models import MODELS, build_adapter
-from trainer.models.base import ImageInputs
+from trainer.models.base import ImageInputs, ModelAdapter
 from trainer.models.common import DTYPES, LoraSettings
 from trainer.models.compiling import CompileMonitor, compile_denoiser, repeated_blocks
 from trainer.models.ip_adapter import IP_WEIGHTS
@@ -757,6 +757,15 @@ def test_a_text_to_image_unet_is_refused_by_the_inpainting_adapter(model_root, t
     unet.write_text(json.dumps({**json.loads(unet.read_text()), "in_channels": 4}))
     with pytest.raises(ValueError, match=r"4-channel UNet.*point model\.path at an SD1\.5 inpainting checkpoint"):
         build_adapter(dataclasses.replace(config, path=path), "cpu")
+
+
+@per_device
+@pytest.mark.parametrize("adapter", CASES, indirect=True)
+def test_every_adapter_has_every_member_of_the_protocol(adapter):
+    """The loop reads adapters through ``ModelAdapter`` alone (no getattr probes): every member it lists is there."""
+    members = [m for m in dir(ModelAdapter) if not m.startswith("_")] + list(ModelAdapter.__annotations__)
+    assert [m for m in sorted(set(members)) if not hasattr(adapter, m)] == []
+    assert isinstance(adapter, ModelAdapter)
 
 
 @per_device
