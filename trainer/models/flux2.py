@@ -110,23 +110,12 @@ class Flux2Adapter:
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         spec = MODELS[config.name]
-        self.pipeline_class, self.parts, self.reads_trajectory = (
-            spec.pipeline_class,
-            spec.conditioning,
-            spec.reads_trajectory,
-        )
+        self.pipeline_class, self.parts = spec.pipeline_class, spec.conditioning
+        self.reads_trajectory = spec.reads_trajectory
         self.label, self.guidance_embedded = spec.text_path.label, spec.text_path.guidance_embedded
         load = {"torch_dtype": self.dtype}
         saved = denoiser_config(Flux2Transformer2DModel, config, "transformer", self.label)
-        if bool(saved.get("guidance_embeds", True)) != self.guidance_embedded:
-            has = (
-                "has a guidance embedding (FLUX.2 [dev])" if saved.get("guidance_embeds", True) else "has none (Klein)"
-            )
-            raise ValueError(
-                f"model.path={config.path!r} holds a FLUX.2 transformer that {has}, which "
-                f"model.name={config.name} does not run: point model.path at {self.label} weights, "
-                "or set model.name to flux2 for FLUX.2 [dev] and flux2_klein for Klein"
-            )
+        self._check_guidance(saved)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", **load)
         self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # as the pipelines' vae_scale_factor
@@ -165,6 +154,18 @@ class Flux2Adapter:
 
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
         self.prompts = PromptEmbeddings.of(self, config)
+
+    def _check_guidance(self, saved: dict[str, Any]) -> None:
+        """A ValueError naming the fix when the saved transformer's guidance embedding is not its text path's
+        (FLUX.2 [dev] weights for Klein, or the other way round)."""
+        if bool(saved.get("guidance_embeds", True)) == self.guidance_embedded:
+            return
+        has = "has a guidance embedding (FLUX.2 [dev])" if saved.get("guidance_embeds", True) else "has none (Klein)"
+        raise ValueError(
+            f"model.path={self.config.path!r} holds a FLUX.2 transformer that {has}, which "
+            f"model.name={self.config.name} does not run: point model.path at {self.label} weights, "
+            "or set model.name to flux2 for FLUX.2 [dev] and flux2_klein for Klein"
+        )
 
     def _pipeline_settings(self, path: Path) -> dict[str, Any]:
         """Pipeline arguments besides the components: Klein's ``is_distilled`` from model_index.json
