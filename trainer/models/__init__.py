@@ -126,7 +126,9 @@ MODELS: dict[str, ModelSpec] = {
         parts=("trainer.models.conditioning:INPAINT",),
         loads_pipelines=("ChromaPipeline",),
     ),
-    "sd15_inpaint": ModelSpec("trainer.models.sd15_inpaint:SD15InpaintAdapter"),
+    "sd15_inpaint": ModelSpec(
+        "trainer.models.sd15_inpaint:SD15InpaintAdapter", parts=("trainer.models.sd15_inpaint:MASKED_IMAGE",)
+    ),
     "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
     "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
     "qwen_image_edit": ModelSpec(

@@ -65,7 +65,6 @@ class SD15InpaintAdapter:
     reads_trajectory = False
     compiled_blocks = ()
     pipeline_class = Imported("diffusers:StableDiffusionInpaintPipeline")
-    encodes_image_inputs = True
     text_components = Imported(
         {"text_encoder": "transformers:CLIPTextModel", "tokenizer": "transformers:CLIPTokenizer"}
     )
@@ -76,6 +75,9 @@ class SD15InpaintAdapter:
     def __init__(self, config: SD15InpaintConfig, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
+        from trainer.models import MODELS
+
+        self.parts = MODELS[config.name].conditioning
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -121,19 +123,10 @@ class SD15InpaintAdapter:
     # --- conditioning -------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """CLIP embeddings (cached per prompt); ``image``: masked-image latents (the posterior read from
-        ``model.image_latents`` when it holds it), ``mask``: the latent-size mask."""
-        reject_image_inputs(self.config.name, inputs, allowed=("image", "mask"))
-        size = (self.resolution, self.resolution)
-        image = require_image_input(self.config.name, inputs, "image", len(prompts), 3, size)
-        mask = require_image_input(self.config.name, inputs, "mask", len(prompts), 1, size)
-        mask = (mask.to(self.device, torch.float32) >= 0.5).float()
-        masked = (image.to(self.device, torch.float32) * 2 - 1) * (mask < 0.5)
-        masked_latents = self.image_latents(masked.to(self.dtype)).mode() * self.vae.config.scaling_factor
-        latent_mask, masked_latents = self.pipeline.prepare_mask_latents(
-            mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False
-        )
-        return Conditioning(embeds=self.prompts.cat(prompts), image=masked_latents, mask=latent_mask)
+        """CLIP embeddings (cached per prompt) and the image conditioning of its part (``MASKED_IMAGE``)."""
+        reject_image_inputs(self.config.name, inputs, allowed=tuple(f for part in self.parts for f in part.fields))
+        images = {k: v for part in self.parts for k, v in part.encode(self, len(prompts), inputs).items()}
+        return Conditioning(embeds=self.prompts.cat(prompts), **images)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
@@ -214,3 +207,28 @@ class SD15InpaintAdapter:
         x = (latents.float() / self.vae.config.scaling_factor).to(self.dtype)
         x = self.vae.decode(x, return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
+
+
+@dataclass(frozen=True)
+class MaskedImage:
+    """SD1.5 inpainting's conditioning, which its UNet reads as 5 more input channels: the masked image's latents
+    (pixels where mask >= 0.5 zeroed; the posterior read from ``model.image_latents`` when it holds it) and the mask
+    at the latent size, as the pipeline's ``prepare_mask_latents`` makes them."""
+
+    fields = ("image", "mask")
+    reads_trajectory = False
+
+    def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        name, size = adapter.config.name, (adapter.resolution, adapter.resolution)
+        image = require_image_input(name, inputs, "image", batch_size, 3, size)
+        mask = require_image_input(name, inputs, "mask", batch_size, 1, size)
+        mask = (mask.to(adapter.device, torch.float32) >= 0.5).float()
+        masked = (image.to(adapter.device, torch.float32) * 2 - 1) * (mask < 0.5)
+        masked_latents = adapter.image_latents(masked.to(adapter.dtype)).mode() * adapter.vae.config.scaling_factor
+        latent_mask, masked_latents = adapter.pipeline.prepare_mask_latents(
+            mask, masked_latents, batch_size, *size, adapter.dtype, adapter.device, None, False
+        )
+        return {"image": masked_latents, "mask": latent_mask}
+
+
+MASKED_IMAGE = MaskedImage()
