@@ -41,7 +41,7 @@ quotes: 1.00x rollout, 1.02-1.05x train step for a 9 M-parameter SD3 transformer
 and token counts stay tiny, so the denoiser's share of the time is what grows.
 ``--denoiser real`` gives each denoiser the published architecture's widths, heads and depths with random
 weights, for a GPU: 2.23 B parameters for SD3.5 Medium, 11.89 B FLUX.1, 20.42 B Qwen-Image, 0.84 B the SD1.5
-UNet (0.86 B published: its cross-attention reads the tiny text width); see each adapter's ``TinySpec``. ``--scale 4``
+UNet (0.86 B published: its cross-attention reads the tiny text width); see bench/shapes.py. ``--scale 4``
 then gives 4096 image tokens, as at 1024 px (SD1.5: 64x64 latents, as at 512 px); ``--scale 2`` 1024.
 ``--layers 1`` caps the transformers' depth so that the real widths run on a CPU. A resized denoiser whose copy
 would not fit the disk is saved in float8 and loaded back in ``--dtype`` (``--store``; FLUX.2 [dev]: 32 GB, not
@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import math
 import shutil
 import statistics
@@ -68,86 +67,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-import diffusers
-import torch
-import transformers
-from torch import nn
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository, and the tests' tiny models and datasets
 
-from trainer.algorithms.base import LossContext, Rewards
-from trainer.algorithms.grpo import GRPO, GRPOConfig
-from trainer.kernels import KernelCounter
-from trainer.models import MODELS, build_adapter, testing
-from trainer.models.common import LoraSettings
-from trainer.rollout import SamplerSettings, rollout
-from trainer.samplers import standard_normal
+import diffusers  # noqa: E402
+import tiny_models  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.shapes import DENOISER_SIZES, SHAPES, denoiser_shape, resize_denoiser  # noqa: E402
+from trainer.algorithms.base import LossContext, Rewards  # noqa: E402
+from trainer.algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from trainer.kernels import KernelCounter  # noqa: E402
+from trainer.models import MODELS, build_adapter  # noqa: E402
+from trainer.models.common import LoraSettings  # noqa: E402
+from trainer.rollout import SamplerSettings, rollout  # noqa: E402
+from trainer.samplers import standard_normal  # noqa: E402
 
 BATCH = 4
 NUM_STEPS = 4
-DENOISER_SIZES = {"tiny": None, "9m": "denoiser_9m", "real": "denoiser_real"}
-"""``--denoiser`` -> the ``TinySpec`` field with the denoiser's config changes. 9m: 9.0-9.7 M parameters (the
-UNet 12.6 M: its widths step by 32). real: the published architectures' widths, heads and depths; the widths
-that face the tiny text encoders and VAEs (joint / pooled / cross-attention input widths, latent channels,
-patch sizes) stay the tiny ones, a few projections' worth of difference. Each adapter's ``TinySpec`` also
-gives the resolution (``bench_resolution``: 256 image tokens, latent positions for the UNet, per sample) and
-guidance (``bench_guidance``) used here."""
-DEPTH_KEYS = ("num_layers", "num_single_layers", "n_layers", "n_refiner_layers")
-"""Config fields that ``--layers`` caps (transformers; the UNet's depth stays)."""
-
-
-def storage_dtype(cls: type, config: dict, dtype: str, folder: Path, store: str = "auto") -> str:
-    """The dtype ``resize_denoiser`` saves a denoiser of ``config`` in: ``dtype``, or float8_e5m2 (``store``, or
-    ``auto`` when the ``dtype`` copy would leave under a tenth of ``folder``'s disk free: FLUX.2 [dev]'s 32 B
-    parameters take 64 GB in bfloat16). The adapter loads it back in ``dtype``: the same kernels and shapes,
-    on random weights rounded to two mantissa bits."""
-    if store != "auto":
-        return store
-    with torch.device("meta"):
-        size = sum(p.numel() for p in cls.from_config(config).parameters()) * getattr(torch, dtype).itemsize
-    free = shutil.disk_usage(folder).free
-    if size <= 0.9 * free:
-        return dtype
-    print(
-        f"note: {size / 1e9:.1f} GB of {dtype} weights, {free / 1e9:.1f} GB free on disk: saved in float8_e5m2 "
-        f"and loaded back in {dtype}",
-        file=sys.stderr,
-        flush=True,
-    )
-    return "float8_e5m2"
-
-
-def resize_denoiser(
-    root: str,
-    name: str,
-    overrides: dict,
-    max_layers: int | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    store: str = "auto",
-) -> None:
-    """Build the tiny model of ``name`` under ``root`` and replace its denoiser by one with ``overrides``
-    applied to its config (random weights), at most ``max_layers`` blocks per stack when given. The weights
-    are drawn on ``device`` in ``dtype`` and saved so (``storage_dtype``: float8 where they would not fit the
-    disk): a real-size one in float32 on the CPU would take 82 GB of memory and disk for Qwen-Image."""
-    testing.tiny_config(name, root)
-    folder = next(Path(root) / name / f for f in ("transformer", "unet") if (Path(root) / name / f).is_dir())
-    config = {**json.loads((folder / "config.json").read_text()), **overrides}
-    if max_layers is not None:
-        config.update({k: min(config[k], max_layers) for k in DEPTH_KEYS if k in config})
-        if "dual_attention_layers" in config:
-            config["dual_attention_layers"] = [i for i in config["dual_attention_layers"] if i < config["num_layers"]]
-    cls = getattr(diffusers, config["_class_name"])
-    saved = storage_dtype(cls, config, dtype, folder, store)
-    torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device(device):
-            model = cls.from_config(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.eval().to(getattr(torch, saved)).save_pretrained(folder)
-    del model
-    gc.collect()  # a real-size denoiser's weights leave the GPU before the adapter loads its copy
 
 
 def model_root(root: str, case: str) -> Path:
@@ -223,31 +162,28 @@ def bench_adapter(
 ) -> dict[str, float]:
     """One table row for ``case`` (``name``, ``name+ip`` or ``name@variant``); ``denoiser``: a DENOISER_SIZES key."""
     name, _, variant = case.removesuffix("+ip").partition("@")
-    spec = testing.tiny(name)
     root = str(model_root(root, case))
-    if variant and (denoiser != "real" or variant not in spec.denoiser_variants):
-        raise ValueError(f"{case}: a variant needs --denoiser real and one of {sorted(spec.denoiser_variants)}")
-    shape = spec.denoiser_variants[variant] if variant else getattr(spec, DENOISER_SIZES[denoiser] or "", None)
+    shape = denoiser_shape(name, denoiser, variant)
     if shape is not None and not (Path(root) / name / "model_index.json").is_file():
         resize_denoiser(root, name, shape, max_layers, device, dtype, store)
     overrides: dict = {"gradient_checkpointing": gradient_checkpointing}
-    if spec.bench_resolution is not None:
-        overrides["resolution"] = spec.bench_resolution * scale
+    if SHAPES[name].resolution is not None:
+        overrides["resolution"] = SHAPES[name].resolution * scale
     if case.endswith("+ip"):
-        overrides["ip_adapter"] = testing.tiny_ip_adapter(root)
+        overrides["ip_adapter"] = tiny_models.tiny_ip_adapter(root)
     adapter = build_adapter(
-        testing.tiny_config(name, root, dtype=dtype, lora=LoraSettings(rank=8, alpha=8), **overrides), device
+        tiny_models.tiny_config(name, root, dtype=dtype, lora=LoraSettings(rank=8, alpha=8), **overrides), device
     )
     if case.endswith("+ip"):
-        testing.randomize_ip_adapter(adapter)
+        tiny_models.randomize_ip_adapter(adapter)
     adapter.pipeline.set_progress_bar_config(disable=True)
     prompts = [p for p in ("a photo of a cat", "the digit five") for _ in range(BATCH // 2)]
     group_ids = torch.arange(BATCH) // 2
-    inputs = testing.image_inputs(adapter, BATCH)
+    inputs = tiny_models.image_inputs(adapter, BATCH)
     ddim = adapter.sampler_kind == "ddim"
     settings = SamplerSettings(
         num_steps=NUM_STEPS,
-        guidance_scale=spec.bench_guidance,
+        guidance_scale=SHAPES[name].guidance,
         kind="ddim" if ddim else "sde",
         noise_level=1.0 if ddim else 0.7,
     )
@@ -262,12 +198,12 @@ def bench_adapter(
     output_type = "latent" if adapter.vae is None else "pt"
     timing = compare(
         ours_rollout,
-        lambda: testing.run_pipeline(
+        lambda: tiny_models.run_pipeline(
             adapter,
             prompts,
             inputs,
             NUM_STEPS,
-            spec.bench_guidance,
+            SHAPES[name].guidance,
             torch.Generator(device).manual_seed(0),
             output_type,
         ),

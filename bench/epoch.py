@@ -31,20 +31,22 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository, and the tests' tiny models and datasets
 
+import tiny_data  # noqa: E402
+import tiny_models  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from bench.adapters import DENOISER_SIZES, resize_denoiser  # noqa: E402
+from bench.shapes import DENOISER_SIZES, SHAPES, denoiser_shape, resize_denoiser  # noqa: E402
 from trainer.algorithms import build_algorithm  # noqa: E402
 from trainer.algorithms.sft import SFT  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.data import build_task  # noqa: E402
-from trainer.data.testing import tiny_dataset  # noqa: E402
 from trainer.distributed import SingleProcess  # noqa: E402
 from trainer.logging import RunLogger  # noqa: E402
-from trainer.models import build_adapter, testing  # noqa: E402
+from trainer.models import build_adapter  # noqa: E402
 from trainer.models.attention import ATTENTION_CHOICES  # noqa: E402
 from trainer.models.common import LoraSettings  # noqa: E402
 from trainer.rewards.client import HttpRewardClient  # noqa: E402
@@ -200,20 +202,18 @@ def main() -> None:
         tempfile.TemporaryDirectory() as root,
         LocalRewardPool(sorted(config.reward.weights), replicas=1, log_dir=Path(root) / "replicas") as pool,
     ):
-        spec = testing.tiny(args.model)
-        if DENOISER_SIZES[args.denoiser]:
-            resize_denoiser(
-                root, args.model, getattr(spec, DENOISER_SIZES[args.denoiser]), args.layers, args.device, dtype
-            )
+        spec = tiny_models.tiny(args.model)
+        if (shape := denoiser_shape(args.model, args.denoiser)) is not None:
+            resize_denoiser(root, args.model, shape, args.layers, args.device, dtype)
         # Real shapes: 1024 image tokens, as at 512 px with SD3's VAE (the tiny VAE downsamples less)
-        config.model = testing.tiny_config(
+        config.model = tiny_models.tiny_config(
             args.model,
             root,
             dtype=dtype,
             lora=LoraSettings(rank=32, alpha=64),
-            **({"resolution": 2 * spec.bench_resolution} if args.denoiser == "real" else {}),
+            **({"resolution": 2 * SHAPES[args.model].resolution} if args.denoiser == "real" else {}),
         )
-        config.data.name, config.data.path = spec.data, tiny_dataset(spec.data, root)
+        config.data.name, config.data.path = spec.data, tiny_data.tiny_dataset(spec.data, root)
         client = HttpRewardClient(pool.urls, config.reward.weights, batch_size=config.reward.batch_size)
         flops = epoch_flops(config, device, client, Path(root), args.flops_prompts)
         peak = gemm_peak_tflops(device, getattr(torch, dtype))

@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
     conformance = [item for item in items if "test_adapter_conformance" in item.nodeid]
     slow_dtypes = set()
     if conformance:
-        from trainer.models.testing import TINY_NAMES, tiny
+        from tiny_models import TINY_NAMES, tiny
 
         slow_dtypes = {name for name in TINY_NAMES if tiny(name).slow_dtype_cases}
     for item in conformance:

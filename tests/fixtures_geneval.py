@@ -14,6 +14,7 @@ DETECTOR_SPELLINGS = {"computer mouse": "mouse", "tv remote": "remote", "compute
 def build_tiny_geneval(model_dir: Path, *, favour: str | None = None) -> Path:
     """``<model_dir>/geneval/{detector,clip}/``. ``favour``: a class every query predicts with
     probability ~1 (the class head's bias rigged), so that detections and colour checks happen."""
+    from tiny_models import clip_tokenizer
     from transformers import (
         CLIPConfig,
         CLIPModel,
@@ -25,7 +26,6 @@ def build_tiny_geneval(model_dir: Path, *, favour: str | None = None) -> Path:
     from transformers.models.mask2former.image_processing_pil_mask2former import Mask2FormerImageProcessorPil
 
     from reward_server.scorers.geneval_rules import OBJECT_NAMES
-    from trainer.models.testing import clip_tokenizer
 
     root = model_dir / "geneval"
     labels = {i: DETECTOR_SPELLINGS.get(name, name) for i, name in enumerate(OBJECT_NAMES)}

@@ -122,8 +122,9 @@ def openclip_text_features(state: dict[str, torch.Tensor], tokens_BL: torch.Tens
 def build_tiny_hps(model_dir: Path, *, seed: int = 3) -> tuple[Path, dict[str, torch.Tensor]]:
     """``<model_dir>/hpsv2`` converted from a tiny ``{"state_dict": {"module.<openclip name>": ...}}`` .pt
     file (HPS's training-checkpoint wrapping). Returns the directory and the OpenCLIP state."""
+    from tiny_models import clip_tokenizer
+
     from reward_server.scorers.convert_hps import convert
-    from trainer.models.testing import clip_tokenizer
 
     tokenizer_dir = model_dir / "hps-src" / "tokenizer"
     tokenizer = clip_tokenizer(tokenizer_dir, max_length=77)

@@ -60,10 +60,9 @@ def build_tiny_clip_score(model_dir: Path, name: str, *, processor_subfolder: bo
     """``<model_dir>/<name>/``: a full tiny CLIPModel (text context 16 tokens) with a locally built CLIP
     tokenizer (model_max_length 77, as the real ones) and a PIL image processor, in ``processor/`` (as
     PickScore's, which come from another repository) or beside the weights."""
+    from tiny_models import clip_tokenizer
     from transformers import CLIPConfig, CLIPModel
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from trainer.models.testing import clip_tokenizer
 
     torch.manual_seed(1)
     root = model_dir / name

@@ -18,7 +18,8 @@ from trainer.config import load_config
 from trainer.data import DigitsTask, build_tasks
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
-from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.sd3 import SD3Adapter
+from trainer.models.tiny import TinyConfig
 from trainer.trainer import Trainer
 
 
@@ -39,7 +40,7 @@ def tiny_trainer(
     task, evaluated = (task, task) if task is not None else build_tasks(config.data, config.eval)
     return Trainer(
         config,
-        TinyAdapter(TinyConfig(path=model_dir)),
+        SD3Adapter(TinyConfig(path=model_dir)),
         build_algorithm(config.algorithm),
         SFT(config.warmup),
         task,

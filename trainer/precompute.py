@@ -55,11 +55,10 @@ def precompute(config, out: str) -> tuple[int, int]:
 
     task, evaluated = build_tasks(config.data, config.eval)
     prompts = list(dict.fromkeys([*task.prompts, *evaluated.eval_prompts, "", config.model.negative_prompt]))
-    adapter_class = MODELS[config.model.name].load()
-    store = TextEmbeddingStore.create(out, text_fingerprint(adapter_class, config.model))
+    store = TextEmbeddingStore.create(out, text_fingerprint(config.model))
     todo = store.missing(prompts)
     if todo:
-        encode = adapter_class.prompt_encoder(config.model, resolve_device(config.train.device, 0))
+        encode = MODELS[config.model.name].prompt_encoder(config.model, resolve_device(config.train.device, 0))
         try:
             with torch.no_grad():
                 for prompt in todo:

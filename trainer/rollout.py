@@ -208,7 +208,7 @@ def rollout(
     multistep = second_order_steps(noisy, settings.ode_order).tolist()
     host = sigmas.cpu().tolist() if any(multistep) else []  # one read per rollout, only for the multistep
     x = adapter.prepare_latents(len(prompts), generator) if initial is None else initial
-    if getattr(adapter, "reads_trajectory", False):  # its predict reads the initial noise and the schedule
+    if adapter.reads_trajectory:  # its predict reads the initial noise and the schedule
         cond = cond.starting_at(x, sigmas)
     latents, log_probs, means, x0 = [x], [], [], None
     batch = x.shape[0]

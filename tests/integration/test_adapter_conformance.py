@@ -1,6 +1,6 @@
 """One conformance suite over every registered ModelAdapter, on tiny random models loaded from disk.
 
-Each adapter's model is built by ``trainer.models.testing`` (random weights, local tokenizers), saved with
+Each adapter's model is built by tests/tiny_models (random weights, local tokenizers), saved with
 ``save_pretrained`` and loaded back through the adapter's own ``config.path`` code. Per adapter:
   (a) a rollout at noise level 0 equals the adapter's diffusers pipeline (same components, seed, steps,
       guidance) to ``PARITY_ATOL`` (bit-exact in practice except Qwen-Image, whose batched CFG pads text);
@@ -22,8 +22,8 @@ for them mode "full" is the IP-Adapter alone on a frozen base. diffusers has no 
 and its FluxFillPipeline takes none, so (a) covers ``flux+ip`` only.
 
 Each adapter's tiny model and test facts (guidance, image inputs, how its pipeline is called) come from its
-own file through the registry (``MODELS[name].tiny``, a ``testing.TinySpec``): a newly registered adapter is
-picked up here with nothing to add.
+family's module in tests/tiny_models by registry name (``testing.tiny(name)``, a ``TinySpec``): a registered
+adapter with a tiny model is picked up here with nothing to add.
 
 Tests whose result depends on the weights dtype (parity tolerances, on-policy numerics, float32 outputs and
 masters, normalisation before the cast) run per target (device, weights dtype): the CPU in float32, bfloat16
@@ -50,8 +50,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import tiny_models as testing
 import torch
 from peft.tuners.lora import LoraLayer
+from tiny_models import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.algorithms.base import LossContext, Rewards
@@ -59,12 +61,11 @@ from trainer.algorithms.dpo import DPO, DPOConfig
 from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.algorithms.sft import SFT, SFTBatch, SFTConfig
 from trainer.kernels import KernelCounter
-from trainer.models import MODELS, build_adapter, testing
-from trainer.models.base import ImageInputs
+from trainer.models import MODELS, build_adapter
+from trainer.models.base import ImageInputs, ModelAdapter
 from trainer.models.common import DTYPES, LoraSettings
 from trainer.models.compiling import CompileMonitor, compile_denoiser, repeated_blocks
 from trainer.models.ip_adapter import IP_WEIGHTS
-from trainer.models.testing import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
 from trainer.models.trainable import LinearInInputDtype
 from trainer.rollout import Rollout, SamplerSettings, rollout
 from trainer.samplers import standard_normal
@@ -756,6 +757,15 @@ def test_a_text_to_image_unet_is_refused_by_the_inpainting_adapter(model_root, t
     unet.write_text(json.dumps({**json.loads(unet.read_text()), "in_channels": 4}))
     with pytest.raises(ValueError, match=r"4-channel UNet.*point model\.path at an SD1\.5 inpainting checkpoint"):
         build_adapter(dataclasses.replace(config, path=path), "cpu")
+
+
+@per_device
+@pytest.mark.parametrize("adapter", CASES, indirect=True)
+def test_every_adapter_has_every_member_of_the_protocol(adapter):
+    """The loop reads adapters through ``ModelAdapter`` alone (no getattr probes): every member it lists is there."""
+    members = [m for m in dir(ModelAdapter) if not m.startswith("_")] + list(ModelAdapter.__annotations__)
+    assert [m for m in sorted(set(members)) if not hasattr(adapter, m)] == []
+    assert isinstance(adapter, ModelAdapter)
 
 
 @per_device

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_data import tiny_dataset
+from tiny_models import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
 
 from reward_server.inprocess import InProcessRewardClient
 from reward_server.scorers.brightness import BrightnessScorer
@@ -32,11 +34,9 @@ from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import build_task
-from trainer.data.testing import tiny_dataset
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
-from trainer.models.testing import TINY_NAMES, tiny, tiny_config, tiny_ip_adapter
 from trainer.trainer import Trainer
 
 MARGIN = 0.01

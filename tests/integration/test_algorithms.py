@@ -20,7 +20,8 @@ from trainer.config import load_config
 from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
-from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.sd3 import SD3Adapter
+from trainer.models.tiny import TinyConfig
 from trainer.trainer import Trainer
 
 EXPECTED_STATS = {
@@ -389,7 +390,7 @@ def test_a_warmup_steps_loss_is_the_same_whatever_micro_batches_cut_it(tiny_mode
     from trainer.algorithms.base import LossContext
     from trainer.algorithms.sft import SFTConfig
 
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     data = DigitsTask(16).supervised_batch(5, torch.Generator().manual_seed(0))
     results = []
     for micro_batch_size in (64, 2):
@@ -495,7 +496,7 @@ def test_warmup_images_of_another_size_than_the_model_generates_are_refused(tiny
     """data.image_size=24 with a 16-pixel model: the warm-up trained at 24x24 what RL then sampled at 16x16."""
     from trainer.algorithms.sft import SFTConfig
 
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     data = DigitsTask(24).supervised_batch(2, torch.Generator().manual_seed(0))
     with pytest.raises(
         ValueError,
@@ -517,7 +518,7 @@ def test_a_config_made_in_python_is_checked_as_a_files_is(tmp_path, tiny_model_d
     with pytest.raises(ConfigError, match=r"train.learning_rate=-1.0 must be >= 0"):
         Trainer(
             bad,
-            TinyAdapter(TinyConfig(path=tiny_model_dir)),
+            SD3Adapter(TinyConfig(path=tiny_model_dir)),
             build_algorithm(config.algorithm),
             SFT(config.warmup),
             DigitsTask(16),

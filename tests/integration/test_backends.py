@@ -249,8 +249,8 @@ def ip_job(tmp_path_factory) -> Callable[..., list[str]]:
     policy away from it within an epoch. Each rank draws its own SDE window among 3 starts (the last one ends
     next to the final step: a window that reached it would train one step fewer on that rank, and FSDP2 would
     hang on the unmatched forward)."""
-    from trainer.data.testing import tiny_dataset
-    from trainer.models import testing
+    import tiny_models as testing
+    from tiny_data import tiny_dataset
 
     root = tmp_path_factory.mktemp("ip-backends")
     model = testing.tiny_config("flux", root)

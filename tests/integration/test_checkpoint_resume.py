@@ -109,9 +109,10 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_mo
 
 def test_interrupted_writes_are_never_taken_for_checkpoints(tmp_path, tiny_model_dir):
     from trainer.distributed import SingleProcess
-    from trainer.models.tiny import TinyAdapter, TinyConfig
+    from trainer.models.sd3 import SD3Adapter
+    from trainer.models.tiny import TinyConfig
 
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
     checkpoints = Checkpoints(tmp_path, keep=2, is_main=True)
@@ -155,9 +156,10 @@ def _failing_save(failure: str) -> tuple[dict, dict, str]:
 @pytest.mark.parametrize("failure", ["shared-tensors", "unwritable-config"])
 def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_the_latest(tmp_path, tiny_model_dir, failure):
     from trainer.distributed import SingleProcess
-    from trainer.models.tiny import TinyAdapter, TinyConfig
+    from trainer.models.sd3 import SD3Adapter
+    from trainer.models.tiny import TinyConfig
 
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
     checkpoints = Checkpoints(tmp_path, keep=0, is_main=True)
@@ -237,9 +239,10 @@ def _cut(file: Path) -> None:
 def test_a_damaged_file_is_named_before_anything_is_loaded(tmp_path, tiny_model_dir, name):
     from trainer.checkpoint import damaged
     from trainer.distributed import SingleProcess
-    from trainer.models.tiny import TinyAdapter, TinyConfig
+    from trainer.models.sd3 import SD3Adapter
+    from trainer.models.tiny import TinyConfig
 
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
     path = Checkpoints(tmp_path, 0, True).save(
@@ -287,10 +290,11 @@ def test_resume_auto_continues_from_the_newest_checkpoint_that_can_be_loaded(tmp
 def test_a_named_checkpoint_that_cannot_be_loaded_is_refused_naming_the_one_before(tmp_path, tiny_model_dir):
     from trainer.distributed import SingleProcess
     from trainer.export import load_checkpoint
-    from trainer.models.tiny import TinyAdapter, TinyConfig
+    from trainer.models.sd3 import SD3Adapter
+    from trainer.models.tiny import TinyConfig
     from trainer.preflight import require_checkpoint
 
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p, lr=1e-3))
     checkpoints = Checkpoints(tmp_path, 0, True)

@@ -9,16 +9,17 @@ import shutil
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from tiny_models import tiny_config
 
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import Config, to_dict
 from trainer.distributed import SingleProcess
 from trainer.export import export_denoiser, main
-from trainer.models.flux_kontext import FluxKontextAdapter
+from trainer.models.flux import FluxAdapter
 from trainer.models.latents import LatentStore, vae_fingerprint
-from trainer.models.testing import tiny_config
+from trainer.models.sd3 import SD3Adapter
 from trainer.models.text import TextEmbeddingStore, text_fingerprint
-from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.tiny import TinyConfig
 from trainer.models.trainable import LoraSettings
 
 
@@ -37,7 +38,7 @@ def _forward(net: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_path, tiny_model_dir, lora):
     model = TinyConfig(path=tiny_model_dir, lora=LoraSettings(rank=4, alpha=8) if lora else None)
-    adapter = TinyAdapter(model)
+    adapter = SD3Adapter(model)
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p))
     g = torch.Generator().manual_seed(1)
@@ -70,7 +71,7 @@ def test_export_loads_back_with_diffusers_and_matches_the_trained_denoiser(tmp_p
 def test_an_export_is_whole_or_absent_and_replaces_the_previous_one(tmp_path, tiny_model_dir, capsys):
     """Written aside and renamed into place: an export cut short (here Ctrl-C as the weights are gathered) leaves
     no half model at ``out`` (it left a lone config.json there, which diffusers and generate then failed on)."""
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
 
     def interrupted(*_):
         raise KeyboardInterrupt
@@ -115,10 +116,10 @@ def test_export_needs_none_of_the_run_s_precomputed_stores(tmp_path, capsys):
     exists: the weights do not depend on them."""
     model = tiny_config("flux_kontext", tmp_path / "models", dtype="float32")
     stores = {"text_embeddings": tmp_path / "text", "image_latents": tmp_path / "latents"}
-    TextEmbeddingStore.create(str(stores["text_embeddings"]), text_fingerprint(FluxKontextAdapter, model)).save()
+    TextEmbeddingStore.create(str(stores["text_embeddings"]), text_fingerprint(model)).save()
     LatentStore.create(str(stores["image_latents"]), vae_fingerprint(model)).save()
     model = dataclasses.replace(model, **{k: str(v) for k, v in stores.items()})
-    adapter = FluxKontextAdapter(model)
+    adapter = FluxAdapter(model)
     backend = SingleProcess(torch.device("cpu"))
     backend.prepare(adapter.denoiser, adapter.trainable.parameters(), lambda p: torch.optim.AdamW(p))
     g = torch.Generator().manual_seed(1)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
+from tiny_models import tiny, tiny_config
 
 from trainer.models import build_adapter
 from trainer.models.base import ImageInputs
-from trainer.models.testing import tiny, tiny_config
 from trainer.rollout import SamplerSettings, rollout
 
 PROMPTS = ["a photo of a cat", "the digit five"]

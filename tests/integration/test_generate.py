@@ -10,13 +10,13 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from tiny_models import tiny_config
 
 from trainer.config import load_config, saved_dict
 from trainer.export import export_denoiser
 from trainer.generate import main
 from trainer.logging import MASK_TINT
 from trainer.models import build_adapter
-from trainer.models.testing import tiny_config
 
 
 def _run(tmp_path, name: str, data: str) -> tuple[str, int]:

@@ -6,14 +6,15 @@ known region (mask 0) is not the policy's: its velocity carries no gradient, the
 from __future__ import annotations
 
 import pytest
+import tiny_models as testing
 import torch
+from tiny_models import tiny_config
 
-from trainer.models import MODELS, build_adapter, testing
-from trainer.models.testing import tiny_config
+from trainer.models import MODELS, build_adapter
 from trainer.rollout import SamplerSettings, rollout
 
 PROMPTS = ["a photo of a cat", "the digit five"]
-NAMES = sorted(name for name, spec in MODELS.items() if getattr(spec.load(), "reads_trajectory", False))
+NAMES = sorted(name for name, spec in MODELS.items() if spec.reads_trajectory)
 
 
 def test_some_adapter_reads_the_trajectory():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from unittest import mock
 
 import pytest
+import tiny_models as testing
 import torch
 from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file
@@ -25,7 +26,7 @@ from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.config import ConfigError, load_config
 from trainer.export import export_denoiser
-from trainer.models import build_adapter, testing
+from trainer.models import build_adapter
 from trainer.models.base import ImageInputs
 from trainer.models.ip_adapter import IP_WEIGHTS, IPAdapter
 from trainer.models.reference import frozen_copy

@@ -16,8 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_models as testing
 import torch
 import yaml
+from tiny_models import TINY_NAMES, tiny_config
 
 from trainer import precompute
 from trainer.algorithms import build_algorithm
@@ -26,8 +28,7 @@ from trainer.config import Config, DataConfig, TrainConfig, load_config, to_dict
 from trainer.data import DigitsTask
 from trainer.distributed import SingleProcess
 from trainer.logging import RunLogger
-from trainer.models import MODELS, build_adapter, testing
-from trainer.models.testing import TINY_NAMES, tiny_config
+from trainer.models import MODELS, ModelSpec, build_adapter
 from trainer.models.text import TEXT_INDEX, TextEmbeddingStore, text_fingerprint
 from trainer.trainer import Trainer
 
@@ -43,9 +44,8 @@ def root(tmp_path_factory):
 
 def write_store(config, directory, prompts) -> None:
     """What ``trainer.precompute`` does for ``prompts``: the adapter class's text path alone, one prompt at a time."""
-    adapter_class = MODELS[config.name].load()
-    encode = adapter_class.prompt_encoder(config, "cpu")
-    store = TextEmbeddingStore.create(str(directory), text_fingerprint(adapter_class, config))
+    encode = MODELS[config.name].prompt_encoder(config, "cpu")
+    store = TextEmbeddingStore.create(str(directory), text_fingerprint(config))
     for prompt in prompts:
         store.add(prompt, encode(prompt))
     store.save()
@@ -240,12 +240,11 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
         train=TrainConfig(device="cpu"),
     )
     monkeypatch.setattr(TextEmbeddingStore, "save_every", 2)
-    adapter_class = MODELS[model.name].load()
-    real_encoder = adapter_class.prompt_encoder
+    real_encoder = MODELS[model.name].prompt_encoder
     encoded: list[str] = []
     loads: list[int] = []
 
-    def counting_encoder(cls, config, device, stop_after=None):
+    def counting_encoder(config, device, stop_after=None):
         loads.append(1)
         encode = real_encoder(config, device)
 
@@ -262,9 +261,7 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
         encoded.clear()
         loads.clear()
         monkeypatch.setattr(
-            adapter_class,
-            "prompt_encoder",
-            classmethod(lambda cls, config, device: counting_encoder(cls, config, device, stop_after)),
+            ModelSpec, "prompt_encoder", lambda spec, config, device: counting_encoder(config, device, stop_after)
         )
         return precompute.precompute(config, str(tmp_path / directory))
 
@@ -279,8 +276,7 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
     assert run("straight") == (6, 0)
     assert run("out") == (0, 6) and not loads
     stores = [
-        TextEmbeddingStore.open(str(tmp_path / name), text_fingerprint(adapter_class, model))
-        for name in ("straight", "out", "killed")
+        TextEmbeddingStore.open(str(tmp_path / name), text_fingerprint(model)) for name in ("straight", "out", "killed")
     ]
     assert all(sorted(s.files) == sorted(everything) for s in stores)
     for prompt in everything:
@@ -300,10 +296,9 @@ def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_ne
         data=DataConfig(name="prompt_file", path=str(tmp_path / "prompts.txt")),
         train=TrainConfig(device="cpu"),
     )
-    adapter_class = MODELS[model.name].load()
-    real_encoder = adapter_class.prompt_encoder
+    real_encoder = MODELS[model.name].prompt_encoder
 
-    def swallowing(cls, config, device):
+    def swallowing(spec, config, device):
         encode = real_encoder(config, device)
 
         def encoded(prompt):
@@ -312,7 +307,7 @@ def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_ne
 
         return encoded
 
-    monkeypatch.setattr(adapter_class, "prompt_encoder", classmethod(swallowing))
+    monkeypatch.setattr(ModelSpec, "prompt_encoder", swallowing)
     with pytest.raises(KeyboardInterrupt):
         precompute.precompute(config, str(tmp_path / "out"))
     assert list(json.loads((tmp_path / "out" / TEXT_INDEX).read_text())["prompts"]) == ["a photo of a cat"]

@@ -17,18 +17,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_models as testing
 import torch
 import yaml
 from PIL import Image
+from tiny_data import write_edit_jsonl, write_inpaint_jsonl, write_prompt_file
+from tiny_models import tiny_config
 
 from trainer import precompute
 from trainer.config import DataConfig, to_dict
 from trainer.data import build_task
-from trainer.data.testing import write_edit_jsonl, write_inpaint_jsonl, write_prompt_file
-from trainer.models import build_adapter, image_encoding_models, testing
+from trainer.models import build_adapter, image_encoding_models
 from trainer.models.base import Conditioning, ImageInputs
 from trainer.models.latents import LATENT_INDEX, LatentStore, vae_fingerprint
-from trainer.models.testing import tiny_config
 
 IMAGE_CONDITIONED = tuple(image_encoding_models())
 PROMPTS = ["a photo of a cat", "the digit five"] * 2

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_data import tiny_dataset
+from tiny_models import tiny, tiny_config, tiny_ip_adapter
 
 from reward_server.inprocess import InProcessRewardClient
 from reward_server.scorers.brightness import BrightnessScorer
@@ -34,12 +36,10 @@ from trainer.algorithms.sft import SFT
 from trainer.config import load_config
 from trainer.data import build_task, build_tasks, training_items
 from trainer.data.sampler import GroupSampler
-from trainer.data.testing import tiny_dataset
 from trainer.distributed import SingleProcess
 from trainer.distributed.backend import refuse_low_precision_updates
 from trainer.logging import RunLogger
 from trainer.models import MODELS, build_adapter
-from trainer.models.testing import tiny, tiny_config, tiny_ip_adapter
 from trainer.rollout import rollout
 from trainer.trainer import Trainer
 

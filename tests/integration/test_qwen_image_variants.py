@@ -11,11 +11,12 @@ import json
 import shutil
 
 import pytest
+import tiny_models as testing
 import torch
+from tiny_models import tiny_config
 
-from trainer.models import MODELS, build_adapter, testing
+from trainer.models import MODELS, build_adapter
 from trainer.models.ip_adapter import IPAdapterSettings
-from trainer.models.testing import tiny_config
 from trainer.rollout import SamplerSettings, rollout
 
 PROMPTS = ["a photo of a cat", "the digit five"]
@@ -70,7 +71,7 @@ def test_edit_refuses_a_prompt_store_and_an_ip_adapter(root):
     with pytest.raises(ValueError, match=r"model\.ip_adapter .*unset it"):
         dataclasses.replace(config, ip_adapter=IPAdapterSettings(image_encoder=str(root)))
     with pytest.raises(ValueError, match=r"nothing to precompute with --out.*--latents"):
-        MODELS["qwen_image_edit"].load().prompt_encoder(config, "cpu")
+        MODELS["qwen_image_edit"].prompt_encoder(config, "cpu")
 
 
 def test_edit_plus_reads_every_reference(root):

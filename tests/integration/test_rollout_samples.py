@@ -63,16 +63,17 @@ def test_the_logged_samples_are_the_epochs_first_rollouts_with_their_rewards(tmp
 def test_an_inpainting_runs_grids_show_the_source_and_its_mask_beside_each_image(tmp_path):
     """A tiny FLUX.1 Fill job on inpainting rows: the rollout grid's second row is each rollout's source image with
     its repaint region tinted (the task's own inputs for those items); each evaluation grid row starts with it."""
+    from tiny_data import tiny_dataset
+    from tiny_models import tiny_config
+
     from reward_server.inprocess import InProcessRewardClient
     from trainer.algorithms import build_algorithm
     from trainer.algorithms.sft import SFT
     from trainer.config import load_config
     from trainer.data import build_task
-    from trainer.data.testing import tiny_dataset
     from trainer.distributed import SingleProcess
     from trainer.logging import RunLogger, input_rows
     from trainer.models import build_adapter
-    from trainer.models.testing import tiny_config
     from trainer.trainer import Trainer
 
     adapter = build_adapter(tiny_config("flux_fill", tmp_path / "model", dtype="float32"), "cpu")

@@ -9,7 +9,8 @@ from diffusers import AutoencoderKL, StableDiffusion3Pipeline
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.algorithms.grpo_guard import GRPOGuard, GRPOGuardConfig
-from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.sd3 import SD3Adapter
+from trainer.models.tiny import TinyConfig
 from trainer.rollout import SamplerSettings, rollout
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
@@ -17,10 +18,10 @@ PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 
 @pytest.fixture(scope="module")
 def adapter(tiny_model_dir):
-    return TinyAdapter(TinyConfig(path=tiny_model_dir))
+    return SD3Adapter(TinyConfig(path=tiny_model_dir))
 
 
-def _pipeline(adapter: TinyAdapter) -> StableDiffusion3Pipeline:
+def _pipeline(adapter: SD3Adapter) -> StableDiffusion3Pipeline:
     """The plain diffusers pipeline over the adapter's own components. Our model is pixel space; the
     pipeline needs a VAE object only for its scale factor, so a one-block VAE (factor 1) is given and
     outputs are compared as latents."""
@@ -161,10 +162,10 @@ def test_save_pretrained_round_trip_reproduces_outputs(adapter, tmp_path):
 def test_lora_adapter_trains_only_lora_and_reference_is_the_base(tiny_model_dir):
     from trainer.models.common import LoraSettings
 
-    lora = TinyAdapter(TinyConfig(path=tiny_model_dir, lora=LoraSettings(rank=4, alpha=4)))
+    lora = SD3Adapter(TinyConfig(path=tiny_model_dir, lora=LoraSettings(rank=4, alpha=4)))
     names = [n for n, p in lora.denoiser.named_parameters() if p.requires_grad]
     assert names and all("lora" in n for n in names)
-    base = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    base = SD3Adapter(TinyConfig(path=tiny_model_dir))
     x = base.prepare_latents(2, torch.Generator().manual_seed(0))
     cond = base.encode_prompts(PROMPTS)
     sigma = torch.full((2,), 0.7)
@@ -202,7 +203,7 @@ def test_awm_takes_v_old_from_the_policy_itself_until_its_first_step(tiny_model_
     from trainer.algorithms.awm import AWM, AWMConfig
     from trainer.distributed import SingleProcess
 
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))  # its weights are moved below
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))  # its weights are moved below
     settings = SamplerSettings(num_steps=4, noise_level=0.0)
     ro = rollout(
         adapter, adapter.denoiser, PROMPTS * 2, torch.tensor([0, 1, 0, 1]), settings, torch.Generator().manual_seed(0)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import tiny_models as testing
 import torch
 
-from trainer.models import build_adapter, testing
+from trainer.models import build_adapter
 from trainer.models.z_image import guided_rows, z_image_cfg
 from trainer.rollout import SamplerSettings, rollout
 

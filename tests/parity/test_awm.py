@@ -17,7 +17,8 @@ from trainer.algorithms.awm import AWM, AWMConfig, awm_loss
 from trainer.algorithms.base import LossContext, Rewards, frozen_copy, refresh_reference
 from trainer.algorithms.clean_sample import stratified_steps
 from trainer.distributed import SingleProcess
-from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.sd3 import SD3Adapter
+from trainer.models.tiny import TinyConfig
 from trainer.rollout import SamplerSettings, rollout
 
 REPO, COMMIT = "scxue/advantage_weighted_matching", "be5137232e33a21b449ed65a533211d0deb97ed8"
@@ -161,7 +162,7 @@ def _move(adapter, seed: int, scale: float = 0.02) -> None:
 def _tiny_run(tiny_model_dir, config: AWMConfig):
     """A rollout of 3 groups of 4 on the tiny model; four networks as after some epochs: the reference (the
     policy as RL starts), the sampling policy, the EMA policy half-way between it and a later policy, the policy."""
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     group_ids = torch.arange(len(PROMPTS) * G) // G
     prompts = [PROMPTS[i] for i in group_ids.tolist()]
     ro = rollout(adapter, adapter.denoiser, prompts, group_ids, config.sampler, torch.Generator().manual_seed(0))
@@ -259,7 +260,7 @@ def test_the_ema_policy_follows_the_authors_decay_schedule(tiny_model_dir):
     min(kl_ema_decay, ramp * steps done); ours, updated before the next epoch, holds the same weights (a steep
     ramp so that the cap is reached within the test)."""
     config = AWMConfig(group_size=G, ema_decay=0.3, ema_decay_ramp=0.1, sampler=SamplerSettings(noise_level=0.0))
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     algo = AWM(config)
     ctx = LossContext(adapter, adapter.denoiser, None)
     algo.setup(adapter, None, SingleProcess(torch.device("cpu")))

@@ -17,7 +17,8 @@ from trainer.algorithms.base import LossContext, Rewards, frozen_copy, refresh_r
 from trainer.algorithms.clean_sample import per_sample_mse
 from trainer.algorithms.dgpo import DGPO, DGPOConfig, dgpo_loss
 from trainer.distributed import SingleProcess
-from trainer.models.tiny import TinyAdapter, TinyConfig
+from trainer.models.sd3 import SD3Adapter
+from trainer.models.tiny import TinyConfig
 from trainer.rollout import SamplerSettings, rollout
 
 REPO, COMMIT = "Luo-Yihong/DGPO", "01ceb4b83c0bbc55d96246fe1b6d9a3d4749ebd6"
@@ -165,7 +166,7 @@ def _move(adapter, seed: int, scale: float = 0.02) -> None:
 def _tiny_run(tiny_model_dir, config: DGPOConfig):
     """A rollout of 3 groups of 4 on the tiny model, the reference taken, the policy moved, the EMA policy taken
     as RL starts, the policy moved again: three different networks, as after some epochs."""
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     group_ids = torch.arange(len(PROMPTS) * G) // G
     prompts = [PROMPTS[i] for i in group_ids.tolist()]
     ro = rollout(adapter, adapter.denoiser, prompts, group_ids, config.sampler, torch.Generator().manual_seed(0))
@@ -258,7 +259,7 @@ def test_the_ema_reference_follows_the_authors_decay_schedule(tiny_model_dir):
     min(cap, ramp * (steps before it)); ours, updated before the next epoch, holds the same weights (a steep ramp
     so that the cap is reached within the test)."""
     config = DGPOConfig(group_size=G, ema_decay=0.3, ema_decay_ramp=0.1, sampler=SamplerSettings(noise_level=0.0))
-    adapter = TinyAdapter(TinyConfig(path=tiny_model_dir))
+    adapter = SD3Adapter(TinyConfig(path=tiny_model_dir))
     algo = DGPO(config)
     ctx = LossContext(adapter, adapter.denoiser, None)
     algo.setup(adapter, None, SingleProcess(torch.device("cpu")))

@@ -109,9 +109,8 @@ def test_aesthetic_is_ddpo_aesthetic_scorer(tmp_path: Path) -> None:
 
 def _tiny_clip(root: Path, *, processor_subfolder: bool) -> Path:
     """A tiny CLIPModel with CLIP's 77-token text context, its tokenizer and a processor (short side 35, crop 32)."""
+    from tiny_models import clip_tokenizer
     from transformers import CLIPConfig, CLIPModel
-
-    from trainer.models.testing import clip_tokenizer
 
     processor_dir = root / "processor" if processor_subfolder else root
     tokenizer = clip_tokenizer(processor_dir, max_length=77)
@@ -292,9 +291,9 @@ def test_hpsv2_is_hps_img_score_on_a_half_precision_checkpoint(tmp_path: Path) -
     """A half-precision checkpoint, which the reference's ``load_state_dict`` upcasts into its float32 model; prompts
     go through OpenCLIP's cleaning (an HTML entity, escaped twice, and stray whitespace here)."""
     from fixtures_hps import TINY, tiny_openclip_state
+    from tiny_models import clip_tokenizer
 
     from reward_server.scorers.convert_hps import convert
-    from trainer.models.testing import clip_tokenizer
 
     tokenizer = clip_tokenizer(tmp_path / "tokenizer", max_length=77)
     state = {key: value.half() for key, value in tiny_openclip_state(len(tokenizer), seed=7).items()}

@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 
 import pytest
+import tiny_models as testing
 import torch
 from torch import nn
 
 from trainer.config import ConfigError, load_config
-from trainer.models import build_adapter, testing
+from trainer.models import build_adapter
 from trainer.models.attention import attention_for_run, block_step, probe, use_attention
 from trainer.models.compiling import compile_denoiser, repeated_blocks
 from trainer.rollout import SamplerSettings

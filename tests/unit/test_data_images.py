@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_data import half_mask, solid, tiny_dataset, write_triplet_folder
 
 from reward_server.scorers.ocr import crop_to_mask
 from trainer.config import DataConfig
 from trainer.data import DATASETS, build_task
 from trainer.data.edit_jsonl import read_edit_jsonl
 from trainer.data.inpaint_jsonl import read_inpaint_jsonl
-from trainer.data.testing import half_mask, solid, tiny_dataset, write_triplet_folder
 from trainer.data.triplet_folder import parse_line, read_triplet_folder
 
 SIZE = 8

@@ -8,10 +8,10 @@ import json
 import re
 
 import pytest
+from tiny_data import write_inpaint_jsonl
 
 from trainer.config import load_config
 from trainer.data import build_tasks, shared_items, training_items
-from trainer.data.testing import write_inpaint_jsonl
 
 
 def _tasks(tmp_path, train: list[str], test: list[str], *overrides: str):

@@ -1,4 +1,4 @@
-"""No import cycle in trainer/, reward_server/ or shared/.
+"""No import cycle in trainer/, reward_server/ or shared/, and model families composed, not derived.
 
 Every module's imports are parsed with ``ast`` (nothing is imported). An edge A -> B is an import in A that
 names module B: ``import B``, ``from B import x``, or ``from P import B`` where B is a submodule of P;
@@ -9,6 +9,10 @@ Module-level imports (at the top, under ``if TYPE_CHECKING:``, in try blocks and
 cycle at all. Imports inside functions are deferred (they run once both modules are initialised) and count in
 a second check, which allows only the cycles of ``DEFERRED_ALLOWED``. Each failure names one cycle per
 strongly connected group of modules.
+
+A model family is one file (``trainer.models.MODELS`` names its adapter class): no module under trainer/models/
+imports another family's file (shared parts live in non-model modules: conditioning, packing, latents, ...), and no
+adapter class derives from another's (a variant is registry data, not a subclass).
 """
 
 from __future__ import annotations
@@ -151,3 +155,41 @@ def test_cycles_are_found_and_named():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
     assert sorted(cycles(graph)) == [["a", "b", "c", "a"], ["e", "f", "e"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def family_modules() -> set[str]:
+    """The modules of the registered adapters (one per model family)."""
+    from trainer.models import MODELS
+
+    return {spec.adapter.partition(":")[0] for spec in MODELS.values()}
+
+
+def test_no_model_module_imports_another_family_file():
+    found = modules()
+    families = family_modules()
+    assert {"trainer.models.flux", "trainer.models.qwen_image", "trainer.models.sd3"} <= families
+    edges = graph(deferred=True)
+    crossing = sorted(
+        f"{name} -> {target}"
+        for name in found
+        if name.startswith("trainer.models.")
+        for target in edges[name] & families
+        if target != name
+    )
+    assert not crossing, "model modules importing another family's file:\n" + "\n".join(crossing)
+
+
+def test_no_adapter_class_derives_from_another_models_adapter():
+    from trainer.models import MODELS
+
+    adapters = {spec.load() for spec in MODELS.values()}
+    derived = sorted(
+        f"{cls.__name__} derives from {other.__name__}"
+        for cls in adapters
+        for other in adapters
+        if other is not cls and issubclass(cls, other)
+    )
+    assert not derived, "\n".join(derived)
+    assert all(cls.__bases__ == (object,) for cls in adapters), [
+        c.__name__ for c in adapters if c.__bases__ != (object,)
+    ]

@@ -13,8 +13,9 @@ ENCODE = """
 import sys
 from trainer.quiet import quiet_third_party
 quiet_third_party()
-from trainer.models.tiny import TinyAdapter, TinyConfig
-adapter = TinyAdapter(TinyConfig(path=sys.argv[1]))
+from trainer.models.sd3 import SD3Adapter
+from trainer.models.tiny import TinyConfig
+adapter = SD3Adapter(TinyConfig(path=sys.argv[1]))
 adapter.prompts([" ".join(f"word{i}x{j}" for j in range(40)) for i in range(4)])
 adapter.prompts(["a short one"])
 print("encoded", len(adapter.prompts.cache))

@@ -546,7 +546,8 @@ def test_image_inputs_a_model_does_not_take_are_refused_naming_them_before_the_w
     tmp_path, capsys, tiny_model_dir
 ) -> None:
     """Inpainting rows for the text-to-image tiny model: the warm-up's shape check said to set data.image_size."""
-    from trainer.data.testing import tiny_dataset
+    from tiny_data import tiny_dataset
+
     from trainer.main import main
 
     output = tmp_path / "outputs"

@@ -231,7 +231,7 @@ def attention_for_run(
         use_attention("auto")
         return AttentionChoice("default", mode)
     use_attention("auto")  # the probe sets each candidate itself
-    blocks = repeated_blocks(adapter.denoiser, getattr(adapter, "compiled_blocks", ()))
+    blocks = repeated_blocks(adapter.denoiser, adapter.compiled_blocks)
     sigma = adapter.sigmas(sampler.num_steps)[:1]
     generator = torch.Generator(device).manual_seed(0)
     step = block_step(

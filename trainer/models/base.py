@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from trainer.models.latents import ImageLatents
     from trainer.models.trainable import Trainable
 
 IMAGE_FIELDS = ("image", "mask", "reference", "style")
@@ -29,6 +30,16 @@ def pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:
     if t.shape[1] == length:
         return t
     return nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]))
+
+
+def pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad [L_i, D] embeddings to ``length``: ([B, length, D], mask [B, length] long)."""
+    out = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
+    mask = torch.zeros(len(embeds), length, dtype=torch.long, device=out.device)
+    for i, e in enumerate(embeds):
+        out[i, : len(e)] = e
+        mask[i, : len(e)] = 1
+    return out, mask
 
 
 @dataclass
@@ -145,14 +156,17 @@ class StepFunction(Protocol):
 
 @runtime_checkable
 class ModelAdapter(Protocol):
-    """What the trainer needs from a model family. One implementation per file in ``trainer/models``.
+    """What the trainer needs from a model family: every member the loop, the algorithms and the run's tools read.
+    One implementation per family file in ``trainer/models``, built as ``Adapter(config, device)``; the variant it
+    runs (pipeline, conditioning parts, text path) is the registry's data for ``config.name`` (``ModelSpec``).
 
-    The text path is data on the class, shared by ``encode_prompts`` and ``trainer.precompute``:
-    ``text_components`` (subfolder -> class), ``optional_text``, ``text_settings`` (config fields that change
-    embeddings), ``encode_text(pipeline, config, device, prompt)`` -> the tensors cached per prompt, and
-    ``prompt_encoder(config, device)``, that path alone without denoiser or VAE (``text.prompt_encoder``).
-    Class attributes naming diffusers or transformers classes are ``common.Imported`` (imported when read), and
-    the modules import those libraries inside functions: reading a config imports every adapter module.
+    The text path is data (the family class, or the variant's ``ModelSpec.text``), shared by ``encode_prompts``
+    and ``trainer.precompute``: ``text_components`` (subfolder -> class), ``optional_text``, ``text_settings``
+    (config fields that change embeddings), ``encode_text(pipeline, config, device, prompt)`` -> the tensors cached
+    per prompt, and ``prompt_encoder(model, config, device)``, that path alone without denoiser or VAE
+    (``text.prompt_encoder``). Class attributes naming diffusers or transformers classes are ``common.Imported``
+    (imported when read), and the modules import those libraries inside functions: reading a config imports
+    every adapter module.
     """
 
     sampler_kind: str
@@ -174,6 +188,21 @@ class ModelAdapter(Protocol):
     """The weights the optimizer updates in ``denoiser`` (LoRA, all, or a trainable IP-Adapter): their set-up,
     saving and loading, and the reference policy they imply (``trainable.reference_spec``), which a parallel
     backend makes callable under its sharding (``trainer.models.trainable``)."""
+
+    reads_trajectory: bool
+    """Whether ``predict`` reads the rollout's initial noise and schedule (``Conditioning.noise``, ``.schedule``:
+    inpainting whose soft mask blends with them), which ``rollout`` then binds to the conditioning."""
+
+    compiled_blocks: tuple[type[nn.Module], ...]
+    """Block classes ``model.compile=blocks`` compiles besides those it finds repeated in ``denoiser`` (none: every
+    adapter's blocks are found)."""
+
+    vae: nn.Module | None
+    """The frozen VAE (None for a pixel-space model), which ``trainer.precompute --latents`` records through."""
+
+    image_latents: ImageLatents
+    """Where the VAE posteriors of image inputs come from (``model.image_latents``, else encoded), replaced by a
+    recording one while precomputing."""
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Conditioning for ``prompts`` and optional per-item images (frozen encoders, no grad)."""
@@ -218,4 +247,8 @@ class ModelAdapter(Protocol):
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1], float32, [B, C, H, W]."""
+        ...
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] [B, C, H, W] -> the latents ``decode`` inverts (posterior mean): supervised targets."""
         ...

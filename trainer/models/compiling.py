@@ -198,5 +198,5 @@ def compile_for_run(adapter, mode: str, batch_sizes: Iterable[int], backend: str
         return None
     limit = recompile_limit(batch_sizes, not adapter.trainable.reference_spec.copy)
     monitor = CompileMonitor(limit)
-    compile_denoiser(adapter.denoiser, mode, getattr(adapter, "compiled_blocks", ()), limit, backend)
+    compile_denoiser(adapter.denoiser, mode, adapter.compiled_blocks, limit, backend)
     return monitor

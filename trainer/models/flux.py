@@ -8,10 +8,11 @@ Guidance: FLUX-dev is guidance-distilled, so ``guidance_scale`` is fed to the gu
 is one forward per step (no CFG). A checkpoint without guidance embedding (schnell-like) gets true CFG with
 the empty negative prompt instead, batched as one forward.
 
-The FLUX.1 Fill and Kontext adapters are this class with two hooks replaced: ``_image_conditioning``
-(what ImageInputs become) and ``_model_input`` (how they join the packed latents). All of them take an
-optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``) conditioned on
-``ImageInputs.style`` through diffusers' own FLUX IP-Adapter classes.
+FLUX.1 Fill and Kontext are this adapter with one conditioning part each (registry data, ``MODELS``):
+``FILL_CHANNELS`` concatenates the masked image's latents and the mask to the latents' channels, and
+``KONTEXT_REFERENCE`` appends the reference image's tokens. All of them take an optional IP-Adapter
+(``model.ip_adapter``, see ``trainer.models.ip_adapter``) conditioned on ``ImageInputs.style`` through diffusers'
+own FLUX IP-Adapter classes.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, denoiser_config, freeze
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
-from trainer.models.inputs import reject_image_inputs
+from trainer.models.inputs import reject_image_inputs, require_image_input
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, refuse_unloadable_flux_tokens, split_style
 from trainer.models.latents import ImageLatents, refuse_image_latents
+from trainer.models.packing import PackedLatents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
-from trainer.samplers import flow_step, standard_normal
+from trainer.samplers import flow_step
 
 if TYPE_CHECKING:
     from diffusers import FluxPipeline
@@ -70,11 +72,8 @@ class FluxAdapter:
     config_class = FluxConfig
     pipeline_class = Imported("diffusers:FluxPipeline")
     transformer_class = Imported("diffusers:FluxTransformer2DModel")
-    label = "FLUX"
-    """The family's name in messages about ``model.path`` (Chroma subclasses this adapter with its transformer)."""
-    model_name = "flux"
-    encodes_image_inputs = False
-    """Whether ``_image_conditioning`` VAE-encodes per-item inputs (Fill, Kontext): ``model.image_latents``."""
+    reads_trajectory = False
+    compiled_blocks = ()
     text_components = Imported(
         {
             "text_encoder": "transformers:CLIPTextModel",
@@ -85,30 +84,28 @@ class FluxAdapter:
     )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: FluxConfig, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+        from trainer.models import MODELS
 
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
+        self.pipeline_class, self.parts = MODELS[config.name].pipeline_class, MODELS[config.name].conditioning
         load = {"torch_dtype": self.dtype}
-        saved = denoiser_config(self.transformer_class, config, "transformer", self.label)
+        saved = denoiser_config(self.transformer_class, config, "transformer", "FLUX")
         if config.ip_adapter is not None:
             refuse_unloadable_flux_tokens(config.ip_adapter.num_tokens, saved["joint_attention_dim"])
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
-        self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # as FluxPipeline's vae_scale_factor
-        side = config.resolution
-        if side <= 0 or side % (2 * self.vae_factor):
-            raise ValueError(f"model.resolution={side} must be a positive multiple of {2 * self.vae_factor}")
-        self.resolution = side
-        self.latent_channels = self.vae.config.latent_channels
-        tokens_side = side // self.vae_factor // 2
-        self.latent_shape = (tokens_side * tokens_side, 4 * self.latent_channels)
-        fed = self.latent_shape[1] + self._extra_input_channels()
+        self.latents = PackedLatents(self.vae, self.pipeline_class, config.resolution, self.device, self.dtype)
+        self.vae_factor, self.resolution = self.latents.vae_factor, self.latents.resolution
+        self.latent_channels, self.latent_shape = self.latents.channels, self.latents.shape
+        fed = self.latent_shape[1] + sum(part.channels(self) for part in self.parts)
         if saved["in_channels"] != fed:
             raise ValueError(
                 f"model.path={config.path!r} holds a FLUX transformer reading {saved['in_channels']} "
@@ -121,15 +118,14 @@ class FluxAdapter:
             scheduler=self.scheduler,
             vae=self.vae,
             transformer=self.denoiser,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         assert self.pipeline.vae_scale_factor == self.vae_factor
         freeze(self.vae)
-        if not self.encodes_image_inputs:
-            refuse_image_latents(self.model_name, config)
+        if not self.parts:
+            refuse_image_latents(config.name, config)
         self.image_latents = ImageLatents.of(self.vae, config)
-        self.img_ids = self.pipeline._prepare_latent_image_ids(1, tokens_side, tokens_side, self.device, self.dtype)
         self.guidance_embeds = bool(self.denoiser.config.get("guidance_embeds", False))
 
         self.ip_adapter = (
@@ -137,10 +133,6 @@ class FluxAdapter:
         )
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
-
-    def _extra_input_channels(self) -> int:
-        """Channels a variant concatenates to the packed latents at every forward (none here)."""
-        return 0
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
@@ -157,8 +149,9 @@ class FluxAdapter:
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Text embeddings (cached per prompt), the style image's embeddings when there is an IP-Adapter,
         and the image conditioning this variant takes."""
-        style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
-        images = self._image_conditioning(len(prompts), inputs)
+        style, inputs = split_style(self.config.name, self.ip_adapter, inputs, len(prompts))
+        reject_image_inputs(self.config.name, inputs, allowed=tuple(f for part in self.parts for f in part.fields))
+        images = {k: v for part in self.parts for k, v in part.encode(self, len(prompts), inputs).items()}
         return Conditioning(embeds=self.prompts.cat(prompts), style=style, **images)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
@@ -167,20 +160,9 @@ class FluxAdapter:
         cfg = any(self._runs_cfg(scale) for scale in guidance_scales)
         return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
-    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """Conditioning image fields from ``inputs``; text-to-image FLUX takes none."""
-        reject_image_inputs(self.model_name, inputs)
-        return {}
-
-    def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
-        """(transformer hidden_states, img_ids) for packed latents ``x`` in the model dtype."""
-        return x, self.img_ids
-
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, C, h, w] packed to tokens, drawn as ``FluxPipeline.prepare_latents`` draws it."""
-        h = self.resolution // self.vae_factor
-        noise = standard_normal((batch_size, self.latent_channels, h, h), generator, self.device)
-        return self.pipeline._pack_latents(noise, batch_size, self.latent_channels, h, h)
+        return self.latents.noise(batch_size, generator)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The pipeline's schedule: linspace(1, 1/T) shifted for this image token count."""
@@ -204,7 +186,9 @@ class FluxAdapter:
         n = latents.shape[0]
         # (sigma * 1000) / 1000 in the model dtype, exactly as the pipeline rounds its timestep.
         timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
-        hidden, img_ids = self._model_input(latents.to(self.dtype), cond)
+        hidden, img_ids = latents.to(self.dtype), self.latents.img_ids
+        for part in self.parts:
+            hidden, img_ids = part.join(self, hidden, img_ids, cond)
         guidance = (
             torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32) if self.guidance_embeds else None
         )
@@ -218,7 +202,7 @@ class FluxAdapter:
         if self.ip_adapter is not None:
             if cond.style is None:
                 raise ValueError(
-                    f"{self.model_name} has model.ip_adapter and needs Conditioning.style: encode "
+                    f"{self.config.name} has model.ip_adapter and needs Conditioning.style: encode "
                     "prompts with ImageInputs.style"
                 )
             extra["joint_attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
@@ -245,102 +229,80 @@ class FluxAdapter:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
         return rectified_flow_target(x0, noise, sigma)
 
-    @torch.no_grad()
-    def vae_encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1] [B, 3, H, W] -> scaled, unpacked latents [B, C, H/f, W/f] (posterior mean)."""
-        x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype)
-        return self.scale_latents(self.vae.encode(x).latent_dist.mode())
-
-    def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """VAE latents -> the shifted and scaled ones the transformer works in, float32."""
-        return (latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
-
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        """[B, C, h, w] -> [B, (h/2)(w/2), 4C] tokens."""
-        b, c, h, w = latents.shape
-        return self.pipeline._pack_latents(latents, b, c, h, w)
-
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1] -> packed latents (the inverse of ``decode``) for supervised targets."""
-        return self.pack(self.vae_encode(images))
+        return self.latents.encode_images(images)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.latents.decode(latents)
+
+
+@dataclass(frozen=True)
+class FillChannels:
+    """FLUX.1 Fill's conditioning: the masked image (pixels where mask >= 0.5 zeroed, as ``FluxFillPipeline``
+    does) VAE-encoded with the posterior mean and packed, and the mask folded to the latent grid and packed by the
+    pipeline's ``prepare_mask_latents``, both concatenated to the packed latents along channels at every forward:
+    [latents | masked-image latents | mask]. The pipeline samples the posterior instead of taking its mean."""
+
+    fields = ("image", "mask")
+    reads_trajectory = False
+
+    def channels(self, adapter: FluxAdapter) -> int:
+        """Packed 2x2: the masked image's latents, and the mask folded from vae_factor^2 pixels per latent."""
+        return 4 * adapter.latent_channels + 4 * adapter.vae_factor**2
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        x = self.pipeline._unpack_latents(latents.float(), self.resolution, self.resolution, self.vae_factor)
-        x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
-        return (x / 2 + 0.5).clamp(0, 1)
+    def encode(self, adapter: FluxAdapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """``image``: packed masked-image latents; ``mask``: the packed mask, as the pipeline makes them. The
+        masked image's posterior is read from ``model.image_latents`` when it holds it."""
+        name, size = adapter.config.name, (adapter.resolution, adapter.resolution)
+        image = require_image_input(name, inputs, "image", batch_size, 3, size)
+        mask = require_image_input(name, inputs, "mask", batch_size, 1, size)
+        mask = (mask.to(adapter.device, torch.float32) >= 0.5).float()
+        masked = (image.to(adapter.device, torch.float32) * 2 - 1) * (1 - mask)
+        latents = adapter.image_latents(masked.to(adapter.dtype)).mode()
+        mask_tokens, image_tokens = adapter.pipeline.prepare_mask_latents(
+            mask, latents, batch_size, adapter.latent_channels, 1, *size, adapter.dtype, adapter.device, None
+        )
+        return {"image": image_tokens, "mask": mask_tokens}
+
+    def join(self, adapter: FluxAdapter, x: torch.Tensor, ids: torch.Tensor, cond: Conditioning):
+        if cond.image is None or cond.mask is None:
+            raise ValueError("flux_fill needs Conditioning.image and .mask: encode prompts with ImageInputs")
+        return torch.cat([x, cond.image.to(x.dtype), cond.mask.to(x.dtype)], dim=2), ids
 
 
-# --- tiny test model and test facts (read by tests and benches through MODELS["flux"].tiny) ------------------
-_TINY_TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=4,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    pooled_projection_dim=32,
-    axes_dims_rope=[4, 4, 8],
-    guidance_embeds=True,
-)
-_TINY_SCHEDULER = dict(
-    use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-)
-_FLUX_9M = dict(
-    attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4, axes_dims_rope=[16, 24, 24]
-)
-"""About 9 M parameters."""
-_FLUX_REAL = dict(
-    attention_head_dim=128, num_attention_heads=24, num_layers=19, num_single_layers=38, axes_dims_rope=[16, 56, 56]
-)
-"""FLUX.1's widths, heads and depths (11.89 B parameters)."""
+@dataclass(frozen=True)
+class KontextReference:
+    """FLUX.1 Kontext's conditioning: the reference image VAE-encoded (posterior mean; ``FluxKontextPipeline``
+    samples it), packed and appended to the packed latents, its position ids the latent grid's with the first axis
+    set to 1, as the pipeline makes them; the transformer's output for its tokens is dropped. The reference may
+    have any size that is a multiple of 2x the VAE factor (the pipeline's resizing is the data pipeline's)."""
+
+    fields = ("reference",)
+    reads_trajectory = False
+
+    def channels(self, adapter: FluxAdapter) -> int:
+        return 0
+
+    def encode(self, adapter: FluxAdapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """``reference``: the scaled reference latents [B, C, h, w] (packed at each forward); the posterior is
+        read from ``model.image_latents`` when it holds it."""
+        reference = require_image_input(
+            adapter.config.name, inputs, "reference", batch_size, 3, multiple_of=2 * adapter.vae_factor
+        )
+        posterior = adapter.image_latents(adapter.latents.vae_input(reference))
+        return {"reference": adapter.latents.scale(posterior.mode())}
+
+    def join(self, adapter: FluxAdapter, x: torch.Tensor, ids: torch.Tensor, cond: Conditioning):
+        if cond.reference is None:
+            raise ValueError("flux_kontext needs Conditioning.reference: encode prompts with ImageInputs.reference")
+        _, _, h, w = cond.reference.shape
+        ref_ids = adapter.pipeline._prepare_latent_image_ids(1, h // 2, w // 2, adapter.device, adapter.dtype)
+        ref_ids[..., 0] = 1
+        tokens = adapter.latents.pack(cond.reference.to(x.dtype))
+        return torch.cat([x, tokens], dim=1), torch.cat([ids, ref_ids], dim=0)
 
 
-def tiny_components(path: Path, latent_channels: int = 1, **transformer) -> dict:
-    """A FLUX.1 pipeline's components: CLIP + T5 text encoders, a one-block VAE with ``latent_channels``, the
-    transformer with guidance embedding (``transformer``: config changes, e.g. Fill's channels)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-
-    from trainer.models import testing
-
-    clip = testing.clip_tokenizer(path / "tokenizer")
-    t5 = testing.t5_tokenizer(path / "tokenizer_2")
-    return dict(
-        transformer=FluxTransformer2DModel(**{**_TINY_TRANSFORMER, **transformer}).eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(**_TINY_SCHEDULER),
-        vae=testing.vae_1x(latent_channels),
-        text_encoder=testing.clip_text_encoder(clip),
-        tokenizer=clip,
-        text_encoder_2=testing.t5_encoder(t5),
-        tokenizer_2=t5,
-    )
-
-
-def pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    """The FLUX pipelines' arguments for a text-to-image call at the adapter's resolution."""
-    return dict(
-        height=adapter.resolution,
-        width=adapter.resolution,
-        guidance_scale=guidance_scale,
-        max_sequence_length=adapter.config.max_sequence_length,
-    )
-
-
-def tiny_spec():
-    """The tiny FLUX.1-dev and its test facts (``trainer.models.testing.TinySpec``)."""
-    from trainer.models import testing
-
-    return testing.TinySpec(
-        components=tiny_components,
-        pipeline_call=pipeline_call,
-        config=dict(resolution=16, max_sequence_length=testing.TEXT_LENGTH),
-        guidance=3.5,
-        ip_adapter=True,
-        ip_pipeline=True,
-        bench_resolution=32,
-        bench_guidance=3.5,
-        denoiser_9m=_FLUX_9M,
-        denoiser_real=_FLUX_REAL,
-    )
+FILL_CHANNELS = FillChannels()
+KONTEXT_REFERENCE = KontextReference()

@@ -1,6 +1,11 @@
 """FLUX.2 [dev] (Flux2Transformer2DModel, flow matching, guidance embedding, Mistral text encoder) from a local
-diffusers directory. The Klein models (``flux2_klein``, ``flux2_klein_inpaint``) are this class with another text
-encoder and guidance: the transformer, VAE, latents and schedule are shared.
+diffusers directory. FLUX.2 [klein] (``flux2_klein``) is this adapter with another text path (``KleinText``: a Qwen3
+text encoder, hidden states of layers 9, 18 and 27) and no guidance embedding: the base models run true CFG against
+``negative_prompt`` when ``guidance_scale > 1`` (one batched forward over [negative; prompt]); the step-distilled
+ones (``is_distilled`` in model_index.json) ignore the guidance scale, as their pipeline does. Its inpainting
+(``flux2_klein_inpaint``) adds ``conditioning.SOFT_INPAINT``: the source's latents are a conditioning image (time id
+10, the references after it), and the pipeline's blend with the mask made soft on the token grid comes from the
+prediction, which reads the rollout's initial noise and schedule.
 
 Latents live as the transformer sees them: the VAE's latents cut into 2x2 patches [B, 4C, h, w], normalised by
 the VAE's batch-norm statistics, and packed to tokens [B, h*w, 4C]. Text (hidden states of three text encoder
@@ -15,6 +20,7 @@ where the pipelines keep up to 1024^2 pixels; they share one list across a batch
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +33,7 @@ from trainer.config.fields import NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, denoiser_config, freeze
 from trainer.models.flow import cfg_combine, rectified_flow_target
-from trainer.models.inputs import reject_image_inputs, require_references
+from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import ImageLatents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
@@ -82,38 +88,34 @@ class Flux2Adapter:
     )
     config_class = Flux2Config
     pipeline_class = Imported("diffusers:Flux2Pipeline")
-    model_name = "flux2"
+    compiled_blocks = ()
     label = "FLUX.2 [dev]"
+    """The model its text path belongs to, in messages (``KleinText.label``)."""
     guidance_embedded = True
     """Whether the transformer has a guidance embedding (FLUX.2 [dev]; the Klein models run CFG instead)."""
-    encodes_image_inputs = True
-    max_references = 10
-    """Reference images per item: FLUX.2's multi-reference editing takes up to 10."""
     text_components = Imported(
         {"text_encoder": "transformers:Mistral3ForConditionalGeneration", "tokenizer": "transformers:AutoProcessor"}
     )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length", "text_encoder_out_layers")
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: Flux2Config, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+        from trainer.models import MODELS
 
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
+        spec = MODELS[config.name]
+        self.pipeline_class, self.parts = spec.pipeline_class, spec.conditioning
+        self.reads_trajectory = spec.reads_trajectory
+        self.label, self.guidance_embedded = spec.text_path.label, spec.text_path.guidance_embedded
         load = {"torch_dtype": self.dtype}
         saved = denoiser_config(Flux2Transformer2DModel, config, "transformer", self.label)
-        if bool(saved.get("guidance_embeds", True)) != self.guidance_embedded:
-            has = (
-                "has a guidance embedding (FLUX.2 [dev])" if saved.get("guidance_embeds", True) else "has none (Klein)"
-            )
-            raise ValueError(
-                f"model.path={config.path!r} holds a FLUX.2 transformer that {has}, which "
-                f"model.name={config.name} does not run: point model.path at {self.label} weights, "
-                "or set model.name to flux2 for FLUX.2 [dev] and flux2_klein for Klein"
-            )
+        self._check_guidance(saved)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", **load)
         self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # as the pipelines' vae_scale_factor
@@ -134,7 +136,7 @@ class Flux2Adapter:
             scheduler=self.scheduler,
             vae=self.vae,
             transformer=self.denoiser,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
             **self._pipeline_settings(path),
         )
         self.pipeline.to(self.device)
@@ -153,9 +155,28 @@ class Flux2Adapter:
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
         self.prompts = PromptEmbeddings.of(self, config)
 
+    def _check_guidance(self, saved: dict[str, Any]) -> None:
+        """A ValueError naming the fix when the saved transformer's guidance embedding is not its text path's
+        (FLUX.2 [dev] weights for Klein, or the other way round)."""
+        if bool(saved.get("guidance_embeds", True)) == self.guidance_embedded:
+            return
+        has = "has a guidance embedding (FLUX.2 [dev])" if saved.get("guidance_embeds", True) else "has none (Klein)"
+        raise ValueError(
+            f"model.path={self.config.path!r} holds a FLUX.2 transformer that {has}, which "
+            f"model.name={self.config.name} does not run: point model.path at {self.label} weights, "
+            "or set model.name to flux2 for FLUX.2 [dev] and flux2_klein for Klein"
+        )
+
     def _pipeline_settings(self, path: Path) -> dict[str, Any]:
-        """Pipeline arguments besides the components (none for FLUX.2 [dev])."""
-        return {}
+        """Pipeline arguments besides the components: Klein's ``is_distilled`` from model_index.json
+        (step-distilled checkpoints run no CFG); none for FLUX.2 [dev]."""
+        self.distilled = False
+        if self.guidance_embedded:
+            return {}
+        index = path / "model_index.json"
+        saved = json.loads(index.read_text()) if index.is_file() else {}
+        self.distilled = bool(saved.get("is_distilled", False))
+        return {"is_distilled": self.distilled}
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
@@ -170,8 +191,10 @@ class Flux2Adapter:
         return {"prompt_embeds": embeds}
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Text embeddings (cached per prompt) and the image conditioning this variant takes."""
-        images = self._image_conditioning(len(prompts), inputs)
+        """Text embeddings (cached per prompt) and the image conditioning of its parts (reference images, if an
+        item has any; inpainting's source and mask)."""
+        reject_image_inputs(self.config.name, inputs, allowed=tuple(f for part in self.parts for f in part.fields))
+        images = {k: v for part in self.parts for k, v in part.encode(self, len(prompts), inputs).items()}
         return Conditioning(embeds=self.prompts.cat(prompts), **images)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
@@ -180,35 +203,28 @@ class Flux2Adapter:
         cfg = any(self._runs_cfg(scale) for scale in guidance_scales)
         return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
-    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """``reference``: each item's reference images' latents (``_reference_latents``), if it has any."""
-        reject_image_inputs(self.model_name, inputs, allowed=("reference",))
-        return self._reference_latents(batch_size, inputs)
-
-    @torch.no_grad()
-    def _reference_latents(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """``reference``: the reference images as packed, normalised latents one after the other [B, N * L, 4C]
-        (posterior mode, as the pipelines' argmax; from ``model.image_latents`` when it holds them), float32;
-        nothing without references."""
-        if inputs is None or inputs.reference is None:
-            return {}
-        references = require_references(
-            self.model_name,
-            inputs,
-            batch_size,
-            (self.resolution, self.resolution),
-            self.max_references,
-            self.pipeline_class.__name__,
+    def reference_latents(self, references: torch.Tensor) -> torch.Tensor:
+        """The reference images [B, N, 3, H, W] as packed, normalised latents one after the other [B, N * L, 4C]
+        (posterior mode, as the pipelines' argmax; from ``model.image_latents`` when it holds them), float32."""
+        return torch.cat(
+            [
+                self.model_latents(self.image_latents(self._vae_input(references[:, i])).mode())
+                for i in range(references.shape[1])
+            ],
+            dim=1,
         )
-        return {
-            "reference": torch.cat(
-                [
-                    self.model_latents(self.image_latents(self._vae_input(references[:, i])).mode())
-                    for i in range(references.shape[1])
-                ],
-                dim=1,
-            )
-        }
+
+    def inpaint_source(self, image: torch.Tensor) -> torch.Tensor:
+        """The source's packed, normalised latents z (posterior mean, as the pipeline's argmax; read from
+        ``model.image_latents`` when it holds them), float32."""
+        return self.model_latents(self.image_latents(self._vae_input(image)).mode())
+
+    def inpaint_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """[B, L, 1]: the mask binarised at 0.5, then interpolated bilinearly to the token grid, as the pipeline's
+        ``prepare_mask_latents`` does."""
+        binary = (mask.to(self.device, torch.float32) >= 0.5).float()
+        soft = nn.functional.interpolate(binary, size=(self.tokens_side, self.tokens_side), mode="bilinear")
+        return self.pipeline._pack_latents(soft)
 
     def _conditioning_ids(self, images: int) -> torch.Tensor:
         """Position ids of the generated tokens followed by ``images`` conditioning images' (time ids 10, 20,
@@ -222,12 +238,12 @@ class Flux2Adapter:
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
         """(transformer hidden_states, img_ids) for packed latents ``x`` in the model dtype: the latents, then
-        the references' tokens, if any."""
-        if cond.reference is None:
+        inpainting's source tokens and the references' tokens, if any."""
+        images = [t for t in (cond.image, cond.reference) if t is not None]
+        if not images:
             return x, self.img_ids
-        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), self._conditioning_ids(
-            cond.reference.shape[1] // x.shape[1]
-        )
+        tokens = torch.cat([x, *(t.to(x.dtype) for t in images)], dim=1)
+        return tokens, self._conditioning_ids(tokens.shape[1] // x.shape[1] - 1)
 
     def prepare_latents(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
         """Noise [B, 4C, h, w] packed to tokens, drawn as the pipelines' ``prepare_latents`` draw it."""
@@ -245,7 +261,7 @@ class Flux2Adapter:
 
     # --- the network ---------------------------------------------------------------------------------
     def _runs_cfg(self, guidance_scale: float) -> bool:
-        return False
+        return not self.guidance_embedded and guidance_scale > 1.0 and not self.distilled
 
     def _txt_ids_for(self, length: int) -> torch.Tensor:
         if length not in self._txt_ids:
@@ -256,7 +272,10 @@ class Flux2Adapter:
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity for packed latents. FLUX.2 [dev] gets ``guidance_scale`` as its guidance embedding; a model
-        without one runs CFG over [negative prompt; prompt] as one forward where ``_runs_cfg`` says so."""
+        without one runs CFG over [negative prompt; prompt] as one forward where ``_runs_cfg`` says so; each
+        part's change after (inpainting's known region)."""
+        for part in self.parts:
+            part.check(self, cond)
         embeds = cond.embeds["prompt_embeds"]
         n = latents.shape[0]
         # (sigma * 1000) / 1000 in the model dtype, exactly as the pipelines round their timestep.
@@ -280,9 +299,10 @@ class Flux2Adapter:
             return_dict=False,
         )[0]
         out = out[:, : latents.shape[1]]
-        if cfg:
-            return cfg_combine(*out.chunk(2), guidance_scale)
-        return out.float()
+        v = cfg_combine(*out.chunk(2), guidance_scale) if cfg else out.float()
+        for part in self.parts:
+            v = part.velocity(self, v, latents, sigma, cond)
+        return v
 
     def training_target(
         self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
@@ -319,137 +339,25 @@ class Flux2Adapter:
         return (x / 2 + 0.5).clamp(0, 1)
 
 
-# --- tiny test model and test facts (read by tests and benches through MODELS["flux2"].tiny) -----------------
-_CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] != 'system' %}{% for c in m['content'] %}{% if c['type'] == "
-    "'text' %}<|im_start|>{{ m['role'] }}\n{{ c['text'] }}<|im_end|>\n{% endif %}{% endfor %}{% endif %}"
-    "{% endfor %}"
-)
-"""A chat template for the tiny tokenizer that drops the system message: the pipeline's long one would leave
-no room for the prompt in the tests' 48 tokens."""
-FLUX2_9M = dict(
-    attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4, axes_dims_rope=(16, 16, 16, 16)
-)
-"""About 9 M parameters (FLUX.2 [dev] and Klein)."""
-_FLUX2_REAL = dict(
-    attention_head_dim=128, num_attention_heads=48, num_layers=8, num_single_layers=48, axes_dims_rope=(32, 32, 32, 32)
-)
-"""FLUX.2 [dev]'s widths, heads and depths (diffusers' defaults; the text width stays the tiny encoder's)."""
+@dataclass
+class Flux2KleinConfig(Flux2Config):
+    """FLUX.2 [klein] weights (4B or 9B, base or distilled); the settings of FLUX.2."""
+
+    name: str = "flux2_klein"
+    text_encoder_out_layers: tuple[int, ...] = (9, 18, 27)
+    """Qwen3 hidden states stacked into the prompt embeddings (the pipeline's default)."""
 
 
-def tiny_transformer(joint_attention_dim: int, guidance_embeds: bool):
-    """FLUX.2's transformer at test size: 8 input channels (2x2 patches of ``tiny_vae``'s 2 channels)."""
-    from diffusers import Flux2Transformer2DModel
+class KleinText:
+    """FLUX.2 [klein]'s text path: a Qwen3 text encoder (its chat template, hidden states of three layers stacked),
+    called as FLUX.2's; its transformer has no guidance embedding."""
 
-    return Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=8,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-        joint_attention_dim=joint_attention_dim,
-        guidance_embeds=guidance_embeds,
-    ).eval()
-
-
-def tiny_vae(seed: int = 0):
-    """A one-block FLUX.2 VAE (1x, 2 latent channels) whose batch-norm statistics are random, so that a test
-    sees a latent normalisation that is missing or inverted."""
-    from diffusers import AutoencoderKLFlux2
-
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(4,),
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        layers_per_block=1,
-        latent_channels=2,
-        norm_num_groups=1,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    ).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
-        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, generator=g))
-    return vae
-
-
-def _tiny_components(path: Path) -> dict:
-    """FLUX.2 [dev]: a 2-layer Mistral 3 (text hidden 24, all three hidden states stacked: 72 channels; a
-    one-layer Pixtral vision tower it does not use), the 1x VAE, the transformer with guidance embedding."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from transformers import (
-        Mistral3Config,
-        Mistral3ForConditionalGeneration,
-        MistralConfig,
-        PixtralVisionConfig,
+    label = "FLUX.2 [klein]"
+    guidance_embedded = False
+    text_components = Imported(
+        {"text_encoder": "transformers:Qwen3ForCausalLM", "tokenizer": "transformers:Qwen2Tokenizer"}
     )
-
-    from trainer.models import testing
-
-    tok = testing.qwen_tokenizer(path / "tokenizer")
-    tok.chat_template = _CHAT_TEMPLATE
-    tok.save_pretrained(path / "tokenizer")
-    text = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=24,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=12,
-        max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id,
-    )
-    vision = PixtralVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=16,
-        patch_size=8,
-        head_dim=8,
-    )
-    encoder = Mistral3ForConditionalGeneration(
-        Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict())
-    ).eval()
-    return dict(
-        transformer=tiny_transformer(joint_attention_dim=72, guidance_embeds=True),
-        vae=tiny_vae(),
-        text_encoder=encoder,
-        tokenizer=tok,
-        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0),
-    )
-
-
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    return dict(
-        height=adapter.resolution,
-        width=adapter.resolution,
-        guidance_scale=guidance_scale,
-        max_sequence_length=adapter.config.max_sequence_length,
-        text_encoder_out_layers=tuple(adapter.config.text_encoder_out_layers),
-    )
-
-
-def tiny_spec():
-    """The tiny FLUX.2 [dev] and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens,
-    guidance embedding at 4 (the pipeline's default)."""
-    from trainer.models import testing
-
-    return testing.TinySpec(
-        components=_tiny_components,
-        pipeline_call=_pipeline_call,
-        config=dict(resolution=16, max_sequence_length=48, text_encoder_out_layers=[0, 1, 2]),
-        guidance=4.0,
-        optional_inputs=("reference",),
-        bench_resolution=32,
-        bench_guidance=4.0,
-        denoiser_9m=FLUX2_9M,
-        denoiser_real=_FLUX2_REAL,
-    )
+    optional_text: tuple[str, ...] = ()
+    text_settings = Flux2Adapter.text_settings
+    encode_text = staticmethod(Flux2Adapter.encode_text)
+    prompt_encoder = staticmethod(prompt_encoder)

@@ -12,10 +12,16 @@ the pipeline up to float rounding of the masked padding.
 
 An optional IP-Adapter (``model.ip_adapter``, see ``trainer.models.ip_adapter``; diffusers has none for
 Qwen-Image) conditions the image stream on ``ImageInputs.style``.
+
+Its variants are this adapter with conditioning parts (registry data, ``MODELS``): inpainting
+(``conditioning.INPAINT``: the transformer reads no mask, the known region comes from the prediction as the
+pipeline's blend), editing (``qwen_edit.EDIT``, ``EDIT_PLUS``: the text encoder and the transformer read the
+images to edit) and editing inside a mask (``qwen_edit.EDIT_SOURCE`` with ``INPAINT``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +31,13 @@ import torch
 from torch import nn
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1
+from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1, pad_text
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.ip_adapter import IPAdapter, IPAdapterSettings, split_style
 from trainer.models.latents import ImageLatents, refuse_image_latents
+from trainer.models.packing import fold_mask
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -55,14 +62,40 @@ class QwenImageConfig(DiffusersModelConfig):
     """An IP-Adapter conditioned on ``ImageInputs.style``; None: the model takes no style image."""
 
 
-def pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad [L_i, D] embeddings to ``length``: ([B, length, D], mask [B, length] long)."""
-    out = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
-    mask = torch.zeros(len(embeds), length, dtype=torch.long, device=out.device)
-    for i, e in enumerate(embeds):
-        out[i, : len(e)] = e
-        mask[i, : len(e)] = 1
-    return out, mask
+@dataclass
+class QwenImageEditConfig(QwenImageConfig):
+    """Where the Qwen-Image-Edit weights are (Qwen-Image's folders plus processor/) and how to run them."""
+
+    name: str = "qwen_image_edit"
+    """Registry name of the adapter."""
+
+    def __post_init__(self):
+        if self.text_embeddings:
+            raise ValueError(
+                "model.text_embeddings is set, but qwen_image_edit's prompt embeddings depend on the "
+                "image to edit (its text encoder reads it): unset it"
+            )
+        if self.ip_adapter is not None:
+            raise ValueError("model.ip_adapter is set, but the qwen_image_edit adapter takes no IP-Adapter: unset it")
+
+
+@dataclass
+class QwenImageEditPlusConfig(QwenImageEditConfig):
+    """Where the Qwen-Image-Edit-2509 (or 2511) weights are and how to run them."""
+
+    name: str = "qwen_image_edit_plus"
+    """Registry name of the adapter."""
+    condition_size: PositiveInt = 384
+    """Side in pixels of the square image the text encoder reads each reference at (the pipeline's
+    CONDITION_IMAGE_SIZE area of 384^2; a multiple of 32, as the pipeline rounds it)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.condition_size % 32:
+            raise ValueError(
+                f"model.condition_size={self.condition_size} must be a multiple of 32 (the pipeline "
+                "rounds its condition images' sides to 32): 384 is the pipeline's"
+            )
 
 
 def true_cfg(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -78,16 +111,15 @@ class QwenImageAdapter:
     sampler_kind = "flow"
     shard_units = Imported(("diffusers.models.transformers.transformer_qwenimage:QwenImageTransformerBlock",))
     config_class = QwenImageConfig
-    model_name = "qwen_image"
     pipeline_class = Imported("diffusers:QwenImagePipeline")
-    encodes_image_inputs = False
-    """Whether a variant VAE-encodes per-item inputs (inpainting, editing): ``model.image_latents``."""
+    reads_trajectory = False
+    compiled_blocks = ()
     text_components = Imported(
         {"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration", "tokenizer": "transformers:Qwen2Tokenizer"}
     )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: QwenImageConfig, device: torch.device | str = "cpu"):
         from diffusers import (
@@ -96,10 +128,15 @@ class QwenImageAdapter:
             QwenImageTransformer2DModel,
         )
 
+        from trainer.models import MODELS
+
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
+        self.pipeline_class, self.parts = MODELS[config.name].pipeline_class, MODELS[config.name].conditioning
+        self.editing = next((part for part in self.parts if part.encodes_text), None)
+        """The part that encodes the prompts with their images (editing), or None."""
         load = {"torch_dtype": self.dtype}
         self.denoiser = load_denoiser(QwenImageTransformer2DModel, config, "transformer", "Qwen-Image", **load)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
@@ -108,12 +145,12 @@ class QwenImageAdapter:
             scheduler=self.scheduler,
             vae=self.vae,
             transformer=self.denoiser,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         freeze(self.vae)
-        if not self.encodes_image_inputs:
-            refuse_image_latents(self.model_name, config)
+        if not self.parts:
+            refuse_image_latents(config.name, config)
         self.image_latents = ImageLatents.of(self.vae, config)
 
         self.vae_factor = self.pipeline.vae_scale_factor
@@ -134,6 +171,8 @@ class QwenImageAdapter:
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing, self.ip_adapter)
         self.prompts = PromptEmbeddings.of(self, config)
         self._padded_negative: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.text_cache: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+        """(prompt, images) -> embeddings, for a part whose text encoder reads images (``qwen_edit.Edit``)."""
 
     # --- conditioning -------------------------------------------------------------------------------
     @staticmethod
@@ -160,9 +199,13 @@ class QwenImageAdapter:
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``; the style image's
-        embeddings when there is an IP-Adapter."""
-        style, inputs = split_style(self.model_name, self.ip_adapter, inputs, len(prompts))
-        images = self._image_conditioning(len(prompts), inputs)
+        embeddings when there is an IP-Adapter; the image conditioning of its parts (an editing part encodes the
+        prompts itself, with their images)."""
+        if self.editing is not None:
+            return self.editing.encode_prompts(self, prompts, inputs)
+        style, inputs = split_style(self.config.name, self.ip_adapter, inputs, len(prompts))
+        reject_image_inputs(self.config.name, inputs, allowed=tuple(f for part in self.parts for f in part.fields))
+        images = {k: v for part in self.parts for k, v in part.encode(self, len(prompts), inputs).items()}
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
@@ -175,14 +218,25 @@ class QwenImageAdapter:
             padded=any(len(t) < length for t in text),
         )
 
-    def _image_conditioning(self, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """Conditioning image fields from ``inputs``; text-to-image Qwen-Image takes none."""
-        reject_image_inputs(self.model_name, inputs)
-        return {}
+    def inpaint_source(self, image: torch.Tensor) -> torch.Tensor:
+        """The source's normalised, packed latents (posterior mean; read from ``model.image_latents`` when it
+        holds them), float32, as the inpainting pipeline makes them."""
+        x = (image.to(self.device, torch.float32) * 2 - 1).to(self.dtype)[:, :, None]
+        latents = self.image_latents(x).mode().float()
+        latents = (latents - self.latents_mean) * (1 / self.latents_std)  # the pipeline's rounding
+        b, c, _, h, w = latents.shape
+        return self.pipeline._pack_latents(latents, b, c, h, w)
+
+    def inpaint_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """True where to repaint, per packed latent entry, as the pipelines' ``prepare_mask_latents`` fold it."""
+        side = self.resolution // self.vae_factor
+        return fold_mask(mask, side, self.latent_channels, self.pipeline._pack_latents, self.device)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
-        ``model.text_embeddings`` store lacks."""
+        ``model.text_embeddings`` store lacks (none for an editing part: its text encoders always encode)."""
+        if self.editing is not None:
+            return []
         cfg = any(scale > 1.0 for scale in guidance_scales)
         return self.prompts.missing([*prompts, *[self.config.negative_prompt] * cfg])
 
@@ -205,7 +259,9 @@ class QwenImageAdapter:
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity; with ``guidance_scale > 1`` true CFG against ``negative_prompt`` in one forward (zero
-        image embeddings in the unconditional half when there is an IP-Adapter)."""
+        image embeddings in the unconditional half when there is an IP-Adapter); each part's change after."""
+        for part in self.parts:
+            part.check(self, cond)
         embeds, mask = cond.embeds["prompt_embeds"], cond.embeds["prompt_mask"]
         n = latents.shape[0]
         x, shapes = self._model_input(latents.to(self.dtype), cond)
@@ -220,14 +276,6 @@ class QwenImageAdapter:
             if padded:
                 mask = torch.cat([pad_dim1(neg_mask.expand(n, -1), length), pad_dim1(mask, length)])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        extra = {}
-        if self.ip_adapter is not None:
-            if cond.style is None:
-                raise ValueError(
-                    "qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts "
-                    "with ImageInputs.style"
-                )
-            extra["attention_kwargs"] = self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)
         out = net(
             hidden_states=x,
             timestep=timestep,
@@ -235,20 +283,41 @@ class QwenImageAdapter:
             encoder_hidden_states_mask=mask if padded else None,
             img_shapes=[shapes] * x.shape[0],
             return_dict=False,
-            **extra,
+            **self._ip_kwargs(cond, cfg),
         )[0][:, : latents.shape[1]]
-        if cfg:
-            return true_cfg(*out.chunk(2), guidance_scale)
-        return out.float()
+        v = true_cfg(*out.chunk(2), guidance_scale) if cfg else out.float()
+        for part in self.parts:
+            v = part.velocity(self, v, latents, sigma, cond)
+        return v
+
+    def _ip_kwargs(self, cond: Conditioning, cfg: bool) -> dict:
+        """The transformer's ``attention_kwargs`` of the IP-Adapter's image embeddings, if there is one."""
+        if self.ip_adapter is None:
+            return {}
+        if cond.style is None:
+            raise ValueError(
+                "qwen_image has model.ip_adapter and needs Conditioning.style: encode prompts with ImageInputs.style"
+            )
+        return {"attention_kwargs": self.ip_adapter.image_kwargs(cond.style, cfg, self.dtype)}
 
     def _model_input(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """(transformer hidden_states, one sample's img_shapes) for packed latents ``x`` in the model dtype: a
-        variant appends its image tokens (editing's reference) and their grid."""
-        return x, [(1, self.tokens_side, self.tokens_side)]
+        """(transformer hidden_states, one sample's img_shapes) for packed latents ``x`` in the model dtype, with
+        an editing part's reference tokens appended, each with its grid."""
+        grid = (1, self.tokens_side, self.tokens_side)
+        if self.editing is None:
+            return x, [grid]
+        if cond.reference is None:
+            raise ValueError("qwen_image_edit needs Conditioning.reference: encode prompts with ImageInputs.reference")
+        references = cond.reference.shape[1] // x.shape[1]
+        return torch.cat([x, cond.reference.to(x.dtype)], dim=1), [grid] * (1 + references)
 
     def _negative_text(self, cond: Conditioning, length: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """CFG's negative text ([1 or B, L, D] embeddings, [1 or B, L] mask, whether it holds padding), at least
-        ``length`` long: the negative prompt's, one for the whole batch."""
+        ``length`` long: the negative prompt's, one for the whole batch; with an editing part each item's negative
+        prompt read with its images (no padding: all ones mask)."""
+        if self.editing is not None:
+            negative = cond.embeds["negative_embeds"]
+            return negative, torch.ones(negative.shape[:2], dtype=torch.long, device=negative.device), False
         neg_embeds, neg_mask, neg_length = self._negative(length)
         return neg_embeds, neg_mask, neg_length != neg_embeds.shape[1]
 
@@ -272,111 +341,3 @@ class QwenImageAdapter:
         x = x * self.latents_std + self.latents_mean
         x = self.vae.decode(x.to(self.dtype), return_dict=False)[0][:, :, 0].float()
         return (x / 2 + 0.5).clamp(0, 1)
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["qwen_image"].tiny) ------------
-_QWEN_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=60, axes_dims_rope=[16, 56, 56])
-"""Qwen-Image's widths, heads and depths (20.42 B parameters)."""
-
-
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
-"""The tokens with which the editing pipelines' prompt template places an image."""
-
-
-def _tiny_components(path: Path, vision: bool = False) -> dict:
-    """Qwen-Image: a 2-layer Qwen2.5-VL text encoder (hidden 16; with ``vision`` its tokenizer places images
-    with ``VISION_TOKENS``), the Qwen VAE (z_dim 4, 4x), and the transformer with 2x2 patches."""
-    import math
-
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from trainer.models import testing
-
-    tok = testing.qwen_tokenizer(path / "tokenizer", VISION_TOKENS if vision else ())
-    ids = dict(vision_start_token_id=len(tok) + 1, vision_end_token_id=len(tok) + 2, image_token_id=len(tok) + 4)
-    if vision:
-        ids = {key: tok.convert_tokens_to_ids(t) for key, t in zip(ids, VISION_TOKENS, strict=True)}
-    text_config = Qwen2_5_VLConfig(
-        text_config=dict(
-            hidden_size=16,
-            intermediate_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=len(tok),
-            rope_theta=1e6,
-            bos_token_id=tok.eos_token_id,
-            eos_token_id=tok.eos_token_id,
-            rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-        ),
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
-        hidden_size=16,
-        vocab_size=len(tok),
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        vision_token_id=len(tok) + 3,
-        video_token_id=len(tok) + 5,
-        **ids,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True,
-        base_shift=math.log(3),
-        max_shift=math.log(3),
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    )
-    return dict(
-        transformer=QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=16,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=3,
-            joint_attention_dim=16,
-            axes_dims_rope=(8, 4, 4),
-        ).eval(),
-        vae=AutoencoderKLQwenImage(
-            base_dim=24,
-            z_dim=4,
-            dim_mult=[1, 2, 4],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        ).eval(),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(text_config).eval(),
-        tokenizer=tok,
-        scheduler=scheduler,
-    )
-
-
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    return dict(
-        height=adapter.resolution,
-        width=adapter.resolution,
-        true_cfg_scale=guidance_scale,
-        negative_prompt=adapter.config.negative_prompt if guidance_scale > 1 else None,
-        max_sequence_length=adapter.config.max_sequence_length,
-    )
-
-
-def tiny_spec():
-    """The tiny Qwen-Image and its test facts (``trainer.models.testing.TinySpec``). diffusers has no
-    IP-Adapter for it; 32 pixels, where its 3D VAE no longer dominates the time."""
-    from trainer.models import testing
-
-    return testing.TinySpec(
-        components=_tiny_components,
-        pipeline_call=_pipeline_call,
-        config=dict(resolution=32),
-        guidance=3.0,
-        ip_adapter=True,
-        bench_resolution=128,
-        bench_guidance=4.5,
-        denoiser_9m=dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, axes_dims_rope=[16, 24, 24]),
-        denoiser_real=_QWEN_REAL,
-    )

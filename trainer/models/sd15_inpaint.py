@@ -62,19 +62,22 @@ class SD15InpaintAdapter:
         )
     )
     config_class = SD15InpaintConfig
-    model_name = "sd15_inpaint"
+    reads_trajectory = False
+    compiled_blocks = ()
     pipeline_class = Imported("diffusers:StableDiffusionInpaintPipeline")
-    encodes_image_inputs = True
     text_components = Imported(
         {"text_encoder": "transformers:CLIPTextModel", "tokenizer": "transformers:CLIPTokenizer"}
     )
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype",)
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: SD15InpaintConfig, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
+        from trainer.models import MODELS
+
+        self.parts = MODELS[config.name].conditioning
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -99,7 +102,7 @@ class SD15InpaintAdapter:
             safety_checker=None,
             feature_extractor=None,
             requires_safety_checker=False,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         freeze(self.vae)
@@ -120,19 +123,10 @@ class SD15InpaintAdapter:
     # --- conditioning -------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """CLIP embeddings (cached per prompt); ``image``: masked-image latents (the posterior read from
-        ``model.image_latents`` when it holds it), ``mask``: the latent-size mask."""
-        reject_image_inputs(self.model_name, inputs, allowed=("image", "mask"))
-        size = (self.resolution, self.resolution)
-        image = require_image_input(self.model_name, inputs, "image", len(prompts), 3, size)
-        mask = require_image_input(self.model_name, inputs, "mask", len(prompts), 1, size)
-        mask = (mask.to(self.device, torch.float32) >= 0.5).float()
-        masked = (image.to(self.device, torch.float32) * 2 - 1) * (mask < 0.5)
-        masked_latents = self.image_latents(masked.to(self.dtype)).mode() * self.vae.config.scaling_factor
-        latent_mask, masked_latents = self.pipeline.prepare_mask_latents(
-            mask, masked_latents, len(prompts), self.resolution, self.resolution, self.dtype, self.device, None, False
-        )
-        return Conditioning(embeds=self.prompts.cat(prompts), image=masked_latents, mask=latent_mask)
+        """CLIP embeddings (cached per prompt) and the image conditioning of its part (``MASKED_IMAGE``)."""
+        reject_image_inputs(self.config.name, inputs, allowed=tuple(f for part in self.parts for f in part.fields))
+        images = {k: v for part in self.parts for k, v in part.encode(self, len(prompts), inputs).items()}
+        return Conditioning(embeds=self.prompts.cat(prompts), **images)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
@@ -215,93 +209,26 @@ class SD15InpaintAdapter:
         return (x / 2 + 0.5).clamp(0, 1)
 
 
-# --- tiny test model and test facts (read by tests and benches through MODELS["sd15_inpaint"].tiny) ----------
-_REAL_UNET = dict(
-    block_out_channels=[320, 640, 1280, 1280],
-    attention_head_dim=8,
-    norm_num_groups=32,
-    down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-    up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-)
-"""The SD1.5 UNet's widths and blocks (0.84 B parameters: its cross-attention reads the tiny text width)."""
+@dataclass(frozen=True)
+class MaskedImage:
+    """SD1.5 inpainting's conditioning, which its UNet reads as 5 more input channels: the masked image's latents
+    (pixels where mask >= 0.5 zeroed; the posterior read from ``model.image_latents`` when it holds it) and the mask
+    at the latent size, as the pipeline's ``prepare_mask_latents`` makes them."""
+
+    fields = ("image", "mask")
+    reads_trajectory = False
+
+    def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        name, size = adapter.config.name, (adapter.resolution, adapter.resolution)
+        image = require_image_input(name, inputs, "image", batch_size, 3, size)
+        mask = require_image_input(name, inputs, "mask", batch_size, 1, size)
+        mask = (mask.to(adapter.device, torch.float32) >= 0.5).float()
+        masked = (image.to(adapter.device, torch.float32) * 2 - 1) * (mask < 0.5)
+        masked_latents = adapter.image_latents(masked.to(adapter.dtype)).mode() * adapter.vae.config.scaling_factor
+        latent_mask, masked_latents = adapter.pipeline.prepare_mask_latents(
+            mask, masked_latents, batch_size, *size, adapter.dtype, adapter.device, None, False
+        )
+        return {"image": masked_latents, "mask": latent_mask}
 
 
-def _tiny_components(path: Path) -> dict:
-    """SD1.5 inpainting: a 9-channel UNet, a 2x VAE with 4 latent channels, CLIP, SD1.5's DDIM settings."""
-    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
-
-    from trainer.models import testing
-
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        sample_size=8,
-        in_channels=9,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32,
-    ).eval()
-    vae = AutoencoderKL(
-        block_out_channels=[32, 64],
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2,
-        sample_size=16,
-    ).eval()
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    tok = testing.clip_tokenizer(path / "tokenizer")
-    return dict(
-        vae=vae,
-        text_encoder=testing.clip_text_encoder(tok),
-        tokenizer=tok,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-
-
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    return dict(
-        height=adapter.resolution,
-        width=adapter.resolution,
-        guidance_scale=guidance_scale,
-        eta=0.0,
-        image=inputs.image,
-        mask_image=inputs.mask,
-    )
-
-
-def tiny_spec():
-    """The tiny SD1.5 inpainting model and its test facts (``trainer.models.testing.TinySpec``). Its UNet
-    learns at a tenth of the others' rate (at 1e-2 it rises, then collapses) and needs bigger groups."""
-    from trainer.models import testing
-
-    return testing.TinySpec(
-        components=_tiny_components,
-        pipeline_call=_pipeline_call,
-        config=dict(resolution=16),
-        guidance=3.0,
-        inputs=("image", "mask"),
-        data="inpaint_jsonl",
-        posterior_draw="diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint.retrieve_latents",
-        learning=("train.learning_rate=0.003", "algorithm.group_size=32"),
-        learning_epochs=15,
-        bench_resolution=32,
-        bench_guidance=4.5,
-        denoiser_9m=dict(block_out_channels=[96, 192]),
-        denoiser_real=_REAL_UNET,
-        compiled_ratio_atol=1e-5,
-        compiled_ratio_atol_bf16=0.08,
-    )
+MASKED_IMAGE = MaskedImage()

@@ -27,7 +27,7 @@ from trainer.models.common import (
 )
 from trainer.models.flow import cfg_combine, dynamic_shift_mu
 from trainer.models.inputs import reject_image_inputs
-from trainer.models.latents import refuse_image_latents
+from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -65,10 +65,15 @@ class SD3Adapter:
     )
     optional_text = ("text_encoder_3", "tokenizer_3")
     text_settings = ("dtype", "max_sequence_length")
+    reads_trajectory = False
+    compiled_blocks = ()
 
     def __init__(self, config: SD3Config, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
+        from trainer.models import MODELS
+
+        MODELS[config.name].provide(config)  # the embedded tiny model is built on first use
         path = Path(config.path)
         self.config = config
         self.device = torch.device(device)
@@ -81,11 +86,12 @@ class SD3Adapter:
             transformer=self.denoiser,
             scheduler=self.scheduler,
             vae=self.vae,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         freeze(self.vae)
         refuse_image_latents("sd3", config)
+        self.image_latents = ImageLatents.of(self.vae, config)  # never read: no input is VAE-encoded
 
         vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         side = config.resolution or self.denoiser.config.sample_size * vae_factor
@@ -105,9 +111,9 @@ class SD3Adapter:
         self.prompts = PromptEmbeddings.of(self, config)
 
     # --- conditioning -------------------------------------------------------------------------------
-    @classmethod
-    def prompt_encoder(cls, config: SD3Config, device: torch.device | str):
-        """``common.prompt_encoder``; without T5 the pipeline reads the transformer's config for its zero T5
+    @staticmethod
+    def prompt_encoder(model, config: SD3Config, device: torch.device | str):
+        """``text.prompt_encoder``; without T5 the pipeline reads the transformer's config for its zero T5
         tokens, which a weightless (meta-device) transformer provides."""
         from diffusers import SD3Transformer2DModel
 
@@ -117,7 +123,7 @@ class SD3Adapter:
                 extra["transformer"] = SD3Transformer2DModel.from_config(
                     denoiser_config(SD3Transformer2DModel, config, "transformer", "SD3")
                 )
-        return prompt_encoder(cls, config, device, **extra)
+        return prompt_encoder(model, config, device, **extra)
 
     @staticmethod
     def encode_text(
@@ -214,85 +220,3 @@ class SD3Adapter:
             x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
             x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["sd3"].tiny) -------------------
-_SD3_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, caption_projection_dim=256)
-"""About 9 M parameters."""
-_SD3_REAL = dict(
-    attention_head_dim=64,
-    num_attention_heads=24,
-    num_layers=24,
-    caption_projection_dim=1536,
-    qk_norm="rms_norm",
-    dual_attention_layers=list(range(13)),
-)
-"""SD3.5 Medium's widths, heads and depths (2.23 B parameters)."""
-_SD35_LARGE = dict(
-    attention_head_dim=64,
-    num_attention_heads=38,
-    num_layers=38,
-    caption_projection_dim=2432,
-    qk_norm="rms_norm",
-    dual_attention_layers=[],
-)
-"""SD3.5 Large's widths, heads and depths (8.1 B parameters published)."""
-
-
-def _tiny_components(path: Path) -> dict:
-    """SD3 in the real layout: two CLIP encoders, a T5 encoder and a (one-block) VAE; 8x8 latent tokens."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    from trainer.models import testing
-
-    clip = {s: testing.clip_tokenizer(path / f"tokenizer{s}") for s in ("", "_2")}
-    t5 = testing.t5_tokenizer(path / "tokenizer_3")
-    return dict(
-        transformer=SD3Transformer2DModel(
-            sample_size=8,
-            patch_size=1,
-            in_channels=4,
-            out_channels=4,
-            num_layers=1,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            caption_projection_dim=32,
-            joint_attention_dim=32,
-            pooled_projection_dim=64,
-        ).eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=testing.vae_1x(4),
-        text_encoder=testing.clip_text_encoder(clip[""], "CLIPTextModelWithProjection"),
-        tokenizer=clip[""],
-        text_encoder_2=testing.clip_text_encoder(clip["_2"], "CLIPTextModelWithProjection"),
-        tokenizer_2=clip["_2"],
-        text_encoder_3=testing.t5_encoder(t5),
-        tokenizer_3=t5,
-    )
-
-
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    side = adapter.latent_shape[-1] * adapter.pipeline.vae_scale_factor
-    return dict(
-        height=side, width=side, guidance_scale=guidance_scale, max_sequence_length=adapter.config.max_sequence_length
-    )
-
-
-def tiny_spec():
-    """The tiny SD3 and its test facts (``trainer.models.testing.TinySpec``). Its learning test makes every
-    step stochastic: at 8 pixels it gains more so than with the first step alone."""
-    from trainer.models import testing
-
-    return testing.TinySpec(
-        components=_tiny_components,
-        pipeline_call=_pipeline_call,
-        config=dict(max_sequence_length=testing.TEXT_LENGTH),
-        guidance=3.0,
-        learning=("algorithm.sampler.sde_window=0",),
-        learning_epochs=20,
-        bench_resolution=16,
-        bench_guidance=4.5,
-        denoiser_9m=_SD3_9M,
-        denoiser_real=_SD3_REAL,
-        denoiser_variants={"large": _SD35_LARGE},
-    )

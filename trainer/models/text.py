@@ -24,17 +24,24 @@ TEXT_INDEX = "index.json"
 PRECOMPUTE = "python -m trainer.precompute --config CONFIG.yaml --out DIR"
 
 
-def load_text_components(adapter_class: type, config: DiffusersModelConfig, device: torch.device) -> dict[str, Any]:
-    """The adapter's text encoders and tokenizers (``adapter_class.text_components``: subfolder -> class)
+def _model(config: DiffusersModelConfig):
+    from trainer.models import MODELS
+
+    return MODELS[config.name]
+
+
+def load_text_components(config: DiffusersModelConfig, device: torch.device) -> dict[str, Any]:
+    """The text encoders and tokenizers of model ``config.name`` (its ``text_components``: subfolder -> class)
     from ``config.path``, encoders frozen on ``device``; all None when ``config.text_embeddings`` is set.
-    Subfolders in ``adapter_class.optional_text`` may be absent (None)."""
+    Subfolders in its ``optional_text`` may be absent (None)."""
+    model = _model(config)
     if config.text_embeddings:
-        return dict.fromkeys(adapter_class.text_components)
+        return dict.fromkeys(model.text_components)
     path = Path(config.path)
     components: dict[str, Any] = {}
-    for sub, cls in adapter_class.text_components.items():
+    for sub, cls in model.text_components.items():
         if not (path / sub).is_dir():
-            if sub in adapter_class.optional_text:
+            if sub in model.optional_text:
                 components[sub] = None
                 continue
             raise ValueError(f"model.path={config.path!r} has no {sub}/ (a diffusers directory of this model)")
@@ -46,42 +53,44 @@ def load_text_components(adapter_class: type, config: DiffusersModelConfig, devi
     return components
 
 
-def text_pipeline(adapter_class: type, config: DiffusersModelConfig, device: torch.device, **extra: Any):
-    """``adapter_class.pipeline_class`` holding only the text encoders, tokenizers and ``extra``; every other
-    component None (``encode_prompt`` needs no more). What ``trainer.precompute`` encodes with."""
-    params = inspect.signature(adapter_class.pipeline_class.__init__).parameters
+def text_pipeline(model, config: DiffusersModelConfig, device: torch.device, **extra: Any):
+    """``model.pipeline_class`` (``model``: a ``ModelSpec``) holding only the text encoders, tokenizers and
+    ``extra``; every other component None (``encode_prompt`` needs no more). What ``trainer.precompute`` encodes
+    with."""
+    params = inspect.signature(model.pipeline_class.__init__).parameters
     required = [n for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty]
-    text = load_text_components(adapter_class, config, device)
-    return adapter_class.pipeline_class(**{**dict.fromkeys(required), **text, **extra})
+    text = load_text_components(config, device)
+    return model.pipeline_class(**{**dict.fromkeys(required), **text, **extra})
 
 
 def prompt_encoder(
-    adapter_class: type, config: DiffusersModelConfig, device: torch.device | str, **extra: Any
+    model, config: DiffusersModelConfig, device: torch.device | str, **extra: Any
 ) -> Callable[[str], dict[str, torch.Tensor]]:
-    """The adapter's text path alone (text encoders and tokenizers; no denoiser or VAE is loaded) as a
-    function: prompt -> the tensors its ``encode_prompts`` caches for that prompt. Adapters expose it as the
-    classmethod ``prompt_encoder(config, device)``; ``trainer.precompute`` runs it."""
+    """The text path of ``model`` (a ``ModelSpec``) alone (text encoders and tokenizers; no denoiser or VAE is
+    loaded) as a function: prompt -> the tensors its ``encode_prompts`` caches for that prompt. A text path
+    exposes it as ``prompt_encoder(model, config, device)``; ``trainer.precompute`` runs it."""
     device = torch.device(device)
-    pipeline = text_pipeline(adapter_class, replace(config, text_embeddings=""), device, **extra)
+    pipeline = text_pipeline(model, replace(config, text_embeddings=""), device, **extra)
     truncation_notice_once()
-    return functools.partial(adapter_class.encode_text, pipeline, config, device)
+    return functools.partial(model.encode_text, pipeline, config, device)
 
 
-def text_fingerprint(adapter_class: type, config: DiffusersModelConfig) -> str:
-    """sha256 over what decides the text embeddings without loading a text encoder: the text component
-    classes, the config fields ``adapter_class.text_settings`` (dtype, max_sequence_length), and per file of
+def text_fingerprint(config: DiffusersModelConfig) -> str:
+    """sha256 over what decides the text embeddings of model ``config.name`` without loading a text encoder: the
+    text component classes, the config fields of its ``text_settings`` (dtype, max_sequence_length), and per file of
     the text subfolders its name, size and the sha256 of its last MiB (whole configs and tokenizers; weight
     files by a tail of their tensor data, cheap for a 9 GB T5)."""
+    model = _model(config)
     digest = hashlib.sha256(
         json.dumps(
             {
-                "components": {sub: cls.__name__ for sub, cls in adapter_class.text_components.items()},
-                "settings": {name: getattr(config, name) for name in adapter_class.text_settings},
+                "components": {sub: cls.__name__ for sub, cls in model.text_components.items()},
+                "settings": {name: getattr(config, name) for name in model.text_settings},
             },
             sort_keys=True,
         ).encode()
     )
-    hash_files(digest, Path(config.path), adapter_class.text_components)
+    hash_files(digest, Path(config.path), model.text_components)
     return digest.hexdigest()
 
 
@@ -173,14 +182,13 @@ class PromptEmbeddings:
     @classmethod
     def of(cls, adapter, config: DiffusersModelConfig) -> PromptEmbeddings:
         """From ``config.text_embeddings`` when set (checked against the model's fingerprint), else encoded with
-        ``type(adapter).encode_text`` on the adapter's pipeline."""
+        the ``encode_text`` of model ``config.name`` on the adapter's pipeline."""
         if config.text_embeddings:
-            store = TextEmbeddingStore.open(config.text_embeddings, text_fingerprint(type(adapter), config))
+            store = TextEmbeddingStore.open(config.text_embeddings, text_fingerprint(config))
             return cls(None, store, adapter.device)
         truncation_notice_once()
-        return cls(
-            lambda p: type(adapter).encode_text(adapter.pipeline, config, adapter.device, p), None, adapter.device
-        )
+        encode_text = _model(config).encode_text
+        return cls(lambda p: encode_text(adapter.pipeline, config, adapter.device, p), None, adapter.device)
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> list[dict[str, torch.Tensor]]:

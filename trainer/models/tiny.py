@@ -2,9 +2,9 @@
 
 ``build_tiny_sd3`` creates random components from configs (as diffusers' own tests do), with CLIP BPE
 tokenizers trained locally with ``tokenizers``, and saves them with ``save_pretrained`` as a diffusers
-directory. ``TinyAdapter`` is the SD3 adapter loading that directory, building it first when it is missing at
-the default place (or ``model.build_if_missing``), so the embedded job exercises exactly the loading and
-sampling code users run on real SD3 weights.
+directory. Model ``tiny`` is the SD3 adapter with ``TinyConfig`` (registry data): it loads that directory, built
+first (``build_missing``) when it is missing at the default place (or ``model.build_if_missing``), so the embedded
+job exercises exactly the loading and sampling code users run on real SD3 weights.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainer.config.fields import LocalPath, PositiveInt
-from trainer.models.sd3 import SD3Adapter, SD3Config
+from trainer.models.common import DiffusersModelConfig
 from trainer.models.tokenizers import clip_bpe_tokenizer
 
 DEFAULT_TINY_PATH = os.path.join(".cache", "rewardflow", "tiny-sd3-digits")
@@ -101,75 +101,52 @@ def build_tiny_sd3(path: str | os.PathLike, seed: int = 0, text_max_length: int 
 
 
 @dataclass
-class TinyConfig(SD3Config):
-    """The embedded SD3-architecture model; built at ``path`` on first use."""
+class TinyConfig(DiffusersModelConfig):
+    """The embedded SD3-architecture model (the SD3 adapter's settings); built at ``path`` on first use."""
 
     name: str = "tiny"
     """Registry name of the adapter."""
     path: LocalPath = DEFAULT_TINY_PATH
     """Where the random tiny model lives; built there (atomically) when missing at the default place (a
     ``.cache/rewardflow/tiny-sd3-digits`` folder) or with ``build_if_missing``; any other missing path is refused."""
+    max_sequence_length: PositiveInt = 8
+    """Zero 'T5' tokens appended like the SD3 pipeline does without T5; kept short for speed."""
     build_if_missing: bool = False
     """Build a random tiny model at a ``path`` other than the default one when nothing is there: off, so that a
     mistyped path is an error, not a new random model that a later run could load as trained weights."""
-    max_sequence_length: PositiveInt = 8
-    """Zero 'T5' tokens appended like the SD3 pipeline does without T5; kept short for speed."""
 
 
-class TinyAdapter(SD3Adapter):
-    """SD3Adapter over the tiny random model, building it when the directory does not exist yet."""
+def build_missing(config: TinyConfig) -> None:
+    """Build the tiny model at ``model.path`` when it is not there yet; a ValueError when none may be built there
+    (``path_problem``)."""
+    if (problem := path_problem(config)) is not None:
+        raise ValueError(problem)
+    if not (Path(config.path) / "transformer" / "config.json").is_file():
+        build_tiny_sd3(config.path)
 
-    config_class = TinyConfig
 
-    def __init__(self, config: TinyConfig, device: torch.device | str = "cpu"):
-        if (problem := self.path_problem(config)) is not None:
-            raise ValueError(problem)
-        if not (Path(config.path) / "transformer" / "config.json").is_file():
-            build_tiny_sd3(config.path)
-        super().__init__(config, device)
-
-    @staticmethod
-    def path_problem(config: TinyConfig) -> str | None:
-        """Why ``model.path`` holds no tiny model and none may be built there, or None (checked by the run's
-        pre-flight, before anything loads): a folder of other files, or a missing path that is neither the
-        default one nor allowed by ``build_if_missing``."""
-        path = Path(config.path)
-        if (path / "transformer" / "config.json").is_file():
-            return None
-        if path.is_dir() and any(path.iterdir()):
-            return (
-                f"model.path={config.path!r} holds files but not the tiny model (no transformer/config.json): "
-                "point model.path at a new directory, where the tiny model is built, or at one it was built in"
-            )
-        if config.build_if_missing or is_default_tiny_path(path):
-            return None
+def path_problem(config: TinyConfig) -> str | None:
+    """Why ``model.path`` holds no tiny model and none may be built there, or None (checked by the run's
+    pre-flight, before anything loads): a folder of other files, or a missing path that is neither the
+    default one nor allowed by ``build_if_missing``."""
+    path = Path(config.path)
+    if (path / "transformer" / "config.json").is_file():
+        return None
+    if path.is_dir() and any(path.iterdir()):
         return (
-            f"model.path={config.path!r}: no such folder: fix the path, leave model.path unset for the default "
-            f"tiny model ({DEFAULT_TINY_PATH}), or set model.build_if_missing=true to build a new random tiny "
-            "model there"
+            f"model.path={config.path!r} holds files but not the tiny model (no transformer/config.json): "
+            "point model.path at a new directory, where the tiny model is built, or at one it was built in"
         )
+    if config.build_if_missing or is_default_tiny_path(path):
+        return None
+    return (
+        f"model.path={config.path!r}: no such folder: fix the path, leave model.path unset for the default "
+        f"tiny model ({DEFAULT_TINY_PATH}), or set model.build_if_missing=true to build a new random tiny "
+        "model there"
+    )
 
 
 def is_default_tiny_path(path: str | os.PathLike) -> bool:
     """Whether ``path`` is the tiny model's default folder, as given (relative) or as a run's saved config holds it
     (absolute, from the folder that run started in): a resume builds it again where it was removed."""
     return Path(path).parts[-3:] == Path(DEFAULT_TINY_PATH).parts
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["tiny"].tiny) ----------------
-def tiny_spec():
-    """The embedded model as the tests' tiny model: SD3's facts, built by ``build_tiny_sd3``, at its own size."""
-    from dataclasses import replace
-
-    from trainer.models import sd3
-
-    return replace(
-        sd3.tiny_spec(),
-        components=None,
-        build=build_tiny_sd3,
-        config={},
-        same_shapes=("sd3",),
-        learning=(),
-        learning_epochs=12,
-        bench_resolution=None,
-    )

@@ -20,12 +20,11 @@ import torch
 from torch import nn
 
 from trainer.config.fields import NonNegativeFloat, NonNegativeInt, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_text
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
-from trainer.models.latents import refuse_image_latents
-from trainer.models.qwen_image import pad_text
+from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.samplers import flow_step, standard_normal
@@ -58,12 +57,13 @@ class ZImageAdapter:
     sampler_kind = "flow"
     shard_units = Imported(("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",))
     config_class = ZImageConfig
-    model_name = "z_image"
+    reads_trajectory = False
+    compiled_blocks = ()
     pipeline_class = Imported("diffusers:ZImagePipeline")
     text_components = Imported({"text_encoder": "transformers:Qwen3Model", "tokenizer": "transformers:Qwen2Tokenizer"})
     optional_text: tuple[str, ...] = ()
     text_settings = ("dtype", "max_sequence_length")
-    prompt_encoder = classmethod(prompt_encoder)
+    prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: ZImageConfig, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
@@ -80,7 +80,7 @@ class ZImageAdapter:
             scheduler=self.scheduler,
             vae=self.vae,
             transformer=self.denoiser,
-            **load_text_components(type(self), config, self.device),
+            **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         encode = self.pipeline._encode_prompt
@@ -89,7 +89,8 @@ class ZImageAdapter:
             list(prompt) if isinstance(prompt, list) else prompt, *a, **k
         )
         freeze(self.vae)
-        refuse_image_latents(self.model_name, config)
+        refuse_image_latents(self.config.name, config)
+        self.image_latents = ImageLatents.of(self.vae, config)  # never read: no input is VAE-encoded
 
         self.vae_factor = self.pipeline.vae_scale_factor
         side = config.resolution
@@ -119,7 +120,7 @@ class ZImageAdapter:
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``."""
-        reject_image_inputs(self.model_name, inputs)
+        reject_image_inputs(self.config.name, inputs)
         text = self._text(prompts)
         length = max(len(t) for t in text)
         embeds, mask = pad_text(text, length)
@@ -226,100 +227,3 @@ def z_image_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, normaliz
     limit = normalization * torch.linalg.vector_norm(cond.float(), dim=dims, keepdim=True)
     norm = torch.linalg.vector_norm(pred, dim=dims, keepdim=True)
     return torch.where(norm > limit, pred * (limit / norm.clamp_min(torch.finfo(norm.dtype).tiny)), pred)
-
-
-# --- tiny test model and test facts (read by tests and benches through MODELS["z_image"].tiny) ---------------
-_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-"""A Qwen3-style chat template for the tiny tokenizer (the pipeline applies one)."""
-_Z_IMAGE_9M = dict(dim=256, n_layers=5, n_refiner_layers=2, n_heads=4, n_kv_heads=4, axes_dims=[16, 24, 24])
-"""About 9 M parameters."""
-_Z_IMAGE_REAL = dict(
-    dim=3840,
-    n_layers=30,
-    n_refiner_layers=2,
-    n_heads=30,
-    n_kv_heads=30,
-    axes_dims=[32, 48, 48],
-    axes_lens=[1024, 512, 512],
-)
-"""Z-Image's published widths, heads and depths (diffusers' defaults; the text width stays the tiny
-encoder's instead of Qwen3-4B's 2560)."""
-
-
-def _tiny_components(path: Path) -> dict:
-    """Z-Image: a 2-layer Qwen3 text encoder (hidden 16), a one-block VAE (1x) and the transformer with 2x2
-    patches."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
-
-    from trainer.models import testing
-
-    tok = testing.qwen_tokenizer(path / "tokenizer")
-    tok.chat_template = _CHAT_TEMPLATE
-    tok.save_pretrained(path / "tokenizer")
-    text = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    transformer = ZImageTransformer2DModel(
-        in_channels=4,
-        dim=32,
-        n_layers=2,
-        n_refiner_layers=1,
-        n_heads=2,
-        n_kv_heads=2,
-        cap_feat_dim=16,
-        axes_dims=[4, 6, 6],
-        axes_lens=[256, 64, 64],
-    ).eval()
-    return dict(
-        transformer=transformer,
-        vae=testing.vae_1x(4),
-        text_encoder=Qwen3Model(text).eval(),
-        tokenizer=tok,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
-
-
-def _pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    """The pipeline takes one negative prompt per prompt (a list), and defaults to "" for each."""
-    assert not adapter.config.negative_prompt, "the parity reference runs the default negative prompt"
-    return dict(
-        height=adapter.resolution,
-        width=adapter.resolution,
-        guidance_scale=guidance_scale,
-        max_sequence_length=adapter.config.max_sequence_length,
-        cfg_normalization=adapter.config.cfg_normalization,
-        cfg_truncation=adapter.config.cfg_truncation,
-    )
-
-
-def tiny_spec():
-    """The tiny Z-Image and its test facts (``trainer.models.testing.TinySpec``): 16 pixels, 8x8 tokens. Its
-    learning test trains at lr 0.003 for 24 epochs: at the shared 0.02 the reward fell (full fine-tuning
-    diverges); at 0.003 it rose by 0.039 and 0.045 on seeds 0 and 1."""
-    from trainer.models import testing
-
-    return testing.TinySpec(
-        components=_tiny_components,
-        pipeline_call=_pipeline_call,
-        config=dict(resolution=16, max_sequence_length=64),
-        guidance=3.0,
-        learning=("train.learning_rate=0.003",),
-        learning_epochs=24,
-        bench_resolution=32,
-        bench_guidance=4.0,
-        denoiser_9m=_Z_IMAGE_9M,
-        denoiser_real=_Z_IMAGE_REAL,
-    )

@@ -1,11 +1,10 @@
-"""Tiny datasets in every registered format, written with PIL (tests, benchmarks, trying a preset).
+"""Tiny datasets in every registered format, written with PIL (tests and benchmarks).
 
-``tiny_dataset(name, root, size)`` writes a small dataset of format ``name`` under ``root`` and returns
-the ``data.path`` to give it ("" for the built-in digits and words), as ``trainer.models.testing.tiny_config`` does
-for models (whose
-``TinySpec.data`` names the format each adapter takes). Images are
-flat colours with a different colour per row; masks keep the right half (white = repaint); references
-are a red centre on a blue border, so a centred style crop is recognisably red.
+``tiny_dataset(name, root, size)`` writes a small dataset of format ``name`` under ``root`` and returns the
+``data.path`` to give it ("" for the built-in digits and words), as ``tiny_models.tiny_config`` does for models
+(whose ``TinySpec.data`` names the format each adapter takes). Images are flat colours with a different colour per
+row; masks keep the right half (white = repaint); references are a red centre on a blue border, so a centred style
+crop is recognisably red.
 """
 
 from __future__ import annotations
@@ -116,5 +115,5 @@ def tiny_dataset(name: str, root: str | Path, size: int = 16, suffix: str = ".tx
         "triplet_folder": lambda: write_triplet_folder(root, size),
     }
     if name not in writers:
-        raise ValueError(f"no tiny dataset writer for data.name={name!r}; add one to trainer/data/testing.py")
+        raise ValueError(f"no tiny dataset writer for data.name={name!r}; add one to tests/tiny_data.py")
     return str(writers[name]())

@@ -1,0 +1,96 @@
+"""Conditioning parts that the variants of several model families combine (registry data: ``ModelSpec.parts``).
+
+A part names the ``ImageInputs`` fields it reads, encodes them into ``Conditioning`` fields with the family's own
+latent layout (the adapter's hooks), and may change the prediction after the network. A family's own parts (FLUX.1
+Fill's channels, Kontext's reference tokens) live in its file; the ones here serve several families.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.flow import inpaint_velocity
+from trainer.models.inputs import require_image_input, require_references
+
+
+@dataclass(frozen=True)
+class Inpaint:
+    """Repaint where the mask is 1, keep the source image elsewhere. The pipelines blend the known region back
+    after every step, x <- (1 - m) (sigma' eps + (1 - sigma') z) + m x (z the source's latents, eps the initial
+    noise); here the same trajectory comes from the prediction (``flow.inpaint_velocity``), so a rollout at noise
+    level 0 equals the pipeline (strength 1) and the known region adds nothing to the ratio, KL or gradient.
+
+    The adapter supplies ``inpaint_source(image)`` (the source's latents in its layout) and ``inpaint_mask(mask)``
+    (the mask on its latent grid). ``trajectory``: the mask is soft, so the blend needs the rollout's initial noise
+    and schedule (``Conditioning.noise``, ``.schedule``); a binary mask needs neither."""
+
+    trajectory: bool = False
+    fields = ("image", "mask")
+    encodes_text = False
+
+    @property
+    def reads_trajectory(self) -> bool:
+        return self.trajectory
+
+    @torch.no_grad()
+    def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """``image``: the source's latents, float32; ``mask``: where to repaint, per latent entry."""
+        name, size = adapter.config.name, (adapter.resolution, adapter.resolution)
+        image = require_image_input(name, inputs, "image", batch_size, 3, size)
+        mask = require_image_input(name, inputs, "mask", batch_size, 1, size)
+        return {"image": adapter.inpaint_source(image), "mask": adapter.inpaint_mask(mask)}
+
+    def check(self, adapter, cond: Conditioning) -> None:
+        """A ValueError before the forward when ``cond`` lacks what ``velocity`` reads."""
+        if cond.image is None or cond.mask is None:
+            raise ValueError(
+                f"{adapter.config.name} needs Conditioning.image and .mask: encode prompts with ImageInputs"
+            )
+
+    def velocity(self, adapter, v: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
+        """The network's velocity where the mask is set; the blend's elsewhere."""
+        trajectory = (cond.noise, cond.schedule) if self.trajectory else ()
+        return inpaint_velocity(v, latents, sigma, cond.image, cond.mask, *trajectory)
+
+
+@dataclass(frozen=True)
+class References:
+    """Reference images (editing) whose latents the transformer attends to: ``ImageInputs.reference`` [B, 3, H, W]
+    or [B, N, 3, H, W], 1 to ``most`` per item at ``model.resolution``; ``optional``: the model also runs without.
+    The adapter supplies ``reference_latents(references)`` ([B, N, 3, H, W] -> its tokens, one image after the
+    other)."""
+
+    most: int = 1
+    optional: bool = False
+    fields = ("reference",)
+    reads_trajectory = False
+    encodes_text = False
+
+    @torch.no_grad()
+    def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        if self.optional and (inputs is None or inputs.reference is None):
+            return {}
+        size = (adapter.resolution, adapter.resolution)
+        pipeline = adapter.pipeline_class.__name__
+        references = require_references(adapter.config.name, inputs, batch_size, size, self.most, pipeline)
+        return {"reference": adapter.reference_latents(references)}
+
+    def check(self, adapter, cond: Conditioning) -> None:
+        if cond.reference is None and not self.optional:
+            raise ValueError(
+                f"{adapter.config.name} needs Conditioning.reference: encode prompts with ImageInputs.reference"
+            )
+
+    def velocity(self, adapter, v: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
+        return v
+
+
+INPAINT = Inpaint()
+"""Inpainting with a binary mask (Qwen-Image, Chroma)."""
+SOFT_INPAINT = Inpaint(trajectory=True)
+"""Inpainting with a mask made soft on the latent grid (FLUX.2 [klein])."""
+FLUX2_REFERENCES = References(most=10, optional=True)
+"""FLUX.2's multi-reference editing: up to 10 reference images per item, or none."""
