@@ -142,6 +142,11 @@ class HttpRewardClient:
         must not wait for reward.outage_s before its checkpoint)."""
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
+        self._connect(breaker_failures, probe_interval_s)
+        self._start_loop()
+
+    def _connect(self, breaker_failures: int, probe_interval_s: float) -> None:
+        """The replica pool and the attempts at it, both reaching the HTTP client through ``_client``."""
         self.pool = ReplicaPool(
             self.urls,
             list(self.weights),
@@ -153,13 +158,12 @@ class HttpRewardClient:
         self.attempts = Attempts(
             self.pool,
             self._client,
-            wire_format=wire_format,
+            wire_format=self.wire_format,
             auth=self._auth,
-            timeout_s=timeout_s,
-            max_concurrency=max_concurrency,
-            hedge=hedge,
+            timeout_s=self.timeout_s,
+            max_concurrency=self.max_concurrency,
+            hedge=self.hedge,
         )
-        self._start_loop()
 
     def _start_loop(self) -> None:
         """The private event loop in its background thread; the HTTP client is made on it at first use."""
