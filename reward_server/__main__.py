@@ -68,6 +68,16 @@ def _build(names: list[str], model_dir: Path | None, sleep_ms: float, sleep_load
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (also used by tests to check deploy files against it)."""
     parser = argparse.ArgumentParser(prog="python -m reward_server", description="Serve reward scorers over HTTP.")
+    _add_scorer_arguments(parser)
+    _add_listen_arguments(parser)
+    _add_request_limits(parser)
+    _add_http_arguments(parser)
+    _add_batching_arguments(parser)
+    return parser
+
+
+def _add_scorer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which scorers to serve (and the ``sleep`` benchmark stand-in's timings)."""
     parser.add_argument(
         "--list-scorers", action=_ListScorers, nargs=0, help="print the registered scorer names, one per line, and exit"
     )
@@ -89,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="for the 'sleep' benchmark scorer: how long its load takes, in s (as a model's would)",
     )
+
+
+def _add_listen_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where to listen, who may call, where models load from and how responses name the instance."""
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (0: any free one)")
     parser.add_argument(
@@ -106,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-dir", type=Path, default=None, help="directory that model-based scorers load from")
     parser.add_argument("--instance-id", default=None, help="reported in responses (default: host-pid-random)")
+
+
+def _add_request_limits(parser: argparse.ArgumentParser) -> None:
+    """What one request, and all requests at once, may hold: items, pixels, body bytes and rate."""
     parser.add_argument("--max-items", type=int, default=_DEFAULTS.max_items)
     parser.add_argument("--max-image-side", type=int, default=_DEFAULTS.max_image_side)
     parser.add_argument(
@@ -146,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes of all bodies being received at once; past it a 429 (default: 4 x --max-body-bytes)",
     )
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """uvicorn's HTTP implementation and the deadline and cap on each request's head."""
     parser.add_argument(
         "--http",
         choices=("auto", "httptools", "h11"),
@@ -165,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.max_head_bytes,
         help="a request whose request line and headers take more gets a 431",
     )
+
+
+def _add_batching_arguments(parser: argparse.ArgumentParser) -> None:
+    """Batching, queueing, the drain on a signal, logging, and the parent process whose end stops the server."""
     parser.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
     parser.add_argument("--batch-wait-ms", type=float, default=_DEFAULTS.batch_wait_ms)
     parser.add_argument("--max-queue-items", type=int, default=_DEFAULTS.max_queue_items)
@@ -176,7 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="drain and exit once this process (the one that started the server) is gone",
     )
-    return parser
 
 
 class _DrainingServer(uvicorn.Server):

@@ -44,6 +44,14 @@ def warmed_tiny_checkpoint(tmp_path_factory, tiny_model_dir) -> str:
     return str(warmed_checkpoint(tmp_path_factory, tiny_model_dir))
 
 
+@pytest.fixture(scope="session")
+def tiny_aesthetic_model_dir(tmp_path_factory):
+    """A tiny random aesthetic predictor (tests/fixtures_models.py), for its scorer's tests and a job's replicas."""
+    from fixtures_models import build_tiny_aesthetic
+
+    return build_tiny_aesthetic(tmp_path_factory.mktemp("aesthetic-models"))
+
+
 LONG_MODULE_FIXTURES = ("test_backends.py", "test_ocr_paddle.py", "test_preference_server.py", "test_geneval_server.py")
 """Test modules whose module-scoped fixtures take 5 s (reward servers with models) to 200 s (torchrun series)."""
 

@@ -1,6 +1,7 @@
 """Tiny random models for the model-based scorers, saved with ``save_pretrained`` into a ``--model-dir``
 layout and loaded back through the scorers' own loading code. Random weights: their scores mean nothing;
-tests check plumbing and math, never quality. Fixtures built from these live in tests/unit/conftest.py."""
+tests check plumbing and math, never quality. Fixtures built from these live in tests/conftest.py and
+tests/unit/conftest.py."""
 
 from __future__ import annotations
 

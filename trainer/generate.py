@@ -25,6 +25,7 @@ import re
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: see trainer/main.py
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +129,7 @@ def generate(
     from trainer.data import build_tasks
     from trainer.evaluation import GRID_PROMPTS
     from trainer.logging import save_grid, with_inputs
-    from trainer.rollout import SamplerSettings, rollout
+    from trainer.rollout import SamplerSettings
 
     config, adapter = load_trained(weights, model_path, device)
     ev = config.eval
@@ -147,32 +148,38 @@ def generate(
     task = None if prompts else build_tasks(config.data, config.eval)[1]
     rows = prompts or task.eval_prompts[:GRID_PROMPTS]
 
-    def row_inputs(items: list[int]) -> ImageInputs | None:  # every row's own item, or the given files for each
-        if task is not None:
-            return task.inputs([task.eval_indices[k] for k in items])
-        return given and ImageInputs(
-            **{
-                name: value.expand(len(items), *value.shape[1:])
-                for name, value in vars(given).items()
-                if value is not None
-            }
+    images = [  # the noise of row k as the run's evaluation draws it for its prompt k
+        _sample_row(
+            adapter, prompt, samples, settings, (seed * 1_000_003 + k) % 2**63, _row_inputs(task, given, [k] * samples)
         )
-
-    images = []
-    for k, prompt in enumerate(rows):  # the noise of row k as the run's evaluation draws it for its prompt k
-        ro = rollout(
-            adapter,
-            adapter.denoiser,
-            [prompt] * samples,
-            torch.arange(samples),
-            settings,
-            torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63),
-            row_inputs([k] * samples),
-        )
-        images.append(ro.images)
+        for k, prompt in enumerate(rows)
+    ]
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_grid(with_inputs(torch.cat(images), len(rows), row_inputs(list(range(len(rows))))), len(rows), out)
+    save_grid(
+        with_inputs(torch.cat(images), len(rows), _row_inputs(task, given, list(range(len(rows))))), len(rows), out
+    )
     return out
+
+
+def _row_inputs(task: Any, given: ImageInputs | None, items: list[int]) -> ImageInputs | None:
+    """The image inputs of grid rows ``items``: each row's own evaluation item, or the given files for each."""
+    if task is not None:
+        return task.inputs([task.eval_indices[k] for k in items])
+    return given and ImageInputs(
+        **{name: value.expand(len(items), *value.shape[1:]) for name, value in vars(given).items() if value is not None}
+    )
+
+
+def _sample_row(
+    adapter: Any, prompt: str, samples: int, settings: Any, seed: int, inputs: ImageInputs | None
+) -> torch.Tensor:
+    """``samples`` images of ``prompt``, sampled from the noise of generator seed ``seed``."""
+    from trainer.rollout import rollout
+
+    generator = torch.Generator().manual_seed(seed)
+    return rollout(
+        adapter, adapter.denoiser, [prompt] * samples, torch.arange(samples), settings, generator, inputs
+    ).images
 
 
 def _positive(text: str) -> int:
@@ -182,8 +189,9 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    from trainer.tool import cannot_write, user_path
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m trainer.generate``."""
+    from trainer.tool import user_path
 
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", required=True, type=user_path, help="a run's final/ or best/ directory")
@@ -218,8 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the base model directory, when not where the run's config says",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any model loads, an output no image can be written to, a guidance that is not finite and a
+    CUDA device this torch cannot see (``parser.error``: one line and status 2)."""
     from PIL import Image
+
+    from trainer.tool import cannot_write
 
     if args.out.suffix.lower() not in Image.registered_extensions():
         parser.error(f"--out {args.out}: {args.out.suffix or 'no extension'} is not an image format; use .png")
@@ -229,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--guidance {args.guidance}: a guidance scale must be a finite number")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_arguments(parser, args)
     from trainer.config import user_error_exit
     from trainer.quiet import quiet_third_party
 

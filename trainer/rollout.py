@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from trainer.config.fields import Bounds, NonNegativeFloat, NonNegativeInt, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
+from trainer.models.base import Conditioning, ImageInputs, ModelAdapter, StepFunction
 from trainer.samplers import DEFAULT_KIND, STEP_FUNCTIONS, generator_device, resolve_kind
 from trainer.samplers.multistep import compress_after_window, dpm_solver_2m_step, second_order_steps
 
@@ -204,12 +204,47 @@ def rollout(
         stochastic = window_mask(settings, generator)
     sigmas, stochastic = compress_after_window(adapter.sigmas(settings.num_steps), stochastic, settings.ode_compress)
     step = adapter.step_function(kind, sigmas)
-    noisy = stochastic if settings.noise_level > 0 else torch.zeros_like(stochastic)  # the steps that draw noise
-    multistep = second_order_steps(noisy, settings.ode_order).tolist()
-    host = sigmas.cpu().tolist() if any(multistep) else []  # one read per rollout, only for the multistep
     x = adapter.prepare_latents(len(prompts), generator) if initial is None else initial
     if adapter.reads_trajectory:  # its predict reads the initial noise and the schedule
         cond = cond.starting_at(x, sigmas)
+    latents, log_probs, means = _denoise(
+        adapter, net, x, cond, step, sigmas, stochastic, settings, generator, record_means
+    )
+    x = latents[-1]
+    return Rollout(
+        prompts=list(prompts),
+        group_ids=group_ids,
+        cond=cond,
+        latents=torch.stack(latents, dim=1),
+        log_probs=torch.stack(log_probs, dim=1),
+        sigmas=sigmas,
+        stochastic=stochastic,
+        images=adapter.decode(x),
+        noise_level=settings.noise_level,
+        kind=kind,
+        guidance_scale=settings.guidance_scale,
+        means=torch.stack(means, dim=1) if record_means else None,
+    )
+
+
+def _denoise(
+    adapter: ModelAdapter,
+    net: nn.Module,
+    x: torch.Tensor,
+    cond: Conditioning,
+    step: StepFunction,
+    sigmas: torch.Tensor,
+    stochastic: torch.Tensor,
+    settings: SamplerSettings,
+    generator: torch.Generator | None,
+    record_means: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The sampling loop from noise ``x`` with reverse ``step``: the latents (``x`` first, then one per step), each
+    step's log-probability and (with ``record_means``) Gaussian mean. After the SDE window, ``settings.ode_order``
+    2 takes DPM-Solver multistep steps."""
+    noisy = stochastic if settings.noise_level > 0 else torch.zeros_like(stochastic)  # the steps that draw noise
+    multistep = second_order_steps(noisy, settings.ode_order).tolist()
+    host = sigmas.cpu().tolist() if any(multistep) else []  # one read per rollout, only for the multistep
     latents, log_probs, means, x0 = [x], [], [], None
     batch = x.shape[0]
     levels = [settings.noise_level if s else 0.0 for s in stochastic.tolist()]
@@ -228,17 +263,4 @@ def rollout(
         log_probs.append(logp)
         if record_means:
             means.append(mean)
-    return Rollout(
-        prompts=list(prompts),
-        group_ids=group_ids,
-        cond=cond,
-        latents=torch.stack(latents, dim=1),
-        log_probs=torch.stack(log_probs, dim=1),
-        sigmas=sigmas,
-        stochastic=stochastic,
-        images=adapter.decode(x),
-        noise_level=settings.noise_level,
-        kind=kind,
-        guidance_scale=settings.guidance_scale,
-        means=torch.stack(means, dim=1) if record_means else None,
-    )
+    return latents, log_probs, means

@@ -106,6 +106,11 @@ def openclip_to_transformers(
         **(token_ids or {}),
     }
     config = CLIPConfig(vision_config=vision, text_config=text, projection_dim=state["text_projection"].shape[1])
+    return config, _clip_weights(state, v_layers, t_layers)
+
+
+def _clip_weights(state: dict[str, torch.Tensor], v_layers: int, t_layers: int) -> dict[str, torch.Tensor]:
+    """The OpenCLIP weights under transformers' CLIP names, projections transposed, each a contiguous copy."""
     out = {
         "vision_model.embeddings.patch_embedding.weight": state["visual.conv1.weight"],
         "vision_model.embeddings.class_embedding": state["visual.class_embedding"],
@@ -122,7 +127,7 @@ def openclip_to_transformers(
         out[f"text_model.final_layer_norm.{kind}"] = state[f"ln_final.{kind}"]
     out |= _blocks(state, "visual.transformer.resblocks.", "vision_model.encoder.layers.", v_layers)
     out |= _blocks(state, "transformer.resblocks.", "text_model.encoder.layers.", t_layers)
-    return config, {key: value.contiguous().clone() for key, value in out.items()}
+    return {key: value.contiguous().clone() for key, value in out.items()}
 
 
 def convert(

@@ -270,25 +270,8 @@ def evaluate(
                 {"check": "color", "class": name, "expected": clause["color"], "found": colors, "passed": matched}
             )
         if "position" in clause:
-            relation, target = clause["position"]
-            targets = groups[target]
-            seen: list[list[str]] = []
-            if matched and targets is not None:
-                for obj in found:
-                    for other in targets:
-                        seen.append(sorted(relative_position(obj.box, other.box, margin)))
-                        matched = matched and relation in seen[-1]
-            else:
-                matched = False
-            checks.append(
-                {
-                    "check": "position",
-                    "class": name,
-                    "expected": f"{relation} {include[target]['class']}",
-                    "found": seen,
-                    "passed": matched,
-                }
-            )
+            checks.append(_position_check(clause, found, matched, groups, include, margin))
+            matched = checks[-1]["passed"]
         groups.append(found if matched else None)
     for clause in exclude:
         name, count = clause["class"], clause["count"]
@@ -297,6 +280,35 @@ def evaluate(
             {"check": "exclude", "class": name, "expected": f"<{count}", "found": present, "passed": present < count}
         )
     return checks
+
+
+def _position_check(
+    clause: dict[str, Any],
+    found: list[Detection],
+    matched: bool,
+    groups: list[list[Detection] | None],
+    include: list[dict[str, Any]],
+    margin: float,
+) -> dict[str, Any]:
+    """An include clause's position check: every one of its ``found`` boxes in the relation to every box of the
+    clause it refers to (which must have passed: ``groups`` holds None for one that failed), as GenEval checks."""
+    relation, target = clause["position"]
+    targets = groups[target]
+    seen: list[list[str]] = []
+    if matched and targets is not None:
+        for obj in found:
+            for other in targets:
+                seen.append(sorted(relative_position(obj.box, other.box, margin)))
+                matched = matched and relation in seen[-1]
+    else:
+        matched = False
+    return {
+        "check": "position",
+        "class": clause["class"],
+        "expected": f"{relation} {include[target]['class']}",
+        "found": seen,
+        "passed": matched,
+    }
 
 
 def strict_and_partial(checks: list[dict[str, Any]]) -> tuple[float, float]:

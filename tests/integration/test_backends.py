@@ -4,10 +4,10 @@ weights on every rank, and kill -9 then ``--resume auto`` reproducing the uninte
 The four 2-process backends see the same data (the loop's streams depend on rank and step, not on the
 backend), so they must agree; they differ only in how float32 gradients are reduced, hence ``TOL``. The
 single-process job sees other data (each rank draws its own warm-up batch and noise), so it is compared to
-the backends in tests/unit/test_distributed_backends.py, on world-size-invariant batches instead. Runs that
+the backends in tests/integration/test_distributed_backends.py, on world-size-invariant batches instead. Runs that
 need no fresh process go as series in one torchrun each (tests/job_series.py): one start-up, not one per run.
 The slow tier (a job matrix: ~5 min on 2 cores); the default tier runs every backend under torchrun in
-tests/unit/test_distributed_backends.py, the tiny job under DDP in test_main_job.py and a kill -9 resume in
+tests/integration/test_distributed_backends.py, the tiny job under DDP in test_main_job.py and a kill -9 resume in
 test_checkpoint_resume.py.
 """
 

@@ -88,7 +88,7 @@ def _signal_masks(pid: int) -> str:
 def test_ctrl_c_while_a_tool_loads_is_one_line_not_a_traceback(tmp_path, tool, said, after):
     """Ctrl-C ``after`` s, while the tool imports its modules and reads its config (seconds: diffusers): it was a
     KeyboardInterrupt traceback from the imports (every tool), from the config's model registry, or an error that
-    library code made of it (tests/unit/test_ctrl_c.py)."""
+    library code made of it (test_ctrl_c.py)."""
     args = [part.format(out=tmp_path) for part in tool]
     run = subprocess.Popen(
         [sys.executable, *args],

@@ -285,7 +285,7 @@ def test_an_interrupted_precompute_encodes_only_what_the_store_lacks(root, tmp_p
 
 
 def test_a_ctrl_c_that_the_text_encoder_swallowed_stops_precompute_before_the_next_prompt(root, tmp_path, monkeypatch):
-    """Library code that caught a Ctrl-C (tests/unit/test_ctrl_c.py) does not let the tool encode on to the end: it
+    """Library code that caught a Ctrl-C (test_ctrl_c.py) does not let the tool encode on to the end: it
     stops before the next prompt, the store's index listing what was encoded."""
     import shared.interrupt
 

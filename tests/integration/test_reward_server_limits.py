@@ -1,6 +1,6 @@
 """What a reward server does with requests that cost far more than they look: bodies of many small values,
 images decoded by many requests at once, uploads that stall or stop, huge image headers and prompts. Real
-uvicorn servers on 127.0.0.1 (``servers.serve``); tests/integration/test_reward_server.py has the rest."""
+uvicorn servers on 127.0.0.1 (``servers.serve``); tests/integration/serving/ has the rest."""
 
 from __future__ import annotations
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fixtures_models import build_conformance_model_dir, build_tiny_aesthetic, build_tiny_qwen_vl
-
-
-@pytest.fixture(scope="session")
-def tiny_aesthetic_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_aesthetic(tmp_path_factory.mktemp("aesthetic-models"))
+from fixtures_models import build_conformance_model_dir, build_tiny_qwen_vl
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,12 @@
-"""Training and test splits that cannot meet: the committed training sets (data/geneval, data/ocr) are what their
-generators write, share no prompt, GenEval check or OCR text with the test sets, and read as the trainer reads
-them (a run whose data.path shares items with eval.path: tests/unit/test_data_overlap.py)."""
+"""Training and test splits that cannot meet: the committed training sets (data/geneval, data/ocr; their commands
+write them byte for byte: tests/integration/test_data_commands.py) share no prompt, GenEval check or OCR text with
+the test sets, and read as the trainer reads them (a run whose data.path shares items with eval.path:
+tests/unit/test_data_overlap.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from reward_server.scorers import geneval_rules
 from reward_server.scorers.ocr import target_text
@@ -43,22 +40,6 @@ def _rebuild(row: dict) -> dict:
     if row["tag"] == "position":
         return geneval.position(second["class"], second["position"][0], first["class"])
     return geneval.color_attr(first["class"], first["color"], second["class"], second["color"])
-
-
-@pytest.mark.parametrize("module", ["make_geneval_prompts", "make_ocr_prompts"])
-def test_the_committed_training_set_is_what_its_command_writes(module, tmp_path):
-    """The README's command, run from the repository root, writes the committed file byte for byte."""
-    source = {"make_geneval_prompts": geneval, "make_ocr_prompts": ocr}[module]
-    out = tmp_path / "written"
-    run = subprocess.run(
-        [sys.executable, "-m", f"trainer.data.{module}", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    assert out.read_bytes() == (REPO / source.OUT).read_bytes()
 
 
 def test_our_geneval_templates_rebuild_every_test_record():

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,7 @@ from trainer.config import load_config
 from trainer.display import Display
 from trainer.distributed import SingleProcess
 from trainer.launch import finishing, signalled_at
-from trainer.stopping import LAUNCHER_GONE, StopRequests, StopsBeforeTraining, StopSignalled
+from trainer.stopping import StopRequests, StopsBeforeTraining, StopSignalled
 
 
 def test_the_first_stop_signal_is_recorded_and_the_handlers_are_restored_after(capfd):
@@ -92,40 +89,6 @@ def test_a_run_stopped_by_a_signal_says_after_which_step_and_names_its_checkpoin
     assert where(Progress(10, 2, True, eval_due=True)).startswith(
         "stopped after RL epoch 2 of 4 (its evaluation runs first when the run continues);"
     )
-
-
-WATCHED = """
-import sys, time, torch
-from trainer.display import Display
-from trainer.distributed import SingleProcess
-from trainer.stopping import StopRequests
-with StopRequests(SingleProcess(torch.device("cpu")), announce=False) as stops:
-    print("ready", flush=True)
-    deadline = time.monotonic() + 60
-    while not stops.asked() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with open(sys.argv[1], "w") as out:
-        out.write(str(stops.asked()))
-"""
-
-LAUNCHER = """
-import subprocess, sys
-rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
-assert rank.stdout.readline() == "ready\\n"
-"""  # exits as soon as its child is watching: the child is re-parented
-
-
-def test_a_rank_whose_torchrun_is_gone_asks_to_stop(tmp_path):
-    """A process started as torchrun starts its ranks (TORCHELASTIC_RUN_ID set) whose parent exits, as a torchrun
-    killed with SIGKILL does: within a second or two it asks to stop, as for SIGHUP."""
-    out = tmp_path / "asked"
-    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    subprocess.run([sys.executable, "-c", LAUNCHER, WATCHED, str(out)], env=env, check=True, timeout=60)
-    deadline = time.monotonic() + 30
-    while not (out.is_file() and out.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert out.read_text() == str(int(LAUNCHER_GONE)) == str(int(signal.SIGHUP))
-    assert str(StopSignalled(LAUNCHER_GONE)) == "torchrun, which started the ranks, is gone"
 
 
 def test_a_stop_signal_during_set_up_passes_the_except_exception_of_code_it_interrupts():

@@ -131,57 +131,88 @@ def merge_sections(base: dict, update: Mapping, cls: type | None) -> None:
 
 
 def convert(tp: Any, value: Any, path: str) -> Any:
-    """Check and convert one value against type ``tp``."""
+    """Check and convert one value against type ``tp``: one helper per kind of annotation."""
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
     if origin is typing.Annotated:
-        meta = [m for m in args[1:] if isinstance(m, Selected)]
-        if meta:
-            return build_selected(meta[0], value, path)
-        value = convert(args[0], value, path)
-        for bounds in (m for m in args[1:] if isinstance(m, Bounds)):
-            if not bounds.admits(value):
-                raise ConfigError(f"{path}={value!r} must be {bounds.describe()}")
-        return value
+        return _convert_annotated(typing.get_args(tp), value, path)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return convert(option, value, path)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(
-            errors[0]
-            if len(errors) == 1
-            else f"{path}: {value!r} matches none of {', '.join(_type_name(o) for o in options)}"
-        )
+        return _convert_union(typing.get_args(tp), value, path)
     if origin is Literal:
-        if value not in args:
-            read_as = " (YAML reads an unquoted yes, no, on or off as a boolean)" if isinstance(value, bool) else ""
-            raise ConfigError(f"{path}: {value!r}{read_as} is not one of {', '.join(repr(a) for a in args)}")
-        return value
+        return _convert_literal(typing.get_args(tp), value, path)
     if origin in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            return tuple(convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
-        item = args[0] if args else Any
-        out = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
+        return _convert_sequence(origin, typing.get_args(tp), value, path)
     if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        key_t, val_t = args or (Any, Any)
-        return {convert(key_t, k, f"{path}"): convert(val_t, v, f"{path}.{k}") for k, v in value.items()}
+        return _convert_dict(typing.get_args(tp), value, path)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path)
+    if tp in (bool, float, int, str):
+        return _convert_scalar(tp, value, path)
+    raise AssertionError(f"unsupported config annotation {tp!r} at {path}")
+
+
+def _convert_annotated(args: tuple, value: Any, path: str) -> Any:
+    """``Annotated[T, ...]``: a section chosen by name (``Selected``), else ``T`` checked against its ``Bounds``."""
+    meta = [m for m in args[1:] if isinstance(m, Selected)]
+    if meta:
+        return build_selected(meta[0], value, path)
+    value = convert(args[0], value, path)
+    for bounds in (m for m in args[1:] if isinstance(m, Bounds)):
+        if not bounds.admits(value):
+            raise ConfigError(f"{path}={value!r} must be {bounds.describe()}")
+    return value
+
+
+def _convert_union(args: tuple, value: Any, path: str) -> Any:
+    """``A | B | None``: the first option the value converts to; the error names them all when none does."""
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    errors = []
+    for option in options:
+        try:
+            return convert(option, value, path)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    raise ConfigError(
+        errors[0]
+        if len(errors) == 1
+        else f"{path}: {value!r} matches none of {', '.join(_type_name(o) for o in options)}"
+    )
+
+
+def _convert_literal(args: tuple, value: Any, path: str) -> Any:
+    """``Literal[...]``: one of its values (a YAML boolean where a word was meant is named as such)."""
+    if value not in args:
+        read_as = " (YAML reads an unquoted yes, no, on or off as a boolean)" if isinstance(value, bool) else ""
+        raise ConfigError(f"{path}: {value!r}{read_as} is not one of {', '.join(repr(a) for a in args)}")
+    return value
+
+
+def _convert_sequence(origin: type, args: tuple, value: Any, path: str) -> Any:
+    """``list[T]``, ``tuple[T, ...]`` or a fixed ``tuple[A, B]``, item by item."""
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{path}: expected a list, got {value!r}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+        return tuple(convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    item = args[0] if args else Any
+    out = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(out) if origin is tuple else out
+
+
+def _convert_dict(args: tuple, value: Any, path: str) -> dict:
+    """``dict[K, V]``, key by key and value by value."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    key_t, val_t = args or (Any, Any)
+    return {convert(key_t, k, f"{path}"): convert(val_t, v, f"{path}.{k}") for k, v in value.items()}
+
+
+def _convert_scalar(tp: type, value: Any, path: str) -> Any:
+    """``bool``, ``float``, ``int`` or ``str``: no bool passes for a number, a number's string passes for a float."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -199,11 +230,9 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
-    raise AssertionError(f"unsupported config annotation {tp!r} at {path}")
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{path}: expected a string, got {value!r}")
 
 
 def build_selected(selected: Selected, value: Any, path: str) -> Any:

@@ -1,12 +1,10 @@
 """The ParallelBackend contract, and its single-process and DDP implementations (FSDP2 in ``fsdp.py``,
-DeepSpeed ZeRO in ``zero.py``)."""
+DeepSpeed ZeRO in ``zero.py``; the optimizer step they share in ``stepping.py``, weight copies in ``weights.py``)."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -15,6 +13,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from trainer.distributed.stepping import (
+    check_auxiliary_count,
+    clip_gradients,
+    finite_step,
+    loss_scaler,
+    refuse_low_precision_updates,
+)
+from trainer.distributed.weights import checked_trainable, main_only_copy, materialize, skeleton, trainable
 
 
 @dataclass(frozen=True)
@@ -306,112 +313,6 @@ class SingleProcess:
 
     def close(self) -> None:
         pass
-
-
-def finite_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, norm: float) -> None:
-    """Step ``optimizer`` through ``scaler`` unless the gradients' ``norm`` (the same on every rank: taken over
-    the reduced gradients) is not finite, then zero the gradients. An enabled scaler skips such a step itself; in
-    bf16 or float32 one NaN would otherwise make every weight NaN."""
-    if scaler.is_enabled() or math.isfinite(norm):
-        scaler.step(optimizer)
-    optimizer.zero_grad(set_to_none=True)
-
-
-def clip_gradients(params: list[nn.Parameter], max_grad_norm: float) -> float:
-    """Clip gradients to ``max_grad_norm`` (when > 0); returns the norm before clipping (0 without grads)."""
-    if max_grad_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    grads = [p.grad.norm() for p in params if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
-
-
-def loss_scaler(
-    module: nn.Module,
-    device: torch.device,
-    compute_dtype: torch.dtype | None = None,
-    scaler_class: type = torch.amp.GradScaler,
-) -> torch.amp.GradScaler:
-    """Dynamic loss scaling, enabled when ``module`` computes in float16 (its weights, or ``compute_dtype``):
-    the loss is multiplied by the scale (65536 at first) before backward, so that gradients below fp16's
-    smallest value (6e-8) do not flush to zero in the network's backward, and divided out before clipping."""
-    fp16 = compute_dtype == torch.float16 or any(p.dtype == torch.float16 for p in module.parameters())
-    return scaler_class(device.type, enabled=fp16)
-
-
-def refuse_low_precision_updates(params: list[nn.Parameter], backend: str) -> None:
-    """ValueError for trainable weights in bf16/fp16 under a backend whose optimizer updates them in place (no
-    float32 master copy): bf16 rounds away Adam steps below 1/256 of a weight, and in fp16 Adam's eps underflows.
-    LoRA and IP-Adapter weights are float32 already (``trainer.models.trainable``); this is full fine-tuning."""
-    low = sorted({str(p.dtype).removeprefix("torch.") for p in params if p.dtype in (torch.bfloat16, torch.float16)})
-    if low:
-        raise ValueError(
-            f"full fine-tuning with model.dtype={low[0]} under parallel.backend={backend} would update the weights "
-            f"in {low[0]}, losing small optimizer steps. Use model.dtype=float32 (parallel.backend=fsdp2 with "
-            f"parallel.param_dtype={low[0]} still computes in {low[0]}), parallel.backend=zero2/zero3 with "
-            f"parallel.param_dtype={low[0]} (float32 master weights), or LoRA (model.lora), whose weights stay "
-            "float32"
-        )
-
-
-def check_auxiliary_count(state: dict, expected: int) -> None:
-    if len(state["auxiliary"]) != expected:
-        raise ValueError(
-            f"the checkpoint holds {len(state['auxiliary'])} auxiliary optimizers, this run "
-            f"has {expected}: resume with the algorithm the checkpoint was made with"
-        )
-
-
-def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``module``'s parameters that train, by name."""
-    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-
-
-def checked_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
-    """``trainable(module)``, after checking that ``state`` holds exactly those names (ValueError if not)."""
-    named = trainable(module)
-    names = {name for name, _ in named}
-    if names != set(state):
-        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
-        raise ValueError(
-            f"the saved trainable weights do not match this model (missing: {missing[:5]}, "
-            f"unexpected: {unexpected[:5]}); resume with the model and LoRA settings they were "
-            "saved with"
-        )
-    return named
-
-
-def skeleton(module: nn.Module) -> nn.Module:
-    """A structural copy of ``module`` whose parameters live on the meta device (no memory), taken before
-    a backend shards or wraps it: ``materialize`` later fills it with full weights."""
-    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False) for p in module.parameters()}
-    return copy.deepcopy(module, memo)
-
-
-def main_only_copy(
-    rank: int, template: nn.Module, params: Iterable[tuple[str, torch.Tensor]], module: nn.Module
-) -> nn.Module | None:
-    """``main_copy``'s work: on rank 0, ``materialize`` on the CPU from ``(name, full value)`` pairs, each copied
-    there as it comes (a generator that gathers one parameter at a time then holds one full parameter on the
-    device at most; the copies never share storage with the live weights, which an export's LoRA fusion would
-    change), with ``module``'s buffers. The other ranks run through ``params`` (each gather is collective)."""
-    if rank != 0:
-        for _ in params:
-            pass
-        return None
-    return materialize(
-        template,
-        {name: value.to("cpu", copy=True) for name, value in params},
-        {name: b.cpu() for name, b in module.named_buffers()},
-    )
-
-
-def materialize(template: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> nn.Module:
-    """A frozen eval-mode copy of ``template`` holding ``params`` (full values, by name) and ``buffers``."""
-    memo: dict[int, object] = {
-        id(p): nn.Parameter(params[name], requires_grad=False) for name, p in template.named_parameters()
-    }
-    memo.update({id(b): buffers[name].detach().clone() for name, b in template.named_buffers()})
-    return copy.deepcopy(template, memo).requires_grad_(False).eval()
 
 
 class DDP(SingleProcess):

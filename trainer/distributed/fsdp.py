@@ -24,20 +24,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.distributed.backend import (
-    DDP,
-    World,
-    check_auxiliary_count,
-    checked_trainable,
-    finite_step,
-    loss_scaler,
-    main_only_copy,
-    materialize,
-    refuse_low_precision_updates,
-    skeleton,
-    trainable,
-)
+from trainer.distributed.backend import DDP, World
+from trainer.distributed.stepping import check_auxiliary_count, finite_step, loss_scaler, refuse_low_precision_updates
 from trainer.distributed.swap import ShardSwap
+from trainer.distributed.weights import checked_trainable, main_only_copy, materialize, skeleton, trainable
 
 logger = logging.getLogger(__name__)
 

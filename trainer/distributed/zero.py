@@ -23,16 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.distributed.backend import (
-    DDP,
-    World,
-    checked_trainable,
-    main_only_copy,
-    materialize,
-    skeleton,
-    trainable,
-)
+from trainer.distributed.backend import DDP, World
 from trainer.distributed.swap import ShardSwap
+from trainer.distributed.weights import checked_trainable, main_only_copy, materialize, skeleton, trainable
 
 TEMPLATES = Path(__file__).resolve().parent / "deepspeed_configs"
 

@@ -14,36 +14,44 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import numpy as np
-from pydantic import ValidationError
 
-from shared.protocol import InfoResponse, ScoreResponse
+from shared.protocol import InfoResponse
 from shared.rewards import Combination, RewardResult, check_batch
-from shared.wire import compress_body, supported_encodings
-from trainer.rewards.errors import AttemptFailed, RewardRequestError, RewardUnavailableError, is_retryable
-from trainer.rewards.pool import Replica, ReplicaPool
-from trainer.rewards.wire import (
-    DEFAULT_WIRE_FORMAT,
-    WIRE_FORMATS,
-    check_metadata_arrays,
-    detail,
-    encode_body,
-    media_type,
-    retry_after_s,
-    store_scores,
-)
+from shared.wire import supported_encodings
+from trainer.rewards.attempts import Attempts
+from trainer.rewards.errors import AttemptFailed, RewardUnavailableError
+from trainer.rewards.pool import ReplicaPool
+from trainer.rewards.wire import DEFAULT_WIRE_FORMAT, WIRE_FORMATS, check_metadata_arrays, encode_body, store_scores
 
 logger = logging.getLogger("rewardflow.rewards")
 
-_LATENCY_WINDOW = 256
-REPLICA_REFUSALS = (401, 403, 404, 413)
-"""4xx answers that depend on the replica's settings (token, routes, size limits), not on the request alone: the
-replica leaves rotation and the request goes to another, while there is one in rotation."""
+
+def _check_arguments(
+    urls: list[str], wire_format: str, batch_size: int, max_concurrency: int, max_retries: int, breaker_failures: int
+) -> None:
+    """Refuse replicas, a wire format and counts the client cannot work with (``ValueError`` naming them)."""
+    if not urls:
+        raise ValueError("urls must name at least one reward server")
+    if wire_format not in WIRE_FORMATS:
+        raise ValueError(f"wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
+    encoding = wire_format.partition("+")[2] or None
+    if encoding is not None and encoding not in supported_encodings():
+        raise ValueError(f"wire_format {wire_format!r} needs the {encoding} package, which is not installed")
+    if batch_size < 1 or max_concurrency < 1 or max_retries < 0 or breaker_failures < 1:
+        raise ValueError("batch_size, max_concurrency, breaker_failures must be >= 1, max_retries >= 0")
+
+
+def _check_durations(timeout_s: float, connect_timeout_s: float, step_timeout_s: float | None, outage_s: float) -> None:
+    """Refuse a timeout that is not positive and an outage wait that is negative (or NaN)."""
+    if timeout_s <= 0 or connect_timeout_s <= 0 or (step_timeout_s is not None and step_timeout_s <= 0):
+        raise ValueError("timeouts must be > 0")
+    if not outage_s >= 0:
+        raise ValueError(f"outage_s must be >= 0, got {outage_s}")
 
 
 class HttpRewardClient:
@@ -112,19 +120,9 @@ class HttpRewardClient:
         verify_replicas: bool = True,
         outage_s: float = 0.0,
     ) -> None:
-        if not urls:
-            raise ValueError("urls must name at least one reward server")
-        if wire_format not in WIRE_FORMATS:
-            raise ValueError(f"wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
+        _check_arguments(urls, wire_format, batch_size, max_concurrency, max_retries, breaker_failures)
+        _check_durations(timeout_s, connect_timeout_s, step_timeout_s, outage_s)
         self.encoding = wire_format.partition("+")[2] or None
-        if self.encoding is not None and self.encoding not in supported_encodings():
-            raise ValueError(f"wire_format {wire_format!r} needs the {self.encoding} package, which is not installed")
-        if batch_size < 1 or max_concurrency < 1 or max_retries < 0 or breaker_failures < 1:
-            raise ValueError("batch_size, max_concurrency, breaker_failures must be >= 1, max_retries >= 0")
-        if timeout_s <= 0 or connect_timeout_s <= 0 or (step_timeout_s is not None and step_timeout_s <= 0):
-            raise ValueError("timeouts must be > 0")
-        if not outage_s >= 0:
-            raise ValueError(f"outage_s must be >= 0, got {outage_s}")
         self.urls = [url.rstrip("/") for url in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"urls must be distinct, got {self.urls}")
@@ -144,6 +142,11 @@ class HttpRewardClient:
         must not wait for reward.outage_s before its checkpoint)."""
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
+        self._connect(breaker_failures, probe_interval_s)
+        self._start_loop()
+
+    def _connect(self, breaker_failures: int, probe_interval_s: float) -> None:
+        """The replica pool and the attempts at it, both reaching the HTTP client through ``_client``."""
         self.pool = ReplicaPool(
             self.urls,
             list(self.weights),
@@ -152,12 +155,22 @@ class HttpRewardClient:
             breaker_failures=breaker_failures,
             probe_interval_s=probe_interval_s,
         )
-        self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self.attempts = Attempts(
+            self.pool,
+            self._client,
+            wire_format=self.wire_format,
+            auth=self._auth,
+            timeout_s=self.timeout_s,
+            max_concurrency=self.max_concurrency,
+            hedge=self.hedge,
+        )
+
+    def _start_loop(self) -> None:
+        """The private event loop in its background thread; the HTTP client is made on it at first use."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-client", daemon=True)
         self._thread.start()
         self._http: httpx.AsyncClient | None = None
-        self._semaphore: asyncio.Semaphore | None = None
         self._verify_lock: asyncio.Lock | None = None
         self._verified = False
         self._closed = False
@@ -238,7 +251,6 @@ class HttpRewardClient:
             connections = 2 * self.max_concurrency + len(self.urls)  # hedges and probes come on top
             limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
             self._http = httpx.AsyncClient(timeout=self._timeout, limits=limits, trust_env=False)
-            self._semaphore = asyncio.Semaphore(self.max_concurrency)
             self._verify_lock = asyncio.Lock()
         return self._http
 
@@ -295,7 +307,7 @@ class HttpRewardClient:
             replica = self.pool.pick(tried)
             tried.add(replica.url)
             try:
-                response = await self._attempt_hedged(replica, bodies, tried)
+                response = await self.attempts.hedged(replica, bodies, tried)
             except AttemptFailed as exc:
                 failures.append(str(exc))
                 self.failed_attempts += 1
@@ -324,117 +336,6 @@ class HttpRewardClient:
             f"items {start}-{stop - 1}: no reward replica answered after {attempts} attempts: "
             + "; ".join(failures[-(self.max_retries + 2) :])
         )
-
-    async def _attempt_hedged(
-        self, replica: Replica, bodies: dict[str | None, bytes], tried: set[str]
-    ) -> ScoreResponse:
-        """One attempt; with ``hedge``, a copy goes to another replica if the first is slower than p95.
-
-        Cancelling it cancels the attempts in flight, which give back their replica and concurrency slot.
-        """
-        primary = asyncio.ensure_future(self._attempt(replica, bodies))
-        pending = {primary}
-        try:
-            hedge_after = self._hedge_delay_s()
-            if hedge_after is None:
-                return await primary
-            done, _ = await asyncio.wait(pending, timeout=hedge_after)
-            if done:
-                return primary.result()
-            backup = self.pool.hedge_target(tried)
-            if backup is None:
-                return await primary
-            tried.add(backup.url)
-            logger.debug("hedging a request to %s after %.3f s on %s", backup.url, hedge_after, replica.url)
-            pending.add(asyncio.ensure_future(self._attempt(backup, bodies)))
-            failure: AttemptFailed | None = None
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    try:
-                        return task.result()
-                    except AttemptFailed as exc:
-                        failure = exc
-            assert failure is not None
-            raise failure
-        finally:
-            for task in pending:
-                task.cancel()
-
-    def _hedge_delay_s(self) -> float | None:
-        if not self.hedge or len(self._latencies) < 20:
-            return None
-        return float(np.percentile(np.fromiter(self._latencies, float), 95))
-
-    async def _attempt(self, replica: Replica, bodies: dict[str | None, bytes]) -> ScoreResponse:
-        """POST one chunk to one replica and parse the answer; update the replica's health.
-
-        Raises:
-            AttemptFailed: retryable failure (connection error, timeout, 408/429/5xx, bad response).
-            RewardRequestError: the replica rejected the request as invalid.
-        """
-        client = self._client()
-        assert self._semaphore is not None
-        encoding = self._encoding_for(replica)
-        if encoding not in bodies:
-            bodies[encoding] = await asyncio.to_thread(compress_body, bodies[None], encoding)
-        headers = {"Content-Type": media_type(self.wire_format), **self._auth}
-        if encoding is not None:
-            headers["Content-Encoding"] = encoding
-        async with self._semaphore:
-            replica.outstanding += 1
-            started = time.monotonic()
-            try:
-                response = await asyncio.wait_for(
-                    client.post(f"{replica.url}/score", content=bodies[encoding], headers=headers),
-                    timeout=self.timeout_s,
-                )
-            except asyncio.TimeoutError:
-                raise self.pool.failed(replica, f"{replica.url}: no answer within {self.timeout_s} s") from None
-            except httpx.RequestError as exc:  # transport errors, and an answer it cannot decode
-                down = isinstance(exc, httpx.ConnectError)
-                raise self.pool.failed(replica, f"{replica.url}: {type(exc).__name__}: {exc}", down=down) from None
-            finally:
-                replica.outstanding -= 1
-        elapsed = time.monotonic() - started
-        status = response.status_code
-        if status == 200:
-            try:
-                parsed = ScoreResponse.model_validate_json(response.content)
-            except ValidationError as exc:
-                raise self.pool.failed(replica, f"{replica.url}: malformed response: {exc}") from None
-            changed = self.pool.changed_models(parsed.models)
-            if changed is not None:  # e.g. restarted with other weights: its scores would not be comparable
-                raise self.pool.failed(replica, f"{replica.url}: {changed}", down=True)
-            self.pool.succeeded(replica)
-            self._latencies.append(elapsed)
-            return parsed
-        if status == 415 and encoding is not None:  # the replica does not take this encoding after all
-            replica.encodings = frozenset()
-            raise AttemptFailed(f"{replica.url}: HTTP 415: {detail(response)}", retry_after_s=0.0)
-        if status == 429:  # overloaded, not broken: no strike against the replica
-            raise AttemptFailed(f"{replica.url}: HTTP 429: {detail(response)}", retry_after_s=retry_after_s(response))
-        if is_retryable(status):
-            raise self.pool.failed(
-                replica,
-                f"{replica.url}: HTTP {status}: {detail(response)}",
-                retry_after_s=retry_after_s(response),
-                down=status == 503,
-            )
-        if status in REPLICA_REFUSALS and self.pool.others_in_rotation(replica):
-            raise self.pool.failed(
-                replica,
-                f"{replica.url} refused the request with HTTP {status} ("
-                f"{detail(response)}), which the others may take: check its token and limits",
-                retry_after_s=0.0,
-                down=True,
-            )
-        raise RewardRequestError(f"{replica.url}/score rejected the request with HTTP {status}: {detail(response)}")
-
-    def _encoding_for(self, replica: Replica) -> str | None:
-        if self.encoding is None or (replica.encodings is not None and self.encoding not in replica.encodings):
-            return None
-        return self.encoding
 
     def encode_body(
         self,

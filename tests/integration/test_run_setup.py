@@ -685,7 +685,7 @@ def test_a_run_refused_before_training_leaves_no_run_folder(
 def test_a_ctrl_c_swallowed_while_the_run_is_set_up_ends_it_before_training(
     tmp_path, capsys, monkeypatch, brightness_server, tiny_model_dir
 ):
-    """Library code that swallowed a Ctrl-C (tests/unit/test_ctrl_c.py): the run stops where training would begin and
+    """Library code that swallowed a Ctrl-C (test_ctrl_c.py): the run stops where training would begin and
     leaves nothing, its folder removed as for a typo."""
     import shared.interrupt
     from trainer.main import main
