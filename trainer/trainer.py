@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from shared.rewards import RewardClient, RewardResult, failed_share
-from trainer.algorithms.advantages import zero_std_share
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
+from trainer.algorithms.core_algos import zero_std_share
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights, recover
 from trainer.config import Config, saved_dict, to_dict

@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms.advantages import (
+from trainer.algorithms.clean_sample import logit_normal_sigmas
+from trainer.algorithms.core_algos import (
     batch_advantages,
     clipped_policy_loss,
+    denoising_loss,
     gaussian_mean_kl,
     group_advantages,
     zero_std_share,
 )
-from trainer.algorithms.clean_sample import denoising_loss, logit_normal_sigmas
 
 
 def test_group_advantages_per_group_std():

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.algorithms.advantages import gae
 from trainer.algorithms.base import LossContext, Rewards
+from trainer.algorithms.core_algos import gae, weighted_mean
 from trainer.algorithms.policy_gradient import (
     ClippedPolicyGradient,
     PolicyGradientBatch,
@@ -67,7 +67,7 @@ def condition_vector(cond: Conditioning) -> torch.Tensor:
         e = cond.embeds[name].float()
         if name in cond.ragged:
             weights = mask.view(*mask.shape, *[1] * (e.ndim - 2))
-            e = (e * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True).clamp_min(1)
+            e = weighted_mean(e, weights, dim=1, keepdim=True)
         parts.append(e.mean(dim=tuple(range(1, e.ndim - 1))) if e.ndim > 2 else e.reshape(len(e), -1))
     return torch.cat(parts, dim=1)
 
