@@ -31,7 +31,7 @@ from trainer.evaluation import Evaluation, RolloutBreakdown
 from trainer.guard import REWARD, Guard
 from trainer.health import (
     RewardFailure,
-    check_rewards,
+    check_failed_share,
     check_samples,
     count_skipped,
     first_error,
@@ -385,7 +385,7 @@ class Trainer:
         check_samples(gathered[:, 2], epoch + 1)
         scored = rewards.all.cpu()  # gathered on the device under NCCL: read once
         failed = failed_share(scored)
-        check_rewards(failed, self.config.reward.max_failed_share, epoch + 1, first_error(result))
+        check_failed_share(failed, self.config.reward.max_failed_share, epoch + 1, first_error(result))
 
         self.policy.train()
         batch = self.algorithm.make_batch(ro, rewards)
