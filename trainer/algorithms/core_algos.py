@@ -95,6 +95,21 @@ def gae(
     return adv, adv + values
 
 
+@ADVANTAGE_ESTIMATORS.register("critic")
+def critic_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, lam: float, steps: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-with-critic's advantages per denoising step [B, T]: ``gae`` on the rewards r [B] (a failed, NaN one as 0)
+    and the values V [B, T], normalised over the trained ``steps`` of the samples with a reward,
+        A = clip((A - mean) / (std + 1e-4), -clip, clip),   0 where the reward failed,
+    and the value targets R = A + V before normalising (V where the reward failed). Returns (A, R)."""
+    valid = ~torch.isnan(rewards)
+    adv, returns = gae(torch.where(valid, rewards, 0.0), values, lam)
+    trained = adv[valid][:, steps]
+    adv = torch.where(valid[:, None], (adv - trained.mean()) / (trained.std(unbiased=False) + 1e-4), 0.0)
+    return adv.clamp(-clip, clip), torch.where(valid[:, None], returns, values)
+
+
 @ADVANTAGE_ESTIMATORS.register("optimality")
 def optimality_probability(advantages: torch.Tensor, scale: float) -> torch.Tensor:
     """r~ = 0.5 + 0.5 clip(A / scale, -1, 1): advantages mapped to [0, 1] (0.5 = no preference)."""
@@ -168,6 +183,12 @@ def clipped_policy_loss(
             "ratio": ratio.mean(),
         }
     return loss, stats
+
+
+@LOSSES.register("value")
+def value_loss(predicted: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """The critic's regression loss L_V = mean((V(x_t) - R_t)^2) on the value targets R (``critic_advantages``)."""
+    return F.mse_loss(predicted, returns)
 
 
 @LOSSES.register("gaussian_kl")
