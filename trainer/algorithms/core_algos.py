@@ -336,7 +336,9 @@ HUBER_EPS = 1e-10
 
 
 def matching_log_prob(error: torch.Tensor, sigma: torch.Tensor, weighting: str, power: float = 0.25) -> torch.Tensor:
-    """log p ~ -w(sigma, e) of per-sample matching errors e [B] at noise levels ``sigma`` [B] (the module's w)."""
+    """AWM's log p ~ -w(sigma, e) of per-sample matching errors e [B] at noise levels ``sigma`` [B], w by ``weighting``:
+    e (uniform), sigma e, sigma^2 e, sigma (sqrt(e + 1e-10) - 1e-5) (huber), sigma ((e + 1e-10)^p - 1e-10^p) / p
+    (ghuber, p = ``power``)."""
     if weighting == "uniform":
         return -error
     if weighting == "sigma":
