@@ -31,7 +31,7 @@ ADVICE = (
 )
 
 
-def check_rewards(failed: float, limit: float, epoch: int, reason: str | None = None) -> None:
+def check_failed_share(failed: float, limit: float, epoch: int, reason: str | None = None) -> None:
     """RewardFailure when a share ``failed`` of RL epoch ``epoch``'s samples (1-based) has no reward, over ``limit``
     (``reason``: why, where this rank knows one)."""
     if failed > limit:

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from shared.rewards import RewardClient, RewardResult, failed_share
-from trainer.algorithms.advantages import zero_std_share
 from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
+from trainer.algorithms.core_algos import zero_std_share
 from trainer.algorithms.sft import SFT
 from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights, recover
 from trainer.config import Config, saved_dict, to_dict
@@ -31,7 +31,7 @@ from trainer.evaluation import Evaluation, RolloutBreakdown
 from trainer.guard import REWARD, Guard
 from trainer.health import (
     RewardFailure,
-    check_rewards,
+    check_failed_share,
     check_samples,
     count_skipped,
     first_error,
@@ -385,7 +385,7 @@ class Trainer:
         check_samples(gathered[:, 2], epoch + 1)
         scored = rewards.all.cpu()  # gathered on the device under NCCL: read once
         failed = failed_share(scored)
-        check_rewards(failed, self.config.reward.max_failed_share, epoch + 1, first_error(result))
+        check_failed_share(failed, self.config.reward.max_failed_share, epoch + 1, first_error(result))
 
         self.policy.train()
         batch = self.algorithm.make_batch(ro, rewards)

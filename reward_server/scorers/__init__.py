@@ -7,83 +7,60 @@ imported on use, so that a server only pays for the scorers it runs.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from reward_server.scorers.base import ScoreOutcome, Scorer, run_scorer
+from shared.registry import Entry, Registry
 
-__all__ = ["SCORERS", "ScoreOutcome", "Scorer", "ScorerSpec", "build_scorers", "run_scorer"]
+__all__ = ["SCORERS", "ScoreOutcome", "Scorer", "build_scorers", "run_scorer"]
 
-
-@dataclass(frozen=True)
-class ScorerSpec:
-    """A registry entry: ``"module:Class"`` built with ``kwargs`` (and ``model_dir=`` when ``takes_model_dir``,
-    the local directory model-based scorers load their weights from)."""
-
-    target: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    takes_model_dir: bool = True
-
-    def __call__(self, model_dir: Path | None = None) -> Scorer:
-        module, name = self.target.split(":")
-        cls = getattr(importlib.import_module(f"reward_server.scorers.{module}"), name)
-        return cls(**self.kwargs, **({"model_dir": model_dir} if self.takes_model_dir else {}))
-
-
-_NO_MODEL = {"takes_model_dir": False}
-SCORERS: dict[str, ScorerSpec] = {
-    "digit": ScorerSpec("digit:DigitScorer", **_NO_MODEL),
-    "brightness": ScorerSpec("brightness:BrightnessScorer", **_NO_MODEL),
-    "jpeg_compressibility": ScorerSpec("jpeg:JpegCompressibilityScorer", **_NO_MODEL),
-    "colorfulness": ScorerSpec("colorfulness:ColorfulnessScorer", **_NO_MODEL),
-    "ocr": ScorerSpec("ocr:OcrScorer", {"backend": "rapidocr"}),
-    "ocr_flow_grpo": ScorerSpec(
-        "ocr:OcrScorer", {"backend": "rapidocr", "similarity": "flow_grpo", "reading": "flow_grpo"}
-    ),
-    "ocr_paddle": ScorerSpec("ocr:OcrScorer", {"backend": "paddleocr"}),
-    "qwenvl": ScorerSpec("qwenvl:QwenVLScorer", {"backend": "local"}),
-    "qwenvl_api": ScorerSpec("qwenvl:QwenVLScorer", {"backend": "api"}),
-    "aesthetic": ScorerSpec("aesthetic:AestheticScorer"),
-    "pickscore": ScorerSpec(
-        "clip_score:ClipScoreScorer",
-        {
-            "name": "pickscore",
-            "divisor": 26.0,
-            "description": "PickScore (CLIP ViT-H/14 tuned on human preferences): logit_scale * cos(text, image) / 26",
-        },
-    ),
-    "clipscore": ScorerSpec(
-        "clip_score:ClipScoreScorer",
-        {
-            "name": "clipscore",
-            "divisor": 30.0,
-            "description": "CLIP score (ViT-L/14): logit_scale * cos(text, image) / 30",
-        },
-    ),
-    "clipscore_flow_grpo": ScorerSpec(
-        "clip_score:ClipScoreScorer",
-        {
-            "name": "clipscore_flow_grpo",
-            "folder": "clipscore",
-            "divisor": 30.0,
-            "preprocess": "flow_grpo",
-            "description": "CLIP score (ViT-L/14) with Flow-GRPO's bilinear resize: "
-            "logit_scale * cos(text, image) / 30",
-        },
-    ),
-    "geneval": ScorerSpec("geneval:GenEvalScorer", {"mode": "strict"}),
-    "geneval_partial": ScorerSpec("geneval:GenEvalScorer", {"mode": "partial"}),
-    "geneval_flow_grpo": ScorerSpec("geneval:GenEvalScorer", {"mode": "flow_grpo"}),
-    "hpsv2": ScorerSpec("hps:HpsScorer"),
-    "imagereward": ScorerSpec("imagereward:ImageRewardScorer"),
-    "hpsv3": ScorerSpec("hpsv3:Hpsv3Scorer"),
-    "unifiedreward": ScorerSpec("unifiedreward:UnifiedRewardScorer", {"backend": "local"}),
-    "unifiedreward_api": ScorerSpec("unifiedreward:UnifiedRewardScorer", {"backend": "api"}),
-}
-"""Scorer name -> how to build it."""
+_P = "reward_server.scorers."
+_NO_MODEL = {"accepts": ()}  # offered ``model_dir=`` like the others, it loads no weights
+SCORERS = Registry(
+    {
+        "digit": Entry(_P + "digit:DigitScorer", **_NO_MODEL),
+        "brightness": Entry(_P + "brightness:BrightnessScorer", **_NO_MODEL),
+        "jpeg_compressibility": Entry(_P + "jpeg:JpegCompressibilityScorer", **_NO_MODEL),
+        "colorfulness": Entry(_P + "colorfulness:ColorfulnessScorer", **_NO_MODEL),
+        "ocr": Entry(_P + "ocr:OcrScorer", backend="rapidocr"),
+        "ocr_flow_grpo": Entry(_P + "ocr:OcrScorer", backend="rapidocr", similarity="flow_grpo", reading="flow_grpo"),
+        "ocr_paddle": Entry(_P + "ocr:OcrScorer", backend="paddleocr"),
+        "qwenvl": Entry(_P + "qwenvl:QwenVLScorer", backend="local"),
+        "qwenvl_api": Entry(_P + "qwenvl:QwenVLScorer", backend="api"),
+        "aesthetic": Entry(_P + "aesthetic:AestheticScorer"),
+        "pickscore": Entry(
+            _P + "clip_score:ClipScoreScorer",
+            name="pickscore",
+            divisor=26.0,
+            description="PickScore (CLIP ViT-H/14 tuned on human preferences): logit_scale * cos(text, image) / 26",
+        ),
+        "clipscore": Entry(
+            _P + "clip_score:ClipScoreScorer",
+            name="clipscore",
+            divisor=30.0,
+            description="CLIP score (ViT-L/14): logit_scale * cos(text, image) / 30",
+        ),
+        "clipscore_flow_grpo": Entry(
+            _P + "clip_score:ClipScoreScorer",
+            name="clipscore_flow_grpo",
+            folder="clipscore",
+            divisor=30.0,
+            preprocess="flow_grpo",
+            description="CLIP score (ViT-L/14) with Flow-GRPO's bilinear resize: logit_scale * cos(text, image) / 30",
+        ),
+        "geneval": Entry(_P + "geneval:GenEvalScorer", mode="strict"),
+        "geneval_partial": Entry(_P + "geneval:GenEvalScorer", mode="partial"),
+        "geneval_flow_grpo": Entry(_P + "geneval:GenEvalScorer", mode="flow_grpo"),
+        "hpsv2": Entry(_P + "hps:HpsScorer"),
+        "imagereward": Entry(_P + "imagereward:ImageRewardScorer"),
+        "hpsv3": Entry(_P + "hpsv3:Hpsv3Scorer"),
+        "unifiedreward": Entry(_P + "unifiedreward:UnifiedRewardScorer", backend="local"),
+        "unifiedreward_api": Entry(_P + "unifiedreward:UnifiedRewardScorer", backend="api"),
+    }
+)
+"""Scorer name -> its class and arguments, imported on use (``SCORERS[name](model_dir=...)`` builds one; the
+scorers with weights load them from ``model_dir``)."""
 
 
 def build_scorers(names: Sequence[str], *, model_dir: Path | None = None, load: bool = False) -> dict[str, Scorer]:

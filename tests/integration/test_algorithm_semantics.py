@@ -11,9 +11,8 @@ import pytest
 import torch
 from warm_start import tiny_trainer
 
-from trainer.algorithms.advantages import batch_advantages, gae, group_advantages
 from trainer.algorithms.base import Rewards
-from trainer.algorithms.clean_sample import per_sample_mse
+from trainer.algorithms.core_algos import batch_advantages, gae, group_advantages, per_sample_mse
 from trainer.rollout import Rollout
 from trainer.trainer import Trainer
 

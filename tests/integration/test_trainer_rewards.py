@@ -9,7 +9,7 @@ import pytest
 import torch
 from warm_start import tiny_trainer
 
-from trainer.algorithms.advantages import group_advantages
+from trainer.algorithms.core_algos import group_advantages
 from trainer.data import DigitsTask
 from trainer.health import RewardFailure
 from trainer.trainer import Trainer

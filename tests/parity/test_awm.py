@@ -13,9 +13,10 @@ import pytest
 import torch
 from transcribed import Source, transcribes
 
-from trainer.algorithms.awm import AWM, AWMConfig, awm_loss
-from trainer.algorithms.base import LossContext, Rewards, frozen_copy, refresh_reference
+from trainer.algorithms.awm import AWM, AWMConfig
+from trainer.algorithms.base import LossContext, Rewards, refresh_reference, unwrapped_copy
 from trainer.algorithms.clean_sample import stratified_steps
+from trainer.algorithms.core_algos import awm_loss
 from trainer.distributed import SingleProcess
 from trainer.models.sd3 import SD3Adapter
 from trainer.models.tiny import TinyConfig
@@ -170,10 +171,10 @@ def _tiny_run(tiny_model_dir, config: AWMConfig):
     ctx = LossContext(adapter, adapter.denoiser, None)
     algo.setup(adapter, None, SingleProcess(torch.device("cpu")))
     refresh_reference(ctx)
-    nets = {"ref": frozen_copy(adapter.denoiser)}
+    nets = {"ref": unwrapped_copy(adapter.denoiser)}
     _move(adapter, 1)
     algo.start_epoch(ctx, 0)  # the sampling policy's copy; the EMA policy's start
-    nets["old"], nets["ema"] = frozen_copy(adapter.denoiser), frozen_copy(adapter.denoiser)
+    nets["old"], nets["ema"] = unwrapped_copy(adapter.denoiser), unwrapped_copy(adapter.denoiser)
     _move(adapter, 2)
     algo.ema.update(0.5)
     params = [p for p in nets["ema"].parameters()]

@@ -21,9 +21,9 @@ from test_steps import _flow_grpo_sde_step
 from transcribed import Source, transcribes
 from warm_start import tiny_trainer
 
-from trainer.algorithms.advantages import batch_advantages, group_advantages
 from trainer.algorithms.base import Rewards
 from trainer.algorithms.clean_sample import logit_normal_sigmas
+from trainer.algorithms.core_algos import batch_advantages, group_advantages
 from trainer.algorithms.ppo_critic import condition_vector
 from trainer.rollout import Rollout
 from trainer.trainer import Trainer

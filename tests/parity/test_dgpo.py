@@ -13,9 +13,9 @@ import pytest
 import torch
 from transcribed import Source, transcribes
 
-from trainer.algorithms.base import LossContext, Rewards, frozen_copy, refresh_reference
-from trainer.algorithms.clean_sample import per_sample_mse
-from trainer.algorithms.dgpo import DGPO, DGPOConfig, dgpo_loss
+from trainer.algorithms.base import LossContext, Rewards, refresh_reference, unwrapped_copy
+from trainer.algorithms.core_algos import dgpo_loss, per_sample_mse
+from trainer.algorithms.dgpo import DGPO, DGPOConfig
 from trainer.distributed import SingleProcess
 from trainer.models.sd3 import SD3Adapter
 from trainer.models.tiny import TinyConfig
@@ -174,10 +174,10 @@ def _tiny_run(tiny_model_dir, config: DGPOConfig):
     ctx = LossContext(adapter, adapter.denoiser, None)
     algo.setup(adapter, None, SingleProcess(torch.device("cpu")))
     refresh_reference(ctx)
-    nets = {"ref": frozen_copy(adapter.denoiser)}
+    nets = {"ref": unwrapped_copy(adapter.denoiser)}
     _move(adapter, 1)
     algo.start_epoch(ctx, 0)  # the EMA policy: a copy of the policy as RL starts
-    nets["old"] = frozen_copy(adapter.denoiser)
+    nets["old"] = unwrapped_copy(adapter.denoiser)
     _move(adapter, 2)
     rewards = torch.rand(len(prompts), generator=torch.Generator().manual_seed(3))
     return adapter, ro, algo, ctx, nets, prompts, group_ids, rewards

@@ -15,7 +15,7 @@ from transcribed import Source, transcribes
 from warm_start import tiny_trainer
 
 from trainer.algorithms.base import Rewards
-from trainer.algorithms.grpo_guard import guard_log_ratio
+from trainer.algorithms.core_algos import guard_log_ratio
 from trainer.samplers.flow_sde import cps_step_with_logprob
 
 VERL_OMNI = Source(

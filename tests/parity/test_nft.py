@@ -18,9 +18,8 @@ import torch
 from transcribed import Source, transcribes
 from warm_start import tiny_trainer
 
-from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
 from trainer.algorithms.base import Rewards
-from trainer.algorithms.clean_sample import per_sample_mse
+from trainer.algorithms.core_algos import group_advantages, nft_loss, optimality_probability, per_sample_mse
 from trainer.algorithms.nft import NFTConfig, old_decay, x0_error_scale
 from trainer.models.flow import rectified_flow_target
 from trainer.rollout import SamplerSettings, rollout

@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms.advantages import (
+from trainer.algorithms.clean_sample import logit_normal_sigmas
+from trainer.algorithms.core_algos import (
     batch_advantages,
     clipped_policy_loss,
+    denoising_loss,
     gaussian_mean_kl,
     group_advantages,
     zero_std_share,
 )
-from trainer.algorithms.clean_sample import denoising_loss, logit_normal_sigmas
 
 
 def test_group_advantages_per_group_std():
@@ -131,3 +132,16 @@ def test_clipped_policy_loss_with_weights_averages_over_the_kept_samples():
     assert kept.item() == pytest.approx(1.5 * full.item())
     empty, _ = clipped_policy_loss(adv, torch.zeros(3), torch.zeros(3), 0.2, weights=torch.zeros(3))
     assert empty.item() == 0.0
+
+
+def test_critic_advantages_normalise_over_the_trained_steps_of_scored_samples():
+    from trainer.algorithms.core_algos import critic_advantages
+
+    rewards = torch.tensor([1.0, float("nan"), 0.0])
+    values = torch.tensor([[0.0, 0.5], [0.2, 0.2], [0.0, 0.0]])
+    adv, returns = critic_advantages(rewards, values, 1.0, torch.tensor([0]), clip=5.0)
+    # lam = gamma = 1: A_t = r - V_t, so at step 0: 1 and 0 (mean 0.5, std 0.5); the failed sample gets 0
+    scale = 0.5 + 1e-4
+    expected = torch.tensor([[0.5 / scale, 0.0 / scale], [0.0, 0.0], [-0.5 / scale, -0.5 / scale]])
+    assert torch.allclose(adv, expected)
+    assert torch.equal(returns, torch.tensor([[1.0, 1.0], [0.2, 0.2], [0.0, 0.0]]))  # R = A + V; V where it failed

@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.algorithms.advantages import (
+from trainer.algorithms.base import LossContext, Rewards, balanced_local, refresh_reference, shares_weights
+from trainer.algorithms.core_algos import (
     best_and_worst,
     diffusion_dpo_loss,
     gae,
     nft_loss,
     optimality_probability,
 )
-from trainer.algorithms.base import LossContext, Rewards, balanced_local, refresh_reference, shares_weights
 from trainer.algorithms.nft import NFTConfig, old_decay, schedule_draws, x0_error_scale
 from trainer.algorithms.ppo_critic import ValueNetwork, condition_vector
 from trainer.ema import EMA

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms.grpo_guard import guard_log_ratio
+from trainer.algorithms.core_algos import guard_log_ratio
 from trainer.samplers.flow_sde import sde_step_with_logprob
 
 
@@ -39,7 +39,7 @@ def test_guard_log_ratio_is_the_debiased_rescaled_gaussian_log_ratio():
 
 def test_guard_step_weight_is_one_over_minus_dt():
     """Schedule (1, 0.75, 0.25, 0): steps 0 and 1 have -dt = 0.25 and 0.5, so weights 4 and 2."""
-    from trainer.algorithms.grpo_guard import guard_step_weight
+    from trainer.algorithms.core_algos import guard_step_weight
 
     schedule = torch.tensor([1.0, 0.75, 0.25, 0.0])
     torch.testing.assert_close(guard_step_weight(schedule, torch.tensor([0, 1, 0])), torch.tensor([4.0, 2.0, 4.0]))
@@ -65,7 +65,7 @@ def test_awm_loss_hand_values_and_on_policy_gradient():
     """log p = -w mean((v - target)^2): sample 0 mse 1, sample 1 mse 0.25 (v_old's: 1 and 1). Uniform (w = 1):
     the log-ratios are 0 and 0.75; A = (1, 1), eps = 0.2: the first is unclipped (-1), the second clipped (-1.2).
     The sigma weighting (w = sigma) scales the on-policy gradient by sigma."""
-    from trainer.algorithms.awm import awm_loss
+    from trainer.algorithms.core_algos import awm_loss
 
     target = torch.zeros(2, 4)
     v_old = torch.ones(2, 4)
@@ -87,7 +87,7 @@ def test_dgpo_loss_hand_values_and_gradient():
     s = 100 / 2 (0.01 + 0.02) = 1.5, weight sigmoid(1.5). The authors' form: L = sigmoid(s) mean(A l_theta),
     gradient sigmoid(s) A / G on l_theta; softplus: L = log(1 + e^1.5), gradient beta times that. A second group
     at the reference (deltas 0) has weight 1/2 and softplus L = log 2."""
-    from trainer.algorithms.dgpo import dgpo_loss
+    from trainer.algorithms.core_algos import dgpo_loss
 
     loss_ref = torch.tensor([[0.5, 0.5], [0.3, 0.7]])
     adv = torch.tensor([[1.0, -1.0], [0.5, -0.5]])
@@ -109,7 +109,7 @@ def test_dgpo_loss_hand_values_and_gradient():
 def test_dgpo_clip_detaches_the_losses_past_the_clip_in_their_advantages_direction():
     """ratio = exp(l_old - l): (1.05, 0.95, 1.05, 0.95) at eps 0.02; A = (1, 1, -1, -1): the first (A > 0, ratio
     above 1 + eps) and the fourth (A < 0, below 1 - eps) are detached, the others keep their gradient."""
-    from trainer.algorithms.dgpo import clip_denoising_loss
+    from trainer.algorithms.core_algos import clip_denoising_loss
 
     loss = torch.tensor([0.5, 0.5, 0.5, 0.5], requires_grad=True)
     old = 0.5 + torch.log(torch.tensor([1.05, 0.95, 1.05, 0.95]))
@@ -131,7 +131,7 @@ def test_dgpo_clip_detaches_the_losses_past_the_clip_in_their_advantages_directi
 )
 def test_awm_time_weightings_hand_values(weighting, expected):
     """log p = -w(sigma, e) at e = 0.25, sigma = 0.5 (ghuber with p = 1/2 is huber times 2)."""
-    from trainer.algorithms.awm import matching_log_prob
+    from trainer.algorithms.core_algos import matching_log_prob
 
     got = matching_log_prob(torch.tensor([0.25]), torch.tensor([0.5]), weighting, 0.5)
     assert got.item() == pytest.approx(expected, rel=1e-6)

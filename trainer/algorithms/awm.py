@@ -27,55 +27,19 @@ from typing import Annotated, Literal
 
 import torch
 
-from trainer.algorithms.advantages import clipped_policy_loss, group_advantages
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, mark_on_policy, refresh_reference
+from trainer.algorithms.base import AlgorithmDefaults, LossContext, Rewards, mark_on_policy, refresh_reference
 from trainer.algorithms.clean_sample import (
     CleanSampleConfig,
     CleanUnit,
     NoiseDraws,
-    per_sample_mse,
     stratified_steps,
     weighted_plan,
 )
+from trainer.algorithms.core_algos import TimeWeighting, awm_loss, group_advantages, per_sample_mse, weighted_mean
 from trainer.algorithms.ema_policy import EMAPolicy, ramped_decay
 from trainer.config.fields import Bounds, Decay, NonNegativeFloat, PositiveFloat
 from trainer.rollout import Rollout
 from trainer.state import State
-
-TimeWeighting = Literal["uniform", "sigma", "sigma**2", "huber", "ghuber"]
-HUBER_EPS = 1e-10
-
-
-def matching_log_prob(error: torch.Tensor, sigma: torch.Tensor, weighting: str, power: float = 0.25) -> torch.Tensor:
-    """log p ~ -w(sigma, e) of per-sample matching errors e [B] at noise levels ``sigma`` [B] (the module's w)."""
-    if weighting == "uniform":
-        return -error
-    if weighting == "sigma":
-        return -sigma * error
-    if weighting == "sigma**2":
-        return -(sigma**2) * error
-    if weighting == "huber":
-        return -sigma * (torch.sqrt(error + HUBER_EPS) - math.sqrt(HUBER_EPS))
-    assert weighting == "ghuber", weighting
-    return -sigma * ((error + HUBER_EPS) ** power - HUBER_EPS**power) / power
-
-
-def awm_loss(
-    v_theta: torch.Tensor,
-    v_old: torch.Tensor,
-    target: torch.Tensor,
-    advantages: torch.Tensor,
-    sigma: torch.Tensor,
-    clip_range: float,
-    weights: torch.Tensor | None = None,
-    weighting: str = "uniform",
-    power: float = 0.25,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy loss on matching log-likelihoods log p = -w(sigma, mean((v - target)^2)) per sample
-    ([B] each: ``advantages``, ``sigma``, ``weights`` 0 for samples left out); returns (loss, stats)."""
-    log_prob = matching_log_prob(per_sample_mse(v_theta, target), sigma, weighting, power)
-    old_log_prob = matching_log_prob(per_sample_mse(v_old, target), sigma, weighting, power)
-    return clipped_policy_loss(advantages, log_prob, old_log_prob, clip_range, weights)
 
 
 @dataclass
@@ -131,7 +95,7 @@ class AWMBatch:
     plans: int = 0  # plans made of this batch: the first one's first optimizer step is on policy
 
 
-class AWM(NoExtras):
+class AWM(AlgorithmDefaults):
     """Advantage weighted matching on clean rollout samples."""
 
     config_class = AWMConfig
@@ -164,8 +128,7 @@ class AWM(NoExtras):
         adv = group_advantages(rewards.all, rewards.group_ids_all, cfg.global_std, cfg.adv_clip)
         if cfg.advantage_max > 0:
             adv = adv / cfg.adv_clip * cfg.advantage_max
-        mine = slice(rewards.offset, rewards.offset + len(rewards.local))
-        return AWMBatch(rollout, adv[mine], (~torch.isnan(rewards.local)).float(), rewards)
+        return AWMBatch(rollout, rewards.local_rows(adv), (~torch.isnan(rewards.local)).float(), rewards)
 
     def plan(self, batch: AWMBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """The batch's clean samples, weighted by reward (``clean_sample.weighted_plan``); "discrete*" noise
@@ -201,12 +164,11 @@ class AWM(NoExtras):
             cfg.time_weighting,
             cfg.ghuber_power,
         )
-        mean = lambda per_sample: (per_sample * weights).sum() / weights.sum().clamp_min(1.0)  # noqa: E731
         with torch.no_grad():
-            stats["matching_loss"] = mean(per_sample_mse(v_theta, target))
+            stats["matching_loss"] = weighted_mean(per_sample_mse(v_theta, target), weights)
         for name, beta, v in (("kl", cfg.kl_beta, v_ref), ("ema_kl", cfg.ema_kl_beta, v_ema)):
             if beta > 0:
-                kl = mean(per_sample_mse(v_theta, v))
+                kl = weighted_mean(per_sample_mse(v_theta, v), weights)
                 loss, stats[name] = loss + beta * kl, kl.detach()
         return loss * unit.share, stats
 

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import Conditioning, ModelAdapter
-from trainer.models.reference import FrozenCopy, Reference
-from trainer.models.reference import frozen_copy as plain_copy
+from trainer.models.reference import FrozenCopy, Reference, frozen_copy
 from trainer.rollout import Rollout, SamplerSettings
 from trainer.state import State
 
@@ -31,6 +30,15 @@ class Rewards:
     all: torch.Tensor  # [N] every rank's samples, rank-major
     group_ids_all: torch.Tensor  # [N] prompt group of each gathered sample
     offset: int  # where this rank's samples start in ``all``
+
+    def local_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``gathered``, a tensor in the order of ``all`` (e.g. advantages computed from every
+        rank's rewards): what an algorithm trains on, its own samples."""
+        return gathered[self.offset : self.offset + len(self.local)]
+
+    def is_local(self, indices: torch.Tensor) -> torch.Tensor:
+        """Whether each of ``indices`` (rows of ``all``) is one of this rank's samples."""
+        return indices // len(self.local) == self.offset // len(self.local)
 
 
 @dataclass
@@ -47,7 +55,7 @@ class LossContext:
 
     def __post_init__(self):
         if self.snapshot is None:
-            self.snapshot = frozen_copy
+            self.snapshot = unwrapped_copy
 
     def checkpoint_state(self) -> dict[str, State]:
         """What the reference keeps: all its weights where it holds its own, the values a view swaps in (a
@@ -125,7 +133,7 @@ class Algorithm(Protocol):
     def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None: ...
 
 
-class NoExtras:
+class AlgorithmDefaults:
     """What every algorithm shares: the protocol fields read from its config, and the hooks of an algorithm
     without networks of its own or per-epoch work (an algorithm that needs them defines its own)."""
 
@@ -158,10 +166,10 @@ class NoExtras:
         pass
 
 
-def frozen_copy(net: nn.Module) -> nn.Module:
-    """A copy of ``net`` (unwrapped from DDP) with its own weights, frozen and in eval mode (one process;
-    the trainer passes its backend's ``frozen_copy`` instead)."""
-    return plain_copy(getattr(net, "module", net))
+def unwrapped_copy(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` (unwrapped from DDP) with its own weights, frozen and in eval mode: the one-process
+    ``LossContext.snapshot`` (the trainer passes its backend's ``frozen_copy``, which also gathers shards)."""
+    return frozen_copy(getattr(net, "module", net))
 
 
 @torch.no_grad()
@@ -257,10 +265,8 @@ def balanced_local(selected: torch.Tensor, rewards: Rewards) -> tuple[torch.Tens
     Every rank computes the same selection from the gathered rewards, so no collective is needed.
     """
     per_rank = len(rewards.local)
-    owner = selected[:, 0] // per_rank
-    ranks = len(rewards.all) // per_rank
-    counts = torch.bincount(owner, minlength=ranks)
-    mine = selected[owner == rewards.offset // per_rank] - rewards.offset
+    counts = torch.bincount(selected[:, 0] // per_rank, minlength=len(rewards.all) // per_rank)
+    mine = selected[rewards.is_local(selected[:, 0])] - rewards.offset
     assert bool((mine >= 0).all()) and bool((mine < per_rank).all()), "a selected row spans ranks"
     pad = int(counts.max()) - len(mine)
     rows = torch.cat([mine, torch.zeros(pad, selected.shape[1], dtype=torch.long)])

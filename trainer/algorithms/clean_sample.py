@@ -141,34 +141,3 @@ def weighted_plan(
         draws,
     )
     return set_shares(split_units(units, config.steps_per_epoch), lambda unit: float(batch.weights[unit.rows].sum()))
-
-
-def policy_prediction(ctx: Any, unit: CleanUnit, net: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flow-matching target, ``net``'s velocity; default the policy's) at ``unit``'s noised clean samples."""
-    ro = unit.batch.rollout
-    x_t, target = ctx.adapter.training_target(ro.latents[unit.rows, -1], unit.draw.noise, unit.draw.sigma)
-    net = ctx.policy if net is None else net
-    return target, ctx.adapter.predict(net, x_t, unit.draw.sigma, ro.cond.select(unit.rows), 1.0)
-
-
-def policy_and_reference(ctx: Any, unit: CleanUnit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(flow-matching target, policy velocity, reference velocity without grad) at ``unit``'s noised clean
-    samples: what the clean-sample losses that compare the policy with a frozen copy read."""
-    target, v_theta = policy_prediction(ctx, unit)
-    with torch.no_grad():
-        _, v_old = policy_prediction(ctx, unit, ctx.reference)
-    return target, v_theta, v_old
-
-
-def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[B]: mean over every non-batch element of (prediction - target)^2, in float32."""
-    return ((prediction.float() - target.float()) ** 2).mean(dim=tuple(range(1, prediction.ndim)))
-
-
-def denoising_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """mean over samples (optionally weighted) of the per-sample mean squared error."""
-    per_sample = per_sample_mse(prediction, target)
-    if weights is None:
-        return per_sample.mean()
-    weights = weights.to(per_sample)  # host-side batch weights, device-side losses
-    return (per_sample * weights).sum() / weights.sum().clamp_min(1e-12)

@@ -25,51 +25,26 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
-import torch.nn.functional as F
 
-from trainer.algorithms.advantages import group_advantages
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, refresh_reference, set_shares
+from trainer.algorithms.base import AlgorithmDefaults, LossContext, Rewards, refresh_reference, set_shares
 from trainer.algorithms.clean_sample import (
     CleanSampleConfig,
     CleanUnit,
     NoiseDraws,
     draw_units,
-    per_sample_mse,
     split_units,
+)
+from trainer.algorithms.core_algos import (
+    clip_denoising_loss,
+    dgpo_loss,
+    group_advantages,
+    per_sample_mse,
+    weighted_mean,
 )
 from trainer.algorithms.ema_policy import EMAPolicy, ramped_decay
 from trainer.config.fields import Bounds, Decay, NonNegativeFloat, NonNegativeInt, PositiveFloat
 from trainer.rollout import Rollout
 from trainer.state import State
-
-
-def dgpo_loss(
-    loss_theta: torch.Tensor,
-    loss_ref: torch.Tensor,
-    advantages: torch.Tensor,
-    beta: float,
-    form: str = "sigmoid_weighted",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group ([M, G] inputs: M groups of G samples), with s_g = beta / G sum_i A_i (l_theta_i - l_ref_i):
-    "sigmoid_weighted" (the authors'): L_g = sigmoid(s_g).detach() / G sum_i A_i l_theta_i;
-    "softplus": L_g = -log sigmoid(-s_g) = softplus(s_g), whose gradient is beta times the former's.
-    Returns (L [M], the preference weight sigmoid(s) [M])."""
-    s = beta / loss_theta.shape[1] * (advantages * (loss_theta - loss_ref)).sum(dim=1)
-    weight = torch.sigmoid(s.detach())
-    if form == "softplus":
-        return F.softplus(s), weight
-    return weight * (advantages * loss_theta).mean(dim=1), weight
-
-
-def clip_denoising_loss(
-    loss: torch.Tensor, old_loss: torch.Tensor, advantages: torch.Tensor, clip_range: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The authors' PPO-style clip of per-sample denoising losses: ratio = exp(l_old - l); where the ratio has
-    left [1 - eps, 1 + eps] in the advantage's direction (A > 0: ratio > 1 + eps, else ratio < 1 - eps) the loss
-    is detached (no gradient pushes it further). Returns (loss, clipped mask)."""
-    ratio = torch.exp(old_loss - loss.detach())
-    clipped = torch.where(advantages > 0, ratio > 1.0 + clip_range, ratio < 1.0 - clip_range)
-    return torch.where(clipped, loss.detach(), loss), clipped
 
 
 @dataclass
@@ -128,7 +103,7 @@ class DGPOBatch:
     rewards: Rewards
 
 
-class DGPO(NoExtras):
+class DGPO(AlgorithmDefaults):
     """Direct group preference optimisation on clean rollout samples."""
 
     config_class = DGPOConfig
@@ -157,11 +132,10 @@ class DGPO(NoExtras):
 
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> DGPOBatch:
         adv = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, self.config.adv_clip)
-        mine = slice(rewards.offset, rewards.offset + len(rewards.local))
-        ids = rewards.group_ids_all[mine]
+        ids = rewards.local_rows(rewards.group_ids_all)
         groups = torch.stack([torch.nonzero(ids == g).flatten() for g in torch.unique(ids)])
         valid = ~torch.isnan(rewards.local)
-        return DGPOBatch(rollout, groups, adv[mine], valid[groups].any(dim=1).float(), rewards)
+        return DGPOBatch(rollout, groups, rewards.local_rows(adv), valid[groups].any(dim=1).float(), rewards)
 
     def plan(self, batch: DGPOBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """Every group under each of ``noise_draws`` draws (one noise level and noise per group), in shuffled
@@ -201,12 +175,12 @@ class DGPO(NoExtras):
             policy.reshape(m, g), ref.reshape(m, g), adv.reshape(m, g), cfg.beta, cfg.loss_form
         )
         w = batch.weights[rows].to(per_group.device)
-        loss = (per_group * w).sum() / w.sum().clamp_min(1.0)
-        stats["dgpo_loss"], stats["dgpo_weight"] = loss.detach(), (preference * w).sum() / w.sum().clamp_min(1.0)
+        loss = weighted_mean(per_group, w)
+        stats["dgpo_loss"], stats["dgpo_weight"] = loss.detach(), weighted_mean(preference, w)
         if cfg.kl_beta > 0:
             kl = per_sample_mse(v_theta, v_ref).reshape(m, g).mean(dim=1)
-            stats["kl"] = (kl.detach() * w).sum() / w.sum().clamp_min(1.0)
-            loss = loss + cfg.kl_beta * (kl * w).sum() / w.sum().clamp_min(1.0)
+            stats["kl"] = weighted_mean(kl.detach(), w)
+            loss = loss + cfg.kl_beta * weighted_mean(kl, w)
         return loss * unit.share, stats
 
     def batch_metrics(self, batch: DGPOBatch) -> dict[str, float]:

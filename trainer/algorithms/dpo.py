@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algorithms.advantages import best_and_worst, diffusion_dpo_loss
 from trainer.algorithms.base import (
+    AlgorithmDefaults,
     LossContext,
-    NoExtras,
     Rewards,
     balanced_local,
     refresh_reference,
     set_shares,
 )
-from trainer.algorithms.clean_sample import CleanSampleConfig, NoiseDraws, per_sample_mse, split_units
+from trainer.algorithms.clean_sample import CleanSampleConfig, NoiseDraws, split_units
+from trainer.algorithms.core_algos import best_and_worst, diffusion_dpo_loss, per_sample_mse, weighted_mean
 from trainer.config.fields import PositiveFloat, PositiveInt
 from trainer.rollout import Rollout
 
@@ -60,7 +60,7 @@ class DPOUnit:
     step_weight: float = 0.0  # this rank's total unit weight in that step (``balance_ranks``)
 
 
-class DPO(NoExtras):
+class DPO(AlgorithmDefaults):
     """Online Diffusion-DPO on best-vs-worst pairs of each group."""
 
     config_class = DPOConfig
@@ -110,7 +110,7 @@ class DPO(NoExtras):
         )
         stats["dpo_loss"] = loss.detach()
         real = unit.batch.weights[unit.pairs].to(policy).repeat(2)
-        stats["denoise_loss"] = (policy * real).sum().detach() / real.sum().clamp_min(1.0)
+        stats["denoise_loss"] = weighted_mean(policy.detach(), real)
         return loss * unit.share, stats
 
     def batch_metrics(self, batch: DPOBatch) -> dict[str, float]:

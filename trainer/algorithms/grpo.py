@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algorithms.advantages import group_advantages
 from trainer.algorithms.base import Rewards
+from trainer.algorithms.core_algos import group_advantages
 from trainer.algorithms.policy_gradient import (
     ClippedPolicyGradient,
     PolicyGradientConfig,
@@ -47,11 +47,8 @@ class GRPO(ClippedPolicyGradient):
     config_class = GRPOConfig
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:
-        adv_all = group_advantages(
-            rewards.all,
-            rewards.group_ids_all,
-            self.config.global_std,
-            self.config.adv_clip,
-            ddof=int(self.config.unbiased_std),
+        cfg = self.config
+        ddof = int(cfg.unbiased_std)
+        return rewards.local_rows(
+            group_advantages(rewards.all, rewards.group_ids_all, cfg.global_std, cfg.adv_clip, ddof)
         )
-        return adv_all[rewards.offset : rewards.offset + len(rewards.local)]

@@ -25,25 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.base import LossContext
+from trainer.algorithms.core_algos import guard_log_ratio, guard_step_weight
 from trainer.algorithms.grpo import GRPO, GRPOConfig
 from trainer.algorithms.policy_gradient import StepUnit, step_loss
-
-
-def guard_log_ratio(
-    x_next: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor
-) -> torch.Tensor:
-    """log r~ = mean over elements of eps (mean - old_mean), eps = (x_next - old_mean) / std, per sample [B]
-    (std: [B] or [B, 1, ...]); equal to s (log p - log p_old) + mean((mean - old_mean)^2) / (2 s) for the
-    Gaussian log-densities."""
-    std = std.reshape(-1, *[1] * (x_next.ndim - 1))
-    eps = (x_next.float() - old_mean.float()) / std
-    return (eps * (mean.float() - old_mean.float())).mean(dim=tuple(range(1, x_next.ndim)))
-
-
-def guard_step_weight(schedule: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """The gradient reweighting 1 / (-dt) = 1 / (t[i] - t[i + 1]) of each step i [m], on the rollout's schedule
-    t[0..T] (flow models: the noise levels sigma; DDIM: the timesteps over N, where it is the constant T)."""
-    return 1.0 / (schedule[steps] - schedule[steps + 1]).float()
 
 
 @dataclass

@@ -28,14 +28,19 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.algorithms.advantages import group_advantages, nft_loss, optimality_probability
-from trainer.algorithms.base import LossContext, NoExtras, Rewards
+from trainer.algorithms.base import AlgorithmDefaults, LossContext, Rewards
 from trainer.algorithms.clean_sample import (
     CleanSampleConfig,
     CleanUnit,
     NoiseDraws,
-    per_sample_mse,
     weighted_plan,
+)
+from trainer.algorithms.core_algos import (
+    group_advantages,
+    nft_loss,
+    optimality_probability,
+    per_sample_mse,
+    weighted_mean,
 )
 from trainer.config.fields import Decay, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from trainer.ema import Shadow
@@ -126,7 +131,7 @@ def x0_error_scale(training_target: Callable, sigma: torch.Tensor) -> torch.Tens
     return (s / (a * d - s * c)).flatten().abs()
 
 
-class NFT(NoExtras):
+class NFT(AlgorithmDefaults):
     """DiffusionNFT on the old policy's clean rollout samples."""
 
     config_class = NFTConfig
@@ -157,10 +162,8 @@ class NFT(NoExtras):
     def make_batch(self, rollout: Rollout, rewards: Rewards) -> NFTBatch:
         scale = self.config.optimality_scale
         adv = group_advantages(rewards.all, rewards.group_ids_all, self.config.global_std, clip=scale)
-        mine = slice(rewards.offset, rewards.offset + len(rewards.local))
-        return NFTBatch(
-            rollout, optimality_probability(adv[mine], scale), (~torch.isnan(rewards.local)).float(), rewards
-        )
+        optimality = optimality_probability(rewards.local_rows(adv), scale)
+        return NFTBatch(rollout, optimality, (~torch.isnan(rewards.local)).float(), rewards)
 
     def plan(self, batch: NFTBatch, generator: torch.Generator) -> list[list[CleanUnit]]:
         """The batch's clean samples at the schedule's (or logit-normal) levels, weighted by reward
@@ -185,7 +188,7 @@ class NFT(NoExtras):
         scale = x0_error_scale(ctx.adapter.training_target, draw.sigma) if config.adaptive_weight else None
         optimality = batch.optimality[idx].to(v_theta.device)  # host-side rewards
         w = batch.weights[idx].to(v_theta.device)
-        mean = lambda x: (x * w).sum() / w.sum().clamp_min(1.0)  # noqa: E731
+        mean = lambda x: weighted_mean(x, w)  # noqa: E731
         policy = mean(nft_loss(v_theta, v_old, target.float(), optimality, config.beta, scale))
         loss = policy * (config.loss_scale / config.beta)
         stats = {"nft_loss": policy.detach(), "old_deviation": mean(per_sample_mse(v_theta.detach(), v_old))}

@@ -19,16 +19,16 @@ from typing import Annotated
 
 import torch
 
-from trainer.algorithms.advantages import clipped_policy_loss, gaussian_mean_kl
 from trainer.algorithms.base import (
+    AlgorithmDefaults,
     LossContext,
-    NoExtras,
     Rewards,
     check_steps,
     mark_on_policy,
     set_shares,
     split_steps,
 )
+from trainer.algorithms.core_algos import clipped_policy_loss, gaussian_mean_kl, weighted_mean
 from trainer.config.fields import Bounds, NonNegativeFloat, PositiveInt
 from trainer.models.base import StepFunction
 from trainer.rollout import Rollout, SamplerSettings
@@ -191,7 +191,7 @@ def step_loss(
             v_ref = ctx.adapter.predict(ctx.reference, x_t, sigma, cond, ro.guidance_scale)
             ref_mean, _ = step_fn.mean(v_ref, x_t, step, ro.noise_level)
         kl_i = gaussian_mean_kl(mean, ref_mean, std)
-        kl = kl_i.mean() if weights is None else (kl_i * weights).sum() / weights.sum().clamp_min(1.0)
+        kl = kl_i.mean() if weights is None else weighted_mean(kl_i, weights)
         loss = loss + config.kl_beta * kl
         stats["kl"] = kl.detach()
     return loss, stats
@@ -214,7 +214,7 @@ def per_step(advantages: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return advantages.to(rollout.log_probs.device)[:, None].expand(-1, rollout.log_probs.shape[1])
 
 
-class ClippedPolicyGradient(NoExtras):
+class ClippedPolicyGradient(AlgorithmDefaults):
     """The shared loop of the clipped policy-gradient algorithms; a subclass supplies ``advantages``
     (per sample, this rank's slice of the gathered batch) and may add to ``batch_metrics``."""
 

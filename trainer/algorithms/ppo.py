@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algorithms.advantages import batch_advantages
 from trainer.algorithms.base import Rewards
+from trainer.algorithms.core_algos import batch_advantages
 from trainer.algorithms.policy_gradient import ClippedPolicyGradient, PolicyGradientConfig
 from trainer.config.fields import PositiveInt
 
@@ -33,5 +33,4 @@ class PPO(ClippedPolicyGradient):
     config_class = PPOConfig
 
     def advantages(self, rewards: Rewards) -> torch.Tensor:
-        adv_all = batch_advantages(rewards.all, self.config.adv_clip)
-        return adv_all[rewards.offset : rewards.offset + len(rewards.local)]
+        return rewards.local_rows(batch_advantages(rewards.all, self.config.adv_clip))

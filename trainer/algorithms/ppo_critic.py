@@ -3,7 +3,8 @@
 A value network V(x_t, t, c) predicts the final reward from an intermediate latent. The reward arrives
 after the last denoising step, so generalised advantage estimation over the T steps (``gae``) gives
     delta_t = V_{t+1} - V_t,   delta_{T-1} = r - V_{T-1},   A_t = delta_t + lam A_{t+1}   (gamma = 1)
-(lam = 1: A_t = r - V(x_t)), normalised over this rank's trained steps, and the loss is
+(lam = 1: A_t = r - V(x_t)), normalised over this rank's trained steps (``core_algos.critic_advantages``), and the
+loss is
     L = clipped policy loss(A) + c_v mean((V(x_t) - R_t)^2),   R_t = A_t + V_t (before normalising)
 Departures from Flow-GRPO's PPO baseline: advantages are per step (the critic sees x_t), and the critic
 sees the conditioning through its text embeddings mean-pooled over tokens (image conditioning is not
@@ -21,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.algorithms.advantages import gae
 from trainer.algorithms.base import LossContext, Rewards
+from trainer.algorithms.core_algos import critic_advantages, value_loss, weighted_mean
 from trainer.algorithms.policy_gradient import (
     ClippedPolicyGradient,
     PolicyGradientBatch,
@@ -67,7 +68,7 @@ def condition_vector(cond: Conditioning) -> torch.Tensor:
         e = cond.embeds[name].float()
         if name in cond.ragged:
             weights = mask.view(*mask.shape, *[1] * (e.ndim - 2))
-            e = (e * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True).clamp_min(1)
+            e = weighted_mean(e, weights, dim=1, keepdim=True)
         parts.append(e.mean(dim=tuple(range(1, e.ndim - 1))) if e.ndim > 2 else e.reshape(len(e), -1))
     return torch.cat(parts, dim=1)
 
@@ -137,19 +138,10 @@ class PPOCritic(ClippedPolicyGradient):
         if self.critic is None:
             raise RuntimeError("PPOCritic.setup must run before training (the Trainer calls it)")
         values = self.values(rollout)
-        local = rewards.local.to(values.device)
-        valid = ~torch.isnan(local)
-        adv, returns = gae(torch.where(valid, local, 0.0), values, self.config.gae_lambda)
         steps = trainable_steps(rollout)
-        trained = adv[valid][:, steps]
-        adv = torch.where(valid[:, None], (adv - trained.mean()) / (trained.std(unbiased=False) + 1e-4), 0.0)
-        return PolicyGradientBatch(
-            rollout,
-            adv.clamp(-self.config.adv_clip, self.config.adv_clip),
-            steps,
-            rewards,
-            torch.where(valid[:, None], returns, values),
-        )
+        local = rewards.local.to(values.device)
+        adv, returns = critic_advantages(local, values, self.config.gae_lambda, steps, self.config.adv_clip)
+        return PolicyGradientBatch(rollout, adv, steps, rewards, returns)
 
     def loss(self, ctx: LossContext, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, stats = step_loss(ctx, unit, self.config)
@@ -157,9 +149,9 @@ class PPOCritic(ClippedPolicyGradient):
         predicted = self.critic_train(
             ro.latents[unit.indices, unit.steps], ro.sigmas[unit.steps], condition_vector(ro.cond.select(unit.indices))
         )
-        value_loss = F.mse_loss(predicted, unit.batch.returns[unit.indices, unit.steps])
-        stats["value_loss"] = value_loss.detach()
-        return (loss + self.config.value_coef * value_loss) * unit.share, stats
+        value = value_loss(predicted, unit.batch.returns[unit.indices, unit.steps])
+        stats["value_loss"] = value.detach()
+        return (loss + self.config.value_coef * value) * unit.share, stats
 
     def batch_metrics(self, batch: PolicyGradientBatch) -> dict[str, float]:
         steps = batch.train_steps

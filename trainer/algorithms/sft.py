@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.base import LossContext, set_shares
-from trainer.algorithms.clean_sample import CleanUnit, NoiseDraws, denoising_loss, logit_normal_sigmas
+from trainer.algorithms.clean_sample import CleanUnit, NoiseDraws, logit_normal_sigmas
+from trainer.algorithms.core_algos import denoising_loss
 from trainer.config.fields import FiniteFloat, NonNegativeFloat, PositiveFloat, PositiveInt, Probability
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter
 

@@ -18,15 +18,14 @@ from typing import Literal
 
 import torch
 
-from trainer.algorithms.advantages import best_and_worst, group_advantages
-from trainer.algorithms.base import LossContext, NoExtras, Rewards, balanced_local, set_shares
+from trainer.algorithms.base import AlgorithmDefaults, LossContext, Rewards, balanced_local, set_shares
 from trainer.algorithms.clean_sample import (
     CleanSampleConfig,
     CleanUnit,
     NoiseDraws,
-    denoising_loss,
     split_units,
 )
+from trainer.algorithms.core_algos import best_and_worst, denoising_loss, group_advantages
 from trainer.rollout import Rollout
 
 
@@ -48,7 +47,7 @@ class BestBatch:
     rewards: Rewards
 
 
-class BestOfGroupSFT(NoExtras):
+class BestOfGroupSFT(AlgorithmDefaults):
     """Supervised fine-tuning on each group's best sample."""
 
     config_class = BestOfGroupConfig
@@ -64,7 +63,7 @@ class BestOfGroupSFT(NoExtras):
         else:
             gathered_weights = torch.ones(len(best))
         rows, real = balanced_local(best[:, None], rewards)
-        mine = (best // len(rewards.local)) == rewards.offset // len(rewards.local)
+        mine = rewards.is_local(best)
         weights = torch.cat([gathered_weights[mine], torch.zeros(len(rows) - int(mine.sum()))]) * real
         return BestBatch(rollout, rows[:, 0], weights, rewards)
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from shared.registry import Entry, Registry
 from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
 from trainer.data.edit_jsonl import read_edit_jsonl
 from trainer.data.inpaint_jsonl import read_inpaint_jsonl
@@ -95,16 +96,23 @@ def _refuse_image_inputs(config) -> None:
         )
 
 
-DATASETS = {
-    "digits": _digits_task,
-    "words": _words_task,
-    "prompt_file": _prompt_file_task,
-    "inpaint_jsonl": lambda config: read_inpaint_jsonl(config.path, config.image_size, list(config.image_inputs)),
-    "edit_jsonl": lambda config: read_edit_jsonl(config.path, config.image_size, list(config.image_inputs)),
-    "triplet_folder": lambda config: read_triplet_folder(
-        config.path, config.image_size, config.style_crop, list(config.image_inputs)
-    ),
-}
+DATASETS = Registry(
+    {
+        "digits": Entry(_digits_task),
+        "words": Entry(_words_task),
+        "prompt_file": Entry(_prompt_file_task),
+        "inpaint_jsonl": Entry(
+            lambda config: read_inpaint_jsonl(config.path, config.image_size, list(config.image_inputs))
+        ),
+        "edit_jsonl": Entry(lambda config: read_edit_jsonl(config.path, config.image_size, list(config.image_inputs))),
+        "triplet_folder": Entry(
+            lambda config: read_triplet_folder(
+                config.path, config.image_size, config.style_crop, list(config.image_inputs)
+            )
+        ),
+    }
+)
+"""Format name (``data.name``) -> the task it builds from a DataConfig."""
 
 
 def build_task(config) -> Task:

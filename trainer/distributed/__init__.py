@@ -12,10 +12,8 @@ from typing import Any
 
 import torch
 
+from shared.registry import Entry, Registry
 from trainer.distributed.backend import DDP, ParallelBackend, SingleProcess, World, detect_world
-
-BACKENDS = ("single", "ddp", "fsdp2", "zero2", "zero3")
-"""Registered backend names; ``auto`` is ddp under torchrun with more than one process, else single."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,39 +45,67 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
             f"parallel.deepspeed_config={parallel.deepspeed_config!r} is read by zero2 and zero3 only, "
             f"not by parallel.backend={kind}: set parallel.backend=zero2 or zero3, or drop it"
         )
-    if kind == "single":
-        if world.world_size > 1:
-            raise ValueError("parallel.backend=single under torchrun with several processes; use ddp or auto")
-        return SingleProcess(device)
+    return BACKENDS[kind](parallel, device, world, max_grad_norm)
+
+
+def _single(parallel: Any, device: torch.device, world: World, max_grad_norm: float) -> ParallelBackend:
+    if world.world_size > 1:
+        raise ValueError("parallel.backend=single under torchrun with several processes; use ddp or auto")
+    return SingleProcess(device)
+
+
+def _process_group(kind: str, parallel: Any, device: torch.device, world: World) -> str:
+    """The torch.distributed backend (``parallel.dist_backend``; auto: nccl on CUDA, else gloo) of a job that
+    torchrun started, or the ValueError saying how to start one for backend ``kind``."""
     if world.world_size == 1 and "RANK" not in os.environ:
         raise ValueError(
             f"parallel.backend={kind} needs the torch.distributed environment; start the job with "
             f"torchrun (e.g. `torchrun --nproc_per_node=2 trainer/main.py parallel.backend={kind} ...`),"
             " or use parallel.backend=single for one process"
         )
-    dist_backend = parallel.dist_backend
-    if dist_backend == "auto":
-        dist_backend = "nccl" if device.type == "cuda" else "gloo"
-    if kind == "ddp":
-        return DDP(device, world, dist_backend)
-    if kind == "fsdp2":
-        from trainer.distributed.fsdp import FSDP2
+    if parallel.dist_backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return parallel.dist_backend
 
-        return FSDP2(
-            device, world, dist_backend, param_dtype, reduce_dtype, parallel.cpu_offload, gathers_for_sampling(parallel)
-        )
+
+def _ddp(parallel: Any, device: torch.device, world: World, max_grad_norm: float) -> ParallelBackend:
+    return DDP(device, world, _process_group("ddp", parallel, device, world))
+
+
+def _fsdp2(parallel: Any, device: torch.device, world: World, max_grad_norm: float) -> ParallelBackend:
+    from trainer.distributed.fsdp import FSDP2
+
+    dtypes = _DTYPES[parallel.param_dtype], _DTYPES[parallel.reduce_dtype]
+    dist_backend = _process_group("fsdp2", parallel, device, world)
+    return FSDP2(device, world, dist_backend, *dtypes, parallel.cpu_offload, gathers_for_sampling(parallel))
+
+
+def _zero(parallel: Any, device: torch.device, world: World, max_grad_norm: float, stage: int) -> ParallelBackend:
     from trainer.distributed.zero import DeepSpeedZeRO, deepspeed_config
 
-    stage = int(kind[-1])
+    dist_backend = _process_group(f"zero{stage}", parallel, device, world)
     config = deepspeed_config(
         stage,
         parallel.deepspeed_config,
         max_grad_norm=max_grad_norm,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
+        param_dtype=_DTYPES[parallel.param_dtype],
+        reduce_dtype=_DTYPES[parallel.reduce_dtype],
         cpu_offload=parallel.cpu_offload,
     )
     return DeepSpeedZeRO(device, world, dist_backend, stage, config, gathers_for_sampling(parallel))
+
+
+BACKENDS = Registry(
+    {
+        "single": Entry(_single),
+        "ddp": Entry(_ddp),
+        "fsdp2": Entry(_fsdp2),
+        "zero2": Entry(_zero, stage=2),
+        "zero3": Entry(_zero, stage=3),
+    }
+)
+"""Backend name (``parallel.backend``; ``auto`` is ddp under torchrun with more than one process, else single) ->
+its builder (the ``parallel`` config section, the device, the world, ``max_grad_norm``)."""
 
 
 __all__ = [
