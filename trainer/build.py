@@ -14,10 +14,11 @@ import yaml
 from shared.interrupt import as_interrupt, stop_if_interrupted
 from trainer.algorithms import build_algorithm
 from trainer.algorithms.sft import SFT, supervised_latents
-from trainer.checkpoint import NO_ROOM, Checkpoints, Progress, damaged, tree_mib
+from trainer.checkpoint import Checkpoints, Progress, damaged
 from trainer.config import Config, reward_token, saved_dict
 from trainer.data import describe_shared, shared_items
 from trainer.data.sampler import GroupSampler
+from trainer.disk import NO_ROOM, tree_mib
 from trainer.distributed import detect_world, init_backend
 from trainer.export import export_denoiser
 from trainer.health import RewardFailure

@@ -20,18 +20,15 @@ The run directory must be on a filesystem every rank sees (rank 0 renames what a
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import random
 import re
-import resource
 import shutil
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,11 +37,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from trainer.disk import diagnosed_writes
 from trainer.state import State
 
 _NAME = re.compile(r"^step-(\d+)-(\d+)$")
-NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
-"""A write's errors whose fix is the filesystem's: no space left, over quota, read-only, a file size limit."""
 
 
 @dataclass
@@ -69,10 +65,23 @@ class Progress:
 class Checkpoints:
     """Saves to and finds checkpoints in ``directory``; rank 0 writes the shared files, every rank its own."""
 
-    def __init__(self, directory: Path, keep: int, is_main: bool):
+    def __init__(self, directory: Path, keep: int, is_main: bool, train=None):
+        """``train``: the config's train section, whose schedule ``due`` follows (without it: none)."""
         self.directory = directory
         self.keep = keep
         self.is_main = is_main
+        self.train = train
+
+    def due(self, progress: Progress) -> bool:
+        """Whether the schedule checkpoints ``progress``: ``train.warmup_checkpoint_every`` warm-up steps, then
+        ``train.checkpoint_every`` RL epochs (the last of each is left to what follows it)."""
+        if self.train is None:
+            return False
+        if progress.rl_started:
+            every, done, end = self.train.checkpoint_every, progress.epochs_done, self.train.epochs
+        else:
+            every, done, end = self.train.warmup_checkpoint_every, progress.warmup_steps_done, self.train.warmup_steps
+        return bool(every) and done % every == 0 and done < end
 
     def save(self, progress: Progress, adapter, backend, states: dict[str, State], config: dict) -> Path | None:
         """Write a complete checkpoint atomically, then drop all but the newest ``keep``. Every rank calls
@@ -239,58 +248,6 @@ def _write_parts(
         _fsync_tree(tmp)
 
 
-@contextlib.contextmanager
-def diagnosed_writes(folder: Path) -> Iterator[None]:
-    """Raise a write under ``folder`` that failed for want of room (``NO_ROOM``) as an OSError of that errno
-    naming the folder and its free space: a probe write finds the cause where the writer's own error hides it
-    (torch.save says "unexpected pos 576 vs 534"); other failures go on as they were."""
-    try:
-        yield
-    except (OSError, RuntimeError, SafetensorError) as exc:
-        code = exc.errno if isinstance(exc, OSError) else _os_error(exc)
-        code = code if code in NO_ROOM else _probe(folder) or _cut(folder)
-        if code is None:
-            raise
-        free = shutil.disk_usage(folder).free / 2**20 if folder.exists() else 0.0
-        raise OSError(code, f"{os.strerror(code)} ({free:.0f} MiB free there)", str(folder)) from exc
-
-
-def tree_mib(folder: Path) -> float:
-    """The size in MiB of the files under ``folder`` (a checkpoint's: what a full disk must make room for)."""
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
-
-
-def _probe(folder: Path) -> int | None:
-    """The errno (one of ``NO_ROOM``) with which a 1 MiB write into ``folder`` fails, or None."""
-    probe = folder / f".write-probe-{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(2**20))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        return exc.errno if exc.errno in NO_ROOM else None
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    return None
-
-
-def _os_error(exc: BaseException) -> int | None:
-    """The errno a library's error message quotes (safetensors: "I/O error: File too large (os error 27)"), or None."""
-    quoted = re.search(r"\(os error (\d+)\)", str(exc))
-    return int(quoted[1]) if quoted else None
-
-
-def _cut(folder: Path) -> int | None:
-    """EFBIG when a file under ``folder`` stopped at exactly this process's file size limit (RLIMIT_FSIZE: a write
-    past it is cut there), which a probe write within the limit does not find; else None."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit == resource.RLIM_INFINITY or not folder.is_dir():
-        return None
-    return errno.EFBIG if any(f.is_file() and f.stat().st_size == limit for f in folder.rglob("*")) else None
-
-
 def usual_mode(folder: Path) -> None:
     """Give a folder from ``tempfile.mkdtemp`` (private: 0700) the mode any folder of this user gets."""
     umask = os.umask(0)
@@ -379,64 +336,6 @@ def load_states(path: Path, rank: int) -> dict[str, dict[str, torch.Tensor]]:
 def load_weights(path: Path, module: torch.nn.Module, backend) -> None:
     """Load checkpoint ``path``'s trainable weights into ``module`` (every rank; each keeps its shard)."""
     backend.load_trainable_state(module, load_file(path / "trainable.safetensors"))
-
-
-RESUME_MAY_CHANGE = (
-    "logging.",
-    "train.resume",
-    "train.epochs",
-    "train.init_from",
-    "train.warmup_after_init",
-    "train.device",
-    "train.num_threads",
-    "train.checkpoint_every",
-    "train.warmup_checkpoint_every",
-    "train.keep_checkpoints",
-    "reward.urls",
-    "reward.token",
-    "reward.timeout_s",
-    "reward.max_concurrency",
-    "reward.replicas",
-    "model.path",
-    "model.text_embeddings",
-    "model.image_latents",
-    "data.path",
-    "eval.every",
-)
-"""Config fields (or sections, ending in '.') a resume may change without changing what the run computes:
-where things are, how often to checkpoint or evaluate, how long to train."""
-
-
-def config_changes(saved: dict, current: dict) -> list[str]:
-    """``"key: saved -> current"`` for every config field outside ``RESUME_MAY_CHANGE`` whose value differs
-    between a checkpoint's config (``config.json``) and the resuming run's (both ``to_dict`` of a Config)."""
-    flat = {}
-    for which, tree in (0, saved), (1, current):
-        stack = [("", tree)]
-        while stack:
-            prefix, node = stack.pop()
-            for key, value in node.items():
-                if isinstance(value, dict) and value and key != "weights":
-                    stack.append((f"{prefix}{key}.", value))
-                else:
-                    flat.setdefault(f"{prefix}{key}", [None, None])[which] = json.loads(json.dumps(value, default=str))
-    return [
-        f"{key}: {old!r} -> {new!r}"
-        for key, (old, new) in sorted(flat.items())
-        if old != new and not key.startswith(RESUME_MAY_CHANGE) and not _made_absolute(old, new)
-    ]
-
-
-def _made_absolute(old: object, new: object) -> bool:
-    """Whether ``new`` is relative path ``old`` made absolute here, as a run saves its paths now (an older
-    run's config kept them as written)."""
-    return (
-        isinstance(old, str)
-        and isinstance(new, str)
-        and bool(old)
-        and not os.path.isabs(old)
-        and os.path.abspath(old) == new
-    )
 
 
 def _rank_dir(rank: int) -> str:

@@ -111,6 +111,34 @@ class Evaluation:
         metadata = self.task.item_metadata(self.task.eval_indices)
         return list(breakdown(self.config.breakdown, metadata, {name: np.zeros(len(metadata)) for name in scorers}))
 
+    def metric_to_select(self, select_by: str, reward_weights: dict[str, float], task_metrics: list[str]) -> str:
+        """The metric ``train.select_by`` names (by default the task's first), checked against the metrics this
+        evaluation logs; a guard scorer that the reward trains on is refused (it would not be independent)."""
+        guards = self.config.guard_scorers
+        reused = sorted(set(guards) & {k for k, w in reward_weights.items() if w})
+        if reused:
+            raise ValueError(
+                f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
+                "must be independent of the reward; remove it from one of them"
+            )
+        logged = [
+            *task_metrics,
+            REWARD,
+            *(f"guard/{name}" for name in guards),
+            *self.breakdown_names([*reward_weights, *guards]),
+        ]
+        if select_by and select_by not in logged:
+            raise ValueError(
+                f"train.select_by={select_by!r} is not a metric this run's evaluation logs; choose "
+                f"one of: {', '.join(logged)}"
+            )
+        return select_by or logged[0]
+
+    def due(self, epochs_done: int, epochs: int) -> bool:
+        """Whether ``eval.every`` evaluates after RL epoch ``epochs_done`` (after the last: the final evaluation)."""
+        every = self.config.every
+        return bool(every) and epochs_done % every == 0 and epochs_done < epochs
+
     def batch_sizes(self) -> set[int]:
         """The rollout batch sizes an evaluation runs (for the compiled blocks' variants)."""
         slots, per = self.slots(), self.config.batch_size
@@ -123,12 +151,22 @@ class Evaluation:
         grid_name: str | None,
         weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> dict[str, float]:
-        """Evaluate with the weights ``weights()`` swaps in (e.g. the EMA). Prompt i is sampled by rank i mod world
-        size from noise seeded by (eval seed, i) and drawn on the CPU, so that noise depends on neither the world
-        size nor the device, nor (up to float round-off) on ``eval.batch_size``; every rank runs the same number
-        of forwards (sharded backends need all ranks in each), rank 0 gathers the images after each forward onto the
-        host (device memory does not grow with the number of prompts), scores them and logs;
-        returns the metrics there ({} elsewhere)."""
+        """Evaluate with the weights ``weights()`` swaps in (e.g. the EMA): sampled on every rank (``_sample``),
+        scored and logged on rank 0, the run stopped alike on every rank where that fails; returns the metrics
+        there ({} elsewhere)."""
+        ordered = self._sample(weights)  # rank 0: every prompt's images in order; None elsewhere
+        labels = self._labels() if ordered is not None else None
+        scored = self._score(step, ordered, labels)
+        metrics = {} if ordered is None else self._log(step, grid_name, ordered, labels, scored)
+        self.backend.barrier()
+        return metrics
+
+    def _sample(self, weights: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor | None:
+        """Prompt i is sampled by rank i mod world size from noise seeded by (eval seed, i) and drawn on the CPU, so
+        that noise depends on neither the world size nor the device, nor (up to float round-off) on
+        ``eval.batch_size``; every rank runs the same number of forwards (sharded backends need all ranks in each),
+        rank 0 gathers the images after each forward onto the host (device memory does not grow with the number of
+        prompts) and returns them in prompt order."""
         ev, task = self.config, self.task
         prompts, world = task.eval_prompts, self.backend.world
         settings = SamplerSettings(num_steps=ev.num_steps, guidance_scale=ev.guidance_scale, noise_level=0.0)
@@ -168,13 +206,23 @@ class Evaluation:
                     for n, image in enumerate(gathered.cpu()):
                         by_prompt[(lo + n % len(ks)) * world.world_size + n // len(ks)] = image
         denoiser.train(was_training)
-        metrics: dict[str, float] = {}
-        diverged = unscored = None
-        if world.rank == 0:
-            ordered = torch.stack([by_prompt[i] for i in range(len(prompts))]).flatten(0, 1)  # padding dropped
-            repeated = [p for p in prompts for _ in range(ev.samples_per_prompt)]
-            items = [i for i in task.eval_indices for _ in range(ev.samples_per_prompt)]
-            metadata = task.item_metadata(items)
+        if world.rank != 0:
+            return None
+        return torch.stack([by_prompt[i] for i in range(len(prompts))]).flatten(0, 1)  # padding dropped
+
+    def _labels(self) -> tuple[list[str], list[dict]]:
+        """The prompt and metadata of each image of an evaluation, in order."""
+        samples, task = self.config.samples_per_prompt, self.task
+        repeated = [p for p in task.eval_prompts for _ in range(samples)]
+        return repeated, task.item_metadata([i for i in task.eval_indices for _ in range(samples)])
+
+    def _score(
+        self, step: int, ordered: torch.Tensor | None, labels: tuple[list[str], list[dict]] | None
+    ) -> RewardResult | None:
+        """Rank 0's rewards of the ``ordered`` images; on every rank alike, TrainingDiverged where an image is not
+        finite and RewardFailure where the evaluation cannot be judged (no rewards, or none by a guard scorer)."""
+        scored = diverged = unscored = None
+        if ordered is not None:
             which = f"the evaluation {'before RL' if step == 0 else f'after RL epoch {step}'}"
             if bad := int((~torch.isfinite(ordered)).flatten(1).any(1).sum()):  # their 8-bit images are black
                 diverged = f"{which} sampled {bad} non-finite images (the weights it evaluated overflowed): " + (
@@ -182,32 +230,42 @@ class Evaluation:
                 )
             else:
                 try:
-                    scored = self.rewards.score(to_uint8(ordered), repeated, metadata)
+                    scored = self.rewards.score(to_uint8(ordered), *labels)
                 except RewardClientError as exc:  # every rank stops alike, below
                     unscored = f"{which} got no rewards: {exc}"
                 else:  # answered, but no image of it scored (e.g. a scorer's deadline): no metric to judge by
-                    unscored = unscored_evaluation(which, scored, ev.guard_scorers)
+                    unscored = unscored_evaluation(which, scored, self.config.guard_scorers)
         diverged, unscored = self.backend.broadcast((diverged, unscored))
         if diverged:
             raise TrainingDiverged(diverged)
         if unscored:
             raise RewardFailure(unscored)
-        if world.rank == 0:
-            metrics = task.metrics(ordered, repeated, scored.components)
-            metrics[REWARD] = float(np.nanmean(scored.combined))
-            metrics["failed_share"] = failed_share(scored.combined)
-            metrics.update(breakdown(ev.breakdown, metadata, scored.components))
-            for name in ev.guard_scorers:
-                metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
-            self.logger.log(step, "eval", metrics)
-            rows = min(len(prompts), GRID_PROMPTS)
-            self.logger.image_grid(
-                grid_name or f"samples_epoch{step:04d}",
-                ordered[: rows * ev.samples_per_prompt],
-                rows,
-                step,
-                prompts[:rows],
-                task.inputs(task.eval_indices[:rows]),
-            )
-        self.backend.barrier()
+        return scored
+
+    def _log(
+        self,
+        step: int,
+        grid_name: str | None,
+        ordered: torch.Tensor,
+        labels: tuple[list[str], list[dict]],
+        scored: RewardResult,
+    ) -> dict[str, float]:
+        """Rank 0's metrics of a scored evaluation, logged with the grid of its first prompts' images."""
+        ev, task, (repeated, metadata) = self.config, self.task, labels
+        metrics = task.metrics(ordered, repeated, scored.components)
+        metrics[REWARD] = float(np.nanmean(scored.combined))
+        metrics["failed_share"] = failed_share(scored.combined)
+        metrics.update(breakdown(ev.breakdown, metadata, scored.components))
+        for name in ev.guard_scorers:
+            metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
+        self.logger.log(step, "eval", metrics)
+        rows = min(len(task.eval_prompts), GRID_PROMPTS)
+        self.logger.image_grid(
+            grid_name or f"samples_epoch{step:04d}",
+            ordered[: rows * ev.samples_per_prompt],
+            rows,
+            step,
+            task.eval_prompts[:rows],
+            task.inputs(task.eval_indices[:rows]),
+        )
         return metrics

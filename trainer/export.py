@@ -44,7 +44,8 @@ def export_denoiser(denoiser: nn.Module, out: Path) -> None:
     ``out/ip_adapter.safetensors``. Changes ``denoiser`` (the LoRA is fused into it, the IP-Adapter taken out)."""
     from safetensors.torch import save_file
 
-    from trainer.checkpoint import diagnosed_writes, swap_in, usual_mode
+    from trainer.checkpoint import swap_in, usual_mode
+    from trainer.disk import diagnosed_writes
     from trainer.models.ip_adapter import IP_WEIGHTS, detach_ip_adapter
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RewardPoolError) as exc:
         return user_error_exit(exc)
     except OSError as exc:  # no room for the run's first files (its checkpoints' own: RunInterrupted)
-        from trainer.checkpoint import NO_ROOM
+        from trainer.disk import NO_ROOM
 
         if exc.errno not in NO_ROOM:
             raise

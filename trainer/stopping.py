@@ -108,6 +108,15 @@ class StopRequests:
                 self._agreed = int(self.backend.gather(torch.tensor([self.received])).max())
         return self._agreed
 
+    def stop_if_asked(self, checkpoint: Callable[[], None] | None = None) -> None:
+        """Where a rank received a stop signal (``asked``, collective): ``checkpoint()``, then StopSignalled (in
+        place of the error being handled, if any)."""
+        signum = self.asked()
+        if signum:
+            if checkpoint is not None:
+                checkpoint()
+            raise StopSignalled(signum) from None
+
 
 class StopsBeforeTraining:
     """Until ``release()`` (training starts, where ``StopRequests`` takes over): a stop signal raises

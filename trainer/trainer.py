@@ -6,8 +6,6 @@ It holds a ModelAdapter, an Algorithm, a RewardClient and a ParallelBackend, and
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -15,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.rewards import RewardClient, RewardResult, failed_share
-from trainer.algorithms.base import Algorithm, LossContext, Rewards, balance_ranks
-from trainer.algorithms.core_algos import zero_std_share
+from shared.rewards import RewardClient, RewardResult
+from trainer.algorithms.base import Algorithm, LossContext
 from trainer.algorithms.sft import SFT
-from trainer.checkpoint import Checkpoints, Progress, config_changes, load_weights, recover
+from trainer.checkpoint import Checkpoints, Progress, load_weights, recover
 from trainer.config import Config, saved_dict, to_dict
 from trainer.config.building import build
 from trainer.data import Task, training_items
@@ -27,17 +24,10 @@ from trainer.data.sampler import GroupSampler
 from trainer.display import Display
 from trainer.distributed import ParallelBackend, weights_rank_spread
 from trainer.ema import EMA
+from trainer.epoch import EpochClock, EpochRewards, log_rollout_samples, rollout_metrics
 from trainer.evaluation import Evaluation, RolloutBreakdown
-from trainer.guard import REWARD, Guard
-from trainer.health import (
-    RewardFailure,
-    check_failed_share,
-    check_samples,
-    count_skipped,
-    first_error,
-    scored_or_unscored,
-    unscored,
-)
+from trainer.guard import Guard
+from trainer.health import RewardFailure, scored_or_unscored
 from trainer.judging import Judge
 from trainer.launch import finishing
 from trainer.logging import RunLogger, epoch_line, eval_line, to_uint8
@@ -45,9 +35,11 @@ from trainer.models.attention import attention_for_run
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
+from trainer.resume import changed_settings
 from trainer.rollout import Rollout, check_sampler, rollout, rollout_bounds, window_mask
 from trainer.state import Stateful
-from trainer.stopping import StopRequests, StopSignalled
+from trainer.stopping import StopRequests
+from trainer.updates import optimizer_steps
 
 
 class Trainer:
@@ -98,6 +90,22 @@ class Trainer:
         algorithm.check_batch(self.sampler.per_rank)
         first = adapter.encode_prompts(task.prompts[:1], task.inputs([0]))
         self.compiled = self._compile(first)
+        self._prepare_policy(first)
+        self.progress = Progress()
+        self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", train.keep_checkpoints, self.is_main, train)
+        select_by = self.evaluation.metric_to_select(train.select_by, config.reward.weights, task.metric_names)
+        self.guard = Guard(select_by, train.early_stop, config.eval.alarm_window, config.eval.alarm_margin)
+        self.best_dir = logger.run_dir / "best"
+        self.judge = Judge(self.guard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
+        # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
+        self._rank_seed = train.seed * 7919 + backend.world.rank
+        # the signals, entered around fit() by build; a first Ctrl-C says what the run finishes before it stops
+        self.stops = StopRequests(backend, self.is_main, lambda: finishing(self.progress, config, self.display))
+
+    def _prepare_policy(self, first: Conditioning) -> None:
+        """The denoiser as the backend trains it (wrapped, with its optimizer), the algorithm set up on it, the EMA
+        of this rank's shards."""
+        adapter, backend, train = self.adapter, self.backend, self.config.train
         self.policy = backend.prepare(
             adapter.denoiser,
             adapter.trainable.parameters(),
@@ -107,38 +115,11 @@ class Trainer:
             shard_units=adapter.shard_units,
         )
         self.ctx = LossContext(adapter, self.policy, None, snapshot=backend.frozen_copy)  # reference: when RL starts
-        algorithm.setup(adapter, first, backend)
+        self.algorithm.setup(adapter, first, backend)
         trainable = list(adapter.trainable.parameters())
         shards = backend.local_shards(trainable)
         sharded = any(s.shape != p.shape for s, p in zip(shards, trainable, strict=True))
         self.ema = EMA(shards, train.ema_decay, train.ema_every, sharded) if train.ema_decay > 0 else None
-        self.progress = Progress()
-        self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", config.train.keep_checkpoints, self.is_main)
-        ev = config.eval
-        reused = sorted(set(ev.guard_scorers) & {k for k, w in config.reward.weights.items() if w})
-        if reused:
-            raise ValueError(
-                f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
-                "must be independent of the reward; remove it from one of them"
-            )
-        logged = [
-            *task.metric_names,
-            REWARD,
-            *(f"guard/{name}" for name in ev.guard_scorers),
-            *self.evaluation.breakdown_names([*config.reward.weights, *ev.guard_scorers]),
-        ]
-        if train.select_by and train.select_by not in logged:
-            raise ValueError(
-                f"train.select_by={train.select_by!r} is not a metric this run's evaluation logs; choose "
-                f"one of: {', '.join(logged)}"
-            )
-        self.guard = Guard(train.select_by or logged[0], train.early_stop, ev.alarm_window, ev.alarm_margin)
-        self.best_dir = logger.run_dir / "best"
-        self.judge = Judge(self.guard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
-        # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
-        self._rank_seed = train.seed * 7919 + backend.world.rank
-        # the signals, entered around fit() by build; a first Ctrl-C says what the run finishes before it stops
-        self.stops = StopRequests(backend, self.is_main, lambda: finishing(self.progress, config, self.display))
 
     def _require_text_embeddings(self) -> None:
         """Refuse a ``model.text_embeddings`` store that lacks a prompt this run encodes, now rather than when
@@ -176,61 +157,66 @@ class Trainer:
     # --- phases ---------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         """Run the whole schedule (continuing from ``progress`` after a resume); returns final metrics."""
-        train = self.config.train
-        progress = self.progress
         self._evaluated: tuple[int, dict[str, float]] | None = None  # the last evaluation in the loop
-        if progress.warmup_steps_done < train.warmup_steps and not progress.rl_started:  # never after RL began
-            self.backend.set_lr(train.warmup_learning_rate)
-            steps = range(progress.warmup_steps_done, train.warmup_steps)
-            for step in self.display.steps(steps, "warm-up (SFT)", "step", "warm-up step"):
-                metrics = self.warmup_step(step)
-                self.display.done(step + 1, metrics)
-                if step % 25 == 0 or step == train.warmup_steps - 1:
-                    self.logger.log(step, "warmup", metrics)
-                progress.warmup_steps_done = step + 1
-                every = train.warmup_checkpoint_every
-                if (
-                    every
-                    and progress.warmup_steps_done % every == 0
-                    and progress.warmup_steps_done < train.warmup_steps
-                ):
-                    self.save_checkpoint()
-                self._stop_if_asked()
-        if not progress.rl_started:
-            if self.ema is not None:  # before the evaluation, which reads the EMA weights
-                self.ema.reset()
-            with self._kept_on_reward_failure():
-                before = self.evaluate(0, "samples_before")
-            self._print(f"[eval] before RL: {eval_line(before)}")
-            # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
-            # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
-            self.backend.reset_optimizer()
-            # Full fine-tuning: a frozen copy of the policy as RL starts. LoRA: the base with the adapter disabled
-            # (ALGORITHMS.md), i.e. the model before a LoRA warm-up; DPO refreshes its own from the policy.
-            if self.algorithm.needs_reference:
-                self._new_reference()
-            progress.rl_started = True
-            self.judge(0, before, self.progress)
-        self.backend.set_lr(train.learning_rate)
+        if not self.progress.rl_started:  # never after RL began
+            self._warm_up()
+            self._start_rl()
+        self.backend.set_lr(self.config.train.learning_rate)
+        self._reinforce()
+        self.save_checkpoint()
+        return self._finish()
+
+    def _warm_up(self) -> None:
+        """The supervised warm-up's remaining steps, each logged, checkpointed when due, and a place to stop."""
+        train, progress = self.config.train, self.progress
+        if progress.warmup_steps_done >= train.warmup_steps:
+            return
+        self.backend.set_lr(train.warmup_learning_rate)
+        steps = range(progress.warmup_steps_done, train.warmup_steps)
+        for step in self.display.steps(steps, "warm-up (SFT)", "step", "warm-up step"):
+            metrics = self.warmup_step(step)
+            self.display.done(step + 1, metrics)
+            if step % 25 == 0 or step == train.warmup_steps - 1:
+                self.logger.log(step, "warmup", metrics)
+            progress.warmup_steps_done = step + 1
+            if self.checkpoints.due(progress):
+                self.save_checkpoint()
+            self._stop_if_asked()
+
+    def _start_rl(self) -> None:
+        """The evaluation before RL, judged; then fresh optimizer moments and the reference of the policy as it is."""
+        if self.ema is not None:  # before the evaluation, which reads the EMA weights
+            self.ema.reset()
+        with self._kept_on_reward_failure():
+            before = self.evaluate(0, "samples_before")
+        self._print(f"[eval] before RL: {eval_line(before)}")
+        # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
+        # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
+        self.backend.reset_optimizer()
+        # Full fine-tuning: a frozen copy of the policy as RL starts. LoRA: the base with the adapter disabled
+        # (ALGORITHMS.md), i.e. the model before a LoRA warm-up; DPO refreshes its own from the policy.
+        if self.algorithm.needs_reference:
+            self._new_reference()
+        self.progress.rl_started = True
+        self.judge(0, before, self.progress)
+
+    def _reinforce(self) -> None:
+        """The RL epochs left: rollout, reward, updates; an evaluation, a checkpoint or a stop where each is due."""
+        progress, epochs = self.progress, self.config.train.epochs
         first = progress.epochs_done
         if progress.eval_due:  # a stop signal came before this epoch's evaluation: it runs now
             with self._kept_on_reward_failure(eval_due=True):
                 self._evaluate_epoch(first)
-        for epoch in self.display.steps(range(first, train.epochs), "RL", "epoch", "RL epoch"):
+        for epoch in self.display.steps(range(first, epochs), "RL", "epoch", "RL epoch"):
             if self.guard.stopped:  # a resumed run that had stopped
                 break
             if epoch == first:  # a signal during the evaluations before the loop
                 self._stop_if_asked()
             with self._kept_on_reward_failure():
                 metrics = self.rl_epoch(epoch)
-            self.logger.log(epoch + 1, "rl", metrics)
-            self._print(epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics))
-            self.display.done(epoch + 1, metrics)
-            if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
-                self._print(self.compiled.summary(self.config.model.compile, metrics))
+            self._report_epoch(epoch, first, metrics)
             progress.epochs_done = epoch + 1
-            every = self.config.eval.every
-            due = bool(every) and (epoch + 1) % every == 0 and epoch + 1 < train.epochs
+            due = self.evaluation.due(epoch + 1, epochs)
             self._stop_if_asked(eval_due=due)
             if due:
                 with self._kept_on_reward_failure(eval_due=True):
@@ -238,10 +224,19 @@ class Trainer:
                 if stop:
                     break
                 self._stop_if_asked()  # a signal during the evaluation
-            if train.checkpoint_every and (epoch + 1) % train.checkpoint_every == 0 and epoch + 1 < train.epochs:
+            if self.checkpoints.due(progress):
                 self.save_checkpoint()
-        self.save_checkpoint()
-        done = progress.epochs_done
+
+    def _report_epoch(self, epoch: int, first: int, metrics: dict[str, float]) -> None:
+        self.logger.log(epoch + 1, "rl", metrics)
+        self._print(epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics))
+        self.display.done(epoch + 1, metrics)
+        if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
+            self._print(self.compiled.summary(self.config.model.compile, metrics))
+
+    def _finish(self) -> dict[str, float]:
+        """The evaluation after RL (a stop's own where it evaluated these weights), judged and logged as final."""
+        done = self.progress.epochs_done
         if self._evaluated is not None and self._evaluated[0] == done != self.judge.rolled_back_at:  # a stop
             after = self._evaluated[1]
             self.logger.copy_grid(f"samples_epoch{done:04d}", "samples_after")
@@ -252,16 +247,8 @@ class Trainer:
         if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self.judge(done, after, self.progress)
         spread = weights_rank_spread(self.backend, self.adapter.trainable.parameters())
-        self.logger.log(
-            done,
-            "final",
-            {
-                **after,
-                "weights_rank_spread": spread,
-                "best_epoch": self.guard.best_epoch,
-                "best_value": self.guard.best_value,
-            },
-        )
+        best = {"best_epoch": self.guard.best_epoch, "best_value": self.guard.best_value}
+        self.logger.log(done, "final", {**after, "weights_rank_spread": spread, **best})
         self.logger.reward_curve(self.guard.best_epoch, self.guard.select_by)
         ema = self.ema is not None and self.config.eval.use_ema
         self._print(self.guard.report(self.best_dir if self.judge.has_best() else None, "--ema " if ema else ""))
@@ -278,11 +265,11 @@ class Trainer:
     def _stop_if_asked(self, eval_due: bool = False) -> None:
         """Write a checkpoint here and stop when a rank received a stop signal (trainer/stopping.py), alike on
         every rank; ``eval_due``: this epoch's evaluation has not run, and runs first when the run continues."""
-        signum = self.stops.asked()
-        if signum:
-            self.progress.eval_due = eval_due
-            self.save_checkpoint()
-            raise StopSignalled(signum)
+        self.stops.stop_if_asked(lambda: self._checkpoint_stop(eval_due))
+
+    def _checkpoint_stop(self, eval_due: bool) -> None:
+        self.progress.eval_due = eval_due
+        self.save_checkpoint()
 
     @contextlib.contextmanager
     def _kept_on_reward_failure(self, eval_due: bool = False):
@@ -292,11 +279,8 @@ class Trainer:
         try:
             yield
         except RewardFailure:
-            self.progress.eval_due = eval_due
-            self.save_checkpoint()
-            signum = self.stops.asked()
-            if signum:
-                raise StopSignalled(signum) from None
+            self._checkpoint_stop(eval_due)
+            self.stops.stop_if_asked()
             raise
 
     def _stateful(self) -> list[Stateful]:
@@ -332,12 +316,8 @@ class Trainer:
             f"RL epochs {self.progress.epochs_done})"
             + ("; first the evaluation a stop signal put off" if self.progress.eval_due else "")
         )
-        changes = config_changes(json.loads((path / "config.json").read_text()), saved_dict(self.config))
-        if changes:
-            self._print(
-                f"warning: resuming with settings other than {path}'s, so the run no longer continues the "
-                f"one that was interrupted: {'; '.join(changes)}"
-            )
+        if (warning := changed_settings(path, saved_dict(self.config))) is not None:
+            self._print(warning)
 
     def _new_reference(self) -> None:
         """The reference for the policy as it is now, as the adapter describes it, made by the backend (it
@@ -370,87 +350,36 @@ class Trainer:
         indices = self.pool[indices]
         prompts = [self.task.prompts[i] for i in indices.tolist()]
 
-        t0, cpu0 = time.perf_counter(), time.process_time()  # process CPU: load-independent, unlike wall time
+        clock = EpochClock()
         # the rollout's noise comes from a generator on the model's device (one kernel per draw on a GPU)
         noise = self._generator(2, epoch, self.adapter.device)
         failed_before = self.rewards.failed_attempts
         ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g, noise)
-        t1 = time.perf_counter()
-
-        local = torch.as_tensor(result.combined, dtype=torch.float32)
-        self._log_samples(epoch, ro.images, indices, result.combined, result.components)
-        finite = torch.isfinite(ro.images.flatten(1)).all(1).float().cpu()  # each rank's, gathered: one verdict
-        gathered = self.backend.gather(torch.stack([local, group_ids.float(), finite, unscored(result)], dim=1))
-        rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), self.backend.world.rank * len(local))
-        check_samples(gathered[:, 2], epoch + 1)
-        scored = rewards.all.cpu()  # gathered on the device under NCCL: read once
-        failed = failed_share(scored)
-        check_failed_share(failed, self.config.reward.max_failed_share, epoch + 1, first_error(result))
+        clock.sampled(t_wait)
+        log_rollout_samples(self.logger, self.config, self.task, epoch, ro.images, indices, result)
+        limit = self.config.reward.max_failed_share
+        scored = EpochRewards.gather(result, ro.images, group_ids, self.backend, epoch + 1, limit)
 
         self.policy.train()
-        batch = self.algorithm.make_batch(ro, rewards)
+        batch = self.algorithm.make_batch(ro, scored.rewards)
         stats: dict[str, list[float]] = defaultdict(list)
         for _ in range(self.algorithm.inner_epochs):
             for k, v in self._update(self.algorithm, batch, g, self._after_rl_step).items():
                 stats[k].append(v)
-        t2, cpu2 = time.perf_counter(), time.process_time()
+        clock.trained()
 
         metrics = {k: float(np.mean(v)) for k, v in stats.items()}
         metrics["reward_failed_attempts"] = self.rewards.failed_attempts - failed_before  # summed over ranks below
         metrics.update(self.algorithm.batch_metrics(batch))
-        for name, values in result.components.items():
-            metrics[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
-        # the rollouts' task metrics, named apart from the evaluation's (other prompts, noise and weights)
-        metrics.update({f"rollout_{k}": v for k, v in self.task.metrics(ro.images, prompts, result.components).items()})
+        metrics.update(rollout_metrics(self.task, ro.images, prompts, result))
         metrics = self.backend.mean(metrics)
         metrics["reward_failed_attempts"] *= self.backend.world.world_size
         metrics.update(self.rollout_breakdown(indices.tolist(), result.components))
-        valid = rewards.all[~torch.isnan(rewards.all)]
-        metrics.update(
-            {
-                "reward_mean": float(valid.mean()) if len(valid) else math.nan,
-                "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
-                "failed_share": failed,
-                "reward_lost": float(gathered[:, 3].sum()),  # no replica scored them
-                "reward_zeroed": float((scored.isnan() & (gathered[:, 3].cpu() == 0)).sum()),  # a scorer's item error
-                "zero_std_share": zero_std_share(scored, rewards.group_ids_all.cpu()),  # no spread: advantage 0
-                "images_per_s": len(rewards.all) / (t2 - t0),  # the whole epoch: sampling, reward wait, updates
-                "rollout_images_per_s": len(rewards.all) / max(t1 - t0 - t_wait, 1e-9),  # sampling alone
-                "time_rollout_s": t1 - t0 - t_wait,
-                "time_reward_wait_s": t_wait,
-                "time_train_s": t2 - t1,
-                "time_epoch_s": t2 - t0,
-                "time_epoch_cpu_s": cpu2 - cpu0,
-                "images": len(rewards.all),
-                "lr": self.config.train.learning_rate,
-            }
-        )
+        metrics.update({**scored.metrics(), **clock.metrics(len(scored.rewards.all))})
+        metrics["lr"] = self.config.train.learning_rate
         if self.compiled is not None:
             metrics.update(self.compiled.report())
         return metrics
-
-    def _log_samples(
-        self,
-        epoch: int,
-        images: torch.Tensor,
-        indices: torch.Tensor,
-        rewards: np.ndarray,
-        scores: dict[str, np.ndarray],
-    ) -> None:
-        """Rank 0's first ``logging.rollout_samples`` rollouts of every ``logging.rollout_samples_every``-th epoch
-        and the last, with their prompts, rewards and image inputs (before a reward failure stops the run: they
-        show it)."""
-        n, every = self.config.logging.rollout_samples, self.config.logging.rollout_samples_every
-        if n and self.logger.enabled and ((epoch + 1) % every == 0 or epoch + 1 == self.config.train.epochs):
-            shown = indices[:n].tolist()
-            self.logger.rollout_samples(
-                epoch + 1,
-                images[:n],
-                [self.task.prompts[i] for i in shown],
-                np.asarray(rewards, dtype=float)[:n].tolist(),
-                {name: np.asarray(v, dtype=float)[:n].tolist() for name, v in scores.items()},
-                self.task.inputs(shown),
-            )
 
     def sample_and_score(
         self,
@@ -505,30 +434,10 @@ class Trainer:
             self.ema.step(self.progress.rl_steps)
 
     def _update(self, objective, batch, g: torch.Generator, after_step=None) -> dict[str, float]:
-        """Run the objective's optimizer steps over ``batch`` (calling ``after_step`` after each); returns
-        averaged loss statistics."""
-        values: dict[str, list[torch.Tensor]] = defaultdict(list)
-        grad_norms = []
-        steps = objective.plan(batch, g)
-        if self.backend.world.world_size > 1:
-            balance_ranks(steps, self.backend.gather)
-        for units in steps:
-            for i, unit in enumerate(units):
-                with self.backend.sync(i == len(units) - 1):
-                    loss, stats = objective.loss(self.ctx, unit)  # the unit's part of the step's loss
-                    self.backend.backward(loss)
-                for k, v in stats.items():  # kept on the device: reading each one would wait for the GPU per unit
-                    values[k].append(torch.as_tensor(v).detach().reshape(()))
-            grad_norms.append(self.backend.step(self.config.train.max_grad_norm))  # not finite: skipped
-            count_skipped(self.progress, grad_norms[-1], self.config.train.max_skipped_steps)
-            if after_step is not None:
-                after_step()
-        means = {k: float(torch.stack([x.to(v[0].device, torch.float64) for x in v]).mean()) for k, v in values.items()}
-        if grad_norms:
-            finite = [n for n in grad_norms if math.isfinite(n)]
-            means["grad_norm"] = sum(finite) / len(finite) if finite else math.nan
-            means["skipped_steps"] = len(grad_norms) - len(finite)
-        return means
+        """The objective's optimizer steps over ``batch`` (trainer/updates.py); averaged loss statistics."""
+        return optimizer_steps(
+            objective, batch, g, self.ctx, self.backend, self.progress, self.config.train, after_step
+        )
 
     def evaluate(self, step: int, grid_name: str | None) -> dict[str, float]:
         """The evaluation (trainer/evaluation.py) with the EMA weights when there is an EMA; metrics on rank 0."""

@@ -18,7 +18,7 @@ WRITE = """
 import sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
-from trainer.checkpoint import diagnosed_writes
+from trainer.disk import diagnosed_writes
 
 folder = Path(sys.argv[1])
 try:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import yaml
 
-from trainer.checkpoint import Progress, config_changes
+from trainer.checkpoint import Progress
 from trainer.config import load_config, saved_dict, to_dict
 from trainer.main import main
 from trainer.models.tiny import DEFAULT_TINY_PATH
+from trainer.resume import config_changes
 
 
 def _a_run(tmp_path):
