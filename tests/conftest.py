@@ -18,7 +18,7 @@ torch.set_num_threads(int(os.environ.get("RF_TEST_THREADS", max(1, 2 // _WORKERS
 
 @pytest.fixture(autouse=True)
 def _same_threads_after():
-    """Restore torch's thread count after a test that changed it (``trainer.build.run``, called in-process, sets
+    """Restore torch's thread count after a test that changed it (``trainer.run.Run``, called in-process, sets
     one per core): the tests after it on that worker would otherwise compute with other round-off, and share
     the cores with the other worker's threads."""
     threads = torch.get_num_threads()

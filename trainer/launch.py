@@ -157,15 +157,6 @@ class RunDirGuard:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C (or a stop signal: ``how``, exit status ``code``) during training: ``where`` says where the run
-    stopped and what a continuation starts from."""
-
-    def __init__(self, where: str, run_dir: Path, how: str = "interrupted", code: int = 130):
-        super().__init__(where)
-        self.where, self.run_dir, self.how, self.code = where, run_dir, how, code
-
-
 def stopped_at(progress: Progress, config: Config, latest: Path | None) -> str:
     """Where an interrupted run stood, and the checkpoint a continuation starts from."""
     train = config.train

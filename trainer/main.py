@@ -53,21 +53,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, load the config, run the job; how it ended, said in one line, is the exit status (trainer/ending.py)."""
     args = parse_args(argv)
     from trainer.quiet import quiet_third_party
 
     quiet_third_party()
-    from shared.interrupt import as_interrupt
-    from trainer.build import run
-    from trainer.config import ConfigError, load_config, saved_dict, user_error_exit
+    from trainer.config import saved_dict
     from trainer.config.describe import described_yaml
-    from trainer.health import RewardFailure, TrainingDiverged
-    from trainer.launch import RunInterrupted, resume_command, resumed_run_config
-    from trainer.rewards.launcher import RewardPoolError
-    from trainer.stopping import StopSignalled
-    from trainer.tool import tell_launcher
+    from trainer.ending import RunEnded
+    from trainer.run import Run
 
-    first_here = os.environ.get("LOCAL_RANK", "0") == "0"  # under torchrun, one process per machine reports
+    try:
+        config = run_config(args)
+        if args.show_config:
+            print(described_yaml(config, saved_dict(config, absolute=False)), end="")
+            return 0
+        Run(config, args.config, args.overrides).fit()
+    except RunEnded as end:
+        return end.report()
+    return 0
+
+
+def run_config(args: argparse.Namespace):
+    """The config the command line gives (``--resume`` without ``--config``: the continued run's own config.yaml,
+    overrides on top), or a ConfigRefused saying why not."""
+    from trainer.config import ConfigError, load_config
+    from trainer.ending import ConfigRefused
+    from trainer.launch import resumed_run_config
+
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         config = load_config(args.config, overrides)
@@ -75,64 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if saved is not None:  # a resume given no config file continues with the run's own settings
             config = load_config([str(saved)], overrides)
     except ConfigError as exc:
-        told = f"config error: {exc}"
-        tell_launcher(told)
-        if first_here:
-            print(told, file=sys.stderr)
-        return 2
-    if args.show_config:
-        print(described_yaml(config, saved_dict(config, absolute=False)), end="")
-        return 0
-    rank0 = os.environ.get("RANK", "0") == "0"
-    try:
-        with as_interrupt():  # an error that a Ctrl-C became in library code (shared/interrupt.py)
-            run(config)
-    except KeyboardInterrupt as exc:  # RunInterrupted, or a second Ctrl-C while a first one's stop unwound
-        stop = exc
-        while stop is not None and not isinstance(stop, RunInterrupted):
-            stop = stop.__context__
-        if stop is None:
-            if rank0:
-                print("\ninterrupted before training started: nothing to continue", flush=True)
-            return 130
-        told = (
-            f"{stop.how}: {stop.where}\ncontinue with: {resume_command(args.config, args.overrides, stop.run_dir.name)}"
-        )
-        tell_launcher(told)
-        if rank0:
-            print(f"\n{told}", flush=True)
-        return stop.code
-    except StopSignalled as stop:  # trainer.stopping.StopsBeforeTraining
-        if rank0:
-            print(f"\n{stop} before training started: nothing to continue", flush=True)
-        return 128 + stop.signum
-    # User-fixable: bad paths, shapes, sizes (ValueError); a reward replica of the job's own that did not start
-    # (the end of its log, in the message, says why).
-    except (ValueError, RewardPoolError) as exc:
-        return user_error_exit(exc)
-    except OSError as exc:  # no room for the run's first files (its checkpoints' own: RunInterrupted)
-        from trainer.disk import NO_ROOM
-
-        if exc.errno not in NO_ROOM:
-            raise
-        where = exc.filename or config.logging.output_dir  # a failed write() names no file
-        return user_error_exit(
-            ValueError(
-                f"cannot write {where}: {exc.strerror}: make room there, or set "
-                "logging.output_dir to a folder with room"
-            )
-        )
-    except (RewardFailure, TrainingDiverged) as exc:  # the run went wrong (trainer/health.py), alike on every rank
-        exc.every_rank = True
-        user_error_exit(exc)
-        return 1
-    except RuntimeError as exc:  # out of memory before training: loading the model, preparing it (trainer/memory.py)
-        from trainer.memory import memory_advice, out_of_memory
-
-        if not out_of_memory(exc):
-            raise
-        return user_error_exit(ValueError(memory_advice(exc, config)))
-    return 0
+        raise ConfigRefused(f"config error: {exc}", 2) from exc
+    return config
 
 
 if __name__ == "__main__":

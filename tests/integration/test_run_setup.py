@@ -18,13 +18,14 @@ import pytest
 import torch
 import yaml
 
-from trainer.build import _launch_local_pool, resolve_device, reused_run_dir
+from trainer.build import resolve_device
 from trainer.checkpoint import Checkpoints, Progress
 from trainer.config import load_config
 from trainer.distributed import SingleProcess
 from trainer.launch import hold_run_dir
 from trainer.logging import RunLogger
 from trainer.preflight import require_checkpoint
+from trainer.run import _launch_local_pool, reused_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,13 +91,13 @@ def test_a_run_directory_holding_another_run_is_refused_and_default_names_do_not
     (tmp_path / "old" / "metrics.jsonl").write_text("")
     assert "continue it with train.resume=auto" in reused_run_dir(tmp_path / "old")
 
-    from trainer import build
+    from trainer import run
 
     monkeypatch.setattr(time, "strftime", lambda fmt: "20261122-120000")
-    assert build.new_run_name(tmp_path) == "20261122-120000"
+    assert run.new_run_name(tmp_path) == "20261122-120000"
     (tmp_path / "20261122-120000").mkdir()
     (tmp_path / "20261122-120000-2").mkdir()
-    assert build.new_run_name(tmp_path) == "20261122-120000-3"
+    assert run.new_run_name(tmp_path) == "20261122-120000-3"
 
 
 def test_main_refuses_another_runs_directory_and_a_wrong_resume_path_before_building(tmp_path, capsys):
@@ -710,7 +711,7 @@ def test_a_ctrl_c_swallowed_while_the_run_is_set_up_ends_it_before_training(
 
 
 def test_resume_auto_without_a_run_name_takes_the_newest_unfinished_run(tmp_path):
-    from trainer.build import choose_run_dir
+    from trainer.run import choose_run_dir
 
     config = load_config(overrides=["train.resume=auto", f"logging.output_dir={tmp_path}"])
     assert "no unfinished run in" in choose_run_dir(config, tmp_path)[1]
