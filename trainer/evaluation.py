@@ -100,7 +100,7 @@ class Evaluation:
         rewards: RewardClient,
     ):
         self.config, self.task, self.adapter, self.backend, self.logger = config, task, adapter, backend, logger
-        self.rewards = rewards
+        self.reward_client = rewards
 
     def slots(self) -> int:
         """Prompts each rank samples (the last ones pad with the first prompt)."""
@@ -230,7 +230,7 @@ class Evaluation:
                 )
             else:
                 try:
-                    scored = self.rewards.score(to_uint8(ordered), *labels)
+                    scored = self.reward_client.score(to_uint8(ordered), *labels)
                 except RewardClientError as exc:  # every rank stops alike, below
                     unscored = f"{which} got no rewards: {exc}"
                 else:  # answered, but no image of it scored (e.g. a scorer's deadline): no metric to judge by

@@ -139,7 +139,7 @@ def hold_run_dir(run_dir: Path) -> tuple[IO[str] | None, str | None]:
     return lock, None
 
 
-class RunDirGuard:
+class UnstartedRunCleanup:
     """Removes the directory this run made (its run directory, or ``logging.output_dir`` when it made that
     too) when the run fails before training starts (a bad path, a model that does not load, Ctrl-C while
     loading): it holds nothing but the config then. Kept when a local reward replica failed: the error names
@@ -149,7 +149,7 @@ class RunDirGuard:
         self.run_dir = made
         self.started = False
 
-    def __enter__(self) -> RunDirGuard:
+    def __enter__(self) -> UnstartedRunCleanup:
         return self
 
     def __exit__(self, kind, exc, traceback) -> None:

@@ -21,7 +21,7 @@ from trainer.ending import RunStopped, ended
 from trainer.export import export_denoiser
 from trainer.health import RewardFailure
 from trainer.launch import (
-    RunDirGuard,
+    UnstartedRunCleanup,
     check_rewards,
     finished,
     fresh_start,
@@ -87,7 +87,7 @@ class Run:
         if refusal:
             raise ValueError(refusal)
         self.run_dir = output / run_name
-        self.made = self.stack.enter_context(RunDirGuard(made))
+        self.made = self.stack.enter_context(UnstartedRunCleanup(made))
         if self.is_main:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(saved_dict(self.config), sort_keys=False))
 
@@ -180,7 +180,7 @@ class Run:
     def _train(self, trainer: Trainer) -> dict[str, float]:
         """Train under the stop signals, then export the weights the final evaluation sampled with; a stop, an
         outage, a full disk or out of memory ends it as a RunStopped."""
-        for client in (trainer.rewards, trainer.evaluation.rewards):
+        for client in (trainer.reward_client, trainer.evaluation.reward_client):
             client.give_up_waiting = lambda: bool(trainer.stops.received)  # a stop does not wait out an outage
         stop_if_interrupted()  # a Ctrl-C that library code swallowed while the run was set up
         self.made.started = True

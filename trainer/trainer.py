@@ -60,7 +60,7 @@ class Trainer:
         ``eval_task`` holds its items (default: ``task``'s held-out ones)."""
         build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
         self.config, self.adapter, self.algorithm, self.warmup, self.task = config, adapter, algorithm, warmup, task
-        self.rewards = reward_client
+        self.reward_client = reward_client
         self.evaluation = Evaluation(
             config.eval, eval_task or task, adapter, backend, logger, guard_client or reward_client
         )
@@ -353,7 +353,7 @@ class Trainer:
         clock = EpochClock()
         # the rollout's noise comes from a generator on the model's device (one kernel per draw on a GPU)
         noise = self._generator(2, epoch, self.adapter.device)
-        failed_before = self.rewards.failed_attempts
+        failed_before = self.reward_client.failed_attempts
         ro, result, t_wait = self.sample_and_score(prompts, indices, group_ids, g, noise)
         clock.sampled(t_wait)
         log_rollout_samples(self.logger, self.config, self.task, epoch, ro.images, indices, result)
@@ -369,7 +369,8 @@ class Trainer:
         clock.trained()
 
         metrics = {k: float(np.mean(v)) for k, v in stats.items()}
-        metrics["reward_failed_attempts"] = self.rewards.failed_attempts - failed_before  # summed over ranks below
+        # summed over ranks below
+        metrics["reward_failed_attempts"] = self.reward_client.failed_attempts - failed_before
         metrics.update(self.algorithm.batch_metrics(batch))
         metrics.update(rollout_metrics(self.task, ro.images, prompts, result))
         metrics = self.backend.mean(metrics)
@@ -412,20 +413,20 @@ class Trainer:
                     self.algorithm.records_means,
                 )
                 futures.append(
-                    self.rewards.submit(
+                    self.reward_client.submit(
                         to_uint8(part.images), prompts[lo:hi], self.task.item_metadata(indices[lo:hi].tolist())
                     )
                 )
                 parts.append(part)
         t_sampled = time.perf_counter()
         self.display.doing("waiting for the rollouts' rewards")
-        scorers, what = list(self.rewards.weights), f"RL epoch {self.progress.epochs_done + 1}"
+        scorers, what = list(self.reward_client.weights), f"RL epoch {self.progress.epochs_done + 1}"
         results = [scored_or_unscored(f, len(p.images), scorers, what) for f, p in zip(futures, parts, strict=True)]
         t_wait = time.perf_counter() - t_sampled
-        return Rollout.cat(parts), self.rewards.merge(results), t_wait
+        return Rollout.cat(parts), self.reward_client.merge(results), t_wait
 
     def _rollout_bounds(self, n: int) -> list[int]:
-        return rollout_bounds(n, self.config.train.rollout_chunks, self.rewards.batch_size)
+        return rollout_bounds(n, self.config.train.rollout_chunks, self.reward_client.batch_size)
 
     def _after_rl_step(self) -> None:
         self.progress.rl_steps += 1

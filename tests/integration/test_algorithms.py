@@ -446,7 +446,7 @@ class PromptOnly:
 def _one_epoch_scored_by(trainer: Trainer, scorers: dict) -> dict:
     """``trainer``'s one-epoch job with its RL rewards from ``scorers`` (weight 1 each; the evaluation keeps the
     client it shares with the trainer); the epoch's record."""
-    client = trainer.rewards = InProcessRewardClient(scorers, dict.fromkeys(scorers, 1.0))
+    client = trainer.reward_client = InProcessRewardClient(scorers, dict.fromkeys(scorers, 1.0))
     try:
         trainer.fit()
     finally:

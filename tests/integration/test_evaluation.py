@@ -63,11 +63,15 @@ def test_an_evaluation_file_is_sampled_and_rl_trains_on_every_training_prompt(tm
         reward="brightness",
     )  # the guard: the evaluation has a client of its own
     scored, trained, grids = [], [], []
-    score, submit, grid = trainer.evaluation.rewards.score, trainer.rewards.submit, trainer.logger.image_grid
-    trainer.evaluation.rewards.score = lambda images, prompts, *a, **k: (
+    score, submit, grid = (
+        trainer.evaluation.reward_client.score,
+        trainer.reward_client.submit,
+        trainer.logger.image_grid,
+    )
+    trainer.evaluation.reward_client.score = lambda images, prompts, *a, **k: (
         scored.append(prompts) or score(images, prompts, *a, **k)
     )
-    trainer.rewards.submit = lambda images, prompts, *a, **k: (
+    trainer.reward_client.submit = lambda images, prompts, *a, **k: (
         trained.extend(prompts) or submit(images, prompts, *a, **k)
     )
     trainer.logger.image_grid = lambda name, images, rows, step, prompts, inputs: (
@@ -146,8 +150,8 @@ def test_scores_are_broken_down_by_the_records_tags_and_printed_as_their_mean(tm
         tmp_path / "run", tiny_model_dir, *job, "train.select_by=by_tag/brightness/mean", reward="brightness"
     )
     scored = []
-    score = trainer.evaluation.rewards.score
-    trainer.evaluation.rewards.score = lambda *a, **k: scored.append(score(*a, **k)) or scored[-1]
+    score = trainer.evaluation.reward_client.score
+    trainer.evaluation.reward_client.score = lambda *a, **k: scored.append(score(*a, **k)) or scored[-1]
     trainer.fit()
     trainer.logger.close()
     brightness = scored[0].components["brightness"]  # 2 samples of each prompt, in order
