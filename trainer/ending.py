@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from shared.interrupt import interrupted
 from trainer.config import Config, user_error_exit
@@ -38,9 +37,8 @@ class RunStopped(RunEnded):
     """Training stopped (Ctrl-C, a stop signal, a full disk, out of memory, a reward outage): ``how``, where it
     stopped and the command that continues it; torchrun's failure summary shows the same."""
 
-    def __init__(self, how: str, where: str, command: str, status: int, run_dir: Path):
+    def __init__(self, how: str, where: str, command: str, status: int):
         super().__init__(f"{how}: {where}\ncontinue with: {command}", status)
-        self.run_dir = run_dir
 
     def report(self) -> int:
         tell_launcher(self.message)
