@@ -27,6 +27,22 @@ def _same_threads_after():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _same_signal_handlers_after():
+    """Restore Ctrl-C's and the stop signals' handlers after a test that changed them (a run stopped in-process
+    ignores the stop signals for the rest of its process; a tool run in-process leaves its Ctrl-C handler): the
+    signal tests after it on that worker would otherwise meet another handler than the one they test."""
+    import signal
+
+    from trainer.stopping import SIGNALS
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *SIGNALS)}
+    yield
+    for sig, handler in handlers.items():
+        if signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random tiny SD3 model saved with save_pretrained, loaded back by tests through the adapter."""
