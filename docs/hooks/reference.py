@@ -4,7 +4,7 @@ A line ``<!-- generated: config-reference -->`` becomes the configuration refere
 section, model and algorithm with its type, default and docstring: what ``--show-config`` prints as comments);
 ``<!-- generated: algorithm NAME -->`` becomes that algorithm's module docstring (its formula and departures)
 and its rows of docs/departures.md. An algorithm or model the registry has and its page lacks is a warning,
-which ``mkdocs build --strict`` (tests/unit/test_docs_site.py) turns into a failure.
+which ``mkdocs build --strict`` (tests/integration/test_docs_site.py) turns into a failure.
 """
 
 from __future__ import annotations
