@@ -29,18 +29,21 @@ def _same_threads_after():
 
 @pytest.fixture(autouse=True)
 def _same_signal_handlers_after():
-    """Restore Ctrl-C's and the stop signals' handlers after a test that changed them (a run stopped in-process
-    ignores the stop signals for the rest of its process; a tool run in-process leaves its Ctrl-C handler): the
-    signal tests after it on that worker would otherwise meet another handler than the one they test."""
+    """Restore Ctrl-C's and the stop signals' handlers, and the signals blocked, after a test that changed them (a
+    run stopped in-process ignores the stop signals for the rest of its process; a tool run in-process leaves its
+    Ctrl-C handler): the signal tests after it on that worker would otherwise meet another handler, or none."""
     import signal
 
     from trainer.stopping import SIGNALS
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *SIGNALS)}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     for sig, handler in handlers.items():
         if signal.getsignal(sig) != handler:
             signal.signal(sig, handler)
+    if signal.pthread_sigmask(signal.SIG_BLOCK, []) != blocked:  # a library that blocked signals in this thread
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @pytest.fixture(scope="session")
