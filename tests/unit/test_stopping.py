@@ -36,7 +36,10 @@ def test_a_first_ctrl_c_is_a_stop_request_said_at_once_and_a_second_stops_now(ca
     """Ctrl-C in training stopped the run where it was (a first one now ends the step and checkpoints it, as a stop
     signal does); a Ctrl-C the shell ignored (a background job's) stays ignored."""
     monkeypatch.setattr(shared.interrupt, "_asked", False)  # the second Ctrl-C records itself there
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # as a terminal delivers it (see test_interrupt.py)
+    # Python's own Ctrl-C handler, unblocked, as a process started from a terminal has it: an earlier test on this
+    # worker may leave it replaced (getsignal None: a library's C handler, which StopRequests leaves alone) or blocked
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     before = signal.getsignal(signal.SIGINT)
     stops = StopRequests(
         SingleProcess(torch.device("cpu")), finishing=lambda: "finishing RL epoch 3 of 8 and saving a checkpoint"
