@@ -1,6 +1,7 @@
 """One shape for every registry of names (algorithms, models, scorers, datasets, parallel backends, advantage
 estimators and losses): a ``Registry`` maps each user-facing name to an ``Entry``, which builds what it names.
 Adding one is a line ``"name": Entry(target, **kwargs)``, or ``@REGISTRY.register("name")`` on a function beside it.
+Looking up a name that is not registered raises ``UnknownName``: one line naming the setting and the choices.
 """
 
 from __future__ import annotations
@@ -45,11 +46,24 @@ class Entry:
         return f"Entry({target!r}{''.join(f', {k}={v!r}' for k, v in self.kwargs.items())})"
 
 
-class Registry(dict[str, Entry]):
-    """User-facing name -> ``Entry``, in the order of registration (the order names are listed in messages)."""
+class UnknownName(KeyError, ValueError):
+    """A name looked up in a registry that has no such entry: a user's mistake (ValueError), and the KeyError of a
+    mapping lookup."""
 
-    def __init__(self, entries: Mapping[str, Entry] | None = None):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class Registry(dict[str, Entry]):
+    """User-facing name -> ``Entry``, in the order of registration (the order iteration gives; messages sort).
+    ``key``: the setting that names an entry (``model.name``), said in the error for a name it lacks."""
+
+    def __init__(self, entries: Mapping[str, Entry] | None = None, key: str = "name"):
         super().__init__(entries or {})
+        self.key = key
+
+    def __missing__(self, name: str) -> Entry:
+        raise UnknownName(f"{self.key}={name!r} is not registered; choose one of: {', '.join(sorted(self))}")
 
     def register(self, name: str) -> Callable[[T], T]:
         """A decorator that registers the function or class it decorates under ``name`` and returns it unchanged."""

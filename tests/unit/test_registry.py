@@ -1,5 +1,6 @@
-"""One registry shape (shared/registry.py) for algorithms, scorers, datasets, backends, estimators and losses; the
-algorithm vocabulary in one module (trainer/algorithms/core_algos.py); ``weighted_mean``; ``Rewards``' own rows."""
+"""One registry shape (shared/registry.py) for algorithms, models, scorers, datasets, backends, estimators and
+losses; the algorithm vocabulary in one module (trainer/algorithms/core_algos.py); ``weighted_mean``; ``Rewards``'
+own rows."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import pytest
 import torch
 
 from reward_server.scorers import SCORERS
-from shared.registry import Entry, Registry
+from shared.registry import Entry, Registry, UnknownName
 from trainer.algorithms import ALGORITHMS, build_algorithm, core_algos
 from trainer.algorithms.base import Rewards
 from trainer.algorithms.core_algos import ADVANTAGE_ESTIMATORS, LOSSES, weighted_mean
 from trainer.data import DATASETS
 from trainer.distributed import BACKENDS, init_backend
+from trainer.models import MODELS, ModelSpec
 
 
 def test_an_entry_imports_its_target_on_use_and_calls_it_with_its_arguments_first():
@@ -39,10 +41,30 @@ def test_a_registry_keeps_its_order_and_registers_by_decorator():
 
 
 @pytest.mark.parametrize(
-    "registry", [ALGORITHMS, SCORERS, DATASETS, BACKENDS, ADVANTAGE_ESTIMATORS, LOSSES], ids=lambda r: str(list(r)[0])
+    "registry",
+    [ALGORITHMS, MODELS, SCORERS, DATASETS, BACKENDS, ADVANTAGE_ESTIMATORS, LOSSES],
+    ids=lambda r: str(list(r)[0]),
 )
 def test_every_registry_has_the_one_shape(registry):
     assert isinstance(registry, Registry) and all(isinstance(entry, Entry) for entry in registry.values())
+
+
+def test_a_name_not_registered_is_one_line_naming_the_setting_and_the_choices():
+    with pytest.raises(
+        ValueError, match=r"^model.name='nosuch' is not registered; choose one of: chroma, .*, z_image$"
+    ):
+        MODELS["nosuch"]
+    with pytest.raises(KeyError):  # a mapping's lookup error too
+        DATASETS["nosuch"]
+    assert str(UnknownName("data.name='x' is not registered")) == "data.name='x' is not registered"  # no quotes
+    assert "nosuch" not in MODELS and MODELS.get("nosuch") is None
+
+
+def test_a_model_entry_is_an_entry_of_its_adapter_with_its_variant_as_data():
+    fill = MODELS["flux_fill"]
+    assert isinstance(fill, ModelSpec) and fill.load().__name__ == "FluxAdapter" and fill.target == fill.adapter
+    assert fill.pipeline_class.__name__ == "FluxFillPipeline" and fill.config_class.__name__ == "FluxConfig"
+    assert MODELS["tiny"].config_class.__name__ == "TinyConfig"  # the variant's own config class
 
 
 def test_names_and_messages_are_the_ones_users_know():

@@ -27,7 +27,8 @@ ALGORITHMS = Registry(
         "mixgrpo": Entry(MixGRPO),
         "awm": Entry(AWM),
         "dgpo": Entry(DGPO),
-    }
+    },
+    key="algorithm.name",
 )
 """Algorithm name -> its class (its config dataclass: ``ALGORITHMS[name].config_class``)."""
 

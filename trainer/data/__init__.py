@@ -110,15 +110,14 @@ DATASETS = Registry(
                 config.path, config.image_size, config.style_crop, list(config.image_inputs)
             )
         ),
-    }
+    },
+    key="data.name",
 )
 """Format name (``data.name``) -> the task it builds from a DataConfig."""
 
 
 def build_task(config) -> Task:
     """The task ``config.name`` (a DataConfig) names."""
-    if config.name not in DATASETS:
-        raise ValueError(f"data.name={config.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}")
     return DATASETS[config.name](config)
 
 

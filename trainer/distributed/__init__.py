@@ -102,7 +102,8 @@ BACKENDS = Registry(
         "fsdp2": Entry(_fsdp2),
         "zero2": Entry(_zero, stage=2),
         "zero3": Entry(_zero, stage=3),
-    }
+    },
+    key="parallel.backend",
 )
 """Backend name (``parallel.backend``; ``auto`` is ddp under torchrun with more than one process, else single) ->
 its builder (the ``parallel`` config section, the device, the world, ``max_grad_norm``)."""

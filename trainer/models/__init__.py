@@ -1,5 +1,6 @@
-"""Model adapters, registered by name. A new model family is one file (its adapter) plus one line here; its tiny
-test model lives beside the tests (tests/tiny_models)."""
+"""Model adapters, registered by name in ``MODELS`` (a ``shared.registry.Registry``, like every registry). A new
+model family is one file (its adapter) plus one entry here; its tiny test model lives beside the tests
+(tests/tiny_models)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.registry import Entry, Registry
+
 logger = logging.getLogger(__name__)
 
 
@@ -17,14 +20,15 @@ def _load(name: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """One registered model: its family's adapter and what this variant of the family changes in it, as data
-    (the pipeline it reproduces, its config, the conditioning parts it combines, its text path). Every "module:Name"
-    is imported on use: reading a config imports no model library."""
+@dataclass(eq=False)
+class ModelSpec(Entry):
+    """One registered model: an ``Entry`` whose target is its family's adapter (``MODELS[name](config, device)``
+    builds it, ``.load()`` is its class), with what this variant of the family changes in it as data (the pipeline
+    it reproduces, its config, the conditioning parts it combines, its text path). Every "module:Name" is imported
+    on use: reading a config imports no model library."""
 
     adapter: str
-    """"module:Class" of the family's ModelAdapter."""
+    """"module:Class" of the family's ModelAdapter (the entry's target)."""
     pipeline: str = ""
     """"module:Class" of the diffusers pipeline it reproduces; "" for the family's (``adapter.pipeline_class``)."""
     config: str = ""
@@ -41,9 +45,8 @@ class ModelSpec:
     """"module:function" (config -> None) that writes the model at ``model.path`` where it is missing and may be
     built (the embedded tiny model): ``provide``."""
 
-    def load(self) -> type:
-        """The family's adapter class."""
-        return _load(self.adapter)
+    def __post_init__(self):
+        super().__init__(self.adapter)
 
     def provide(self, config) -> None:
         """Make sure ``model.path`` holds the model before its adapter loads it: built where this model builds its
@@ -53,7 +56,7 @@ class ModelSpec:
 
     @property
     def config_class(self) -> type:
-        return _load(self.config) if self.config else self.load().config_class
+        return _load(self.config) if self.config else super().config_class
 
     @property
     def pipeline_class(self) -> type:
@@ -102,82 +105,89 @@ class ModelSpec:
         return self.text_path.prompt_encoder(self, config, device)
 
 
-MODELS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec(
-        "trainer.models.sd3:SD3Adapter",
-        config="trainer.models.tiny:TinyConfig",
-        path_check="trainer.models.tiny:path_problem",
-        builds="trainer.models.tiny:build_missing",
-    ),
-    "sd3": ModelSpec("trainer.models.sd3:SD3Adapter"),
-    "flux": ModelSpec("trainer.models.flux:FluxAdapter"),
-    "flux_fill": ModelSpec(
-        "trainer.models.flux:FluxAdapter", "diffusers:FluxFillPipeline", parts=("trainer.models.flux:FILL_CHANNELS",)
-    ),
-    "flux_kontext": ModelSpec(
-        "trainer.models.flux:FluxAdapter",
-        "diffusers:FluxKontextPipeline",
-        parts=("trainer.models.flux:KONTEXT_REFERENCE",),
-    ),
-    "chroma": ModelSpec("trainer.models.chroma:ChromaAdapter"),
-    "chroma_inpaint": ModelSpec(
-        "trainer.models.chroma:ChromaAdapter",
-        "diffusers:ChromaInpaintPipeline",
-        parts=("trainer.models.conditioning:INPAINT",),
-        loads_pipelines=("ChromaPipeline",),
-    ),
-    "sd15_inpaint": ModelSpec(
-        "trainer.models.sd15_inpaint:SD15InpaintAdapter", parts=("trainer.models.sd15_inpaint:MASKED_IMAGE",)
-    ),
-    "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
-    "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
-    "qwen_image_edit": ModelSpec(
-        "trainer.models.qwen_image:QwenImageAdapter",
-        "diffusers:QwenImageEditPipeline",
-        config="trainer.models.qwen_image:QwenImageEditConfig",
-        parts=("trainer.models.qwen_edit:EDIT",),
-        text="trainer.models.qwen_edit:EditText",
-    ),
-    "qwen_image_edit_plus": ModelSpec(
-        "trainer.models.qwen_image:QwenImageAdapter",
-        "diffusers:QwenImageEditPlusPipeline",
-        config="trainer.models.qwen_image:QwenImageEditPlusConfig",
-        parts=("trainer.models.qwen_edit:EDIT_PLUS",),
-        text="trainer.models.qwen_edit:EditText",
-    ),
-    "qwen_image_inpaint": ModelSpec(
-        "trainer.models.qwen_image:QwenImageAdapter",
-        "diffusers:QwenImageInpaintPipeline",
-        parts=("trainer.models.conditioning:INPAINT",),
-        loads_pipelines=("QwenImagePipeline",),
-    ),
-    "qwen_image_edit_inpaint": ModelSpec(
-        "trainer.models.qwen_image:QwenImageAdapter",
-        "diffusers:QwenImageEditInpaintPipeline",
-        config="trainer.models.qwen_image:QwenImageEditConfig",
-        parts=("trainer.models.qwen_edit:EDIT_SOURCE", "trainer.models.conditioning:INPAINT"),
-        text="trainer.models.qwen_edit:EditText",
-        loads_pipelines=("QwenImageEditPipeline",),
-    ),
-    "flux2": ModelSpec("trainer.models.flux2:Flux2Adapter", parts=("trainer.models.conditioning:FLUX2_REFERENCES",)),
-    "flux2_klein": ModelSpec(
-        "trainer.models.flux2:Flux2Adapter",
-        "diffusers:Flux2KleinPipeline",
-        config="trainer.models.flux2:Flux2KleinConfig",
-        parts=("trainer.models.conditioning:FLUX2_REFERENCES",),
-        text="trainer.models.flux2:KleinText",
-    ),
-    "flux2_klein_inpaint": ModelSpec(
-        "trainer.models.flux2:Flux2Adapter",
-        "diffusers:Flux2KleinInpaintPipeline",
-        config="trainer.models.flux2:Flux2KleinConfig",
-        parts=("trainer.models.conditioning:SOFT_INPAINT", "trainer.models.conditioning:FLUX2_REFERENCES"),
-        text="trainer.models.flux2:KleinText",
-        loads_pipelines=("Flux2KleinPipeline",),
-    ),
-}
-"""Model name -> its family's adapter and variant. Adding a variant of a family: one entry here (and a preset);
-adding a family: its adapter file and one entry."""
+MODELS = Registry(
+    {
+        "tiny": ModelSpec(
+            "trainer.models.sd3:SD3Adapter",
+            config="trainer.models.tiny:TinyConfig",
+            path_check="trainer.models.tiny:path_problem",
+            builds="trainer.models.tiny:build_missing",
+        ),
+        "sd3": ModelSpec("trainer.models.sd3:SD3Adapter"),
+        "flux": ModelSpec("trainer.models.flux:FluxAdapter"),
+        "flux_fill": ModelSpec(
+            "trainer.models.flux:FluxAdapter",
+            "diffusers:FluxFillPipeline",
+            parts=("trainer.models.flux:FILL_CHANNELS",),
+        ),
+        "flux_kontext": ModelSpec(
+            "trainer.models.flux:FluxAdapter",
+            "diffusers:FluxKontextPipeline",
+            parts=("trainer.models.flux:KONTEXT_REFERENCE",),
+        ),
+        "chroma": ModelSpec("trainer.models.chroma:ChromaAdapter"),
+        "chroma_inpaint": ModelSpec(
+            "trainer.models.chroma:ChromaAdapter",
+            "diffusers:ChromaInpaintPipeline",
+            parts=("trainer.models.conditioning:INPAINT",),
+            loads_pipelines=("ChromaPipeline",),
+        ),
+        "sd15_inpaint": ModelSpec(
+            "trainer.models.sd15_inpaint:SD15InpaintAdapter", parts=("trainer.models.sd15_inpaint:MASKED_IMAGE",)
+        ),
+        "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
+        "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
+        "qwen_image_edit": ModelSpec(
+            "trainer.models.qwen_image:QwenImageAdapter",
+            "diffusers:QwenImageEditPipeline",
+            config="trainer.models.qwen_image:QwenImageEditConfig",
+            parts=("trainer.models.qwen_edit:EDIT",),
+            text="trainer.models.qwen_edit:EditText",
+        ),
+        "qwen_image_edit_plus": ModelSpec(
+            "trainer.models.qwen_image:QwenImageAdapter",
+            "diffusers:QwenImageEditPlusPipeline",
+            config="trainer.models.qwen_image:QwenImageEditPlusConfig",
+            parts=("trainer.models.qwen_edit:EDIT_PLUS",),
+            text="trainer.models.qwen_edit:EditText",
+        ),
+        "qwen_image_inpaint": ModelSpec(
+            "trainer.models.qwen_image:QwenImageAdapter",
+            "diffusers:QwenImageInpaintPipeline",
+            parts=("trainer.models.conditioning:INPAINT",),
+            loads_pipelines=("QwenImagePipeline",),
+        ),
+        "qwen_image_edit_inpaint": ModelSpec(
+            "trainer.models.qwen_image:QwenImageAdapter",
+            "diffusers:QwenImageEditInpaintPipeline",
+            config="trainer.models.qwen_image:QwenImageEditConfig",
+            parts=("trainer.models.qwen_edit:EDIT_SOURCE", "trainer.models.conditioning:INPAINT"),
+            text="trainer.models.qwen_edit:EditText",
+            loads_pipelines=("QwenImageEditPipeline",),
+        ),
+        "flux2": ModelSpec(
+            "trainer.models.flux2:Flux2Adapter", parts=("trainer.models.conditioning:FLUX2_REFERENCES",)
+        ),
+        "flux2_klein": ModelSpec(
+            "trainer.models.flux2:Flux2Adapter",
+            "diffusers:Flux2KleinPipeline",
+            config="trainer.models.flux2:Flux2KleinConfig",
+            parts=("trainer.models.conditioning:FLUX2_REFERENCES",),
+            text="trainer.models.flux2:KleinText",
+        ),
+        "flux2_klein_inpaint": ModelSpec(
+            "trainer.models.flux2:Flux2Adapter",
+            "diffusers:Flux2KleinInpaintPipeline",
+            config="trainer.models.flux2:Flux2KleinConfig",
+            parts=("trainer.models.conditioning:SOFT_INPAINT", "trainer.models.conditioning:FLUX2_REFERENCES"),
+            text="trainer.models.flux2:KleinText",
+            loads_pipelines=("Flux2KleinPipeline",),
+        ),
+    },
+    key="model.name",
+)
+"""Model name (``model.name``) -> its ``ModelSpec``: its family's adapter and variant. Adding a variant of a family:
+one entry here (and a preset); adding a family: its adapter file and one entry."""
 
 
 def image_encoding_models() -> list[str]:
@@ -202,7 +212,7 @@ def build_adapter(config, device):
         raise ValueError(problem)
     if hint := other_models_pipeline(config):
         logger.warning(hint)
-    return MODELS[config.name].load()(config, device)
+    return MODELS[config.name](config, device)
 
 
 def model_path_problem(config) -> str | None:
