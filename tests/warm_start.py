@@ -36,7 +36,7 @@ def tiny_trainer(
     ``rewards``) on the task and evaluation its config names (default: digits), or on ``task``; ``log=False``: no
     metrics.jsonl or images."""
     config = load_config(overrides=[f"model.path={model_dir}", *overrides])
-    guards = {name: 0.0 for name in config.eval.guard_scorers}
+    unweighted = {name: 0.0 for name in config.eval.alarm_scorers}
     task, evaluated = (task, task) if task is not None else build_tasks(config.data, config.eval)
     return Trainer(
         config,
@@ -47,7 +47,7 @@ def tiny_trainer(
         rewards or InProcessRewardClient.from_names({reward: 1.0}),
         SingleProcess(torch.device("cpu")),
         RunLogger(run_dir, log, False),
-        InProcessRewardClient.from_names({reward: 1.0, **guards}) if guards else None,
+        InProcessRewardClient.from_names({reward: 1.0, **unweighted}) if unweighted else None,
         evaluated,
     )
 

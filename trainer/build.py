@@ -76,11 +76,11 @@ def check_tasks(config: Config, task: Task, eval_task: Task, main: bool) -> None
             f"data.name={config.data.name} has prompts but no target images for the supervised "
             "warm-up: set train.warmup_steps=0 (or start from trained weights: train.init_from)"
         )
-    unscored = [s for s in task.metric_scorers if s not in {*config.reward.weights, *config.eval.guard_scorers}]
+    unscored = [s for s in task.metric_scorers if s not in {*config.reward.weights, *config.eval.alarm_scorers}]
     if unscored:
         raise ValueError(
             f"the {config.data.name} task's metrics read the {', '.join(unscored)} scorer: add it to "
-            "reward.weights or eval.guard_scorers"
+            "reward.weights or eval.alarm_scorers"
         )
 
 
@@ -112,7 +112,7 @@ def build_trainer(
     closing: contextlib.ExitStack,
     logger: Callable[[], RunLogger],
 ) -> Trainer:
-    """The Trainer of the run: its algorithm and warm-up, the reward client of ``urls`` (and one for the guard
+    """The Trainer of the run: its algorithm and warm-up, the reward client of ``urls`` (and one for the alarm
     scorers, when the reward does not call them all), and the ``logger()``; the clients close with ``closing``."""
     from trainer.rewards.client import HttpRewardClient
 
@@ -133,11 +133,11 @@ def build_trainer(
         return made
 
     client = reward_client(config.reward.weights)
-    guards = {name: 0.0 for name in config.eval.guard_scorers if name not in config.reward.weights}
-    guard_client = reward_client({**config.reward.weights, **guards}) if guards else None
+    unweighted = {name: 0.0 for name in config.eval.alarm_scorers if name not in config.reward.weights}
+    eval_client = reward_client({**config.reward.weights, **unweighted}) if unweighted else None
     run_logger = logger()
     algorithm, warmup = build_algorithm(config.algorithm), SFT(config.warmup)
-    return Trainer(config, adapter, algorithm, warmup, task, client, backend, run_logger, guard_client, eval_task)
+    return Trainer(config, adapter, algorithm, warmup, task, client, backend, run_logger, eval_client, eval_task)
 
 
 def require_shared_run_dir(run_dir: Path, rank: int) -> None:

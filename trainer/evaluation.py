@@ -1,5 +1,5 @@
 """The fixed evaluation: a task's evaluation items sampled deterministically with fixed noise, scored by the reward
-and guard scorers, logged with a grid. What the best weights, early stop and the hacking alarm judge by."""
+and alarm scorers, logged with a grid. What the best weights, early stop and the hacking alarm judge by."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from shared.rewards import RewardClient, RewardResult, failed_share
 from trainer.config.schema import EvalConfig
 from trainer.data import Task
 from trainer.distributed import ParallelBackend
-from trainer.guard import REWARD
 from trainer.health import ADVICE, RewardFailure, TrainingDiverged, first_error
 from trainer.logging import RunLogger, to_uint8
 from trainer.models.base import ModelAdapter
 from trainer.rewards.errors import RewardClientError
 from trainer.rollout import SamplerSettings, rollout, window_mask
+from trainer.scoreboard import REWARD
 
 GRID_PROMPTS = 16
 """Rows of an evaluation's grid at most (its first prompts): a test split of hundreds would make an image
@@ -74,13 +74,13 @@ DIVERGED_BEFORE_RL = (
 )
 
 
-def unscored_evaluation(which: str, scored: RewardResult, guard_scorers: Iterable[str]) -> str | None:
-    """Why an answered evaluation cannot be judged: no image has a reward, or a guard scorer (the hacking alarm's
+def unscored_evaluation(which: str, scored: RewardResult, alarm_scorers: Iterable[str]) -> str | None:
+    """Why an answered evaluation cannot be judged: no image has a reward, or an alarm scorer (the hacking alarm's
     input) scored none; None when it can."""
     if failed_share(scored.combined) == 1:
         what = "no image got a reward"
-    elif empty := [name for name in guard_scorers if failed_share(scored.components[name]) == 1]:
-        what = f"eval.guard_scorers {', '.join(empty)} scored no image"
+    elif empty := [name for name in alarm_scorers if failed_share(scored.components[name]) == 1]:
+        what = f"eval.alarm_scorers {', '.join(empty)} scored no image"
     else:
         return None
     return f"{which}: {what} ({first_error(scored) or 'no error given'})"
@@ -88,7 +88,7 @@ def unscored_evaluation(which: str, scored: RewardResult, guard_scorers: Iterabl
 
 class Evaluation:
     """Samples ``task.eval_prompts`` (``eval.samples_per_prompt`` each) with ``eval.num_steps`` ODE steps and
-    scores them with ``rewards`` (the reward's scorers and the guard scorers)."""
+    scores them with ``rewards`` (the reward's scorers and the alarm scorers)."""
 
     def __init__(
         self,
@@ -113,19 +113,19 @@ class Evaluation:
 
     def metric_to_select(self, select_by: str, reward_weights: dict[str, float], task_metrics: list[str]) -> str:
         """The metric ``train.select_by`` names (by default the task's first), checked against the metrics this
-        evaluation logs; a guard scorer that the reward trains on is refused (it would not be independent)."""
-        guards = self.config.guard_scorers
-        reused = sorted(set(guards) & {k for k, w in reward_weights.items() if w})
+        evaluation logs; an alarm scorer that the reward trains on is refused (it would not be independent)."""
+        alarm_scorers = self.config.alarm_scorers
+        reused = sorted(set(alarm_scorers) & {k for k, w in reward_weights.items() if w})
         if reused:
             raise ValueError(
-                f"eval.guard_scorers names {', '.join(reused)}, which reward.weights trains on: a guard "
-                "must be independent of the reward; remove it from one of them"
+                f"eval.alarm_scorers names {', '.join(reused)}, which reward.weights trains on: an alarm "
+                "scorer must be independent of the reward; remove it from one of them"
             )
         logged = [
             *task_metrics,
             REWARD,
-            *(f"guard/{name}" for name in guards),
-            *self.breakdown_names([*reward_weights, *guards]),
+            *(f"alarm/{name}" for name in alarm_scorers),
+            *self.breakdown_names([*reward_weights, *alarm_scorers]),
         ]
         if select_by and select_by not in logged:
             raise ValueError(
@@ -220,7 +220,7 @@ class Evaluation:
         self, step: int, ordered: torch.Tensor | None, labels: tuple[list[str], list[dict]] | None
     ) -> RewardResult | None:
         """Rank 0's rewards of the ``ordered`` images; on every rank alike, TrainingDiverged where an image is not
-        finite and RewardFailure where the evaluation cannot be judged (no rewards, or none by a guard scorer)."""
+        finite and RewardFailure where the evaluation cannot be judged (no rewards, or none by an alarm scorer)."""
         scored = diverged = unscored = None
         if ordered is not None:
             which = f"the evaluation {'before RL' if step == 0 else f'after RL epoch {step}'}"
@@ -234,7 +234,7 @@ class Evaluation:
                 except RewardClientError as exc:  # every rank stops alike, below
                     unscored = f"{which} got no rewards: {exc}"
                 else:  # answered, but no image of it scored (e.g. a scorer's deadline): no metric to judge by
-                    unscored = unscored_evaluation(which, scored, self.config.guard_scorers)
+                    unscored = unscored_evaluation(which, scored, self.config.alarm_scorers)
         diverged, unscored = self.backend.broadcast((diverged, unscored))
         if diverged:
             raise TrainingDiverged(diverged)
@@ -256,8 +256,8 @@ class Evaluation:
         metrics[REWARD] = float(np.nanmean(scored.combined))
         metrics["failed_share"] = failed_share(scored.combined)
         metrics.update(breakdown(ev.breakdown, metadata, scored.components))
-        for name in ev.guard_scorers:
-            metrics[f"guard/{name}"] = float(np.nanmean(scored.components[name]))
+        for name in ev.alarm_scorers:
+            metrics[f"alarm/{name}"] = float(np.nanmean(scored.components[name]))
         self.logger.log(step, "eval", metrics)
         rows = min(len(task.eval_prompts), GRID_PROMPTS)
         self.logger.image_grid(

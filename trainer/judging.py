@@ -1,6 +1,6 @@
-"""A run acting on its guard's verdicts (trainer/guard.py): ``<run>/best/`` holds the weights (and EMA) of the best
-evaluation so far, written atomically, and the reward-hacking alarm is printed, logged (a W&B alert too) and acted on
-as ``eval.on_alarm`` says: a warning, a stop, or a rollback to best/."""
+"""A run acting on its scoreboard's verdicts (trainer/scoreboard.py): ``<run>/best/`` holds the weights (and EMA) of
+the best evaluation so far, written atomically, and the reward-hacking alarm is printed, logged (a W&B alert too) and
+acted on as ``eval.on_alarm`` says: a warning, a stop, or a rollback to best/."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ from trainer.checkpoint import Progress, load_weights
 from trainer.config import Config, saved_dict
 from trainer.distributed import ParallelBackend
 from trainer.ema import EMA
-from trainer.guard import Guard
 from trainer.logging import RunLogger
 from trainer.models.base import ModelAdapter
+from trainer.scoreboard import Scoreboard
 
 
 class Judge:
-    """Gives each evaluation to ``guard`` on every rank alike and acts on the verdict; ``say`` prints on rank 0."""
+    """Gives each evaluation to ``scoreboard`` on every rank alike and acts on the verdict; ``say`` prints on rank 0."""
 
     def __init__(
         self,
-        guard: Guard,
+        scoreboard: Scoreboard,
         best_dir: Path,
         adapter: ModelAdapter,
         backend: ParallelBackend,
@@ -34,7 +34,13 @@ class Judge:
         config: Config,
         say: Callable[[str], None],
     ):
-        self.guard, self.best_dir, self.adapter, self.backend, self.ema = guard, best_dir, adapter, backend, ema
+        self.scoreboard, self.best_dir, self.adapter, self.backend, self.ema = (
+            scoreboard,
+            best_dir,
+            adapter,
+            backend,
+            ema,
+        )
         self.logger, self.config, self.say = logger, config, say
         self.rolled_back_at: int | None = None  # the evaluation whose alarm last rolled the weights back
 
@@ -42,7 +48,7 @@ class Judge:
         """Judge evaluation ``epoch`` (rank 0's ``metrics``): a new best is written to best/, an alarm said, logged
         and acted on. True: stop the run."""
         metrics = self.backend.broadcast(metrics if self.backend.world.rank == 0 else None)
-        verdict = self.guard.observe(epoch, metrics)
+        verdict = self.scoreboard.observe(epoch, metrics)
         if verdict.improved:
             self.save_best(epoch, metrics, progress)
         stop = verdict.stop
@@ -57,14 +63,14 @@ class Judge:
             elif action == "rollback" and not self.has_best():
                 stop = (
                     f"stopped by the reward-hacking alarm: eval.on_alarm=rollback has no best/ to roll back to "
-                    f"(epoch {self.guard.best_epoch}'s weights were not carried into this run)"
+                    f"(epoch {self.scoreboard.best_epoch}'s weights were not carried into this run)"
                 )
             elif action == "rollback":
                 self.restore_best()
                 self.rolled_back_at = epoch
         if stop:
             self.say(stop)
-            self.guard.stopped = True
+            self.scoreboard.stopped = True
         return bool(stop)
 
     def save_best(self, epoch: int, metrics: dict[str, float], progress: Progress) -> None:
@@ -73,8 +79,8 @@ class Judge:
         evaluated = "ema" if self.ema is not None and self.config.eval.use_ema else "trained"
         meta = {
             "epoch": epoch,
-            "select_by": self.guard.select_by,
-            "value": metrics[self.guard.select_by],
+            "select_by": self.scoreboard.select_by,
+            "value": metrics[self.scoreboard.select_by],
             "evaluated": evaluated,
             "metrics": metrics,
         }
@@ -92,7 +98,7 @@ class Judge:
 
     def carry_from(self, continued: Path) -> None:
         """A run continuing another run's checkpoint ``continued`` takes that run's best/ when it holds the evaluation
-        the checkpoint's guard names best (that run may have gone on past it), so that its best/, its closing
+        the checkpoint's scoreboard names best (that run may have gone on past it), so that its best/, its closing
         line and a roll-back have the weights (rank 0)."""
         source = continued.parent.parent / "best"
         if (
@@ -102,11 +108,11 @@ class Judge:
         ):
             return
         held = json.loads((source / "meta.json").read_text()).get("epoch")
-        if held != self.guard.best_epoch:
+        if held != self.scoreboard.best_epoch:
             self.say(
                 f"note: best/ starts empty: {source} holds epoch {held}'s weights, not those of epoch "
-                f"{self.guard.best_epoch}, the best evaluation this checkpoint knows; this run writes best/ when "
-                f"one of its evaluations beats that {self.guard.select_by}"
+                f"{self.scoreboard.best_epoch}, the best evaluation this checkpoint knows; this run writes best/ when "
+                f"one of its evaluations beats that {self.scoreboard.select_by}"
             )
             return
         self.best_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +120,7 @@ class Judge:
         shutil.copytree(source, tmp, dirs_exist_ok=True)
         checkpoint.usual_mode(tmp)
         checkpoint.swap_in(tmp, self.best_dir)
-        self.say(f"best/: the best evaluation so far (epoch {self.guard.best_epoch}) is {source}'s, copied here")
+        self.say(f"best/: the best evaluation so far (epoch {self.scoreboard.best_epoch}) is {source}'s, copied here")
 
     def has_best(self) -> bool:
         """Whether best/ holds weights (rank 0's view, on every rank): not in a run that continued another run's
@@ -131,4 +137,4 @@ class Judge:
             states = checkpoint.load_states(self.best_dir, self.backend.world.rank)
             self.ema.load_checkpoint_state(states, self.best_dir)
         self.backend.reset_optimizer()
-        self.say(f"rolled back to the weights of epoch {self.guard.best_epoch} ({self.best_dir})")
+        self.say(f"rolled back to the weights of epoch {self.scoreboard.best_epoch} ({self.best_dir})")

@@ -26,10 +26,10 @@ from trainer.rewards.preflight import PreflightError, Requests, check_reward_url
 
 def reward_problem(config: Config, own_urls: Sequence[str] | None = None) -> str | None:
     """Why this rank cannot get the run's rewards, or None: a reward server it cannot reach, one that lacks a
-    weighted or guard scorer, or whose limits refuse the run's requests. ``own_urls``: the job's own replicas,
+    weighted or alarm scorer, or whose limits refuse the run's requests. ``own_urls``: the job's own replicas,
     once they are up (their limits; before, only the scorer names)."""
     named_by = {
-        **{name: "eval.guard_scorers" for name in config.eval.guard_scorers},
+        **{name: "eval.alarm_scorers" for name in config.eval.alarm_scorers},
         **{name: "reward.weights" for name in config.reward.weights},
     }
     requests = Requests(

@@ -284,7 +284,7 @@ class RunLogger:
 
     def reward_curve(self, best_epoch: int = -1, select_by: str = "") -> None:
         """Plot the RL reward per epoch and every evaluation metric (fixed prompts and noise: the held-out reward,
-        the task's metric, the guard scorers) to reward_curve.png, marking the best evaluation (by ``select_by``)."""
+        the task's metric, the alarm scorers) to reward_curve.png, marking the best evaluation (by ``select_by``)."""
         if not self.enabled:
             return
         import matplotlib

@@ -230,9 +230,9 @@ class Run:
 def _kept(trainer: Trainer, ema: bool) -> str:
     """What a finished run leaves: its final weights, and its best ones where an evaluation beat the start."""
     best = (
-        f"best/: the best evaluation's, epoch {trainer.guard.best_epoch}"
+        f"best/: the best evaluation's, epoch {trainer.scoreboard.best_epoch}"
         if trainer.best_dir.is_dir()
-        else f"no best/: no evaluation of this run beat epoch {trainer.guard.best_epoch}, whose weights it "
+        else f"no best/: no evaluation of this run beat epoch {trainer.scoreboard.best_epoch}, whose weights it "
         "continued without"
     )
     return f"final/: the last {'EMA' if ema else 'trained'} weights, as evaluated; {best}"
@@ -309,7 +309,7 @@ def _wait_for_local_pool(pool: LocalRewardPool) -> None:
         if exc.exit_status != EXIT_MODEL_FILES_MISSING:
             raise
         raise RewardPoolError(
-            "a scorer of reward.weights or eval.guard_scorers needs model files: set "
+            "a scorer of reward.weights or eval.alarm_scorers needs model files: set "
             "reward.model_dir to the folder that holds them (the replicas' --model-dir). "
             f"{exc}"
         ) from None
@@ -321,7 +321,7 @@ def _launch_local_pool(config: Config, log_dir: Path, stack: contextlib.ExitStac
     env = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_TOKEN"}
     if (token := reward_token(config.reward)) is not None:  # the one the client sends, whatever the shell exports
         env["REWARD_SERVER_TOKEN"] = token
-    scorers = sorted({*config.reward.weights, *config.eval.guard_scorers})
+    scorers = sorted({*config.reward.weights, *config.eval.alarm_scorers})
     model_dir = ["--model-dir", str(Path(config.reward.model_dir).absolute())] if config.reward.model_dir else []
     pool = LocalRewardPool(scorers, replicas=config.reward.replicas, log_dir=log_dir, env=env, extra_args=model_dir)
     stack.callback(pool.stop)

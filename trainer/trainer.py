@@ -26,7 +26,6 @@ from trainer.distributed import ParallelBackend, weights_rank_spread
 from trainer.ema import EMA
 from trainer.epoch import EpochClock, EpochRewards, log_rollout_samples, rollout_metrics
 from trainer.evaluation import Evaluation, RolloutBreakdown
-from trainer.guard import Guard
 from trainer.health import RewardFailure, scored_or_unscored
 from trainer.judging import Judge
 from trainer.launch import finishing
@@ -37,6 +36,7 @@ from trainer.models.compiling import CompileMonitor, compile_for_run
 from trainer.models.stores import require_stored_prompts
 from trainer.resume import changed_settings
 from trainer.rollout import Rollout, check_sampler, rollout, rollout_bounds, window_mask
+from trainer.scoreboard import Scoreboard
 from trainer.state import Stateful
 from trainer.stopping import StopRequests
 from trainer.updates import optimizer_steps
@@ -53,16 +53,16 @@ class Trainer:
         reward_client: RewardClient,
         backend: ParallelBackend,
         logger: RunLogger,
-        guard_client: RewardClient | None = None,
+        eval_client: RewardClient | None = None,
         eval_task: Task | None = None,
     ):
-        """``guard_client`` scores the evaluation (the reward's scorers and eval.guard_scorers at weight 0);
+        """``eval_client`` scores the evaluation (the reward's scorers and eval.alarm_scorers at weight 0);
         ``eval_task`` holds its items (default: ``task``'s held-out ones)."""
         build(Config, to_dict(config), "")  # a config made in Python is checked (types, ranges) as a file's is
         self.config, self.adapter, self.algorithm, self.warmup, self.task = config, adapter, algorithm, warmup, task
         self.reward_client = reward_client
         self.evaluation = Evaluation(
-            config.eval, eval_task or task, adapter, backend, logger, guard_client or reward_client
+            config.eval, eval_task or task, adapter, backend, logger, eval_client or reward_client
         )
         self.backend, self.logger = backend, logger
         self.rollout_breakdown = RolloutBreakdown(task, config.eval.breakdown, backend)
@@ -94,9 +94,9 @@ class Trainer:
         self.progress = Progress()
         self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", train.keep_checkpoints, self.is_main, train)
         select_by = self.evaluation.metric_to_select(train.select_by, config.reward.weights, task.metric_names)
-        self.guard = Guard(select_by, train.early_stop, config.eval.alarm_window, config.eval.alarm_margin)
+        self.scoreboard = Scoreboard(select_by, train.early_stop, config.eval.alarm_window, config.eval.alarm_margin)
         self.best_dir = logger.run_dir / "best"
-        self.judge = Judge(self.guard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
+        self.judge = Judge(self.scoreboard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.rank
         # the signals, entered around fit() by build; a first Ctrl-C says what the run finishes before it stops
@@ -208,7 +208,7 @@ class Trainer:
             with self._kept_on_reward_failure(eval_due=True):
                 self._evaluate_epoch(first)
         for epoch in self.display.steps(range(first, epochs), "RL", "epoch", "RL epoch"):
-            if self.guard.stopped:  # a resumed run that had stopped
+            if self.scoreboard.stopped:  # a resumed run that had stopped
                 break
             if epoch == first:  # a signal during the evaluations before the loop
                 self._stop_if_asked()
@@ -244,18 +244,18 @@ class Trainer:
             with self._kept_on_reward_failure():
                 after = self.evaluate(done, "samples_after")
         self._print(f"[eval] after RL: {eval_line(after)}")
-        if self.guard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
+        if self.scoreboard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self.judge(done, after, self.progress)
         spread = weights_rank_spread(self.backend, self.adapter.trainable.parameters())
-        best = {"best_epoch": self.guard.best_epoch, "best_value": self.guard.best_value}
+        best = {"best_epoch": self.scoreboard.best_epoch, "best_value": self.scoreboard.best_value}
         self.logger.log(done, "final", {**after, "weights_rank_spread": spread, **best})
-        self.logger.reward_curve(self.guard.best_epoch, self.guard.select_by)
+        self.logger.reward_curve(self.scoreboard.best_epoch, self.scoreboard.select_by)
         ema = self.ema is not None and self.config.eval.use_ema
-        self._print(self.guard.report(self.best_dir if self.judge.has_best() else None, "--ema " if ema else ""))
+        self._print(self.scoreboard.report(self.best_dir if self.judge.has_best() else None, "--ema " if ema else ""))
         return after
 
     def _evaluate_epoch(self, epoch: int) -> bool:
-        """The periodic evaluation after RL epoch ``epoch``, judged by the guard; True: stop the run."""
+        """The periodic evaluation after RL epoch ``epoch``, judged by the scoreboard; True: stop the run."""
         self.progress.eval_due = False
         evaluation = self.evaluate(epoch, None)
         self._print(f"[eval] epoch {epoch}: {eval_line(evaluation)}")
@@ -285,7 +285,7 @@ class Trainer:
 
     def _stateful(self) -> list[Stateful]:
         """The components that keep their own state in checkpoints (besides weights, optimizer, progress)."""
-        return [self.ctx, self.algorithm, self.guard, *([self.ema] if self.ema is not None else [])]
+        return [self.ctx, self.algorithm, self.scoreboard, *([self.ema] if self.ema is not None else [])]
 
     def save_checkpoint(self) -> None:
         states = {}
@@ -308,7 +308,7 @@ class Trainer:
             self._new_reference()
         for component in self._stateful():
             component.load_checkpoint_state(states, path)
-        if self.is_main:  # another run's checkpoint: its best/, where it is the one the guard now names best
+        if self.is_main:  # another run's checkpoint: its best/, where it is the one the scoreboard now names best
             self.judge.carry_from(path)
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
         self._print(

@@ -71,7 +71,7 @@ def test_every_algorithm_is_covered():
 
 
 # The clipped ones take two optimizer steps per rollout batch: with one, the ratio is 1 and its statistics are
-# not shown (tests/unit/test_guard.py).
+# not shown (tests/unit/test_scoreboard.py).
 OFF_POLICY = {
     name: ("algorithm.steps_per_epoch=2",) for name in ("grpo", "ppo", "ppo_critic", "grpo_guard", "mixgrpo", "awm")
 }

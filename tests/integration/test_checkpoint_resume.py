@@ -320,8 +320,8 @@ def test_a_named_checkpoint_that_cannot_be_loaded_is_refused_naming_the_one_befo
 
 
 def test_a_run_continuing_another_runs_checkpoint_takes_its_best_weights(tmp_path, tiny_model_dir, capsys):
-    """It kept the other run's guard state (best: before RL) but had no best/: the closing line named a folder and an
-    export command that did not exist, and a roll-back would have had nothing to load."""
+    """It kept the other run's scoreboard state (best: before RL) but had no best/: the closing line named a folder
+    and an export command that did not exist, and a roll-back would have had nothing to load."""
     from warm_start import tiny_trainer
 
     first = tiny_trainer(tmp_path / "first", tiny_model_dir, *SHORT, "train.epochs=1", "train.checkpoint_every=1")
@@ -335,4 +335,4 @@ def test_a_run_continuing_another_runs_checkpoint_takes_its_best_weights(tmp_pat
     again.fit()
     again.logger.close()
     best = json.loads((tmp_path / "again" / "best" / "meta.json").read_text())
-    assert best["epoch"] == again.guard.best_epoch  # whichever evaluation won, best/ holds it
+    assert best["epoch"] == again.scoreboard.best_epoch  # whichever evaluation won, best/ holds it

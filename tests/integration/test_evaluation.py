@@ -58,10 +58,10 @@ def test_an_evaluation_file_is_sampled_and_rl_trains_on_every_training_prompt(tm
         "eval.samples_per_prompt=1",
         "eval.num_steps=1",
         "eval.every=1",
-        "eval.guard_scorers=[colorfulness]",
+        "eval.alarm_scorers=[colorfulness]",
         "logging.progress=false",
         reward="brightness",
-    )  # the guard: the evaluation has a client of its own
+    )  # the alarm scorer: the evaluation has a client of its own
     scored, trained, grids = [], [], []
     score, submit, grid = (
         trainer.evaluation.reward_client.score,

@@ -67,15 +67,15 @@ def test_the_job_writes_its_outputs(tmp_path):
             "eval.every=0",
             "eval.samples_per_prompt=1",
             "eval.num_steps=2",
-            "eval.guard_scorers=[brightness]",
+            "eval.alarm_scorers=[brightness]",
         ],
         tmp_path,
         timeout=600,
         cwd=tmp_path,
     )
     records = _check_outputs(run, tmp_path / "toy", epochs=2)
-    # the guard scorer is served by the job's own replicas and scored on the evaluation's images; best/ is there
-    assert all(0 < r["guard/brightness"] < 1 for r in records if r["phase"] == "eval")
+    # the alarm scorer is served by the job's own replicas and scored on the evaluation's images; best/ is there
+    assert all(0 < r["alarm/brightness"] < 1 for r in records if r["phase"] == "eval")
     assert (tmp_path / "toy" / "best" / "trainable.safetensors").is_file() and "best: " in run.stdout
     for notice in (
         "requires torchvision",

@@ -283,19 +283,19 @@ def test_an_evaluation_answered_without_a_single_reward_stops_the_run_with_a_che
     assert Progress.load(checkpoint) == Progress(2, 0, False) and not (tmp_path / "run" / "best").exists()
 
 
-def test_an_evaluation_is_judged_while_some_rewards_and_every_guard_scorer_came():
+def test_an_evaluation_is_judged_while_some_rewards_and_every_alarm_scorer_came():
     from shared.rewards import RewardResult
     from trainer.evaluation import unscored_evaluation
 
-    def result(combined, guard) -> RewardResult:
-        errors = {"ocr": {i: "TIMEOUT: deadline passed" for i, v in enumerate(guard) if np.isnan(v)}}
-        return RewardResult({"digit": np.array(combined), "ocr": np.array(guard)}, np.array(combined), errors, [])
+    def result(combined, alarm) -> RewardResult:
+        errors = {"ocr": {i: "TIMEOUT: deadline passed" for i, v in enumerate(alarm) if np.isnan(v)}}
+        return RewardResult({"digit": np.array(combined), "ocr": np.array(alarm)}, np.array(combined), errors, [])
 
     nan = float("nan")
     assert unscored_evaluation("it", result([0.5, nan], [0.1, nan]), ["ocr"]) is None  # some of each
     assert unscored_evaluation("it", result([nan, nan], [0.1, 0.2]), []).startswith("it: no image got a reward")
     assert (
         unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), ["ocr"])
-        == "it: eval.guard_scorers ocr scored no image (ocr: TIMEOUT: deadline passed)"
+        == "it: eval.alarm_scorers ocr scored no image (ocr: TIMEOUT: deadline passed)"
     )
-    assert unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), []) is None  # ocr guards nothing here
+    assert unscored_evaluation("it", result([0.5, 0.2], [nan, nan]), []) is None  # ocr is no alarm scorer here

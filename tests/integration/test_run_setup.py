@@ -325,19 +325,19 @@ def test_unreachable_or_unsuitable_reward_servers_are_refused_before_anything_is
     line = _fails_fast(tmp_path, capsys, "reward.weights={digt: 1}")  # the job's own servers would not start
     assert "reward.weights names scorer 'digt', which no reward server has (did you mean 'digit'?)" in line
 
-    # Guard scorers too: a server without one used to fail after the warm-up, a local pool with a 35-line traceback.
+    # Alarm scorers too: a server without one used to fail after the warm-up, a local pool with a 35-line traceback.
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "tok")
     line = _fails_fast(
         tmp_path,
         capsys,
         f"reward.urls=[{brightness_server}]",
         "reward.weights={brightness: 1}",
-        "eval.guard_scorers=[colorfulness]",
+        "eval.alarm_scorers=[colorfulness]",
     )
     assert f"reward server {brightness_server} does not serve colorfulness (it serves brightness)" in line
-    assert line.endswith("or take colorfulness out of eval.guard_scorers")
-    line = _fails_fast(tmp_path, capsys, "eval.guard_scorers=[aesthetik]")
-    assert "eval.guard_scorers names scorer 'aesthetik', which no reward server has (did you mean 'aesthetic'?)" in line
+    assert line.endswith("or take colorfulness out of eval.alarm_scorers")
+    line = _fails_fast(tmp_path, capsys, "eval.alarm_scorers=[aesthetik]")
+    assert "eval.alarm_scorers names scorer 'aesthetik', which no reward server has (did you mean 'aesthetic'?)" in line
 
 
 def test_requests_beyond_a_servers_limits_are_refused_before_anything_is_built(
@@ -591,7 +591,7 @@ def test_a_reward_replica_that_cannot_start_ends_the_job_with_its_reason_not_a_t
     )
     err = capsys.readouterr().err
     assert (
-        "\nerror: a scorer of reward.weights or eval.guard_scorers needs model files: set reward.model_dir to the "
+        "\nerror: a scorer of reward.weights or eval.alarm_scorers needs model files: set reward.model_dir to the "
         "folder that holds them (the replicas' --model-dir). reward replica 0 (http://127.0.0.1:"
     ) in f"\n{err}"
     assert "aesthetic needs --model-dir" in err and 'trainer/main.py", line' not in err  # the replica's log, no more
@@ -639,7 +639,7 @@ def test_a_task_whose_metrics_read_a_scorer_the_run_does_not_use_is_refused_befo
         tmp_path, capsys, f"reward.urls=[{brightness_server}]", "reward.weights={brightness: 1}", "data.name=words"
     )
     assert line == (
-        "error: the words task's metrics read the ocr scorer: add it to reward.weights or eval.guard_scorers"
+        "error: the words task's metrics read the ocr scorer: add it to reward.weights or eval.alarm_scorers"
     )
 
 

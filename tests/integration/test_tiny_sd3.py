@@ -133,7 +133,7 @@ def test_log_p_old_is_the_training_forward_while_the_weights_are_the_rollouts(ad
                             assert stats["logp_gap"].item() == pytest.approx(offset, abs=1e-6)
                     elif s == 0:  # a second pass over the pairs the first step recorded
                         assert stats["ratio"].item() == 1.0
-                    else:  # only the rollout's values: the offset shows (guard: the means' offset)
+                    else:  # only the rollout's values: the offset shows (grpo_guard: the means' offset)
                         assert abs(stats["ratio"].item() - 1.0) > 1e-4 and "logp_gap" not in stats
 
 

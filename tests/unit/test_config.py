@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import logging
 import math
 import re
 import typing
@@ -437,3 +438,21 @@ def test_an_empty_config_file_is_refused_rather_than_running_the_embedded_job(tm
     path.write_text(text)
     with pytest.raises(ConfigError, match="mine.yaml: the file is empty .*leave --config off"):
         load_config(str(path))
+
+
+def test_a_renamed_key_of_an_old_config_is_read_as_its_new_name_with_a_warning(tmp_path, caplog):
+    """eval.guard_scorers became eval.alarm_scorers, and its metrics guard/<scorer> alarm/<scorer> (2026-12)."""
+    old = tmp_path / "old.yaml"
+    old.write_text("eval:\n  guard_scorers: [aesthetic]\ntrain:\n  select_by: guard/aesthetic\n")
+    with caplog.at_level(logging.WARNING):
+        config = load_config([str(old)])
+        assert load_config(overrides=["eval.guard_scorers=[brightness]"]).eval.alarm_scorers == ["brightness"]
+    assert config.eval.alarm_scorers == ["aesthetic"] and config.train.select_by == "alarm/aesthetic"
+    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert warnings[:2] == [
+        "warning: train.select_by=guard/aesthetic is deprecated and read as alarm/aesthetic: rename it so",
+        "warning: eval.guard_scorers is deprecated and read as eval.alarm_scorers: rename it so",
+    ]
+    with pytest.raises(ConfigError, match=r"^eval.guard_scorers is the old name of eval.alarm_scorers: give only "):
+        load_config([str(old)], ["eval.alarm_scorers=[brightness]"])
+    assert "guard_scorers" not in yaml.safe_load(yaml.safe_dump(saved_dict(config)))["eval"]  # saved: the new name

@@ -1,6 +1,6 @@
 """The vocabulary config dataclasses are written in: range-checked numeric types (``PositiveInt``,
 ``Probability``, ...), the ``Selected`` marker of sections chosen by name, ``LocalPath`` for files and folders a
-run reads, and ``ConfigError``.
+run reads, ``ConfigError``, and ``renamed`` for a key that has a new name.
 
 Algorithm, model and sampler configs import only this module; ``trainer.config.building`` reads the markers.
 """
@@ -9,15 +9,31 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated
 
+logger = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
     """A config file, override or value that cannot be used; the message names the field and the fix."""
+
+
+def renamed(raw: Mapping, section: str, old: str, new: str, default: object) -> Mapping:
+    """``raw`` (a section's keys) with the retired key ``old`` read as ``new``, with a one-line warning naming the new
+    key: old configs keep working. Both given (``new`` other than its ``default``) is a ConfigError."""
+    if old not in raw:
+        return raw
+    raw = dict(raw)
+    value = raw.pop(old)
+    if raw.get(new, default) not in (default, value):
+        raise ConfigError(f"{section}.{old} is the old name of {section}.{new}: give only {section}.{new}")
+    logger.warning("warning: %s.%s is deprecated and read as %s.%s: rename it so", section, old, section, new)
+    return {**raw, new: value}
 
 
 def did_you_mean(name: object, names: Iterable[str]) -> str:

@@ -5,6 +5,7 @@ supervised warm-up, then GRPO against the ``digit`` reward served by local repli
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -24,7 +25,10 @@ from trainer.config.fields import (
     Seed,
     Selected,
     did_you_mean,
+    renamed,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _models() -> dict[str, type]:
@@ -219,17 +223,27 @@ class TrainConfig:
     select_by: str = ""
     """The evaluation metric (maximised) whose best evaluation keeps its weights, EMA included, in <run>/best/:
     "" is the task's own metric where it has one (digits: digit_accuracy), else reward_mean (the reward on
-    the held-out samples); guard/<scorer> names an eval.guard_scorers one."""
+    the held-out samples); alarm/<scorer> names an eval.alarm_scorers one."""
     early_stop: NonNegativeInt = 0
     """Stop after this many evaluations (eval.every) without a new best train.select_by; 0: never."""
     warmup_after_init: bool = False
     """Run the supervised warm-up after ``init_from`` too; by default its weights are taken as warmed up."""
 
+    @classmethod
+    def migrate(cls, raw: dict) -> dict:
+        """``train.select_by=guard/<scorer>`` (before 2026-12) is read as ``alarm/<scorer>``, with a warning."""
+        select_by = raw.get("select_by")
+        if not (isinstance(select_by, str) and select_by.startswith("guard/")):
+            return raw
+        new = "alarm/" + select_by.removeprefix("guard/")
+        logger.warning("warning: train.select_by=%s is deprecated and read as %s: rename it so", select_by, new)
+        return {**raw, "select_by": new}
+
 
 @dataclass
 class EvalConfig:
     """Fixed-seed evaluation before and after training (and every ``every`` epochs), on prompts RL does not
-    sample where the task has others to train on, with guard metrics beside the reward (trainer/guard.py)."""
+    sample where the task has others to train on, with alarm metrics beside the reward (trainer/scoreboard.py)."""
 
     path: LocalPath = ""
     """A file (or folder) of evaluation items in data.name's format, e.g. a test split of prompts; RL then samples
@@ -262,17 +276,22 @@ class EvalConfig:
     by_<field>/<scorer>/<value>, with the unweighted mean over the values as by_<field>/<scorer>/mean: for
     GenEval's ``tag`` (counting, colors, position, ...) that mean is GenEval's overall score, and train.select_by
     may name it. Items without the field are left out of it; empty: no breakdown."""
-    guard_scorers: list[str] = field(default_factory=list)
-    """Served scorers also scored on the evaluation's samples, logged as guard/<name> beside the reward (e.g.
+    alarm_scorers: list[str] = field(default_factory=list)
+    """Served scorers also scored on the evaluation's samples, logged as alarm/<name> beside the reward (e.g.
     aesthetic next to a PickScore reward): independent checks for the hacking alarm and train.select_by."""
     alarm_window: PositiveInt = 2
     """The reward-hacking alarm compares each evaluation with the one this many evaluations before it."""
     alarm_margin: NonNegativeFloat = 0.1
-    """The alarm fires when the held-out reward rose over the window while a guard metric (the task's own,
-    guard/<scorer>) fell by more than this."""
+    """The alarm fires when the held-out reward rose over the window while an alarm metric (the task's own,
+    alarm/<scorer>) fell by more than this."""
     on_alarm: Literal["warn", "stop", "rollback"] = "warn"
     """What an alarm does besides being printed and logged: nothing more, stop the run, or restore the best
     weights (and EMA, with fresh optimizer moments) and go on."""
+
+    @classmethod
+    def migrate(cls, raw: dict) -> dict:
+        """``eval.guard_scorers`` (before 2026-12) is read as ``eval.alarm_scorers``, with a warning."""
+        return renamed(raw, "eval", "guard_scorers", "alarm_scorers", [])
 
 
 @dataclass

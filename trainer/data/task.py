@@ -34,7 +34,8 @@ class Task(Protocol):
     metric_names: tuple[str, ...]
     """The names ``metrics`` returns (the task's own metrics; empty: none), known before any image is made."""
     metric_scorers: tuple[str, ...]
-    """Served scorers whose scores ``metrics`` reads: a run must score with them (reward or guard)."""
+    """Served scorers whose scores ``metrics`` reads: a run must score with them (reward.weights or
+    eval.alarm_scorers)."""
     holds_out: bool
     """Whether RL leaves the evaluation's prompts out (files of prompts); False where the prompts are the task's
     classes (digits, words), which RL must all train."""

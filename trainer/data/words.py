@@ -125,7 +125,7 @@ class WordsTask:
 
     def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict[str, np.ndarray]) -> dict[str, float]:
         """Exact-match share (an ``ocr`` score of 1: PP-OCR read the word; a failed score is a miss) and mean
-        of the ``ocr`` scores; NaN when nothing scored with ``ocr`` (put it in reward.weights or eval.guard_scorers)."""
+        of the ``ocr`` scores; NaN when nothing scored with ``ocr`` (put it in reward.weights or eval.alarm_scorers)."""
         ocr = np.asarray(scores.get("ocr", []), dtype=np.float64)
         if not len(ocr):
             return {name: float("nan") for name in self.metric_names}

@@ -1,5 +1,5 @@
 """The pre-flight check of a run's reward servers, before anything is built or warmed up: every configured URL
-answers ``/info``, serves every weighted and guard scorer and takes the run's requests within its limits (a job's
+answers ``/info``, serves every weighted and alarm scorer and takes the run's requests within its limits (a job's
 own local pool: every scorer is one a reward server has; its limits are checked once it is up, still before the
 warm-up). A problem is one line naming the URL, what is missing and the setting or command that fixes it."""
 

@@ -1,4 +1,4 @@
-"""The guard in real (tiny) runs: best/ holds exactly the weights its evaluation sampled with, early stop stops
+"""The scoreboard in real (tiny) runs: best/ holds exactly the weights its evaluation sampled with, early stop stops
 and stays stopped on resume, and the hacking alarm fires on a reward that the task's metric contradicts."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
         "train.epochs=2",
         "train.select_by=reward_mean",
         "train.ema_decay=0.5",
-        "eval.guard_scorers=[brightness]",
+        "eval.alarm_scorers=[brightness]",
     )
     seen: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     evaluate = trainer.evaluate
@@ -68,7 +68,7 @@ def test_best_holds_the_weights_its_evaluation_sampled_with(tmp_path, tiny_model
     trainer.logger.close()
     evals = _records(tmp_path, "eval")
     assert [r["step"] for r in evals] == [0, 1, 2]
-    assert all(0 < r["guard/brightness"] < 1 for r in evals)  # a guard scorer, scored on the same images
+    assert all(0 < r["alarm/brightness"] < 1 for r in evals)  # an alarm scorer, scored on the same images
     best = max(evals, key=lambda r: r["reward_mean"])  # the first of equal ones
     meta = json.loads((tmp_path / "best" / "meta.json").read_text())
     assert (meta["epoch"], meta["value"], meta["evaluated"]) == (best["step"], best["reward_mean"], "ema")
@@ -99,14 +99,14 @@ def test_a_select_by_the_evaluation_does_not_log_is_refused_before_training(tmp_
     with pytest.raises(
         ValueError,
         match="train.select_by='aesthetic' is not a metric this run's evaluation logs; "
-        "choose one of: digit_accuracy, reward_mean, guard/brightness",
+        "choose one of: digit_accuracy, reward_mean, alarm/brightness",
     ):
-        _trainer(tmp_path, tiny_model_dir, "train.select_by=aesthetic", "eval.guard_scorers=[brightness]")
+        _trainer(tmp_path, tiny_model_dir, "train.select_by=aesthetic", "eval.alarm_scorers=[brightness]")
 
 
 def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, capsys):
     """With learning rate 0 every evaluation equals the first: two without improvement stop the run at epoch 2
-    of 6; resuming its last checkpoint restores the guard, which trains no further epoch."""
+    of 6; resuming its last checkpoint restores the scoreboard, which trains no further epoch."""
     args = ("train.epochs=6", "train.learning_rate=0", "train.early_stop=2", "train.ema_decay=0")
     trainer = _trainer(tmp_path / "run", tiny_model_dir, *args)
     trainer.fit()
@@ -122,7 +122,7 @@ def test_early_stop_stops_and_a_resume_stays_stopped(tmp_path, tiny_model_dir, c
     assert grids[0].read_bytes() == grids[1].read_bytes()
     resumed = _trainer(tmp_path / "resumed", tiny_model_dir, *args)
     resumed.resume(trainer.checkpoints.latest())
-    assert vars(resumed.guard) == vars(trainer.guard)  # the tracker: history, best, counters, stopped
+    assert vars(resumed.scoreboard) == vars(trainer.scoreboard)  # the tracker: history, best, counters, stopped
     resumed.fit()
     resumed.logger.close()
     assert resumed.progress.epochs_done == 2 and not _records(tmp_path / "resumed", "rl")
@@ -193,7 +193,7 @@ def test_the_alarm_fires_on_a_hacked_reward_and_not_on_the_task_reward(
         trainer.logger.close()
     assert not _records(tmp_path / "normal", "alarm")
     (alarm,) = _records(tmp_path / "hacked", "alarm")
-    assert alarm["metric"] == "digit_accuracy" and alarm["guard_then"] - alarm["guard_now"] > 0.1
+    assert alarm["metric"] == "digit_accuracy" and alarm["metric_then"] - alarm["metric_now"] > 0.1
     assert alarm["reward_now"] > alarm["reward_then"]
     assert alarm["alert"].startswith(f"reward-hacking alarm at epoch {alarm['step']}: ")  # what W&B sends on
     evals = _records(tmp_path / "hacked", "eval")
@@ -218,7 +218,7 @@ def test_a_run_continuing_a_checkpoint_whose_best_weights_are_gone_says_so_and_c
     tmp_path, tiny_model_dir, capsys
 ):
     """The first run went on from its epoch-1 checkpoint to a better epoch 2, so its best/ no longer holds the epoch-1
-    weights that checkpoint's guard names best. A run continuing that checkpoint had no best/, yet its closing
+    weights that checkpoint's scoreboard names best. A run continuing that checkpoint had no best/, yet its closing
     line named one, and a rollback would have failed loading it."""
     first = _trainer(tmp_path / "first", tiny_model_dir, "train.epochs=2", "train.ema_decay=0")
     _scripted(first, {0: (0.1, 0.5), 1: (0.2, 0.9), 2: (0.3, 0.95)})

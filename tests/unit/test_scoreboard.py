@@ -1,4 +1,4 @@
-"""The guard's decisions on hand-made evaluation series: the hacking alarm, the best evaluation, early stop, and
+"""The scoreboard's decisions on hand-made evaluation series: the hacking alarm, the best evaluation, early stop, and
 its checkpoint state; and the held-out split and the progress line's statistics it goes with."""
 
 from __future__ import annotations
@@ -10,20 +10,20 @@ import pytest
 from trainer.algorithms import build_algorithm
 from trainer.config import load_config
 from trainer.data import DigitsTask, PromptFileTask, build_tasks, training_items
-from trainer.guard import REWARD, Guard, hacking_alarm
+from trainer.scoreboard import REWARD, Scoreboard, hacking_alarm
 
 
-def test_alarm_fires_when_the_reward_rises_while_a_guard_falls_past_the_margin():
+def test_alarm_fires_when_the_reward_rises_while_an_alarm_metric_falls_past_the_margin():
     epochs = [0, 5, 10, 15]
     history = {
         REWARD: [0.50, 0.70, 0.80, 0.90],
         "digit_accuracy": [0.80, 0.90, 0.85, 0.75],
-        "guard/aesthetic": [5.0, 5.0, 5.0, 5.0],
+        "alarm/aesthetic": [5.0, 5.0, 5.0, 5.0],
     }
     alarm = hacking_alarm(epochs, history, window=2, margin=0.1)
     # compared with epoch 5: reward 0.70 -> 0.90, accuracy 0.90 -> 0.75 (a fall of 0.15 > 0.1)
     assert alarm is not None and (alarm.epoch, alarm.since, alarm.metric) == (15, 5, "digit_accuracy")
-    assert (alarm.reward_then, alarm.reward_now, alarm.guard_then, alarm.guard_now) == (0.70, 0.90, 0.90, 0.75)
+    assert (alarm.reward_then, alarm.reward_now, alarm.metric_then, alarm.metric_now) == (0.70, 0.90, 0.90, 0.75)
     assert "0.700 -> 0.900" in alarm.message() and "digit_accuracy fell 0.900 -> 0.750" in alarm.message()
     assert hacking_alarm(epochs, history, window=2, margin=0.2) is None  # a fall of 0.15 is within 0.2
     assert hacking_alarm(epochs, history, window=1, margin=0.05) is not None  # 0.85 -> 0.75 over one
@@ -37,15 +37,15 @@ def test_no_alarm_when_the_reward_does_not_rise():
     assert hacking_alarm([0, 1, 2], history, window=2, margin=0.1) is None
 
 
-def _observe(guard: Guard, series: list[tuple[float, float]]) -> list:
-    return [guard.observe(5 * i, {REWARD: r, "digit_accuracy": a}) for i, (r, a) in enumerate(series)]
+def _observe(board: Scoreboard, series: list[tuple[float, float]]) -> list:
+    return [board.observe(5 * i, {REWARD: r, "digit_accuracy": a}) for i, (r, a) in enumerate(series)]
 
 
-def test_guard_keeps_the_best_stops_early_and_raises_an_alarm_once():
-    guard = Guard("digit_accuracy", early_stop=2, alarm_window=1, alarm_margin=0.05)
-    verdicts = _observe(guard, [(0.5, 0.80), (0.6, 0.95), (0.7, 0.85), (0.8, 0.80), (0.9, 0.70)])
+def test_scoreboard_keeps_the_best_stops_early_and_raises_an_alarm_once():
+    board = Scoreboard("digit_accuracy", early_stop=2, alarm_window=1, alarm_margin=0.05)
+    verdicts = _observe(board, [(0.5, 0.80), (0.6, 0.95), (0.7, 0.85), (0.8, 0.80), (0.9, 0.70)])
     assert [v.improved for v in verdicts] == [True, True, False, False, False]
-    assert (guard.best_epoch, guard.best_value) == (5, 0.95)
+    assert (board.best_epoch, board.best_value) == (5, 0.95)
     # alarms: 0.95 -> 0.85 at epoch 10 (raised), later falls are the same episode (no new best since)
     assert [v.alarm is not None for v in verdicts] == [False, False, True, False, False]
     assert [bool(v.stop) for v in verdicts] == [False, False, False, True, True]
@@ -54,32 +54,43 @@ def test_guard_keeps_the_best_stops_early_and_raises_an_alarm_once():
 
 def test_the_best_line_names_an_export_command_that_pastes_as_it_is():
     """A run folder with a space broke the printed export command on paste (the continue line was quoted)."""
-    guard = Guard("digit_accuracy", early_stop=0, alarm_window=1, alarm_margin=0.05)
-    _observe(guard, [(0.5, 0.80)])
-    line = guard.report("/runs/my run/best", "--ema ")
+    board = Scoreboard("digit_accuracy", early_stop=0, alarm_window=1, alarm_margin=0.05)
+    _observe(board, [(0.5, 0.80)])
+    line = board.report("/runs/my run/best", "--ema ")
     assert line.endswith("(export: python -m trainer.export --checkpoint '/runs/my run/best' --ema --out DIR)"), line
 
 
-def test_guard_state_round_trips_and_judges_the_same_afterwards():
+def test_scoreboard_state_round_trips_and_judges_the_same_afterwards():
     series = [(0.5, 0.80), (0.6, 0.95), (0.7, 0.85)]
-    guard = Guard("digit_accuracy", early_stop=3, alarm_window=2, alarm_margin=0.05)
-    _observe(guard, series)
-    guard.stopped = True
-    saved = {name: state.tensors for name, state in guard.checkpoint_state().items()}
-    restored = Guard("digit_accuracy", early_stop=3, alarm_window=2, alarm_margin=0.05)
+    board = Scoreboard("digit_accuracy", early_stop=3, alarm_window=2, alarm_margin=0.05)
+    _observe(board, series)
+    board.stopped = True
+    saved = {name: state.tensors for name, state in board.checkpoint_state().items()}
+    restored = Scoreboard("digit_accuracy", early_stop=3, alarm_window=2, alarm_margin=0.05)
     restored.load_checkpoint_state(saved, "test")
-    assert vars(restored) == vars(guard)
+    assert vars(restored) == vars(board)
     more = {REWARD: 0.9, "digit_accuracy": 0.80}
-    assert restored.observe(15, dict(more)) == guard.observe(15, dict(more))
+    assert restored.observe(15, dict(more)) == board.observe(15, dict(more))
 
 
-def test_guard_refuses_a_select_by_the_evaluation_does_not_log():
+def test_a_checkpoint_from_before_the_rename_restores_the_scoreboard():
+    """Checkpoints before 2026-12 kept it as "guard", its scorers' means as guard/<scorer>."""
+    board = Scoreboard("alarm/aesthetic", early_stop=3, alarm_window=2, alarm_margin=0.05)
+    board.observe(0, {REWARD: 0.5, "alarm/aesthetic": 5.0})
+    (state,) = board.checkpoint_state().values()
+    old = {"guard": {key.replace("alarm/", "guard/"): value for key, value in state.tensors.items()}}
+    restored = Scoreboard("alarm/aesthetic", early_stop=3, alarm_window=2, alarm_margin=0.05)
+    restored.load_checkpoint_state(old, "test")
+    assert vars(restored) == vars(board) and restored.history["alarm/aesthetic"] == [5.0]
+
+
+def test_scoreboard_refuses_a_select_by_the_evaluation_does_not_log():
     with pytest.raises(
         ValueError,
         match="train.select_by='aesthetic' is not an evaluation metric; the evaluation "
         "logs: digit_accuracy, reward_mean",
     ):
-        Guard("aesthetic", 0, 2, 0.1).observe(0, {REWARD: 0.5, "digit_accuracy": 0.9})
+        Scoreboard("aesthetic", 0, 2, 0.1).observe(0, {REWARD: 0.5, "digit_accuracy": 0.9})
 
 
 def test_evaluation_prompts_are_held_out_of_training(tmp_path):

@@ -1,11 +1,12 @@
-"""The guard over a run's evaluations: which one was best (``train.select_by``, kept in ``<run>/best/``), when
-to stop early (``train.early_stop``), and the reward-hacking alarm (the held-out reward rises while a guard
+"""The scoreboard of a run's evaluations: which one was best (``train.select_by``, kept in ``<run>/best/``), when
+to stop early (``train.early_stop``), and the reward-hacking alarm (the held-out reward rises while an alarm
 metric falls). It keeps its own checkpoint state (``trainer.state.Stateful``), so a resumed run judges alike.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -19,22 +20,22 @@ REWARD = "reward_mean"
 
 @dataclass(frozen=True)
 class Alarm:
-    """The reward rose from ``reward_then`` to ``reward_now`` while guard ``metric`` fell from ``guard_then`` to
-    ``guard_now`` between evaluations at epochs ``since`` and ``epoch``."""
+    """The reward rose from ``reward_then`` to ``reward_now`` while alarm metric ``metric`` fell from ``metric_then`` to
+    ``metric_now`` between evaluations at epochs ``since`` and ``epoch``."""
 
     epoch: int
     since: int
     metric: str
     reward_then: float
     reward_now: float
-    guard_then: float
-    guard_now: float
+    metric_then: float
+    metric_now: float
 
     def message(self) -> str:
         return (
             f"reward-hacking alarm at epoch {self.epoch}: the held-out {REWARD} rose {self.reward_then:.3f} -> "
-            f"{self.reward_now:.3f} since epoch {self.since} while {self.metric} fell {self.guard_then:.3f} -> "
-            f"{self.guard_now:.3f}"
+            f"{self.reward_now:.3f} since epoch {self.since} while {self.metric} fell {self.metric_then:.3f} -> "
+            f"{self.metric_now:.3f}"
         )
 
     def numbers(self) -> dict[str, float]:
@@ -42,15 +43,15 @@ class Alarm:
             "since": self.since,
             "reward_then": self.reward_then,
             "reward_now": self.reward_now,
-            "guard_then": self.guard_then,
-            "guard_now": self.guard_now,
+            "metric_then": self.metric_then,
+            "metric_now": self.metric_now,
         }
 
 
 def hacking_alarm(epochs: list[int], history: dict[str, list[float]], window: int, margin: float) -> Alarm | None:
-    """The alarm over the last ``window`` evaluations: with r the held-out reward and g a guard metric (every
+    """The alarm over the last ``window`` evaluations: with r the held-out reward and g an alarm metric (every
     metric but the reward), it fires when r[-1] > r[-1-window] and g[-1-window] - g[-1] > margin (the first
-    guard metric in name order that does); None otherwise or with fewer than window + 1 evaluations."""
+    alarm metric in name order that does); None otherwise or with fewer than window + 1 evaluations."""
     if len(epochs) <= window or REWARD not in history:
         return None
     rewards = history[REWARD]
@@ -73,7 +74,7 @@ class Verdict:
     stop: str
 
 
-class Guard:
+class Scoreboard:
     """Tracks the evaluations of a run (maximising ``select_by``); ``observe`` judges each one."""
 
     def __init__(self, select_by: str, early_stop: int, alarm_window: int, alarm_margin: float):
@@ -143,18 +144,18 @@ class Guard:
         tensors.update(
             {f"metric/{name}": torch.tensor(values, dtype=torch.float64) for name, values in self.history.items()}
         )
-        return {"guard": State(tensors)}
+        return {"scoreboard": State(tensors)}
 
     def load_checkpoint_state(self, saved: dict[str, dict[str, torch.Tensor]], source: object) -> None:
-        if "guard" not in saved:  # a checkpoint from before the guard: judging starts afresh
+        state = saved.get("scoreboard", saved.get("guard"))  # checkpoints before 2026-12: "guard", "guard/<scorer>"
+        if state is None:  # a checkpoint from before the scoreboard: judging starts afresh
             return
-        state = saved["guard"]
         best_epoch, self.best_value, since, alarm_epoch, stopped = state["scalars"].tolist()
         self.best_epoch, self.since_best, self.alarm_epoch = int(best_epoch), int(since), int(alarm_epoch)
         self.stopped = bool(stopped)
         self.epochs = state["epochs"].tolist()
         self.history = {
-            key.removeprefix("metric/"): values.tolist()
+            re.sub(r"^guard/", "alarm/", key.removeprefix("metric/")): values.tolist()
             for key, values in sorted(state.items())
             if key.startswith("metric/")
         }
