@@ -2,7 +2,7 @@
 
 The run is the real thing at toy size: the Trainer's RL epochs (GroupSampler, ``rollout`` with log-probs,
 the in-process reward client, the GRPO algorithm's make_batch / plan / loss, AdamW through the
-single-process backend) on the tiny random model of each adapter (``trainer.models.testing``), fully
+single-process backend) on the tiny random model of each adapter (``tests/tiny_models``), fully
 fine-tuned with a high learning rate; image-conditioned adapters get their inputs from tiny datasets of
 the matching format (inpainting rows, edit rows). Before and after, ``Trainer.evaluate`` samples the same
 prompts from the same noise with the deterministic sampler, and the reward must rise by ``MARGIN``.

@@ -1,8 +1,8 @@
 """Every shipped config (configs/**/*.yaml, presets added later included) builds, samples and runs a job.
 
 Each YAML is loaded through ``load_config`` with overrides that swap in a tiny model of the same adapter
-(``trainer.models.testing.tiny_config``: built once per session) and a tiny dataset in the config's data
-format (``trainer.data.testing.tiny_dataset``); the rest of the file (algorithm, sampler, LoRA, dtype,
+(``tests/tiny_models``: ``tiny_config``, built once per session) and a tiny dataset in the config's data
+format (``tests/tiny_data.py``: ``tiny_dataset``); the rest of the file (algorithm, sampler, LoRA, dtype,
 rewards) is used as written. The adapter, algorithm and task are built with the functions the job uses,
 its trainable weights must be ones its backend can update (float32 unless DeepSpeed keeps master copies),
 and one prompt group (up to ``MAX_GROUP`` samples) is sampled with the config's sampler settings and the
