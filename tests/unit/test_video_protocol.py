@@ -123,3 +123,15 @@ def test_video_scorers_get_whole_clips_and_refuse_images() -> None:
 def test_frame_sampling_refuses_bad_settings(setting: dict) -> None:
     with pytest.raises(ValueError, match="video"):
         FrameSampling(**setting)
+
+
+def test_the_preflight_counts_every_frame() -> None:
+    from shared.protocol import Limits
+    from trainer.rewards.preflight import Requests
+
+    limits = Limits(max_items=256, max_image_side=4096, max_body_bytes=1 << 30, max_pixels_per_request=1 << 27)
+    assert Requests(16, 480, frames=33).beyond("u", limits) is None
+    problem = Requests(32, 480, frames=33).beyond("u", limits)
+    assert "243302400 pixels" in problem and "reward.batch_size=17 or less" in problem
+    frames = Requests(2, 480, frames=33).beyond("u", limits.model_copy(update={"max_frames": 32}))
+    assert "videos of 33 frames" in frames and "--max-frames 33" in frames
