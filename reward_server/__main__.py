@@ -36,6 +36,7 @@ from reward_server.app import create_app
 from reward_server.connections import head_deadline_protocol
 from reward_server.scorers import SCORERS, Scorer, build_scorers
 from reward_server.scorers.base import ModelFilesMissing
+from reward_server.scorers.frames import REDUCTIONS
 from reward_server.service import RewardService
 from reward_server.settings import ServerSettings
 from reward_server.sleep_scorer import SleepScorer
@@ -126,6 +127,19 @@ def _add_request_limits(parser: argparse.ArgumentParser) -> None:
     """What one request, and all requests at once, may hold: items, pixels, body bytes and rate."""
     parser.add_argument("--max-items", type=int, default=_DEFAULTS.max_items)
     parser.add_argument("--max-image-side", type=int, default=_DEFAULTS.max_image_side)
+    parser.add_argument("--max-frames", type=int, default=_DEFAULTS.max_frames, help="frames per video item")
+    parser.add_argument(
+        "--video-frames",
+        type=int,
+        default=_DEFAULTS.video_frames,
+        help="frames an image scorer scores per video item, evenly spaced, first and last included",
+    )
+    parser.add_argument(
+        "--video-reduce",
+        choices=REDUCTIONS,
+        default=_DEFAULTS.video_reduce,
+        help="how an image scorer's frame scores become a video item's score",
+    )
     parser.add_argument(
         "--max-pixels-per-request",
         type=int,
@@ -276,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             token=args.token or None,
             max_items=args.max_items,
             max_image_side=args.max_image_side,
+            max_frames=args.max_frames,
+            video_frames=args.video_frames,
+            video_reduce=args.video_reduce,
             max_pixels_per_request=args.max_pixels_per_request,
             max_pixels_in_flight=args.max_pixels_in_flight,
             max_body_bytes=args.max_body_bytes,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from reward_server.scorers import ScoreOutcome, Scorer, run_scorer
+from reward_server.scorers.frames import FrameSampling
 from shared.protocol import ErrorCode
 
 logger = logging.getLogger("reward_server")
@@ -87,6 +88,7 @@ class ScorerWorker:
         max_queue_items: items queued or in progress at most.
         on_batch: called on the worker thread after each scorer call with the batch size, the seconds
             it took and its outcomes (for metrics).
+        sampling: how an image scorer scores video items (default: :class:`FrameSampling`'s).
     """
 
     def __init__(
@@ -97,8 +99,10 @@ class ScorerWorker:
         batch_wait_s: float,
         max_queue_items: int,
         on_batch: BatchObserver | None = None,
+        sampling: FrameSampling | None = None,
     ) -> None:
         self.scorer = scorer
+        self.sampling = sampling
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_queue_items = max_queue_items
@@ -207,6 +211,7 @@ class ScorerWorker:
                 [job.images[i] for job, i in chunk],
                 [job.prompts[i] for job, i in chunk],
                 [job.metadata[i] for job, i in chunk],
+                self.sampling,
             )
             elapsed = time.monotonic() - now
             if self.on_batch is not None:

@@ -47,9 +47,43 @@ else:  # pyproject installs it there
     from async_timeout import timeout
 
 Decoded = tuple[np.ndarray, dict[str, Any]] | ScoreOutcome
-"""One item after decoding: its image and metadata (with mask and metadata images as arrays), or a failure."""
-Opened = dict[str | None, OpenedImage] | ScoreOutcome
-"""One item after reading its headers: its images by key (None: the scored one), or a failure."""
+"""One item after decoding: its image ([H, W, C]) or video ([F, H, W, C]) and metadata (with mask and metadata images
+as arrays, a video's fps under ``fps``), or a failure."""
+
+
+class OpenedVideo:
+    """A wire video whose frames' headers have been read (all of one size); :meth:`decode` stacks the frames.
+
+    Unlike an image's, a video's faults are the request's (HTTP 422 naming item and frame): a clip is one object the
+    client built, and a frame that does not decode means the clip is not what the client meant to send."""
+
+    def __init__(self, where: str, frames: list[OpenedImage]) -> None:
+        sizes = sorted({(frame.height, frame.width) for frame in frames})
+        if len(sizes) > 1:
+            raise HTTPException(422, f"{where}: a video's frames must all have one size, got (H, W) {sizes[:4]}")
+        self.where, self.frames = where, frames
+        self.height, self.width = sizes[0]
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width * len(self.frames)
+
+    def decode(self) -> np.ndarray:
+        """uint8 [F, H, W, C]."""
+        arrays = []
+        for index, frame in enumerate(self.frames):
+            try:
+                arrays.append(frame.decode())
+            except DecodeError as exc:
+                raise HTTPException(422, f"{self.where}: video frame {index} does not decode: {exc}") from None
+        channels = sorted({array.shape[2] for array in arrays})
+        if len(channels) > 1:
+            raise HTTPException(422, f"{self.where}: a video's frames must all have one channel count, got {channels}")
+        return np.stack(arrays)
+
+
+Opened = dict[str | None, OpenedImage | OpenedVideo] | ScoreOutcome
+"""One item after reading its headers: its images by key (None: the scored image or video), or a failure."""
 
 
 class BodyBytes:
@@ -116,7 +150,7 @@ async def _parse(
 
     def parse() -> ScoreRequest:
         data = body if encoding == "identity" else decompress_body(body, encoding, max_body_bytes)
-        context = {"max_items": settings.max_items}
+        context = {"max_items": settings.max_items, "max_frames": settings.max_frames}
         if binary:
             return BinaryScoreRequest.model_validate(unpack_msgpack(data, settings.max_values), context=context)
         check_json_values(data, settings.max_values)
@@ -187,11 +221,13 @@ def open_items(items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSet
     for index, item in enumerate(items):
         wire = {None: item.image, "mask": item.mask, **item.metadata_images}  # None: the scored image
         try:
-            images = {
+            images: dict[str | None, OpenedImage | OpenedVideo] = {
                 key: open_image(image.format, image.data, image.shape, max_side=settings.max_image_side)
                 for key, image in wire.items()
                 if image is not None
             }
+            if item.video is not None:
+                images[None] = _open_video(item, f"items.{index} (id {item.id!r})", settings.max_image_side)
         except ImageTooLargeError as exc:
             raise HTTPException(422, f"items.{index} (id {item.id!r}): {exc}") from None
         except DecodeError as exc:
@@ -202,11 +238,25 @@ def open_items(items: Sequence[ScoreItem | BinaryScoreItem], settings: ServerSet
     if pixels > settings.max_pixels_per_request:
         raise HTTPException(
             413,
-            f"the request's images, masks and metadata images hold {pixels} pixels (height x width), more "
-            f"than the limit of {settings.max_pixels_per_request} (max_pixels_per_request); send fewer or "
-            "smaller images per request, or raise the server's --max-pixels-per-request",
+            f"the request's images, video frames, masks and metadata images hold {pixels} pixels (height x width), "
+            f"more than the limit of {settings.max_pixels_per_request} (max_pixels_per_request); send fewer or "
+            "smaller images (or videos) per request, or raise the server's --max-pixels-per-request",
         )
     return opened, pixels
+
+
+def _open_video(item: ScoreItem | BinaryScoreItem, where: str, max_side: int) -> OpenedVideo:
+    """The item's video frames' headers read (ImageTooLargeError for an oversized one, a 422 for a corrupt one)."""
+    assert item.video is not None
+    frames = []
+    for number, frame in enumerate(item.video.frames):
+        try:
+            frames.append(open_image(frame.format, frame.data, frame.shape, max_side=max_side))
+        except ImageTooLargeError:
+            raise
+        except DecodeError as exc:
+            raise HTTPException(422, f"{where}: video frame {number} does not decode: {exc}") from None
+    return OpenedVideo(where, frames)
 
 
 def decode_opened(items: Sequence[ScoreItem | BinaryScoreItem], opened: Sequence[Opened]) -> list[Decoded]:
@@ -222,5 +272,7 @@ def decode_opened(items: Sequence[ScoreItem | BinaryScoreItem], opened: Sequence
             decoded.append(ScoreOutcome.failure(ErrorCode.DECODE, str(exc)))
             continue
         image = arrays.pop(None)
+        if item.video is not None:
+            arrays["fps"] = item.video.fps
         decoded.append((image, {**item.metadata, **arrays} if arrays else item.metadata))
     return decoded

@@ -34,6 +34,7 @@ from shared.protocol import (
     ScorerResult,
     ScorerTiming,
     Timing,
+    VideoScoring,
 )
 from shared.wire import supported_encodings
 
@@ -103,9 +104,11 @@ async def info(request: Request) -> InfoResponse:
             max_body_bytes=settings.max_body_bytes,
             max_pixels_per_request=settings.max_pixels_per_request,
             max_values=settings.max_values,
+            max_frames=settings.max_frames,
         ),
         media_types=[JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE],
         encodings=supported_encodings(),
+        video=VideoScoring(frames=settings.video_frames, reduce=settings.video_reduce),
     )
 
 

@@ -54,6 +54,7 @@ class RewardService:
                 batch_wait_s=self.settings.batch_wait_ms / 1000.0,
                 max_queue_items=self.settings.max_queue_items,
                 on_batch=self.metrics.on_batch(name),
+                sampling=self.settings.frame_sampling,
             )
             worker.start()
             self.workers[name] = worker

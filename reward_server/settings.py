@@ -8,6 +8,8 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+from reward_server.scorers.frames import FrameSampling
+
 
 def _default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -21,6 +23,11 @@ class ServerSettings:
         token: if set, ``/score`` and ``/info`` require ``Authorization: Bearer <token>``.
         max_items: items per request; more is a 413.
         max_image_side: longest image side in pixels; more is a 422 (checked before decompressing).
+        max_frames: frames per video item; more is a 413. A video's frames count as images in
+            ``max_pixels_per_request``.
+        video_frames: frames an image scorer scores per video item, evenly spaced, first and last included.
+        video_reduce: how those frames' scores become the item's: ``mean`` or ``min``
+            (:mod:`reward_server.scorers.frames`).
         max_pixels_per_request: height x width summed over a request's images, masks and metadata
             images; more is a 413 (checked from the headers, before decompressing). It bounds the memory
             a request decodes to (3 bytes per RGB pixel), which the body size does not: PNGs compress
@@ -55,6 +62,9 @@ class ServerSettings:
     token: str | None = None
     max_items: int = 256
     max_image_side: int = 4096
+    max_frames: int = 1024
+    video_frames: int = 8
+    video_reduce: str = "mean"
     max_pixels_per_request: int = 128 * 1024 * 1024
     max_pixels_in_flight: int | None = None
     max_body_bytes: int = 256 * 1024 * 1024
@@ -74,6 +84,7 @@ class ServerSettings:
         for name in (
             "max_items",
             "max_image_side",
+            "max_frames",
             "max_pixels_per_request",
             "max_body_bytes",
             "min_body_rate",
@@ -106,5 +117,11 @@ class ServerSettings:
         for name in ("batch_wait_ms", "drain_grace_s"):
             if not 0 <= getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
+        FrameSampling(self.video_frames, self.video_reduce)  # raises on a bad value
         if self.token == "":
             raise ValueError("token must be None or a non-empty string")
+
+    @property
+    def frame_sampling(self) -> FrameSampling:
+        """How image scorers score video items."""
+        return FrameSampling(self.video_frames, self.video_reduce)

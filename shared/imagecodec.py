@@ -4,6 +4,8 @@ numpy and PIL only (no torch). Wire images are dicts shaped like :class:`shared.
 (base64 text, for JSON bodies) or, with ``binary=True``, like :class:`shared.protocol.BinaryImage`
 (bytes, for msgpack bodies), so that the client can build bodies without constructing pydantic models.
 
+A video is its frames, each encoded as an image, and its fps (:func:`encode_video`).
+
 ``png`` and ``raw`` are lossless; ``jpeg`` and ``webp`` are lossy and meant for people and tools, not
 for training. Decoding checks the image size from the header before decompressing it, so an
 oversized image costs nothing.
@@ -76,6 +78,27 @@ def encode_image(array: np.ndarray, format: str = "png", *, quality: int = 95, b
         image.save(buffer, format=_PIL_FORMATS[format][0], quality=quality)
     payload = buffer.getvalue()
     return {"format": format, "data": payload if binary else base64.b64encode(payload).decode("ascii")}
+
+
+DEFAULT_FPS = 16
+"""A video's frame rate when its maker gives none (Wan's)."""
+
+
+def encode_video(
+    frames: np.ndarray, fps: float = DEFAULT_FPS, format: str = "png", *, binary: bool = False
+) -> dict[str, Any]:
+    """Encode a clip, uint8 ``[F, H, W, C]`` (C = 1 or 3), into a wire video dict ``{"fps", "frames"}`` whose frames
+    are :func:`encode_image`'s (``raw`` frames of one contiguous clip are sent without a copy).
+
+    Raises:
+        ValueError: a clip that is not uint8 ``[F, H, W, 1|3]`` with F >= 1, or fps <= 0.
+    """
+    if frames.dtype != np.uint8 or frames.ndim != 4 or len(frames) == 0:
+        raise ValueError(f"videos must be uint8 [F, H, W, C] with F >= 1, got {frames.dtype} {list(frames.shape)}")
+    if not fps > 0:
+        raise ValueError(f"a video's fps must be > 0, got {fps}")
+    frames = np.ascontiguousarray(frames)
+    return {"fps": float(fps), "frames": [encode_image(frame, format, binary=binary) for frame in frames]}
 
 
 def encode_batch(images: np.ndarray | Sequence[np.ndarray], format: str = "png") -> list[dict[str, Any]]:

@@ -14,6 +14,8 @@ Two request bodies carry the same schema:
   format ``raw``, the uint8 pixels in row-major ``[H, W, C]`` order (:class:`BinaryScoreRequest`). The
   trainer's client sends this; its encoding, decoding and compression live in :mod:`shared.wire`.
 
+An item holds an ``image`` or a ``video`` (:class:`EncodedVideo`: its frames, each an image as above, and its fps).
+
 Responses are always JSON.
 """
 
@@ -38,6 +40,7 @@ load failure)."""
 
 ImageFormat = Literal["png", "jpeg", "webp", "raw"]
 MAX_DEADLINE_MS = 24 * 3600 * 1000
+MAX_FPS = 1000.0
 
 
 class ErrorCode(str, Enum):
@@ -102,12 +105,47 @@ def _check_image_shape(format: str, shape: tuple[int, int, int] | None) -> None:
         raise ValueError(f"shape is only allowed with format 'raw', not {format!r}")
 
 
+class EncodedVideo(_Request):
+    """A video clip on the wire: its frames in order, each an image of one size, and its frame rate.
+
+    Lossless by default: the trainer's client sends raw frames in msgpack (compressed by ``Content-Encoding: zstd``
+    where asked), PNG frames in JSON (bench/video_wire.py measured the choices). At most ``max_frames`` frames.
+    """
+
+    fps: float = Field(gt=0, le=MAX_FPS, description="frames per second, > 0")
+    frames: list[EncodedImage] = Field(min_length=1, description="the clip's frames in order, all of one size")
+
+    @field_validator("frames", mode="before")
+    @classmethod
+    def _check_count(cls, frames: Any, info: ValidationInfo) -> Any:
+        """Refuse an over-long clip before its frames are validated (the server passes ``max_frames``)."""
+        max_frames = (info.context or {}).get("max_frames")
+        if max_frames is not None and isinstance(frames, list) and len(frames) > max_frames:
+            raise TooManyFramesError(f"a video of {len(frames)} frames exceeds the limit of {max_frames} (max_frames)")
+        return frames
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> EncodedVideo:
+        shapes = {tuple(frame.shape) for frame in self.frames if frame.shape is not None}
+        if len(shapes) > 1:
+            raise ValueError(f"a video's frames must all have one shape, got {sorted(shapes)[:4]}")
+        return self
+
+
+class BinaryVideo(EncodedVideo):
+    """A video in a msgpack body: like :class:`EncodedVideo`, with :class:`BinaryImage` frames."""
+
+    frames: list[BinaryImage] = Field(min_length=1, description=EncodedVideo.model_fields["frames"].description)
+
+
 class ScoreItem(_Request):
-    """One image to score, with the prompt it was generated from."""
+    """One image or video to score, with the prompt it was generated from. Scorers find a video's fps in metadata
+    under ``fps``; a mask applies to every frame."""
 
     id: str = Field(min_length=1, max_length=256)
     prompt: str
-    image: EncodedImage
+    image: EncodedImage | None = Field(default=None, description="the image to score (or send a video)")
+    video: EncodedVideo | None = Field(default=None, description="the video to score (or send an image)")
     mask: EncodedImage | None = None
     metadata: dict[str, Any] = Field(default_factory=dict, description="scorer-specific targets")
     metadata_images: dict[str, EncodedImage] = Field(
@@ -118,6 +156,10 @@ class ScoreItem(_Request):
 
     @model_validator(mode="after")
     def _check_metadata(self) -> ScoreItem:
+        if (self.image is None) == (self.video is None):
+            raise ValueError("an item holds exactly one of image and video")
+        if self.video is not None and "fps" in self.metadata:
+            raise ValueError("metadata key 'fps' is reserved in a video item (scorers find the video's fps there)")
         if "mask" in self.metadata or "mask" in self.metadata_images:
             raise ValueError(
                 "metadata key 'mask' is reserved (scorers find the decoded mask there); use the mask field"
@@ -168,10 +210,16 @@ class TooManyItemsError(Exception):
     """
 
 
+class TooManyFramesError(TooManyItemsError):
+    """A video holds more frames than the ``max_frames`` given in the validation context (a 413, like too many
+    items)."""
+
+
 class BinaryScoreItem(ScoreItem):
     """One item of a msgpack body."""
 
-    image: BinaryImage
+    image: BinaryImage | None = Field(default=None, description=ScoreItem.model_fields["image"].description)
+    video: BinaryVideo | None = Field(default=None, description=ScoreItem.model_fields["video"].description)
     mask: BinaryImage | None = None
     metadata_images: dict[str, BinaryImage] = Field(
         default_factory=dict, description=ScoreItem.model_fields["metadata_images"].description
@@ -251,6 +299,15 @@ class Limits(_Response):
     max_values: int | None = Field(
         default=None, description="array and map entries (numbers, strings, ...) in a request body, all told"
     )
+    max_frames: int | None = Field(default=None, description="frames per video item (their pixels count as images)")
+
+
+class VideoScoring(_Response):
+    """How an image scorer scores a video item: ``frames`` frames evenly spaced (first and last included), their
+    scores reduced by ``reduce`` (``mean`` or ``min``); the per-frame scores are in the item's details."""
+
+    frames: int
+    reduce: str
 
 
 class InfoResponse(_Response):
@@ -267,6 +324,7 @@ class InfoResponse(_Response):
     encodings: list[str] = Field(
         default_factory=list, description="Content-Encoding values POST /score accepts besides identity"
     )
+    video: VideoScoring | None = Field(default=None, description="None: a server older than video items")
 
 
 class ErrorResponse(_Response):

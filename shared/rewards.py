@@ -146,11 +146,15 @@ def combine(components: Mapping[str, np.ndarray], weights: Mapping[str, float], 
 def check_batch(
     images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None
 ) -> tuple[np.ndarray, list[str], list[dict[str, Any]]]:
-    """Validate a batch and return a private copy (the caller may reuse its buffers at once)."""
+    """Validate a batch, images uint8 ``[B, H, W, C]`` or videos uint8 ``[B, F, H, W, C]`` (C = 1 or 3), and return a
+    private copy (the caller may reuse its buffers at once)."""
     if not isinstance(images, np.ndarray) or images.dtype != np.uint8:
         raise ValueError(f"images must be a uint8 numpy array [B, H, W, C], got {type(images).__name__}")
-    if images.ndim != 4 or images.shape[3] not in (1, 3):
-        raise ValueError(f"images must be [B, H, W, C] with C = 1 or 3, got shape {list(images.shape)}")
+    if images.ndim not in (4, 5) or images.shape[-1] not in (1, 3) or (images.ndim == 5 and images.shape[1] == 0):
+        raise ValueError(
+            "images must be [B, H, W, C] (images) or [B, F, H, W, C] (videos, F >= 1) with C = 1 or 3, got shape "
+            f"{list(images.shape)}"
+        )
     if len(prompts) != len(images):
         raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
     if metadata is not None and len(metadata) != len(images):
@@ -182,7 +186,8 @@ class RewardClient(Protocol):
     def submit(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> concurrent.futures.Future[RewardResult]:
-        """Start scoring uint8 ``[B, H, W, C]`` images in the background; inputs are checked and copied here."""
+        """Start scoring uint8 ``[B, H, W, C]`` images (or ``[B, F, H, W, C]`` videos, their fps in each item's
+        metadata under ``fps``, default 16) in the background; inputs are checked and copied here."""
         ...
 
     def score(

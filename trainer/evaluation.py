@@ -20,6 +20,7 @@ from trainer.models.base import ModelAdapter
 from trainer.rewards.errors import RewardClientError
 from trainer.rollout import SamplerSettings, rollout, window_mask
 from trainer.scoreboard import REWARD
+from trainer.video import adapter_fps, with_fps
 
 GRID_PROMPTS = 16
 """Rows of an evaluation's grid at most (its first prompts): a test split of hundreds would make an image
@@ -230,7 +231,9 @@ class Evaluation:
                 )
             else:
                 try:
-                    scored = self.reward_client.score(to_uint8(ordered), *labels)
+                    prompts, metadata = labels
+                    metadata = with_fps(metadata, ordered, adapter_fps(self.adapter))
+                    scored = self.reward_client.score(to_uint8(ordered), prompts, metadata)
                 except RewardClientError as exc:  # every rank stops alike, below
                     unscored = f"{which} got no rewards: {exc}"
                 else:  # answered, but no image of it scored (e.g. a scorer's deadline): no metric to judge by

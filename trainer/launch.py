@@ -37,6 +37,7 @@ def reward_problem(config: Config, own_urls: Sequence[str] | None = None) -> str
         getattr(config.model, "resolution", 0),
         config.reward.wire_format,
         own=own_urls is not None,
+        frames=getattr(config.model, "frames", None) or 1,  # a video model's frames per clip
     )
     urls = config.reward.urls if own_urls is None else own_urls
     return check_reward_urls(urls, dict(sorted(named_by.items())), reward_token(config.reward), requests)

@@ -14,13 +14,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.imagecodec import DEFAULT_FPS
 from trainer.models.base import ImageInputs
 from trainer.trackers import Picture, TensorBoardTracker, Tracker, finite_numbers, pil_image
+from trainer.video import is_video, save_video
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """[B, C, H, W] in [0, 1] -> [B, H, W, C] uint8, converted once for the whole batch."""
-    return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    """[B, C, H, W] in [0, 1] -> [B, H, W, C] uint8 (videos: [B, F, C, H, W] -> [B, F, H, W, C]), converted once for
+    the whole batch."""
+    order = (0, 1, 3, 4, 2) if is_video(images) else (0, 2, 3, 1)
+    return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(*order).cpu().numpy()
 
 
 GRID_ENLARGES_BELOW = 128
@@ -31,7 +35,9 @@ pixels, more than PIL opens)."""
 
 def grid_pixels(pixels: np.ndarray, rows: int) -> np.ndarray:
     """Images [N, H, W, C] uint8 -> a grid of ``rows`` rows (one per prompt) with 1-pixel borders, [H', W', C],
-    small images enlarged (``GRID_ENLARGES_BELOW``)."""
+    small images enlarged (``GRID_ENLARGES_BELOW``); videos [N, F, H, W, C] -> an animated grid [F, H', W', C]."""
+    if is_video(pixels):
+        return np.stack([grid_pixels(np.ascontiguousarray(pixels[:, f]), rows) for f in range(pixels.shape[1])])
     n, h, w, c = pixels.shape
     cols = math.ceil(n / rows)
     grid = np.full((rows * (h + 1) + 1, cols * (w + 1) + 1, c), 64, dtype=np.uint8)
@@ -42,10 +48,13 @@ def grid_pixels(pixels: np.ndarray, rows: int) -> np.ndarray:
     return grid.repeat(scale, axis=0).repeat(scale, axis=1)
 
 
-def save_image(pixels: np.ndarray, path: str | os.PathLike) -> Picture:
+def save_image(pixels: np.ndarray, path: str | os.PathLike, fps: float = DEFAULT_FPS) -> Picture:
     """Save [H, W, C] uint8 (greyscale for one channel) as a PNG, or a JPEG where ``path`` ends in .jpg (quality 90:
     a view, encoded 20x faster). PNGs use zlib level 1: 4x faster than PIL's default for 20% more bytes (a
-    1024-px evaluation grid took seconds on rank 0 at the default; bench/outputs.py)."""
+    1024-px evaluation grid took seconds on rank 0 at the default; bench/outputs.py). A video [F, H, W, C] at ``fps``:
+    an animated GIF (.gif, .jpg) or a lossless APNG (.png) (``save_video``)."""
+    if pixels.ndim == 4:
+        return save_video(pixels, Path(path).with_suffix(".gif") if str(path).endswith(".jpg") else path, fps)
     height, width, channels = pixels.shape
     image = pil_image(pixels)
     if str(path).endswith(".jpg"):
@@ -55,9 +64,10 @@ def save_image(pixels: np.ndarray, path: str | os.PathLike) -> Picture:
     return Picture(Path(path), height, width, channels)
 
 
-def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike) -> Picture:
-    """Save images [N, C, H, W] in [0, 1] as a grid of ``rows`` rows (``grid_pixels``, ``save_image``)."""
-    return save_image(grid_pixels(to_uint8(images), rows), path)
+def save_grid(images: torch.Tensor, rows: int, path: str | os.PathLike, fps: float = DEFAULT_FPS) -> Picture:
+    """Save images [N, C, H, W] (videos [N, F, C, H, W]) in [0, 1] as a grid of ``rows`` rows (``grid_pixels``,
+    ``save_image``)."""
+    return save_image(grid_pixels(to_uint8(images), rows), path, fps)
 
 
 MASK_TINT = (1.0, 0.0, 1.0)
@@ -69,6 +79,8 @@ def input_rows(inputs: ImageInputs | None, like: torch.Tensor) -> list[torch.Ten
     inpainting source with the repaint region tinted (``MASK_TINT``), each reference image, the style image."""
     if inputs is None:
         return []
+    if is_video(like):  # each input image held over the video's frames
+        return [row[:, None].expand(-1, like.shape[1], -1, -1, -1) for row in input_rows(inputs, like[:, 0])]
     n, channels, size = len(like), like.shape[1], like.shape[-2:]
     rows = []
     if inputs.image is not None:
@@ -158,6 +170,8 @@ class RunLogger:
         self.enabled = enabled
         self.history: list[dict] = []
         self.trackers: list[Tracker] = []
+        self.fps: float = DEFAULT_FPS
+        """A video model's frame rate, for its animated samples and grids (the trainer sets its adapter's)."""
         self._tensorboard = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -231,12 +245,16 @@ class RunLogger:
         prompts: Sequence[str] = (),
         inputs: ImageInputs | None = None,
     ) -> None:
-        """``images`` [N, C, H, W] as ``name``.png in ``rows`` rows, each row's image ``inputs`` first
-        (``with_inputs``); the trackers log every evaluation's grid as ``eval/samples`` (one series over the run)
+        """``images`` [N, C, H, W] as ``name``.png in ``rows`` rows (videos [N, F, C, H, W]: a lossless animated PNG,
+        and ``name``.gif for the trackers), each row's image ``inputs`` first (``with_inputs``); the trackers log
+        every evaluation's grid as ``eval/samples`` (one series over the run)
         captioned with each row's prompt."""
         if not self.enabled:
             return
-        picture = save_grid(with_inputs(images, rows, inputs), rows, self.run_dir / f"{name}.png")
+        pixels = grid_pixels(to_uint8(with_inputs(images, rows, inputs)), rows)
+        picture = save_image(pixels, self.run_dir / f"{name}.png", self.fps)  # a video's: a lossless APNG
+        if is_video(images):  # the trackers show an animated GIF
+            picture = save_image(pixels, self.run_dir / f"{name}.gif", self.fps)
         caption = "\n".join(f"row {i}: {prompt[:200]}" for i, prompt in enumerate(prompts, 1))
         for tracker in self.trackers:
             tracker.image("eval/samples", picture, step, caption)
@@ -258,7 +276,8 @@ class RunLogger:
     ) -> None:
         """RL epoch ``step``'s ``images`` [N, C, H, W] with their prompts, rewards and each scorer's scores (NaN: it
         failed): a grid ``rollouts/epochNNNN.jpg`` (the images, then a row per image input they were conditioned
-        on: ``input_rows``), a row per image in ``rollouts/epochNNNN.jsonl``, and each image captioned
+        on: ``input_rows``; videos [N, F, C, H, W]: an animated ``epochNNNN.gif``), a row per image in
+        ``rollouts/epochNNNN.jsonl``, and each image captioned
         "prompt | reward (scores)" for the trackers (beside its inputs)."""
         if not self.enabled or not len(images):
             return
@@ -266,7 +285,7 @@ class RunLogger:
         folder.mkdir(exist_ok=True)
         pixels = to_uint8(images)
         shown = [pixels, *map(to_uint8, input_rows(inputs, images))]
-        grid = save_image(grid_pixels(np.concatenate(shown), len(shown)), folder / f"epoch{step:04d}.jpg")
+        grid = save_image(grid_pixels(np.concatenate(shown), len(shown)), folder / f"epoch{step:04d}.jpg", self.fps)
         rows = [
             {"prompt": prompt, "reward": reward, **{name: values[i] for name, values in scores.items()}}
             for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True))
@@ -278,7 +297,7 @@ class RunLogger:
         for i, (prompt, reward) in enumerate(zip(prompts, rewards, strict=True)):
             each = ", ".join(f"{name} {values[i]:.3f}" for name, values in scores.items())
             captions.append(f"{prompt[:200]} | reward {reward:.3f}" + (f" ({each})" if len(scores) > 1 else ""))
-        each_image = [np.concatenate(views, axis=1) for views in zip(*shown[1:], pixels, strict=True)]  # inputs, image
+        each_image = [np.concatenate(views, axis=-2) for views in zip(*shown[1:], pixels, strict=True)]  # inputs, image
         for tracker in self.trackers:
             tracker.samples("samples", grid, each_image, captions, step)
 

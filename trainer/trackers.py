@@ -3,6 +3,7 @@ Both plot on two step axes, warm-up steps and RL epochs (evaluations, checkpoint
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import secrets
@@ -30,13 +31,15 @@ def finite_numbers(metrics: dict) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Picture:
-    """An image file the run wrote (PNG or JPEG) and its size: trackers log the file's bytes as they are, instead of
-    encoding the pixels again (seconds for a PNG of a grid of 1024-px images)."""
+    """An image file the run wrote (PNG or JPEG; an animated GIF for a video) and its size: trackers log the file's
+    bytes as they are, instead of encoding the pixels again (seconds for a PNG of a grid of 1024-px images)."""
 
     path: Path
     height: int
     width: int
     channels: int  # 1: greyscale, 3: RGB
+    frames: int = 1  # > 1: an animation (trackers show a video)
+    fps: float = 0.0
 
 
 def pil_image(pixels: np.ndarray):
@@ -46,6 +49,15 @@ def pil_image(pixels: np.ndarray):
     return Image.fromarray(pixels[..., 0], "L") if pixels.shape[-1] == 1 else Image.fromarray(pixels, "RGB")
 
 
+def gif_bytes(frames: np.ndarray, fps: float) -> bytes:
+    """uint8 ``[F, H, W, C]`` as an animated GIF that loops (256 colours a frame: a preview, not the pixels)."""
+    images = [pil_image(frame) for frame in frames]
+    buffer = io.BytesIO()
+    duration = max(10 * round(100 / fps), 20)  # GIF counts in 10 ms; browsers play delays under 20 ms at 100 ms
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], duration=duration, loop=0)
+    return buffer.getvalue()
+
+
 class Tracker(Protocol):
     def scalars(self, phase: str, metrics: dict[str, float], step: int) -> None: ...
 
@@ -53,8 +65,8 @@ class Tracker(Protocol):
         """A grid named ``section/name``, on the RL axis, with what its rows show (``caption``: a line per row)."""
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
-        """Rollout images of RL epoch ``step``: their one-row grid, and each image ([H, W, C] uint8) with its
-        caption."""
+        """Rollout images of RL epoch ``step``: their one-row grid, and each image ([H, W, C] uint8, or a video
+        [F, H, W, C] at the grid's fps) with its caption."""
 
     def alert(self, phase: str, text: str) -> None:
         """A warning of ``phase`` for whoever watches the run."""
@@ -185,20 +197,26 @@ class WandbTracker:
 
     def image(self, name: str, picture: Picture, step: int, caption: str = "") -> None:
         def send():
-            image = self._wandb.Image(str(picture.path), caption=caption or name)
+            if picture.frames > 1:  # an animated GIF: a video in W&B (from the file: no encoder needed)
+                image = self._wandb.Video(str(picture.path), caption=caption or name, format="gif")
+            else:
+                image = self._wandb.Image(str(picture.path), caption=caption or name)
             self._log(name.split("/")[0], {name: image, STEP_KEYS["rl"]: step})
 
         self._safely(send)
 
     def samples(self, name: str, grid: Picture, images: list[np.ndarray], captions: list[str], step: int) -> None:
         def send():
-            pictures = [
-                self._wandb.Image(pil_image(image), caption=caption, file_type="jpg")
-                for image, caption in zip(images, captions, strict=True)
-            ]
+            pictures = [self._sample(image, caption, grid.fps) for image, caption in zip(images, captions, strict=True)]
             self._log("rollouts", {f"rollouts/{name}": pictures, STEP_KEYS["rl"]: step})
 
         self._safely(send)
+
+    def _sample(self, image: np.ndarray, caption: str, fps: float):
+        """One rollout for W&B: an image ([H, W, C]) as a JPEG, a video ([F, H, W, C]) as an animated GIF."""
+        if image.ndim == 4:
+            return self._wandb.Video(io.BytesIO(gif_bytes(image, fps or 16)), caption=caption, format="gif")
+        return self._wandb.Image(pil_image(image), caption=caption, file_type="jpg")
 
     def alert(self, phase: str, text: str) -> None:
         self._safely(

@@ -40,6 +40,7 @@ from trainer.scoreboard import Scoreboard
 from trainer.state import Stateful
 from trainer.stopping import StopRequests
 from trainer.updates import optimizer_steps
+from trainer.video import adapter_fps, with_fps
 
 
 class Trainer:
@@ -65,6 +66,7 @@ class Trainer:
             config.eval, eval_task or task, adapter, backend, logger, eval_client or reward_client
         )
         self.backend, self.logger = backend, logger
+        logger.fps = adapter_fps(adapter)  # a video model's; its samples and reward requests carry it
         self.rollout_breakdown = RolloutBreakdown(task, config.eval.breakdown, backend)
         self.is_main = backend.world.rank == 0
         self.display = Display(config.logging, self.is_main)  # printed lines, progress bars or progress lines
@@ -412,11 +414,8 @@ class Trainer:
                     stochastic,
                     self.algorithm.records_means,
                 )
-                futures.append(
-                    self.reward_client.submit(
-                        to_uint8(part.images), prompts[lo:hi], self.task.item_metadata(indices[lo:hi].tolist())
-                    )
-                )
+                meta = with_fps(self.task.item_metadata(indices[lo:hi].tolist()), part.images, self.logger.fps)
+                futures.append(self.reward_client.submit(to_uint8(part.images), prompts[lo:hi], meta))
                 parts.append(part)
         t_sampled = time.perf_counter()
         self.display.doing("waiting for the rollouts' rewards")

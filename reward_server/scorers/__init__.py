@@ -49,6 +49,7 @@ SCORERS = Registry(
             preprocess="flow_grpo",
             description="CLIP score (ViT-L/14) with Flow-GRPO's bilinear resize: logit_scale * cos(text, image) / 30",
         ),
+        "temporal_consistency": Entry(_P + "temporal:TemporalConsistencyScorer"),
         "geneval": Entry(_P + "geneval:GenEvalScorer", mode="strict"),
         "geneval_partial": Entry(_P + "geneval:GenEvalScorer", mode="partial"),
         "geneval_flow_grpo": Entry(_P + "geneval:GenEvalScorer", mode="flow_grpo"),

@@ -11,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from reward_server.scorers.frames import FrameSampling, expand, is_video, reduce_scores
 from shared.protocol import ErrorCode
 
 MAX_MESSAGE = 500
@@ -76,14 +77,52 @@ class Scorer(Protocol):
 
 
 def run_scorer(
-    scorer: Scorer, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+    scorer: Scorer,
+    images: list[np.ndarray],
+    prompts: list[str],
+    metadata: list[dict[str, Any]],
+    sampling: FrameSampling | None = None,
 ) -> list[ScoreOutcome]:
     """Call ``scorer.score`` and normalise what it returns into one valid :class:`ScoreOutcome` per item.
 
     Exceptions become per-item INTERNAL errors (OOM for out-of-memory errors), non-finite scores and scores
     outside the scorer's ``score_range`` (past float round-off) become INTERNAL errors, and a wrong number of
-    outcomes fails the whole batch. Never raises.
+    outcomes fails the whole batch. Videos (``[F, H, W, C]``) go whole to a scorer with ``modality = "video"``
+    and as ``sampling``'s frames to the others (:mod:`reward_server.scorers.frames`). Never raises.
     """
+    video_scorer = getattr(scorer, "modality", "image") == "video"
+    if video_scorer or not any(is_video(image) for image in images):
+        if video_scorer and not all(is_video(image) for image in images):
+            message = f"scorer {scorer.name!r} scores videos (frames and fps), and this item is an image"
+            still = ScoreOutcome.failure(ErrorCode.BAD_INPUT, message)
+            rows = [row for row, image in enumerate(images) if is_video(image)]
+            scored = _call(scorer, [images[r] for r in rows], [prompts[r] for r in rows], [metadata[r] for r in rows])
+            outcomes = [still] * len(images)
+            for row, outcome in zip(rows, scored, strict=True):
+                outcomes[row] = outcome
+            return outcomes
+        return _call(scorer, images, prompts, metadata)
+    sampling = sampling or FrameSampling()
+    flat, flat_prompts, flat_meta, picked = expand(images, prompts, metadata, sampling)
+    per_call = max(len(images), 1)  # never more images per call than the batch of items it came as
+    flat_outcomes: list[ScoreOutcome] = []
+    for start in range(0, len(flat), per_call):
+        stop = start + per_call
+        flat_outcomes += _call(scorer, flat[start:stop], flat_prompts[start:stop], flat_meta[start:stop])
+    outcomes, at = [], 0
+    for indices in picked:
+        taken = max(len(indices), 1)
+        parts, at = flat_outcomes[at : at + taken], at + taken
+        outcomes.append(_reduce_frames(parts, indices, sampling.reduce) if indices else parts[0])
+    return outcomes
+
+
+def _call(
+    scorer: Scorer, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]
+) -> list[ScoreOutcome]:
+    """One ``scorer.score`` call, normalised (see :func:`run_scorer`)."""
+    if not images:
+        return []
     try:
         raw = list(scorer.score(images, prompts, metadata))
     except Exception as exc:
@@ -97,6 +136,18 @@ def run_scorer(
         )
         return [outcome] * len(images)
     return [_normalise(item, scorer.score_range) for item in raw]
+
+
+def _reduce_frames(parts: list[ScoreOutcome], indices: list[int], reduce: str) -> ScoreOutcome:
+    """A clip's outcome from its sampled frames' outcomes: the first failed frame fails it (a NaN, never a partial
+    mean), else the reduced score with every frame's index, score and details."""
+    details: dict[str, Any] = {"frames": indices, "frame_scores": [part.score for part in parts], "reduce": reduce}
+    if any(part.details for part in parts):
+        details["frame_details"] = [part.details for part in parts]
+    for index, part in zip(indices, parts, strict=True):
+        if part.error is not None:
+            return ScoreOutcome.failure(part.error, f"frame {index}: {part.message}", details)
+    return ScoreOutcome(score=reduce_scores([float(part.score) for part in parts], reduce), details=details)  # type: ignore[arg-type]
 
 
 def _normalise(item: ScoreOutcome | float, score_range: tuple[float | None, float | None]) -> ScoreOutcome:

@@ -95,6 +95,25 @@ def test_upload_png_and_see_the_brightness_score(page: sync_api.Page, server_url
     assert "answered by debug-page" in page.locator("#meta").inner_text()
 
 
+def test_upload_video_frames_see_them_cycle_and_scored(page: sync_api.Page, tmp_path: Path, server_url: str) -> None:
+    frames = [np.full((16, 24, 3), value, np.uint8) for value in (30, 90, 150)]
+    paths = []
+    for index, frame in enumerate(frames):
+        paths.append(str(tmp_path / f"frame{index + 1}.png"))
+        Image.fromarray(frame).save(paths[-1])
+    page.goto(server_url + "/")
+    sync_api.expect(page.locator("#server")).to_contain_text("ready")
+    page.set_input_files("#video", paths[::-1])  # put back in file-name order
+    page.fill("#fps", "20")
+    page.locator("#fps").dispatch_event("change")
+    sync_api.expect(page.locator("#video-preview")).to_have_attribute("data-frame", "2")  # the clip is animated
+    page.uncheck("input[name=scorer][value=digit]")
+    page.click("#score")
+    sync_api.expect(page.locator("#status")).to_have_text("done")
+    assert float(page.locator("#score-brightness").inner_text()) == pytest.approx(90 / 255, abs=1e-12)
+    assert '"frame_scores"' in page.locator("tr[data-scorer=brightness]").inner_text()
+
+
 def test_errors_are_shown(page: sync_api.Page, server_url: str, tmp_path: Path) -> None:
     png = tmp_path / "small.png"
     Image.fromarray(np.zeros((12, 12), np.uint8)).save(png)

@@ -260,3 +260,24 @@ def test_a_wandb_login_that_cannot_work_stops_the_job_before_the_model_loads(tmp
     ), err[-2000:]
     assert not model.exists()
     assert not [p for p in tmp_path.iterdir() if p.name != "wandb-home"]  # no run folder left behind
+
+
+def test_videos_go_to_wandb_as_videos(tmp_path):
+    """A video model's evaluation grid and rollout samples ([N, F, C, H, W]) are W&B videos (animated GIFs: no
+    encoder package needed), in an offline run."""
+    import torch
+
+    from trainer.logging import RunLogger
+    from trainer.trackers import WandbTracker
+
+    videos = torch.rand(2, 3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with WandbTracker(tmp_path, "offline", "rf-test", "", {}) as tracker:
+        logger = RunLogger(tmp_path, enabled=True, tensorboard=False, trackers=[tracker])
+        logger.image_grid("eval_0001", videos, rows=2, step=1, prompts=["a", "b"])
+        logger.rollout_samples(1, videos, ["a", "b"], [0.5, 0.25], {"s": [0.5, 0.25]})
+        logger.close()
+    ((_, rows),) = _wandb_runs(tmp_path)
+    (grid,) = [row for row in rows if "eval/samples/caption" in row]
+    assert grid["eval/samples/_type"] == "video-file" and grid["eval/samples/path"].endswith(".gif")
+    (samples,) = [row for row in rows if "rollouts/samples/captions" in row]
+    assert samples["rollouts/samples/_type"] == "videos" and samples["rollouts/samples/count"] == 2, samples

@@ -213,9 +213,12 @@ def test_every_registered_scorer_meets_the_contract(name: str, conformance_model
     low, high = scorer.score_range
     rng = np.random.default_rng(1)
     images = [rng.integers(0, 256, (16, 16, channels), dtype=np.uint8) for channels in (1, 3, 1)]
+    images.append(rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8))  # a video: sampled frames, or the clip
+    if getattr(scorer, "modality", "image") == "video":
+        images = [np.stack([image] * 2) for image in images[:3]] + images[3:]
     metadata = [dict(CONFORMANCE_METADATA.get(name, {})) for _ in images]
-    outcomes = run_scorer(scorer, images, ["digit 1", "digit 2", "digit 3"], metadata)
-    assert len(outcomes) == 3
+    outcomes = run_scorer(scorer, images, ["digit 1", "digit 2", "digit 3", "digit 4"], metadata)
+    assert len(outcomes) == 4
     for outcome in outcomes:
         assert outcome.ok, outcome.message
         assert (low is None or outcome.score >= low) and (high is None or outcome.score <= high)

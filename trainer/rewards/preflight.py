@@ -36,31 +36,37 @@ def server_command(url: str, scorers: Iterable[str]) -> str:
 @dataclass(frozen=True)
 class Requests:
     """The largest /score request a run sends: ``items`` images (``reward.batch_size``) of ``side`` px a side
-    (``model.resolution``; 0: the model's own, not known before it loads) in ``wire_format``; ``own``: to the
-    job's own replicas (the fix is then a setting of the run, not a server flag)."""
+    (``model.resolution``; 0: the model's own, not known before it loads) in ``wire_format``, each a video of
+    ``frames`` frames where ``frames`` > 1 (``model.frames``); ``own``: to the job's own replicas (the fix is then a
+    setting of the run, not a server flag)."""
 
     items: int
     side: int = 0
     wire_format: str = "msgpack"
     own: bool = False
+    frames: int = 1
 
     def beyond(self, url: str, limits: Limits) -> str | None:
         """Why a server with ``limits`` refuses (HTTP 413) these requests, or None."""
-        fits = None
+        fits, frame_pixels = None, self.frames * self.side**2  # an item's pixels, every frame counted
         if self.items > limits.max_items:
             got, fits, flag = f"{self.items} items", limits.max_items, f"--max-items {self.items}"
+        elif self.frames > 1 and limits.max_frames is not None and self.frames > limits.max_frames:
+            return f"videos of {self.frames} frames are more than reward server {url} takes ({limits.max_frames}): " + (
+                "lower model.frames" if self.own else f"restart it with --max-frames {self.frames}"
+            )
         elif self.side and self.side > limits.max_image_side:
             return (
                 f"model.resolution={self.side} is above the largest image side reward server {url} takes "
                 f"({limits.max_image_side}): "
                 + ("lower model.resolution" if self.own else f"restart it with --max-image-side {self.side}")
             )
-        elif self.side and limits.max_pixels_per_request and self.items * self.side**2 > limits.max_pixels_per_request:
-            got, flag = f"{self.items * self.side**2} pixels", f"--max-pixels-per-request {self.items * self.side**2}"
-            fits = limits.max_pixels_per_request // self.side**2
-        elif self.side and self.wire_format == "msgpack" and self.items * self.side**2 * 3 > limits.max_body_bytes:
-            got, flag = f"{self.items * self.side**2 * 3} bytes", f"--max-body-bytes {self.items * self.side**2 * 3}"
-            fits = limits.max_body_bytes // (3 * self.side**2)
+        elif self.side and limits.max_pixels_per_request and self.items * frame_pixels > limits.max_pixels_per_request:
+            got, flag = f"{self.items * frame_pixels} pixels", f"--max-pixels-per-request {self.items * frame_pixels}"
+            fits = limits.max_pixels_per_request // frame_pixels
+        elif self.side and self.wire_format == "msgpack" and self.items * frame_pixels * 3 > limits.max_body_bytes:
+            got, flag = f"{self.items * frame_pixels * 3} bytes", f"--max-body-bytes {self.items * frame_pixels * 3}"
+            fits = limits.max_body_bytes // (3 * frame_pixels)
         if fits is None:
             return None
         return (

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from shared.imagecodec import as_hwc_uint8, encode_image
+from shared.imagecodec import DEFAULT_FPS, as_hwc_uint8, encode_image, encode_video
 from shared.protocol import JSON_MEDIA_TYPE, MAX_DEADLINE_MS, MSGPACK_MEDIA_TYPE, ScoreResponse
 from shared.wire import pack_msgpack
 
@@ -73,18 +73,18 @@ def _item(
     item_id: str, image: np.ndarray, prompt: str, meta: dict[str, Any], image_format: str, binary: bool
 ) -> dict[str, Any]:
     """One ``/score`` item. A task's mask (``meta["mask"]``, uint8 [H, W, 1], where in-process scorers read
-    it) travels in the item's ``mask`` field: the protocol reserves that metadata key for the decoded mask.
+    it) travels in the item's ``mask`` field: the protocol reserves that metadata key for the decoded mask. A video
+    ``[F, H, W, C]`` travels as a video item with the fps of ``meta["fps"]`` (default 16).
     Other arrays in metadata (e.g. an edit's ``reference_image``) travel in ``metadata_images``, which the
     server decodes back into the item's metadata."""
     meta = dict(meta)
     mask = meta.pop("mask", None)
     arrays = {key: meta.pop(key) for key, value in list(meta.items()) if isinstance(value, np.ndarray)}
-    item = {
-        "id": item_id,
-        "prompt": prompt,
-        "image": encode_image(image, image_format, binary=binary),
-        "metadata": meta,
-    }
+    item = {"id": item_id, "prompt": prompt, "metadata": meta}
+    if image.ndim == 4:  # a video [F, H, W, C]: its fps travels in the video, where the server puts it back
+        item["video"] = encode_video(image, meta.pop("fps", DEFAULT_FPS), image_format, binary=binary)
+    else:
+        item["image"] = encode_image(image, image_format, binary=binary)
     if mask is not None:
         item["mask"] = encode_image(np.asarray(mask, dtype=np.uint8), image_format, binary=binary)
     if arrays:

@@ -42,6 +42,7 @@ def test_health_and_info(http: httpx.Client, pool: LocalRewardPool) -> None:
         "max_body_bytes": 300000,
         "max_pixels_per_request": ServerSettings().max_pixels_per_request,
         "max_values": ServerSettings().max_values,
+        "max_frames": ServerSettings().max_frames,
     }
     assert "rewardflow_ready 1" in http.get("/metrics").text
 
