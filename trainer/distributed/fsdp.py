@@ -81,6 +81,7 @@ class FSDP2(DDP):
         if hint is not None and self.world.rank == 0:
             logger.warning(hint)
         self.scaler = loss_scaler(module, self.device, param_dtype, ShardedGradScaler)
+        self._split_sequences(module)
         self.params = self._shard(module, params, shard_units)
         self.optimizer = make_optimizer(self.params)
         return module
@@ -147,6 +148,7 @@ class FSDP2(DDP):
                 module.set_requires_gradient_sync(True)
 
     def step(self, max_grad_norm: float) -> float:
+        self._sum_sequence_shares()
         for opt in self._optimizers():
             self.scaler.unscale_(opt)  # ShardedGradScaler: whether any rank's shard overflowed, agreed by all
         norms = [_clip_sharded(self.params, max_grad_norm)]
