@@ -161,3 +161,17 @@ def test_a_sequence_parallel_group_is_one_replica():
     ranks = [World(rank, 8, rank, 8, sequence_parallel=4) for rank in range(8)]
     assert [w.replica for w in ranks] == [0, 0, 0, 0, 1, 1, 1, 1] and {w.replicas for w in ranks} == {2}
     assert World(5, 8, 5, 8).replica == 5 and World(5, 8, 5, 8).replicas == 8
+
+
+def test_sequence_parallelism_refuses_an_ip_adapter_as_the_config_is_read():
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=2 does not compose with model\.ip_adapter"):
+        load_config(
+            overrides=[
+                "model.name=flux",
+                "model.ip_adapter={image_encoder: /enc, num_tokens: 4}",
+                "parallel.backend=fsdp2",
+                "parallel.sequence_parallel=2",
+            ]
+        )

@@ -351,6 +351,11 @@ class Config:
                 "parallel.backend=fsdp2 (whole blocks sharded, each one graph) or zero2, or "
                 "model.compile=none"
             )
+        if self.parallel.sequence_parallel > 1 and getattr(self.model, "ip_adapter", None):
+            raise ValueError(
+                f"parallel.sequence_parallel={self.parallel.sequence_parallel} does not compose with model.ip_adapter: "
+                "its attention processors attend over one rank's tokens; unset one of them"
+            )
         if self.train.early_stop and not self.eval.every:
             raise ValueError(
                 f"train.early_stop={self.train.early_stop} counts evaluations, but eval.every=0 runs none "
