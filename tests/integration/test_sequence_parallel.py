@@ -5,7 +5,8 @@ step (lr 1, no clipping) on a global batch with a backend whose sequence-paralle
 tokens, and compares the forward's output and the updated weights (the reduced gradients) with the same step
 taken by one plain process on the whole batch. Groups of the world's size hold one replica; 4 ranks in groups
 of 2 hold two replicas, each its half of the batch. Cases: DDP, FSDP2 (blocks sharded), FSDP2 with LoRA and
-gradient checkpointing, FSDP2 with compiled blocks; and the one-line refusals.
+gradient checkpointing, FSDP2 with compiled blocks; a frozen copy (a reference) after the step; and the one-line
+refusals.
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ def _case(case: str) -> None:
     with backend.gathered(backend.params) as full:
         for got, want in zip(full, trainable, strict=True):
             _close(got, want.detach(), f"{case} weights")
+    with torch.no_grad():  # a frozen copy (a reference) splits its tokens too, with its own weights
+        copied = backend.frozen_copy(model)(latents[mine], t[mine], text[mine], return_dict=False)[0]
+        _close(copied, reference(latents, t, text, return_dict=False)[0][mine], f"{case} frozen copy")
     print(f"ok {case} rank {world.rank}", flush=True)
 
 

@@ -354,14 +354,19 @@ class DDP(SingleProcess):
             self.sequence = SequenceParallel(world.rank, world.world_size, world.sequence_parallel, device)
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
-        self._split_sequences(module)
-        return self._wrap_auxiliary(super().prepare(module, params, make_optimizer, shard_units))
+        module = super().prepare(module, params, make_optimizer, shard_units)
+        return self._wrap_auxiliary(self._split_sequences(module))
 
-    def _split_sequences(self, module: nn.Module) -> None:
-        """With ``parallel.sequence_parallel`` > 1, the denoiser's tokens split over its group (before the skeleton is
-        taken: frozen copies split theirs too)."""
+    def _split_sequences(self, module: nn.Module) -> nn.Module:
+        """With ``parallel.sequence_parallel`` > 1, ``module``'s tokens split over its group (in place). Applied to
+        the live denoiser after its skeleton is taken, and to each frozen copy: diffusers' hooks close over the
+        module they were installed on, so a deep copy's would run the original's forward."""
         if self.sequence is not None:
             self.sequence.apply(module)
+        return module
+
+    def frozen_copy(self, module: nn.Module) -> nn.Module:
+        return self._split_sequences(super().frozen_copy(module))
 
     def step(self, max_grad_norm: float) -> float:
         self._sum_sequence_shares()

@@ -81,8 +81,8 @@ class FSDP2(DDP):
         if hint is not None and self.world.rank == 0:
             logger.warning(hint)
         self.scaler = loss_scaler(module, self.device, param_dtype, ShardedGradScaler)
-        self._split_sequences(module)
         self.params = self._shard(module, params, shard_units)
+        self._split_sequences(module)
         self.optimizer = make_optimizer(self.params)
         return module
 
@@ -209,7 +209,7 @@ class FSDP2(DDP):
         """Unsharded on every rank (not sharded again): its forwards then need no collective, so ranks may
         call it different numbers of times; it costs one full denoiser per rank."""
         params = {name: _full(p).to(self.device) for name, p in module.named_parameters()}
-        return materialize(self.skeletons[id(module)], params, dict(module.named_buffers()))
+        return self._split_sequences(materialize(self.skeletons[id(module)], params, dict(module.named_buffers())))
 
     def reference(self, module: nn.Module, spec) -> nn.Module:
         """The forward gathers the weights from this rank's shards: swapped values are written into them."""
