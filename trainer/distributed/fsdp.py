@@ -206,8 +206,9 @@ class FSDP2(DDP):
 
     @torch.no_grad()
     def frozen_copy(self, module: nn.Module) -> nn.Module:
-        """Unsharded on every rank (not sharded again): its forwards then need no collective, so ranks may
-        call it different numbers of times; it costs one full denoiser per rank."""
+        """Unsharded on every rank (not sharded again): its forwards then need no collective (but their
+        sequence-parallel group's, whose ranks call it alike), so replicas may call it different numbers of
+        times; it costs one full denoiser per rank."""
         params = {name: _full(p).to(self.device) for name, p in module.named_parameters()}
         return self._split_sequences(materialize(self.skeletons[id(module)], params, dict(module.named_buffers())))
 

@@ -7,7 +7,7 @@ run diffusers' templated Ulysses attention (``TemplatedUlyssesAttention``: all-t
 to [S tokens, H/P heads] and back, with its own backward) over this group. Cross-attention to text keeps its keys
 and values whole (Wan's attn2 passes no parallel config). Every rank of a group computes the same gathered
 output, so the loss is replicated: each rank's parameter gradients hold its tokens' share, and the backend
-rescales the reduced gradients by the group size (``ulysses_grad_factor``).
+multiplies the reduced gradients by the group size (``DDP._sum_sequence_shares``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class SequenceParallel:
                 f"parallel.sequence_parallel={self.size} does not divide {name}'s {heads} attention heads "
                 "(Ulysses gives each rank heads/size of them): choose a divisor of the head count"
             )
-        for processor in _self_attention_processors(denoiser, self.size):
+        for processor in _attention_processors(denoiser, self.size):
             processor._parallel_config = self.config
         for where, entry in plan.items():
             modules = _get_submodule_by_name(denoiser, where)
@@ -68,16 +68,11 @@ class SequenceParallel:
                         ContextParallelGatherHook(outputs, self.config.context_parallel_config), _GATHER
                     )
 
-    def grad_factor(self) -> float:
-        """What the backend multiplies the denoiser's reduced gradients by: a data-parallel reduction averages
-        over every rank, but a group's ranks each hold a share of one replica's gradient, to be summed."""
-        return float(self.size)
-
 
 _HOOK, _GATHER = "sequence_parallel_split", "sequence_parallel_gather"
 
 
-def _self_attention_processors(denoiser: nn.Module, size: int) -> list[object]:
+def _attention_processors(denoiser: nn.Module, size: int) -> list[object]:
     """The attention processors of ``denoiser``, each able to take a parallel config (ValueError for one that
     cannot: it would attend over its own tokens only, silently wrong)."""
     from diffusers.models.attention import AttentionModuleMixin
