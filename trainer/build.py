@@ -53,7 +53,8 @@ def start_backend(config: Config) -> ParallelBackend:
     torch.set_num_threads(threads)
     # How an epoch's samples split over the ranks: refused before the process group forms (a rank that leaves
     # while the others connect fails them with Gloo's error instead of this one).
-    GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, world.world_size, 0, 0)
+    replicas = max(1, world.world_size // config.parallel.sequence_parallel)  # a sequence-parallel group is one
+    GroupSampler(1, config.data.prompts_per_epoch, config.algorithm.group_size, replicas, 0, 0)
     return init_backend(config.parallel, device, max_grad_norm=config.train.max_grad_norm)
 
 

@@ -34,8 +34,10 @@ class EpochRewards:
         rank, when a sample is not finite or more than ``limit`` of RL epoch ``epoch``'s (1-based) have no reward."""
         local = torch.as_tensor(result.combined, dtype=torch.float32)
         finite = torch.isfinite(images.flatten(1)).all(1).float().cpu()  # each rank's, gathered: one verdict
-        gathered = backend.gather(torch.stack([local, group_ids.float(), finite, unscored(result)], dim=1))
-        rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), backend.world.rank * len(local))
+        gathered = backend.gather_replicas(torch.stack([local, group_ids.float(), finite, unscored(result)], dim=1))
+        offset = backend.world.replica * len(local)
+        local = gathered[offset : offset + len(local), 0].to(local.device)  # a replica's ranks train on one copy
+        rewards = Rewards(local, gathered[:, 0], gathered[:, 1].long(), offset)
         check_samples(gathered[:, 2], epoch)
         scored = rewards.all.cpu()  # gathered on the device under NCCL: read once
         failed = failed_share(scored)

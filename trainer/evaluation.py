@@ -63,7 +63,7 @@ class RolloutBreakdown:
         for i, meta in zip(new, self.task.item_metadata(new), strict=True):
             self._values[i] = str(meta[self.field]) if isinstance(meta.get(self.field), str | int) else ""
         mine = ([self._values[i] for i in indices], {k: np.asarray(v, dtype=np.float64) for k, v in scores.items()})
-        every = self.backend.all_gather_object(mine)
+        every = self.backend.all_gather_object(mine)[:: self.backend.world.sequence_parallel]  # one per replica
         metadata = [{self.field: value} for values, _ in every for value in values]
         joined = {name: np.concatenate([rank_scores[name] for _, rank_scores in every]) for name in scores}
         return {f"rollout_{k}": v for k, v in breakdown(self.field, metadata, joined).items()}
@@ -104,8 +104,8 @@ class Evaluation:
         self.reward_client = rewards
 
     def slots(self) -> int:
-        """Prompts each rank samples (the last ones pad with the first prompt)."""
-        return -(-len(self.task.eval_prompts) // self.backend.world.world_size)
+        """Prompts each replica samples (the last ones pad with the first prompt)."""
+        return -(-len(self.task.eval_prompts) // self.backend.world.replicas)
 
     def breakdown_names(self, scorers: list[str]) -> list[str]:
         """The metrics ``breakdown`` logs for these scorers on this evaluation's items (for train.select_by)."""
@@ -175,9 +175,9 @@ class Evaluation:
         was_training = denoiser.training
         denoiser.eval()
         samples = ev.samples_per_prompt
-        # This rank's prompts (ranks past the end sample the first prompt and drop it), ev.batch_size at a time.
+        # This replica's prompts (replicas past the end sample the first prompt and drop it), ev.batch_size at a time.
         mine = [
-            i if i < len(prompts) else 0 for i in range(world.rank, self.slots() * world.world_size, world.world_size)
+            i if i < len(prompts) else 0 for i in range(world.replica, self.slots() * world.replicas, world.replicas)
         ]
         by_prompt: dict[int, torch.Tensor] = {}  # rank 0: prompt index -> its images, on the CPU
         # The weights are swapped in before the sampling context gathers them, and back after it reshards.
@@ -200,12 +200,12 @@ class Evaluation:
                     initial=initial,
                 )
                 # Gathered batch by batch and kept on the host: the device holds one batch of every rank, not
-                # the whole evaluation. Rank-major: row n is rank n // len(ks)'s prompt at position lo + n % len(ks)
-                # of its share, i.e. prompt (lo + n % len(ks)) * world size + rank.
-                gathered = self.backend.gather(ro.images.unflatten(0, (len(ks), samples)).contiguous())
+                # the whole evaluation. Replica-major: row n is replica n // len(ks)'s prompt at position
+                # lo + n % len(ks) of its share, i.e. prompt (lo + n % len(ks)) * replicas + replica.
+                gathered = self.backend.gather_replicas(ro.images.unflatten(0, (len(ks), samples)).contiguous())
                 if world.rank == 0:
                     for n, image in enumerate(gathered.cpu()):
-                        by_prompt[(lo + n % len(ks)) * world.world_size + n // len(ks)] = image
+                        by_prompt[(lo + n % len(ks)) * world.replicas + n // len(ks)] = image
         denoiser.train(was_training)
         if world.rank != 0:
             return None

@@ -84,8 +84,8 @@ class Trainer:
             len(self.pool),
             config.data.prompts_per_epoch,
             algorithm.group_size,
-            backend.world.world_size,
-            backend.world.rank,
+            backend.world.replicas,  # a sequence-parallel group's ranks share their samples
+            backend.world.replica,
             train.seed,
             algorithm.local_groups,
         )
@@ -100,7 +100,7 @@ class Trainer:
         self.best_dir = logger.run_dir / "best"
         self.judge = Judge(self.scoreboard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
-        self._rank_seed = train.seed * 7919 + backend.world.rank
+        self._rank_seed = train.seed * 7919 + backend.world.replica  # one per replica: its ranks draw alike
         # the signals, entered around fit() by build; a first Ctrl-C says what the run finishes before it stops
         self.stops = StopRequests(backend, self.is_main, lambda: finishing(self.progress, config, self.display))
 
@@ -376,7 +376,7 @@ class Trainer:
         metrics.update(self.algorithm.batch_metrics(batch))
         metrics.update(rollout_metrics(self.task, ro.images, prompts, result))
         metrics = self.backend.mean(metrics)
-        metrics["reward_failed_attempts"] *= self.backend.world.world_size
+        metrics["reward_failed_attempts"] *= self.backend.world.replicas
         metrics.update(self.rollout_breakdown(indices.tolist(), result.components))
         metrics.update({**scored.metrics(), **clock.metrics(len(scored.rewards.all))})
         metrics["lr"] = self.config.train.learning_rate

@@ -139,3 +139,39 @@ def test_compiling_under_zero3_is_refused_as_the_config_is_read():
     ):
         load_config(overrides=["parallel.backend=zero3", "model.compile=blocks"])
     assert load_config(overrides=["parallel.backend=zero2", "model.compile=blocks"]).model.compile == "blocks"
+
+
+@pytest.mark.parametrize(
+    ("backend", "size", "message"),
+    [
+        ("single", 2, "runs under parallel.backend=ddp or fsdp2, not single"),
+        ("zero3", 2, "runs under parallel.backend=ddp or fsdp2, not zero3"),
+        ("fsdp2", 3, "parallel.sequence_parallel=3 does not divide the 2 ranks"),
+    ],
+)
+def test_sequence_parallelism_names_its_backends_and_a_divisor_of_the_ranks(monkeypatch, backend, size, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group forms
+    with pytest.raises(ValueError, match=message):
+        init_backend(ParallelConfig(backend=backend, sequence_parallel=size), CPU, 1.0)
+
+
+def test_a_sequence_parallel_group_is_one_replica():
+    from trainer.distributed import World
+
+    ranks = [World(rank, 8, rank, 8, sequence_parallel=4) for rank in range(8)]
+    assert [w.replica for w in ranks] == [0, 0, 0, 0, 1, 1, 1, 1] and {w.replicas for w in ranks} == {2}
+    assert World(5, 8, 5, 8).replica == 5 and World(5, 8, 5, 8).replicas == 8
+
+
+def test_sequence_parallelism_refuses_an_ip_adapter_as_the_config_is_read():
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=2 does not compose with model\.ip_adapter"):
+        load_config(
+            overrides=[
+                "model.name=flux",
+                "model.ip_adapter={image_encoder: /enc, num_tokens: 4}",
+                "parallel.backend=fsdp2",
+                "parallel.sequence_parallel=2",
+            ]
+        )

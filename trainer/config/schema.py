@@ -162,6 +162,10 @@ class ParallelConfig:
     from its first forward; zero3: all when sampling starts), so T steps gather them once rather than T times,
     at the full weights' memory. False: gather in every forward (weights too big for one device). Unset: on,
     except with cpu_offload, whose point is not to hold the full weights on the device."""
+    sequence_parallel: PositiveInt = 1
+    """Ranks that split each sample's tokens (Ulysses attention over heads; ddp and fsdp2, denoisers whose diffusers
+    class has a context-parallel plan: Wan, Flux, Flux.2, Qwen-Image): a long video's activations divide over
+    them. The world forms replicas of this many consecutive ranks, each one data-parallel replica. 1: off."""
     deepspeed_config: LocalPath = ""
     """A DeepSpeed JSON config to use instead of the packaged trainer/distributed/deepspeed_configs/zero{2,3}.json
     (linked from deploy/deepspeed/); its "auto" values are filled from this config (clipping, dtypes, offload),
@@ -365,6 +369,11 @@ class Config:
                 "per-layer graphs (no fusion; graphs, recompiles and compile time multiply); use "
                 "parallel.backend=fsdp2 (whole blocks sharded, each one graph) or zero2, or "
                 "model.compile=none"
+            )
+        if self.parallel.sequence_parallel > 1 and getattr(self.model, "ip_adapter", None):
+            raise ValueError(
+                f"parallel.sequence_parallel={self.parallel.sequence_parallel} does not compose with model.ip_adapter: "
+                "its attention processors attend over one rank's tokens; unset one of them"
             )
         if self.train.early_stop and not self.eval.every:
             raise ValueError(

@@ -7,6 +7,7 @@ many nodes; ``parallel.backend`` picks the engine by name from ``BACKENDS``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -32,6 +33,7 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
         kind = "ddp" if world.world_size > 1 else "single"
     if kind not in BACKENDS:
         raise ValueError(f"parallel.backend={kind!r} is not one of auto, {', '.join(BACKENDS)}")
+    world = dataclasses.replace(world, sequence_parallel=sequence_groups(parallel.sequence_parallel, kind, world))
     param_dtype, reduce_dtype = _DTYPES[parallel.param_dtype], _DTYPES[parallel.reduce_dtype]
     if kind in ("single", "ddp") and (
         param_dtype != torch.float32 or reduce_dtype != torch.float32 or parallel.cpu_offload
@@ -46,6 +48,21 @@ def init_backend(parallel: Any, device: torch.device, max_grad_norm: float) -> P
             f"not by parallel.backend={kind}: set parallel.backend=zero2 or zero3, or drop it"
         )
     return BACKENDS[kind](parallel, device, world, max_grad_norm)
+
+
+def sequence_groups(size: int, kind: str, world: World) -> int:
+    """``parallel.sequence_parallel``, checked against the backend ``kind`` and the ``world``'s ranks."""
+    if size > 1 and kind not in ("ddp", "fsdp2"):
+        raise ValueError(
+            f"parallel.sequence_parallel={size} runs under parallel.backend=ddp or fsdp2, not {kind}: "
+            "set one of them, or parallel.sequence_parallel=1"
+        )
+    if world.world_size % size:
+        raise ValueError(
+            f"parallel.sequence_parallel={size} does not divide the {world.world_size} ranks: choose a divisor "
+            "(the ranks form data-parallel replicas of that many ranks each)"
+        )
+    return size
 
 
 def _single(parallel: Any, device: torch.device, world: World, max_grad_norm: float) -> ParallelBackend:

@@ -32,6 +32,19 @@ class World:
     local_world_size: int
     node: int = 0
     """This machine's index among the job's (torchrun's GROUP_RANK)."""
+    sequence_parallel: int = 1
+    """Ranks per sequence-parallel group (``parallel.sequence_parallel``): consecutive ranks that hold the same
+    samples and split each one's tokens; a group is one data-parallel replica."""
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica: what data sharding, seeds and reward gathering count in."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def replicas(self) -> int:
+        """The number of data-parallel replicas (ranks / ``sequence_parallel``)."""
+        return self.world_size // self.sequence_parallel
 
     @property
     def spans_machines(self) -> bool:
@@ -148,6 +161,11 @@ class ParallelBackend(Protocol):
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on each) along dim 0, rank-major."""
+        ...
+
+    def gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every data-parallel replica's ``tensor`` along dim 0, replica-major: ``gather`` with one
+        rank per sequence-parallel group (its ranks hold the same samples)."""
         ...
 
     def mean(self, values: dict[str, float]) -> dict[str, float]:
@@ -299,6 +317,10 @@ class SingleProcess:
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        every, size = self.gather(tensor), self.world.sequence_parallel
+        return every if size == 1 else every.unflatten(0, (self.world.world_size, -1))[::size].flatten(0, 1)
+
     def mean(self, values: dict[str, float]) -> dict[str, float]:
         return dict(values)
 
@@ -325,9 +347,39 @@ class DDP(SingleProcess):
         self.world = world
         init_process_group(device, dist_backend)
         self.modules: list[nn.Module] = []
+        self.sequence = None
+        if world.sequence_parallel > 1:
+            from trainer.distributed.sequence import SequenceParallel  # imports diffusers: only when asked for
+
+            self.sequence = SequenceParallel(world.rank, world.world_size, world.sequence_parallel, device)
 
     def prepare(self, module, params, make_optimizer, shard_units=()):
-        return self._wrap_auxiliary(super().prepare(module, params, make_optimizer, shard_units))
+        module = super().prepare(module, params, make_optimizer, shard_units)
+        return self._wrap_auxiliary(self._split_sequences(module))
+
+    def _split_sequences(self, module: nn.Module) -> nn.Module:
+        """With ``parallel.sequence_parallel`` > 1, ``module``'s tokens split over its group (in place). Applied to
+        the live denoiser after its skeleton is taken, and to each frozen copy: diffusers' hooks close over the
+        module they were installed on, so a deep copy's would run the original's forward."""
+        if self.sequence is not None:
+            self.sequence.apply(module)
+        return module
+
+    def frozen_copy(self, module: nn.Module) -> nn.Module:
+        return self._split_sequences(super().frozen_copy(module))
+
+    def step(self, max_grad_norm: float) -> float:
+        self._sum_sequence_shares()
+        return super().step(max_grad_norm)
+
+    @torch.no_grad()
+    def _sum_sequence_shares(self) -> None:
+        """The reduction averaged the main gradients over every rank; a sequence-parallel group's ranks each held a
+        share of one replica's gradient, to be summed: multiply by the group size."""
+        if self.sequence is not None:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.sequence.size)
 
     def _wrap_auxiliary(self, module: nn.Module) -> nn.Module:
         wrapped = nn.parallel.DistributedDataParallel(

@@ -82,6 +82,7 @@ class FSDP2(DDP):
             logger.warning(hint)
         self.scaler = loss_scaler(module, self.device, param_dtype, ShardedGradScaler)
         self.params = self._shard(module, params, shard_units)
+        self._split_sequences(module)
         self.optimizer = make_optimizer(self.params)
         return module
 
@@ -147,6 +148,7 @@ class FSDP2(DDP):
                 module.set_requires_gradient_sync(True)
 
     def step(self, max_grad_norm: float) -> float:
+        self._sum_sequence_shares()
         for opt in self._optimizers():
             self.scaler.unscale_(opt)  # ShardedGradScaler: whether any rank's shard overflowed, agreed by all
         norms = [_clip_sharded(self.params, max_grad_norm)]
@@ -204,10 +206,11 @@ class FSDP2(DDP):
 
     @torch.no_grad()
     def frozen_copy(self, module: nn.Module) -> nn.Module:
-        """Unsharded on every rank (not sharded again): its forwards then need no collective, so ranks may
-        call it different numbers of times; it costs one full denoiser per rank."""
+        """Unsharded on every rank (not sharded again): its forwards then need no collective (but their
+        sequence-parallel group's, whose ranks call it alike), so replicas may call it different numbers of
+        times; it costs one full denoiser per rank."""
         params = {name: _full(p).to(self.device) for name, p in module.named_parameters()}
-        return materialize(self.skeletons[id(module)], params, dict(module.named_buffers()))
+        return self._split_sequences(materialize(self.skeletons[id(module)], params, dict(module.named_buffers())))
 
     def reference(self, module: nn.Module, spec) -> nn.Module:
         """The forward gathers the weights from this rank's shards: swapped values are written into them."""

@@ -1,0 +1,99 @@
+"""A short GRPO job (RL, evaluation) with ``parallel.sequence_parallel=2`` on 2 torchrun processes gives
+the losses of the same job in one process: the 2 ranks form one data-parallel replica that splits each sample's
+tokens, so it sees the single process's data and noise. Parametrized by adapter name: any adapter whose tiny
+model's transformer has a diffusers context-parallel plan (tests/tiny_models); add ``wan`` where it exists.
+Slow tier: two job start-ups and a reward server (~2 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+MODELS = ("flux",)
+"""Adapters whose tiny transformer has a context-parallel plan and whose token counts divide by 2."""
+KEYS = ("policy_loss", "grad_norm", "reward_mean", "kl")
+TOL, ATOL = 1e-4, 1e-6
+"""Relative and absolute: attention and the gradient reductions sum in another order, and the rollouts' rounding
+reaches the rewards and the next step's samples (observed: 1e-6 relative)."""
+
+
+@pytest.fixture(scope="module")
+def reward_url(tmp_path_factory) -> Iterator[str]:
+    from trainer.rewards.launcher import LocalRewardPool
+
+    with LocalRewardPool(
+        ["brightness"], replicas=1, log_dir=tmp_path_factory.mktemp("reward"), ready_timeout_s=600
+    ) as pool:
+        yield pool.urls[0]
+
+
+def job(name: str, root: Path, out: Path, run: str, reward_url: str) -> list[str]:
+    """trainer/main.py's arguments: the tiny model ``name`` (built under ``root``), 2 RL epochs of 2 prompts x 4
+    samples with a KL to the reference, an evaluation after each."""
+    import tiny_models as testing
+
+    model = testing.tiny_config(name, root)
+    prompts = root / "prompts.txt"
+    prompts.write_text("".join(f"a {colour} square\n" for colour in ("red", "green", "blue", "white", "black")))
+    return [
+        f"model.name={name}",
+        f"model.path={model.path}",
+        f"model.resolution={model.resolution}",
+        f"model.max_sequence_length={model.max_sequence_length}",
+        "model.dtype=float32",
+        "data.name=prompt_file",
+        f"data.path={prompts}",
+        "data.prompts_per_epoch=2",
+        "algorithm.group_size=4",
+        "algorithm.kl_beta=0.04",
+        "train.warmup_steps=0",  # a prompt file has no supervised images: RL and evaluation only
+        "train.epochs=2",
+        "train.checkpoint_every=0",
+        "eval.samples_per_prompt=1",
+        "eval.num_steps=2",
+        "eval.every=1",
+        "reward.weights={brightness: 1.0}",
+        f"reward.urls=[{reward_url}]",
+        f"logging.output_dir={out}",
+        f"logging.run_name={run}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+
+
+def _run(nproc: int, args: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += [] if nproc == 1 else [f"--nproc_per_node={nproc}"]
+    out = subprocess.run([*launcher, "trainer/main.py", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+
+
+def _records(run_dir: Path) -> dict[str, list[dict]]:
+    by_phase: dict[str, list[dict]] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        by_phase.setdefault(record["phase"], []).append(record)
+    return by_phase
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_two_ranks_splitting_tokens_train_like_one_process(name, reward_url, tmp_path):
+    _run(1, job(name, tmp_path / "models", tmp_path, "single", reward_url))
+    split = ["parallel.backend=fsdp2", "parallel.sequence_parallel=2"]
+    _run(2, [*job(name, tmp_path / "models", tmp_path, "split", reward_url), *split])
+    single, parallel = _records(tmp_path / "single"), _records(tmp_path / "split")
+    for phase in ("rl", "eval"):
+        expected, got = single.get(phase, []), parallel.get(phase, [])
+        assert expected and [r["step"] for r in got] == [r["step"] for r in expected], phase
+        for a, b in zip(expected, got, strict=True):
+            for key in (k for k in KEYS if k in a):
+                assert abs(b[key] - a[key]) <= TOL * abs(a[key]) + ATOL, (phase, a["step"], key, a[key], b[key])
