@@ -175,6 +175,8 @@ MODELS: dict[str, ModelSpec] = {
         text="trainer.models.flux2:KleinText",
         loads_pipelines=("Flux2KleinPipeline",),
     ),
+    "wan": ModelSpec("trainer.models.wan:WanAdapter"),
+    "wan22": ModelSpec("trainer.models.wan:WanAdapter", config="trainer.models.wan:Wan22Config"),
 }
 """Model name -> its family's adapter and variant. Adding a variant of a family: one entry here (and a preset);
 adding a family: its adapter file and one entry."""
