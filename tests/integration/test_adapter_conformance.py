@@ -678,6 +678,12 @@ def test_image_inputs_are_validated(adapter):
         with pytest.raises(ValueError, match="ImageInputs.reference"):
             adapter.encode_prompts(PROMPTS, ImageInputs(reference=good.reference[:1]))
         return
+    if good.mask is None:  # an image alone (a video's first frame)
+        with pytest.raises(ValueError, match="ImageInputs.image"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image[..., :-2, :-2]))
+        with pytest.raises(ValueError, match="ImageInputs.image"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image[:1]))
+        return
     with pytest.raises(ValueError, match="ImageInputs.mask"):
         adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image))
     with pytest.raises(ValueError, match="ImageInputs.image"):

@@ -10,6 +10,7 @@ import torch
 from tiny_models import tiny_config
 
 from trainer.models import build_adapter
+from trainer.models.base import ImageInputs
 from trainer.models.common import LoraSettings
 from trainer.rollout import SamplerSettings, rollout
 
@@ -58,7 +59,9 @@ def test_the_experts_run_their_own_rows_at_their_own_guidance(root):
     assert adapter.denoiser.high_noise(sigma * 1000).tolist() == [True, False]
     with torch.no_grad():
         both = adapter.predict(adapter.denoiser, x, sigma, cond, 3.0)
-        alone = [adapter.predict(adapter.denoiser, x[i : i + 1], sigma[i : i + 1], cond.select([i]), 3.0) for i in (0, 1)]
+        alone = [
+            adapter.predict(adapter.denoiser, x[i : i + 1], sigma[i : i + 1], cond.select([i]), 3.0) for i in (0, 1)
+        ]
         by_expert = [
             adapter.predict(expert, x[i : i + 1], sigma[i : i + 1], cond.select([i]), scale)
             for i, expert, scale in ((0, adapter.denoiser.transformer, 3.0), (1, adapter.denoiser.transformer_2, 2.0))
@@ -106,3 +109,63 @@ def test_decode_gives_frames_first_and_encode_inverts_its_layout(root):
     assert frames.shape == (2, 5, 3, 32, 32) and frames.dtype == torch.float32
     assert 0 <= float(frames.min()) <= float(frames.max()) <= 1
     assert adapter.encode_images(frames).shape == (2, *adapter.latent_shape)
+
+
+def test_ti2v_from_a_first_frame_equals_the_image_to_video_pipeline(root):
+    """Wan 2.2 TI2V-5B with a first frame is ``WanImageToVideoPipeline`` with ``expand_timesteps``: the frame's
+    latents pinned as the first latent frame at timestep 0 (the noise-0 rollout equals it, that frame included),
+    one pipeline call per image as the pipeline takes one."""
+    from diffusers import WanImageToVideoPipeline
+    from tiny_models import image_inputs
+
+    adapter = build_adapter(tiny_config("wan_ti2v", root, dtype="float32"), "cpu")
+    p = adapter.pipeline
+    i2v = WanImageToVideoPipeline(
+        tokenizer=p.tokenizer,
+        text_encoder=p.text_encoder,
+        vae=p.vae,
+        scheduler=p.scheduler,
+        transformer=p.transformer,
+        expand_timesteps=True,
+    )
+    i2v.set_progress_bar_config(disable=True)
+    inputs = image_inputs(adapter, 2, optional=True)
+    settings = SamplerSettings(num_steps=3, guidance_scale=3.0, kind="sde", noise_level=0.0)
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0), inputs
+    )
+    expected = torch.cat(
+        [
+            i2v(
+                prompt=[prompt],
+                image=inputs.image[i : i + 1],
+                latents=ro.latents[i : i + 1, 0],
+                height=adapter.height,
+                width=adapter.width,
+                num_frames=adapter.frames,
+                num_inference_steps=3,
+                guidance_scale=3.0,
+                max_sequence_length=adapter.config.max_sequence_length,
+                output_type="latent",
+            ).frames
+            for i, prompt in enumerate(PROMPTS)
+        ]
+    )
+    torch.testing.assert_close(ro.latents[:, -1], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ro.latents[:, -1, :, :1], ro.cond.image, rtol=0, atol=1e-6)
+    assert not torch.equal(
+        ro.latents[:, -1],
+        rollout(
+            adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0)
+        ).latents[:, -1],
+    )
+
+
+def test_an_image_to_video_model_needs_its_first_frame(root):
+    adapter = build_adapter(tiny_config("wan22_i2v", root), "cpu")
+    with pytest.raises(
+        ValueError, match=r"needs ImageInputs\.image .* because it generates the video from that first frame"
+    ):
+        adapter.encode_prompts(PROMPTS)
+    with pytest.raises(ValueError, match=r"ImageInputs\.image is \(16, 16\) pixels; .* generates \(32, 32\)"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=torch.rand(2, 3, 16, 16)))

@@ -155,10 +155,11 @@ def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False
 
     g = torch.Generator().manual_seed(seed)
     side = getattr(adapter, "resolution", 16)
+    size = (adapter.height, adapter.width) if adapter.modality == "video" else (side, side)  # a video's frames
     draws: dict[str, Callable[[], torch.Tensor]] = {
-        "image": lambda: torch.rand(batch_size, 3, side, side, generator=g),
-        "mask": lambda: (torch.rand(batch_size, 1, side, side, generator=g) > 0.5).float(),
-        "reference": lambda: torch.rand(batch_size, *references, 3, side, side, generator=g),
+        "image": lambda: torch.rand(batch_size, 3, *size, generator=g),
+        "mask": lambda: (torch.rand(batch_size, 1, *size, generator=g) > 0.5).float(),
+        "reference": lambda: torch.rand(batch_size, *references, 3, *size, generator=g),
     }
     spec = tiny(adapter.config.name)
     references = (spec.references,) if spec.references > 1 else ()

@@ -45,6 +45,27 @@ def wan_vae():
     ).eval()
 
 
+def wan22_vae():
+    """Wan 2.2's VAE (TI2V-5B): residual blocks over 2x2-patchified pixels, 16x spatial and 4x temporal."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=4,
+        decoder_base_dim=4,
+        z_dim=Z_DIM,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.3][:Z_DIM],
+        latents_std=[1.5, 0.8, 2.0, 1.2][:Z_DIM],
+    ).eval()
+
+
 def wan_transformer(in_channels: int = Z_DIM, **extra):
     """WanTransformer3DModel: 2 blocks of 2 heads of 12 (rope splits each head 4/4/4 over frames, rows, columns)."""
     from diffusers import WanTransformer3DModel
@@ -117,8 +138,104 @@ def wan22() -> TinySpec:
         config=dict(CONFIG, guidance_scale_2=2.0),
         guidance=3.0,
         device_reads_per_forward=1,
+        slow_dtype_cases=True,
     )
 
 
-SPECS = {"wan": wan, "wan22": wan22}
-"""Wan 2.1 T2V (``wan``) and Wan 2.2 T2V A14B (``wan22``)."""
+def _image_components(path: Path) -> dict:
+    """Wan 2.1 I2V's CLIP image tower (the tiny IP-Adapter encoder's sizes) and its image processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    side = parts.CLIP_VISION["image_size"]
+    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    return dict(image_encoder=CLIPVisionModel(CLIPVisionConfig(**parts.CLIP_VISION)).eval(), image_processor=processor)
+
+
+I2V_CHANNELS = 2 * Z_DIM + 4
+"""The I2V transformer's input: latents, the first frame's latents and the 4-channel frame mask."""
+
+
+def _wan21_i2v(path: Path) -> dict:
+    """Wan 2.1 I2V: one transformer that also attends to the first frame's CLIP tokens."""
+    hidden, inner = parts.CLIP_VISION["hidden_size"], 2 * 12
+    transformer = wan_transformer(I2V_CHANNELS, image_dim=hidden, added_kv_proj_dim=inner)
+    return dict(_wan21(path), transformer=transformer, **_image_components(path))
+
+
+def _wan22_i2v(path: Path) -> dict:
+    """Wan 2.2 I2V A14B: two experts, no image encoder."""
+    experts = dict(transformer=wan_transformer(I2V_CHANNELS), transformer_2=wan_transformer(I2V_CHANNELS))
+    return dict(_wan21(path), **experts, boundary_ratio=BOUNDARY_RATIO)
+
+
+def _i2v_pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    """The first frame as a tensor in [0, 1], one per call (the pipeline conditions a call on one image)."""
+    return dict(_pipeline_call(adapter, inputs, guidance_scale), image=inputs.image)
+
+
+def _clip_of_8bit_pictures(adapter) -> dict:
+    """Wan 2.1 I2V's CLIP path reads the 8-bit picture a user passes (a tensor's [0, 1] values would be taken for
+    8-bit ones; the pipeline refuses ``image_embeds`` beside the ``image`` it VAE-encodes): the tensor is handed
+    to its ``encode_image`` as that picture, as the adapter's ``clip_hidden_states`` does."""
+    import torch
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    original = WanImageToVideoPipeline.encode_image
+
+    def encode_image(self, image, device=None):
+        if isinstance(image, torch.Tensor):
+            pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+            image = [Image.fromarray(p) for p in pixels]
+        return original(self, image, device)
+
+    return {"diffusers.pipelines.wan.pipeline_wan_i2v.WanImageToVideoPipeline.encode_image": encode_image}
+
+
+def wan_i2v() -> TinySpec:
+    """The tiny Wan 2.1 I2V."""
+    return TinySpec(
+        components=_wan21_i2v,
+        pipeline_call=_i2v_pipeline_call,
+        config=CONFIG,
+        inputs=("image",),
+        data="inpaint_jsonl",
+        pipeline_one_prompt=True,
+        pipeline_patches=_clip_of_8bit_pictures,
+        slow_dtype_cases=True,
+    )
+
+
+def wan22_i2v() -> TinySpec:
+    """The tiny Wan 2.2 I2V A14B."""
+    return TinySpec(
+        components=_wan22_i2v,
+        pipeline_call=_i2v_pipeline_call,
+        config=dict(CONFIG, guidance_scale_2=2.0),
+        inputs=("image",),
+        data="inpaint_jsonl",
+        pipeline_one_prompt=True,
+        device_reads_per_forward=1,
+        slow_dtype_cases=True,
+    )
+
+
+def _wan22_ti2v(path: Path) -> dict:
+    """Wan 2.2 TI2V-5B: one transformer at a timestep per token (``expand_timesteps``), Wan 2.2's VAE."""
+    return dict(_wan21(path), vae=wan22_vae(), expand_timesteps=True)
+
+
+def wan_ti2v() -> TinySpec:
+    """The tiny TI2V-5B at 32x64 pixels (2 latent frames of 2x4: 4 tokens); its optional first frame's parity
+    is tests/integration/test_wan.py's."""
+    return TinySpec(
+        components=_wan22_ti2v,
+        pipeline_call=_pipeline_call,
+        config=dict(CONFIG, width=64),
+        optional_inputs=("image",),
+        slow_dtype_cases=True,
+    )
+
+
+SPECS = {"wan": wan, "wan22": wan22, "wan_i2v": wan_i2v, "wan22_i2v": wan22_i2v, "wan_ti2v": wan_ti2v}
+"""Wan 2.1 T2V, Wan 2.2 T2V A14B, Wan 2.1 I2V, Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B."""

@@ -177,6 +177,22 @@ MODELS: dict[str, ModelSpec] = {
     ),
     "wan": ModelSpec("trainer.models.wan:WanAdapter"),
     "wan22": ModelSpec("trainer.models.wan:WanAdapter", config="trainer.models.wan:Wan22Config"),
+    "wan_i2v": ModelSpec(
+        "trainer.models.wan:WanAdapter",
+        "diffusers:WanImageToVideoPipeline",
+        parts=("trainer.models.wan_parts:FIRST_FRAME",),
+    ),
+    "wan22_i2v": ModelSpec(
+        "trainer.models.wan:WanAdapter",
+        "diffusers:WanImageToVideoPipeline",
+        config="trainer.models.wan:Wan22Config",
+        parts=("trainer.models.wan_parts:FIRST_FRAME",),
+    ),
+    "wan_ti2v": ModelSpec(
+        "trainer.models.wan:WanAdapter",
+        config="trainer.models.wan:WanTI2VConfig",
+        parts=("trainer.models.wan_parts:PINNED_FIRST_FRAME",),
+    ),
 }
 """Model name -> its family's adapter and variant. Adding a variant of a family: one entry here (and a preset);
 adding a family: its adapter file and one entry."""

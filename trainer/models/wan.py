@@ -24,13 +24,14 @@ import torch
 from torch import nn
 
 from trainer.config.fields import NonNegativeFloat, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, StepFunction
+from trainer.models.base import IMAGE_FIELDS, Conditioning, ImageInputs, StepFunction
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, denoiser_config, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
+from trainer.models.wan_parts import WanExperts
 from trainer.samplers import flow_step, standard_normal
 
 if TYPE_CHECKING:
@@ -79,88 +80,19 @@ class Wan22Config(WanConfig):
     two_experts: ClassVar[bool] = True
 
 
-class WanExperts(nn.Module):
-    """Wan 2.2's two experts as one denoiser: rows whose timestep >= ``boundary`` run ``transformer`` (high
-    noise), the others ``transformer_2``, a batch with both split and joined back. Choosing reads the timesteps
-    on the host, once per forward, as the pipeline's loop does. The experts not in ``trained`` stay frozen."""
+@dataclass
+class WanTI2VConfig(WanConfig):
+    """Wan 2.2 TI2V-5B (one transformer, the 16x16 VAE of 48 channels, a timestep per token): text-to-video, or
+    image-to-video from an optional first frame (``ImageInputs.image``). Its defaults are its 720p videos."""
 
-    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary: float, trained: tuple[str, ...]):
-        super().__init__()
-        self.transformer, self.transformer_2, self.boundary = transformer, transformer_2, boundary
-        self.trained = trained
-
-    def _trained(self) -> list[nn.Module]:
-        return [getattr(self, name) for name in self.trained]
-
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs) -> tuple[torch.Tensor]:
-        """The experts' ``forward(..., return_dict=False)`` per row."""
-        kwargs.pop("return_dict", None)
-        high = self.high_noise(timestep)
-        count = int(high.sum())
-        if count in (0, len(high)):
-            expert = self.transformer if count else self.transformer_2
-            return expert(hidden_states=hidden_states, timestep=timestep, **kwargs, return_dict=False)
-        out = hidden_states.new_empty(
-            hidden_states.shape[0], self.transformer.config.out_channels, *hidden_states.shape[2:]
-        )
-        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
-            picked = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            out[rows] = expert(hidden_states=hidden_states[rows], timestep=timestep[rows], **picked, return_dict=False)[
-                0
-            ]
-        return (out,)
-
-    def high_noise(self, timestep: torch.Tensor) -> torch.Tensor:
-        """[B] bool: the rows the high noise expert runs (per-token timesteps: by their largest)."""
-        t = timestep if timestep.ndim == 1 else timestep.amax(1)
-        return t >= self.boundary
-
-    def requires_grad_(self, requires_grad: bool = True) -> WanExperts:
-        super().requires_grad_(requires_grad)
-        for name in ("transformer", "transformer_2"):
-            if name not in self.trained:
-                getattr(self, name).requires_grad_(False)
-        return self
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    @property
-    def peft_config(self) -> dict:
-        return self._trained()[0].peft_config
-
-    def add_adapter(self, config) -> None:
-        for expert in self._trained():
-            expert.add_adapter(config)
-
-    def disable_adapters(self) -> None:
-        for expert in self._trained():
-            expert.disable_adapters()
-
-    def enable_adapters(self) -> None:
-        for expert in self._trained():
-            expert.enable_adapters()
-
-    def enable_gradient_checkpointing(self) -> None:
-        self.transformer.enable_gradient_checkpointing()
-        self.transformer_2.enable_gradient_checkpointing()
-
-    def save_pretrained(self, directory: str) -> None:
-        """Both experts, as ``transformer/`` and ``transformer_2/`` of ``directory``."""
-        self.transformer.save_pretrained(str(Path(directory) / "transformer"))
-        self.transformer_2.save_pretrained(str(Path(directory) / "transformer_2"))
-
-    @classmethod
-    def from_pretrained(cls, directory: str, torch_dtype: torch.dtype | None = None) -> WanExperts:
-        """What ``save_pretrained`` wrote (its weights; routing is the loading adapter's)."""
-        from diffusers import WanTransformer3DModel
-
-        experts = [
-            WanTransformer3DModel.from_pretrained(str(Path(directory) / name), torch_dtype=torch_dtype)
-            for name in ("transformer", "transformer_2")
-        ]
-        return cls(*experts, boundary=0.0, trained=())
+    name: str = "wan_ti2v"
+    frames: PositiveInt = 121
+    """Pixel frames per video: 4k + 1 (121: five seconds at 24 fps)."""
+    height: PositiveInt = 704
+    """Frame height in pixels: a multiple of 32 (the VAE's 16 times the 2x2 patches)."""
+    width: PositiveInt = 1280
+    """Frame width in pixels: a multiple of 32."""
+    fps: PositiveInt = 24
 
 
 def check_video_size(config: WanConfig, temporal: int, spatial: int) -> None:
@@ -180,6 +112,37 @@ def check_video_size(config: WanConfig, temporal: int, spatial: int) -> None:
             below = value // spatial * spatial
             nearest = f"{below} and {below + spatial}" if below else f"{spatial}"
             raise ValueError(f"model.{side}={value} must be a multiple of {spatial}: the nearest are {nearest}")
+
+
+def refuse_other_variant(config: WanConfig, two: bool, expands: bool, in_channels: int, first_frame) -> None:
+    """A ValueError naming the fix where ``model.path`` holds another Wan variant than ``model.name`` runs: another
+    count of experts, TI2V-5B's timestep per token (``expand_timesteps``) or not, another transformer input width
+    (text- vs image-to-video), found from the folder's configs before any weight is read."""
+    where = f"model.path={config.path!r} holds"
+    if two != config.two_experts:
+        has, other = ("two experts", "wan22") if two else ("one transformer", "wan")
+        raise ValueError(
+            f"{where} a Wan model with {has}, and model.name={config.name} runs {'one' if two else 'two'}: "
+            f"point model.path at its weights, or set model.name={other} (or its _i2v variant)"
+        )
+    pinned = bool(first_frame and first_frame.pinned)
+    if expands != pinned:
+        has = "a Wan 2.2 TI2V-5B (expand_timesteps)" if expands else "no Wan 2.2 TI2V-5B (no expand_timesteps)"
+        raise ValueError(
+            f"{where} {has} in model_index.json, and model.name={config.name} is "
+            f"{'' if pinned else 'not '}one: point model.path at its weights, or set model.name to "
+            f"{'wan_ti2v' if expands else 'wan, wan22 or their _i2v variants'}"
+        )
+    vae = json.loads((Path(config.path) / "vae" / "config.json").read_text())
+    z_dim, temporal = vae.get("z_dim", 16), vae.get("scale_factor_temporal", 4)
+    wanted = z_dim + (first_frame.channels(z_dim, temporal) if first_frame else 0)
+    if in_channels != wanted:
+        kind = "image-to-video" if first_frame and not first_frame.pinned else "text-to-video"
+        raise ValueError(
+            f"{where} a Wan transformer of {in_channels} input channels, and model.name={config.name} ({kind}) "
+            f"feeds it {wanted}: point model.path at a Wan {kind} checkpoint, or set model.name to the Wan variant "
+            "of the one there"
+        )
 
 
 def euler_scheduler(path: Path, flow_shift: float):
@@ -202,13 +165,13 @@ def pipeline_settings(config: WanConfig) -> dict:
 
 
 class WanAdapter:
-    """ModelAdapter for Wan text-to-video checkpoints (2.1: ``wan``; 2.2 A14B: ``wan22``)."""
+    """ModelAdapter for Wan checkpoints: text-to-video (2.1: ``wan``; 2.2 A14B: ``wan22``), image-to-video (a
+    first-frame part: ``wan_i2v``, ``wan22_i2v``) and Wan 2.2 TI2V-5B (``wan_ti2v``)."""
 
     sampler_kind = "flow"
     modality = "video"
     shard_units = Imported(("diffusers.models.transformers.transformer_wan:WanTransformerBlock",))
     config_class = WanConfig
-    reads_trajectory = False
     compiled_blocks = ()
     pipeline_class = Imported("diffusers:WanPipeline")
     text_components = Imported(
@@ -224,36 +187,30 @@ class WanAdapter:
         from trainer.models import MODELS
 
         path = Path(config.path)
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = DTYPES[config.dtype]
+        self.config, self.device, self.dtype = config, torch.device(device), DTYPES[config.dtype]
+        self.pipeline_class, parts = MODELS[config.name].pipeline_class, MODELS[config.name].conditioning
+        self.first_frame = parts[0] if parts else None
+        self.reads_trajectory = any(part.reads_trajectory for part in parts)
         settings = pipeline_settings(config)
-        experts = self._load_experts(config, settings["boundary_ratio"])
+        experts = self._load_experts(config, settings, self.first_frame)
         self.scheduler = euler_scheduler(path, config.flow_shift)
         self.vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=self.dtype)
-        self.pipeline = MODELS[config.name].pipeline_class(
+        images = self.first_frame.components(path, self.dtype, self.device) if self.first_frame else {}
+        self.pipeline = self.pipeline_class(
             vae=self.vae,
             scheduler=self.scheduler,
             **experts,
             **settings,
+            **images,
             **load_text_components(config, self.device),
         )
         self.pipeline.to(self.device)
         freeze(self.vae)
-        refuse_image_latents(config.name, config)
+        if not parts:
+            refuse_image_latents(config.name, config)
         self.image_latents = ImageLatents.of(self.vae, config)
-
-        temporal, spatial = self.pipeline.vae_scale_factor_temporal, self.pipeline.vae_scale_factor_spatial
-        self.patch = experts["transformer"].config.patch_size
-        check_video_size(config, temporal, spatial * self.patch[1])
-        self.frames, self.height, self.width, self.fps = config.frames, config.height, config.width, config.fps
-        self.resolution = max(self.height, self.width)
-        self.latent_shape = (
-            self.vae.config.z_dim,
-            (self.frames - 1) // temporal + 1,
-            self.height // spatial,
-            self.width // spatial,
-        )
+        self._video_shape(config, experts["transformer"].config.patch_size)
+        self.expand_timesteps = bool(settings["expand_timesteps"])
         if len(experts) == 1:
             self.denoiser = experts["transformer"]
         else:
@@ -262,20 +219,27 @@ class WanAdapter:
         self.trainable = Trainable(self.denoiser, config.lora, config.gradient_checkpointing)
         self.prompts = PromptEmbeddings.of(self, config)
 
+    def _video_shape(self, config: WanConfig, patch: tuple[int, int, int]) -> None:
+        """Checks the configured video size and sets ``frames``, ``height``, ``width``, ``fps``, ``latent_shape``."""
+        temporal, spatial = self.pipeline.vae_scale_factor_temporal, self.pipeline.vae_scale_factor_spatial
+        check_video_size(config, temporal, spatial * patch[1])
+        self.patch = patch
+        self.frames, self.height, self.width, self.fps = config.frames, config.height, config.width, config.fps
+        self.resolution = max(self.height, self.width)
+        """The longer side: what a reward server's largest image side must take."""
+        latent_frames = (self.frames - 1) // temporal + 1
+        self.latent_shape = (self.vae.config.z_dim, latent_frames, self.height // spatial, self.width // spatial)
+
     @staticmethod
-    def _load_experts(config: WanConfig, boundary_ratio: float | None) -> dict[str, nn.Module]:
-        """``transformer`` (and Wan 2.2's ``transformer_2``), refused where the folder has the other count."""
+    def _load_experts(config: WanConfig, settings: dict, first_frame) -> dict[str, nn.Module]:
+        """``transformer`` (and Wan 2.2's ``transformer_2``), refused where the folder has the other count of
+        experts or transformers of another input width (text-to-video vs image-to-video), before any weight."""
         from diffusers import WanTransformer3DModel
 
         load = {"torch_dtype": DTYPES[config.dtype]}
-        denoiser_config(WanTransformer3DModel, config, "transformer", "Wan")  # a Wan folder, before the count
-        two = (Path(config.path) / "transformer_2").is_dir() and boundary_ratio is not None
-        if two != config.two_experts:
-            has, other = ("two experts", "wan22") if two else ("one transformer", "wan")
-            raise ValueError(
-                f"model.path={config.path!r} holds a Wan model with {has}, and model.name={config.name} runs "
-                f"{'one' if two else 'two'}: point model.path at its weights, or set model.name={other}"
-            )
+        saved = denoiser_config(WanTransformer3DModel, config, "transformer", "Wan")
+        two = (Path(config.path) / "transformer_2").is_dir() and settings["boundary_ratio"] is not None
+        refuse_other_variant(config, two, bool(settings["expand_timesteps"]), saved.get("in_channels", 16), first_frame)
         experts = {"transformer": load_denoiser(WanTransformer3DModel, config, "transformer", "Wan", **load)}
         if two:
             experts["transformer_2"] = load_denoiser(WanTransformer3DModel, config, "transformer_2", "Wan", **load)
@@ -293,9 +257,13 @@ class WanAdapter:
         return {"prompt_embeds": embeds}
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Per-prompt embeddings, cached by prompt text. Text-to-video takes no image inputs."""
-        reject_image_inputs(self.config.name, inputs)
-        return Conditioning(embeds=self.prompts.cat(prompts))
+        """Per-prompt embeddings, cached by prompt text, and the first frame's conditioning where the variant
+        takes one (``ImageInputs.image``); text-to-video takes no image inputs."""
+        reject_image_inputs(self.config.name, inputs, allowed=self.first_frame.fields if self.first_frame else ())
+        embeds = self.prompts.cat(prompts)
+        images = self.first_frame.encode(self, len(prompts), inputs) if self.first_frame else {}
+        embeds.update({k: v for k, v in images.items() if k not in IMAGE_FIELDS})
+        return Conditioning(embeds=embeds, **{k: v for k, v in images.items() if k in IMAGE_FIELDS})
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
@@ -325,24 +293,35 @@ class WanAdapter:
         high = self.denoiser.high_noise(timestep)
         return torch.where(high, guidance_scale, low).reshape(-1, 1, 1, 1, 1)
 
+    def _timesteps(self, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The transformer's timesteps: [B], or with ``expand_timesteps`` (TI2V-5B) one per token [B, L], 0 on a
+        pinned first frame's tokens, as the pipelines make them."""
+        if not self.expand_timesteps:
+            return timestep
+        mask = self.first_frame.first_frame_mask(self, cond) if self.first_frame else None
+        if mask is None:
+            mask = torch.ones(1, 1, *self.latent_shape[1:], device=self.device)
+        return (mask[0][0][:, ::2, ::2].flatten()[None] * timestep[:, None]).contiguous()
+
     def predict(
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity; CFG (``guidance_scale > 1``, as the pipeline decides) as one forward over [negative;
-        prompt], combined in float32."""
+        prompt], combined in float32; the first frame's conditioning joined as the pipelines join it."""
         embeds = cond.embeds["prompt_embeds"]
-        timestep = sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps
-        x = latents.to(self.dtype)
+        timestep = self._timesteps(sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps, cond)
+        x, extra = self.first_frame.join(self, latents.float(), cond) if self.first_frame else (latents, {})
+        x = x.to(self.dtype)
         cfg = guidance_scale > 1.0
         n = x.shape[0]
         if cfg:
             neg = self.prompts([self.config.negative_prompt])[0]["prompt_embeds"]
             embeds = torch.cat([neg.expand(n, -1, -1), embeds])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
-        if cfg:
-            return cfg_combine(*out.chunk(2), self.guidance(timestep[:n], guidance_scale))
-        return out.float()
+            extra = {k: torch.cat([v, v]) for k, v in extra.items()}
+        out = net(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds, **extra, return_dict=False)[0]
+        v = cfg_combine(*out.chunk(2), self.guidance(timestep[:n], guidance_scale)) if cfg else out.float()
+        return self.first_frame.velocity(self, v, latents, sigma, cond) if self.first_frame else v
 
     def training_target(
         self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
@@ -350,7 +329,7 @@ class WanAdapter:
         """Rectified flow: x_sigma = (1 - sigma) x0 + sigma noise, target velocity = noise - x0."""
         return rectified_flow_target(x0, noise, sigma)
 
-    def _statistics(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent_statistics(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's per-channel latent mean and 1 / std, [1, C, 1, 1, 1] in ``dtype``, as the pipelines make them."""
         shape = (1, self.vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(self.vae.config.latents_mean).view(shape).to(self.device, dtype)
@@ -363,7 +342,7 @@ class WanAdapter:
         its condition; the inverse of ``decode``) for supervised targets."""
         x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype).transpose(1, 2)
         latents = self.vae.encode(x).latent_dist.mode().float()
-        mean, inv_std = self._statistics(torch.float32)
+        mean, inv_std = self.latent_statistics(torch.float32)
         return (latents - mean) * inv_std
 
     @torch.no_grad()
@@ -371,6 +350,6 @@ class WanAdapter:
         """Frames [B, F, C, H, W] in [0, 1], float32: un-normalised and decoded in the VAE's dtype as the
         pipeline does."""
         x = latents.to(self.device, self.vae.dtype)
-        mean, inv_std = self._statistics(x.dtype)
+        mean, inv_std = self.latent_statistics(x.dtype)
         video = self.vae.decode(x / inv_std + mean, return_dict=False)[0].float()
         return (video / 2 + 0.5).clamp(0, 1).transpose(1, 2)
