@@ -29,7 +29,11 @@ def root(tmp_path_factory):
         ("frames", 2, r"model\.frames=2 must be 4k \+ 1 .*: the nearest are 1 and 5"),
         ("height", 40, r"model\.height=40 must be a multiple of 16: the nearest are 32 and 48"),
         ("width", 8, r"model\.width=8 must be a multiple of 16: the nearest are 16"),
-        ("resolution", 32, r"model\.resolution=32: wan takes model\.height and model\.width"),
+        (
+            "resolution",
+            32,
+            r"model\.resolution=32 does not apply to wan: unset it and set model\.height and model\.width",
+        ),
     ],
 )
 def test_video_sizes_are_checked_as_the_adapter_loads(field, value, message, root):

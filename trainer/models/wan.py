@@ -1,5 +1,6 @@
-"""Wan text-to-video (WanTransformer3DModel, flow matching, UMT5 text encoder, AutoencoderKLWan) from a local
-diffusers directory: Wan 2.1 (one transformer) and Wan 2.2 A14B (two experts switched at a timestep).
+"""Wan video models (WanTransformer3DModel, flow matching, UMT5 text encoder, AutoencoderKLWan) from a local
+diffusers directory: Wan 2.1 (one transformer) and Wan 2.2 A14B (two experts switched at a timestep), text- or
+image-to-video (a first-frame part, trainer/models/wan_parts.py), and Wan 2.2 TI2V-5B.
 
 Prompts go through ``WanPipeline.encode_prompt`` (cleaned, UMT5 hidden states zero-padded to
 ``max_sequence_length``). Latents are [C, F_latent, h, w] as the pipeline draws them; ``decode`` returns frames
@@ -99,7 +100,10 @@ def check_video_size(config: WanConfig, temporal: int, spatial: int) -> None:
     """ValueErrors naming the nearest valid values for frames that are not ``temporal`` k + 1 and sides that are
     not multiples of ``spatial``."""
     if config.resolution:
-        raise ValueError(f"model.resolution={config.resolution}: {config.name} takes model.height and model.width")
+        raise ValueError(
+            f"model.resolution={config.resolution} does not apply to {config.name}: unset it and set model.height "
+            "and model.width"
+        )
     if config.frames % temporal != 1 % temporal:
         below = (config.frames - 1) // temporal * temporal + 1
         raise ValueError(
