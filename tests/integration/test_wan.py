@@ -173,3 +173,33 @@ def test_an_image_to_video_model_needs_its_first_frame(root):
         adapter.encode_prompts(PROMPTS)
     with pytest.raises(ValueError, match=r"ImageInputs\.image is \(16, 16\) pixels; .* generates \(32, 32\)"):
         adapter.encode_prompts(PROMPTS, ImageInputs(image=torch.rand(2, 3, 16, 16)))
+
+
+def test_export_writes_both_experts_with_the_trained_ones_lora_merged(root, tmp_path):
+    """``trainer.export`` of Wan 2.2 (LoRA on the high noise expert): ``transformer/`` and ``transformer_2/`` load
+    with diffusers and predict what the trained experts predict; the LoRA alone is under ``lora/transformer``."""
+    from diffusers import WanTransformer3DModel
+
+    from trainer.export import export_denoiser
+
+    config = tiny_config("wan22", root, dtype="float32", experts="high_noise", lora=LoraSettings(rank=4, alpha=4))
+    adapter = build_adapter(config, "cpu")
+    with torch.no_grad():
+        for name, p in adapter.denoiser.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    cond = adapter.encode_prompts(PROMPTS)
+    x = adapter.prepare_latents(2, torch.Generator().manual_seed(0))
+    sigma = adapter.sigmas(3)[:2]  # one row per expert
+    with torch.no_grad():
+        expected = adapter.predict(adapter.denoiser, x, sigma, cond, 3.0)
+    export_denoiser(adapter.denoiser, tmp_path / "out")
+    assert (tmp_path / "out" / "lora" / "transformer").is_dir() and not (
+        tmp_path / "out" / "lora" / "transformer_2"
+    ).exists()
+    loaded = [
+        WanTransformer3DModel.from_pretrained(tmp_path / "out" / name) for name in ("transformer", "transformer_2")
+    ]
+    adapter.denoiser.transformer, adapter.denoiser.transformer_2 = loaded
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.predict(adapter.denoiser, x, sigma, cond, 3.0), expected, rtol=0, atol=1e-5)

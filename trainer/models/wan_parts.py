@@ -82,6 +82,19 @@ class WanExperts(nn.Module):
         self.transformer.enable_gradient_checkpointing()
         self.transformer_2.enable_gradient_checkpointing()
 
+    def save_lora_adapter(self, directory: str) -> None:
+        """Each trained expert's LoRA in diffusers' format, under ``directory``/``transformer`` (``_2``)."""
+        for name in self.trained:
+            getattr(self, name).save_lora_adapter(str(Path(directory) / name))
+
+    def fuse_lora(self) -> None:
+        for expert in self._trained():
+            expert.fuse_lora()
+
+    def unload_lora(self) -> None:
+        for expert in self._trained():
+            expert.unload_lora()
+
     def save_pretrained(self, directory: str) -> None:
         """Both experts, as ``transformer/`` and ``transformer_2/`` of ``directory``."""
         self.transformer.save_pretrained(str(Path(directory) / "transformer"))
