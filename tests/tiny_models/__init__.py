@@ -28,7 +28,7 @@ from tiny_models.parts import (  # noqa: F401 (the tests' helpers, by one name)
 from tiny_models.spec import TinySpec
 from trainer.models import MODELS
 
-FAMILIES = ("sd3", "flux", "chroma", "qwen_image", "flux2", "sd15_inpaint", "z_image")
+FAMILIES = ("sd3", "flux", "chroma", "qwen_image", "flux2", "sd15_inpaint", "z_image", "wan")
 """The modules of this package that declare tiny models (``SPECS``: registry name -> its TinySpec's maker)."""
 
 
@@ -126,7 +126,8 @@ def run_pipeline(
     with contextlib.ExitStack() as stack:
         for target, stand_in in patches.items():
             stack.enter_context(mock.patch(target, stand_in))
-        images = adapter.pipeline(**kwargs).images
+        output = adapter.pipeline(**kwargs)
+    images = output.frames if adapter.modality == "video" else output.images
     if output_type == "latent" and spec.pipeline_latents is not None:
         return spec.pipeline_latents(adapter, images)
     return images
@@ -154,10 +155,11 @@ def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False
 
     g = torch.Generator().manual_seed(seed)
     side = getattr(adapter, "resolution", 16)
+    size = (adapter.height, adapter.width) if adapter.modality == "video" else (side, side)  # a video's frames
     draws: dict[str, Callable[[], torch.Tensor]] = {
-        "image": lambda: torch.rand(batch_size, 3, side, side, generator=g),
-        "mask": lambda: (torch.rand(batch_size, 1, side, side, generator=g) > 0.5).float(),
-        "reference": lambda: torch.rand(batch_size, *references, 3, side, side, generator=g),
+        "image": lambda: torch.rand(batch_size, 3, *size, generator=g),
+        "mask": lambda: (torch.rand(batch_size, 1, *size, generator=g) > 0.5).float(),
+        "reference": lambda: torch.rand(batch_size, *references, 3, *size, generator=g),
     }
     spec = tiny(adapter.config.name)
     references = (spec.references,) if spec.references > 1 else ()

@@ -64,6 +64,9 @@ class TinySpec:
     no-grad rollout graphs and grad training graphs may round differently where it fuses them differently."""
     compiled_ratio_atol_bf16: float = 0.0
     """The same on CUDA in bfloat16, where above the suite's common bound (bench/RESULTS_GPU.md)."""
+    device_reads_per_forward: int = 0
+    """Reads of a device value per denoiser forward that its pipeline makes too (Wan 2.2's choice of expert by
+    timestep): the no-device-read check allows that many per forward."""
     slow_dtype_cases: bool = False
     """Its CPU bfloat16 / float16 conformance cases run in the slow tier: for a variant whose reduced-precision
     numerics are its parent adapter's (tested in the default tier) and whose tiny model is slow on the CPU."""

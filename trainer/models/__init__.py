@@ -183,6 +183,24 @@ MODELS = Registry(
             text="trainer.models.flux2:KleinText",
             loads_pipelines=("Flux2KleinPipeline",),
         ),
+        "wan": ModelSpec("trainer.models.wan:WanAdapter"),
+        "wan22": ModelSpec("trainer.models.wan:WanAdapter", config="trainer.models.wan:Wan22Config"),
+        "wan_i2v": ModelSpec(
+            "trainer.models.wan:WanAdapter",
+            "diffusers:WanImageToVideoPipeline",
+            parts=("trainer.models.wan_parts:FIRST_FRAME",),
+        ),
+        "wan22_i2v": ModelSpec(
+            "trainer.models.wan:WanAdapter",
+            "diffusers:WanImageToVideoPipeline",
+            config="trainer.models.wan:Wan22Config",
+            parts=("trainer.models.wan_parts:FIRST_FRAME",),
+        ),
+        "wan_ti2v": ModelSpec(
+            "trainer.models.wan:WanAdapter",
+            config="trainer.models.wan:WanTI2VConfig",
+            parts=("trainer.models.wan_parts:PINNED_FIRST_FRAME",),
+        ),
     },
     key="model.name",
 )

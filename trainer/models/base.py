@@ -169,6 +169,10 @@ class ModelAdapter(Protocol):
     every adapter module.
     """
 
+    modality: str
+    """What it generates: "image" (``decode`` -> [B, C, H, W]) or "video" (``decode`` -> frames [B, F, C, H, W],
+    ``latent_shape`` (C, F_latent, h, w), and ``fps`` and ``frames`` attributes)."""
+
     sampler_kind: str
     """Which step math this model's rollouts use: "flow" (velocity prediction) or "ddim" (epsilon)."""
 
@@ -246,9 +250,10 @@ class ModelAdapter(Protocol):
         ...
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1], float32, [B, C, H, W]."""
+        """Images in [0, 1], float32, [B, C, H, W]; a video model's frames [B, F, C, H, W]."""
         ...
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1] [B, C, H, W] -> the latents ``decode`` inverts (posterior mean): supervised targets."""
+        """Images in [0, 1] [B, C, H, W] (a video model's frames [B, F, C, H, W]) -> the latents ``decode`` inverts
+        (posterior mean): supervised targets."""
         ...

@@ -63,6 +63,7 @@ class ChromaAdapter:
     """ModelAdapter for Chroma checkpoints (Chroma1-HD, Chroma1-Base): text-to-image with true CFG, or inpainting
     with the ``INPAINT`` part."""
 
+    modality = "image"
     sampler_kind = "flow"
     reads_trajectory = False
     compiled_blocks = ()

@@ -62,6 +62,7 @@ class FluxConfig(DiffusersModelConfig):
 class FluxAdapter:
     """ModelAdapter for FLUX.1-dev checkpoints."""
 
+    modality = "image"
     sampler_kind = "flow"
     shard_units = Imported(
         (

@@ -79,6 +79,7 @@ def position_ids(t: int, h: int, w: int, length: int = 1) -> torch.Tensor:
 class Flux2Adapter:
     """ModelAdapter for FLUX.2 [dev] checkpoints (text-to-image)."""
 
+    modality = "image"
     sampler_kind = "flow"
     shard_units = Imported(
         (

@@ -108,6 +108,7 @@ def true_cfg(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Te
 class QwenImageAdapter:
     """ModelAdapter for Qwen-Image checkpoints (text-to-image)."""
 
+    modality = "image"
     sampler_kind = "flow"
     shard_units = Imported(("diffusers.models.transformers.transformer_qwenimage:QwenImageTransformerBlock",))
     config_class = QwenImageConfig

@@ -48,6 +48,7 @@ class SD15InpaintConfig(DiffusersModelConfig):
 class SD15InpaintAdapter:
     """ModelAdapter for SD1.5 inpainting: needs ``ImageInputs.image`` and ``.mask`` per prompt."""
 
+    modality = "image"
     sampler_kind = "ddim"
     shard_units = Imported(
         tuple(

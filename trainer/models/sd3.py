@@ -49,6 +49,7 @@ class SD3Config(DiffusersModelConfig):
 class SD3Adapter:
     """ModelAdapter for SD3-family checkpoints."""
 
+    modality = "image"
     sampler_kind = "flow"
     shard_units = Imported(("diffusers.models.transformers.transformer_sd3:JointTransformerBlock",))
     config_class = SD3Config

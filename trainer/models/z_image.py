@@ -54,6 +54,7 @@ class ZImageConfig(DiffusersModelConfig):
 class ZImageAdapter:
     """ModelAdapter for Z-Image checkpoints (text-to-image)."""
 
+    modality = "image"
     sampler_kind = "flow"
     shard_units = Imported(("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",))
     config_class = ZImageConfig

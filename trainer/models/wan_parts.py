@@ -1,0 +1,232 @@
+"""Wan's pieces besides its adapter (trainer/models/wan.py): Wan 2.2's two experts as one denoiser, and the
+image-to-video conditioning parts (registry data, ``ModelSpec.parts``): the first frame VAE-encoded with its
+mask as extra input channels (Wan 2.1 I2V also attends to its CLIP embedding; Wan 2.2 TI2V-5B instead pins the
+first latent frame to it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.inputs import require_image_input
+
+
+class WanExperts(nn.Module):
+    """Wan 2.2's two experts as one denoiser: rows whose timestep >= ``boundary`` run ``transformer`` (high
+    noise), the others ``transformer_2``, a batch with both split and joined back. Choosing reads the timesteps
+    on the host, once per forward, as the pipeline's loop does. The experts not in ``trained`` stay frozen."""
+
+    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary: float, trained: tuple[str, ...]):
+        super().__init__()
+        self.transformer, self.transformer_2, self.boundary = transformer, transformer_2, boundary
+        self.trained = trained
+
+    def _trained(self) -> list[nn.Module]:
+        return [getattr(self, name) for name in self.trained]
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs) -> tuple[torch.Tensor]:
+        """The experts' ``forward(..., return_dict=False)`` per row."""
+        kwargs.pop("return_dict", None)
+        high = self.high_noise(timestep)
+        count = int(high.sum())
+        if count in (0, len(high)):
+            expert = self.transformer if count else self.transformer_2
+            return expert(hidden_states=hidden_states, timestep=timestep, **kwargs, return_dict=False)
+        out = hidden_states.new_empty(
+            hidden_states.shape[0], self.transformer.config.out_channels, *hidden_states.shape[2:]
+        )
+        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+            picked = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            out[rows] = expert(hidden_states=hidden_states[rows], timestep=timestep[rows], **picked, return_dict=False)[
+                0
+            ]
+        return (out,)
+
+    def high_noise(self, timestep: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the rows the high noise expert runs (per-token timesteps: by their largest)."""
+        t = timestep if timestep.ndim == 1 else timestep.amax(1)
+        return t >= self.boundary
+
+    def requires_grad_(self, requires_grad: bool = True) -> WanExperts:
+        super().requires_grad_(requires_grad)
+        for name in ("transformer", "transformer_2"):
+            if name not in self.trained:
+                getattr(self, name).requires_grad_(False)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def peft_config(self) -> dict:
+        return self._trained()[0].peft_config
+
+    def add_adapter(self, config) -> None:
+        for expert in self._trained():
+            expert.add_adapter(config)
+
+    def disable_adapters(self) -> None:
+        for expert in self._trained():
+            expert.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for expert in self._trained():
+            expert.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.transformer.enable_gradient_checkpointing()
+        self.transformer_2.enable_gradient_checkpointing()
+
+    def save_lora_adapter(self, directory: str) -> None:
+        """Each trained expert's LoRA in diffusers' format, under ``directory``/``transformer`` (``_2``)."""
+        for name in self.trained:
+            getattr(self, name).save_lora_adapter(str(Path(directory) / name))
+
+    def fuse_lora(self) -> None:
+        for expert in self._trained():
+            expert.fuse_lora()
+
+    def unload_lora(self) -> None:
+        for expert in self._trained():
+            expert.unload_lora()
+
+    def save_pretrained(self, directory: str) -> None:
+        """Both experts, as ``transformer/`` and ``transformer_2/`` of ``directory``."""
+        self.transformer.save_pretrained(str(Path(directory) / "transformer"))
+        self.transformer_2.save_pretrained(str(Path(directory) / "transformer_2"))
+
+    @classmethod
+    def from_pretrained(cls, directory: str, torch_dtype: torch.dtype | None = None) -> WanExperts:
+        """What ``save_pretrained`` wrote (its weights; routing is the loading adapter's)."""
+        from diffusers import WanTransformer3DModel
+
+        experts = [
+            WanTransformer3DModel.from_pretrained(str(Path(directory) / name), torch_dtype=torch_dtype)
+            for name in ("transformer", "transformer_2")
+        ]
+        return cls(*experts, boundary=0.0, trained=())
+
+
+@dataclass(frozen=True)
+class FirstFrame:
+    """The first frame (``ImageInputs.image`` [B, 3, H, W] at the video's size) as ``WanImageToVideoPipeline``
+    conditions on it. Channels (Wan 2.1 I2V, 2.2 I2V A14B): the video [frame, zeros...] VAE-encoded (posterior
+    mean, where the pipeline takes the mode too) and normalised, after a mask of ``vae_scale_factor_temporal``
+    channels that is 1 on the first latent frame, concatenated to the latents at every forward; with an image
+    encoder (2.1) the frame's CLIP hidden states (second to last layer) as ``encoder_hidden_states_image``.
+    ``pinned`` (Wan 2.2 TI2V-5B, ``expand_timesteps``): the frame's latents replace the first latent frame of the
+    transformer's input at timestep 0, and the prediction keeps that frame on its known trajectory
+    (``flow.inpaint_velocity``), so the final latents hold it as the pipeline's output does; ``optional``: without
+    an image the model generates from text alone."""
+
+    pinned: bool = False
+    optional: bool = False
+    fields = ("image",)
+    encodes_text = False
+
+    @property
+    def reads_trajectory(self) -> bool:
+        return self.pinned
+
+    def channels(self, z_dim: int, temporal: int) -> int:
+        """Input channels it adds to the transformer's."""
+        return 0 if self.pinned else temporal + z_dim
+
+    def components(self, path: Path, dtype: torch.dtype, device: torch.device) -> dict:
+        """The pipeline's ``image_encoder`` (CLIPVisionModel) and ``image_processor`` where the folder has them."""
+        from transformers import CLIPImageProcessor, CLIPVisionModel
+
+        if self.pinned or not (path / "image_encoder").is_dir():
+            return {}
+        encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", torch_dtype=dtype).to(device)
+        processor = CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
+        return {"image_encoder": encoder.requires_grad_(False).eval(), "image_processor": processor}
+
+    @torch.no_grad()
+    def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """``image``: the condition channels [B, 4 + C, F, h, w] (``pinned``: the frame's latents [B, C, 1, h, w]);
+        ``image_embeds`` (an entry of ``Conditioning.embeds``): its CLIP hidden states, with an image encoder."""
+        if self.optional and (inputs is None or inputs.image is None):
+            return {}
+        size = (adapter.height, adapter.width)
+        because = "it generates the video from that first frame"
+        image = require_image_input(adapter.config.name, inputs, "image", batch_size, 3, size, because=because)
+        pixels = (image.to(adapter.device, torch.float32) * 2 - 1)[:, :, None]
+        if not self.pinned:
+            pixels = torch.cat([pixels, pixels.new_zeros(batch_size, 3, adapter.frames - 1, *size)], dim=2)
+        latents = adapter.image_latents(pixels.to(adapter.vae.dtype)).mode().float()
+        mean, inv_std = adapter.latent_statistics(torch.float32)
+        latents = (latents - mean) * inv_std
+        if self.pinned:
+            return {"image": latents}
+        temporal = adapter.pipeline.vae_scale_factor_temporal
+        mask = latents.new_zeros(batch_size, temporal, *latents.shape[2:])
+        mask[:, :, 0] = 1
+        out = {"image": torch.cat([mask, latents], dim=1)}
+        if getattr(adapter.pipeline, "image_encoder", None) is not None:
+            out["image_embeds"] = clip_hidden_states(adapter.pipeline, image)
+        return out
+
+    def first_frame_mask(self, adapter, cond: Conditioning) -> torch.Tensor | None:
+        """``pinned`` with a frame: [1, 1, F, h, w], 0 on the first latent frame and 1 elsewhere, else None."""
+        if not self.pinned or cond.image is None:
+            return None
+        mask = torch.ones(1, 1, *adapter.latent_shape[1:], device=adapter.device)
+        mask[:, :, 0] = 0
+        return mask
+
+    def join(self, adapter, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
+        """The transformer's input (float32) and extra forward arguments, as the pipeline builds them."""
+        if cond.image is None:
+            if not self.optional:
+                raise ValueError(
+                    f"{adapter.config.name} needs Conditioning.image: encode prompts with ImageInputs.image"
+                )
+            return latents, {}
+        if self.pinned:
+            mask = self.first_frame_mask(adapter, cond)
+            return (1 - mask) * cond.image + mask * latents, {}
+        extra = {}
+        if "image_embeds" in cond.embeds:
+            extra["encoder_hidden_states_image"] = cond.embeds["image_embeds"].to(adapter.dtype)
+        return torch.cat([latents, cond.image], dim=1), extra
+
+    def velocity(self, adapter, v: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
+        """``pinned``: the first latent frame follows its known trajectory (ending at the frame's latents)."""
+        from trainer.models.flow import inpaint_velocity
+
+        mask = self.first_frame_mask(adapter, cond)
+        if mask is None:
+            return v
+        known = cond.image.expand_as(latents)
+        return inpaint_velocity(v, latents, sigma, known, mask.expand_as(latents), cond.noise, cond.schedule)
+
+
+def clip_hidden_states(pipeline, image: torch.Tensor) -> torch.Tensor:
+    """``WanImageToVideoPipeline.encode_image`` of ``image`` [B, 3, H, W] in [0, 1] given as the 8-bit pictures
+    a user passes it: CLIP's second to last hidden states [B, N, D]. One forward per distinct picture, so that a
+    row's tokens do not depend on its batch-mates (batched matmuls round differently)."""
+    from PIL import Image
+
+    from trainer.models.latents import vae_input_key
+
+    pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    seen: dict[str, torch.Tensor] = {}
+    rows = []
+    for picture in pixels:
+        key = vae_input_key(picture)
+        if key not in seen:
+            seen[key] = pipeline.encode_image([Image.fromarray(picture.numpy())], image.device)
+        rows.append(seen[key])
+    return torch.cat(rows)
+
+
+FIRST_FRAME = FirstFrame()
+"""Wan 2.1 I2V and Wan 2.2 I2V A14B: the first frame as condition channels (and CLIP tokens where 2.1 has them)."""
+PINNED_FIRST_FRAME = FirstFrame(pinned=True, optional=True)
+"""Wan 2.2 TI2V-5B: an optional first frame pinned as the first latent frame."""
