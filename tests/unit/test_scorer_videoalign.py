@@ -111,3 +111,23 @@ def test_sequential_positions_are_what_the_heads_were_trained_on(scorer) -> None
         hidden = scorer._judge.model.model(**inputs, mm_token_type_ids=(inputs["input_ids"] == video_token).int() * 2)
     mrope = scorer.heads(hidden.last_hidden_state, inputs["input_ids"])
     assert float((mrope - sequential).abs().max()) > 1e-3
+
+
+def test_trained_embeddings_survive_tied_output_weights(converted, tmp_path: Path) -> None:
+    """Qwen2-VL-2B ties lm_head to the token embeddings: loading the merged state must not put the base's lm_head
+    (the same tensor) back over the trained rows."""
+    from safetensors.torch import load_file, save_file
+
+    _, src, base = converted
+    tied = tmp_path / "tied-base"
+    shutil.copytree(base, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(str(tied / "model.safetensors"))
+    (embed,) = [key for key in weights if key.endswith("embed_tokens.weight")]  # transformers saves 4.x names
+    weights["lm_head.weight"] = weights[embed].clone()
+    save_file(weights, str(tied / "model.safetensors"))
+    out = convert(src, tied, tmp_path / "videoalign")
+    trained = torch.load(src / "checkpoint-12" / "non_lora_state_dict.pth", weights_only=True)
+    saved = load_file(str(out / "model.safetensors"))
+    torch.testing.assert_close(saved[embed], trained["base_model.model.model.embed_tokens.weight"])
