@@ -13,6 +13,7 @@ from fixtures_geneval import build_tiny_geneval
 from fixtures_hps import build_tiny_hps
 from fixtures_hpsv3 import build_tiny_hpsv3
 from fixtures_imagereward import build_tiny_imagereward
+from fixtures_videoalign import build_tiny_videoalign
 
 QWEN_SPECIAL_TOKENS = (
     "<|im_start|>",
@@ -200,6 +201,7 @@ def rig_answer(model_dir: Path, answer: str) -> Path:
 
 # For the registry-wide conformance test: what each model-based scorer needs to score random images.
 CONFORMANCE_METADATA: dict[str, dict[str, Any]] = {"ocr": {"text": "digit"}, "ocr_flow_grpo": {"text": "digit"}}
+CONFORMANCE_METADATA["videoalign"] = {"fps": 8.0}  # a video's fps, which the server puts in every video item
 for _name in ("geneval", "geneval_partial", "geneval_flow_grpo"):
     CONFORMANCE_METADATA[_name] = {"tag": "single_object", "include": [{"class": "bowl", "count": 1}]}
 CONFORMANCE_SKIP: dict[str, str] = {
@@ -213,7 +215,7 @@ CONFORMANCE_SKIP: dict[str, str] = {
 def build_conformance_model_dir(model_dir: Path) -> Path:
     """One ``--model-dir`` serving every model-based scorer that can run offline: a tiny aesthetic
     predictor, tiny PickScore and CLIP score models, and tiny Qwen2.5-VLs rigged to answer "4" and
-    "Final Score:4" (a random judge's answers are PARSE errors)."""
+    "Final Score:4" (a random judge's answers are PARSE errors), and tiny HPSv3 and VideoReward checkpoints."""
     build_tiny_aesthetic(model_dir)
     build_tiny_clip_score(model_dir, "pickscore", processor_subfolder=True)
     build_tiny_clip_score(model_dir, "clipscore", processor_subfolder=False)
@@ -223,4 +225,5 @@ def build_conformance_model_dir(model_dir: Path) -> Path:
     build_tiny_hps(model_dir)
     build_tiny_imagereward(model_dir)
     build_tiny_hpsv3(model_dir)
+    build_tiny_videoalign(model_dir)
     return model_dir

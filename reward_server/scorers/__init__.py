@@ -56,6 +56,7 @@ SCORERS = Registry(
         "hpsv2": Entry(_P + "hps:HpsScorer"),
         "imagereward": Entry(_P + "imagereward:ImageRewardScorer"),
         "hpsv3": Entry(_P + "hpsv3:Hpsv3Scorer"),
+        "videoalign": Entry(_P + "videoalign:VideoAlignScorer"),
         "unifiedreward": Entry(_P + "unifiedreward:UnifiedRewardScorer", backend="local"),
         "unifiedreward_api": Entry(_P + "unifiedreward:UnifiedRewardScorer", backend="api"),
     }
