@@ -347,6 +347,12 @@ class Config:
                 "parallel.backend=fsdp2 (whole blocks sharded, each one graph) or zero2, or "
                 "model.compile=none"
             )
+        scorer = getattr(self.algorithm, "scorer", None)  # a differentiable-reward algorithm's in-process scorer
+        if scorer is not None and scorer not in self.reward.weights:
+            raise ValueError(
+                f"algorithm.scorer={scorer} is not served: add it to reward.weights (the served scores are logged, "
+                "judged and guarded), or set algorithm.scorer to one of them"
+            )
         if self.train.early_stop and not self.eval.every:
             raise ValueError(
                 f"train.early_stop={self.train.early_stop} counts evaluations, but eval.every=0 runs none "
