@@ -10,17 +10,25 @@ from shared.registry import Entry, Registry
 
 DIFFERENTIABLE = Registry(
     {
-        "digit": Entry("scoring.digit:DigitProbability"),
+        "digit": Entry("scoring.digit:DigitProbability", accepts=()),
+        "aesthetic": Entry("scoring.aesthetic:DifferentiableAesthetic"),
     }
 )
-"""Scorer name (as the reward server names it) -> its differentiable torch module, built as ``Entry()``."""
+"""Scorer name (as the reward server names it) -> its differentiable torch module, built as ``Entry(model_dir=...)``
+(the folder laid out as the server's ``--model-dir``; ``accepts=()``: a scorer without weights)."""
 
 
-def build_differentiable(name: str):
-    """The differentiable form of scorer ``name``, or a ValueError naming the scorers that have one."""
+def needs_weights(name: str) -> bool:
+    """Whether scorer ``name``'s differentiable form reads weights from a model folder."""
+    return DIFFERENTIABLE[name].accepts != ()
+
+
+def build_differentiable(name: str, model_dir: str | None = None):
+    """The differentiable form of scorer ``name`` (weights from ``model_dir``), or a ValueError naming the scorers
+    that have one."""
     if name not in DIFFERENTIABLE:
         raise ValueError(
             f"scorer {name!r} has no differentiable form: set algorithm.scorer to one of {', '.join(DIFFERENTIABLE)} "
             "(or train this reward with a policy-gradient algorithm, e.g. algorithm.name=grpo)"
         )
-    return DIFFERENTIABLE[name]()
+    return DIFFERENTIABLE[name](model_dir=model_dir)

@@ -74,3 +74,46 @@ def test_flow_adapters_decode_with_gradient_and_unchanged_numbers(tmp_path_facto
     assert torch.equal(images.detach(), plain)
     (images * torch.rand_like(images)).sum().backward()
     assert wanting.grad is not None and float(wanting.grad.abs().sum()) > 0
+
+
+def test_clip_preprocessing_in_torch_is_the_pil_processors_to_a_pixel_level(tiny_aesthetic_model_dir):
+    """clip_pixels of images in [0, 1] against CLIPImageProcessorPil of their uint8 form: the same sizes, crop and
+    normalisation; the resampling of a smooth image within 2 levels of 255 (PIL's bicubic kernel is a = -0.5 on a
+    rounded uint8 grid, torch's a = -0.75 on floats: sharp edges differ by up to 7); no resize: exact."""
+    from scoring.aesthetic import clip_pixels, load_aesthetic
+
+    _, _, processor, _ = load_aesthetic(tiny_aesthetic_model_dir / "aesthetic")
+    rng = np.random.default_rng(0)
+    smooth = torch.nn.functional.interpolate(
+        torch.from_numpy(rng.random((2, 3, 12, 20))).float(), size=(48, 80), mode="bilinear"
+    )
+    for images in (smooth, torch.from_numpy(rng.random((2, 3, 32, 32))).float()):
+        uint8 = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        pil = processor(images=list(uint8), return_tensors="pt")["pixel_values"]
+        ours = clip_pixels(torch.from_numpy(uint8).permute(0, 3, 1, 2).float() / 255, processor)
+        assert ours.shape == pil.shape
+        std = torch.tensor(processor.image_std).view(1, 3, 1, 1)
+        error = ((ours - pil) * std * 255).abs()  # in levels of 255
+        assert float(error.max()) < (1e-3 if images.shape[-1] == 32 else 2.0) and float(error.mean()) < 0.5
+
+
+def test_the_in_process_aesthetic_equals_the_served_one_and_has_gradient(tiny_aesthetic_model_dir):
+    from reward_server.scorers.aesthetic import AestheticScorer
+
+    served = AestheticScorer(model_dir=tiny_aesthetic_model_dir, device="cpu")
+    served.load()
+    inprocess = build_differentiable("aesthetic", model_dir=str(tiny_aesthetic_model_dir))
+    images = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (2, 3, 32, 32))).float() / 255
+    expected = served.score(list((images * 255).round().byte().permute(0, 2, 3, 1).numpy()), ["", ""], [{}, {}])
+    wanting = images.clone().requires_grad_(True)
+    got = inprocess(wanting, ["", ""])
+    assert torch.allclose(got.detach(), torch.tensor(expected), atol=1e-4)
+    got.sum().backward()
+    assert float(wanting.grad.abs().sum()) > 0
+
+
+def test_a_scorer_with_weights_needs_its_folder():
+    from trainer.algorithms.draft import DRaFTConfig
+
+    with pytest.raises(ValueError, match=r"algorithm.scorer=aesthetic reads weights: set algorithm.scorer_dir"):
+        DRaFTConfig(scorer="aesthetic")

@@ -17,10 +17,10 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from scoring import DIFFERENTIABLE, build_differentiable
+from scoring import DIFFERENTIABLE, build_differentiable, needs_weights
 from trainer.algorithms.base import AlgorithmDefaults, LossContext, Rewards, check_steps, mark_on_policy, set_shares
 from trainer.algorithms.core_algos import reward_loss
-from trainer.config.fields import FiniteFloat, PositiveInt
+from trainer.config.fields import FiniteFloat, LocalPath, PositiveInt
 from trainer.models.base import Conditioning, ModelAdapter
 from trainer.rollout import Rollout, SamplerSettings
 
@@ -33,6 +33,9 @@ class RewardBackpropConfig:
     scorer: str = "digit"
     """The reward scorer whose differentiable form is trained on (``scoring.DIFFERENTIABLE``); it must be one of
     reward.weights, which still scores every rollout for logging, the guard and the alarm."""
+    scorer_dir: LocalPath = ""
+    """The folder of the scorer's weights, laid out as the reward server's ``--model-dir`` (``aesthetic/clip``,
+    ``aesthetic/head.pth``); scorers without weights (digit) need none."""
     group_size: PositiveInt = 1
     """Samples per prompt (no grouping is needed: a larger group only samples more images per prompt)."""
     inner_epochs: PositiveInt = 1
@@ -52,6 +55,11 @@ class RewardBackpropConfig:
     def __post_init__(self):
         if self.scorer not in DIFFERENTIABLE:
             build_differentiable(self.scorer)  # raises the one-line ValueError naming the choices
+        if needs_weights(self.scorer) and not self.scorer_dir:
+            raise ValueError(
+                f"algorithm.scorer={self.scorer} reads weights: set algorithm.scorer_dir to the folder the reward "
+                f"server reads them from (its --model-dir, holding {self.scorer}/)"
+            )
         if self.sampler.noise_level != 0 or self.sampler.ode_order != 1:
             raise ValueError(
                 f"algorithm.name={self.name} backpropagates through deterministic Euler steps: set "
@@ -83,7 +91,7 @@ class RewardBackprop(AlgorithmDefaults):
 
     config_class = RewardBackpropConfig
     needs_reference = False
-    shown_metrics = ("reward_in_process",)
+    shown_metrics = ("reward_loss", "reward_in_process")
     reproduces_rollout = True
     """Whether ``final_latents`` equals the rollout's final latent before any update (then ``served_gap`` checks the
     in-process reward against the served one)."""
@@ -98,7 +106,8 @@ class RewardBackprop(AlgorithmDefaults):
                 f"algorithm.name={self.config.name} needs a flow model; this one samples with "
                 f"{adapter.sampler_kind} steps: use a policy-gradient algorithm (e.g. algorithm.name=grpo)"
             )
-        self.scorer = build_differentiable(self.config.scorer).to(adapter.device).requires_grad_(False)
+        scorer = build_differentiable(self.config.scorer, model_dir=self.config.scorer_dir or None)
+        self.scorer = scorer.to(adapter.device).requires_grad_(False)
 
     def check_batch(self, samples_per_rank: int) -> None:
         check_steps(samples_per_rank, self.config.steps_per_epoch)
