@@ -117,3 +117,13 @@ def test_a_scorer_with_weights_needs_its_folder():
 
     with pytest.raises(ValueError, match=r"algorithm.scorer=aesthetic reads weights: set algorithm.scorer_dir"):
         DRaFTConfig(scorer="aesthetic")
+
+
+def test_an_epsilon_model_is_refused_before_training(tmp_path_factory):
+    """The differentiable-reward algorithms redo flow steps: a DDIM model is refused as the trainer sets them up."""
+    from trainer.algorithms.drtune import DRTune, DRTuneConfig
+    from trainer.distributed import SingleProcess
+
+    adapter = build_adapter(testing.tiny_config("sd15_inpaint", tmp_path_factory.mktemp("models")), "cpu")
+    with pytest.raises(ValueError, match=r"^algorithm.name=drtune needs a flow model; this one samples with ddim"):
+        DRTune(DRTuneConfig()).setup(adapter, None, SingleProcess(torch.device("cpu")))
