@@ -11,6 +11,7 @@ from shared.registry import Entry, Registry
 DIFFERENTIABLE = Registry(
     {
         "digit": Entry("scoring.digit:DigitProbability", accepts=()),
+        "brightness": Entry("scoring.brightness:Brightness", accepts=()),
         "aesthetic": Entry("scoring.aesthetic:DifferentiableAesthetic"),
     }
 )

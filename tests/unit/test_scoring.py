@@ -127,3 +127,13 @@ def test_an_epsilon_model_is_refused_before_training(tmp_path_factory):
     adapter = build_adapter(testing.tiny_config("sd15_inpaint", tmp_path_factory.mktemp("models")), "cpu")
     with pytest.raises(ValueError, match=r"^algorithm.name=drtune needs a flow model; this one samples with ddim"):
         DRTune(DRTuneConfig()).setup(adapter, None, SingleProcess(torch.device("cpu")))
+
+
+def test_the_in_process_brightness_equals_the_served_one():
+    from reward_server.scorers.brightness import BrightnessScorer
+
+    images = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (3, 3, 8, 8))).float() / 255
+    served = BrightnessScorer().score(
+        list((images * 255).round().byte().permute(0, 2, 3, 1).numpy()), [""] * 3, [{}] * 3
+    )
+    assert torch.allclose(build_differentiable("brightness")(images, [""] * 3), torch.tensor(served), atol=1e-6)
