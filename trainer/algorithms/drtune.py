@@ -55,9 +55,10 @@ class DRTune(RewardBackprop):
     def final_latents(self, ctx: LossContext, unit: RewardUnit) -> torch.Tensor:
         ro = unit.batch.rollout
         cond, step_fn = ro.cond.select(unit.rows), ctx.adapter.step_function(ro.kind, ro.sigmas)
-        x_final = ro.latents[unit.rows, -1].float()
+        rows = unit.rows.to(ro.latents.device)
+        x_final = ro.latents[rows, -1].float()
         for k in unit.steps.T.to(ro.latents.device):  # [m] step indices, one trained step per sample at a time
-            x = ro.latents[unit.rows, k]
-            v = self.forward(ctx, ro, x, k.to(ro.sigmas.device), cond)
+            x = ro.latents[rows, k]
+            v = self.forward(ctx, ro, x, k, cond)
             x_final = x_final + (step_fn.mean(v, x, k, 0.0)[0] - step_fn.mean(v.detach(), x, k, 0.0)[0])
         return x_final

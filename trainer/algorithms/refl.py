@@ -60,6 +60,8 @@ class ReFL(RewardBackprop):
 
     def final_latents(self, ctx: LossContext, unit: RewardUnit) -> torch.Tensor:
         ro = unit.batch.rollout
-        x = ro.latents[unit.rows, unit.steps.to(ro.latents.device)]
-        v = self.forward(ctx, ro, x, unit.steps.to(ro.sigmas.device), ro.cond.select(unit.rows))
-        return predicted_clean(ctx.adapter.training_target, x, v.float(), ro.sigmas[unit.steps.to(ro.sigmas.device)])
+        device = ro.latents.device
+        steps = unit.steps.to(device)
+        x = ro.latents[unit.rows.to(device), steps]
+        v = self.forward(ctx, ro, x, steps, ro.cond.select(unit.rows))
+        return predicted_clean(ctx.adapter.training_target, x, v.float(), ro.sigmas[steps])
