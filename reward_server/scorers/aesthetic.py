@@ -16,7 +16,8 @@ Expected layout under the server's ``--model-dir``::
 
 Preprocessing is CLIPImageProcessorPil (PIL and numpy: bicubic resize of the short side, centre crop,
 CLIP mean/std), the same steps as the ``clip`` package's preprocess that LAION used, and the CLIPProcessor of
-DDPO's and Flow-GRPO's scorers. Departures: none.
+DDPO's and Flow-GRPO's scorers. The model, its loading and the score of preprocessed pixels live in
+``scoring.aesthetic``, whose differentiable preprocessing the trainer's refl / draft / drtune use. Departures: none.
 """
 
 from __future__ import annotations
@@ -26,44 +27,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from reward_server.scorers.base import ModelFilesMissing
-from reward_server.scorers.local_model import fingerprint, load_strict, pick_device, weights_dir
+from reward_server.scorers.local_model import fingerprint, pick_device, weights_dir
+from scoring.aesthetic import HEAD_FILES, AestheticHead, aesthetic_of_pixels, load_aesthetic, load_head_state
 
-HEAD_FILES = ("head.safetensors", "head.pth")
-
-
-class AestheticHead(nn.Module):
-    """LAION's aesthetic MLP; ``layers`` keeps the original module indices so checkpoints load as-is."""
-
-    def __init__(self, embed_dim: int = 768) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(embed_dim, 1024),
-            nn.Dropout(0.2),
-            nn.Linear(1024, 128),
-            nn.Dropout(0.2),
-            nn.Linear(128, 64),
-            nn.Dropout(0.1),
-            nn.Linear(64, 16),
-            nn.Linear(16, 1),
-        )
-
-    def forward(self, embeds_BD: torch.Tensor) -> torch.Tensor:
-        return self.layers(embeds_BD)
-
-
-def load_head_state(path: Path) -> dict[str, torch.Tensor]:
-    """The head's state dict from ``.safetensors`` or ``.pth``, with keys as :class:`AestheticHead` names
-    them (``layers.N.weight``); bare ``N.weight`` keys get the prefix."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    return {key if key.startswith("layers.") else f"layers.{key}": value for key, value in state.items()}
+__all__ = ["HEAD_FILES", "AestheticHead", "AestheticScorer", "load_head_state"]
 
 
 class AestheticScorer:
@@ -90,33 +59,13 @@ class AestheticScorer:
         return self._version
 
     def load(self) -> None:
-        from transformers import AutoConfig, CLIPVisionModelWithProjection
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
         if self._root is None:
             raise ModelFilesMissing("aesthetic needs --model-dir with aesthetic/clip and aesthetic/head.pth")
-        clip_dir = self._root / "clip"
-        if not (clip_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{clip_dir} is not a transformers CLIP checkpoint (no config.json)")
-        head_path = next((self._root / name for name in HEAD_FILES if (self._root / name).is_file()), None)
-        if head_path is None:
-            raise FileNotFoundError(f"no aesthetic head in {self._root}: expected one of {HEAD_FILES}")
-
-        config = AutoConfig.from_pretrained(clip_dir)
-        if config.model_type == "clip":  # a full CLIPModel: its vision half, with the model's projection size
-            vision_config = config.vision_config
-            vision_config.projection_dim = config.projection_dim
-        else:
-            vision_config = config
-        # a full CLIPModel's text weights are left unused here
-        clip = load_strict(CLIPVisionModelWithProjection, clip_dir, "CLIP vision", config=vision_config)
-        clip = clip.eval().to(self._device)
-        head = AestheticHead(clip.config.projection_dim)
-        head.load_state_dict(load_head_state(head_path))  # strict: a wrong or partial head fails here
-        has_processor = (clip_dir / "preprocessor_config.json").is_file()
-        self._processor = CLIPImageProcessorPil.from_pretrained(clip_dir) if has_processor else CLIPImageProcessorPil()
-        self._clip, self._head = clip, head.eval().to(self._device)
-        self._version = f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{fingerprint(clip_dir, [head_path])}"
+        clip, head, self._processor, head_path = load_aesthetic(self._root)
+        self._clip, self._head = clip.to(self._device), head.to(self._device)
+        self._version = (
+            f"laion-aesthetic-mlp+clip-{clip.config.model_type}+{fingerprint(self._root / 'clip', [head_path])}"
+        )
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [{}])
 
     @torch.no_grad()
@@ -124,6 +73,4 @@ class AestheticScorer:
         assert self._clip is not None and self._head is not None, "load() must be called before score()"
         rgb = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
         pixels_BCHW = self._processor(images=rgb, return_tensors="pt")["pixel_values"].to(self._device)
-        embeds_BD = self._clip(pixel_values=pixels_BCHW).image_embeds.float()
-        embeds_BD = embeds_BD / embeds_BD.norm(dim=-1, keepdim=True)
-        return [float(value) for value in self._head(embeds_BD).squeeze(-1).cpu().tolist()]
+        return [float(value) for value in aesthetic_of_pixels(self._clip, self._head, pixels_BCHW).cpu().tolist()]

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from scoring.brightness import brightness_of
+
 
 class BrightnessScorer:
     """Mean intensity in [0, 1]; a weight-free reward for smoke tests and toy runs."""
@@ -19,4 +21,4 @@ class BrightnessScorer:
         """Nothing to load."""
 
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        return [float(image.mean()) / 255.0 for image in images]
+        return [brightness_of(image) for image in images]

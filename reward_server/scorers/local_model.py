@@ -11,6 +11,9 @@ from typing import Any
 import torch
 
 from reward_server.scorers.fingerprint import sha256_files, weight_files
+from scoring.weights import load_strict
+
+__all__ = ["fingerprint", "load_strict", "pick_device", "require_files", "tokenize", "weights_dir"]
 
 
 def weights_dir(model_dir: Path | None, folder: str) -> Path | None:
@@ -28,18 +31,6 @@ def require_files(directory: Path, names: Sequence[str], fix: str) -> None:
     for name in names:
         if not (directory / name).is_file():
             raise FileNotFoundError(f"no {name} in {directory}: {fix}")
-
-
-def load_strict(model_class: Any, path: Path, what: str, *, unexpected_ok: bool = True, **kwargs: Any) -> Any:
-    """``model_class.from_pretrained(path, **kwargs)`` in float32 (as the reference scorers run; a half-precision
-    checkpoint is upcast, exactly); ValueError when weights are missing or mis-shaped
-    (transformers would initialise them at random), or, unless ``unexpected_ok``, left unused."""
-    model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
-    unloaded = list(info["missing_keys"]) + ([] if unexpected_ok else list(info["unexpected_keys"]))
-    unloaded += [str(entry) for entry in info["mismatched_keys"]]
-    if unloaded:
-        raise ValueError(f"{path} lacks or mis-shapes {what} weights: {unloaded[:5]}")
-    return model.float()
 
 
 def fingerprint(directory: Path, extra: Sequence[Path] = ()) -> str:

@@ -35,6 +35,9 @@ EXPECTED_STATS = {
     "mixgrpo": "clip_frac",
     "awm": "matching_loss",
     "dgpo": "dgpo_loss",
+    "refl": "reward_loss",
+    "draft": "reward_loss",
+    "drtune": "reward_loss",
 }
 
 

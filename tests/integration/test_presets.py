@@ -323,11 +323,16 @@ def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_model
     config = load_config(str(path), model)
     side = config.model.resolution or 16
     task = [f"data.name={data}", f"data.path={tiny_dataset(data, tmp_path, side)}", f"data.image_size={side}"]
-    config = load_config(
-        str(path),
-        [*model, *task, *_one_epoch(config), "train.rollout_chunks=1"]
-        + (["train.warmup_steps=0"] if data == "prompt_file" else []),
+    overrides = [*model, *task, *_one_epoch(config), "train.rollout_chunks=1"] + (
+        ["train.warmup_steps=0"] if data == "prompt_file" else []
     )
+    config = load_config(str(path), overrides)
+    if hasattr(config.algorithm, "scorer"):  # refl, draft, drtune: a differentiable reward any data's images have
+        config = load_config(str(path), [*overrides, "reward.weights={brightness: 1.0}", "algorithm.scorer=brightness"])
+        if MODELS[name].load().sampler_kind != "flow":
+            with pytest.raises(ValueError, match="needs a flow model"):
+                _fit(config, tmp_path)
+            return
     sampler = config.algorithm.sampler
     if MODELS[name].load().sampler_kind != "flow" and (sampler.ode_order, sampler.ode_compress) != (1, 1):
         with pytest.raises(ValueError, match="need a flow model"):  # MixGRPO-Flash's steps are flow steps

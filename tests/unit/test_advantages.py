@@ -145,3 +145,15 @@ def test_critic_advantages_normalise_over_the_trained_steps_of_scored_samples():
     expected = torch.tensor([[0.5 / scale, 0.0 / scale], [0.0, 0.0], [-0.5 / scale, -0.5 / scale]])
     assert torch.allclose(adv, expected)
     assert torch.equal(returns, torch.tensor([[1.0, 1.0], [0.2, 0.2], [0.0, 0.0]]))  # R = A + V; V where it failed
+
+
+def test_reward_loss_and_clean_prediction_on_fixed_values():
+    """-r and relu(2 - r); the flow clean prediction x - sigma v from the affine training target."""
+    from trainer.algorithms.core_algos import predicted_clean, reward_loss
+
+    rewards = torch.tensor([0.5, 2.0, 3.0, -1.0])
+    assert reward_loss(rewards, "negative").tolist() == [-0.5, -2.0, -3.0, 1.0]
+    assert reward_loss(rewards, "hinge", 2.0).tolist() == [1.5, 0.0, 0.0, 3.0]
+    flow = lambda x0, noise, s: ((1 - s[:, None]) * x0 + s[:, None] * noise, noise - x0)  # noqa: E731
+    x, v, sigma = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, -1.0]]), torch.tensor([0.25])
+    assert predicted_clean(flow, x, v, sigma).tolist() == [[0.875, 2.25]]

@@ -1,4 +1,5 @@
-"""No import cycle in trainer/, reward_server/ or shared/, and model families composed, not derived.
+"""No import cycle in trainer/, reward_server/, shared/ or scoring/, the layers kept apart (the trainer imports no
+reward_server module; scoring/, which both use, imports neither), and model families composed, not derived.
 
 Every module's imports are parsed with ``ast`` (nothing is imported). An edge A -> B is an import in A that
 names module B: ``import B``, ``from B import x``, or ``from P import B`` where B is a submodule of P;
@@ -21,7 +22,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("trainer", "reward_server", "shared")
+PACKAGES = ("trainer", "reward_server", "shared", "scoring")
 
 
 def modules() -> dict[str, Path]:
@@ -149,6 +150,21 @@ def test_deferred_imports_form_no_cycle_but_the_allowed_ones():
         if not any(all(m == p or m.startswith(p + ".") for m in loop) for p in DEFERRED_ALLOWED)
     ]
     assert not loops, "import cycles through deferred imports:\n" + "\n".join(" -> ".join(loop) for loop in loops)
+
+
+def test_layers_import_only_what_they_may():
+    """The trainer reaches scorers only through scoring/ (gradients cannot cross HTTP, but the server's code stays
+    out of the trainer); scoring/ imports neither the trainer nor the server."""
+    edges = graph(deferred=True)
+    assert "scoring.digit" in edges["reward_server.scorers.digit"]  # the parse sees the shared scorer's users
+    crossing = sorted(
+        f"{name} -> {target}"
+        for name, targets in edges.items()
+        for target in targets
+        if (name.startswith("trainer") and target.startswith("reward_server"))
+        or (name.startswith("scoring") and target.split(".")[0] in ("trainer", "reward_server"))
+    )
+    assert not crossing, "imports across layers:\n" + "\n".join(crossing)
 
 
 def test_cycles_are_found_and_named():

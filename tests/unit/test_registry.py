@@ -71,6 +71,9 @@ def test_names_and_messages_are_the_ones_users_know():
     assert list(ALGORITHMS) == ["grpo", "ppo", "ppo_critic", "dpo", "sft_best", "nft", "grpo_guard", "mixgrpo"] + [
         "awm",
         "dgpo",
+        "refl",
+        "draft",
+        "drtune",
     ]
     assert list(BACKENDS) == ["single", "ddp", "fsdp2", "zero2", "zero3"]
     assert ALGORITHMS["grpo"].config_class.__name__ == "GRPOConfig"

@@ -7,12 +7,15 @@ from shared.registry import Entry, Registry
 from trainer.algorithms.awm import AWM
 from trainer.algorithms.dgpo import DGPO
 from trainer.algorithms.dpo import DPO
+from trainer.algorithms.draft import DRaFT
+from trainer.algorithms.drtune import DRTune
 from trainer.algorithms.grpo import GRPO
 from trainer.algorithms.grpo_guard import GRPOGuard
 from trainer.algorithms.mixgrpo import MixGRPO
 from trainer.algorithms.nft import NFT
 from trainer.algorithms.ppo import PPO
 from trainer.algorithms.ppo_critic import PPOCritic
+from trainer.algorithms.refl import ReFL
 from trainer.algorithms.sft_best import BestOfGroupSFT
 
 ALGORITHMS = Registry(
@@ -27,6 +30,9 @@ ALGORITHMS = Registry(
         "mixgrpo": Entry(MixGRPO),
         "awm": Entry(AWM),
         "dgpo": Entry(DGPO),
+        "refl": Entry(ReFL),
+        "draft": Entry(DRaFT),
+        "drtune": Entry(DRTune),
     },
     key="algorithm.name",
 )

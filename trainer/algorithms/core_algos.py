@@ -368,3 +368,28 @@ def awm_loss(
     log_prob = matching_log_prob(per_sample_mse(v_theta, target), sigma, weighting, power)
     old_log_prob = matching_log_prob(per_sample_mse(v_old, target), sigma, weighting, power)
     return clipped_policy_loss(advantages, log_prob, old_log_prob, clip_range, weights)
+
+
+# --- differentiable rewards (refl, draft, drtune) ---------------------------------------------------------------------
+
+
+def predicted_clean(training_target, x_t: torch.Tensor, prediction: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The clean sample a model output implies at x_t: with an adapter's affine ``training_target``,
+    x_t = a x0 + s eps and target = c x0 + d eps, x0 = (x_t - (s / d) p) / (a - s c / d): x_t - sigma v for flow
+    models, (x_t - sqrt(1 - abar) eps) / sqrt(abar) for epsilon ones (ReFL's ``pred_original_sample``)."""
+    ones = torch.ones(len(sigma), 1, device=sigma.device)
+    a, c = training_target(ones, torch.zeros_like(ones), sigma)
+    s, d = training_target(torch.zeros_like(ones), ones, sigma)
+    shape = (-1, *([1] * (x_t.ndim - 1)))
+    a, c, s, d = (t.reshape(shape) for t in (a, c, s, d))
+    return (x_t.float() - (s / d) * prediction) / (a - s * c / d)
+
+
+@LOSSES.register("reward")
+def reward_loss(rewards: torch.Tensor, form: str, margin: float = 2.0) -> torch.Tensor:
+    """Per-sample loss of a differentiable reward: "negative" L = -r (DRaFT, DRTune); "hinge" L = relu(margin - r)
+    (ImageReward's ReFL: F.relu(-rewards + 2))."""
+    if form == "hinge":
+        return F.relu(margin - rewards)
+    assert form == "negative", form
+    return -rewards

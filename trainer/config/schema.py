@@ -375,6 +375,12 @@ class Config:
                 f"parallel.sequence_parallel={self.parallel.sequence_parallel} does not compose with model.ip_adapter: "
                 "its attention processors attend over one rank's tokens; unset one of them"
             )
+        scorer = getattr(self.algorithm, "scorer", None)  # a differentiable-reward algorithm's in-process scorer
+        if scorer is not None and scorer not in self.reward.weights:
+            raise ValueError(
+                f"algorithm.scorer={scorer} is not served: add it to reward.weights (the served scores are logged, "
+                "judged and watched by the alarm), or set algorithm.scorer to one of them"
+            )
         if self.train.early_stop and not self.eval.every:
             raise ValueError(
                 f"train.early_stop={self.train.early_stop} counts evaluations, but eval.every=0 runs none "

@@ -250,7 +250,10 @@ class ModelAdapter(Protocol):
         ...
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1], float32, [B, C, H, W]; a video model's frames [B, F, C, H, W]."""
+        """Images in [0, 1], float32, [B, C, H, W]; a video model's frames [B, F, C, H, W]. Flow models decode
+        differentiably in ``latents`` (the VAE is frozen, so latents without gradient build no graph): the
+        differentiable-reward algorithms backpropagate through it; rollouts call it under no_grad, with the same
+        numbers."""
         ...
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:

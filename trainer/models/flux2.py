@@ -334,7 +334,6 @@ class Flux2Adapter:
         """Images in [0, 1] -> packed latents (posterior mean; the inverse of ``decode``) for supervised targets."""
         return self.model_latents(self.vae.encode(self._vae_input(images)).latent_dist.mode())
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         x = self.vae.decode(self.vae_latents(latents).to(self.dtype), return_dict=False)[0].float()
         return (x / 2 + 0.5).clamp(0, 1)

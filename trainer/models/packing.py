@@ -54,7 +54,6 @@ class PackedLatents:
         """Images in [0, 1] -> packed latents (the inverse of ``decode``) for supervised targets."""
         return self.pack(self.vae_encode(images))
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Packed latents -> images in [0, 1], float32, [B, 3, H, W]."""
         x = self.pipeline_class._unpack_latents(latents.float(), self.resolution, self.resolution, self.vae_factor)

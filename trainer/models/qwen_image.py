@@ -336,7 +336,6 @@ class QwenImageAdapter:
         b, c, _, h, w = latents.shape
         return self.pipeline._pack_latents(latents, b, c, h, w)
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         x = self.pipeline._unpack_latents(latents.float(), self.resolution, self.resolution, self.vae_factor)
         x = x * self.latents_std + self.latents_mean

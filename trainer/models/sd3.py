@@ -214,7 +214,6 @@ class SD3Adapter:
         latents = self.vae.encode(x.to(self.dtype)).latent_dist.mode()
         return (latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         x = latents.float()
         if self.vae is not None:

@@ -200,7 +200,6 @@ class ZImageAdapter:
         latents = self.vae.encode(x).latent_dist.mode()
         return (latents.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         x = latents.float() / self.vae.config.scaling_factor + self.vae.config.shift_factor
         x = self.vae.decode(x.to(self.dtype), return_dict=False)[0].float()
