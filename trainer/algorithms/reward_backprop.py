@@ -5,9 +5,8 @@ The rollout (deterministic steps, no gradient) gives each sample's trajectory x_
 part of it with gradient (``final_latents``), decodes the latent it ends on, scores the image with the in-process
 form of the reward's scorer (``scoring``, the code the reward server runs) and minimises -r (or ReFL's hinge).
 The served rewards of the rollout are logged, judged and watched by the hacking alarm as for every algorithm.
-Departure (all three): the
-gradient-free prefix is the epoch's rollout, sampled once with the weights at its start (the authors resample per
-optimizer step; with ``steps_per_epoch`` 1 and one inner epoch the two are the same).
+Departure (all three): the gradient-free prefix is the epoch's rollout, sampled once with the weights at its start
+(the authors resample per optimizer step; with ``steps_per_epoch`` 1 and one inner epoch the two are the same).
 """
 
 from __future__ import annotations
