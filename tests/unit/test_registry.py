@@ -79,11 +79,16 @@ def test_names_and_messages_are_the_ones_users_know():
     assert ALGORITHMS["grpo"].config_class.__name__ == "GRPOConfig"
     config = ALGORITHMS["ppo"].config_class()
     assert type(build_algorithm(config)).__name__ == "PPO"
-    parallel = SimpleNamespace(backend="nosuch")
+    parallel = SimpleNamespace(backend="nosuch", sequence_parallel=1)
     with pytest.raises(ValueError, match=r"^parallel.backend='nosuch' is not one of auto, single, ddp, fsdp2, zero2, "):
         init_backend(parallel, torch.device("cpu"), 1.0)
     parallel = SimpleNamespace(
-        backend="zero3", param_dtype="float32", reduce_dtype="float32", cpu_offload=False, deepspeed_config=None
+        backend="zero3",
+        param_dtype="float32",
+        reduce_dtype="float32",
+        cpu_offload=False,
+        deepspeed_config=None,
+        sequence_parallel=1,
     )
     with pytest.raises(ValueError, match=r"^parallel.backend=zero3 needs the torch.distributed environment"):
         init_backend(parallel, torch.device("cpu"), 1.0)

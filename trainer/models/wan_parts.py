@@ -34,8 +34,10 @@ class WanExperts(nn.Module):
         high = self.high_noise(timestep)
         count = int(high.sum())
         if count in (0, len(high)):
-            expert = self.transformer if count else self.transformer_2
-            return expert(hidden_states=hidden_states, timestep=timestep, **kwargs, return_dict=False)
+            ran, idle = (self.transformer, self.transformer_2) if count else (self.transformer_2, self.transformer)
+            out = ran(hidden_states=hidden_states, timestep=timestep, **kwargs, return_dict=False)
+            zero = self._idle_zero(idle)
+            return out if zero is None else (out[0] + zero, *out[1:])
         out = hidden_states.new_empty(
             hidden_states.shape[0], self.transformer.config.out_channels, *hidden_states.shape[2:]
         )
@@ -45,6 +47,16 @@ class WanExperts(nn.Module):
                 0
             ]
         return (out,)
+
+    @staticmethod
+    def _idle_zero(expert: nn.Module) -> torch.Tensor | None:
+        """A zero tied to the trainable weights of an expert that ran no row of a forward that builds a graph (None
+        when there is no graph or nothing of it trains): a loss whose rows all ran the other expert still
+        backpropagates, and every trainable weight gets its (zero) gradient, as DDP and FSDP expect."""
+        if not torch.is_grad_enabled():
+            return None
+        params = [p for p in expert.parameters() if p.requires_grad]
+        return torch.stack([p.sum() for p in params]).sum() * 0.0 if params else None
 
     def high_noise(self, timestep: torch.Tensor) -> torch.Tensor:
         """[B] bool: the rows the high noise expert runs (per-token timesteps: by their largest)."""
