@@ -3,6 +3,8 @@ an epoch's rollout is a function of its generators (so a resumed run redraws it 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from warm_start import tiny_trainer
@@ -59,3 +61,43 @@ def test_branching_rollout_trains_on_policy_and_redraws_exactly(tmp_path, tiny_m
     stats = [trainer.algorithm.loss(trainer.ctx, unit)[1] for unit in units]
     assert all(float(s["ratio"]) == 1.0 and float(s["approx_kl"]) == 0.0 for s in stats)
     assert max(float(s["logp_gap"]) for s in stats) < 1e-3  # the rollout's shared forwards and the training's agree
+
+
+def _fit(run_dir, model_dir, sampler, resume_from=None) -> tuple[dict, list[torch.Tensor]]:
+    """Two RL epochs of GRPO with ``sampler`` (two optimizer steps each: the second is off-policy), checkpointed
+    after each; from ``resume_from``'s checkpoint when given. Returns the last RL record and the weights."""
+    trainer = tiny_trainer(
+        run_dir,
+        model_dir,
+        "algorithm.name=grpo",
+        "algorithm.group_size=4",
+        "algorithm.sampler.num_steps=4",
+        "algorithm.steps_per_epoch=2",
+        *SAMPLERS[sampler],
+        "data.prompts_per_epoch=2",
+        "train.warmup_steps=0",
+        "train.epochs=2",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=0",
+        "eval.every=0",
+        "logging.progress=false",
+    )
+    if resume_from is not None:
+        trainer.resume(resume_from / "checkpoints" / "step-000000-000001")
+    trainer.fit()
+    trainer.logger.close()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["phase"] == "rl"][-1]
+    return {k: v for k, v in last.items() if not k.startswith(("time", "images_per_s", "rollout_images_per_s"))}, [
+        p.detach().clone() for p in trainer.adapter.trainable.parameters()
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_a_resumed_branching_run_repeats_the_epoch_bit_for_bit(tmp_path, tiny_model_dir, sampler):
+    full, weights = _fit(tmp_path / "full", tiny_model_dir, sampler)
+    resumed, resumed_weights = _fit(tmp_path / "resumed", tiny_model_dir, sampler, resume_from=tmp_path / "full")
+    assert full == resumed
+    assert full["rollout_forwards_per_image"] == {"branch": 10 / 4, "tree": 8 / 4}[sampler]  # per prompt / 4 images
+    assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights, strict=True))
