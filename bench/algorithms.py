@@ -5,9 +5,10 @@ one per seed) writes a checkpoint; then for each seed (``train.seed``: the RL pr
 algorithm of ``trainer.algorithms.ALGORITHMS`` runs ``--epochs`` RL epochs from it (``train.init_from``) with
 its preset ``<--algorithm-configs>/<name>.yaml`` layered over the task config, evaluating every ``--eval-every``
 epochs. Per algorithm the table gives, as median [min-max] over seeds, the RL wall seconds, trainer-process CPU
-seconds and images until the evaluation metric ``--metric`` first reaches ``--target`` ("n.r.": not reached; a
-median over seeds counts those as infinite), and the final and best metric. Images to target do not depend on
-the machine's load; wall seconds do (the load average is printed); evaluations are not counted in either time.
+seconds, images and rollout forwards (denoiser rows) until the evaluation metric ``--metric`` first reaches
+``--target`` ("n.r.": not reached; a median over seeds counts those as infinite), and the final and best metric.
+Images (and forwards) to target do not depend on the machine's load; wall seconds do (the load average is
+printed); evaluations are not counted in either time.
 One plot (``<out>/time_to_target.png``): the metric against images and against RL wall seconds, median of seeds.
 
     python bench/algorithms.py [--seeds 0,1,2] [--epochs 16] [--eval-every 1] [--only grpo,dpo]
@@ -76,7 +77,13 @@ def time_to_target(recs: list[dict], metric: str, target: float) -> dict:
         )
     hit = next((point for point in curve if point[4] >= target), None)
     final = next((r for r in recs if r["phase"] == "final"), evals[-1])
+    logged = all("rollout_forwards_per_image" in e for e in epochs.values())  # runs before it was logged: none
+    forwards = [
+        e["images"] * e["rollout_forwards_per_image"] for n, e in epochs.items() if logged and hit and n <= hit[0]
+    ]
     return {
+        "forwards": sum(forwards) if hit and logged else None,
+        "logged_forwards": logged,
         "epoch": hit[0] if hit else None,
         "images": hit[1] if hit else None,
         "wall_s": hit[2] if hit else None,
@@ -109,6 +116,9 @@ def summary_rows(runs: dict[str, list[dict]], metric: str) -> list[dict]:
                 "reached": f"{sum(f['epoch'] is not None for f in figures)}/{len(figures)}",
                 "epochs to target": spread([f["epoch"] for f in figures], ".0f"),
                 "images to target": spread([f["images"] for f in figures], ".0f"),
+                "rollout forwards to target": spread([f["forwards"] for f in figures], ".0f")
+                if all(f.get("logged_forwards") for f in figures)
+                else "-",
                 "RL wall s to target": spread([f["wall_s"] for f in figures], ".0f"),
                 "CPU s to target": spread([f["cpu_s"] for f in figures], ".0f"),
                 f"final {metric}": spread([f["final"] for f in figures], ".2f"),

@@ -109,10 +109,12 @@ def log_rollout_samples(
         )
 
 
-def rollout_metrics(task, images: torch.Tensor, prompts: list[str], result: RewardResult) -> dict[str, float]:
-    """This rank's rollouts' mean score by scorer (``reward/<name>``) and the task's metrics of them, named apart from
-    the evaluation's (``rollout_<name>``: other prompts, noise and weights)."""
-    metrics = {}
+def rollout_metrics(task, ro, prompts: list[str], result: RewardResult) -> dict[str, float]:
+    """This rank's rollouts' (``ro``, a Rollout) mean score by scorer (``reward/<name>``), the task's metrics of them,
+    named apart from the evaluation's (``rollout_<name>``: other prompts, noise and weights), and the denoiser
+    forwards per image (``rollout_forwards_per_image``: T, fewer where groups share a branching prefix)."""
+    images = ro.images
+    metrics = {"rollout_forwards_per_image": ro.forwards / len(images)}
     for name, values in result.components.items():
         metrics[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
     return {**metrics, **{f"rollout_{k}": v for k, v in task.metrics(images, prompts, result.components).items()}}

@@ -12,6 +12,14 @@ from torch import nn
 from trainer.config.fields import Bounds, NonNegativeFloat, NonNegativeInt, PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, ModelAdapter, StepFunction
 from trainer.samplers import DEFAULT_KIND, STEP_FUNCTIONS, generator_device, resolve_kind
+from trainer.samplers.branching import (
+    Plan,
+    group_width,
+    leaves_per_prompt,
+    to_leaves,
+    uniform_tree_steps,
+    whole_groups,
+)
 from trainer.samplers.multistep import compress_after_window, dpm_solver_2m_step, second_order_steps
 
 
@@ -43,6 +51,18 @@ class SamplerSettings:
     ode_compress: Annotated[float, Bounds(0, 1, low_open=True)] = 1.0
     """Fraction of the ODE steps after the SDE window that are taken (MixGRPO-Flash's compression; 1: all):
     fewer forwards per rollout where nothing is trained."""
+    branch: bool = False
+    """Flow-GRPO's S1 branching: a prompt's group shares one initial noise and one ODE prefix, computed once, up
+    to the SDE window's start b (the branch step, drawn from ``window_range`` per epoch, the same on every rank);
+    step b's forward is shared too, and there the group's G branches draw their own noise (trainer/samplers/
+    branching.py). Needs ``sde_window`` > 0: the window's steps are SDE and trained, ODE after."""
+    tree: tuple[PositiveInt, ...] = ()
+    """BranchGRPO's tree rollouts: a branching factor per level, whose product is the group size; every step SDE,
+    each trajectory's forward computed once, children drawing their own noise at the level's step. GRPO then
+    takes BranchGRPO's per-depth advantages (``tree_advantages``)."""
+    tree_steps: tuple[NonNegativeInt, ...] = ()
+    """The steps the tree splits at, increasing, one per factor of ``tree``; () spaces them as BranchGRPO:
+    level l at l (T // L)."""
 
     def __post_init__(self):
         kinds = sorted({"auto", *DEFAULT_KIND.values(), *STEP_FUNCTIONS})
@@ -70,6 +90,46 @@ class SamplerSettings:
                 f"ode_order={self.ode_order} acts on deterministic steps, those after an SDE window (set "
                 "sampler.sde_window > 0) or every step at sampler.noise_level=0; or leave it at 1"
             )
+        self._check_branching()
+
+    def _check_branching(self) -> None:
+        """One line naming the fix for a branch or tree setting that cannot be sampled."""
+        if (self.branch or self.tree) and self.noise_level == 0:
+            raise ValueError("sampler.branch / sampler.tree need noise_level > 0: at 0 every branch is the same")
+        if self.branch and (self.sde_window == 0 or self.tree):
+            raise ValueError(
+                "sampler.branch branches at the SDE window's start: set sampler.sde_window > 0 (S1: 1 with "
+                "window_range [0, 2]), and leave sampler.tree empty"
+            )
+        if self.tree and self.sde_window:
+            raise ValueError("sampler.tree samples every step with SDE, as BranchGRPO: set sampler.sde_window=0")
+        steps = self.tree_steps or uniform_tree_steps(self.num_steps, len(self.tree))
+        if self.tree and not (
+            len(steps) == len(self.tree) and list(steps) == sorted(set(steps)) and steps[-1] < self.num_steps
+        ):
+            raise ValueError(
+                f"sampler.tree_steps={tuple(self.tree_steps)} must be {len(self.tree)} increasing steps below "
+                f"num_steps={self.num_steps}, one per factor of sampler.tree={tuple(self.tree)}"
+            )
+
+    @property
+    def branches(self) -> bool:
+        """Whether a group shares its trajectory's prefix (``branch`` or ``tree``)."""
+        return self.branch or bool(self.tree)
+
+    def branch_plan(self, stochastic: torch.Tensor, group: int) -> Plan:
+        """The rollout's ((step, factor), ...) for groups of ``group`` rows and this batch's stochastic steps."""
+        if self.branch:
+            return ((int(torch.nonzero(stochastic).min()), group),)
+        if self.tree:
+            steps = self.tree_steps or uniform_tree_steps(self.num_steps, len(self.tree))
+            if leaves_per_prompt(tuple(zip(steps, self.tree, strict=True))) != group:
+                raise ValueError(
+                    f"sampler.tree={tuple(self.tree)} makes {math.prod(self.tree)} leaves per prompt, but a group "
+                    f"has {group} images: make the factors' product equal algorithm.group_size"
+                )
+            return tuple(zip(steps, self.tree, strict=True))
+        return ()
 
     def window_starts(self) -> tuple[int, int]:
         """[lo, hi) of the SDE window's start (``window_range``, or its default for (0, 0))."""
@@ -94,6 +154,7 @@ class Rollout:
     kind: str
     guidance_scale: float
     means: torch.Tensor | None = None  # [B, T, *latent_shape] float32: each step's mean, when asked for
+    forwards: int = 0  # denoiser forwards (rows) the sampling took: B T, fewer where a group shares a prefix
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
@@ -113,6 +174,7 @@ class Rollout:
             kind=first.kind,
             guidance_scale=first.guidance_scale,
             means=torch.cat([p.means for p in parts]) if first.means is not None else None,
+            forwards=sum(p.forwards for p in parts),
         )
 
     def trainable_steps(self) -> torch.Tensor:
@@ -168,14 +230,15 @@ MAX_CHUNKS = 10
 at 10 chunks they are a tenth of the shorter phase, so an epoch takes at most about 1.1 max(S, R)."""
 
 
-def rollout_bounds(n: int, chunks: int, unit: int) -> list[int]:
+def rollout_bounds(n: int, chunks: int, unit: int, group: int = 1) -> list[int]:
     """``train.rollout_chunks``'s cut of ``n`` rollout images: ``chunks`` > 0 as ``chunk_bounds`` cuts at whole
     reward requests of ``unit``; 0 (the default) into at most ``MAX_CHUNKS`` chunks of a multiple of
-    ``MIN_CHUNK`` images each, the last one possibly smaller. E.g. 160 -> 10 chunks of 16; 32 -> 4 of 8."""
+    ``MIN_CHUNK`` images each, the last one possibly smaller. E.g. 160 -> 10 chunks of 16; 32 -> 4 of 8.
+    Bounds then move to multiples of ``group`` (a branching rollout's group shares its prefix: one chunk)."""
     if chunks:
-        return chunk_bounds(n, chunks, unit)
+        return whole_groups(chunk_bounds(n, chunks, unit), group)
     size = MIN_CHUNK * max(1, math.ceil(n / (MAX_CHUNKS * MIN_CHUNK)))
-    return [*range(0, n, size), n]
+    return whole_groups([*range(0, n, size), n], group)
 
 
 @torch.no_grad()
@@ -204,26 +267,29 @@ def rollout(
         stochastic = window_mask(settings, generator)
     sigmas, stochastic = compress_after_window(adapter.sigmas(settings.num_steps), stochastic, settings.ode_compress)
     step = adapter.step_function(kind, sigmas)
-    x = adapter.prepare_latents(len(prompts), generator) if initial is None else initial
+    plan = settings.branch_plan(stochastic, group_width(group_ids)) if settings.branches else ()
+    rows = len(prompts) // leaves_per_prompt(plan)  # trajectories at the start: one per prompt when branching
+    x = adapter.prepare_latents(rows, generator) if initial is None else initial
     if adapter.reads_trajectory:  # its predict reads the initial noise and the schedule
-        cond = cond.starting_at(x, sigmas)
-    latents, log_probs, means = _denoise(
-        adapter, net, x, cond, step, sigmas, stochastic, settings, generator, record_means
+        cond = cond.starting_at(to_leaves(x, len(prompts)), sigmas)
+    latents, log_probs, means, forwards = _denoise(
+        adapter, net, x, cond, step, sigmas, stochastic, settings, generator, record_means, dict(plan)
     )
-    x = latents[-1]
+    leaves = lambda steps: torch.stack([to_leaves(t, len(prompts)) for t in steps], dim=1)  # noqa: E731
     return Rollout(
         prompts=list(prompts),
         group_ids=group_ids,
         cond=cond,
-        latents=torch.stack(latents, dim=1),
-        log_probs=torch.stack(log_probs, dim=1),
+        latents=leaves(latents),
+        log_probs=leaves(log_probs),
         sigmas=sigmas,
         stochastic=stochastic,
-        images=adapter.decode(x),
+        images=adapter.decode(latents[-1]),
         noise_level=settings.noise_level,
         kind=kind,
         guidance_scale=settings.guidance_scale,
-        means=torch.stack(means, dim=1) if record_means else None,
+        means=leaves(means) if record_means else None,
+        forwards=forwards,
     )
 
 
@@ -238,19 +304,27 @@ def _denoise(
     settings: SamplerSettings,
     generator: torch.Generator | None,
     record_means: bool,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    splits: dict[int, int],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
     """The sampling loop from noise ``x`` with reverse ``step``: the latents (``x`` first, then one per step), each
-    step's log-probability and (with ``record_means``) Gaussian mean. After the SDE window, ``settings.ode_order``
-    2 takes DPM-Solver multistep steps."""
+    step's log-probability, (with ``record_means``) Gaussian mean, and the forwards taken. After the SDE window,
+    ``settings.ode_order`` 2 takes DPM-Solver multistep steps. At a step of ``splits`` (step: factor) each row's
+    forward is repeated to its children, which draw their own noise; rows before a split stand for all their
+    leaves of ``cond`` (tree order), and the recorded tensors have the width of their step."""
     noisy = stochastic if settings.noise_level > 0 else torch.zeros_like(stochastic)  # the steps that draw noise
     multistep = second_order_steps(noisy, settings.ode_order).tolist()
     host = sigmas.cpu().tolist() if any(multistep) else []  # one read per rollout, only for the multistep
-    latents, log_probs, means, x0 = [x], [], [], None
-    batch = x.shape[0]
+    latents, log_probs, means, x0, forwards = [x], [], [], None, 0
+    leaves, trajectories = cond, cond.select(slice(None, None, math.prod(splits.values()))) if splits else cond
     levels = [settings.noise_level if s else 0.0 for s in stochastic.tolist()]
     for i, level in enumerate(levels):
-        sigma = sigmas[i].expand(batch)
-        v = adapter.predict(net, x, sigma, cond, settings.guidance_scale)
+        batch = x.shape[0]
+        v = adapter.predict(net, x, sigmas[i].expand(batch), trajectories, settings.guidance_scale)
+        forwards += batch
+        if i in splits:  # one forward per trajectory, repeated to the children that branch off it here
+            x, v, x0 = (None if t is None else t.repeat_interleave(splits[i], dim=0) for t in (x, v, x0))
+            batch = x.shape[0]
+            trajectories = leaves.select(slice(None, None, len(leaves) // batch))
         if multistep[i]:  # deterministic, after the window: scored 0 like every ODE step, never trained
             x_next = dpm_solver_2m_step(v, x, x0, host[i - 1], host[i], host[i + 1])
             logp, mean = torch.zeros(batch, device=x.device), x_next.float()
@@ -263,4 +337,4 @@ def _denoise(
         log_probs.append(logp)
         if record_means:
             means.append(mean)
-    return latents, log_probs, means
+    return latents, log_probs, means, forwards

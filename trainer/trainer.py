@@ -88,6 +88,7 @@ class Trainer:
             backend.world.replica,
             train.seed,
             algorithm.local_groups,
+            algorithm.sampler.branches,
         )
         algorithm.check_batch(self.sampler.per_rank)
         first = adapter.encode_prompts(task.prompts[:1], task.inputs([0]))
@@ -156,7 +157,6 @@ class Trainer:
     def _generator(self, phase: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
         return torch.Generator(device).manual_seed(((self._rank_seed * 4 + phase) * 1_000_003 + step) % (2**63))
 
-    # --- phases ---------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         """Run the whole schedule (continuing from ``progress`` after a resume); returns final metrics."""
         self._evaluated: tuple[int, dict[str, float]] | None = None  # the last evaluation in the loop
@@ -374,7 +374,7 @@ class Trainer:
         # summed over ranks below
         metrics["reward_failed_attempts"] = self.reward_client.failed_attempts - failed_before
         metrics.update(self.algorithm.batch_metrics(batch))
-        metrics.update(rollout_metrics(self.task, ro.images, prompts, result))
+        metrics.update(rollout_metrics(self.task, ro, prompts, result))
         metrics = self.backend.mean(metrics)
         metrics["reward_failed_attempts"] *= self.backend.world.replicas
         metrics.update(self.rollout_breakdown(indices.tolist(), result.components))
@@ -425,7 +425,7 @@ class Trainer:
         return Rollout.cat(parts), self.reward_client.merge(results), t_wait
 
     def _rollout_bounds(self, n: int) -> list[int]:
-        return rollout_bounds(n, self.config.train.rollout_chunks, self.reward_client.batch_size)
+        return rollout_bounds(n, self.config.train.rollout_chunks, self.reward_client.batch_size, self.sampler.unit)
 
     def _after_rl_step(self) -> None:
         self.progress.rl_steps += 1

@@ -215,13 +215,15 @@ def _fit(config, tmp_path) -> None:
 
 
 def _one_epoch(config) -> list[str]:
-    """``ONE_EPOCH``, one warm-up step where ``config`` warms up, and an SDE window that fits 4 steps where it
-    sets one."""
+    """``ONE_EPOCH``, one warm-up step where ``config`` warms up, an SDE window that fits 4 steps where it sets
+    one, and a tree of ``group_size`` 4 leaves where it sets one."""
     extra = list(ONE_EPOCH)
     if config.train.warmup_steps > 0:
         extra.append("train.warmup_steps=1")
     if config.algorithm.sampler.sde_window > 0:
         extra += ["algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,2]"]
+    if config.algorithm.sampler.tree:
+        extra += ["algorithm.sampler.tree=[2,2]", "algorithm.sampler.tree_steps=[0,1]"]
     return extra
 
 

@@ -15,15 +15,18 @@ EXTRA_STEPS = ("ddim", "dpm_solver_2m")
 
 
 def registered() -> set[str]:
-    """Every name the parity tier must cover: algorithms (the warm-up's SFT too), steps and scorers."""
+    """Every name the parity tier must cover: algorithms (the warm-up's SFT too), steps, scorers and the branching
+    samplers."""
     from reward_server.scorers import SCORERS
     from trainer.algorithms import ALGORITHMS
     from trainer.samplers import STEP_FUNCTIONS
+    from trainer.samplers.branching import BRANCHINGS
 
     return (
         {f"algorithm:{name}" for name in [*ALGORITHMS, "sft"]}
         | {f"step:{name}" for name in [*STEP_FUNCTIONS, *EXTRA_STEPS]}
         | {f"scorer:{name}" for name in SCORERS}
+        | {f"sampler:{name}" for name in BRANCHINGS}
     )
 
 

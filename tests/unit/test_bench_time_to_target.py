@@ -36,6 +36,11 @@ def test_time_to_target_sums_the_epochs_up_to_the_first_evaluation_at_the_target
     assert bench.time_to_target(_records([0.96, 0.9]), "digit_accuracy", 0.95)["images"] == 0  # before RL
     missed = bench.time_to_target(_records([0.9, 0.94]), "digit_accuracy", 0.95)
     assert missed["epoch"] is None and missed["wall_s"] is None
+    assert got["forwards"] is None and not got["logged_forwards"]  # runs from before it was logged
+    branched = _records([0.9, 0.94, 0.96])
+    for r in branched[1::2]:
+        r["rollout_forwards_per_image"] = 8.5
+    assert bench.time_to_target(branched, "digit_accuracy", 0.95)["forwards"] == 2 * 160 * 8.5
     with pytest.raises(ValueError, match="pass the task's metric as --metric"):
         bench.time_to_target(_records([0.9]), "ocr_accuracy", 0.6)
 

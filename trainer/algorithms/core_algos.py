@@ -67,6 +67,32 @@ def group_advantages(
     return adv.clamp(-clip, clip).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
+@ADVANTAGE_ESTIMATORS.register("tree")
+def tree_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, nodes: list[int], clip: float = 5.0
+) -> torch.Tensor:
+    """BranchGRPO's per-depth advantages on a tree rollout [N, T]: a group's rows are its tree's leaves in tree
+    order, and step t's edge leads to one of ``nodes[t + 1]`` nodes (``branching.widths``), each the parent of a
+    block of G / nodes leaves. A node's reward is the mean of its leaves'; at each depth the tree's nodes are
+    normalised among themselves, A = clip((R - mean R) / (std R + 1e-8), -clip, clip) with the unbiased std, 0 where
+    the depth has one node or std < 1e-6; an edge takes the advantage of the node it leads to. NaN (failed) leaves
+    are left out of their node's mean, and nodes with no scored leaf out of the depth's statistics (advantage 0)."""
+    r = rewards.double()
+    adv = torch.zeros(len(r), len(nodes) - 1, dtype=torch.float64)
+    for g in torch.unique(group_ids):
+        members = torch.nonzero(group_ids == g, as_tuple=False).flatten()
+        for t, width in enumerate(nodes[1:]):
+            node_r = r[members].view(width, -1).nanmean(dim=1)
+            scored = ~torch.isnan(node_r)
+            values = node_r[scored]
+            if len(values) < 2 or float(values.std()) < 1e-6:
+                continue
+            node_adv = torch.where(scored, (node_r - values.mean()) / (values.std() + 1e-8), 0.0)
+            adv[members, t] = node_adv.repeat_interleave(len(members) // width)
+    adv[torch.isnan(r)] = 0.0
+    return adv.clamp(-clip, clip).float()
+
+
 @ADVANTAGE_ESTIMATORS.register("batch")
 def batch_advantages(rewards: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     """PPO-style advantages without grouping: A_i = clip((r_i - batch mean) / (batch std + 1e-4), -clip, clip), NaN

@@ -8,6 +8,8 @@ with the KL between the two Gaussian steps in the Flow-GRPO latent-mean form (no
 ``gaussian_mean_kl``). Departures from Flow-GRPO's train_sd3.py (docs/departures.md): trained timesteps are
 a random subset per sample (``timestep_fraction``) of the stochastic steps, the last excluded; samples of zero
 advantage stay in the mean (``drop_zero_advantage`` drops them, as theirs); groups are group ids, not prompt texts.
+With tree rollouts (``sampler.tree``) the advantages are BranchGRPO's per depth of each prompt's tree
+(``tree_advantages``): A_{i,t} is that of the node step t leads leaf i to, among the tree's nodes at that depth.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.base import Rewards
-from trainer.algorithms.core_algos import group_advantages
+from trainer.algorithms.core_algos import group_advantages, tree_advantages
 from trainer.algorithms.policy_gradient import (
     ClippedPolicyGradient,
+    PolicyGradientBatch,
     PolicyGradientConfig,
+    trainable_steps,
 )
+from trainer.rollout import Rollout
+from trainer.samplers.branching import widths
 
 
 @dataclass
@@ -52,3 +58,12 @@ class GRPO(ClippedPolicyGradient):
         return rewards.local_rows(
             group_advantages(rewards.all, rewards.group_ids_all, cfg.global_std, cfg.adv_clip, ddof)
         )
+
+    def make_batch(self, rollout: Rollout, rewards: Rewards) -> PolicyGradientBatch:
+        """Per-sample advantages at every step, or on a tree rollout BranchGRPO's per-node ones."""
+        sampler = self.config.sampler
+        if not sampler.tree:
+            return super().make_batch(rollout, rewards)
+        nodes = widths(len(rollout.stochastic), sampler.branch_plan(rollout.stochastic, self.config.group_size))
+        adv = rewards.local_rows(tree_advantages(rewards.all, rewards.group_ids_all, nodes, self.config.adv_clip))
+        return PolicyGradientBatch(rollout, adv.to(rollout.log_probs.device), trainable_steps(rollout), rewards)

@@ -74,6 +74,11 @@ class PolicyGradientConfig:
                 "algorithm.sampler.num_steps=1 leaves no trainable denoising step (the last step is never "
                 "trained: its noise is near 0): set num_steps >= 2"
             )
+        if self.sampler.tree and math.prod(self.sampler.tree) != self.group_size:
+            raise ValueError(
+                f"algorithm.sampler.tree={tuple(self.sampler.tree)} makes {math.prod(self.sampler.tree)} leaves per "
+                f"prompt, but algorithm.group_size={self.group_size}: make the factors' product the group size"
+            )
 
 
 @dataclass

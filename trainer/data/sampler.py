@@ -9,6 +9,7 @@ class GroupSampler:
     """Each epoch draws ``prompts_per_epoch`` prompts from a pool of ``pool_size``, repeats each
     ``group_size`` times, shuffles the global list and gives rank r the r-th equal slice.
 
+    With ``contiguous`` (branching rollouts) each group's rows are adjacent, in order, on one rank.
     Every rank computes the same global list from (seed, epoch), so no communication is needed and the
     gathered batch always holds whole groups; the epoch number is the whole sampler state (resumable).
     """
@@ -22,8 +23,10 @@ class GroupSampler:
         rank: int,
         seed: int,
         local_groups: bool = False,
+        contiguous: bool = False,
     ):
         total = prompts_per_epoch * group_size
+        local_groups = local_groups or contiguous
         if local_groups and prompts_per_epoch % world_size:
             raise ValueError(
                 f"this algorithm keeps each prompt group on one rank, so data.prompts_per_epoch="
@@ -40,7 +43,9 @@ class GroupSampler:
         self.pool_size, self.prompts_per_epoch, self.group_size = pool_size, prompts_per_epoch, group_size
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.per_rank = total // world_size
-        self.local_groups = local_groups
+        self.local_groups, self.contiguous = local_groups, contiguous
+        self.unit = group_size if contiguous else 1
+        """Rows a rollout chunk must keep together: a group, where its rows share a branching prefix."""
 
     def epoch(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pool indices [per_rank], group ids [per_rank]) of this rank for ``epoch``."""
@@ -52,6 +57,8 @@ class GroupSampler:
         if self.local_groups:  # a stable sort by owning rank keeps the shuffle inside each rank's slice
             owner = groups[order] // (self.prompts_per_epoch // self.world_size)
             order = order[torch.sort(owner, stable=True).indices]
+        if self.contiguous:  # each group's rows together, in order, whole on one rank (they share a prefix)
+            order = torch.arange(len(groups))
         groups = groups[order]
         mine = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
         return chosen[groups[mine]], groups[mine]
