@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from scoring.frames import FRAMES, frame_indices
+
 REDUCTIONS = ("mean", "min")
 
 
@@ -22,7 +24,7 @@ class FrameSampling:
     """``frames`` frames per video scored by an image scorer, reduced by ``reduce``: ``mean`` rewards a clip that is
     good throughout on average, ``min`` one with no bad frame (text legible in every sampled frame)."""
 
-    frames: int = 8
+    frames: int = FRAMES
     reduce: str = "mean"
 
     def __post_init__(self) -> None:
@@ -35,16 +37,6 @@ class FrameSampling:
 def is_video(array: np.ndarray) -> bool:
     """Whether a decoded item is a video (uint8 ``[F, H, W, C]``) rather than an image (``[H, W, C]``)."""
     return array.ndim == 4
-
-
-def frame_indices(num_frames: int, count: int) -> list[int]:
-    """``count`` frame indices evenly spaced over ``num_frames`` frames, first and last included (all frames when
-    the clip has no more than ``count``)."""
-    if num_frames <= count:
-        return list(range(num_frames))
-    if count == 1:
-        return [0]
-    return [round(i * (num_frames - 1) / (count - 1)) for i in range(count)]
 
 
 def expand(

@@ -89,6 +89,11 @@ def test_configs_are_found():
     assert len(IN_REPOSITORY) >= 10  # the PickScore, OCR and GenEval presets train and evaluate on data/
 
 
+def _side(model) -> int:
+    """The pixel side of the model's images (a video model's frame height; the tiny models' frames are square)."""
+    return model.resolution or getattr(model, "height", 0) or 16
+
+
 def _tiny_job(path: Path, tiny_models, tmp_path, extra: list[str] | None = None):
     """The config at ``path`` with its model swapped for the tiny one and its data for a tiny dataset of the
     same format (an absolute eval.path too: a placeholder for the user's data), plus ``extra`` overrides."""
@@ -96,7 +101,7 @@ def _tiny_job(path: Path, tiny_models, tmp_path, extra: list[str] | None = None)
     model = {"name": "tiny", **raw.get("model", {})}
     overrides = _model_overrides(model, tiny_models) if model["name"] in MODELS else []
     config = load_config(str(path), overrides)  # an unregistered algorithm or model fails here
-    side = config.model.resolution or 16
+    side = _side(config.model)
     data_path = tiny_dataset(config.data.name, tmp_path, side, Path(raw.get("data", {}).get("path", "")).suffix)
     if not config.eval.path:
         evaluated = []
@@ -117,7 +122,8 @@ def test_config_builds_and_samples_one_group(path, tiny_models, tmp_path):
         refuse_low_precision_updates(list(adapter.trainable.parameters()), config.parallel.backend)
     algorithm = build_algorithm(config.algorithm)
     task = build_task(config.data)
-    group = min(algorithm.group_size, MAX_GROUP)
+    tree = config.algorithm.sampler.tree  # a tree's leaves are its group: sampled whole
+    group = algorithm.group_size if tree else min(algorithm.group_size, MAX_GROUP)
     items = [0] * group
     inputs = task.inputs(items)
     ro = rollout(
@@ -323,7 +329,7 @@ def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_model
     data = tiny(name).data
     model = [f"model.name={name}", *_model_overrides({"name": name}, tiny_models), "model.dtype=float32"]
     config = load_config(str(path), model)
-    side = config.model.resolution or 16
+    side = _side(config.model)
     task = [f"data.name={data}", f"data.path={tiny_dataset(data, tmp_path, side)}", f"data.image_size={side}"]
     if tiny(name).inputs:  # the file's images the model takes (image to video: its first frame, no mask)
         task.append(f"data.image_inputs=[{','.join(tiny(name).inputs)}]")

@@ -18,6 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from scoring import DIFFERENTIABLE, build_differentiable, needs_weights
+from scoring.frames import score_clips
 from trainer.algorithms.base import AlgorithmDefaults, LossContext, Rewards, check_steps, mark_on_policy, set_shares
 from trainer.algorithms.core_algos import reward_loss
 from trainer.config.fields import FiniteFloat, LocalPath, PositiveInt
@@ -138,7 +139,9 @@ class RewardBackprop(AlgorithmDefaults):
     def loss(self, ctx: LossContext, unit: RewardUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ro = unit.batch.rollout
         images = ctx.adapter.decode(self.final_latents(ctx, unit))
-        rewards = self.scorer(images, [ro.prompts[i] for i in unit.rows.tolist()])
+        prompts = [ro.prompts[i] for i in unit.rows.tolist()]
+        # a clip [B, F, C, H, W] is scored on its frames as the servers score it by default
+        rewards = score_clips(self.scorer, images, prompts) if images.ndim == 5 else self.scorer(images, prompts)
         loss = reward_loss(rewards, self.config.loss, self.config.margin).mean()
         stats = {"reward_loss": loss.detach(), "reward_in_process": rewards.detach().mean()}
         if unit.on_policy and self.reproduces_rollout:  # the same image as the served one scored
