@@ -333,8 +333,9 @@ def test_every_adapter_runs_a_job_of_every_algorithm(name, algorithm, tiny_model
     task = [f"data.name={data}", f"data.path={tiny_dataset(data, tmp_path, side)}", f"data.image_size={side}"]
     if tiny(name).inputs:  # the file's images the model takes (image to video: its first frame, no mask)
         task.append(f"data.image_inputs=[{','.join(tiny(name).inputs)}]")
+    video = MODELS[name].load().modality == "video"  # the data's images are its first frames, not clips to learn
     overrides = [*model, *task, *_one_epoch(config), "train.rollout_chunks=1"] + (
-        ["train.warmup_steps=0"] if data == "prompt_file" else []
+        ["train.warmup_steps=0"] if data == "prompt_file" or video else []
     )
     config = load_config(str(path), overrides)
     if hasattr(config.algorithm, "scorer"):  # refl, draft, drtune: a differentiable reward any data's images have

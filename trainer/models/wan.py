@@ -344,6 +344,11 @@ class WanAdapter:
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Frames in [0, 1] [B, F, C, H, W] -> latents (posterior mean, normalised as the I2V pipeline normalises
         its condition; the inverse of ``decode``) for supervised targets."""
+        if images.ndim != 5:
+            raise ValueError(
+                f"{self.config.name} learns from clips [B, F, C, H, W], and the data gives images "
+                f"{tuple(images.shape)}: set train.warmup_steps=0 (images there are first frames, not targets)"
+            )
         x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype).transpose(1, 2)
         latents = self.vae.encode(x).latent_dist.mode().float()
         mean, inv_std = self.latent_statistics(torch.float32)
