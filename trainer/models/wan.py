@@ -354,10 +354,10 @@ class WanAdapter:
         mean, inv_std = self.latent_statistics(torch.float32)
         return (latents - mean) * inv_std
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Frames [B, F, C, H, W] in [0, 1], float32: un-normalised and decoded in the VAE's dtype as the
-        pipeline does."""
+        pipeline does; differentiable in ``latents`` (the frozen VAE builds no graph for latents without one), for
+        the differentiable-reward algorithms."""
         x = latents.to(self.device, self.vae.dtype)
         mean, inv_std = self.latent_statistics(x.dtype)
         video = self.vae.decode(x / inv_std + mean, return_dict=False)[0].float()
