@@ -10,8 +10,8 @@ from shared.registry import Entry, Registry
 
 DIFFERENTIABLE = Registry(
     {
-        "digit": Entry("scoring.digit:DigitProbability", accepts=()),
-        "brightness": Entry("scoring.brightness:Brightness", accepts=()),
+        "digit": Entry("scoring.modules:DigitProbability", accepts=()),
+        "brightness": Entry("scoring.modules:Brightness", accepts=()),
         "aesthetic": Entry("scoring.aesthetic:DifferentiableAesthetic"),
     }
 )

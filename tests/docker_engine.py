@@ -25,7 +25,7 @@ BASE_IMAGE = "rewardflow-base:bookworm"
 WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rewardflow" / "docker-wheels"
 PREP_LOCK = WHEEL_CACHE.parent / "docker-prep.lock"
 """Held while ``__main__`` prepares; ``prepared()`` waits for it."""
-CONTEXT_FILES = ("docker-compose.yml", ".dockerignore", "deploy", "shared", "reward_server")
+CONTEXT_FILES = ("docker-compose.yml", ".dockerignore", "deploy", "shared", "scoring", "reward_server")
 
 
 @contextlib.contextmanager

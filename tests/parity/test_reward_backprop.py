@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transcribed import Source, transcribes
 
-from scoring.digit import DigitProbability
+from scoring.modules import DigitProbability
 from trainer.algorithms.base import LossContext, Rewards
 from trainer.algorithms.core_algos import predicted_clean, reward_loss
 from trainer.algorithms.draft import DRaFT, DRaFTConfig

@@ -10,7 +10,8 @@ import torch
 
 from reward_server.scorers.digit import DigitScorer
 from scoring import build_differentiable
-from scoring.digit import DigitProbability, digit_features, to_digit_features
+from scoring.digit import to_digit_features
+from scoring.modules import DigitProbability, digit_features
 from trainer.config import load_config
 from trainer.models import build_adapter
 
