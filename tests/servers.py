@@ -51,6 +51,27 @@ def spawn_reward_server(args: list[str], **popen: object) -> tuple[subprocess.Po
     return process, f"http://127.0.0.1:{port}"
 
 
+@contextmanager
+def reward_server_process(scorers: str, model_dir: Path, timeout_s: float = 120.0) -> Iterator[str]:
+    """``python -m reward_server --scorers <scorers> --model-dir <model_dir>`` ready to score: its URL; a server
+    that is not ready within ``timeout_s`` fails with its log's tail (``model_dir/server.log``)."""
+    log = model_dir / "server.log"
+    with open(log, "wb") as out:
+        args = ["--scorers", scorers, "--model-dir", str(model_dir), "--log-level", "warning"]
+        process, url = spawn_reward_server(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(f"{url}/readyz", timeout_s=timeout_s)
+        yield url
+    except TimeoutError:
+        raise AssertionError(log.read_text()[-3000:]) from None
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def wait_for(url: str, status: int = 200, timeout_s: float = 30.0) -> None:
     """Poll ``url`` until it answers ``status`` (connection errors count as not yet)."""
     deadline = time.monotonic() + timeout_s

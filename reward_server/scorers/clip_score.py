@@ -70,6 +70,27 @@ def flow_grpo_pixels(image: np.ndarray, processor: Any) -> torch.Tensor:
     return (pixels - mean) / std
 
 
+def load_clip(scorer: str, root: Path | None, folder: str, files: tuple[str, ...], hint: str) -> tuple[Any, Path]:
+    """A transformers CLIPModel from ``root`` (``<model-dir>/<folder>``), checked strictly, and the folder of its
+    processor files (``root/processor`` when there, else ``root``): the loading of every CLIP-based scorer."""
+    from transformers import CLIPModel
+
+    if root is None:
+        raise ModelFilesMissing(f"{scorer} needs --model-dir with a CLIPModel in {folder}/")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root} is not a transformers CLIPModel checkpoint (no config.json)")
+    processor_dir = root / "processor" if (root / "processor").is_dir() else root
+    require_files(processor_dir, files, hint)
+    return load_strict(CLIPModel, root, "CLIPModel"), processor_dir
+
+
+def clip_image_processor(folder: Path) -> Any:
+    """CLIP's PIL image processor (the reference's resize and crop, without torchvision's C ops)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    return CLIPImageProcessorPil.from_pretrained(folder)
+
+
 class ClipScoreScorer:
     """``logit_scale * cos(text, image) / divisor`` of a CLIPModel read from ``<model_dir>/<folder>``."""
 
@@ -112,23 +133,14 @@ class ClipScoreScorer:
         return self._version
 
     def load(self) -> None:
-        from transformers import AutoTokenizer, CLIPModel
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+        from transformers import AutoTokenizer
 
-        if self._root is None:
-            raise ModelFilesMissing(f"{self.name} needs --model-dir with a CLIPModel in {self._folder}/")
-        if not (self._root / "config.json").is_file():
-            raise FileNotFoundError(f"{self._root} is not a transformers CLIPModel checkpoint (no config.json)")
-        processor_dir = self._root / "processor" if (self._root / "processor").is_dir() else self._root
-        require_files(
-            processor_dir,
-            ("preprocessor_config.json", "tokenizer_config.json"),
-            f"save the model's CLIP processor (tokenizer and image processor) there or in {self._root / 'processor'}",
-        )
-        model = load_strict(CLIPModel, self._root, "CLIPModel")
+        files = ("preprocessor_config.json", "tokenizer_config.json")
+        hint = f"save the model's CLIP processor (tokenizer and image processor) there or in {self._root}/processor"
+        model, processor_dir = load_clip(self.name, self._root, self._folder, files, hint)
         self._model = model.eval().to(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(processor_dir)
-        self._processor = CLIPImageProcessorPil.from_pretrained(processor_dir)
+        self._processor = clip_image_processor(processor_dir)
         self._max_tokens = min(self._tokenizer.model_max_length, model.config.text_config.max_position_embeddings)
         self._version = f"{self.name}+clip-{model.config.vision_config.hidden_size}+{fingerprint(self._root)}"
         self.score([np.zeros((64, 64, 3), np.uint8)], [""], [{}])

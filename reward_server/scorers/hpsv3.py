@@ -21,7 +21,6 @@ chat server returns tokens, not the hidden state the head needs. Expected layout
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
+from reward_server.scorers.base import ScoreOutcome
 from reward_server.scorers.judge import JudgeQuery, rgb
-from reward_server.scorers.qwenvl import LocalQwenVL
+from reward_server.scorers.qwenvl import LocalQwenVL, converted_judge, read_options
 from shared.protocol import ErrorCode
 
 REWARD_TOKEN = "<|Reward|>"
@@ -129,26 +128,12 @@ class Hpsv3Scorer:
     def load(self) -> None:
         from safetensors.torch import load_file
 
-        if self._model_dir is None:
-            raise ModelFilesMissing(
-                "hpsv3 needs --model-dir with hpsv3/ (see python -m reward_server.scorers.convert_hpsv3)"
-            )
-        root, options_path = self._model_dir / "hpsv3", self._model_dir / "hpsv3.json"
-        options = json.loads(options_path.read_text()) if options_path.is_file() else {}
-        if set(options) - {"image_pixels"}:
-            raise ValueError(
-                f"{options_path}: unknown keys {sorted(set(options) - {'image_pixels'})}; allowed: ['image_pixels']"
-            )
-        self.image_pixels = int(options.get("image_pixels", IMAGE_PIXELS))
-        if not (root / HEAD_FILE).is_file():
-            raise FileNotFoundError(
-                f"no {HEAD_FILE} in {root}: convert HPSv3.safetensors there with "
-                "python -m reward_server.scorers.convert_hpsv3"
-            )
-        judge = LocalQwenVL(root, device=self._device)
-        self._reward_id = judge.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
-        if judge.tokenizer.convert_ids_to_tokens(self._reward_id) != REWARD_TOKEN:
-            raise ValueError(f"the tokenizer in {root} has no {REWARD_TOKEN} token: convert with convert_hpsv3")
+        if self._model_dir is not None:  # the options first: a wrong key fails before the model loads
+            options = read_options(self._model_dir, "hpsv3", api=False, keys={"image_pixels"})
+            self.image_pixels = int(options.get("image_pixels", IMAGE_PIXELS))
+        root, judge, (self._reward_id,) = converted_judge(
+            "hpsv3", self._model_dir, (HEAD_FILE,), (REWARD_TOKEN,), self._device
+        )
         self._head = reward_head(load_file(str(root / HEAD_FILE))).to(judge.model.device)
         self._judge = judge
         self.score([np.zeros((64, 48, 3), np.uint8)], [""], [{}])

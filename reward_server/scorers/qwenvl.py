@@ -309,6 +309,25 @@ def read_options(model_dir: Path, name: str, *, api: bool, keys: set[str]) -> di
     return options
 
 
+def converted_judge(
+    name: str, model_dir: Path | None, files: tuple[str, ...], tokens: tuple[str, ...], device: str | None
+) -> tuple[Path, LocalQwenVL, list[int]]:
+    """``<model_dir>/<name>/``: a Qwen2-VL reward model laid out by ``convert_<name>`` (its ``files`` there and its
+    special ``tokens`` in the tokenizer), loaded; returns the folder, the judge and the tokens' ids."""
+    convert = f"python -m reward_server.scorers.convert_{name}"
+    if model_dir is None:
+        raise ModelFilesMissing(f"{name} needs --model-dir with {name}/ (see {convert})")
+    root = model_dir / name
+    for needed in files:
+        if not (root / needed).is_file():
+            raise FileNotFoundError(f"no {needed} in {root}: convert the released checkpoint there with {convert}")
+    judge = LocalQwenVL(root, device=device)
+    ids = judge.tokenizer.convert_tokens_to_ids(list(tokens))
+    if judge.tokenizer.convert_ids_to_tokens(ids) != list(tokens):
+        raise ValueError(f"the tokenizer in {root} lacks {list(tokens)}: convert with {convert}")
+    return root, judge, ids
+
+
 def open_backend(
     local_path: Path, options: dict[str, Any], *, api: bool, device: str | None, max_new_tokens: int
 ) -> JudgeBackend:

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
-from reward_server.scorers.local_model import fingerprint, load_strict, pick_device, require_files, weights_dir
+from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.clip_score import clip_image_processor, load_clip
+from reward_server.scorers.local_model import fingerprint, pick_device, weights_dir
 from shared.protocol import ErrorCode
 
 EMBED_CHUNK = 32
@@ -45,18 +46,10 @@ class TemporalConsistencyScorer:
         return self._version
 
     def load(self) -> None:
-        from transformers import CLIPModel
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-        if self._root is None:
-            raise ModelFilesMissing(f"{self.name} needs --model-dir with a CLIPModel in {self._folder}/")
-        if not (self._root / "config.json").is_file():
-            raise FileNotFoundError(f"{self._root} is not a transformers CLIPModel checkpoint (no config.json)")
-        processor_dir = self._root / "processor" if (self._root / "processor").is_dir() else self._root
-        require_files(processor_dir, ("preprocessor_config.json",), "save the CLIP model's image processor there")
-        model = load_strict(CLIPModel, self._root, "CLIPModel")
+        hint = "save the CLIP model's image processor there"
+        model, processor_dir = load_clip(self.name, self._root, self._folder, ("preprocessor_config.json",), hint)
         self._model = model.eval().to(self._device)
-        self._processor = CLIPImageProcessorPil.from_pretrained(processor_dir)
+        self._processor = clip_image_processor(processor_dir)
         self._version = f"{self.name}+clip-{model.config.vision_config.hidden_size}+{fingerprint(self._root)}"
         self.score([np.zeros((2, 64, 64, 3), np.uint8)], [""], [{}])
 

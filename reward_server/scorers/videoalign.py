@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from reward_server.scorers.base import ModelFilesMissing, ScoreOutcome
-from reward_server.scorers.qwenvl import LocalQwenVL, chat_text
+from reward_server.scorers.base import ScoreOutcome
+from reward_server.scorers.qwenvl import LocalQwenVL, chat_text, converted_judge
 from shared.protocol import ErrorCode
 
 HEADS = ("VQ", "MQ", "TA")
@@ -241,22 +241,10 @@ class VideoAlignScorer:
     def load(self) -> None:
         from safetensors.torch import load_file
 
-        if self._model_dir is None:
-            raise ModelFilesMissing(
-                "videoalign needs --model-dir with videoalign/ (see python -m reward_server.scorers.convert_videoalign)"
-            )
-        root = self._model_dir / "videoalign"
-        for needed in (HEAD_FILE, CONFIG_FILE):
-            if not (root / needed).is_file():
-                raise FileNotFoundError(
-                    f"no {needed} in {root}: convert the VideoReward checkpoint there with "
-                    "python -m reward_server.scorers.convert_videoalign"
-                )
+        root, judge, self._token_ids = converted_judge(
+            "videoalign", self._model_dir, (HEAD_FILE, CONFIG_FILE), SPECIAL_TOKENS, self._device
+        )
         self.settings = read_settings(root, self._model_dir / "videoalign.json")
-        judge = LocalQwenVL(root, device=self._device)
-        self._token_ids = judge.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
-        if judge.tokenizer.convert_ids_to_tokens(self._token_ids) != list(SPECIAL_TOKENS):
-            raise ValueError(f"the tokenizer in {root} lacks {SPECIAL_TOKENS}: convert with convert_videoalign")
         head = load_file(str(root / HEAD_FILE))["weight"]
         if head.shape != (len(HEADS), judge.model.config.get_text_config().hidden_size):
             raise ValueError(f"{root / HEAD_FILE}: weight of shape {tuple(head.shape)}, expected [3, hidden]")

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import httpx
 import numpy as np
 import pytest
 from fixtures_geneval import build_tiny_geneval
-from servers import spawn_reward_server, wait_for
+from servers import reward_server_process
 
 from shared.imagecodec import encode_image
 
@@ -31,24 +29,8 @@ ROWS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = build_tiny_geneval(tmp_path_factory.mktemp("geneval-server-models"), favour="cup")
-    log = model_dir / "server.log"
-    with open(log, "wb") as out:
-        process, url = spawn_reward_server(
-            ["--scorers", "geneval,geneval_partial", "--model-dir", str(model_dir), "--log-level", "warning"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_for(f"{url}/readyz", timeout_s=120)
+    with reward_server_process("geneval,geneval_partial", model_dir, timeout_s=120) as url:
         yield url
-    except TimeoutError:
-        raise AssertionError(log.read_text()[-3000:]) from None
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def test_post_score_with_geneval(server: str) -> None:

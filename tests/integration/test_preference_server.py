@@ -5,8 +5,6 @@ scores the scorer computes in-process."""
 
 from __future__ import annotations
 
-import subprocess
-
 import httpx
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from fixtures_hps import build_tiny_hps
 from fixtures_hpsv3 import build_tiny_hpsv3
 from fixtures_imagereward import build_tiny_imagereward
 from fixtures_models import build_tiny_qwen_vl, rig_answer
-from servers import spawn_reward_server, wait_for
+from servers import reward_server_process
 
 from reward_server.scorers import SCORERS
 from shared.imagecodec import encode_image
@@ -30,24 +28,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     build_tiny_imagereward(model_dir)
     build_tiny_hpsv3(model_dir)
     rig_answer(build_tiny_qwen_vl(model_dir / "unifiedreward"), "Final Score:4")
-    log = model_dir / "server.log"
-    with open(log, "wb") as out:
-        process, url = spawn_reward_server(
-            ["--scorers", ",".join(NAMES + VLM_NAMES), "--model-dir", str(model_dir), "--log-level", "warning"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_for(f"{url}/readyz", timeout_s=120)
+    with reward_server_process(",".join(NAMES + VLM_NAMES), model_dir, timeout_s=120) as url:
         yield url, model_dir
-    except TimeoutError:
-        raise AssertionError(log.read_text()[-3000:]) from None
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def test_post_score_with_hpsv2_and_imagereward(server) -> None:

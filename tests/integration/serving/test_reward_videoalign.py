@@ -4,13 +4,11 @@ scorer computes in-process with VQ, MQ, TA and Overall in its details, and an im
 
 from __future__ import annotations
 
-import subprocess
-
 import httpx
 import numpy as np
 import pytest
 from fixtures_videoalign import build_tiny_videoalign
-from servers import spawn_reward_server, wait_for
+from servers import reward_server_process
 
 from reward_server.scorers import SCORERS, run_scorer
 from shared.imagecodec import encode_image, encode_video
@@ -24,24 +22,8 @@ CLIP = RNG.integers(0, 256, (8, 36, 52, 3), dtype=np.uint8)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = build_tiny_videoalign(tmp_path_factory.mktemp("videoalign-server-models"))
-    log = model_dir / "server.log"
-    with open(log, "wb") as out:
-        process, url = spawn_reward_server(
-            ["--scorers", "videoalign", "--model-dir", str(model_dir), "--log-level", "warning"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_for(f"{url}/readyz", timeout_s=180)
+    with reward_server_process("videoalign", model_dir, timeout_s=180) as url:
         yield url, model_dir
-    except TimeoutError:
-        raise AssertionError(log.read_text()[-3000:]) from None
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def test_a_video_item_gets_videoreward_and_an_image_item_fails(server) -> None:
