@@ -57,6 +57,23 @@ def scored_or_unscored(future: Future, size: int, scorers: list[str], what: str)
         )
 
 
+def group_scored(
+    backend, futures: list[Future | None], sizes: list[int], scorers: list[str], what: str
+) -> list[RewardResult]:
+    """The rewards of each chunk (``scored_or_unscored``) from this rank's requests, or, on a rank that sent none
+    (not the first of its sequence-parallel group, whose ranks hold the same samples), from the group's first rank:
+    one request per group. An error on the first rank is raised on every rank of the group."""
+    try:
+        asked = any(future is not None for future in futures)
+        mine = [scored_or_unscored(*a, scorers, what) for a in zip(futures, sizes, strict=True)] if asked else None
+    except Exception as exc:  # handed to the group, so that its other ranks do not wait on a dead broadcast
+        mine = exc
+    shared = backend.from_group_leader(mine)
+    if isinstance(shared, Exception):
+        raise shared
+    return shared
+
+
 UNSCORED = "UNAVAILABLE"
 """The error code of a sample whose chunk no replica scored (:func:`scored_or_unscored`)."""
 

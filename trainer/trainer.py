@@ -26,7 +26,7 @@ from trainer.distributed import ParallelBackend, weights_rank_spread
 from trainer.ema import EMA
 from trainer.epoch import EpochClock, EpochRewards, log_rollout_samples, rollout_metrics
 from trainer.evaluation import Evaluation, RolloutBreakdown
-from trainer.health import RewardFailure, scored_or_unscored
+from trainer.health import RewardFailure, group_scored
 from trainer.judging import Judge
 from trainer.launch import finishing
 from trainer.logging import RunLogger, epoch_line, eval_line, to_uint8
@@ -75,7 +75,7 @@ class Trainer:
         self._require_text_embeddings()
         self.pool = torch.tensor(training_items(task))  # the RL prompt pool: not the held-out evaluation's
         if task.holds_out and task.eval_prompts and len(self.pool) == len(task.prompts):
-            self._print(
+            self.display.write(
                 f"note: {config.data.name} has {len(task.prompts)} items, too few to hold out the evaluation's "
                 f"{len(task.eval_prompts)} prompts: RL samples them too (hold them out with eval.path, a file "
                 "of its own, or a smaller eval.prompts)"
@@ -98,8 +98,8 @@ class Trainer:
         self.checkpoints = Checkpoints(logger.run_dir / "checkpoints", train.keep_checkpoints, self.is_main, train)
         select_by = self.evaluation.metric_to_select(train.select_by, config.reward.weights, task.metric_names)
         self.scoreboard = Scoreboard(select_by, train.early_stop, config.eval.alarm_window, config.eval.alarm_margin)
-        self.best_dir = logger.run_dir / "best"
-        self.judge = Judge(self.scoreboard, self.best_dir, adapter, backend, self.ema, logger, config, self._print)
+        self.best_dir, say = logger.run_dir / "best", self.display.write
+        self.judge = Judge(self.scoreboard, self.best_dir, adapter, backend, self.ema, logger, config, say)
         # Rank-specific streams, re-seeded per phase step so that a resumed run draws the same numbers.
         self._rank_seed = train.seed * 7919 + backend.world.replica  # one per replica: its ranks draw alike
         # the signals, entered around fit() by build; a first Ctrl-C says what the run finishes before it stops
@@ -145,7 +145,7 @@ class Trainer:
             self.adapter, model.attention, first, self.algorithm.sampler, self.backend.broadcast
         )
         if self.attention.verdicts:  # probed (CUDA) or named: said and logged; auto elsewhere is torch's order
-            self._print(self.attention.summary())
+            self.display.write(self.attention.summary())
             self.logger.log(0, "attention", self.attention.record())
         if model.compile == "none":  # both before any wrapper (FSDP2, ZeRO, DDP) sees the denoiser
             return None
@@ -191,7 +191,7 @@ class Trainer:
             self.ema.reset()
         with self._kept_on_reward_failure():
             before = self.evaluate(0, "samples_before")
-        self._print(f"[eval] before RL: {eval_line(before)}")
+        self.display.write(f"[eval] before RL: {eval_line(before)}")
         # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
         # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
         self.backend.reset_optimizer()
@@ -231,10 +231,10 @@ class Trainer:
 
     def _report_epoch(self, epoch: int, first: int, metrics: dict[str, float]) -> None:
         self.logger.log(epoch + 1, "rl", metrics)
-        self._print(epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics))
+        self.display.write(epoch_line(epoch + 1, metrics, self.algorithm.shown_metrics))
         self.display.done(epoch + 1, metrics)
         if self.compiled is not None and epoch == first:  # the first epoch compiled the variants: said once
-            self._print(self.compiled.summary(self.config.model.compile, metrics))
+            self.display.write(self.compiled.summary(self.config.model.compile, metrics))
 
     def _finish(self) -> dict[str, float]:
         """The evaluation after RL (a stop's own where it evaluated these weights), judged and logged as final."""
@@ -245,7 +245,7 @@ class Trainer:
         else:
             with self._kept_on_reward_failure():
                 after = self.evaluate(done, "samples_after")
-        self._print(f"[eval] after RL: {eval_line(after)}")
+        self.display.write(f"[eval] after RL: {eval_line(after)}")
         if self.scoreboard.epochs[-1:] != [done]:  # not judged yet (a stop judged it in the loop)
             self.judge(done, after, self.progress)
         spread = weights_rank_spread(self.backend, self.adapter.trainable.parameters())
@@ -253,14 +253,16 @@ class Trainer:
         self.logger.log(done, "final", {**after, "weights_rank_spread": spread, **best})
         self.logger.reward_curve(self.scoreboard.best_epoch, self.scoreboard.select_by)
         ema = self.ema is not None and self.config.eval.use_ema
-        self._print(self.scoreboard.report(self.best_dir if self.judge.has_best() else None, "--ema " if ema else ""))
+        self.display.write(
+            self.scoreboard.report(self.best_dir if self.judge.has_best() else None, "--ema " if ema else "")
+        )
         return after
 
     def _evaluate_epoch(self, epoch: int) -> bool:
         """The periodic evaluation after RL epoch ``epoch``, judged by the scoreboard; True: stop the run."""
         self.progress.eval_due = False
         evaluation = self.evaluate(epoch, None)
-        self._print(f"[eval] epoch {epoch}: {eval_line(evaluation)}")
+        self.display.write(f"[eval] epoch {epoch}: {eval_line(evaluation)}")
         self._evaluated = epoch, evaluation  # the weights a stop leaves, unless its alarm rolled them back
         return self.judge(epoch, evaluation, self.progress)
 
@@ -313,13 +315,13 @@ class Trainer:
         if self.is_main:  # another run's checkpoint: its best/, where it is the one the scoreboard now names best
             self.judge.carry_from(path)
         self.logger.truncate(self.progress.warmup_steps_done, self.progress.epochs_done)
-        self._print(
+        self.display.write(
             f"resumed from {path} (warm-up steps {self.progress.warmup_steps_done}, "
             f"RL epochs {self.progress.epochs_done})"
             + ("; first the evaluation a stop signal put off" if self.progress.eval_due else "")
         )
         if (warning := changed_settings(path, saved_dict(self.config))) is not None:
-            self._print(warning)
+            self.display.write(warning)
 
     def _new_reference(self) -> None:
         """The reference for the policy as it is now, as the adapter describes it, made by the backend (it
@@ -333,7 +335,7 @@ class Trainer:
         skip = not self.config.train.warmup_after_init and self.config.train.warmup_steps > 0
         if skip:
             self.progress.warmup_steps_done = self.config.train.warmup_steps
-        self._print(
+        self.display.write(
             f"initialised the trainable weights from {path}"
             + ("; no warm-up (train.warmup_after_init=true runs it)" if skip else "")
         )
@@ -376,7 +378,7 @@ class Trainer:
         metrics.update(self.algorithm.batch_metrics(batch))
         metrics.update(rollout_metrics(self.task, ro, prompts, result))
         metrics = self.backend.mean(metrics)
-        metrics["reward_failed_attempts"] *= self.backend.world.replicas
+        metrics["reward_failed_attempts"] *= self.backend.world.world_size  # the ranks that asked (one a group)
         metrics.update(self.rollout_breakdown(indices.tolist(), result.components))
         metrics.update({**scored.metrics(), **clock.metrics(len(scored.rewards.all))})
         metrics["lr"] = self.config.train.learning_rate
@@ -399,6 +401,7 @@ class Trainer:
         settings = self.algorithm.sampler
         stochastic = window_mask(settings, g)
         parts, futures = [], []
+        asks = self.backend.world.rank % self.backend.world.sequence_parallel == 0  # a group asks once, its first rank
         self.policy.eval()
         with self.algorithm.rollout_weights(), self.backend.sampling():  # the sampling policy's weights, gathered
             for chunk, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), 1):
@@ -415,12 +418,12 @@ class Trainer:
                     self.algorithm.records_means,
                 )
                 meta = with_fps(self.task.item_metadata(indices[lo:hi].tolist()), part.images, self.logger.fps)
-                futures.append(self.reward_client.submit(to_uint8(part.images), prompts[lo:hi], meta))
+                futures.append(self.reward_client.submit(to_uint8(part.images), prompts[lo:hi], meta) if asks else None)
                 parts.append(part)
         t_sampled = time.perf_counter()
         self.display.doing("waiting for the rollouts' rewards")
         scorers, what = list(self.reward_client.weights), f"RL epoch {self.progress.epochs_done + 1}"
-        results = [scored_or_unscored(f, len(p.images), scorers, what) for f, p in zip(futures, parts, strict=True)]
+        results = group_scored(self.backend, futures, [len(p.images) for p in parts], scorers, what)
         t_wait = time.perf_counter() - t_sampled
         return Rollout.cat(parts), self.reward_client.merge(results), t_wait
 
@@ -444,6 +447,3 @@ class Trainer:
         use_ema = self.ema is not None and self.config.eval.use_ema
         with self.display.evaluating(len(self.evaluation.task.eval_prompts)):
             return self.evaluation(step, grid_name, self.ema.swapped if use_ema else contextlib.nullcontext)
-
-    def _print(self, text: str) -> None:
-        self.display.write(text)

@@ -1,6 +1,7 @@
 """A short GRPO job (RL, evaluation) with ``parallel.sequence_parallel=2`` on 2 torchrun processes gives
 the losses of the same job in one process: the 2 ranks form one data-parallel replica that splits each sample's
-tokens, so it sees the single process's data and noise. Parametrized by adapter name: any adapter whose tiny
+tokens, so it sees the single process's data and noise; and it asks the reward server for as many scores (the
+group's first rank asks, the other gets its answer). Parametrized by adapter name: any adapter whose tiny
 model's transformer has a diffusers context-parallel plan (tests/tiny_models); add ``wan`` where it exists.
 Slow tier: two job start-ups and a reward server (~2 min on 2 cores).
 """
@@ -78,6 +79,16 @@ def _run(nproc: int, args: list[str]) -> None:
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
 
 
+def _items_scored(url: str) -> float:
+    """The items the reward server has scored so far (its ``rewardflow_items_total``, every scorer and outcome)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", trust_env=False, timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rewardflow_items_total{")
+    )
+
+
 def _records(run_dir: Path) -> dict[str, list[dict]]:
     by_phase: dict[str, list[dict]] = {}
     for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
@@ -87,9 +98,12 @@ def _records(run_dir: Path) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_two_ranks_splitting_tokens_train_like_one_process(name, reward_url, tmp_path):
+    before = _items_scored(reward_url)
     _run(1, job(name, tmp_path / "models", tmp_path, "single", reward_url))
+    single_items = _items_scored(reward_url) - before
     split = ["parallel.backend=fsdp2", "parallel.sequence_parallel=2"]
     _run(2, [*job(name, tmp_path / "models", tmp_path, "split", reward_url), *split])
+    assert single_items > 0 and _items_scored(reward_url) - before - single_items == single_items
     single, parallel = _records(tmp_path / "single"), _records(tmp_path / "split")
     for phase in ("rl", "eval"):
         expected, got = single.get(phase, []), parallel.get(phase, [])

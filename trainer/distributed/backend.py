@@ -180,6 +180,11 @@ class ParallelBackend(Protocol):
         """Every rank's ``obj``, in rank order (small picklable control data only, never network input)."""
         ...
 
+    def from_group_leader(self, obj: object) -> object:
+        """The ``obj`` of the first rank of this rank's sequence-parallel group, on each of its ranks (what one
+        rank of a group fetched for all, e.g. its rewards); ``obj`` itself without sequence parallelism."""
+        ...
+
     def barrier(self) -> None: ...
 
     def close(self) -> None: ...
@@ -330,6 +335,9 @@ class SingleProcess:
     def all_gather_object(self, obj: object) -> list[object]:
         return [obj]
 
+    def from_group_leader(self, obj: object) -> object:
+        return obj
+
     def barrier(self) -> None:
         pass
 
@@ -417,6 +425,13 @@ class DDP(SingleProcess):
         gathered = [None] * self.world.world_size
         dist.all_gather_object(gathered, obj)
         return gathered
+
+    def from_group_leader(self, obj: object) -> object:
+        if self.sequence is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.sequence.leader, group=self.sequence.group)
+        return box[0]
 
     def barrier(self) -> None:
         dist.barrier()

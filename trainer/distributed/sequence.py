@@ -34,6 +34,7 @@ class SequenceParallel:
             device.type, (world_size // size, 1, size), mesh_dim_names=("replica", "ring", "ulysses")
         )  # collective: every rank builds every group
         self.size = size
+        self.group, self.leader = mesh["ulysses"].get_group(), rank - rank % size  # this rank's group, its first
         self.config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size, mesh=mesh))
         self.config.setup(rank, world_size, device, mesh=mesh)
 
