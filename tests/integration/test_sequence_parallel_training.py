@@ -2,8 +2,8 @@
 the losses of the same job in one process: the 2 ranks form one data-parallel replica that splits each sample's
 tokens, so it sees the single process's data and noise; and it asks the reward server for as many scores (the
 group's first rank asks, the other gets its answer). Parametrized by adapter name: any adapter whose tiny
-model's transformer has a diffusers context-parallel plan (tests/tiny_models); add ``wan`` where it exists.
-Slow tier: two job start-ups and a reward server (~2 min on 2 cores).
+model's transformer has a diffusers context-parallel plan (tests/tiny_models).
+Slow tier: per model two job start-ups, a reward server shared (~1 min each on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-MODELS = ("flux",)
-"""Adapters whose tiny transformer has a context-parallel plan and whose token counts divide by 2."""
+MODELS = ("flux", "wan")
+"""Adapters whose tiny transformer has a context-parallel plan and whose token counts divide by 2: an image model
+and a video model."""
 KEYS = ("policy_loss", "grad_norm", "reward_mean", "kl")
 TOL, ATOL = 1e-4, 1e-6
 """Relative and absolute: attention and the gradient reductions sum in another order, and the rollouts' rounding
@@ -48,8 +49,7 @@ def job(name: str, root: Path, out: Path, run: str, reward_url: str) -> list[str
     return [
         f"model.name={name}",
         f"model.path={model.path}",
-        f"model.resolution={model.resolution}",
-        f"model.max_sequence_length={model.max_sequence_length}",
+        *(f"model.{key}={value}" for key, value in testing.tiny(name).config.items()),  # size, frames, text length
         "model.dtype=float32",
         "data.name=prompt_file",
         f"data.path={prompts}",
