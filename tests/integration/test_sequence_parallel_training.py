@@ -3,12 +3,14 @@ the losses of the same job in one process: the 2 ranks form one data-parallel re
 tokens, so it sees the single process's data and noise; and it asks the reward server for as many scores (the
 group's first rank asks, the other gets its answer). Parametrized by adapter name: any adapter whose tiny
 model's transformer has a diffusers context-parallel plan (tests/tiny_models).
-Slow tier: per model two job start-ups, a reward server shared (~1 min each on 2 cores).
+Also: Wan 2.2 under DDP, where a backward may reach one expert only. Slow tier: per model two job start-ups, a reward
+server shared (~1 min each on 2 cores).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -111,3 +113,23 @@ def test_two_ranks_splitting_tokens_train_like_one_process(name, reward_url, tmp
         for a, b in zip(expected, got, strict=True):
             for key in (k for k in KEYS if k in a):
                 assert abs(b[key] - a[key]) <= TOL * abs(a[key]) + ATOL, (phase, a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("experts", ["both", "high_noise"])
+def test_wan22_trains_under_ddp_when_a_step_runs_one_expert(experts, reward_url, tmp_path):
+    """Wan 2.2 under DDP on 2 ranks, one trained step an epoch drawn from all 10 (seed 0: three epochs on the high
+    noise expert, the fourth on the low noise one): a backward reaches one expert's rows only, yet DDP, which needs
+    every trained parameter in each backward, trains every epoch (the idle expert's zero tie). Training both
+    experts, every epoch moves the weights; training the high noise one alone, the epoch whose step ran the frozen
+    expert has a gradient of exactly 0 and the others do not."""
+    window = [
+        "algorithm.sampler.num_steps=10",
+        "algorithm.sampler.sde_window=1",
+        "algorithm.sampler.window_range=[0,9]",
+    ]
+    args = [*job("wan22", tmp_path / "models", tmp_path, "ddp", reward_url), *window]
+    _run(2, [*args, "parallel.backend=ddp", f"model.experts={experts}", "train.epochs=4", "eval.every=0"])
+    rl = _records(tmp_path / "ddp")["rl"]
+    assert len(rl) == 4 and all(math.isfinite(r["policy_loss"]) for r in rl)
+    norms = [r["grad_norm"] for r in rl]
+    assert all(n > 0 for n in norms) if experts == "both" else (0 in norms and any(n > 0 for n in norms)), norms
