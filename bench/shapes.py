@@ -71,6 +71,12 @@ QWEN_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=4, axes_
 """About 9 M parameters."""
 QWEN_REAL = dict(attention_head_dim=128, num_attention_heads=24, num_layers=60, axes_dims_rope=[16, 56, 56])
 """Qwen-Image's widths, heads and depths (20.42 B parameters)."""
+QWEN21_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=10, mlp_ratio=3, axes_dims_rope=[16, 24, 24])
+"""About 9 M parameters (13 d^2 per single-stream block at width d = 256)."""
+QWEN21_REAL = dict(
+    attention_head_dim=128, num_attention_heads=32, num_layers=32, mlp_ratio=3, axes_dims_rope=[16, 56, 56]
+)
+"""Qwen-Image 2.1's widths, heads and depths (diffusers' defaults: 7 B parameters)."""
 FLUX2_9M = dict(
     attention_head_dim=64, num_attention_heads=4, num_layers=2, num_single_layers=4, axes_dims_rope=(16, 16, 16, 16)
 )
@@ -139,6 +145,7 @@ SHAPES: dict[str, BenchShape] = {
     "sd15_inpaint": BenchShape(32, 4.5, dict(block_out_channels=[96, 192]), SD15_REAL),
     "qwen_image": _QWEN,
     "z_image": BenchShape(32, 4.0, Z_IMAGE_9M, Z_IMAGE_REAL),
+    "qwen_image21": BenchShape(256, 1.0, QWEN21_9M, QWEN21_REAL),
     "qwen_image_edit": _QWEN,
     "qwen_image_edit_plus": _QWEN,
     "qwen_image_inpaint": _QWEN,

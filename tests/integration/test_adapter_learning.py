@@ -43,7 +43,7 @@ MARGIN = 0.01
 """Rise of the evaluation reward (mean brightness of the top half, in [0, 1]) that counts as learning.
 Measured over seeds 0-4 with these settings: tiny +0.15..+0.40, sd3 +0.017..+0.028, flux +0.020..+0.052,
 flux_fill +0.016..+0.024, flux_kontext +0.014..+0.050, sd15_inpaint +0.026..+0.044, qwen_image
-+0.136..+0.148 (seed 0 is the one run here)."""
++0.136..+0.148, qwen_image21 +0.085 and +0.087 (seeds 0 and 1) (seed 0 is the one run here)."""
 SETTINGS = [
     "data.prompts_per_epoch=1",
     "algorithm.group_size=16",

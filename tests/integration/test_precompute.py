@@ -70,7 +70,8 @@ def test_precomputed_embeddings_replace_the_text_encoders(name, root, tmp_path):
     config = tiny_config(name, root, dtype="float32")
     write_store(config, tmp_path, [*PROMPTS, "", config.negative_prompt])
     reading = build_adapter(dataclasses.replace(config, text_embeddings=str(tmp_path)), "cpu")
-    assert all(getattr(reading.pipeline, sub) is None for sub in type(reading).text_components)
+    pipeline = reading.pipeline  # None where the pipeline cannot be built without them (Qwen-Image 2.1)
+    assert pipeline is None or all(getattr(pipeline, sub) is None for sub in type(reading).text_components)
     assert_same_conditioning(build_adapter(config, "cpu"), reading, PROMPTS)
     with pytest.raises(ValueError, match=r"'a red sign' is not in model\.text_embeddings.*trainer\.precompute"):
         reading.encode_prompts(["a red sign"], testing.image_inputs(reading, 1))

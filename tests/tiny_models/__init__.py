@@ -28,7 +28,7 @@ from tiny_models.parts import (  # noqa: F401 (the tests' helpers, by one name)
 from tiny_models.spec import TinySpec
 from trainer.models import MODELS
 
-FAMILIES = ("sd3", "flux", "chroma", "qwen_image", "flux2", "sd15_inpaint", "z_image", "wan")
+FAMILIES = ("sd3", "flux", "chroma", "qwen_image", "flux2", "sd15_inpaint", "z_image", "wan", "qwen_image21")
 """The modules of this package that declare tiny models (``SPECS``: registry name -> its TinySpec's maker)."""
 
 

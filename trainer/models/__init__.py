@@ -137,6 +137,7 @@ MODELS = Registry(
         ),
         "qwen_image": ModelSpec("trainer.models.qwen_image:QwenImageAdapter"),
         "z_image": ModelSpec("trainer.models.z_image:ZImageAdapter"),
+        "qwen_image21": ModelSpec("trainer.models.qwen_image21:QwenImage21Adapter"),
         "qwen_image_edit": ModelSpec(
             "trainer.models.qwen_image:QwenImageAdapter",
             "diffusers:QwenImageEditPipeline",

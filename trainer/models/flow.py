@@ -63,9 +63,12 @@ def dynamic_shift_mu(scheduler, image_seq_len: int, default_max_shift: float = 1
     )
 
 
-def shifted_flow_sigmas(scheduler, num_steps: int, image_seq_len: int, device: torch.device) -> torch.Tensor:
-    """FLUX / Qwen-Image schedule, set as their pipelines set it: sigmas linspace(1, 1/T, T) shifted by
-    mu = calculate_shift(image_seq_len) under the scheduler's dynamic shifting; returns sigmas[0..T]."""
+def shifted_flow_sigmas(
+    scheduler, num_steps: int, image_seq_len: int, device: torch.device, base: list[float] | None = None
+) -> torch.Tensor:
+    """FLUX / Qwen-Image schedule, set as their pipelines set it: sigmas linspace(1, 1/T, T) (or ``base``, a
+    checkpoint's own grid of T sigmas) shifted by mu = calculate_shift(image_seq_len) under the scheduler's dynamic
+    shifting; returns sigmas[0..T]."""
     import numpy as np
     from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
@@ -73,7 +76,7 @@ def shifted_flow_sigmas(scheduler, num_steps: int, image_seq_len: int, device: t
         scheduler,
         num_steps,
         device,
-        sigmas=np.linspace(1.0, 1 / num_steps, num_steps),
+        sigmas=np.linspace(1.0, 1 / num_steps, num_steps) if base is None else base,
         mu=dynamic_shift_mu(scheduler, image_seq_len),
     )
     return scheduler.sigmas.to(torch.float32)
