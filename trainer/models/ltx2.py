@@ -285,13 +285,14 @@ class LTX2Adapter:
         video, audio = self._streams(latents.float())
         scales = self._scales(guidance_scale)
         cfg = max(scales) > 1.0
-        embeds = [cond.embeds[k] for k in ("prompt_embeds", "audio_prompt_embeds", "prompt_mask")]
+        keys = ("prompt_embeds", "audio_prompt_embeds", "prompt_mask")
+        embeds = [cond.embeds[k] for k in keys]
         timestep = sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps
         x, a = video.to(self.dtype), audio.to(self.dtype)
         if cfg:
             neg = self.prompts([self.config.negative_prompt])[0]
             n = latents.shape[0]
-            embeds = [torch.cat([neg[k].expand(n, *e.shape[1:]), e]) for k, e in zip(neg, embeds, strict=True)]
+            embeds = [torch.cat([neg[k].expand(n, *e.shape[1:]), e]) for k, e in zip(keys, embeds, strict=True)]
             x, a, timestep = torch.cat([x, x]), torch.cat([a, a]), torch.cat([timestep, timestep])
         out_video, out_audio = net(
             hidden_states=x,
