@@ -117,6 +117,10 @@ class VideoStep:
         mean, std = self.video.mean(model_output[:, : self.split], sample[:, : self.split], index, noise_level)
         return torch.cat([mean, self._audio(model_output, sample, index)], 1), std
 
+    def std(self, index: int | torch.Tensor, noise_level: float, like: torch.Tensor) -> torch.Tensor:
+        """The video step's noise std, shaped to broadcast over ``like``."""
+        return self.video.std(index, noise_level, like[:, : self.split])
+
     def check_noise_level(self, noise_level: float) -> None:
         self.video.check_noise_level(noise_level)
 
