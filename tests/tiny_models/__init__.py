@@ -28,7 +28,18 @@ from tiny_models.parts import (  # noqa: F401 (the tests' helpers, by one name)
 from tiny_models.spec import TinySpec
 from trainer.models import MODELS
 
-FAMILIES = ("sd3", "flux", "chroma", "qwen_image", "flux2", "sd15_inpaint", "z_image", "wan", "qwen_image21")
+FAMILIES = (
+    "sd3",
+    "flux",
+    "chroma",
+    "qwen_image",
+    "flux2",
+    "sd15_inpaint",
+    "z_image",
+    "wan",
+    "qwen_image21",
+    "ltx2",
+)
 """The modules of this package that declare tiny models (``SPECS``: registry name -> its TinySpec's maker)."""
 
 
@@ -127,6 +138,8 @@ def run_pipeline(
         for target, stand_in in patches.items():
             stack.enter_context(mock.patch(target, stand_in))
         output = adapter.pipeline(**kwargs)
+    if output_type == "latent" and spec.pipeline_outputs is not None:
+        return spec.pipeline_outputs(adapter, output)
     images = output.frames if adapter.modality == "video" else output.images
     if output_type == "latent" and spec.pipeline_latents is not None:
         return spec.pipeline_latents(adapter, images)

@@ -38,6 +38,9 @@ class TinySpec:
     pipeline_latents: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     """(adapter, its pipeline's ``output_type="latent"`` result) -> the adapter's latents, for a pipeline that
     post-processes its latent output (FLUX.2 Klein un-normalises and unpatchifies it); None: they are the same."""
+    pipeline_outputs: Callable[[Any, Any], torch.Tensor] | None = None
+    """(adapter, its pipeline's whole ``output_type="latent"`` output) -> the adapter's latents, for a pipeline
+    with several outputs (LTX-2's video and audio latents, which its rollouts carry as one tensor)."""
     posterior_draw: str | None = None
     """The diffusers function with which its pipeline samples the conditioning images' VAE posterior,
     which the parity check replaces by the posterior's mean (as the adapter takes)."""

@@ -202,6 +202,7 @@ MODELS = Registry(
             config="trainer.models.wan:WanTI2VConfig",
             parts=("trainer.models.wan_parts:PINNED_FIRST_FRAME",),
         ),
+        "ltx2": ModelSpec("trainer.models.ltx2:LTX2Adapter"),
     },
     key="model.name",
 )

@@ -1,0 +1,112 @@
+"""What the conformance suite does not ask of the LTX-2 adapter: the video size checks, the refusals (audio output,
+image inputs, another model's folder), and how the audio stream runs along: drawn and stepped as the pipeline does,
+needed by the video, but outside the log-probability and every gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import tiny_models as testing
+import torch
+from tiny_models import tiny_config
+
+from trainer.models import build_adapter
+from trainer.models.base import ImageInputs
+from trainer.models.ltx2 import LTX2Config
+from trainer.rollout import SamplerSettings, rollout
+
+PROMPTS = ["a photo of a cat", "the digit five"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ltx2")
+
+
+@pytest.fixture(scope="module")
+def adapter(root):
+    adapter = build_adapter(tiny_config("ltx2", root, dtype="float32"), "cpu")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    return adapter
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("frames", 4, r"model\.frames=4 must be 2k \+ 1 .*: the nearest are 3 and 5"),
+        ("height", 36, r"model\.height=36 must be a multiple of 8: the nearest are 32 and 40"),
+        ("width", 4, r"model\.width=4 must be a multiple of 8: the nearest are 8"),
+        ("resolution", 32, r"model\.resolution=32 does not apply to ltx2: unset it and set model\.height"),
+    ],
+)
+def test_video_sizes_are_checked_as_the_adapter_loads(field, value, message, root):
+    """The tiny VAE compresses 2 frames after the first and 8x8 pixels (LTX-2's: 8 frames, 32x32)."""
+    with pytest.raises(ValueError, match=message):
+        build_adapter(tiny_config("ltx2", root, **{field: value}), "cpu")
+
+
+def test_audio_output_is_refused_in_one_line():
+    with pytest.raises(
+        ValueError, match=r"^model\.audio=true: ltx2 generates and trains video only .*unset model\.audio$"
+    ):
+        LTX2Config(path="/models/LTX-2", audio=True)
+
+
+def test_an_image_input_is_refused(adapter):
+    with pytest.raises(ValueError, match="image"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=torch.rand(2, 3, 32, 32)))
+
+
+def test_a_wan_folder_is_refused_and_names_the_fix(root):
+    wan = tiny_config("wan", root)
+    with pytest.raises(ValueError, match=r"holds a WanTransformer3DModel in transformer/.*set model\.name"):
+        build_adapter(dataclasses.replace(tiny_config("ltx2", root), path=wan.path), "cpu")
+
+
+def test_decode_gives_frames_and_encode_inverts_its_layout(adapter):
+    """Frames [B, F, C, H, W] in [0, 1]; supervised targets are [video; audio at 0] in the rollout's layout."""
+    frames = adapter.decode(adapter.prepare_latents(2, torch.Generator().manual_seed(0)))
+    assert frames.shape == (2, 5, 3, 32, 32) and 0 <= float(frames.min()) <= float(frames.max()) <= 1
+    x0 = adapter.encode_images(frames)
+    assert x0.shape == (2, *adapter.latent_shape) and not x0[:, adapter.split :].any()
+
+
+def test_the_audio_stream_is_state_the_video_needs_but_never_trained(adapter):
+    """At noise level 1 the video steps are stochastic and the audio ones the pipeline's Euler steps; the
+    log-probability ignores the audio part; the video's velocity depends on the audio latents; the audio velocity
+    carries no gradient."""
+    settings = SamplerSettings(num_steps=3, guidance_scale=3.0, noise_level=1.0)
+    ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(1))
+    step, n = adapter.step_function(ro.kind, ro.sigmas), adapter.split
+    with torch.no_grad():
+        v = adapter.predict(adapter.denoiser, ro.latents[:, 1], ro.sigmas[1].expand(2), ro.cond, 3.0)
+        dt = ro.sigmas[2] - ro.sigmas[1]
+        torch.testing.assert_close(ro.latents[:, 2, n:], ro.latents[:, 1, n:] + dt * v[:, n:], rtol=0, atol=0)
+        moved = ro.latents[:, 2].clone()
+        moved[:, n:] += 1.0
+        logp = [step(v, ro.latents[:, 1], 1, 1.0, prev_sample=x)[1] for x in (ro.latents[:, 2], moved)]
+        assert torch.equal(logp[0], logp[1]) and torch.equal(logp[0], ro.log_probs[:, 1])
+        other = ro.latents[:, 1].clone()
+        other[:, n:] = torch.randn(2, other.shape[1] - n, generator=torch.Generator().manual_seed(2))
+        w = adapter.predict(adapter.denoiser, other, ro.sigmas[1].expand(2), ro.cond, 3.0)
+        assert not torch.allclose(w[:, :n], v[:, :n])
+    out = adapter.predict(adapter.denoiser, ro.latents[:, 1], ro.sigmas[1].expand(2), ro.cond, 3.0)
+    out[:, n:].square().sum().backward()
+    assert all(p.grad is None or not p.grad.any() for p in adapter.denoiser.parameters())
+    adapter.denoiser.zero_grad(set_to_none=True)
+    out = adapter.predict(adapter.denoiser, ro.latents[:, 1], ro.sigmas[1].expand(2), ro.cond, 3.0)
+    out[:, :n].square().sum().backward()
+    assert any(p.grad is not None and p.grad.any() for p in adapter.denoiser.parameters())
+    adapter.denoiser.zero_grad(set_to_none=True)
+
+
+def test_rollout_without_guidance_equals_the_pipeline(root):
+    """Guidance 1 on both streams (the audio's scale None: the video's): one forward per step, no CFG, as the
+    pipeline runs it then."""
+    plain = build_adapter(tiny_config("ltx2", root, dtype="float32", audio_guidance_scale=None), "cpu")
+    plain.pipeline.set_progress_bar_config(disable=True)
+    settings = SamplerSettings(num_steps=3, guidance_scale=1.0, noise_level=0.0)
+    ro = rollout(plain, plain.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0))
+    expected = testing.run_pipeline(plain, PROMPTS, None, 3, 1.0, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ro.latents[:, -1], expected, rtol=0, atol=1e-5)
