@@ -237,5 +237,22 @@ def wan_ti2v() -> TinySpec:
     )
 
 
-SPECS = {"wan": wan, "wan22": wan22, "wan_i2v": wan_i2v, "wan22_i2v": wan22_i2v, "wan_ti2v": wan_ti2v}
-"""Wan 2.1 T2V, Wan 2.2 T2V A14B, Wan 2.1 I2V, Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B."""
+def tiny_wan() -> TinySpec:
+    """The embedded video model as the tests' tiny model: Wan 2.1's facts in pixel space (no VAE), built by
+    ``build_tiny_wan``, at its own size (5 frames of 16x16 in 4x4 patches: 80 tokens)."""
+    from dataclasses import replace
+
+    from trainer.models.tiny_wan import build_tiny_wan
+
+    return replace(wan(), components=None, build=build_tiny_wan, config={})
+
+
+SPECS = {
+    "tiny_wan": tiny_wan,
+    "wan": wan,
+    "wan22": wan22,
+    "wan_i2v": wan_i2v,
+    "wan22_i2v": wan22_i2v,
+    "wan_ti2v": wan_ti2v,
+}
+"""The embedded tiny Wan, Wan 2.1 T2V, Wan 2.2 T2V A14B, Wan 2.1 I2V, Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B."""

@@ -237,9 +237,9 @@ class WanAdapter:
 
     def _video_shape(self, config: WanConfig, patch: tuple[int, int, int]) -> None:
         """Checks the configured video size and sets ``frames``, ``height``, ``width``, ``fps``, ``latent_shape``."""
+        if self.vae is None:  # pixel space: latents are the frames, as the pipeline then draws them
+            self.pipeline.vae_scale_factor_temporal = self.pipeline.vae_scale_factor_spatial = 1
         temporal, spatial = self.pipeline.vae_scale_factor_temporal, self.pipeline.vae_scale_factor_spatial
-        if self.vae is None:  # pixel space: latents are the frames
-            temporal = spatial = 1
         check_video_size(config, temporal, spatial * patch[1])
         self.patch = patch
         self.frames, self.height, self.width, self.fps = config.frames, config.height, config.width, config.fps
