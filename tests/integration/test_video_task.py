@@ -22,6 +22,7 @@ TOY = [
     "algorithm.sampler.window_range=[0,2]",
     "eval.num_steps=2",
     "eval.samples_per_prompt=1",
+    "eval.prompts=4",
     "eval.every=1",
     "logging.progress=false",
     "train.checkpoint_every=0",
