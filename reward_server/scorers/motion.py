@@ -5,8 +5,9 @@ Direction term: ``sigmoid(margin / MARGIN_SCALE)`` where ``margin`` is the mean 
 direction less its size across it (pixels a frame; > 0: it moves that way more than any other way; 0.5 for a still
 clip). Smoothness term: ``exp(-spread)`` with ``spread`` the mean distance of the per-frame steps from their mean (1
 for a constant velocity). The score is their product. Direction: the last of left / right / up / down in the
-prompt, else ``metadata["direction"]``; none is a PARSE error, never a score of 0. An own metric (the embedded task's;
-the trainer's ``direction_accuracy`` is ``margin > 0``, reimplemented there). Details: margin, spread, the steps.
+prompt, else ``metadata["direction"]``; none is a PARSE error, never a score of 0. An own metric (the embedded
+task's; the trainer's ``direction_accuracy`` is ``margin > 0``, the same rule: scoring/motion.py). Details: margin,
+spread, the steps.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from reward_server.scorers.base import ScoreOutcome
+from scoring.motion import DIRECTIONS, centroid_paths, direction_margins
 from shared.protocol import ErrorCode
 
-DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
-"""Direction -> unit vector (x, y), y growing downwards as image rows do."""
 MARGIN_SCALE = 0.5
 """Pixels a frame that move the direction term from 0.5 to sigmoid(1) = 0.73."""
 _DIRECTION = re.compile(r"\b(left|right|up|down)\b", re.IGNORECASE)
@@ -36,18 +36,8 @@ def parse_direction(prompt: str, metadata: dict[str, Any]) -> str | None:
 
 
 def centroid_path(video: np.ndarray) -> np.ndarray:
-    """[F, 2] ink centroid (x, y) per frame of uint8 [F, H, W, C]; an empty frame's is the centre."""
-    ink = video.astype(np.float64).mean(axis=3) / 255.0
-    frames, height, width = ink.shape
-    mass = ink.sum(axis=(1, 2))
-    ys, xs = np.mgrid[0:height, 0:width]
-    path = np.empty((frames, 2))
-    for f in range(frames):
-        if mass[f] > 1e-6:
-            path[f] = ((ink[f] * xs).sum() / mass[f], (ink[f] * ys).sum() / mass[f])
-        else:
-            path[f] = ((width - 1) / 2, (height - 1) / 2)
-    return path
+    """[F, 2] ink centroid (x, y) per frame of uint8 [F, H, W, C] (grey levels averaged over channels)."""
+    return centroid_paths(video.astype(np.float64).mean(axis=3)[None] / 255.0)[0]
 
 
 class MotionScorer:
@@ -79,8 +69,7 @@ class MotionScorer:
             return ScoreOutcome.failure(ErrorCode.BAD_INPUT, "motion needs a video of >= 2 frames")
         steps = np.diff(centroid_path(video), axis=0)
         mean = steps.mean(axis=0)
-        ux, uy = DIRECTIONS[direction]
-        margin = mean[0] * ux + mean[1] * uy - abs(mean[0] * uy - mean[1] * ux)
+        margin = float(direction_margins(mean[None], [direction])[0])
         spread = float(np.linalg.norm(steps - mean, axis=1).mean())
         score = float(1.0 / (1.0 + np.exp(-margin / MARGIN_SCALE)) * np.exp(-spread))
         details = {"direction": direction, "margin": float(margin), "spread": spread, "steps": steps.round(4).tolist()}

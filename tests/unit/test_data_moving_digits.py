@@ -1,5 +1,5 @@
 """The embedded video task: synthetic clips move the named way, and the trainer's direction metric agrees with the
-served ``motion`` scorer's rule (the trainer reimplements it: it imports no reward_server module)."""
+served ``motion`` scorer's rule (both read scoring/motion.py)."""
 
 from __future__ import annotations
 

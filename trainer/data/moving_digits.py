@@ -5,7 +5,7 @@ Supervised clips are digits of the training split (``DigitImages``) translated o
 axis (offsets -2..+2 for 5 frames, zero-filled), so every frame still looks like the dataset's digit to the frame
 classifiers. Metrics, computed here from the clip: ``digit_accuracy`` (the held-out SVM of the digits task on every
 frame) and ``direction_accuracy`` (the ink centroid's mean step points along the named direction more than across
-it: the served ``motion`` scorer's rule, reimplemented here because the trainer imports no reward_server module).
+it: the served ``motion`` scorer's rule, scoring/motion.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import re
 import numpy as np
 import torch
 
+from scoring.motion import DIRECTIONS, centroid_paths, direction_margins
 from trainer.data.digits import DigitAccuracy, DigitImages, to_grid8
 from trainer.models.base import ImageInputs
 
 TEMPLATE = "a handwritten digit {digit} moving {direction}"
-DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
-"""Direction -> unit step (x, y) in pixels, y growing downwards as image rows do."""
 _PROMPT = re.compile(r"digit (\d) moving (left|right|up|down)\b")
 
 
@@ -45,30 +44,9 @@ def translate(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
 def moving_clip(image: torch.Tensor, direction: str, frames: int) -> torch.Tensor:
     """[frames, C, H, W]: ``image`` [C, H, W] moving one pixel a frame along ``direction``, centred on its middle
     frame."""
-    ux, uy = DIRECTIONS[direction]
+    ux, uy = (int(u) for u in DIRECTIONS[direction])
     offsets = [f - (frames - 1) // 2 for f in range(frames)]
     return torch.stack([translate(image, ux * o, uy * o) for o in offsets])
-
-
-def centroid_steps(clips: np.ndarray) -> np.ndarray:
-    """Mean per-frame step (x, y) of the ink centroid, [B, 2] pixels, of clips [B, F, H, W] of ink in [0, 1]; a frame
-    without ink has its centroid at the centre."""
-    b, f, h, w = clips.shape
-    ink = clips.reshape(b, f, h * w).astype(np.float64)
-    mass = ink.sum(-1)
-    ys, xs = np.divmod(np.arange(h * w), w)
-    safe = np.where(mass > 1e-6, mass, 1.0)
-    cx = np.where(mass > 1e-6, (ink * xs).sum(-1) / safe, (w - 1) / 2)
-    cy = np.where(mass > 1e-6, (ink * ys).sum(-1) / safe, (h - 1) / 2)
-    return np.stack([cx[:, -1] - cx[:, 0], cy[:, -1] - cy[:, 0]], axis=1) / max(f - 1, 1)
-
-
-def direction_margin(steps: np.ndarray, directions: list[str]) -> np.ndarray:
-    """[B] pixels a frame: the mean step along each named direction less its size across it (> 0: correct)."""
-    unit = np.array([DIRECTIONS[d] for d in directions], dtype=np.float64)
-    along = (steps * unit).sum(1)
-    across = np.abs(steps[:, 0] * unit[:, 1] - steps[:, 1] * unit[:, 0])
-    return along - across
 
 
 class MovingDigitsTask:
@@ -115,7 +93,9 @@ class MovingDigitsTask:
             self._accuracy = DigitAccuracy()
         clips = images.float().mean(2).cpu().numpy()  # [B, F, H, W] ink
         digits, directions = zip(*map(parse_prompt, prompts), strict=True)
-        correct = direction_margin(centroid_steps(clips), list(directions)) > 0
+        paths = centroid_paths(clips)
+        mean_steps = (paths[:, -1] - paths[:, 0]) / max(clips.shape[1] - 1, 1)
+        correct = direction_margins(mean_steps, list(directions)) > 0
         predicted = self._accuracy.classifier.predict(to_grid8(clips.reshape(-1, *clips.shape[2:])))
         wanted = np.repeat(np.array(digits), clips.shape[1])
         return {"direction_accuracy": float(correct.mean()), "digit_accuracy": float((predicted == wanted).mean())}
