@@ -244,7 +244,21 @@ def tiny_wan() -> TinySpec:
 
     from trainer.models.tiny_wan import build_tiny_wan
 
-    return replace(wan(), components=None, build=build_tiny_wan, config={})
+    return replace(
+        wan(),
+        components=None,
+        build=build_tiny_wan,
+        config={},
+        pipeline_call=_pixel_pipeline_call,
+        same_shapes=("wan",),  # the Wan 2.1 adapter at a tiny size: each loads the other's folder
+    )
+
+
+def _pixel_pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    """``_pipeline_call`` at one frame fewer: WanPipeline rounds ``num_frames`` to 1 + a multiple of its temporal
+    factor by adding one whenever ``num_frames % factor != 1``, which at factor 1 (no VAE) is always: F - 1 becomes
+    the adapter's F."""
+    return dict(_pipeline_call(adapter, inputs, guidance_scale), num_frames=adapter.frames - 1)
 
 
 SPECS = {
