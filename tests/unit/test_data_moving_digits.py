@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from reward_server.scorers import SCORERS, run_scorer
+from scoring.motion import centroid_paths, direction_margins
 from shared.protocol import ErrorCode
 from trainer.data import build_task, training_items
 from trainer.data.moving_digits import DIRECTIONS, MovingDigitsTask, moving_clip, parse_prompt
@@ -104,3 +105,13 @@ def test_data_path_is_refused_naming_the_fix():
 
     with pytest.raises(ValueError, match="remove data.path"):
         build_task(DataConfig(name="moving_digits", path="x.txt"))
+
+
+def test_the_shared_motion_rule_centroids_and_margins():
+    """scoring/motion.py, which the scorer and the task's metric both read: an empty frame's centroid is the frame's
+    centre, and the margin is the step along the named direction less its size across it."""
+    ink = np.zeros((1, 3, 4, 4))
+    ink[0, 0, 2, 1] = ink[0, 2, 2, 3] = 1.0  # (x, y) = (1, 2), nothing, (3, 2)
+    assert centroid_paths(ink)[0].tolist() == [[1.0, 2.0], [1.5, 1.5], [3.0, 2.0]]
+    steps = np.array([[1.0, 0.5], [1.0, 0.5], [0.0, 0.0]])
+    assert direction_margins(steps, ["right", "up", "left"]).tolist() == [0.5, -1.5, 0.0]
