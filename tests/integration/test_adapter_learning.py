@@ -128,7 +128,10 @@ and gets its settings (``TinySpec.learning``) instead."""
 
 def _learning_marks(name: str) -> tuple:
     marks = () if name == "tiny" else (pytest.mark.slow,)
-    return (*marks, NOT_YET_LEARNING) if MODELS[name].load().modality == "video" else marks
+    # The embedded tiny Wan works in pixel space (no VAE between its output and the brightness): it learns, measured
+    # 2026-12-06 (XPASS at these settings); the tiny VAE-latent Wan models do not yet.
+    not_yet = MODELS[name].load().modality == "video" and name != "tiny_wan"
+    return (*marks, NOT_YET_LEARNING) if not_yet else marks
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=_learning_marks(name)) for name in sorted(MODELS)])
