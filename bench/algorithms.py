@@ -13,6 +13,7 @@ One plot (``<out>/time_to_target.png``): the metric against images and against R
 
     python bench/algorithms.py [--seeds 0,1,2] [--epochs 16] [--eval-every 1] [--only grpo,dpo]
     python bench/algorithms.py --config configs/embedded_text.yaml --metric ocr_accuracy --target 0.6
+    python bench/algorithms.py --config configs/embedded_video.yaml --metric direction_accuracy --target 0.5
     python bench/algorithms.py --table-only        # the table of the runs already in --out
 """
 

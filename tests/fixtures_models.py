@@ -200,7 +200,11 @@ def rig_answer(model_dir: Path, answer: str) -> Path:
 
 
 # For the registry-wide conformance test: what each model-based scorer needs to score random images.
-CONFORMANCE_METADATA: dict[str, dict[str, Any]] = {"ocr": {"text": "digit"}, "ocr_flow_grpo": {"text": "digit"}}
+CONFORMANCE_METADATA: dict[str, dict[str, Any]] = {
+    "ocr": {"text": "digit"},
+    "ocr_flow_grpo": {"text": "digit"},
+    "motion": {"direction": "up"},
+}
 CONFORMANCE_METADATA["videoalign"] = {"fps": 8.0}  # a video's fps, which the server puts in every video item
 for _name in ("geneval", "geneval_partial", "geneval_flow_grpo"):
     CONFORMANCE_METADATA[_name] = {"tag": "single_object", "include": [{"class": "bowl", "count": 1}]}

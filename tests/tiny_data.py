@@ -103,12 +103,13 @@ def write_triplet_folder(root: Path, size: int = 16, count: int = 4) -> Path:
 
 def tiny_dataset(name: str, root: str | Path, size: int = 16, suffix: str = ".txt", references: int = 1) -> str:
     """Write a tiny dataset of format ``name`` (a ``DATASETS`` key) under ``root``; returns its
-    ``data.path`` ("" for ``digits``, which needs no files). ``suffix`` picks .txt or .jsonl prompt files;
+    ``data.path`` ("" for the built-in tasks, which need no files). ``suffix`` picks .txt or .jsonl prompt files;
     ``references``, the images per editing row."""
     root = Path(root) / name
     writers = {
         "digits": lambda: "",
         "words": lambda: "",
+        "moving_digits": lambda: "",
         "prompt_file": lambda: write_prompt_file(root, suffix),
         "inpaint_jsonl": lambda: write_inpaint_jsonl(root, size),
         "edit_jsonl": lambda: write_edit_jsonl(root, size, references=references),

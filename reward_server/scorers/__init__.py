@@ -23,6 +23,7 @@ SCORERS = Registry(
         "brightness": Entry(_P + "brightness:BrightnessScorer", **_NO_MODEL),
         "jpeg_compressibility": Entry(_P + "jpeg:JpegCompressibilityScorer", **_NO_MODEL),
         "colorfulness": Entry(_P + "colorfulness:ColorfulnessScorer", **_NO_MODEL),
+        "motion": Entry(_P + "motion:MotionScorer", **_NO_MODEL),
         "ocr": Entry(_P + "ocr:OcrScorer", backend="rapidocr"),
         "ocr_flow_grpo": Entry(_P + "ocr:OcrScorer", backend="rapidocr", similarity="flow_grpo", reading="flow_grpo"),
         "ocr_paddle": Entry(_P + "ocr:OcrScorer", backend="paddleocr"),

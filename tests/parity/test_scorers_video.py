@@ -1,4 +1,5 @@
-"""Parity of the video scorer ``temporal_consistency`` with a plain computation of its definition (our own metric)."""
+"""Parity of the video scorers ``temporal_consistency`` and ``motion`` with plain computations of their definitions
+(our own metrics)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,31 @@ def test_temporal_consistency_is_the_mean_consecutive_clip_cosine(tmp_path: Path
     assert outcomes[0].score == pytest.approx(_plain_consistency(clip_dir, moving), abs=1e-5)
     assert outcomes[1].score == pytest.approx(1.0, abs=1e-5)
     assert len(outcomes[0].details["pair_similarities"]) == 4
+
+
+def _plain_motion(video: np.ndarray, direction: str) -> float:
+    """The definition, written plainly with torch: centroid of grey ink per frame, steps, margin along the direction
+    less the size across it, sigmoid(margin / 0.5) x exp(-mean distance of the steps from their mean)."""
+    ink = torch.from_numpy(video).double().mean(-1) / 255
+    ys, xs = torch.meshgrid(torch.arange(ink.shape[1]).double(), torch.arange(ink.shape[2]).double(), indexing="ij")
+    path = torch.stack([(ink * xs).sum((1, 2)) / ink.sum((1, 2)), (ink * ys).sum((1, 2)) / ink.sum((1, 2))], 1)
+    steps = path[1:] - path[:-1]
+    mean = steps.mean(0)
+    unit = torch.tensor({"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[direction]).double()
+    across = torch.tensor([-unit[1], unit[0]])
+    margin = mean @ unit - (mean @ across).abs()
+    return (torch.sigmoid(margin / 0.5) * torch.exp(-(steps - mean).norm(dim=1).mean())).item()
+
+
+@transcribes(
+    "scorer:motion",
+    own="our metric for the embedded video task (the ink centroid moves the prompt's way, steadily); no published "
+    "reward scores a direction of motion",
+)
+def test_motion_is_the_centroid_margin_times_steadiness() -> None:
+    rng = np.random.default_rng(5)
+    videos = [rng.integers(1, 256, (5, 16, 16, c), dtype=np.uint8) for c in (1, 3, 1, 1)]
+    prompts = ["a digit 7 moving right", "moving up", "a handwritten digit 2 moving left", "a digit 1 moving down"]
+    outcomes = run_scorer(SCORERS["motion"](), videos, prompts, [{}] * 4)
+    for outcome, video, prompt in zip(outcomes, videos, prompts, strict=True):
+        assert outcome.score == pytest.approx(_plain_motion(video, prompt.rsplit(" ", 1)[1]), abs=1e-12)

@@ -256,5 +256,36 @@ def wan_ti2v() -> TinySpec:
     )
 
 
-SPECS = {"wan": wan, "wan22": wan22, "wan_i2v": wan_i2v, "wan22_i2v": wan22_i2v, "wan_ti2v": wan_ti2v}
-"""Wan 2.1 T2V, Wan 2.2 T2V A14B, Wan 2.1 I2V, Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B."""
+def tiny_wan() -> TinySpec:
+    """The embedded video model as the tests' tiny model: Wan 2.1's facts in pixel space (no VAE), built by
+    ``build_tiny_wan``, at its own size (5 frames of 16x16 in 4x4 patches: 80 tokens)."""
+    from dataclasses import replace
+
+    from trainer.models.tiny_wan import build_tiny_wan
+
+    return replace(
+        wan(),
+        components=None,
+        build=build_tiny_wan,
+        config={},
+        pipeline_call=_pixel_pipeline_call,
+        same_shapes=("wan",),  # the Wan 2.1 adapter at a tiny size: each loads the other's folder
+    )
+
+
+def _pixel_pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
+    """``_pipeline_call`` at one frame fewer: WanPipeline rounds ``num_frames`` to 1 + a multiple of its temporal
+    factor by adding one whenever ``num_frames % factor != 1``, which at factor 1 (no VAE) is always: F - 1 becomes
+    the adapter's F."""
+    return dict(_pipeline_call(adapter, inputs, guidance_scale), num_frames=adapter.frames - 1)
+
+
+SPECS = {
+    "tiny_wan": tiny_wan,
+    "wan": wan,
+    "wan22": wan22,
+    "wan_i2v": wan_i2v,
+    "wan22_i2v": wan22_i2v,
+    "wan_ti2v": wan_ti2v,
+}
+"""The embedded tiny Wan, Wan 2.1 T2V, Wan 2.2 T2V A14B, Wan 2.1 I2V, Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B."""

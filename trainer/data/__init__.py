@@ -1,6 +1,7 @@
 """Tasks and datasets, registered by name: where prompts, supervised examples and task metrics come from.
 
-Formats (``data.name``): ``digits`` (the embedded task), ``words`` (the embedded text task), ``prompt_file`` (.txt
+Formats (``data.name``): ``digits`` (the embedded task), ``words`` (the embedded text task), ``moving_digits`` (the
+embedded video task), ``prompt_file`` (.txt
 prompts or GenEval-style
 .jsonl), ``inpaint_jsonl`` (image, mask, prompt rows), ``edit_jsonl`` (image to edit, instruction rows),
 ``triplet_folder`` (IP-Adapter source / mask / reference triplets). A bad row fails when the task is built,
@@ -17,6 +18,7 @@ from shared.registry import Entry, Registry
 from trainer.data.digits import DigitAccuracy, DigitImages, digit_prompt
 from trainer.data.edit_jsonl import read_edit_jsonl
 from trainer.data.inpaint_jsonl import read_inpaint_jsonl
+from trainer.data.moving_digits import MovingDigitsTask
 from trainer.data.prompt_file import PromptFileTask
 from trainer.data.task import SupervisedBatch, Task, training_items
 from trainer.data.triplet_folder import read_triplet_folder
@@ -82,6 +84,16 @@ def _words_task(config) -> WordsTask:
     return WordsTask(config.image_size)
 
 
+def _moving_digits_task(config) -> MovingDigitsTask:
+    if config.path:
+        raise ValueError(
+            f"data.path={config.path!r} is not read by data.name='moving_digits' (the embedded video task); "
+            "remove data.path"
+        )
+    _refuse_image_inputs(config)
+    return MovingDigitsTask(config.image_size)
+
+
 def _prompt_file_task(config) -> PromptFileTask:
     _refuse_image_inputs(config)
     return PromptFileTask(config.path)
@@ -100,6 +112,7 @@ DATASETS = Registry(
     {
         "digits": Entry(_digits_task),
         "words": Entry(_words_task),
+        "moving_digits": Entry(_moving_digits_task),
         "prompt_file": Entry(_prompt_file_task),
         "inpaint_jsonl": Entry(
             lambda config: read_inpaint_jsonl(config.path, config.image_size, list(config.image_inputs))
@@ -210,6 +223,7 @@ __all__ = [
     "DATASETS",
     "DataProblems",
     "DigitsTask",
+    "MovingDigitsTask",
     "PromptFileTask",
     "SupervisedBatch",
     "Task",

@@ -185,6 +185,12 @@ MODELS = Registry(
             loads_pipelines=("Flux2KleinPipeline",),
         ),
         "wan": ModelSpec("trainer.models.wan:WanAdapter"),
+        "tiny_wan": ModelSpec(
+            "trainer.models.wan:WanAdapter",
+            config="trainer.models.tiny_wan:TinyWanConfig",
+            path_check="trainer.models.tiny_wan:path_problem",
+            builds="trainer.models.tiny_wan:build_missing",
+        ),
         "wan22": ModelSpec("trainer.models.wan:WanAdapter", config="trainer.models.wan:Wan22Config"),
         "wan_i2v": ModelSpec(
             "trainer.models.wan:WanAdapter",

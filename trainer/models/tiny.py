@@ -129,6 +129,12 @@ def path_problem(config: TinyConfig) -> str | None:
     """Why ``model.path`` holds no tiny model and none may be built there, or None (checked by the run's
     pre-flight, before anything loads): a folder of other files, or a missing path that is neither the
     default one nor allowed by ``build_if_missing``."""
+    return built_model_problem(config, DEFAULT_TINY_PATH)
+
+
+def built_model_problem(config, default_path: str) -> str | None:
+    """``path_problem`` of an embedded model built on first use whose default folder is ``default_path`` (the
+    tiny SD3's, the tiny Wan's)."""
     path = Path(config.path)
     if (path / "transformer" / "config.json").is_file():
         return None
@@ -137,16 +143,16 @@ def path_problem(config: TinyConfig) -> str | None:
             f"model.path={config.path!r} holds files but not the tiny model (no transformer/config.json): "
             "point model.path at a new directory, where the tiny model is built, or at one it was built in"
         )
-    if config.build_if_missing or is_default_tiny_path(path):
+    if config.build_if_missing or is_default_tiny_path(path, default_path):
         return None
     return (
         f"model.path={config.path!r}: no such folder: fix the path, leave model.path unset for the default "
-        f"tiny model ({DEFAULT_TINY_PATH}), or set model.build_if_missing=true to build a new random tiny "
+        f"tiny model ({default_path}), or set model.build_if_missing=true to build a new random tiny "
         "model there"
     )
 
 
-def is_default_tiny_path(path: str | os.PathLike) -> bool:
+def is_default_tiny_path(path: str | os.PathLike, default_path: str = DEFAULT_TINY_PATH) -> bool:
     """Whether ``path`` is the tiny model's default folder, as given (relative) or as a run's saved config holds it
     (absolute, from the folder that run started in): a resume builds it again where it was removed."""
-    return Path(path).parts[-3:] == Path(DEFAULT_TINY_PATH).parts
+    return Path(path).parts[-3:] == Path(default_path).parts

@@ -57,3 +57,14 @@ def clip_bpe_tokenizer(directory: Path, max_length: int) -> None:
     vocab = {t: i for i, t in enumerate(dict.fromkeys(special + chars + [c + "</w>" for c in chars] + merged))}
     tok = CLIPTokenizer(vocab=vocab, merges=list(ranks), model_max_length=max_length)
     tok.save_pretrained(directory)
+
+
+def t5_word_tokenizer(directory: Path, words: list[str], max_length: int) -> None:
+    """A unigram T5 tokenizer (what Wan's UMT5 reads) whose pieces are ``words`` whole and single characters for
+    anything else, saved with ``save_pretrained``: deterministic, no hub and no sentencepiece model file."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    pieces += [("▁" + w, -2.0) for w in sorted(set(words))]
+    pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length).save_pretrained(directory)

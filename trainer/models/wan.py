@@ -137,7 +137,10 @@ def refuse_other_variant(config: WanConfig, two: bool, expands: bool, in_channel
             f"{'' if pinned else 'not '}one: point model.path at its weights, or set model.name to "
             f"{'wan_ti2v' if expands else 'wan, wan22 or their _i2v variants'}"
         )
-    vae = json.loads((Path(config.path) / "vae" / "config.json").read_text())
+    vae_file = Path(config.path) / "vae" / "config.json"
+    if not vae_file.is_file():  # pixel space (the embedded tiny Wan): frames in, frames out
+        return refuse_pixel_variant(config, first_frame)
+    vae = json.loads(vae_file.read_text())
     z_dim, temporal = vae.get("z_dim", 16), vae.get("scale_factor_temporal", 4)
     wanted = z_dim + (first_frame.channels(z_dim, temporal) if first_frame else 0)
     if in_channels != wanted:
@@ -146,6 +149,16 @@ def refuse_other_variant(config: WanConfig, two: bool, expands: bool, in_channel
             f"{where} a Wan transformer of {in_channels} input channels, and model.name={config.name} ({kind}) "
             f"feeds it {wanted}: point model.path at a Wan {kind} checkpoint, or set model.name to the Wan variant "
             "of the one there"
+        )
+
+
+def refuse_pixel_variant(config: WanConfig, first_frame) -> None:
+    """A ValueError naming the fix for an image-to-video variant on a folder without a VAE (its first frame is
+    VAE-encoded)."""
+    if first_frame is not None:
+        raise ValueError(
+            f"model.path={config.path!r} holds no vae/, and model.name={config.name} VAE-encodes its first frame: "
+            "point model.path at a Wan checkpoint with its VAE, or use a text-to-video model.name"
         )
 
 
@@ -186,10 +199,9 @@ class WanAdapter:
     prompt_encoder = staticmethod(prompt_encoder)
 
     def __init__(self, config: WanConfig, device: torch.device | str = "cpu"):
-        from diffusers import AutoencoderKLWan
-
         from trainer.models import MODELS
 
+        MODELS[config.name].provide(config)  # the embedded tiny Wan is built on first use
         path = Path(config.path)
         self.config, self.device, self.dtype = config, torch.device(device), DTYPES[config.dtype]
         self.pipeline_class, parts = MODELS[config.name].pipeline_class, MODELS[config.name].conditioning
@@ -198,7 +210,7 @@ class WanAdapter:
         settings = pipeline_settings(config)
         experts = self._load_experts(config, settings, self.first_frame)
         self.scheduler = euler_scheduler(path, config.flow_shift)
-        self.vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=self.dtype)
+        self.vae = load_vae(path, self.dtype)
         images = self.first_frame.components(path, self.dtype, self.device) if self.first_frame else {}
         self.pipeline = self.pipeline_class(
             vae=self.vae,
@@ -225,6 +237,8 @@ class WanAdapter:
 
     def _video_shape(self, config: WanConfig, patch: tuple[int, int, int]) -> None:
         """Checks the configured video size and sets ``frames``, ``height``, ``width``, ``fps``, ``latent_shape``."""
+        if self.vae is None:  # pixel space: latents are the frames, as the pipeline then draws them
+            self.pipeline.vae_scale_factor_temporal = self.pipeline.vae_scale_factor_spatial = 1
         temporal, spatial = self.pipeline.vae_scale_factor_temporal, self.pipeline.vae_scale_factor_spatial
         check_video_size(config, temporal, spatial * patch[1])
         self.patch = patch
@@ -232,7 +246,8 @@ class WanAdapter:
         self.resolution = max(self.height, self.width)
         """The longer side: what a reward server's largest image side must take."""
         latent_frames = (self.frames - 1) // temporal + 1
-        self.latent_shape = (self.vae.config.z_dim, latent_frames, self.height // spatial, self.width // spatial)
+        channels = self.vae.config.z_dim if self.vae is not None else self.pipeline.transformer.config.out_channels
+        self.latent_shape = (channels, latent_frames, self.height // spatial, self.width // spatial)
 
     @staticmethod
     def _load_experts(config: WanConfig, settings: dict, first_frame) -> dict[str, nn.Module]:
@@ -350,6 +365,8 @@ class WanAdapter:
                 f"{tuple(images.shape)}: set train.warmup_steps=0 (images there are first frames, not targets)"
             )
         x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype).transpose(1, 2)
+        if self.vae is None:
+            return x.float()
         latents = self.vae.encode(x).latent_dist.mode().float()
         mean, inv_std = self.latent_statistics(torch.float32)
         return (latents - mean) * inv_std
@@ -358,7 +375,19 @@ class WanAdapter:
         """Frames [B, F, C, H, W] in [0, 1], float32: un-normalised and decoded in the VAE's dtype as the
         pipeline does; differentiable in ``latents`` (the frozen VAE builds no graph for latents without one), for
         the differentiable-reward algorithms."""
+        if self.vae is None:
+            return (latents.to(self.device, torch.float32) / 2 + 0.5).clamp(0, 1).transpose(1, 2)
         x = latents.to(self.device, self.vae.dtype)
         mean, inv_std = self.latent_statistics(x.dtype)
         video = self.vae.decode(x / inv_std + mean, return_dict=False)[0].float()
         return (video / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+
+
+def load_vae(path: Path, dtype: torch.dtype):
+    """The folder's AutoencoderKLWan, or None where it has no ``vae/``: pixel space, where ``encode_images`` is
+    2x - 1, ``decode`` (x + 1) / 2 clamped and the latents are [C, F, H, W] frames (the embedded tiny Wan)."""
+    from diffusers import AutoencoderKLWan
+
+    if not (path / "vae").is_dir():
+        return None
+    return AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=dtype)

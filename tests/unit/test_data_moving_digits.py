@@ -1,0 +1,117 @@
+"""The embedded video task: synthetic clips move the named way, and the trainer's direction metric agrees with the
+served ``motion`` scorer's rule (both read scoring/motion.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reward_server.scorers import SCORERS, run_scorer
+from scoring.motion import centroid_paths, direction_margins
+from shared.protocol import ErrorCode
+from trainer.data import build_task, training_items
+from trainer.data.moving_digits import DIRECTIONS, MovingDigitsTask, moving_clip, parse_prompt
+
+
+@pytest.fixture(scope="module")
+def task() -> MovingDigitsTask:
+    return MovingDigitsTask(16)
+
+
+def uint8_frames(clips: torch.Tensor) -> list[np.ndarray]:
+    """[B, F, 1, H, W] in [0, 1] -> the reward wire's uint8 [F, H, W, 1] per clip."""
+    return list((clips.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2).numpy())
+
+
+def test_prompts_are_every_digit_and_direction_and_metadata_names_both(task):
+    assert len(task.prompts) == 40 and task.eval_prompts == task.prompts
+    assert training_items(task) == list(range(40))  # as digits: the evaluation's held-out part is its noise
+    assert task.item_metadata([task.prompts.index("a handwritten digit 7 moving up")]) == [
+        {"digit": 7, "direction": "up"}
+    ]
+    assert parse_prompt("a handwritten digit 0 moving left") == (0, "left")
+
+
+def test_a_clip_moves_its_image_one_pixel_a_frame_zero_filled():
+    image = torch.zeros(1, 16, 16)
+    image[0, 8, 8] = 1.0
+    clip = moving_clip(image, "right", 5)
+    assert clip.shape == (5, 1, 16, 16)
+    assert [int(frame[0, 8].argmax()) for frame in clip] == [6, 7, 8, 9, 10]
+    down = moving_clip(image, "down", 5)
+    assert [int(frame[0, :, 8].argmax()) for frame in down] == [6, 7, 8, 9, 10]
+    edge = torch.zeros(1, 16, 16)
+    edge[0, 0, 15] = 1.0
+    assert moving_clip(edge, "right", 5)[-1].sum() == 0  # left the frame: nothing wraps around
+
+
+def test_supervised_clips_score_right_and_reversed_prompts_score_wrong(task):
+    batch = task.supervised_batch(64, torch.Generator().manual_seed(0))
+    assert batch.images.shape == (64, 5, 1, 16, 16)
+    assert task.metrics(batch.images, batch.prompts, {})["direction_accuracy"] == 1.0
+    flip = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    reversed_prompts = [p.rsplit(" ", 1)[0] + " " + flip[p.rsplit(" ", 1)[1]] for p in batch.prompts]
+    assert task.metrics(batch.images, reversed_prompts, {})["direction_accuracy"] == 0.0
+    still = batch.images[:, 2:3].expand_as(batch.images)
+    metrics = task.metrics(still, batch.prompts, {})
+    assert metrics["direction_accuracy"] == 0.0 and metrics["digit_accuracy"] > 0.9  # the centred digits read
+
+
+def test_trainer_direction_metric_agrees_with_the_motion_scorer(task):
+    """``direction_accuracy`` counts a clip right exactly where the ``motion`` scorer's margin is > 0, on supervised
+    clips under every prompt and on random clips."""
+    scorer = SCORERS["motion"]()
+    scorer.load()
+    batch = task.supervised_batch(16, torch.Generator().manual_seed(2))
+    noise = torch.rand(16, 5, 1, 16, 16, generator=torch.Generator().manual_seed(3)) ** 3
+    clips = torch.cat([batch.images, noise]).repeat_interleave(4, 0)
+    clips = torch.from_numpy(np.stack(uint8_frames(clips))).permute(0, 1, 4, 2, 3).float() / 255
+    prompts = [f"a handwritten digit 3 moving {d}" for _ in range(32) for d in DIRECTIONS]
+    outcomes = run_scorer(scorer, uint8_frames(clips), prompts, [{}] * len(prompts))
+    margins = np.array([o.details["margin"] for o in outcomes])
+    ours = [
+        task.metrics(clip[None], [prompt], {})["direction_accuracy"]
+        for clip, prompt in zip(clips, prompts, strict=True)
+    ]
+    assert np.array_equal(np.array(ours) == 1.0, margins > 0)
+    assert 0 < (margins > 0).sum() < len(prompts)
+    right = [o.score for o, m in zip(outcomes, margins, strict=True) if m > 0.5]
+    assert min(right) > 0.5 > max(o.score for o, m in zip(outcomes, margins, strict=True) if m < -0.5)
+
+
+def test_motion_scorer_direction_from_metadata_and_none_is_a_parse_error():
+    scorer = SCORERS["motion"]()
+    image = torch.zeros(1, 16, 16)
+    image[0, 4:12, 6:10] = 1.0
+    clip = uint8_frames(moving_clip(image, "up", 5)[None])
+    up, none, frame = run_scorer(
+        scorer,
+        clip * 2 + [clip[0][:1]],
+        ["a digit", "a digit", "moving up"],
+        [
+            {"direction": "up"},
+            {},
+            {},
+        ],
+    )
+    assert up.score == pytest.approx(1 / (1 + np.exp(-2.0)))  # 1 px a frame, steady: sigmoid(1 / 0.5) x 1
+    assert none.error == ErrorCode.PARSE
+    assert frame.error == ErrorCode.BAD_INPUT
+
+
+def test_data_path_is_refused_naming_the_fix():
+    from trainer.config.schema import DataConfig
+
+    with pytest.raises(ValueError, match="remove data.path"):
+        build_task(DataConfig(name="moving_digits", path="x.txt"))
+
+
+def test_the_shared_motion_rule_centroids_and_margins():
+    """scoring/motion.py, which the scorer and the task's metric both read: an empty frame's centroid is the frame's
+    centre, and the margin is the step along the named direction less its size across it."""
+    ink = np.zeros((1, 3, 4, 4))
+    ink[0, 0, 2, 1] = ink[0, 2, 2, 3] = 1.0  # (x, y) = (1, 2), nothing, (3, 2)
+    assert centroid_paths(ink)[0].tolist() == [[1.0, 2.0], [1.5, 1.5], [3.0, 2.0]]
+    steps = np.array([[1.0, 0.5], [1.0, 0.5], [0.0, 0.0]])
+    assert direction_margins(steps, ["right", "up", "left"]).tolist() == [0.5, -1.5, 0.0]
