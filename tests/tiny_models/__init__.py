@@ -28,7 +28,7 @@ from tiny_models.parts import (  # noqa: F401 (the tests' helpers, by one name)
 from tiny_models.spec import TinySpec
 from trainer.models import MODELS
 
-FAMILIES = ("sd3", "flux", "chroma", "qwen_image", "flux2", "sd15_inpaint", "z_image", "wan")
+FAMILIES = ("sd3", "flux", "chroma", "qwen_image", "flux2", "sd15_inpaint", "z_image", "wan", "hunyuan_video15")
 """The modules of this package that declare tiny models (``SPECS``: registry name -> its TinySpec's maker)."""
 
 
@@ -126,6 +126,9 @@ def run_pipeline(
     with contextlib.ExitStack() as stack:
         for target, stand_in in patches.items():
             stack.enter_context(mock.patch(target, stand_in))
+        components = spec.pipeline_components(adapter, guidance_scale) if spec.pipeline_components else {}
+        for name, stand_in in components.items():
+            stack.enter_context(mock.patch.object(adapter.pipeline, name, stand_in))
         output = adapter.pipeline(**kwargs)
     images = output.frames if adapter.modality == "video" else output.images
     if output_type == "latent" and spec.pipeline_latents is not None:

@@ -201,6 +201,7 @@ MODELS = Registry(
             config="trainer.models.wan:WanTI2VConfig",
             parts=("trainer.models.wan_parts:PINNED_FIRST_FRAME",),
         ),
+        "hunyuan_video15": ModelSpec("trainer.models.hunyuan_video15:HunyuanVideo15Adapter"),
     },
     key="model.name",
 )
