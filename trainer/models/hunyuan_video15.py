@@ -28,7 +28,7 @@ from torch import nn
 
 from trainer.config.fields import PositiveInt
 from trainer.models.base import Conditioning, ImageInputs, StepFunction
-from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
+from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, denoiser_config, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target
 from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import ImageLatents, refuse_image_latents
@@ -167,8 +167,6 @@ class HunyuanVideo15Adapter:
     def _load_transformer(config: HunyuanVideo15Config) -> nn.Module:
         """The transformer, once the folder is known to hold the text-to-video variant (before any weight)."""
         from diffusers import HunyuanVideo15Transformer3DModel
-
-        from trainer.models.common import denoiser_config
 
         saved = denoiser_config(HunyuanVideo15Transformer3DModel, config, "transformer", "HunyuanVideo 1.5")
         vae = json.loads((Path(config.path) / "vae" / "config.json").read_text())
