@@ -39,6 +39,7 @@ FAMILIES = (
     "wan",
     "qwen_image21",
     "ltx2",
+    "hunyuan_video15",
 )
 """The modules of this package that declare tiny models (``SPECS``: registry name -> its TinySpec's maker)."""
 
@@ -137,6 +138,9 @@ def run_pipeline(
     with contextlib.ExitStack() as stack:
         for target, stand_in in patches.items():
             stack.enter_context(mock.patch(target, stand_in))
+        components = spec.pipeline_components(adapter, guidance_scale) if spec.pipeline_components else {}
+        for name, stand_in in components.items():
+            stack.enter_context(mock.patch.object(adapter.pipeline, name, stand_in))
         output = adapter.pipeline(**kwargs)
     if output_type == "latent" and spec.pipeline_outputs is not None:
         return spec.pipeline_outputs(adapter, output)

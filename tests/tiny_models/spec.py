@@ -47,6 +47,9 @@ class TinySpec:
     pipeline_patches: Callable[[Any], Mapping[str, Any]] | None = None
     """adapter -> {diffusers function: its stand-in} during the parity reference's call, for a pipeline constant
     the tiny model cannot run at (Qwen-Image-Edit's reference area of 1024^2 pixels)."""
+    pipeline_components: Callable[[Any, float], Mapping[str, Any]] | None = None
+    """(adapter, guidance) -> {component name: stand-in} set on the adapter's pipeline during the parity
+    reference's call, for a pipeline that takes its guidance from a component (HunyuanVideo 1.5's ``guider``)."""
     pipeline_one_prompt: bool = False
     """Whether its pipeline takes one prompt per call (QwenImageEditPlusPipeline): the parity reference calls it
     per prompt, in order, on the same generator (the noise of a batch is its items' draws in turn)."""

@@ -209,6 +209,7 @@ MODELS = Registry(
             parts=("trainer.models.wan_parts:PINNED_FIRST_FRAME",),
         ),
         "ltx2": ModelSpec("trainer.models.ltx2:LTX2Adapter"),
+        "hunyuan_video15": ModelSpec("trainer.models.hunyuan_video15:HunyuanVideo15Adapter"),
     },
     key="model.name",
 )

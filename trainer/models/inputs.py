@@ -10,8 +10,10 @@ import torch
 from trainer.models.base import ImageInputs
 
 
-def reject_image_inputs(model: str, inputs: ImageInputs | None, allowed: Sequence[str] = ()) -> None:
-    """ValueError when ``inputs`` carries a field that ``model`` does not use."""
+def reject_image_inputs(
+    model: str, inputs: ImageInputs | None, allowed: Sequence[str] = (), kind: str = "text-to-image"
+) -> None:
+    """ValueError when ``inputs`` carries a field that ``model`` (a ``kind`` model) does not use."""
     if inputs is None:
         return
     extra = [f.name for f in fields(inputs) if f.name not in allowed and getattr(inputs, f.name) is not None]
@@ -19,7 +21,7 @@ def reject_image_inputs(model: str, inputs: ImageInputs | None, allowed: Sequenc
         fix = (
             f" (it uses {', '.join(allowed)}): name those in data.image_inputs"
             if allowed
-            else " (it is a text-to-image model): train it on a data.name without images, or set model.name to a model "
+            else f" (it is a {kind} model): train it on a data.name without images, or set model.name to a model "
             "that takes them"
         )
         raise ValueError(f"the {model} adapter takes no ImageInputs.{', .'.join(extra)}{fix}")

@@ -32,6 +32,7 @@ from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
+from trainer.models.video import check_video_size
 from trainer.models.wan_parts import WanExperts
 from trainer.samplers import flow_step, standard_normal
 
@@ -94,28 +95,6 @@ class WanTI2VConfig(WanConfig):
     width: PositiveInt = 1280
     """Frame width in pixels: a multiple of 32."""
     fps: PositiveInt = 24
-
-
-def check_video_size(config: WanConfig, temporal: int, spatial: int) -> None:
-    """ValueErrors naming the nearest valid values for frames that are not ``temporal`` k + 1 and sides that are
-    not multiples of ``spatial``."""
-    if config.resolution:
-        raise ValueError(
-            f"model.resolution={config.resolution} does not apply to {config.name}: unset it and set model.height "
-            "and model.width"
-        )
-    if config.frames % temporal != 1 % temporal:
-        below = (config.frames - 1) // temporal * temporal + 1
-        raise ValueError(
-            f"model.frames={config.frames} must be {temporal}k + 1 (Wan's VAE compresses {temporal} frames after the "
-            f"first to one): the nearest are {below} and {below + temporal}"
-        )
-    for side in ("height", "width"):
-        value = getattr(config, side)
-        if value % spatial:
-            below = value // spatial * spatial
-            nearest = f"{below} and {below + spatial}" if below else f"{spatial}"
-            raise ValueError(f"model.{side}={value} must be a multiple of {spatial}: the nearest are {nearest}")
 
 
 def refuse_other_variant(config: WanConfig, two: bool, expands: bool, in_channels: int, first_frame) -> None:
