@@ -112,13 +112,65 @@ Z_IMAGE_REAL = dict(
 encoder's instead of Qwen3-4B's 2560)."""
 
 
+WAN_9M = dict(attention_head_dim=64, num_attention_heads=4, num_layers=8, ffn_dim=1024, freq_dim=256)
+"""About 9 M parameters (9.05 M; Wan 2.2 A14B: per expert)."""
+WAN_REAL = dict(
+    attention_head_dim=128, num_attention_heads=12, num_layers=30, ffn_dim=8960, freq_dim=256, rope_max_seq_len=1024
+)
+"""Wan 2.1 T2V 1.3B's widths, heads and depths (huggingface/diffusers scripts/convert_wan_to_diffusers.py,
+Wan-T2V-1.3B): 1.41 B parameters here, 1.3 B published (1.42 B at its 4096-wide text input)."""
+WAN_14B = dict(WAN_REAL, num_attention_heads=40, num_layers=40, ffn_dim=13824)
+"""Wan 2.1 T2V 14B's, and each Wan 2.2 A14B expert's (same script: Wan-T2V-14B, Wan2.2-T2V-A14B,
+Wan2.2-I2V-14B-720p): 14.27 B parameters per transformer here, 14 B published."""
+WAN_I2V_9M = dict(WAN_9M, num_layers=7, added_kv_proj_dim=256)
+"""About 9 M parameters (8.94 M): the image tokens' own key and value projections at the model width."""
+WAN_I2V_REAL = dict(WAN_14B, added_kv_proj_dim=5120)
+"""Wan 2.1 I2V 14B's (same script: Wan-I2V-14B-480p; CLIP's 1280-wide image input stays the tiny tower's):
+16.37 B parameters here, published as 14 B."""
+WAN_TI2V_REAL = dict(WAN_REAL, num_attention_heads=24, ffn_dim=14336)
+"""Wan 2.2 TI2V-5B's (same script: Wan2.2-TI2V-5B; its 48 latent channels stay the tiny VAE's): 4.99 B
+parameters here, 5 B published."""
+HUNYUAN_VIDEO15_9M = dict(
+    attention_head_dim=64, num_attention_heads=3, num_layers=4, num_refiner_layers=1, rope_axes_dim=(16, 24, 24)
+)
+"""About 9 M parameters (9.63 M)."""
+HUNYUAN_VIDEO15_REAL = dict(
+    attention_head_dim=128, num_attention_heads=16, num_layers=54, num_refiner_layers=2, rope_axes_dim=(16, 56, 56)
+)
+"""HunyuanVideo 1.5's widths, heads and depths (diffusers' HunyuanVideo15Transformer3DModel defaults, which
+huggingface/diffusers scripts/convert_hunyuan_video1_5_to_diffusers.py builds every checkpoint from): 8.31 B
+parameters here, 8.3 B published."""
+LTX2_9M = dict(
+    attention_head_dim=64,
+    num_attention_heads=4,
+    cross_attention_dim=256,
+    audio_attention_head_dim=32,
+    audio_num_attention_heads=4,
+    audio_cross_attention_dim=128,
+    num_layers=5,
+)
+"""About 9 M parameters (9.14 M): a 256-wide video stream and a 128-wide audio stream."""
+LTX2_REAL = dict(
+    attention_head_dim=128,
+    num_attention_heads=32,
+    cross_attention_dim=4096,
+    audio_attention_head_dim=64,
+    audio_num_attention_heads=32,
+    audio_cross_attention_dim=2048,
+    num_layers=48,
+)
+"""LTX-2's: a 4096-wide video stream and a 2048-wide audio stream, 48 blocks (huggingface/diffusers
+scripts/convert_ltx2_to_diffusers.py, version 2.0; the 3840-wide caption input stays the tiny connectors'):
+18.85 B parameters here, 19 B published."""
+
+
 @dataclass(frozen=True)
 class BenchShape:
     """One adapter's benchmark sizes."""
 
     resolution: int | None
     """``model.resolution``: 256 image tokens (latent positions for the UNet) per sample; None keeps the tiny
-    model's own."""
+    model's own (the video models': their frames, height and width; they refuse ``model.resolution``)."""
     guidance: float
     """The guidance scale of the benchmark's rollouts."""
     denoiser_9m: dict[str, Any]
@@ -153,6 +205,14 @@ SHAPES: dict[str, BenchShape] = {
     "flux2": BenchShape(32, 4.0, FLUX2_9M, FLUX2_REAL),
     "flux2_klein": _KLEIN,
     "flux2_klein_inpaint": _KLEIN,
+    "tiny_wan": BenchShape(None, 5.0, WAN_9M, WAN_REAL, {"14b": WAN_14B}),
+    "wan": BenchShape(None, 5.0, WAN_9M, WAN_REAL, {"14b": WAN_14B}),
+    "wan22": BenchShape(None, 5.0, WAN_9M, WAN_14B),
+    "wan_i2v": BenchShape(None, 5.0, WAN_I2V_9M, WAN_I2V_REAL),
+    "wan22_i2v": BenchShape(None, 5.0, WAN_9M, WAN_14B),
+    "wan_ti2v": BenchShape(None, 5.0, WAN_9M, WAN_TI2V_REAL),
+    "hunyuan_video15": BenchShape(None, 6.0, HUNYUAN_VIDEO15_9M, HUNYUAN_VIDEO15_REAL),
+    "ltx2": BenchShape(None, 3.0, LTX2_9M, LTX2_REAL),
 }
 """Registered model name -> its benchmark sizes."""
 
@@ -173,6 +233,8 @@ DENOISER_SIZES = {"tiny": None, "9m": "denoiser_9m", "real": "denoiser_real"}
 UNet 12.6 M: its widths step by 32). real: the published architectures' widths, heads and depths; the widths
 that face the tiny text encoders and VAEs (joint / pooled / cross-attention input widths, latent channels,
 patch sizes) stay the tiny ones, a few projections' worth of difference."""
+DENOISER_FOLDERS = ("transformer", "transformer_2", "unet")
+"""A model folder's denoisers that ``resize_denoiser`` resizes: Wan 2.2 A14B's second expert as its first."""
 DEPTH_KEYS = ("num_layers", "num_single_layers", "n_layers", "n_refiner_layers")
 """Config fields that ``--layers`` caps (transformers; the UNet's depth stays)."""
 
@@ -207,12 +269,18 @@ def resize_denoiser(
     dtype: str = "float32",
     store: str = "auto",
 ) -> None:
-    """Build the tiny model of ``name`` under ``root`` and replace its denoiser by one with ``overrides``
-    applied to its config (random weights), at most ``max_layers`` blocks per stack when given. The weights
-    are drawn on ``device`` in ``dtype`` and saved so (``storage_dtype``: float8 where they would not fit the
-    disk): a real-size one in float32 on the CPU would take 82 GB of memory and disk for Qwen-Image."""
+    """Build the tiny model of ``name`` under ``root`` and replace its denoiser (each of Wan 2.2's two experts)
+    by one with ``overrides`` applied to its config (random weights), at most ``max_layers`` blocks per stack
+    when given. The weights are drawn on ``device`` in ``dtype`` and saved so (``storage_dtype``: float8 where
+    they would not fit the disk): a real-size one in float32 on the CPU would take 82 GB for Qwen-Image."""
     tiny_models.tiny_config(name, root)
-    folder = next(Path(root) / name / f for f in ("transformer", "unet") if (Path(root) / name / f).is_dir())
+    for folder in (Path(root) / name / f for f in DENOISER_FOLDERS):
+        if folder.is_dir():
+            _resize(folder, overrides, max_layers, device, dtype, store)
+
+
+def _resize(folder: Path, overrides: dict, max_layers: int | None, device: str, dtype: str, store: str) -> None:
+    """``resize_denoiser`` for the denoiser saved in ``folder``."""
     config = {**json.loads((folder / "config.json").read_text()), **overrides}
     if max_layers is not None:
         config.update({k: min(config[k], max_layers) for k in DEPTH_KEYS if k in config})
