@@ -170,6 +170,7 @@ def hunyuan_video15() -> TinySpec:
         config=CONFIG,
         guidance=3.0,
         device_reads_per_forward=1,
+        slow_dtype_cases=True,  # bf16 / fp16 conformance in the slow tier, as the other large families
     )
 
 

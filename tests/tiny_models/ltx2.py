@@ -215,6 +215,7 @@ def ltx2() -> TinySpec:
         pipeline_outputs=_latents,
         config=dict(CONFIG, audio_guidance_scale=4.0),
         guidance=3.0,
+        slow_dtype_cases=True,  # bf16 / fp16 conformance in the slow tier, as the other large families
     )
 
 

@@ -107,6 +107,7 @@ def qwen_image21() -> TinySpec:
         guidance=3.0,
         pipeline_one_prompt=True,
         device_reads_per_forward=1,
+        slow_dtype_cases=True,  # bf16 / fp16 conformance in the slow tier, as the other large families
     )
 
 
