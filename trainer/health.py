@@ -66,8 +66,9 @@ def group_scored(
     try:
         asked = any(future is not None for future in futures)
         mine = [scored_or_unscored(*a, scorers, what) for a in zip(futures, sizes, strict=True)] if asked else None
-    except Exception as exc:  # handed to the group, so that its other ranks do not wait on a dead broadcast
-        mine = exc
+    except Exception as exc:  # handed to the group (as its message: any exception pickles so), raised here as is
+        backend.from_group_leader(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        raise
     shared = backend.from_group_leader(mine)
     if isinstance(shared, Exception):
         raise shared
