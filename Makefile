@@ -84,10 +84,10 @@ TEST_WORKERS ?= auto
 PYTEST_TIER = status=0; $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(1) $(ARGS) || status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest: no test of this tier selected"; else exit $$status; fi
 
-test: $(STAMP) system-deps  ## the default tier (~5 min on 2 AVX-512 cores, ~10 on AVX2; tests marked slow or gpu excluded)
+test: $(STAMP) system-deps  ## the default tier (~9 min on 2 AVX-512 cores; tests marked slow or gpu excluded)
 	@$(call PYTEST_TIER,)
 
-test-slow: $(STAMP) system-deps  ## the slow tier alone (~9 min on 2 AVX-512 cores, ~18 on AVX2)
+test-slow: $(STAMP) system-deps  ## the slow tier alone (~18 min on 2 AVX-512 cores)
 	@$(call PYTEST_TIER,-m "slow and not gpu")
 
 test-all: $(STAMP) system-deps  ## both tiers in one run
