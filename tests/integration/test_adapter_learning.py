@@ -123,8 +123,8 @@ def run_grpo(adapter, overrides: list[str], scorer, epochs: int, tmp_path) -> tu
 NOT_YET_LEARNING = pytest.mark.xfail(
     strict=True,
     reason="a video adapter whose tiny model declares no learning settings (TinySpec.learning): not yet measured to "
-    "learn here (issue 52; over 12 epochs: the first tiny Wan VAE 0.559 -> 0.561, hunyuan_video15 0.487 -> 0.493, "
-    "ltx2 0.511 -> 0.517)",
+    "learn here (issue 52; over 12 epochs: the first tiny Wan and HunyuanVideo 1.5 VAEs 0.559 -> 0.561 and 0.487 -> "
+    "0.493, ltx2 0.511 -> 0.517)",
 )
 """Video adapters whose ``TinySpec`` declares no ``learning`` settings, until their tiny models are measured to
 learn here: strict, so that one that starts learning fails the test and gets its settings instead. Keyed on the
