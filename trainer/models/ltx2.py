@@ -29,6 +29,7 @@ from trainer.models.inputs import reject_image_inputs
 from trainer.models.latents import ImageLatents, refuse_image_latents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
+from trainer.models.video import check_video_size
 from trainer.samplers import flow_step, standard_normal
 
 if TYPE_CHECKING:
@@ -66,28 +67,6 @@ class LTX2Config(DiffusersModelConfig):
                 "model.audio=true: ltx2 generates and trains video only (the audio stream runs along, untrained and "
                 "not decoded): unset model.audio"
             )
-
-
-def check_video_size(config: LTX2Config, temporal: int, spatial: int) -> None:
-    """ValueErrors naming the nearest valid values for frames that are not ``temporal`` k + 1 and sides that are
-    not multiples of ``spatial``."""
-    if config.resolution:
-        raise ValueError(
-            f"model.resolution={config.resolution} does not apply to {config.name}: unset it and set model.height "
-            "and model.width"
-        )
-    if config.frames % temporal != 1 % temporal:
-        below = (config.frames - 1) // temporal * temporal + 1
-        raise ValueError(
-            f"model.frames={config.frames} must be {temporal}k + 1 (LTX-2's VAE compresses {temporal} frames after "
-            f"the first to one): the nearest are {below} and {below + temporal}"
-        )
-    for side in ("height", "width"):
-        value = getattr(config, side)
-        if value % spatial:
-            below = value // spatial * spatial
-            nearest = f"{below} and {below + spatial}" if below else f"{spatial}"
-            raise ValueError(f"model.{side}={value} must be a multiple of {spatial}: the nearest are {nearest}")
 
 
 @dataclass
