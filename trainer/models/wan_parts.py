@@ -185,7 +185,7 @@ class FirstFrame:
         mask = latents.new_zeros(batch_size, temporal, *latents.shape[2:])
         mask[:, :, 0] = 1  # the first pixel frame fills the first latent frame's channels
         if last is not None:
-            mask[:, -1, -1] = 1  # the last pixel frame is the last of the 4 the last latent frame holds
+            mask[:, -1, -1] = 1  # the last pixel frame: the last of those the last latent frame holds
         out = {"image": torch.cat([mask, latents], dim=1)}
         if getattr(adapter.pipeline, "image_encoder", None) is not None:
             out["image_embeds"] = clip_hidden_states(adapter.pipeline, image, last)
