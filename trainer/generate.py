@@ -12,7 +12,8 @@ evaluation's trained weights and EMA, in a checkpoint's layout; the EMA when the
 ``--prompts`` it samples the run's evaluation items with the evaluation's noise (the first 16, as its grids
 show), so the grid of ``final/`` is the run's ``samples_after.png``.
 One row per prompt.
-Editing and inpainting models take the files every prompt is conditioned on (``--image``, ``--mask``, ``--reference``).
+Editing and inpainting models take the files every prompt is conditioned on (``--image``, ``--mask``, ``--reference``);
+image-to-video models a first frame (``--image``) and optionally a last one (``--last-image``).
 Runs in one process on the CPU (or ``--device cuda``); no reward servers.
 """
 
@@ -105,6 +106,7 @@ def given_inputs(files: dict[str, Path | list[Path] | None], size: int) -> Image
         "mask": lambda path: load_mask(path, size, "--mask"),
         "reference": lambda paths: load_references(paths[0] if len(paths) == 1 else tuple(paths), size, "--reference"),
         "style": lambda path: load_rgb(path, size, "--style"),
+        "last_image": lambda path: load_rgb(path, size, "--last-image"),
     }
     return ImageInputs(**{name: load[name](value)[None] for name, value in files.items() if value})
 
@@ -142,7 +144,7 @@ def generate(
     given = given_inputs(inputs or {}, config.data.image_size)
     if given is not None and not prompts:
         raise ValueError(
-            "--image, --mask, --reference and --style need --prompts (without them each evaluation item "
+            "--image, --mask, --reference, --style and --last-image need --prompts (without them each evaluation item "
             "brings its own inputs)"
         )
     task = None if prompts else build_tasks(config.data, config.eval)[1]
@@ -209,7 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=_positive, help="sampling steps (default: the run's eval.num_steps)")
     parser.add_argument("--guidance", type=float, help="CFG scale (default: the run's eval.guidance_scale)")
     parser.add_argument(
-        "--image", type=user_path, help="the image to inpaint or edit, for every prompt (with --prompts)"
+        "--image",
+        type=user_path,
+        help="the image to inpaint or edit, or a video's first frame, for every prompt (with --prompts)",
     )
     parser.add_argument("--mask", type=user_path, help="the inpainting mask (white: repaint), for every prompt")
     parser.add_argument(
@@ -220,6 +224,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the reference image(s) an editing model edits, for every prompt",
     )
     parser.add_argument("--style", type=user_path, help="the IP-Adapter's image prompt, for every prompt")
+    parser.add_argument(
+        "--last-image",
+        type=user_path,
+        help="the frame an image-to-video model ends on (--image: the first), for every prompt",
+    )
     parser.add_argument(
         "--model-path",
         type=lambda text: str(user_path(text)),
@@ -265,9 +274,16 @@ def main(argv: list[str] | None = None) -> int:
             args.guidance,
             args.model_path,
             args.device,
-            {"image": args.image, "mask": args.mask, "reference": args.reference, "style": args.style},
+            {
+                "image": args.image,
+                "mask": args.mask,
+                "reference": args.reference,
+                "style": args.style,
+                "last_image": args.last_image,
+            },
         )
     except ValueError as exc:  # an adapter names its inputs as ImageInputs' fields: here they are options
-        return user_error_exit(ValueError(re.sub(r"ImageInputs\.(\w+)", r"--\1", str(exc))) if args.prompts else exc)
+        option = re.sub(r"ImageInputs\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc))
+        return user_error_exit(ValueError(option) if args.prompts else exc)
     print(f"wrote {args.out}")
     return 0

@@ -76,7 +76,8 @@ MASK_TINT = (1.0, 0.0, 1.0)
 
 def input_rows(inputs: ImageInputs | None, like: torch.Tensor) -> list[torch.Tensor]:
     """The images a rollout was conditioned on, as grid rows [N, C, H, W] shaped ``like`` (its outputs): the
-    inpainting source with the repaint region tinted (``MASK_TINT``), each reference image, the style image."""
+    inpainting source with the repaint region tinted (``MASK_TINT``), each reference image, the style image, a
+    video's last frame."""
     if inputs is None:
         return []
     if is_video(like):  # each input image held over the video's frames
@@ -94,6 +95,8 @@ def input_rows(inputs: ImageInputs | None, like: torch.Tensor) -> list[torch.Ten
         rows.extend(reference.unbind(1) if reference.dim() == 5 else [reference])
     if inputs.style is not None:
         rows.append(inputs.style[:n].float())
+    if inputs.last_image is not None:
+        rows.append(inputs.last_image[:n].float())
     fitted = []
     for row in rows:
         row = row.cpu()

@@ -11,6 +11,7 @@ import torch
 import yaml
 from PIL import Image
 from tiny_models import tiny_config
+from tiny_models.wan import flf2v_config
 
 from trainer.config import load_config, saved_dict
 from trainer.export import export_denoiser
@@ -19,10 +20,10 @@ from trainer.logging import MASK_TINT
 from trainer.models import build_adapter
 
 
-def _run(tmp_path, name: str, data: str) -> tuple[str, int]:
-    """A run folder as a job leaves it (final/ and config.yaml) for the tiny model of adapter ``name`` trained on
-    ``data``; its side."""
-    model = tiny_config(name, tmp_path / "model", dtype="float32")
+def _run(tmp_path, name: str, data: str, model=None) -> tuple[str, int]:
+    """A run folder as a job leaves it (final/ and config.yaml) for the tiny model of adapter ``name`` (or the
+    config ``model``) trained on ``data``; its side."""
+    model = model or tiny_config(name, tmp_path / "model", dtype="float32")
     adapter = build_adapter(model, "cpu")
     side = adapter.resolution
     config = replace(
@@ -78,7 +79,7 @@ def test_an_inpainting_model_fills_the_given_image_where_the_given_mask_says(tmp
     assert main([*common, "--out", str(tmp_path / "no-mask.png")]) == 2
     assert "error: the flux_fill adapter needs --mask" in capsys.readouterr().err
     assert main(["--weights", weights, "--image", str(tmp_path / "source.png"), "--out", str(tmp_path / "x.png")]) == 2
-    assert "--image, --mask, --reference and --style need --prompts" in capsys.readouterr().err
+    assert "--image, --mask, --reference, --style and --last-image need --prompts" in capsys.readouterr().err
 
 
 def test_an_editing_model_edits_the_given_references(tmp_path):
@@ -170,3 +171,27 @@ def test_weights_of_another_shape_than_the_base_model_are_one_line(tmp_path, cap
         in err
         and "Traceback" not in err
     ), err
+
+
+def test_an_image_to_video_model_takes_a_first_and_a_last_frame(tmp_path, capsys):
+    """``--image`` and ``--last-image`` (Wan 2.1 FLF2V): the video's first and last frames, shown before its
+    samples (each held over the video's frames); another last frame gives another video; a last frame alone is
+    one line."""
+    weights, side = _run(tmp_path, "wan_i2v", "inpaint_jsonl", flf2v_config(tmp_path / "model", dtype="float32"))
+    for name, colour in (("first", (250, 20, 20)), ("last", (20, 20, 250)), ("other", (20, 250, 20))):
+        Image.new("RGB", (side, side), colour).save(tmp_path / f"{name}.png")
+    common = ["--weights", weights, "--prompts", "a ball", "--samples", "1", "--steps", "2"]
+    frames = {}
+    for last in ("last", "other"):
+        out = tmp_path / f"{last}.gif"
+        given = ["--image", str(tmp_path / "first.png"), "--last-image", str(tmp_path / f"{last}.png")]
+        assert main([*common, *given, "--out", str(out)]) == 0
+        with Image.open(out) as gif:
+            frames[last] = np.asarray(gif.convert("RGB"), dtype=np.float64)
+    width = frames["last"].shape[1]
+    third = width // 3  # the first frame, the last frame, then the sample
+    assert frames["last"][:, third : 2 * third, 2].max() > 200 and frames["other"][:, third : 2 * third, 1].max() > 200
+    assert not np.array_equal(frames["last"][:, 2 * third :], frames["other"][:, 2 * third :])
+    capsys.readouterr()
+    assert main([*common, "--last-image", str(tmp_path / "last.png"), "--out", str(tmp_path / "x.gif")]) == 2
+    assert "error: --last-image needs --image: a first-last-frame video" in capsys.readouterr().err

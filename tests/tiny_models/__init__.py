@@ -177,6 +177,7 @@ def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False
         "image": lambda: torch.rand(batch_size, 3, *size, generator=g),
         "mask": lambda: (torch.rand(batch_size, 1, *size, generator=g) > 0.5).float(),
         "reference": lambda: torch.rand(batch_size, *references, 3, *size, generator=g),
+        "last_image": lambda: torch.rand(batch_size, 3, *size, generator=g),
     }
     spec = tiny(adapter.config.name)
     references = (spec.references,) if spec.references > 1 else ()

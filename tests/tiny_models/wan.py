@@ -175,6 +175,42 @@ def _wan21_i2v(path: Path) -> dict:
     return dict(_wan21(path), transformer=transformer, **_image_components(path))
 
 
+CLIP_TOKENS = (parts.CLIP_VISION["image_size"] // parts.CLIP_VISION["patch_size"]) ** 2 + 1
+"""The tiny CLIP tower's tokens per image (16 patches and the class token; ViT-H/14's 257 at 224 pixels)."""
+
+
+def _wan21_flf2v(path: Path) -> dict:
+    """Wan 2.1 FLF2V: Wan 2.1 I2V whose image embedder takes the first and the last frame's CLIP tokens one after
+    the other, with a position table over both (``pos_embed_seq_len``: 514 in the 14B checkpoint), here random
+    (diffusers starts it at zero), so that the frames' order shows."""
+    import torch
+
+    hidden, inner = parts.CLIP_VISION["hidden_size"], 2 * 12
+    transformer = wan_transformer(
+        I2V_CHANNELS, image_dim=hidden, added_kv_proj_dim=inner, pos_embed_seq_len=2 * CLIP_TOKENS
+    )
+    with torch.no_grad():
+        transformer.condition_embedder.image_embedder.pos_embed.normal_()
+    return dict(_wan21(path), transformer=transformer, **_image_components(path))
+
+
+def flf2v_config(root: Path, **overrides):
+    """The ``wan_i2v`` config of a tiny Wan 2.1 FLF2V, built once under ``root`` (a checkpoint that ``wan_i2v``
+    loads, as it loads the 14B FLF2V's folder; no registry name of its own)."""
+    from dataclasses import replace
+
+    import torch
+    from diffusers import WanImageToVideoPipeline
+
+    from trainer.models import MODELS
+
+    path = Path(root) / "wan_flf2v"
+    if not (path / "model_index.json").is_file():
+        torch.manual_seed(0)
+        WanImageToVideoPipeline(**_wan21_flf2v(path)).save_pretrained(path)
+    return replace(MODELS["wan_i2v"].config_class(name="wan_i2v", path=str(path), **CONFIG), **overrides)
+
+
 def _wan22_i2v(path: Path) -> dict:
     """Wan 2.2 I2V A14B: two experts, no image encoder."""
     experts = dict(transformer=wan_transformer(I2V_CHANNELS), transformer_2=wan_transformer(I2V_CHANNELS))
@@ -182,24 +218,32 @@ def _wan22_i2v(path: Path) -> dict:
 
 
 def _i2v_pipeline_call(adapter, inputs, guidance_scale: float) -> dict:
-    """The first frame as a tensor in [0, 1], one per call (the pipeline conditions a call on one image)."""
-    return dict(_pipeline_call(adapter, inputs, guidance_scale), image=inputs.image)
+    """The first frame (and the last, where given) as tensors in [0, 1], one per call (the pipeline conditions a
+    call on one image)."""
+    last = {} if inputs.last_image is None else {"last_image": inputs.last_image}
+    return dict(_pipeline_call(adapter, inputs, guidance_scale), image=inputs.image, **last)
 
 
 def _clip_of_8bit_pictures(adapter) -> dict:
     """Wan 2.1 I2V's CLIP path reads the 8-bit picture a user passes (a tensor's [0, 1] values would be taken for
     8-bit ones; the pipeline refuses ``image_embeds`` beside the ``image`` it VAE-encodes): the tensor is handed
-    to its ``encode_image`` as that picture, as the adapter's ``clip_hidden_states`` does."""
+    to its ``encode_image`` as that picture, as the adapter's ``clip_hidden_states`` does (FLF2V: a list of the
+    first and the last frame, each such a tensor)."""
     import torch
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
 
     original = WanImageToVideoPipeline.encode_image
 
+    def pictures(image):
+        pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        return [Image.fromarray(p) for p in pixels]
+
     def encode_image(self, image, device=None):
         if isinstance(image, torch.Tensor):
-            pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-            image = [Image.fromarray(p) for p in pixels]
+            image = pictures(image)
+        elif isinstance(image, list) and all(isinstance(i, torch.Tensor) for i in image):
+            image = [p for i in image for p in pictures(i)]
         return original(self, image, device)
 
     return {"diffusers.pipelines.wan.pipeline_wan_i2v.WanImageToVideoPipeline.encode_image": encode_image}
@@ -222,12 +266,14 @@ def wan_i2v() -> TinySpec:
 
 
 def wan22_i2v() -> TinySpec:
-    """The tiny Wan 2.2 I2V A14B. Learning (24 epochs, ``I2V_LEARNING``): +0.034, +0.034."""
+    """The tiny Wan 2.2 I2V A14B (a last frame optional: no CLIP tokens to pair). Learning (24 epochs,
+    ``I2V_LEARNING``): +0.034, +0.034."""
     return TinySpec(
         components=_wan22_i2v,
         pipeline_call=_i2v_pipeline_call,
         config=dict(CONFIG, guidance_scale_2=2.0),
         inputs=("image",),
+        optional_inputs=("last_image",),
         data="inpaint_jsonl",
         pipeline_one_prompt=True,
         device_reads_per_forward=1,

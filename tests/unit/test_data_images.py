@@ -144,6 +144,32 @@ def test_bad_inpaint_rows_name_file_and_line(tmp_path, case, message):
         read_inpaint_jsonl(str(path), SIZE)
 
 
+def test_inpaint_rows_with_a_last_frame_give_image_to_video_first_and_last_frames(tmp_path):
+    """``last_image_path``: image-to-video's last frame (``image_path`` the first), ``ImageInputs.last_image``;
+    given in every row or none, at its first frame's size; the item key tells another last frame apart."""
+    for name, colour in (("first", (255, 0, 0)), ("last", (0, 0, 255)), ("other", (0, 255, 0))):
+        solid(tmp_path / f"{name}.png", (16, 16), colour)
+    solid(tmp_path / "small.png", (8, 16), (0, 0, 255))
+    half_mask(tmp_path / "mask.png", (16, 16))
+    row = {"image_path": "first.png", "mask_path": "mask.png", "prompt": "a red ball turns blue"}
+    rows = [dict(row, last_image_path="last.png"), dict(row, last_image_path="other.png")]
+    task = read_inpaint_jsonl(str(_jsonl(tmp_path / "rows.jsonl", rows)), SIZE, ["image", "last_image"])
+    inputs = task.inputs([1, 0])
+    assert inputs.mask is None and inputs.image.shape == inputs.last_image.shape == (2, 3, SIZE, SIZE)
+    assert torch.allclose(inputs.last_image[1], torch.tensor([0, 0, 1.0]).view(3, 1, 1))
+    assert torch.allclose(inputs.last_image[0], torch.tensor([0, 1.0, 0]).view(3, 1, 1))
+    assert task.item_key(0) != task.item_key(1)
+    assert "last_image_path" not in task.item_metadata([0])[0]
+    assert read_inpaint_jsonl(str(_jsonl(tmp_path / "plain.jsonl", [row])), SIZE).inputs([0]).last_image is None
+    for bad, message in (
+        ([rows[0], row], r'rows.jsonl:2: the first row has "last_image_path"; give it in every row or in none'),
+        ([row, rows[0]], r'rows.jsonl:2: the first row has no "last_image_path"'),
+        ([dict(row, last_image_path="small.png")], r"rows.jsonl:1: last image .*small.png is 8x16 but its first"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            read_inpaint_jsonl(str(_jsonl(tmp_path / "rows.jsonl", bad)), SIZE)
+
+
 def test_edit_rows_give_reference_judge_metadata_and_targets(tmp_path):
     solid(tmp_path / "cat.png", (16, 16), (255, 0, 0))
     solid(tmp_path / "cat_blue.png", (16, 16), (0, 0, 255))

@@ -73,7 +73,7 @@ class DataConfig:
     """Triplet folder: side fraction of the reference kept as the IP-Adapter style image (a centred crop,
     resized to data.image_size)."""
     image_inputs: list[str] = field(default_factory=list)
-    """Image inputs given to the model (image, mask, reference, style); empty: all the format provides.
+    """Image inputs given to the model (image, mask, reference, style, last_image); empty: all the format provides.
     Adapters reject inputs they do not use (e.g. text-to-image with an IP-Adapter takes only style)."""
 
     def __post_init__(self):

@@ -122,6 +122,8 @@ class ImageItem:
     the style image is cropped from."""
     target: Path | None = None
     """Supervised target when it is not ``image`` (editing: the edited image)."""
+    last_image: Path | None = None
+    """Image-to-video: the frame the video ends on (``image`` is its first frame)."""
     metadata: dict = field(default_factory=dict)
     """Row fields for the reward servers (e.g. ``text``, the OCR target)."""
 
@@ -169,6 +171,7 @@ class ImageTask:
                 ("mask", first.mask),
                 ("reference", first.reference),
                 ("style", first.reference),
+                ("last_image", first.last_image),
             )
             if path is not None and (name != "style" or style_crop > 0)
         ]
@@ -193,6 +196,7 @@ class ImageTask:
             "mask": lambda: load_mask(item.mask, size, item.where),
             "reference": lambda: load_references(item.reference, size, item.where),
             "style": lambda: load_rgb(item.reference, size, item.where, self.style_crop),
+            "last_image": lambda: load_rgb(item.last_image, size, item.where),
         }
         return {name: load[name]() for name in self.image_inputs}
 
@@ -210,7 +214,8 @@ class ImageTask:
         is another example."""
         item = self.items[index]
         references = item.reference if isinstance(item.reference, tuple) else (item.reference,)
-        return item.prompt, *(None if p is None else p.resolve() for p in (item.image, item.mask, *references))
+        files = (item.image, item.mask, *references, item.last_image)
+        return item.prompt, *(None if p is None else p.resolve() for p in files)
 
     def item_metadata(self, indices: list[int]) -> list[dict]:
         distinct = {i: self._reward_metadata(i) for i in dict.fromkeys(indices)}

@@ -119,14 +119,16 @@ class Conditioning:
 @dataclass
 class ImageInputs:
     """Per-item pixel inputs a task provides, in [0, 1], [B, C, H, W]: the image and mask to inpaint
-    (mask 1 = repaint), the reference image to edit ([B, N, C, H, W] for N per item, where the adapter takes
-    several), the IP-Adapter style image. The adapter encodes them
-    into ``Conditioning``; an adapter that needs one that is missing raises a ValueError naming it."""
+    (mask 1 = repaint; image-to-video: the first frame), the reference image to edit ([B, N, C, H, W] for N per
+    item, where the adapter takes several), the IP-Adapter style image, a video's last frame. The adapter encodes
+    them into ``Conditioning``; an adapter that needs one that is missing raises a ValueError naming it."""
 
     image: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     reference: torch.Tensor | None = None
     style: torch.Tensor | None = None
+    last_image: torch.Tensor | None = None
+    """First-last-frame-to-video: the frame the video ends on, at ``image``'s size."""
 
 
 class StepFunction(Protocol):

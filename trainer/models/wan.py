@@ -1,6 +1,7 @@
 """Wan video models (WanTransformer3DModel, flow matching, UMT5 text encoder, AutoencoderKLWan) from a local
 diffusers directory: Wan 2.1 (one transformer) and Wan 2.2 A14B (two experts switched at a timestep), text- or
-image-to-video (a first-frame part, trainer/models/wan_parts.py), and Wan 2.2 TI2V-5B.
+image-to-video (a first-frame part, trainer/models/wan_parts.py; with a last frame too: first-last-frame-to-video,
+Wan 2.1 FLF2V), and Wan 2.2 TI2V-5B.
 
 Prompts go through ``WanPipeline.encode_prompt`` (cleaned, UMT5 hidden states zero-padded to
 ``max_sequence_length``). Latents are [C, F_latent, h, w] as the pipeline draws them; ``decode`` returns frames
@@ -162,7 +163,8 @@ def pipeline_settings(config: WanConfig) -> dict:
 
 class WanAdapter:
     """ModelAdapter for Wan checkpoints: text-to-video (2.1: ``wan``; 2.2 A14B: ``wan22``), image-to-video (a
-    first-frame part: ``wan_i2v``, ``wan22_i2v``) and Wan 2.2 TI2V-5B (``wan_ti2v``)."""
+    first-frame part, optionally with a last frame: ``wan_i2v`` (also Wan 2.1 FLF2V), ``wan22_i2v``) and Wan 2.2
+    TI2V-5B (``wan_ti2v``)."""
 
     sampler_kind = "flow"
     modality = "video"
@@ -255,9 +257,10 @@ class WanAdapter:
         return {"prompt_embeds": embeds}
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Per-prompt embeddings, cached by prompt text, and the first frame's conditioning where the variant
-        takes one (``ImageInputs.image``); text-to-video takes no image inputs."""
-        reject_image_inputs(self.config.name, inputs, allowed=self.first_frame.fields if self.first_frame else ())
+        """Per-prompt embeddings, cached by prompt text, and the first (and last) frame's conditioning where the
+        variant takes one (``ImageInputs.image``, ``.last_image``); text-to-video takes no image inputs."""
+        allowed = self.first_frame.fields if self.first_frame else ()
+        reject_image_inputs(self.config.name, inputs, allowed=allowed, kind="text-to-video")
         embeds = self.prompts.cat(prompts)
         images = self.first_frame.encode(self, len(prompts), inputs) if self.first_frame else {}
         embeds.update({k: v for k, v in images.items() if k not in IMAGE_FIELDS})

@@ -126,19 +126,20 @@ class WanExperts(nn.Module):
 
 @dataclass(frozen=True)
 class FirstFrame:
-    """The first frame (``ImageInputs.image`` [B, 3, H, W] at the video's size) as ``WanImageToVideoPipeline``
-    conditions on it. Channels (Wan 2.1 I2V, 2.2 I2V A14B): the video [frame, zeros...] VAE-encoded (posterior
-    mean, where the pipeline takes the mode too) and normalised, after a mask of ``vae_scale_factor_temporal``
-    channels that is 1 on the first latent frame, concatenated to the latents at every forward; with an image
-    encoder (2.1) the frame's CLIP hidden states (second to last layer) as ``encoder_hidden_states_image``.
-    ``pinned`` (Wan 2.2 TI2V-5B, ``expand_timesteps``): the frame's latents replace the first latent frame of the
-    transformer's input at timestep 0, and the prediction keeps that frame on its known trajectory
-    (``flow.inpaint_velocity``), so the final latents hold it as the pipeline's output does; ``optional``: without
-    an image the model generates from text alone."""
+    """The first frame (``ImageInputs.image`` [B, 3, H, W] at the video's size), and optionally the last
+    (``ImageInputs.last_image``), as ``WanImageToVideoPipeline`` conditions on them. Channels (Wan 2.1 I2V and
+    FLF2V, 2.2 I2V A14B): the video [first, zeros..., last] VAE-encoded (posterior mean, where the pipeline takes
+    the mode too) and normalised, after a mask of ``vae_scale_factor_temporal`` channels that is 1 on the given
+    frames, concatenated to the latents at every forward; with an image encoder (2.1) the frames' CLIP hidden
+    states (second to last layer) as ``encoder_hidden_states_image``: one frame's for I2V, both frames' for FLF2V
+    (whose transformer has ``pos_embed_seq_len``). ``pinned`` (Wan 2.2 TI2V-5B, ``expand_timesteps``): the first
+    frame's latents replace the first latent frame of the transformer's input at timestep 0, and the prediction
+    keeps that frame on its known trajectory (``flow.inpaint_velocity``), so the final latents hold it as the
+    pipeline's output does; ``optional``: without an image the model generates from text alone."""
 
     pinned: bool = False
     optional: bool = False
-    fields = ("image",)
+    fields = ("image", "last_image")
     encodes_text = False
 
     @property
@@ -162,15 +163,19 @@ class FirstFrame:
     @torch.no_grad()
     def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
         """``image``: the condition channels [B, 4 + C, F, h, w] (``pinned``: the frame's latents [B, C, 1, h, w]);
-        ``image_embeds`` (an entry of ``Conditioning.embeds``): its CLIP hidden states, with an image encoder."""
-        if self.optional and (inputs is None or inputs.image is None):
+        ``image_embeds`` (an entry of ``Conditioning.embeds``): the frames' CLIP hidden states [B, N, D] (FLF2V:
+        the first's and the last's tokens one after the other, [B, 2N, D]), with an image encoder."""
+        if self.optional and (inputs is None or (inputs.image is None and inputs.last_image is None)):
             return {}
         size = (adapter.height, adapter.width)
+        last = self.last_frame(adapter, batch_size, inputs)
         because = "it generates the video from that first frame"
         image = require_image_input(adapter.config.name, inputs, "image", batch_size, 3, size, because=because)
-        pixels = (image.to(adapter.device, torch.float32) * 2 - 1)[:, :, None]
+        frames = [image] if last is None else [image, last]
+        pixels = torch.stack([f.to(adapter.device, torch.float32) * 2 - 1 for f in frames], dim=2)
         if not self.pinned:
-            pixels = torch.cat([pixels, pixels.new_zeros(batch_size, 3, adapter.frames - 1, *size)], dim=2)
+            zeros = pixels.new_zeros(batch_size, 3, adapter.frames - len(frames), *size)
+            pixels = torch.cat([pixels[:, :, :1], zeros, pixels[:, :, 1:]], dim=2)
         latents = adapter.image_latents(pixels.to(adapter.vae.dtype)).mode().float()
         mean, inv_std = adapter.latent_statistics(torch.float32)
         latents = (latents - mean) * inv_std
@@ -178,11 +183,51 @@ class FirstFrame:
             return {"image": latents}
         temporal = adapter.pipeline.vae_scale_factor_temporal
         mask = latents.new_zeros(batch_size, temporal, *latents.shape[2:])
-        mask[:, :, 0] = 1
+        mask[:, :, 0] = 1  # the first pixel frame fills the first latent frame's channels
+        if last is not None:
+            mask[:, -1, -1] = 1  # the last pixel frame: the last of those the last latent frame holds
         out = {"image": torch.cat([mask, latents], dim=1)}
         if getattr(adapter.pipeline, "image_encoder", None) is not None:
-            out["image_embeds"] = clip_hidden_states(adapter.pipeline, image)
+            out["image_embeds"] = clip_hidden_states(adapter.pipeline, image, last)
         return out
+
+    def last_frame(self, adapter, batch_size: int, inputs: ImageInputs | None) -> torch.Tensor | None:
+        """``inputs.last_image`` checked against the first frame and the model (None without one), or a ValueError
+        naming the fix: TI2V-5B pins a first frame only; a Wan 2.1 FLF2V transformer needs both frames' CLIP
+        tokens and an I2V one takes one frame's."""
+        name, last = adapter.config.name, None if inputs is None else inputs.last_image
+        paired = clip_pairs(adapter)
+        if last is None:
+            if paired:
+                raise ValueError(
+                    f"model.path={adapter.config.path!r} holds a Wan 2.1 first-last-frame (FLF2V) transformer "
+                    f"(pos_embed_seq_len={paired}): give ImageInputs.last_image too (data.image_inputs: "
+                    "[image, last_image])"
+                )
+            return None
+        if self.pinned:
+            raise ValueError(
+                f"the {name} adapter pins only a first frame (Wan 2.2 TI2V-5B has no last-frame conditioning): "
+                "drop ImageInputs.last_image, or use wan_i2v / wan22_i2v for a first and last frame"
+            )
+        if inputs.image is None:
+            raise ValueError(
+                "ImageInputs.last_image needs ImageInputs.image: a first-last-frame video starts from a first frame"
+            )
+        if last.shape != inputs.image.shape:
+            raise ValueError(
+                f"ImageInputs.last_image is {tuple(last.shape)} and ImageInputs.image {tuple(inputs.image.shape)}: "
+                "give the last frame at the first frame's size (the video's), one per prompt"
+            )
+        if adapter.frames < 2:
+            raise ValueError(f"model.frames={adapter.frames} has no last frame: set model.frames to 5 or more")
+        if getattr(adapter.pipeline, "image_encoder", None) is not None and not paired:
+            raise ValueError(
+                f"model.path={adapter.config.path!r} holds a Wan 2.1 I2V transformer, which attends to one "
+                "frame's CLIP tokens (no pos_embed_seq_len): point model.path at a Wan 2.1 FLF2V checkpoint for a "
+                "first and last frame, or drop ImageInputs.last_image"
+            )
+        return require_image_input(name, inputs, "last_image", batch_size, 3, (adapter.height, adapter.width))
 
     def first_frame_mask(self, adapter, cond: Conditioning) -> torch.Tensor | None:
         """``pinned`` with a frame: [1, 1, F, h, w], 0 on the first latent frame and 1 elsewhere, else None."""
@@ -205,7 +250,10 @@ class FirstFrame:
             return (1 - mask) * cond.image + mask * latents, {}
         extra = {}
         if "image_embeds" in cond.embeds:
-            extra["encoder_hidden_states_image"] = cond.embeds["image_embeds"].to(adapter.dtype)
+            tokens = cond.embeds["image_embeds"].to(adapter.dtype)
+            if clip_pairs(adapter):  # [B, 2N, D] -> [2B, N, D]: the embedder pairs consecutive rows back
+                tokens = tokens.reshape(2 * tokens.shape[0], tokens.shape[1] // 2, tokens.shape[2])
+            extra["encoder_hidden_states_image"] = tokens
         return torch.cat([latents, cond.image], dim=1), extra
 
     def velocity(self, adapter, v: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
@@ -219,21 +267,33 @@ class FirstFrame:
         return inpaint_velocity(v, latents, sigma, known, mask.expand_as(latents), cond.noise, cond.schedule)
 
 
-def clip_hidden_states(pipeline, image: torch.Tensor) -> torch.Tensor:
+def clip_pairs(adapter) -> int | None:
+    """The transformer's ``pos_embed_seq_len`` where it attends to two frames' CLIP tokens (Wan 2.1 FLF2V: its
+    image embedder views [2B, N, D] as [B, 2N, D] and adds a position table of 2N), else None."""
+    transformer = getattr(adapter.pipeline, "transformer", None)
+    return getattr(transformer.config, "pos_embed_seq_len", None) if transformer is not None else None
+
+
+def clip_hidden_states(pipeline, image: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
     """``WanImageToVideoPipeline.encode_image`` of ``image`` [B, 3, H, W] in [0, 1] given as the 8-bit pictures
-    a user passes it: CLIP's second to last hidden states [B, N, D]. One forward per distinct picture, so that a
-    row's tokens do not depend on its batch-mates (batched matmuls round differently)."""
+    a user passes it: CLIP's second to last hidden states [B, N, D]; with ``last`` the pipeline's one forward over
+    [first, last] per row, its tokens joined as [B, 2N, D]. One forward per distinct row, so that a row's tokens
+    do not depend on its batch-mates (batched matmuls round differently)."""
     from PIL import Image
 
     from trainer.models.latents import vae_input_key
 
-    pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    def pictures(x: torch.Tensor) -> torch.Tensor:
+        return (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+    rows_of = [pictures(image)] if last is None else [pictures(image), pictures(last)]
     seen: dict[str, torch.Tensor] = {}
     rows = []
-    for picture in pixels:
-        key = vae_input_key(picture)
+    for row in zip(*rows_of, strict=True):
+        key = "".join(vae_input_key(picture) for picture in row)
         if key not in seen:
-            seen[key] = pipeline.encode_image([Image.fromarray(picture.numpy())], image.device)
+            tokens = pipeline.encode_image([Image.fromarray(picture.numpy()) for picture in row], image.device)
+            seen[key] = tokens.reshape(1, -1, tokens.shape[-1])
         rows.append(seen[key])
     return torch.cat(rows)
 
