@@ -11,6 +11,7 @@ import tiny_models as testing
 import torch
 from tiny_models import tiny_config
 
+from trainer.algorithms.core_algos import per_sample_mse
 from trainer.models import build_adapter
 from trainer.models.base import ImageInputs
 from trainer.models.ltx2 import LTX2Config
@@ -99,6 +100,25 @@ def test_the_audio_stream_is_state_the_video_needs_but_never_trained(adapter):
     out[:, :n].square().sum().backward()
     assert any(p.grad is not None and p.grad.any() for p in adapter.denoiser.parameters())
     adapter.denoiser.zero_grad(set_to_none=True)
+
+
+def test_a_velocity_loss_scales_the_videos_gradient_by_its_share_of_the_latent(adapter):
+    """The regression losses average over the [video; audio] pair (docs/departures.md): the audio's error carries
+    no gradient, so the gradient is the video-only mean's (LTX-2's trainer's) times the video's share."""
+    gen = torch.Generator().manual_seed(3)
+    x0, noise = (torch.randn(2, *adapter.latent_shape, generator=gen) for _ in range(2))
+    sigma = torch.tensor([0.3, 0.7])
+    x_t, target = adapter.training_target(x0, noise, sigma)
+    cond, n = adapter.encode_prompts(PROMPTS), adapter.split
+    grads = []
+    for part in (slice(None), slice(0, n)):
+        v = adapter.predict(adapter.denoiser, x_t, sigma, cond, 1.0)
+        per_sample_mse(v[:, part], target[:, part]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in adapter.denoiser.parameters() if p.grad is not None]))
+        adapter.denoiser.zero_grad(set_to_none=True)
+    share = n / adapter.latent_shape[0]
+    assert 0.5 < share < 1 and grads[1].any()
+    torch.testing.assert_close(grads[0], share * grads[1], rtol=1e-4, atol=1e-6 * float(grads[1].abs().max()))
 
 
 def test_rollout_without_guidance_equals_the_pipeline(root):
