@@ -10,6 +10,7 @@ import pytest
 import tiny_models as testing
 import torch
 from tiny_models import tiny_config
+from video_checks import video_size_test
 
 from trainer.algorithms.core_algos import per_sample_mse
 from trainer.models import build_adapter
@@ -32,19 +33,7 @@ def adapter(root):
     return adapter
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("frames", 4, r"model\.frames=4 must be 2k \+ 1 .*: the nearest are 3 and 5"),
-        ("height", 36, r"model\.height=36 must be a multiple of 8: the nearest are 32 and 40"),
-        ("width", 4, r"model\.width=4 must be a multiple of 8: the nearest are 8"),
-        ("resolution", 32, r"model\.resolution=32 does not apply to ltx2: unset it and set model\.height"),
-    ],
-)
-def test_video_sizes_are_checked_as_the_adapter_loads(field, value, message, root):
-    """The tiny VAE compresses 2 frames after the first and 8x8 pixels (LTX-2's: 8 frames, 32x32)."""
-    with pytest.raises(ValueError, match=message):
-        build_adapter(tiny_config("ltx2", root, **{field: value}), "cpu")
+test_video_sizes_are_checked_as_the_adapter_loads = video_size_test("ltx2")
 
 
 def test_audio_output_is_refused_in_one_line():
