@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from tiny_models import tiny_config
+from video_checks import video_size_test
 
 from trainer.models import MODELS, build_adapter
 from trainer.models.base import ImageInputs
@@ -28,18 +29,7 @@ def adapter(root):
     return build_adapter(tiny_config("hunyuan_video15", root, dtype="float32"), "cpu")
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("frames", 8, r"model\.frames=8 must be 4k \+ 1 .*: the nearest are 5 and 9"),
-        ("height", 40, r"model\.height=40 must be a multiple of 16: the nearest are 32 and 48"),
-        ("width", 8, r"model\.width=8 must be a multiple of 16: the nearest are 16"),
-        ("resolution", 32, r"model\.resolution=32 does not apply to hunyuan_video15: unset it and set model\.height"),
-    ],
-)
-def test_video_sizes_are_checked_as_the_adapter_loads(field, value, message, root):
-    with pytest.raises(ValueError, match=message):
-        build_adapter(tiny_config("hunyuan_video15", root, **{field: value}), "cpu")
+test_video_sizes_are_checked_as_the_adapter_loads = video_size_test("hunyuan_video15")
 
 
 def test_an_image_input_is_refused_in_one_line(adapter):

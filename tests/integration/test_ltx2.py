@@ -10,7 +10,9 @@ import pytest
 import tiny_models as testing
 import torch
 from tiny_models import tiny_config
+from video_checks import video_size_test
 
+from trainer.algorithms.core_algos import per_sample_mse
 from trainer.models import build_adapter
 from trainer.models.base import ImageInputs
 from trainer.models.ltx2 import LTX2Config
@@ -31,19 +33,7 @@ def adapter(root):
     return adapter
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("frames", 4, r"model\.frames=4 must be 2k \+ 1 .*: the nearest are 3 and 5"),
-        ("height", 36, r"model\.height=36 must be a multiple of 8: the nearest are 32 and 40"),
-        ("width", 4, r"model\.width=4 must be a multiple of 8: the nearest are 8"),
-        ("resolution", 32, r"model\.resolution=32 does not apply to ltx2: unset it and set model\.height"),
-    ],
-)
-def test_video_sizes_are_checked_as_the_adapter_loads(field, value, message, root):
-    """The tiny VAE compresses 2 frames after the first and 8x8 pixels (LTX-2's: 8 frames, 32x32)."""
-    with pytest.raises(ValueError, match=message):
-        build_adapter(tiny_config("ltx2", root, **{field: value}), "cpu")
+test_video_sizes_are_checked_as_the_adapter_loads = video_size_test("ltx2")
 
 
 def test_audio_output_is_refused_in_one_line():
@@ -99,6 +89,25 @@ def test_the_audio_stream_is_state_the_video_needs_but_never_trained(adapter):
     out[:, :n].square().sum().backward()
     assert any(p.grad is not None and p.grad.any() for p in adapter.denoiser.parameters())
     adapter.denoiser.zero_grad(set_to_none=True)
+
+
+def test_a_velocity_loss_scales_the_videos_gradient_by_its_share_of_the_latent(adapter):
+    """The regression losses average over the [video; audio] pair (docs/departures.md): the audio's error carries
+    no gradient, so the gradient is the video-only mean's (LTX-2's trainer's) times the video's share."""
+    gen = torch.Generator().manual_seed(3)
+    x0, noise = (torch.randn(2, *adapter.latent_shape, generator=gen) for _ in range(2))
+    sigma = torch.tensor([0.3, 0.7])
+    x_t, target = adapter.training_target(x0, noise, sigma)
+    cond, n = adapter.encode_prompts(PROMPTS), adapter.split
+    grads = []
+    for part in (slice(None), slice(0, n)):
+        v = adapter.predict(adapter.denoiser, x_t, sigma, cond, 1.0)
+        per_sample_mse(v[:, part], target[:, part]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in adapter.denoiser.parameters() if p.grad is not None]))
+        adapter.denoiser.zero_grad(set_to_none=True)
+    share = n / adapter.latent_shape[0]
+    assert 0.5 < share < 1 and grads[1].any()
+    torch.testing.assert_close(grads[0], share * grads[1], rtol=1e-4, atol=1e-6 * float(grads[1].abs().max()))
 
 
 def test_rollout_without_guidance_equals_the_pipeline(root):

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from tiny_models import tiny_config
+from video_checks import video_size_test
 
 from trainer.models import build_adapter
 from trainer.models.base import ImageInputs
@@ -22,23 +23,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("wan")
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("frames", 8, r"model\.frames=8 must be 4k \+ 1 .*: the nearest are 5 and 9"),
-        ("frames", 2, r"model\.frames=2 must be 4k \+ 1 .*: the nearest are 1 and 5"),
-        ("height", 40, r"model\.height=40 must be a multiple of 16: the nearest are 32 and 48"),
-        ("width", 8, r"model\.width=8 must be a multiple of 16: the nearest are 16"),
-        (
-            "resolution",
-            32,
-            r"model\.resolution=32 does not apply to wan: unset it and set model\.height and model\.width",
-        ),
-    ],
-)
-def test_video_sizes_are_checked_as_the_adapter_loads(field, value, message, root):
-    with pytest.raises(ValueError, match=message):
-        build_adapter(tiny_config("wan", root, **{field: value}), "cpu")
+test_video_sizes_are_checked_as_the_adapter_loads = video_size_test("wan")
 
 
 def test_a_unipc_folder_runs_euler_steps_at_its_flow_shift(root):

@@ -173,6 +173,7 @@ def hunyuan_video15() -> TinySpec:
         device_reads_per_forward=1,
         learning=("train.learning_rate=0.02",),  # the learning test's shared rate, measured to learn there
         slow_dtype_cases=True,  # bf16 / fp16 conformance in the slow tier, as the other large families
+        video_compression=(4, 16),  # the tiny VAE's 4 frames and 16x16 pixels, patches 1
     )
 
 

@@ -216,6 +216,7 @@ def ltx2() -> TinySpec:
         config=dict(CONFIG, audio_guidance_scale=4.0),
         guidance=3.0,
         slow_dtype_cases=True,  # bf16 / fp16 conformance in the slow tier, as the other large families
+        video_compression=(2, 8),  # the tiny VAE's 2 frames and 8x8 pixels, patches 1 (LTX-2's VAE: 8, 32x32)
     )
 
 

@@ -74,6 +74,10 @@ class TinySpec:
     device_reads_per_forward: int = 0
     """Reads of a device value per denoiser forward that its pipeline makes too (Wan 2.2's choice of expert by
     timestep): the no-device-read check allows that many per forward."""
+    video_compression: tuple[int, int] | None = None
+    """A video model's (frames, pixels) compression in its tiny folder, the VAE's times the transformer's patch:
+    frames are ``frames`` k + 1, sides multiples of ``pixels``; the shared size checks derive their cases from it
+    (tests/video_checks.py)."""
     slow_dtype_cases: bool = False
     """Its CPU bfloat16 / float16 conformance cases run in the slow tier: for a variant whose reduced-precision
     numerics are its parent adapter's (tested in the default tier) and whose tiny model is slow on the CPU."""

@@ -42,6 +42,21 @@ def pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, tor
     return out, mask
 
 
+def ragged_prompts(text: list[torch.Tensor], **fields) -> Conditioning:
+    """Per-prompt [L_i, D] embeddings as the ragged ``prompt_embeds``, right-padded to the batch's longest prompt,
+    with their ``prompt_mask``: the text conditioning of models whose prompts each keep their own length (a
+    prompt's padding must not change its image). ``fields`` are the other ``Conditioning`` fields."""
+    length = max(len(t) for t in text)
+    embeds, mask = pad_text(text, length)
+    return Conditioning(
+        embeds={"prompt_embeds": embeds, "prompt_mask": mask},
+        ragged=("prompt_embeds", "prompt_mask"),
+        text_mask="prompt_mask",
+        padded=any(len(t) < length for t in text),
+        **fields,
+    )
+
+
 @dataclass
 class Conditioning:
     """Everything a denoiser is conditioned on, batch-first, as one typed value.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.models.base import Conditioning, ImageInputs, pad_text
+from trainer.models.base import Conditioning, ImageInputs, ragged_prompts
 from trainer.models.common import Imported
 from trainer.models.inputs import reject_image_inputs, require_image_input, require_references
 from trainer.models.latents import vae_input_key
@@ -116,19 +116,12 @@ class Edit:
         text = [self.encoded(adapter, prompt, key, images[key]) for prompt, key in zip(prompts, keys, strict=True)]
         negative = [self.encoded(adapter, adapter.config.negative_prompt, key, images[key]) for key in keys]
         assert len({len(n) for n in negative}) == 1, "images of one size give negative prompts of one length"
-        length = max(len(t) for t in text)
-        embeds, text_mask = pad_text(text, length)
         x = (pixels.flatten(0, 1).to(adapter.device, torch.float32) / 255 * 2 - 1).to(adapter.dtype)[:, :, None]
         latents = (adapter.image_latents(x).mode().float() - adapter.latents_mean) / adapter.latents_std
         b, c, _, h, w = latents.shape
         packed = adapter.pipeline._pack_latents(latents, b, c, h, w)
-        cond = Conditioning(
-            embeds={"prompt_embeds": embeds, "prompt_mask": text_mask, "negative_embeds": torch.stack(negative)},
-            reference=packed.reshape(len(prompts), -1, packed.shape[-1]),
-            ragged=("prompt_embeds", "prompt_mask"),
-            text_mask="prompt_mask",
-            padded=any(len(t) < length for t in text),
-        )
+        cond = ragged_prompts(text, reference=packed.reshape(len(prompts), -1, packed.shape[-1]))
+        cond.embeds["negative_embeds"] = torch.stack(negative)
         if mask is None:
             return cond
         return dataclasses.replace(cond, image=cond.reference, mask=adapter.inpaint_mask(mask))

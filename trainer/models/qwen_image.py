@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from trainer.config.fields import NonNegativeInt, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1, pad_text
+from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_dim1, pad_text, ragged_prompts
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
@@ -207,17 +207,7 @@ class QwenImageAdapter:
         style, inputs = split_style(self.config.name, self.ip_adapter, inputs, len(prompts))
         reject_image_inputs(self.config.name, inputs, allowed=tuple(f for part in self.parts for f in part.fields))
         images = {k: v for part in self.parts for k, v in part.encode(self, len(prompts), inputs).items()}
-        text = self._text(prompts)
-        length = max(len(t) for t in text)
-        embeds, mask = pad_text(text, length)
-        return Conditioning(
-            embeds={"prompt_embeds": embeds, "prompt_mask": mask},
-            style=style,
-            **images,
-            ragged=("prompt_embeds", "prompt_mask"),
-            text_mask="prompt_mask",
-            padded=any(len(t) < length for t in text),
-        )
+        return ragged_prompts(self._text(prompts), style=style, **images)
 
     def inpaint_source(self, image: torch.Tensor) -> torch.Tensor:
         """The source's normalised, packed latents (posterior mean; read from ``model.image_latents`` when it

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from trainer.config.fields import NonNegativeFloat, NonNegativeInt, PositiveInt
-from trainer.models.base import Conditioning, ImageInputs, StepFunction, pad_text
+from trainer.models.base import Conditioning, ImageInputs, StepFunction, ragged_prompts
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import cfg_combine, rectified_flow_target, shifted_flow_sigmas
 from trainer.models.inputs import reject_image_inputs
@@ -122,15 +122,7 @@ class ZImageAdapter:
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
         """Text embeddings right-padded to the batch's longest prompt, with ``prompt_mask``."""
         reject_image_inputs(self.config.name, inputs)
-        text = self._text(prompts)
-        length = max(len(t) for t in text)
-        embeds, mask = pad_text(text, length)
-        return Conditioning(
-            embeds={"prompt_embeds": embeds, "prompt_mask": mask},
-            ragged=("prompt_embeds", "prompt_mask"),
-            text_mask="prompt_mask",
-            padded=any(len(t) < length for t in text),
-        )
+        return ragged_prompts(self._text(prompts))
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG (> 0), those the
