@@ -76,6 +76,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench import plain  # noqa: E402
 from bench.shapes import DENOISER_SIZES, SHAPES, denoiser_shape, resize_denoiser  # noqa: E402
 from trainer.algorithms.base import LossContext, Rewards  # noqa: E402
 from trainer.algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
@@ -195,20 +196,15 @@ def bench_adapter(
             adapter, adapter.denoiser, prompts, group_ids, settings, torch.Generator(device).manual_seed(0), inputs
         )
 
-    output_type = "latent" if adapter.vae is None else "pt"
-    timing = compare(
-        ours_rollout,
-        lambda: tiny_models.run_pipeline(
-            adapter,
-            prompts,
-            inputs,
-            NUM_STEPS,
-            SHAPES[name].guidance,
-            torch.Generator(device).manual_seed(0),
-            output_type,
-        ),
-        repeats,
-    )
+    def plain_rollout():
+        generator = torch.Generator(device).manual_seed(0)
+        with plain.stand_ins(adapter.pipeline, name):
+            out = tiny_models.run_pipeline(
+                adapter, prompts, inputs, NUM_STEPS, SHAPES[name].guidance, generator, plain.output_type(adapter, name)
+            )
+        return plain.decoded(adapter.pipeline, name, out)
+
+    timing = compare(ours_rollout, plain_rollout, repeats)
     row["rollout"], row["rollout_ms"] = timing.ratio, timing.ours_ms
 
     ro = ours_rollout()
