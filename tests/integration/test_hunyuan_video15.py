@@ -226,9 +226,11 @@ def test_the_first_frame_is_the_pipelines_condition_and_siglip_tokens(i2v):
     assert embeds.shape == (2, 16, 24) and embeds.abs().min() > 0
 
 
-def test_an_image_to_video_run_reads_precomputed_text_and_first_frame_latents(root, i2v, tmp_path):
-    """With ``model.text_embeddings`` (no text encoder loaded) and ``model.image_latents`` (no VAE encode), the
-    conditioning is bit for bit the one encoded live; the SigLIP tower still reads each frame."""
+def test_an_image_to_video_run_reads_precomputed_text_latents_and_siglip_tokens(root, i2v, tmp_path):
+    """With ``model.text_embeddings`` (no text encoder loaded) and ``model.image_latents`` (written by
+    ``trainer.precompute``'s ``write_latents``: the first frames' latents, their SigLIP tokens beside them), the
+    conditioning is bit for bit the one encoded live, and neither the VAE nor the SigLIP tower runs; a frame not in
+    the store is encoded by both."""
     from trainer.models.latents import LatentStore, vae_fingerprint
     from trainer.models.text import TextEmbeddingStore, text_fingerprint
     from trainer.precompute import write_latents
@@ -240,14 +242,20 @@ def test_an_image_to_video_run_reads_precomputed_text_and_first_frame_latents(ro
         text.add(prompt, encode(prompt))
     text.save()
     inputs = ImageInputs(image=torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)))
-    write_latents(i2v, LatentStore.create(str(tmp_path / "latents"), vae_fingerprint(config)), [(PROMPTS, inputs)])
-    i2v.image_latents = type(i2v.image_latents)(i2v.vae, None)
+    writing = build_adapter(config, "cpu")
+    write_latents(writing, LatentStore.create(str(tmp_path / "latents"), vae_fingerprint(config)), [(PROMPTS, inputs)])
     stores = dict(text_embeddings=str(tmp_path / "text"), image_latents=str(tmp_path / "latents"))
     stored = build_adapter(dataclasses.replace(config, **stores), "cpu")
     assert stored.pipeline.text_encoder is None and stored.pipeline.image_encoder is not None
+    towers = []
+    stored.pipeline.image_encoder.register_forward_hook(lambda *_: towers.append(1))
     got, want = stored.encode_prompts(PROMPTS, inputs), i2v.encode_prompts(PROMPTS, inputs)
-    assert (stored.image_latents.hits, stored.image_latents.misses) == (2, 0)
+    assert (stored.image_latents.hits, stored.image_latents.misses, len(towers)) == (2, 0, 0)
     assert got.embeds.keys() == want.embeds.keys() and all(
         torch.equal(got.embeds[k], want.embeds[k]) for k in got.embeds
     )
     assert torch.equal(got.image, want.image)
+    new = ImageInputs(image=torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
+    got, want = stored.encode_prompts(PROMPTS[:1], new), i2v.encode_prompts(PROMPTS[:1], new)
+    assert (stored.image_latents.misses, len(towers)) == (1, 1)
+    assert torch.equal(got.embeds["image_embeds"], want.embeds["image_embeds"]) and torch.equal(got.image, want.image)

@@ -1,9 +1,12 @@
 """HunyuanVideo 1.5's image-to-video conditioning (registry data, ``ModelSpec.parts``): the first frame VAE-encoded
 as condition channels with their mask, and its SigLIP tokens as the transformer's image embeddings, as
-``HunyuanVideo15ImageToVideoPipeline`` builds them (trainer/models/hunyuan_video15.py is the adapter)."""
+``HunyuanVideo15ImageToVideoPipeline`` builds them (trainer/models/hunyuan_video15.py is the adapter). A
+``model.image_latents`` store holds both: the latents as every image-conditioned model's, the tokens beside them."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +14,11 @@ import torch
 
 from trainer.models.base import ImageInputs
 from trainer.models.inputs import require_image_input
+from trainer.models.latents import LATENT_INDEX, PRECOMPUTE_LATENTS, LatentStore, vae_input_key
+from trainer.models.stores import hash_files, index_to_extend, read_index
+
+TOKENS = "image_embeds"
+"""The subfolder of a ``model.image_latents`` store that holds the first frames' SigLIP tokens."""
 
 
 def as_8bit(image: torch.Tensor) -> torch.Tensor:
@@ -52,7 +60,9 @@ class FirstFrame:
         pixels = (pictures.to(adapter.device, torch.float32) / 255.0).permute(0, 3, 1, 2) * 2.0 - 1.0
         posterior = adapter.image_latents(pixels.to(adapter.vae.dtype)[:, :, None])
         latents = (posterior.mode() * adapter.vae.config.scaling_factor).float()
-        return {"image": latents, "image_embeds": siglip_tokens(adapter.pipeline, pictures, adapter.device)}
+        store, record = token_store(adapter), adapter.image_latents.record
+        tokens = siglip_tokens(adapter.pipeline, pictures, adapter.device, store, record)
+        return {"image": latents, "image_embeds": tokens}
 
     def join(self, adapter, cond) -> tuple[torch.Tensor, torch.Tensor]:
         """The condition channels [B, C + 1, F, h, w] and image embeddings [B, N, D], in the weights' dtype."""
@@ -67,25 +77,66 @@ class FirstFrame:
         return torch.cat([condition, mask], dim=1), cond.embeds["image_embeds"].to(adapter.dtype)
 
 
-def siglip_tokens(pipeline, pictures: torch.Tensor, device: torch.device) -> torch.Tensor:
+def siglip_tokens(
+    pipeline, pictures: torch.Tensor, device: torch.device, store: LatentStore | None = None, record: bool = False
+) -> torch.Tensor:
     """``HunyuanVideo15ImageToVideoPipeline._get_image_embeds`` of each picture (uint8 [B, H, W, 3]): SigLIP's last
     hidden states [B, N, D] in the weights' dtype, one forward per distinct picture, so that a row's tokens do not
-    depend on its batch-mates (batched matmuls round differently)."""
+    depend on its batch-mates (batched matmuls round differently); read from ``store`` where it holds them, added to
+    it with ``record``."""
     from diffusers import HunyuanVideo15ImageToVideoPipeline as Pipeline
     from PIL import Image
 
-    from trainer.models.latents import vae_input_key
-
     dtype = pipeline.transformer.dtype
     seen: dict[str, torch.Tensor] = {}
-    rows = []
     for picture in pictures:
         key = vae_input_key(picture)
-        if key not in seen:
-            picture = Image.fromarray(picture.numpy())
-            seen[key] = Pipeline._get_image_embeds(pipeline.image_encoder, pipeline.feature_extractor, picture, device)
-        rows.append(seen[key].to(dtype))
-    return torch.cat(rows)
+        if key in seen:
+            continue
+        if store is not None and key in store:
+            seen[key] = store.load(key, device)
+            continue
+        image = Image.fromarray(picture.numpy())
+        seen[key] = Pipeline._get_image_embeds(pipeline.image_encoder, pipeline.feature_extractor, image, device)
+        if record:
+            store.add(key, seen[key])
+    if record:
+        store.save()
+    return torch.cat([seen[vae_input_key(picture)].to(dtype) for picture in pictures])
+
+
+def token_fingerprint(config) -> str:
+    """sha256 over what decides a picture's SigLIP tokens: the files of image_encoder/ and feature_extractor/, and
+    ``dtype``."""
+    digest = hashlib.sha256(json.dumps({"dtype": config.dtype}).encode())
+    hash_files(digest, Path(config.path), ["image_encoder", "feature_extractor"])
+    return digest.hexdigest()
+
+
+def token_store(adapter) -> LatentStore | None:
+    """The SigLIP tokens' store (``TOKENS``) beside the adapter's latent store: written where the latents are being
+    written (``trainer.precompute --latents``), read where they are read; None without a latent store or where it
+    holds no tokens. Kept on the adapter while its ``image_latents`` stays the same."""
+    latents = adapter.image_latents
+    cached = getattr(adapter, "_token_store", None)
+    if cached is not None and cached[0] is latents:
+        return cached[1]
+    store = None
+    if latents.store is not None:
+        directory = latents.store.directory / TOKENS
+        fingerprint = token_fingerprint(adapter.config)
+        if latents.record:
+            refusal = f"{directory} holds SigLIP tokens of another image encoder or dtype: choose another --latents"
+            index = index_to_extend(str(directory), LATENT_INDEX, fingerprint, refusal)
+            store = LatentStore(str(directory), fingerprint, index["keys"] if index else ())
+        elif (directory / LATENT_INDEX).is_file():
+            setting, covers = f"model.image_latents={str(latents.store.directory)!r}", "image_encoder, dtype"
+            index = read_index(
+                setting, directory / LATENT_INDEX, fingerprint, "another image encoder", covers, PRECOMPUTE_LATENTS
+            )
+            store = LatentStore(str(directory), fingerprint, index["keys"])
+    adapter._token_store = (latents, store)
+    return store
 
 
 FIRST_FRAME = FirstFrame()
