@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,3 +260,22 @@ def test_an_image_to_video_run_reads_precomputed_text_latents_and_siglip_tokens(
     got, want = stored.encode_prompts(PROMPTS[:1], new), i2v.encode_prompts(PROMPTS[:1], new)
     assert (stored.image_latents.misses, len(towers)) == (1, 1)
     assert torch.equal(got.embeds["image_embeds"], want.embeds["image_embeds"]) and torch.equal(got.image, want.image)
+
+
+def test_siglip_tokens_of_another_image_encoder_are_refused(root, tmp_path):
+    """A store whose SigLIP tokens were computed with other image-encoder files (here another processor setting)
+    is refused as the first frame is encoded, naming the precompute command."""
+    from trainer.models.latents import LatentStore, vae_fingerprint
+    from trainer.precompute import write_latents
+
+    config = _copy_of("hunyuan_video15_i2v", root, tmp_path)
+    inputs = ImageInputs(image=torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(3)))
+    store = LatentStore.create(str(tmp_path / "latents"), vae_fingerprint(config))
+    write_latents(build_adapter(config, "cpu"), store, [(PROMPTS[:1], inputs)])
+    processor = Path(config.path) / "feature_extractor" / "preprocessor_config.json"
+    processor.write_text(json.dumps({**json.loads(processor.read_text()), "resample": 2}))
+    reading = build_adapter(dataclasses.replace(config, image_latents=str(tmp_path / "latents")), "cpu")
+    _raises_one_line(
+        lambda: reading.encode_prompts(PROMPTS[:1], inputs),
+        r"model\.image_latents=.* was computed for another image encoder or settings .*trainer\.precompute",
+    )
