@@ -186,6 +186,7 @@ _FLUX = BenchShape(32, 3.5, FLUX_9M, FLUX_REAL)
 _CHROMA = BenchShape(32, 4.0, CHROMA_9M, CHROMA_REAL)
 _QWEN = BenchShape(128, 4.5, QWEN_9M, QWEN_REAL)
 _KLEIN = BenchShape(32, 4.0, FLUX2_9M, KLEIN_REAL)
+_HUNYUAN_VIDEO15 = BenchShape(None, 6.0, HUNYUAN_VIDEO15_9M, HUNYUAN_VIDEO15_REAL)
 SHAPES: dict[str, BenchShape] = {
     "tiny": BenchShape(None, 4.5, SD3_9M, SD3_REAL, {"large": SD35_LARGE}),
     "sd3": _SD3,
@@ -211,7 +212,8 @@ SHAPES: dict[str, BenchShape] = {
     "wan_i2v": BenchShape(None, 5.0, WAN_I2V_9M, WAN_I2V_REAL),
     "wan22_i2v": BenchShape(None, 5.0, WAN_9M, WAN_14B),
     "wan_ti2v": BenchShape(None, 5.0, WAN_9M, WAN_TI2V_REAL),
-    "hunyuan_video15": BenchShape(None, 6.0, HUNYUAN_VIDEO15_9M, HUNYUAN_VIDEO15_REAL),
+    "hunyuan_video15": _HUNYUAN_VIDEO15,
+    "hunyuan_video15_i2v": _HUNYUAN_VIDEO15,  # SigLIP's 1152-wide image input stays the tiny tower's
     "ltx2": BenchShape(None, 3.0, LTX2_9M, LTX2_REAL),
 }
 """Registered model name -> its benchmark sizes."""

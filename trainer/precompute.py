@@ -19,7 +19,8 @@ item (and evaluation item) as a rollout does, and writes the VAE posterior of ea
 LATENTS_DIR, keyed by the input's sha256 (see ``trainer.models.latents.LatentStore``; a LATENTS_DIR of the same VAE
 gains the new
 inputs). Then train with ``model.image_latents=LATENTS_DIR``: the inpainting models read their masked images'
-posteriors and the editing models (flux_kontext, flux2, the Qwen-Image-Edit ones) their references' from it
+posteriors, the editing models (flux_kontext, flux2, the Qwen-Image-Edit ones) their references' and the
+image-to-video ones their first frames' (with HunyuanVideo 1.5's SigLIP tokens, in ``image_embeds/``) from it
 (every adapter that VAE-encodes image inputs; the others refuse it), bit-identical to encoding them on this run's
 ``train.device``; a changed image is not found and is encoded, and a LATENTS_DIR of another VAE, dtype or
 resolution is refused. Supervised targets (``encode_images``: warm-up and SFT) are not stored: the dataset

@@ -234,9 +234,10 @@ def _one_epoch(config) -> list[str]:
 
 
 def _settings(path: Path) -> str:
-    """The config's settings other than its model's name and path, its data (eval.path too) and its rewards."""
+    """The config's settings other than its model's name, path and sizes (the tiny model's replace them: only
+    ``KEPT_MODEL_FIELDS`` stay), its data (eval.path too) and its rewards."""
     raw = yaml.safe_load(path.read_text())
-    model = {k: v for k, v in raw.get("model", {}).items() if k not in ("name", "path")}
+    model = {k: v for k, v in raw.get("model", {}).items() if k in KEPT_MODEL_FIELDS and k != "name"}
     evaluation = {k: v for k, v in raw.get("eval", {}).items() if k != "path"}
     return repr(sorted({**raw, "model": model, "data": None, "eval": evaluation, "reward": None}.items()))
 

@@ -210,6 +210,11 @@ MODELS = Registry(
         ),
         "ltx2": ModelSpec("trainer.models.ltx2:LTX2Adapter"),
         "hunyuan_video15": ModelSpec("trainer.models.hunyuan_video15:HunyuanVideo15Adapter"),
+        "hunyuan_video15_i2v": ModelSpec(
+            "trainer.models.hunyuan_video15:HunyuanVideo15Adapter",
+            "diffusers:HunyuanVideo15ImageToVideoPipeline",
+            parts=("trainer.models.hunyuan_video15_parts:FIRST_FRAME",),
+        ),
     },
     key="model.name",
 )

@@ -1,15 +1,16 @@
-"""HunyuanVideo 1.5 text-to-video (HunyuanVideo15Transformer3DModel, flow matching, a Qwen2.5-VL text model and a
-ByT5 glyph encoder, AutoencoderKLHunyuanVideo15) from a local diffusers directory.
+"""HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel, flow matching, a Qwen2.5-VL text model and a ByT5 glyph
+encoder, AutoencoderKLHunyuanVideo15) from a local diffusers directory: text-to-video, and image-to-video from a
+first frame (a conditioning part, trainer/models/hunyuan_video15_parts.py).
 
 Prompts are encoded as ``HunyuanVideo15Pipeline.encode_prompt`` encodes them: the Qwen2.5-VL hidden states two
 layers below the last of the prompt in the pipeline's chat template (its system message cropped), and ByT5's
 states of the prompt's quoted text (zeros where it quotes none), each zero-padded with its mask. Latents are
-[C, F_latent, h, w] as the pipeline draws them; the transformer reads them beside zero condition latents and a
-zero mask, as the pipeline feeds it for text-to-video; ``decode`` returns frames [B, F, C, H, W] in [0, 1]. CFG is
-the pipeline's ``ClassifierFreeGuidance`` guider (on unless the scale is 1), batched as one forward over [negative;
-prompt]. The schedule is the pipeline's: Euler steps over linspace(1, 0) shifted by the scheduler's ``shift``.
-The image embeddings the pipeline feeds as 729 zero tokens, which the transformer masks out of every attention
-for text-to-video, are left out: the same velocities (equal on the tiny model), less attention.
+[C, F_latent, h, w] as the pipeline draws them; the transformer reads them beside condition latents and their mask
+(zeros for text-to-video, the first frame's for image-to-video); ``decode`` returns frames [B, F, C, H, W] in
+[0, 1]. CFG is the pipeline's ``ClassifierFreeGuidance`` guider (on unless the scale is 1), batched as one forward
+over [negative; prompt]. The schedule is the pipeline's: Euler steps over linspace(1, 0) shifted by the scheduler's
+``shift``. For text-to-video the image embeddings the pipeline feeds as 729 zero tokens, which the transformer masks
+out of every attention, are left out: the same velocities (equal on the tiny model), less attention.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ TRANSFORMER_TEXT = dict(
 
 @dataclass
 class HunyuanVideo15Config(DiffusersModelConfig):
-    """Where the HunyuanVideo 1.5 text-to-video weights are (transformer/, vae/, text_encoder/, tokenizer/,
-    text_encoder_2/, tokenizer_2/, scheduler/, guider/) and the videos they make: ``frames`` pixel frames of
-    ``height`` x ``width``, played at ``fps``. The defaults are the 480p model's 16:9 clips of five seconds."""
+    """Where the HunyuanVideo 1.5 weights are (transformer/, vae/, text_encoder/, tokenizer/, text_encoder_2/,
+    tokenizer_2/, scheduler/, guider/; image-to-video also image_encoder/, feature_extractor/) and the videos they
+    make: ``frames`` pixel frames of ``height`` x ``width``, played at ``fps``. The defaults are the 480p model's
+    16:9 clips of five seconds."""
 
     name: str = "hunyuan_video15"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -72,22 +74,42 @@ class HunyuanVideo15Config(DiffusersModelConfig):
     """ByT5 bytes of the prompt's quoted text, zero-padded (the pipeline's 256)."""
 
 
-def refuse_other_variant(config: HunyuanVideo15Config, saved: dict, latent_channels: int) -> None:
-    """A ValueError naming the fix where ``model.path`` holds another HunyuanVideo 1.5 variant than text-to-video
-    (its image-to-video pipeline, a transformer of another input width), read from configs before any weight."""
+I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
+
+
+def refuse_other_variant(config: HunyuanVideo15Config, saved: dict, latent_channels: int, i2v: bool) -> None:
+    """A ValueError naming the fix where ``model.path`` holds another HunyuanVideo 1.5 variant than ``model.name``
+    runs (text- vs image-to-video: the pipeline of model_index.json, else the transformer's ``task_type``; a
+    transformer of another input width), or image-to-video weights it cannot run, read from configs before any
+    weight."""
     where = f"model.path={config.path!r} holds"
     index = Path(config.path) / "model_index.json"
     pipeline = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-    if pipeline == "HunyuanVideo15ImageToVideoPipeline":
+    holds_i2v = pipeline == I2V_PIPELINE if pipeline else saved.get("task_type") == "i2v"
+    kind, other = ("image-to-video", "hunyuan_video15_i2v") if holds_i2v else ("text-to-video", "hunyuan_video15")
+    if holds_i2v != i2v:
         raise ValueError(
-            f"{where} HunyuanVideo 1.5 image-to-video weights, and model.name={config.name} runs text-to-video "
-            "(image-to-video is not supported yet): point model.path at a HunyuanVideo 1.5 t2v checkpoint"
+            f"{where} HunyuanVideo 1.5 {kind} weights, and model.name={config.name} runs "
+            f"{'image' if i2v else 'text'}-to-video: set model.name={other}, or point model.path at a HunyuanVideo "
+            f"1.5 {'i2v' if i2v else 't2v'} checkpoint"
         )
     wanted = 2 * latent_channels + 1
     if saved.get("in_channels") != wanted:
         raise ValueError(
             f"{where} a transformer of {saved.get('in_channels')} input channels, and model.name={config.name} feeds "
-            f"it {wanted} (latents, condition latents, mask): point model.path at a HunyuanVideo 1.5 t2v checkpoint"
+            f"it {wanted} (latents, condition latents, mask): point model.path at a HunyuanVideo 1.5 "
+            f"{'i2v' if i2v else 't2v'} checkpoint"
+        )
+    if i2v and saved.get("use_meanflow"):
+        raise ValueError(
+            f"{where} a step-distilled transformer (use_meanflow), whose second timestep model.name={config.name} "
+            "does not feed: point model.path at a HunyuanVideo 1.5 i2v checkpoint without use_meanflow"
+        )
+    missing = [d for d in ("image_encoder", "feature_extractor") if i2v and not (Path(config.path) / d).is_dir()]
+    if missing:
+        raise ValueError(
+            f"{where} no {' or '.join(missing)}/, which model.name={config.name} reads its first frame with: point "
+            "model.path at a whole diffusers HunyuanVideo 1.5 i2v folder (with its SigLIP image encoder)"
         )
 
 
@@ -115,7 +137,8 @@ def text_only(config: HunyuanVideo15Config, device: torch.device) -> SimpleNames
 
 
 class HunyuanVideo15Adapter:
-    """ModelAdapter for HunyuanVideo 1.5 text-to-video checkpoints (480p and 720p)."""
+    """ModelAdapter for HunyuanVideo 1.5 checkpoints (480p and 720p): text-to-video (``hunyuan_video15``) and
+    image-to-video (a first-frame part: ``hunyuan_video15_i2v``)."""
 
     sampler_kind = "flow"
     modality = "video"
@@ -140,17 +163,24 @@ class HunyuanVideo15Adapter:
     def __init__(self, config: HunyuanVideo15Config, device: torch.device | str = "cpu"):
         from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler
 
+        from trainer.models import MODELS
+
         path = Path(config.path)
         self.config, self.device, self.dtype = config, torch.device(device), DTYPES[config.dtype]
-        refuse_image_latents(config.name, config)
-        self.transformer = self._load_transformer(config)
+        self.pipeline_class, parts = MODELS[config.name].pipeline_class, MODELS[config.name].conditioning
+        self.first_frame = parts[0] if parts else None
+        if not parts:
+            refuse_image_latents(config.name, config)
+        self.transformer = self._load_transformer(config, self.first_frame is not None)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         self.vae = AutoencoderKLHunyuanVideo15.from_pretrained(path, subfolder="vae", torch_dtype=self.dtype)
+        images = self.first_frame.components(path, self.dtype, self.device) if self.first_frame else {}
         self.pipeline = self.pipeline_class(
             transformer=self.transformer,
             vae=self.vae,
             scheduler=self.scheduler,
             guider=load_guider(path),
+            **images,
             **load_text_components(config, self.device),
         )
         self.pipeline.tokenizer_max_length = config.max_sequence_length
@@ -164,13 +194,13 @@ class HunyuanVideo15Adapter:
         self.prompts = PromptEmbeddings.of(self, config)
 
     @staticmethod
-    def _load_transformer(config: HunyuanVideo15Config) -> nn.Module:
-        """The transformer, once the folder is known to hold the text-to-video variant (before any weight)."""
+    def _load_transformer(config: HunyuanVideo15Config, i2v: bool) -> nn.Module:
+        """The transformer, once the folder is known to hold the variant ``model.name`` runs (before any weight)."""
         from diffusers import HunyuanVideo15Transformer3DModel
 
         saved = denoiser_config(HunyuanVideo15Transformer3DModel, config, "transformer", "HunyuanVideo 1.5")
         vae = json.loads((Path(config.path) / "vae" / "config.json").read_text())
-        refuse_other_variant(config, saved, vae.get("latent_channels", 32))
+        refuse_other_variant(config, saved, vae.get("latent_channels", 32), i2v)
         load = {"torch_dtype": DTYPES[config.dtype]}
         return load_denoiser(HunyuanVideo15Transformer3DModel, config, "transformer", "HunyuanVideo 1.5", **load)
 
@@ -209,9 +239,16 @@ class HunyuanVideo15Adapter:
         return functools.partial(model.encode_text, text_only(config, device), config, device)
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Per-prompt embeddings, cached by prompt text; text-to-video takes no image inputs."""
-        reject_image_inputs(self.config.name, inputs, kind="text-to-video")
-        return Conditioning(embeds=self.prompts.cat(prompts))
+        """Per-prompt embeddings, cached by prompt text, and the first frame's conditioning where the variant takes
+        one (``ImageInputs.image``); text-to-video takes no image inputs."""
+        allowed = self.first_frame.fields if self.first_frame else ()
+        reject_image_inputs(self.config.name, inputs, allowed=allowed, kind="text-to-video")
+        embeds = self.prompts.cat(prompts)
+        if not self.first_frame:
+            return Conditioning(embeds=embeds)
+        images = self.first_frame.encode(self, len(prompts), inputs)
+        embeds["image_embeds"] = images.pop("image_embeds")
+        return Conditioning(embeds=embeds, **images)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
@@ -239,19 +276,24 @@ class HunyuanVideo15Adapter:
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity; CFG (unless ``guidance_scale`` is 1, as the guider decides) as one forward over [negative;
-        prompt], combined in float32. The transformer reads zero condition latents and mask beside the latents,
-        and the timestep in the weights' dtype, as the pipeline feeds them."""
+        prompt], combined in float32. The transformer reads the condition latents and mask beside the latents (zeros
+        for text-to-video), the image embeddings (the first frame's, for both branches) and the timestep in the
+        weights' dtype, as the pipelines feed them."""
         n = latents.shape[0]
         x = latents.to(self.dtype)
-        x = torch.cat([x, x.new_zeros(n, x.shape[1] + 1, *x.shape[2:])], dim=1)
+        if self.first_frame:
+            condition, image = self.first_frame.join(self, cond)
+        else:
+            condition = x.new_zeros(n, x.shape[1] + 1, *x.shape[2:])
+            image = x.new_zeros(n, 0, self.transformer.config.image_embed_dim)
+        x = torch.cat([x, condition], dim=1)
         timestep = (sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype)
         text = {k: cond.embeds[k] for k in TEXT}
         cfg = uses_cfg(guidance_scale)
         if cfg:
             negative = self.prompts([self.config.negative_prompt])[0]
             text = {k: torch.cat([negative[k].expand(n, *v.shape[1:]), v]) for k, v in text.items()}
-            x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        image = x.new_zeros(x.shape[0], 0, self.transformer.config.image_embed_dim)
+            x, timestep, image = torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([image, image])
         args = {TRANSFORMER_TEXT[k]: v for k, v in text.items()}
         out = net(hidden_states=x, timestep=timestep, image_embeds=image, **args, return_dict=False)[0]
         return cfg_combine(*out.chunk(2), guidance_scale) if cfg else out.float()
@@ -269,7 +311,7 @@ class HunyuanVideo15Adapter:
         if images.ndim != 5:
             raise ValueError(
                 f"{self.config.name} learns from clips [B, F, C, H, W], and the data gives images "
-                f"{tuple(images.shape)}: set train.warmup_steps=0 (a text-to-video model takes no image targets)"
+                f"{tuple(images.shape)}: set train.warmup_steps=0 (its image inputs are first frames, not targets)"
             )
         x = (images.to(self.device, torch.float32) * 2 - 1).to(self.dtype).transpose(1, 2)
         latents = torch.cat([self.vae.encode(clip[None]).latent_dist.mode() for clip in x]).float()
