@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-# Two threads, split among pytest-xdist workers (`make test` runs one per core, two on this machine).
+# Two threads, split among pytest-xdist workers (`make test` runs one more than the cores: three here, one thread each).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("RF_TEST_THREADS", max(1, 2 // _WORKERS))))
 
