@@ -36,9 +36,11 @@ def require_image_input(
     size: tuple[int, int] | None = None,
     multiple_of: int = 1,
     because: str = "",
+    sized_by: str = "model.resolution",
 ) -> torch.Tensor:
     """``inputs.<name>`` checked to be [batch_size, channels, H, W] (H, W = ``size`` if given, else
-    multiples of ``multiple_of``), or a ValueError that names the input, what was expected and ``because``."""
+    multiples of ``multiple_of``), or a ValueError that names the input, what was expected and ``because``;
+    ``sized_by``: the config fields that set ``size`` (a video's frame: model.height and model.width)."""
     value = None if inputs is None else getattr(inputs, name)
     what = f"ImageInputs.{name}"
     if value is None:
@@ -54,7 +56,8 @@ def require_image_input(
     if size is not None and tuple(value.shape[-2:]) != tuple(size):
         raise ValueError(
             f"{what} is {tuple(value.shape[-2:])} pixels; the {model} adapter generates "
-            f"{tuple(size)} (model.resolution): set data.image_size to model.resolution"
+            f"{tuple(size)} ({sized_by}): "
+            + ("set data.image_size to model.resolution" if sized_by == "model.resolution" else "give it that size")
         )
     if value.shape[-2] % multiple_of or value.shape[-1] % multiple_of:
         raise ValueError(f"{what} sides {tuple(value.shape[-2:])} must be multiples of {multiple_of}")

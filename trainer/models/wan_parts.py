@@ -1,7 +1,7 @@
 """Wan's pieces besides its adapter (trainer/models/wan.py): Wan 2.2's two experts as one denoiser, and the
 image-to-video conditioning parts (registry data, ``ModelSpec.parts``): the first frame VAE-encoded with its
-mask as extra input channels (Wan 2.1 I2V also attends to its CLIP embedding; Wan 2.2 TI2V-5B instead pins the
-first latent frame to it)."""
+mask as extra input channels (Wan 2.1 I2V also attends to its CLIP embedding; Wan 2.2 TI2V-5B's pinned frame is the
+shared ``conditioning.PINNED_FIRST_FRAME``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
+from trainer.models.conditioning import VIDEO_SIZE
 from trainer.models.inputs import require_image_input
 
 
@@ -127,33 +128,26 @@ class WanExperts(nn.Module):
 @dataclass(frozen=True)
 class FirstFrame:
     """The first frame (``ImageInputs.image`` [B, 3, H, W] at the video's size) as ``WanImageToVideoPipeline``
-    conditions on it. Channels (Wan 2.1 I2V, 2.2 I2V A14B): the video [frame, zeros...] VAE-encoded (posterior
-    mean, where the pipeline takes the mode too) and normalised, after a mask of ``vae_scale_factor_temporal``
-    channels that is 1 on the first latent frame, concatenated to the latents at every forward; with an image
-    encoder (2.1) the frame's CLIP hidden states (second to last layer) as ``encoder_hidden_states_image``.
-    ``pinned`` (Wan 2.2 TI2V-5B, ``expand_timesteps``): the frame's latents replace the first latent frame of the
-    transformer's input at timestep 0, and the prediction keeps that frame on its known trajectory
-    (``flow.inpaint_velocity``), so the final latents hold it as the pipeline's output does; ``optional``: without
-    an image the model generates from text alone."""
+    conditions on it (Wan 2.1 I2V, 2.2 I2V A14B): the video [frame, zeros...] VAE-encoded (posterior mean, where
+    the pipeline takes the mode too) and normalised, after a mask of ``vae_scale_factor_temporal`` channels that is
+    1 on the first latent frame, concatenated to the latents at every forward; with an image encoder (2.1) the
+    frame's CLIP hidden states (second to last layer) as ``encoder_hidden_states_image``. Wan 2.2 TI2V-5B pins its
+    frame instead (``conditioning.PINNED_FIRST_FRAME``)."""
 
-    pinned: bool = False
-    optional: bool = False
+    pinned = False
     fields = ("image",)
+    reads_trajectory = False
     encodes_text = False
-
-    @property
-    def reads_trajectory(self) -> bool:
-        return self.pinned
 
     def channels(self, z_dim: int, temporal: int) -> int:
         """Input channels it adds to the transformer's."""
-        return 0 if self.pinned else temporal + z_dim
+        return temporal + z_dim
 
     def components(self, path: Path, dtype: torch.dtype, device: torch.device) -> dict:
         """The pipeline's ``image_encoder`` (CLIPVisionModel) and ``image_processor`` where the folder has them."""
         from transformers import CLIPImageProcessor, CLIPVisionModel
 
-        if self.pinned or not (path / "image_encoder").is_dir():
+        if not (path / "image_encoder").is_dir():
             return {}
         encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", torch_dtype=dtype).to(device)
         processor = CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
@@ -161,21 +155,18 @@ class FirstFrame:
 
     @torch.no_grad()
     def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """``image``: the condition channels [B, 4 + C, F, h, w] (``pinned``: the frame's latents [B, C, 1, h, w]);
-        ``image_embeds`` (an entry of ``Conditioning.embeds``): its CLIP hidden states, with an image encoder."""
-        if self.optional and (inputs is None or inputs.image is None):
-            return {}
+        """``image``: the condition channels [B, 4 + C, F, h, w]; ``image_embeds`` (an entry of
+        ``Conditioning.embeds``): its CLIP hidden states, with an image encoder."""
         size = (adapter.height, adapter.width)
         because = "it generates the video from that first frame"
-        image = require_image_input(adapter.config.name, inputs, "image", batch_size, 3, size, because=because)
+        image = require_image_input(
+            adapter.config.name, inputs, "image", batch_size, 3, size, because=because, sized_by=VIDEO_SIZE
+        )
         pixels = (image.to(adapter.device, torch.float32) * 2 - 1)[:, :, None]
-        if not self.pinned:
-            pixels = torch.cat([pixels, pixels.new_zeros(batch_size, 3, adapter.frames - 1, *size)], dim=2)
+        pixels = torch.cat([pixels, pixels.new_zeros(batch_size, 3, adapter.frames - 1, *size)], dim=2)
         latents = adapter.image_latents(pixels.to(adapter.vae.dtype)).mode().float()
         mean, inv_std = adapter.latent_statistics(torch.float32)
         latents = (latents - mean) * inv_std
-        if self.pinned:
-            return {"image": latents}
         temporal = adapter.pipeline.vae_scale_factor_temporal
         mask = latents.new_zeros(batch_size, temporal, *latents.shape[2:])
         mask[:, :, 0] = 1
@@ -184,39 +175,18 @@ class FirstFrame:
             out["image_embeds"] = clip_hidden_states(adapter.pipeline, image)
         return out
 
-    def first_frame_mask(self, adapter, cond: Conditioning) -> torch.Tensor | None:
-        """``pinned`` with a frame: [1, 1, F, h, w], 0 on the first latent frame and 1 elsewhere, else None."""
-        if not self.pinned or cond.image is None:
-            return None
-        mask = torch.ones(1, 1, *adapter.latent_shape[1:], device=adapter.device)
-        mask[:, :, 0] = 0
-        return mask
-
     def join(self, adapter, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
         """The transformer's input (float32) and extra forward arguments, as the pipeline builds them."""
         if cond.image is None:
-            if not self.optional:
-                raise ValueError(
-                    f"{adapter.config.name} needs Conditioning.image: encode prompts with ImageInputs.image"
-                )
-            return latents, {}
-        if self.pinned:
-            mask = self.first_frame_mask(adapter, cond)
-            return (1 - mask) * cond.image + mask * latents, {}
+            raise ValueError(f"{adapter.config.name} needs Conditioning.image: encode prompts with ImageInputs.image")
         extra = {}
         if "image_embeds" in cond.embeds:
             extra["encoder_hidden_states_image"] = cond.embeds["image_embeds"].to(adapter.dtype)
         return torch.cat([latents, cond.image], dim=1), extra
 
     def velocity(self, adapter, v: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
-        """``pinned``: the first latent frame follows its known trajectory (ending at the frame's latents)."""
-        from trainer.models.flow import inpaint_velocity
-
-        mask = self.first_frame_mask(adapter, cond)
-        if mask is None:
-            return v
-        known = cond.image.expand_as(latents)
-        return inpaint_velocity(v, latents, sigma, known, mask.expand_as(latents), cond.noise, cond.schedule)
+        """The network's velocity: the condition channels are input only."""
+        return v
 
 
 def clip_hidden_states(pipeline, image: torch.Tensor) -> torch.Tensor:
@@ -240,5 +210,3 @@ def clip_hidden_states(pipeline, image: torch.Tensor) -> torch.Tensor:
 
 FIRST_FRAME = FirstFrame()
 """Wan 2.1 I2V and Wan 2.2 I2V A14B: the first frame as condition channels (and CLIP tokens where 2.1 has them)."""
-PINNED_FIRST_FRAME = FirstFrame(pinned=True, optional=True)
-"""Wan 2.2 TI2V-5B: an optional first frame pinned as the first latent frame."""
