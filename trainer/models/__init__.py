@@ -208,7 +208,7 @@ MODELS = Registry(
             config="trainer.models.wan:WanTI2VConfig",
             parts=("trainer.models.conditioning:PINNED_FIRST_FRAME",),
         ),
-        "ltx2": ModelSpec("trainer.models.ltx2:LTX2Adapter"),
+        "ltx2": ModelSpec("trainer.models.ltx2:LTX2Adapter", parts=("trainer.models.conditioning:PINNED_FIRST_FRAME",)),
         "hunyuan_video15": ModelSpec("trainer.models.hunyuan_video15:HunyuanVideo15Adapter"),
     },
     key="model.name",
