@@ -664,6 +664,13 @@ def test_image_inputs_are_validated(adapter):
         with pytest.raises(ValueError, match=r"ImageInputs\.reference"):
             adapter.encode_prompts(PROMPTS, dataclasses.replace(good, reference=good.style))
         return
+    if good is None and "image" in tiny(adapter.config.name).optional_inputs:  # an optional first frame, checked
+        frame = testing.image_inputs(adapter, len(PROMPTS), optional=True).image
+        with pytest.raises(ValueError, match=r"ImageInputs\.image is .* pixels"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(image=frame[..., :-8, :]))
+        with pytest.raises(ValueError, match=r"ImageInputs\.mask"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(image=frame, mask=frame[:, :1]))
+        return
     if good is None:
         with pytest.raises(ValueError, match="image"):
             adapter.encode_prompts(PROMPTS, ImageInputs(image=torch.rand(2, 3, side, side)))

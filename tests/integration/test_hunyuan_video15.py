@@ -144,8 +144,8 @@ def test_the_first_frame_is_checked_in_one_line(i2v):
     )
     _raises_one_line(
         lambda: i2v.encode_prompts(PROMPTS, ImageInputs(image=frame[..., :16, :16])),
-        r"ImageInputs\.image is \(16, 16\) pixels; .* generates \(32, 32\) \(model\.height, model\.width\): set both "
-        r"to data\.image_size",
+        r"ImageInputs\.image is \(16, 16\) pixels; .* generates \(32, 32\) \(model\.height x model\.width\): give it "
+        r"that size \(data\.image_size",
     )
     _raises_one_line(lambda: i2v.encode_prompts(PROMPTS, ImageInputs(image=frame[:1])), r"expects \[2, 3, H, W\]")
     _raises_one_line(

@@ -1,6 +1,7 @@
 """What the conformance suite does not ask of the LTX-2 adapter: the video size checks, the refusals (audio output,
-image inputs, another model's folder), and how the audio stream runs along: drawn and stepped as the pipeline does,
-needed by the video, but outside the log-probability and every gradient."""
+a bad first frame, another model's folder), image-to-video from a first frame (``LTX2ImageToVideoPipeline``'s
+parity, the pinned frame outside the ratio and the gradients), and how the audio stream runs along: drawn and
+stepped as the pipeline does, needed by the video, but outside the log-probability and every gradient."""
 
 from __future__ import annotations
 
@@ -43,9 +44,81 @@ def test_audio_output_is_refused_in_one_line():
         LTX2Config(path="/models/LTX-2", audio=True)
 
 
-def test_an_image_input_is_refused(adapter):
-    with pytest.raises(ValueError, match="image"):
-        adapter.encode_prompts(PROMPTS, ImageInputs(image=torch.rand(2, 3, 32, 32)))
+def test_a_first_frame_is_checked_in_one_line_and_other_inputs_refused(adapter):
+    """The first frame is optional; one of another size or count, or an input ltx2 does not take, is refused in
+    one line naming the fix."""
+    frame = torch.rand(2, 3, 32, 32)
+    with pytest.raises(
+        ValueError,
+        match=r"^ImageInputs\.image is \(16, 32\) pixels; the ltx2 adapter generates "
+        r"\(32, 32\) \(model\.height x model\.width\): give it that size \(data\.image_size",
+    ):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=frame[:, :, :16]))
+    with pytest.raises(ValueError, match=r"^ImageInputs\.image has shape \(1, 3, 32, 32\); .*one per prompt\)$"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=frame[:1]))
+    with pytest.raises(ValueError, match=r"^the ltx2 adapter takes no ImageInputs\.mask \(it uses image\)"):
+        adapter.encode_prompts(PROMPTS, ImageInputs(image=frame, mask=frame[:, :1]))
+    assert adapter.encode_prompts(PROMPTS).image is None
+
+
+def image_to_video_pipeline(adapter):
+    """``LTX2ImageToVideoPipeline`` on the adapter's components (the same weights serve both pipelines)."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    p = adapter.pipeline
+    names = ("scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer")
+    i2v = LTX2ImageToVideoPipeline(vocoder=None, **{name: getattr(p, name) for name in names})
+    i2v.set_progress_bar_config(disable=True)
+    return i2v
+
+
+def test_a_first_frame_rollout_equals_the_image_to_video_pipeline(adapter):
+    """With ``ImageInputs.image`` the noise-0 rollout is ``LTX2ImageToVideoPipeline``'s (video and audio latents,
+    its extra guidance off and ``image_crf=0``): the frame's latents pinned as the first latent frame at timestep
+    0, which the final latents hold; without it, another video."""
+    inputs = testing.image_inputs(adapter, 2, optional=True)
+    settings = SamplerSettings(num_steps=3, guidance_scale=3.0, noise_level=0.0)
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0), inputs
+    )
+    spec = testing.tiny("ltx2")
+    out = image_to_video_pipeline(adapter)(
+        prompt=PROMPTS,
+        image=inputs.image,
+        image_crf=0,
+        num_inference_steps=3,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+        **spec.pipeline_call(adapter, None, 3.0),
+    )
+    torch.testing.assert_close(ro.latents[:, -1], spec.pipeline_outputs(adapter, out), rtol=0, atol=1e-5)
+    first = adapter.first_frame_span[1]
+    torch.testing.assert_close(ro.latents[:, -1, :first], ro.cond.image, rtol=0, atol=1e-6)
+    plain = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(0))
+    assert not torch.allclose(plain.latents[:, -1, first : adapter.split], ro.latents[:, -1, first : adapter.split])
+
+
+def test_a_pinned_first_frame_is_outside_the_ratio_and_every_gradient(adapter):
+    """At noise level 1 with a first frame: the on-policy ratio is exactly 1; the frame's velocity follows its
+    known trajectory, so the frame's tokens carry no gradient (the others do)."""
+    inputs = testing.image_inputs(adapter, 2, optional=True)
+    settings = SamplerSettings(num_steps=3, guidance_scale=3.0, noise_level=1.0)
+    ro = rollout(
+        adapter, adapter.denoiser, PROMPTS, torch.arange(2), settings, torch.Generator().manual_seed(1), inputs
+    )
+    step, first = adapter.step_function(ro.kind, ro.sigmas), adapter.first_frame_span[1]
+    with torch.no_grad():
+        for i in ro.trainable_steps().tolist():
+            v = adapter.predict(adapter.denoiser, ro.latents[:, i], ro.sigmas[i].expand(2), ro.cond, 3.0)
+            logp = step(v, ro.latents[:, i], torch.full((2,), i), 1.0, prev_sample=ro.latents[:, i + 1])[1]
+            assert torch.equal(torch.exp(logp - ro.log_probs[:, i]), torch.ones(2))
+    out = adapter.predict(adapter.denoiser, ro.latents[:, 1], ro.sigmas[1].expand(2), ro.cond, 3.0)
+    params = [p for p in adapter.denoiser.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out[:, :first].square().sum(), params, allow_unused=True, retain_graph=True)
+    assert all(g is None or not g.any() for g in grads)
+    out[:, first : adapter.split].square().sum().backward()
+    assert any(p.grad is not None and p.grad.any() for p in adapter.denoiser.parameters())
+    adapter.denoiser.zero_grad(set_to_none=True)
 
 
 def test_a_wan_folder_is_refused_and_names_the_fix(root):

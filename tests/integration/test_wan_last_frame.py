@@ -140,7 +140,7 @@ def test_a_last_image_where_it_cannot_be_used_is_refused(wan22_i2v, flf2v, root)
         i2v.encode_prompts(PROMPTS, both)
     ti2v = build_adapter(tiny_config("wan_ti2v", root), "cpu")
     last = torch.rand(2, 3, ti2v.height, ti2v.width)
-    with pytest.raises(ValueError, match=r"the wan_ti2v adapter pins only a first frame .*drop ImageInputs\.last"):
+    with pytest.raises(ValueError, match=r"the wan_ti2v adapter takes no ImageInputs\.last_image \(it uses image\)"):
         ti2v.encode_prompts(PROMPTS, ImageInputs(image=last, last_image=last))
     t2v = build_adapter(tiny_config("wan", root), "cpu")
     with pytest.raises(ValueError, match=r"takes no ImageInputs\.last_image \(it is a text-to-video model\)"):

@@ -208,13 +208,16 @@ CONFIG = dict(frames=5, height=32, width=32, max_sequence_length=parts.TEXT_LENG
 
 
 def ltx2() -> TinySpec:
-    """The tiny LTX-2: CFG 3 on the video, 4 on the audio stream."""
+    """The tiny LTX-2: CFG 3 on the video, 4 on the audio stream; an optional first frame (image-to-video)."""
     return TinySpec(
         components=components,
         pipeline_call=_pipeline_call,
         pipeline_outputs=_latents,
         config=dict(CONFIG, audio_guidance_scale=4.0),
         guidance=3.0,
+        optional_inputs=(
+            "image",
+        ),  # a first frame: LTX2ImageToVideoPipeline's parity is tests/integration/test_ltx2.py's
         slow_dtype_cases=True,  # bf16 / fp16 conformance in the slow tier, as the other large families
         video_compression=(2, 8),  # the tiny VAE's 2 frames and 8x8 pixels, patches 1 (LTX-2's VAE: 8, 32x32)
     )

@@ -206,9 +206,9 @@ MODELS = Registry(
         "wan_ti2v": ModelSpec(
             "trainer.models.wan:WanAdapter",
             config="trainer.models.wan:WanTI2VConfig",
-            parts=("trainer.models.wan_parts:PINNED_FIRST_FRAME",),
+            parts=("trainer.models.conditioning:PINNED_FIRST_FRAME",),
         ),
-        "ltx2": ModelSpec("trainer.models.ltx2:LTX2Adapter"),
+        "ltx2": ModelSpec("trainer.models.ltx2:LTX2Adapter", parts=("trainer.models.conditioning:PINNED_FIRST_FRAME",)),
         "hunyuan_video15": ModelSpec("trainer.models.hunyuan_video15:HunyuanVideo15Adapter"),
         "hunyuan_video15_i2v": ModelSpec(
             "trainer.models.hunyuan_video15:HunyuanVideo15Adapter",

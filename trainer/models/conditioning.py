@@ -13,7 +13,7 @@ import torch
 
 from trainer.models.base import Conditioning, ImageInputs
 from trainer.models.flow import inpaint_velocity
-from trainer.models.inputs import require_image_input, require_references
+from trainer.models.inputs import VIDEO_SIZE, require_image_input, require_references
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,74 @@ class References:
         return v
 
 
+@dataclass(frozen=True)
+class PinnedFirstFrame:
+    """An optional first frame (``ImageInputs.image`` [B, 3, H, W] at the video's size) pinned as the first latent
+    frame, as Wan 2.2 TI2V-5B's and LTX-2's image-to-video pipelines pin it: its latents replace that frame in the
+    transformer's input (which the adapter runs at timestep 0 there), and the prediction keeps the frame on its
+    known trajectory (``flow.inpaint_velocity``), so a noise-0 rollout ends on it and the frame adds nothing to the
+    ratio, KL or gradient. Without an image the model generates from text alone.
+
+    The adapter supplies ``first_frame_latents(image)`` (the frame's latents as the pipeline normalises them,
+    [B, ...] in its layout) and ``first_frame_span`` (dim, n): the first latent frame is the first n entries of the
+    latents along dim."""
+
+    pinned = True
+    optional = True
+    fields = ("image",)
+    reads_trajectory = True
+    encodes_text = False
+
+    @torch.no_grad()
+    def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
+        """``image``: the frame's latents, float32; nothing without a frame."""
+        if inputs is None or inputs.image is None:
+            return {}
+        size = (adapter.height, adapter.width)
+        because = "it generates the video from that first frame"
+        image = require_image_input(
+            adapter.config.name, inputs, "image", batch_size, 3, size, because=because, sized_by=VIDEO_SIZE
+        )
+        return {"image": adapter.first_frame_latents(image).float()}
+
+    def check(self, adapter, cond: Conditioning) -> None:
+        """Nothing is required: the frame is optional."""
+
+    def mask(self, adapter, cond: Conditioning) -> torch.Tensor | None:
+        """Whether the first latent frame is pinned: [1, ...] in the latents' layout, 0 on it and 1 elsewhere
+        (None without a frame)."""
+        if cond.image is None:
+            return None
+        dim, n = adapter.first_frame_span
+        mask = torch.ones(1, *adapter.latent_shape, device=adapter.device)
+        mask.narrow(dim, 0, n).zero_()
+        return mask
+
+    def join(self, adapter, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
+        """The transformer's input, ``latents`` with the frame's latents in place of the first latent frame, and
+        no extra forward arguments."""
+        if cond.image is None:
+            return latents, {}
+        dim, n = adapter.first_frame_span
+        rest = latents.narrow(dim, n, latents.shape[dim] - n)
+        return torch.cat([cond.image.to(latents.dtype), rest], dim), {}
+
+    def velocity(self, adapter, v: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
+        """The network's velocity after the first latent frame; on it, the velocity of its known trajectory
+        sigma noise + (1 - sigma) frame (ending at the frame's latents)."""
+        if cond.image is None:
+            return v
+        dim, n = adapter.first_frame_span
+        first = [t if t is None else t.narrow(dim, 0, n) for t in (v, latents, cond.noise)]
+        pinned = inpaint_velocity(*first[:2], sigma, cond.image, v.new_zeros(()), first[2], cond.schedule)
+        return torch.cat([pinned.to(v.dtype), v.narrow(dim, n, v.shape[dim] - n)], dim)
+
+
 INPAINT = Inpaint()
 """Inpainting with a binary mask (Qwen-Image, Chroma)."""
 SOFT_INPAINT = Inpaint(trajectory=True)
 """Inpainting with a mask made soft on the latent grid (FLUX.2 [klein])."""
 FLUX2_REFERENCES = References(most=10, optional=True)
 """FLUX.2's multi-reference editing: up to 10 reference images per item, or none."""
+PINNED_FIRST_FRAME = PinnedFirstFrame()
+"""Wan 2.2 TI2V-5B and LTX-2: an optional first frame pinned as the first latent frame."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from trainer.models.base import ImageInputs
-from trainer.models.inputs import require_image_input
+from trainer.models.inputs import VIDEO_SIZE, require_image_input
 from trainer.models.latents import LATENT_INDEX, PRECOMPUTE_LATENTS, LatentStore, vae_input_key
 from trainer.models.stores import hash_files, index_to_extend, read_index
 
@@ -52,9 +52,8 @@ class FirstFrame:
         (an entry of ``Conditioning.embeds``): its SigLIP tokens [B, N, D] in the weights' dtype."""
         size = (adapter.height, adapter.width)
         because = "it generates the video from that first frame"
-        fix = "(model.height, model.width): set both to data.image_size (the data's images are square)"
         image = require_image_input(
-            adapter.config.name, inputs, "image", batch_size, 3, size, because=because, size_fix=fix
+            adapter.config.name, inputs, "image", batch_size, 3, size, because=because, sized_by=VIDEO_SIZE
         )
         pictures = as_8bit(image)
         pixels = (pictures.to(adapter.device, torch.float32) / 255.0).permute(0, 3, 1, 2) * 2.0 - 1.0

@@ -9,6 +9,10 @@ import torch
 
 from trainer.models.base import ImageInputs
 
+VIDEO_SIZE = "model.height x model.width"
+"""The config fields that set a video's frame size (what a first frame must have): ``require_image_input``'s
+``sized_by`` for video models."""
+
 
 def reject_image_inputs(
     model: str, inputs: ImageInputs | None, allowed: Sequence[str] = (), kind: str = "text-to-image"
@@ -36,11 +40,11 @@ def require_image_input(
     size: tuple[int, int] | None = None,
     multiple_of: int = 1,
     because: str = "",
-    size_fix: str = "(model.resolution): set data.image_size to model.resolution",
+    sized_by: str = "model.resolution",
 ) -> torch.Tensor:
     """``inputs.<name>`` checked to be [batch_size, channels, H, W] (H, W = ``size`` if given, else
-    multiples of ``multiple_of``), or a ValueError that names the input, what was expected and ``because``
-    (``size_fix``: the settings that make the size and the fix, where the size is another's)."""
+    multiples of ``multiple_of``), or a ValueError that names the input, what was expected and ``because``;
+    ``sized_by``: the config fields that set ``size`` (a video's frame: model.height and model.width)."""
     value = None if inputs is None else getattr(inputs, name)
     what = f"ImageInputs.{name}"
     if value is None:
@@ -55,7 +59,13 @@ def require_image_input(
         )
     if size is not None and tuple(value.shape[-2:]) != tuple(size):
         raise ValueError(
-            f"{what} is {tuple(value.shape[-2:])} pixels; the {model} adapter generates {tuple(size)} {size_fix}"
+            f"{what} is {tuple(value.shape[-2:])} pixels; the {model} adapter generates "
+            f"{tuple(size)} ({sized_by}): "
+            + (
+                "set data.image_size to model.resolution"
+                if sized_by == "model.resolution"
+                else "give it that size (data.image_size: the data's square side), or set those to the data's"
+            )
         )
     if value.shape[-2] % multiple_of or value.shape[-1] % multiple_of:
         raise ValueError(f"{what} sides {tuple(value.shape[-2:])} must be multiples of {multiple_of}")

@@ -1,5 +1,7 @@
 """LTX-2 (LTX2VideoTransformer3DModel, a joint audio-video transformer; AutoencoderKLLTX2Video; Gemma-3 hidden
-states through LTX2TextConnectors) from a local diffusers directory: text-to-video as ``LTX2Pipeline`` samples it.
+states through LTX2TextConnectors) from a local diffusers directory: text-to-video as ``LTX2Pipeline`` samples it,
+and image-to-video from an optional first frame as ``LTX2ImageToVideoPipeline`` does (the frame's latents pinned as
+the first latent frame at timestep 0: ``conditioning.PINNED_FIRST_FRAME``, as Wan 2.2 TI2V-5B).
 
 The transformer denoises a video and an audio stream together, each attending to the other. rewardflow trains
 and scores the video only; the audio stream runs along as the pipeline runs it (drawn from noise after the
@@ -26,7 +28,7 @@ from trainer.models.base import Conditioning, ImageInputs, StepFunction
 from trainer.models.common import DTYPES, DiffusersModelConfig, Imported, freeze, load_denoiser
 from trainer.models.flow import rectified_flow_target
 from trainer.models.inputs import reject_image_inputs
-from trainer.models.latents import ImageLatents, refuse_image_latents
+from trainer.models.latents import ImageLatents
 from trainer.models.text import PromptEmbeddings, load_text_components, prompt_encoder
 from trainer.models.trainable import Trainable
 from trainer.models.video import check_video_size
@@ -105,14 +107,14 @@ class VideoStep:
 
 
 class LTX2Adapter:
-    """ModelAdapter for LTX-2 checkpoints (``ltx2``): text-to-video; image inputs are refused."""
+    """ModelAdapter for LTX-2 checkpoints (``ltx2``): text-to-video, or image-to-video from an optional first frame
+    (``ImageInputs.image``)."""
 
     sampler_kind = "flow"
     modality = "video"
     shard_units = Imported(("diffusers.models.transformers.transformer_ltx2:LTX2VideoTransformerBlock",))
     config_class = LTX2Config
     compiled_blocks = ()
-    reads_trajectory = False
     pipeline_class = Imported("diffusers:LTX2Pipeline")
     text_components = Imported(
         {
@@ -133,6 +135,8 @@ class LTX2Adapter:
             LTX2VideoTransformer3DModel,
         )
 
+        from trainer.models import MODELS
+
         path = Path(config.path)
         self.config, self.device, self.dtype = config, torch.device(device), DTYPES[config.dtype]
         load = {"torch_dtype": self.dtype}
@@ -150,7 +154,9 @@ class LTX2Adapter:
         )
         self.pipeline.to(self.device)
         freeze(self.vae, audio_vae)
-        refuse_image_latents(config.name, config)
+        parts = MODELS[config.name].conditioning
+        self.first_frame = parts[0] if parts else None
+        self.reads_trajectory = any(part.reads_trajectory for part in parts)
         self.image_latents = ImageLatents.of(self.vae, config)
         self._shapes(config)
         self.denoiser = transformer
@@ -178,6 +184,9 @@ class LTX2Adapter:
         self.audio_shape = (audio.latent_channels, round(self.frames / self.fps * per_second))
         self.audio_shape += (audio.mel_bins // p.audio_vae_mel_compression_ratio,)
         self.split = self.video_tokens * self.video_shape[0]
+        self.first_tokens = self.video_shape[2] * self.video_shape[3] // p.transformer_spatial_patch_size**2
+        self.first_frame_span = (1, self.first_tokens * self.video_shape[0])
+        """The pinned first frame (``conditioning.PinnedFirstFrame``): the first latent frame's video tokens."""
         self.latent_shape = (self.split + self.audio_shape[0] * self.audio_shape[1] * self.audio_shape[2],)
         self.position_fps = conditioning_frame_rate(float(self.fps), 1.0)
 
@@ -195,9 +204,21 @@ class LTX2Adapter:
         return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_mask": text_mask}
 
     def encode_prompts(self, prompts: list[str], inputs: ImageInputs | None = None) -> Conditioning:
-        """Per-prompt text tokens, cached by prompt text; text-to-video takes no image inputs."""
-        reject_image_inputs(self.config.name, inputs)
-        return Conditioning(embeds=self.prompts.cat(prompts))
+        """Per-prompt text tokens, cached by prompt text, and the optional first frame's latents."""
+        fields = self.first_frame.fields if self.first_frame else ()
+        reject_image_inputs(self.config.name, inputs, allowed=fields, kind="text-to-video")
+        images = self.first_frame.encode(self, len(prompts), inputs) if self.first_frame else {}
+        return Conditioning(embeds=self.prompts.cat(prompts), **images)
+
+    def first_frame_latents(self, image: torch.Tensor) -> torch.Tensor:
+        """A first frame [B, 3, H, W] in [0, 1] as ``LTX2ImageToVideoPipeline`` conditions on it (without its H.264
+        re-compression, ``image_crf=0``): the posterior's mode, normalised by the VAE's statistics (without its
+        scaling factor, as that pipeline does) and packed as the first latent frame's tokens, [B, h w C]."""
+        p = self.pipeline
+        pixels = (image.to(self.device, torch.float32) * 2 - 1)[:, :, None]
+        latents = self.image_latents(pixels.to(self.vae.dtype)).mode().float()
+        latents = p._normalize_latents(latents, self.vae.latents_mean, self.vae.latents_std)
+        return p._pack_latents(latents, p.transformer_spatial_patch_size, p.transformer_temporal_patch_size).flatten(1)
 
     def missing_prompts(self, prompts: Iterable[str], guidance_scales: Iterable[float]) -> list[str]:
         """Of ``prompts``, and of the negative prompt where a guidance scale runs CFG, those the
@@ -263,26 +284,31 @@ class LTX2Adapter:
         self, net: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity of the [video; audio] pair; CFG (either scale > 1, as the pipeline decides) as one forward over
-        [negative; prompt]. The audio velocity is detached: it moves the audio stream and trains nothing (the
-        weights only it reads get zero gradients, as DDP and FSDP expect every trainable weight to get one)."""
+        [negative; prompt]; a first frame pinned as ``conditioning.PinnedFirstFrame`` joins it. The audio velocity is
+        detached: it moves the audio stream and trains nothing (the weights only it reads get zero gradients, as DDP
+        and FSDP expect every trainable weight to get one)."""
         video, audio = self._streams(latents.float())
+        joined = self.first_frame.join(self, latents.float(), cond)[0] if self.first_frame else latents.float()
+        x, a = (t.to(self.dtype) for t in self._streams(joined))
         scales = self._scales(guidance_scale)
         cfg = max(scales) > 1.0
         keys = ("prompt_embeds", "audio_prompt_embeds", "prompt_mask")
         embeds = [cond.embeds[k] for k in keys]
         timestep = sigma.to(torch.float32) * self.scheduler.config.num_train_timesteps
-        x, a = video.to(self.dtype), audio.to(self.dtype)
+        video_timestep = self._video_timesteps(timestep, cond)
         if cfg:
             neg = self.prompts([self.config.negative_prompt])[0]
             n = latents.shape[0]
             embeds = [torch.cat([neg[k].expand(n, *e.shape[1:]), e]) for k, e in zip(keys, embeds, strict=True)]
             x, a, timestep = torch.cat([x, x]), torch.cat([a, a]), torch.cat([timestep, timestep])
+            video_timestep = torch.cat([video_timestep, video_timestep])
         out_video, out_audio = net(
             hidden_states=x,
             audio_hidden_states=a,
             encoder_hidden_states=embeds[0],
             audio_encoder_hidden_states=embeds[1],
-            timestep=timestep,
+            timestep=video_timestep,
+            audio_timestep=timestep,
             sigma=timestep,
             encoder_attention_mask=embeds[2],
             audio_encoder_attention_mask=embeds[2],
@@ -299,7 +325,17 @@ class LTX2Adapter:
         v_audio = self._guided(out_audio, audio, s, scales[1], cfg)
         if v_audio.requires_grad:  # a zero tie: the weights only the audio output reads get a zero gradient
             v_video = v_video + v_audio.sum() * 0.0
-        return torch.cat([v_video.flatten(1), v_audio.detach().flatten(1)], 1)
+        v = torch.cat([v_video.flatten(1), v_audio.detach().flatten(1)], 1)
+        return self.first_frame.velocity(self, v, latents, sigma, cond) if self.first_frame else v
+
+    def _video_timesteps(self, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The video tokens' timesteps: ``timestep`` [B], or with a pinned first frame one per token [B, S], 0 on
+        the frame's tokens, as ``LTX2ImageToVideoPipeline`` makes them (the audio's stay [B])."""
+        if cond.image is None:
+            return timestep
+        keep = torch.ones(self.video_tokens, device=timestep.device)
+        keep[: self.first_tokens] = 0
+        return timestep[:, None] * keep
 
     def training_target(
         self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor

@@ -122,7 +122,7 @@ def refuse_other_variant(config: WanConfig, two: bool, expands: bool, in_channel
         return refuse_pixel_variant(config, first_frame)
     vae = json.loads(vae_file.read_text())
     z_dim, temporal = vae.get("z_dim", 16), vae.get("scale_factor_temporal", 4)
-    wanted = z_dim + (first_frame.channels(z_dim, temporal) if first_frame else 0)
+    wanted = z_dim + (first_frame.channels(z_dim, temporal) if first_frame and not pinned else 0)
     if in_channels != wanted:
         kind = "image-to-video" if first_frame and not first_frame.pinned else "text-to-video"
         raise ValueError(
@@ -192,7 +192,8 @@ class WanAdapter:
         experts = self._load_experts(config, settings, self.first_frame)
         self.scheduler = euler_scheduler(path, config.flow_shift)
         self.vae = load_vae(path, self.dtype)
-        images = self.first_frame.components(path, self.dtype, self.device) if self.first_frame else {}
+        channels = self.first_frame is not None and not self.first_frame.pinned
+        images = self.first_frame.components(path, self.dtype, self.device) if channels else {}
         self.pipeline = self.pipeline_class(
             vae=self.vae,
             scheduler=self.scheduler,
@@ -299,7 +300,7 @@ class WanAdapter:
         pinned first frame's tokens, as the pipelines make them."""
         if not self.expand_timesteps:
             return timestep
-        mask = self.first_frame.first_frame_mask(self, cond) if self.first_frame else None
+        mask = self.first_frame.mask(self, cond) if self.first_frame else None
         if mask is None:
             mask = torch.ones(1, 1, *self.latent_shape[1:], device=self.device)
         return (mask[0][0][:, ::2, ::2].flatten()[None] * timestep[:, None]).contiguous()
@@ -336,6 +337,16 @@ class WanAdapter:
         mean = torch.tensor(self.vae.config.latents_mean).view(shape).to(self.device, dtype)
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(shape).to(self.device, dtype)
         return mean, inv_std
+
+    first_frame_span = (2, 1)
+    """TI2V-5B's pinned first frame (``conditioning.PinnedFirstFrame``): the first latent frame of [B, C, F, h, w]."""
+
+    def first_frame_latents(self, image: torch.Tensor) -> torch.Tensor:
+        """A first frame [B, 3, H, W] in [0, 1] as TI2V-5B pins it: its posterior mean, normalised, [B, C, 1, h, w]."""
+        pixels = (image.to(self.device, torch.float32) * 2 - 1)[:, :, None]
+        latents = self.image_latents(pixels.to(self.vae.dtype)).mode().float()
+        mean, inv_std = self.latent_statistics(torch.float32)
+        return (latents - mean) * inv_std
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Wan's pieces besides its adapter (trainer/models/wan.py): Wan 2.2's two experts as one denoiser, and the
 image-to-video conditioning parts (registry data, ``ModelSpec.parts``): the first frame VAE-encoded with its
-mask as extra input channels (Wan 2.1 I2V also attends to its CLIP embedding; Wan 2.2 TI2V-5B instead pins the
-first latent frame to it)."""
+mask as extra input channels (Wan 2.1 I2V also attends to its CLIP embedding; Wan 2.2 TI2V-5B's pinned frame is the
+shared ``conditioning.PINNED_FIRST_FRAME``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
-from trainer.models.inputs import require_image_input
+from trainer.models.inputs import VIDEO_SIZE, require_image_input
 
 
 class WanExperts(nn.Module):
@@ -127,34 +127,27 @@ class WanExperts(nn.Module):
 @dataclass(frozen=True)
 class FirstFrame:
     """The first frame (``ImageInputs.image`` [B, 3, H, W] at the video's size), and optionally the last
-    (``ImageInputs.last_image``), as ``WanImageToVideoPipeline`` conditions on them. Channels (Wan 2.1 I2V and
-    FLF2V, 2.2 I2V A14B): the video [first, zeros..., last] VAE-encoded (posterior mean, where the pipeline takes
-    the mode too) and normalised, after a mask of ``vae_scale_factor_temporal`` channels that is 1 on the given
-    frames, concatenated to the latents at every forward; with an image encoder (2.1) the frames' CLIP hidden
-    states (second to last layer) as ``encoder_hidden_states_image``: one frame's for I2V, both frames' for FLF2V
-    (whose transformer has ``pos_embed_seq_len``). ``pinned`` (Wan 2.2 TI2V-5B, ``expand_timesteps``): the first
-    frame's latents replace the first latent frame of the transformer's input at timestep 0, and the prediction
-    keeps that frame on its known trajectory (``flow.inpaint_velocity``), so the final latents hold it as the
-    pipeline's output does; ``optional``: without an image the model generates from text alone."""
+    (``ImageInputs.last_image``), as ``WanImageToVideoPipeline`` conditions on them (Wan 2.1 I2V and FLF2V, 2.2 I2V
+    A14B): the video [first, zeros..., last] VAE-encoded (posterior mean, where the pipeline takes the mode too) and
+    normalised, after a mask of ``vae_scale_factor_temporal`` channels that is 1 on the given frames, concatenated
+    to the latents at every forward; with an image encoder (2.1) the frames' CLIP hidden states (second to last
+    layer) as ``encoder_hidden_states_image``: one frame's for I2V, both frames' for FLF2V (whose transformer has
+    ``pos_embed_seq_len``). Wan 2.2 TI2V-5B pins its first frame instead (``conditioning.PINNED_FIRST_FRAME``)."""
 
-    pinned: bool = False
-    optional: bool = False
+    pinned = False
     fields = ("image", "last_image")
+    reads_trajectory = False
     encodes_text = False
-
-    @property
-    def reads_trajectory(self) -> bool:
-        return self.pinned
 
     def channels(self, z_dim: int, temporal: int) -> int:
         """Input channels it adds to the transformer's."""
-        return 0 if self.pinned else temporal + z_dim
+        return temporal + z_dim
 
     def components(self, path: Path, dtype: torch.dtype, device: torch.device) -> dict:
         """The pipeline's ``image_encoder`` (CLIPVisionModel) and ``image_processor`` where the folder has them."""
         from transformers import CLIPImageProcessor, CLIPVisionModel
 
-        if self.pinned or not (path / "image_encoder").is_dir():
+        if not (path / "image_encoder").is_dir():
             return {}
         encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", torch_dtype=dtype).to(device)
         processor = CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
@@ -162,25 +155,22 @@ class FirstFrame:
 
     @torch.no_grad()
     def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
-        """``image``: the condition channels [B, 4 + C, F, h, w] (``pinned``: the frame's latents [B, C, 1, h, w]);
-        ``image_embeds`` (an entry of ``Conditioning.embeds``): the frames' CLIP hidden states [B, N, D] (FLF2V:
-        the first's and the last's tokens one after the other, [B, 2N, D]), with an image encoder."""
-        if self.optional and (inputs is None or (inputs.image is None and inputs.last_image is None)):
-            return {}
+        """``image``: the condition channels [B, 4 + C, F, h, w]; ``image_embeds`` (an entry of
+        ``Conditioning.embeds``): the frames' CLIP hidden states [B, N, D] (FLF2V: the first's and the last's tokens
+        one after the other, [B, 2N, D]), with an image encoder."""
         size = (adapter.height, adapter.width)
         last = self.last_frame(adapter, batch_size, inputs)
         because = "it generates the video from that first frame"
-        image = require_image_input(adapter.config.name, inputs, "image", batch_size, 3, size, because=because)
+        image = require_image_input(
+            adapter.config.name, inputs, "image", batch_size, 3, size, because=because, sized_by=VIDEO_SIZE
+        )
         frames = [image] if last is None else [image, last]
         pixels = torch.stack([f.to(adapter.device, torch.float32) * 2 - 1 for f in frames], dim=2)
-        if not self.pinned:
-            zeros = pixels.new_zeros(batch_size, 3, adapter.frames - len(frames), *size)
-            pixels = torch.cat([pixels[:, :, :1], zeros, pixels[:, :, 1:]], dim=2)
+        zeros = pixels.new_zeros(batch_size, 3, adapter.frames - len(frames), *size)
+        pixels = torch.cat([pixels[:, :, :1], zeros, pixels[:, :, 1:]], dim=2)
         latents = adapter.image_latents(pixels.to(adapter.vae.dtype)).mode().float()
         mean, inv_std = adapter.latent_statistics(torch.float32)
         latents = (latents - mean) * inv_std
-        if self.pinned:
-            return {"image": latents}
         temporal = adapter.pipeline.vae_scale_factor_temporal
         mask = latents.new_zeros(batch_size, temporal, *latents.shape[2:])
         mask[:, :, 0] = 1  # the first pixel frame fills the first latent frame's channels
@@ -193,8 +183,8 @@ class FirstFrame:
 
     def last_frame(self, adapter, batch_size: int, inputs: ImageInputs | None) -> torch.Tensor | None:
         """``inputs.last_image`` checked against the first frame and the model (None without one), or a ValueError
-        naming the fix: TI2V-5B pins a first frame only; a Wan 2.1 FLF2V transformer needs both frames' CLIP
-        tokens and an I2V one takes one frame's."""
+        naming the fix: a Wan 2.1 FLF2V transformer needs both frames' CLIP tokens and an I2V one takes one
+        frame's."""
         name, last = adapter.config.name, None if inputs is None else inputs.last_image
         paired = clip_pairs(adapter)
         if last is None:
@@ -205,11 +195,6 @@ class FirstFrame:
                     "[image, last_image])"
                 )
             return None
-        if self.pinned:
-            raise ValueError(
-                f"the {name} adapter pins only a first frame (Wan 2.2 TI2V-5B has no last-frame conditioning): "
-                "drop ImageInputs.last_image, or use wan_i2v / wan22_i2v for a first and last frame"
-            )
         if inputs.image is None:
             raise ValueError(
                 "ImageInputs.last_image needs ImageInputs.image: a first-last-frame video starts from a first frame"
@@ -227,27 +212,13 @@ class FirstFrame:
                 "frame's CLIP tokens (no pos_embed_seq_len): point model.path at a Wan 2.1 FLF2V checkpoint for a "
                 "first and last frame, or drop ImageInputs.last_image"
             )
-        return require_image_input(name, inputs, "last_image", batch_size, 3, (adapter.height, adapter.width))
-
-    def first_frame_mask(self, adapter, cond: Conditioning) -> torch.Tensor | None:
-        """``pinned`` with a frame: [1, 1, F, h, w], 0 on the first latent frame and 1 elsewhere, else None."""
-        if not self.pinned or cond.image is None:
-            return None
-        mask = torch.ones(1, 1, *adapter.latent_shape[1:], device=adapter.device)
-        mask[:, :, 0] = 0
-        return mask
+        size = (adapter.height, adapter.width)
+        return require_image_input(name, inputs, "last_image", batch_size, 3, size, sized_by=VIDEO_SIZE)
 
     def join(self, adapter, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
         """The transformer's input (float32) and extra forward arguments, as the pipeline builds them."""
         if cond.image is None:
-            if not self.optional:
-                raise ValueError(
-                    f"{adapter.config.name} needs Conditioning.image: encode prompts with ImageInputs.image"
-                )
-            return latents, {}
-        if self.pinned:
-            mask = self.first_frame_mask(adapter, cond)
-            return (1 - mask) * cond.image + mask * latents, {}
+            raise ValueError(f"{adapter.config.name} needs Conditioning.image: encode prompts with ImageInputs.image")
         extra = {}
         if "image_embeds" in cond.embeds:
             tokens = cond.embeds["image_embeds"].to(adapter.dtype)
@@ -257,14 +228,8 @@ class FirstFrame:
         return torch.cat([latents, cond.image], dim=1), extra
 
     def velocity(self, adapter, v: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
-        """``pinned``: the first latent frame follows its known trajectory (ending at the frame's latents)."""
-        from trainer.models.flow import inpaint_velocity
-
-        mask = self.first_frame_mask(adapter, cond)
-        if mask is None:
-            return v
-        known = cond.image.expand_as(latents)
-        return inpaint_velocity(v, latents, sigma, known, mask.expand_as(latents), cond.noise, cond.schedule)
+        """The network's velocity: the condition channels are input only."""
+        return v
 
 
 def clip_pairs(adapter) -> int | None:
@@ -300,5 +265,3 @@ def clip_hidden_states(pipeline, image: torch.Tensor, last: torch.Tensor | None 
 
 FIRST_FRAME = FirstFrame()
 """Wan 2.1 I2V and Wan 2.2 I2V A14B: the first frame as condition channels (and CLIP tokens where 2.1 has them)."""
-PINNED_FIRST_FRAME = FirstFrame(pinned=True, optional=True)
-"""Wan 2.2 TI2V-5B: an optional first frame pinned as the first latent frame."""
