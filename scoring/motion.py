@@ -31,3 +31,19 @@ def direction_margins(mean_steps: np.ndarray, directions: list[str]) -> np.ndarr
     along = (mean_steps * unit).sum(1)
     across = np.abs(mean_steps[:, 0] * unit[:, 1] - mean_steps[:, 1] * unit[:, 0])
     return along - across
+
+
+SPEED = 1.0
+"""Pixels a frame of the named motion (the task's clips move one pixel a frame): the score's midpoint is half of it."""
+SCALE = 0.25
+"""Pixels a frame that move the score from sigmoid(0) to sigmoid(1)."""
+
+
+def motion_scores(steps: np.ndarray, directions: list[str]) -> np.ndarray:
+    """[B] in (0, 1): sigmoid((margin - spread / 4 - SPEED / 2) / SCALE) of per-frame centroid steps [B, F-1, 2],
+    ``spread`` their mean distance from their mean. The named motion at SPEED, steady, scores 0.88, a still clip
+    0.12, sideways or the wrong way less: the optimum is the named motion, not holding still."""
+    mean = steps.mean(axis=1)
+    spread = np.linalg.norm(steps - mean[:, None], axis=-1).mean(axis=1)
+    effective = direction_margins(mean, directions) - spread / 4 - SPEED / 2
+    return 1.0 / (1.0 + np.exp(-effective / SCALE))

@@ -1,13 +1,12 @@
 """``motion``: whether a video's subject moves in the direction its prompt names, steadily (the embedded video task).
 
 The subject is the ink (bright pixels, grey levels averaged over channels) and its path the ink centroid per frame.
-Direction term: ``sigmoid(margin / MARGIN_SCALE)`` where ``margin`` is the mean per-frame step along the named
-direction less its size across it (pixels a frame; > 0: it moves that way more than any other way; 0.5 for a still
-clip). Smoothness term: ``exp(-spread)`` with ``spread`` the mean distance of the per-frame steps from their mean (1
-for a constant velocity). The score is their product. Direction: the last of left / right / up / down in the
-prompt, else ``metadata["direction"]``; none is a PARSE error, never a score of 0. An own metric (the embedded
-task's; the trainer's ``direction_accuracy`` is ``margin > 0``, the same rule: scoring/motion.py). Details: margin,
-spread, the steps.
+Score: ``sigmoid((margin - spread / 4 - SPEED / 2) / SCALE)`` (scoring/motion.py), ``margin`` the mean per-frame step
+along the named direction less its size across it (pixels a frame), ``spread`` the steps' mean distance from their
+mean. Its optimum is the named motion: one pixel a frame, steady, scores 0.88; a still clip 0.12; the wrong way,
+sideways or wobbling less. Direction: the last of left / right / up / down in the prompt, else
+``metadata["direction"]``; none is a PARSE error, never a score of 0. An own metric (the embedded task's; the trainer's
+``direction_accuracy`` is ``margin > 0``, the same rule: scoring/motion.py). Details: margin, spread, the steps.
 """
 
 from __future__ import annotations
@@ -18,11 +17,9 @@ from typing import Any
 import numpy as np
 
 from reward_server.scorers.base import ScoreOutcome
-from scoring.motion import DIRECTIONS, centroid_paths, direction_margins
+from scoring.motion import DIRECTIONS, centroid_paths, direction_margins, motion_scores
 from shared.protocol import ErrorCode
 
-MARGIN_SCALE = 0.5
-"""Pixels a frame that move the direction term from 0.5 to sigmoid(1) = 0.73."""
 _DIRECTION = re.compile(r"\b(left|right|up|down)\b", re.IGNORECASE)
 
 
@@ -41,13 +38,13 @@ def centroid_path(video: np.ndarray) -> np.ndarray:
 
 
 class MotionScorer:
-    """Direction (centroid margin along the prompt's direction, squashed) times smoothness (steady steps)."""
+    """The centroid's margin along the prompt's direction less a quarter of its wobble and half the speed, squashed."""
 
     name = "motion"
     description = "the ink centroid moves the prompt's way (left/right/up/down), steadily; the embedded video task's"
     score_range = (0.0, 1.0)
     modality = "video"
-    version = "motion-centroid-v1"
+    version = "motion-centroid-v2"
 
     def load(self) -> None:
         self.score([np.zeros((2, 16, 16, 1), np.uint8)], ["moving up"], [{}])
@@ -71,6 +68,6 @@ class MotionScorer:
         mean = steps.mean(axis=0)
         margin = float(direction_margins(mean[None], [direction])[0])
         spread = float(np.linalg.norm(steps - mean, axis=1).mean())
-        score = float(1.0 / (1.0 + np.exp(-margin / MARGIN_SCALE)) * np.exp(-spread))
+        score = float(motion_scores(steps[None], [direction])[0])
         details = {"direction": direction, "margin": float(margin), "spread": spread, "steps": steps.round(4).tolist()}
         return ScoreOutcome(score=score, details=details)

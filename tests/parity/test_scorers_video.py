@@ -49,7 +49,7 @@ def test_temporal_consistency_is_the_mean_consecutive_clip_cosine(tmp_path: Path
 
 def _plain_motion(video: np.ndarray, direction: str) -> float:
     """The definition, written plainly with torch: centroid of grey ink per frame, steps, margin along the direction
-    less the size across it, sigmoid(margin / 0.5) x exp(-mean distance of the steps from their mean)."""
+    less the size across it, a quarter of the steps' spread about their mean and half a pixel; over 0.25, squashed."""
     ink = torch.from_numpy(video).double().mean(-1) / 255
     ys, xs = torch.meshgrid(torch.arange(ink.shape[1]).double(), torch.arange(ink.shape[2]).double(), indexing="ij")
     path = torch.stack([(ink * xs).sum((1, 2)) / ink.sum((1, 2)), (ink * ys).sum((1, 2)) / ink.sum((1, 2))], 1)
@@ -58,15 +58,16 @@ def _plain_motion(video: np.ndarray, direction: str) -> float:
     unit = torch.tensor({"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[direction]).double()
     across = torch.tensor([-unit[1], unit[0]])
     margin = mean @ unit - (mean @ across).abs()
-    return (torch.sigmoid(margin / 0.5) * torch.exp(-(steps - mean).norm(dim=1).mean())).item()
+    spread = (steps - mean).norm(dim=1).mean()
+    return torch.sigmoid((margin - spread / 4 - 0.5) / 0.25).item()
 
 
 @transcribes(
     "scorer:motion",
-    own="our metric for the embedded video task (the ink centroid moves the prompt's way, steadily); no published "
-    "reward scores a direction of motion",
+    own="our metric for the embedded video task (the ink centroid moves the prompt's way at a pixel a frame, "
+    "steadily); no published reward scores a direction of motion",
 )
-def test_motion_is_the_centroid_margin_times_steadiness() -> None:
+def test_motion_is_the_centroid_margin_less_wobble_squashed() -> None:
     rng = np.random.default_rng(5)
     videos = [rng.integers(1, 256, (5, 16, 16, c), dtype=np.uint8) for c in (1, 3, 1, 1)]
     prompts = ["a digit 7 moving right", "moving up", "a handwritten digit 2 moving left", "a digit 1 moving down"]

@@ -11,7 +11,7 @@ from reward_server.scorers import SCORERS, run_scorer
 from scoring.motion import centroid_paths, direction_margins
 from shared.protocol import ErrorCode
 from trainer.data import build_task, training_items
-from trainer.data.moving_digits import DIRECTIONS, MovingDigitsTask, moving_clip, parse_prompt
+from trainer.data.moving_digits import DIRECTIONS, MovingDigitsTask, moving_clip, parse_prompt, translate
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_trainer_direction_metric_agrees_with_the_motion_scorer(task):
     ]
     assert np.array_equal(np.array(ours) == 1.0, margins > 0)
     assert 0 < (margins > 0).sum() < len(prompts)
-    right = [o.score for o, m in zip(outcomes, margins, strict=True) if m > 0.5]
-    assert min(right) > 0.5 > max(o.score for o, m in zip(outcomes, margins, strict=True) if m < -0.5)
+    spreads = np.array([o.details["spread"] for o in outcomes])
+    assert np.array_equal(np.array([o.score for o in outcomes]) > 0.5, margins - spreads / 4 > 0.5)
 
 
 def test_motion_scorer_direction_from_metadata_and_none_is_a_parse_error():
@@ -95,9 +95,27 @@ def test_motion_scorer_direction_from_metadata_and_none_is_a_parse_error():
             {},
         ],
     )
-    assert up.score == pytest.approx(1 / (1 + np.exp(-2.0)))  # 1 px a frame, steady: sigmoid(1 / 0.5) x 1
+    assert up.score == pytest.approx(1 / (1 + np.exp(-2.0)))  # 1 px a frame, steady: sigmoid((1 - 0.5) / 0.25)
     assert none.error == ErrorCode.PARSE
     assert frame.error == ErrorCode.BAD_INPUT
+
+
+def test_motion_scores_the_named_motion_highest_and_a_still_clip_low():
+    """The named motion (one pixel a frame) beats a halting one, which beats a still clip, which beats sideways or the
+    wrong way: the score has no still-clip optimum."""
+    image = torch.zeros(1, 16, 16)
+    image[0, 5:11, 6:10] = 1.0
+    clips = [moving_clip(image, d, 5) for d in ("right", "up", "left")] + [image.expand(5, 1, 16, 16)]
+    wobble = torch.stack([translate(image[0], dx, 0)[None] for dx in (0, 1, 1, 2, 2)])
+    scores = [
+        o.score
+        for o in run_scorer(
+            SCORERS["motion"](), uint8_frames(torch.stack([*clips, wobble])), ["moving right"] * 5, [{}] * 5
+        )
+    ]
+    named, sideways, wrong, still, halting = scores
+    assert named > 0.85 and still < 0.15 and max(sideways, wrong) < 0.01
+    assert still < halting < named
 
 
 def test_data_path_is_refused_naming_the_fix():
