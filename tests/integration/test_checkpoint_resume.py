@@ -70,9 +70,9 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_mo
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        if metrics.is_file() and any(
-            json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= kill_after
-            for line in metrics.read_text().splitlines()
+        done = metrics.read_text().rpartition("\n")[0] if metrics.is_file() else ""  # whole lines: one may be mid-write
+        if any(
+            json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= kill_after for line in done.splitlines()
         ):
             break
         assert victim.poll() is None, "the run ended before it could be killed"

@@ -203,6 +203,10 @@ def test_a_resume_hides_the_redone_steps_in_tensorboard(tmp_path):
         if epoch == 2:
             logger.log(2, "checkpoint", {"warmup_steps_done": 4})
     logger.close()
+    # A writer's file is named by the second, then a process-wide count as text: two writers of one process in one
+    # second sort "...9" after "...10", and the reader would take the resumed one for the first. A resumed process
+    # writes in a later second than the one it resumes.
+    time.sleep(1 - time.time() % 1)
     logger = RunLogger(tmp_path, enabled=True, tensorboard=True)
     logger.truncate(4, 2)
     logger.log(3, "rl", {"reward_mean": 0.9})
