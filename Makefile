@@ -86,7 +86,7 @@ TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 PYTEST_TIER = status=0; $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(1) $(ARGS) || status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest: no test of this tier selected"; else exit $$status; fi
 
-test: $(STAMP) system-deps  ## the default tier (~9 min on 2 AVX-512 cores; tests marked slow or gpu excluded)
+test: $(STAMP) system-deps  ## the default tier (~8 min on 2 AVX-512 cores; tests marked slow or gpu excluded)
 	@$(call PYTEST_TIER,)
 
 test-slow: $(STAMP) system-deps  ## the slow tier alone (~18 min on 2 AVX-512 cores)
