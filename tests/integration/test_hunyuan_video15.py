@@ -203,7 +203,7 @@ def test_the_first_frame_is_the_pipelines_condition_and_siglip_tokens(i2v):
     attends to them)."""
     from PIL import Image
 
-    from trainer.models.hunyuan_video15_parts import as_8bit
+    from trainer.models.inputs import as_8bit
 
     frames = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     cond = i2v.encode_prompts(PROMPTS, ImageInputs(image=frames))

@@ -13,17 +13,12 @@ from pathlib import Path
 import torch
 
 from trainer.models.base import ImageInputs
-from trainer.models.inputs import VIDEO_SIZE, require_image_input
+from trainer.models.inputs import VIDEO_SIZE, as_8bit, require_image_input
 from trainer.models.latents import LATENT_INDEX, PRECOMPUTE_LATENTS, LatentStore, vae_input_key
 from trainer.models.stores import hash_files, index_to_extend, read_index
 
 TOKENS = "image_embeds"
 """The subfolder of a ``model.image_latents`` store that holds the first frames' SigLIP tokens."""
-
-
-def as_8bit(image: torch.Tensor) -> torch.Tensor:
-    """[B, 3, H, W] in [0, 1] -> uint8 [B, H, W, 3] on the host: the pictures a user hands the pipeline."""
-    return (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ VIDEO_SIZE = "model.height x model.width"
 ``sized_by`` for video models."""
 
 
+def as_8bit(image: torch.Tensor) -> torch.Tensor:
+    """[B, 3, H, W] in [0, 1] -> uint8 [B, H, W, 3] on the host: the pictures a user hands a pipeline whose image
+    encoder preprocesses them itself (Wan's CLIP, HunyuanVideo 1.5's SigLIP)."""
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
 def reject_image_inputs(
     model: str, inputs: ImageInputs | None, allowed: Sequence[str] = (), kind: str = "text-to-image"
 ) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from trainer.models.base import Conditioning, ImageInputs
-from trainer.models.inputs import VIDEO_SIZE, require_image_input
+from trainer.models.inputs import VIDEO_SIZE, as_8bit, require_image_input
 
 
 class WanExperts(nn.Module):
@@ -248,10 +248,7 @@ def clip_hidden_states(pipeline, image: torch.Tensor, last: torch.Tensor | None 
 
     from trainer.models.latents import vae_input_key
 
-    def pictures(x: torch.Tensor) -> torch.Tensor:
-        return (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
-
-    rows_of = [pictures(image)] if last is None else [pictures(image), pictures(last)]
+    rows_of = [as_8bit(image)] if last is None else [as_8bit(image), as_8bit(last)]
     seen: dict[str, torch.Tensor] = {}
     rows = []
     for row in zip(*rows_of, strict=True):
