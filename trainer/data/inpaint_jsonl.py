@@ -33,25 +33,28 @@ def read_inpaint_jsonl(path: str, image_size: int, image_inputs: Sequence[str] =
         where = f"{file}:{number}"
         image = resolve(file.parent, record.get("image_path"), "image_path", where)
         mask = resolve(file.parent, record.get("mask_path"), "mask_path", where)
-        check_mask(mask, image_size_of(image, where), image_size, where)
-        last = last_frame(file, record, image, where, first=items[0] if items else None)
+        size = image_size_of(image, where)
+        check_mask(mask, size, image_size, where)
+        last = last_frame(file, record, (image, size), where, first=items[0] if items else None)
         extra = {k: v for k, v in record.items() if k not in NOT_METADATA}
         items.append(ImageItem(record["prompt"], where, image=image, mask=mask, last_image=last, metadata=extra))
     return ImageTask(items, image_size, str(file), image_inputs=image_inputs)
 
 
-def last_frame(file: Path, record: dict, image: Path, where: str, first: ImageItem | None) -> Path | None:
+def last_frame(
+    file: Path, record: dict, image: tuple[Path, tuple[int, int]], where: str, first: ImageItem | None
+) -> Path | None:
     """The row's ``last_image_path`` (None without one), checked: present in every row or none (as in the first
-    row), at its image's size."""
+    row), at the size of its ``image`` (path, size)."""
     value = record.get("last_image_path")
     last = None if value is None else resolve(file.parent, value, "last_image_path", where)
     if first is not None and (first.last_image is None) != (last is None):
         has = "has" if first.last_image is not None else "has no"
         raise ValueError(f'{where}: the first row {has} "last_image_path"; give it in every row or in none')
-    if last is not None and (size := image_size_of(last, where)) != (first_size := image_size_of(image, where)):
-        (w, h), (iw, ih) = size, first_size
+    if last is not None and (size := image_size_of(last, where)) != image[1]:
+        (w, h), (iw, ih) = size, image[1]
         raise ValueError(
-            f"{where}: last image {last} is {w}x{h} but its first frame {image} is {iw}x{ih}; they must be the "
+            f"{where}: last image {last} is {w}x{h} but its first frame {image[0]} is {iw}x{ih}; they must be the "
             "same size"
         )
     return last
