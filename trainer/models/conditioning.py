@@ -106,6 +106,14 @@ class PinnedFirstFrame:
     reads_trajectory = True
     encodes_text = False
 
+    def channels(self, z_dim: int, temporal: int) -> int:
+        """Input channels it adds to the transformer's: none (the frame replaces latents)."""
+        return 0
+
+    def components(self, path, dtype: torch.dtype, device: torch.device) -> dict:
+        """Pipeline components it needs beyond the VAE: none."""
+        return {}
+
     @torch.no_grad()
     def encode(self, adapter, batch_size: int, inputs: ImageInputs | None) -> dict[str, torch.Tensor]:
         """``image``: the frame's latents, float32; nothing without a frame."""

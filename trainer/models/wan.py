@@ -122,7 +122,7 @@ def refuse_other_variant(config: WanConfig, two: bool, expands: bool, in_channel
         return refuse_pixel_variant(config, first_frame)
     vae = json.loads(vae_file.read_text())
     z_dim, temporal = vae.get("z_dim", 16), vae.get("scale_factor_temporal", 4)
-    wanted = z_dim + (first_frame.channels(z_dim, temporal) if first_frame and not pinned else 0)
+    wanted = z_dim + (first_frame.channels(z_dim, temporal) if first_frame else 0)
     if in_channels != wanted:
         kind = "image-to-video" if first_frame and not first_frame.pinned else "text-to-video"
         raise ValueError(
@@ -192,8 +192,7 @@ class WanAdapter:
         experts = self._load_experts(config, settings, self.first_frame)
         self.scheduler = euler_scheduler(path, config.flow_shift)
         self.vae = load_vae(path, self.dtype)
-        channels = self.first_frame is not None and not self.first_frame.pinned
-        images = self.first_frame.components(path, self.dtype, self.device) if channels else {}
+        images = self.first_frame.components(path, self.dtype, self.device) if self.first_frame else {}
         self.pipeline = self.pipeline_class(
             vae=self.vae,
             scheduler=self.scheduler,
