@@ -12,7 +12,7 @@ import pytest
 import tiny_models as testing
 import torch
 from tiny_models import tiny_config
-from tiny_models.wan import CLIP_TOKENS, flf2v_config
+from tiny_models.wan import CLIP_TOKENS
 
 from trainer import precompute
 from trainer.models import build_adapter
@@ -31,7 +31,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def flf2v(root):
-    adapter = build_adapter(flf2v_config(root, dtype="float32"), "cpu")
+    adapter = build_adapter(tiny_config("wan_i2v+last", root, dtype="float32"), "cpu")
     adapter.pipeline.set_progress_bar_config(disable=True)
     return adapter
 
