@@ -85,9 +85,9 @@ def _queue_position(item: pytest.Item) -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Conformance cases of adapters whose ``TinySpec.slow_dtype_cases`` is set go to the slow tier on the CPU
-    in reduced precision; tests marked ``gpu`` skip, saying why, where CUDA is missing (deselected by default).
-    Sets the order of a few tests (below)."""
+    """Conformance cases of adapters whose ``TinySpec.slow_dtype_cases`` is set (and their ``+ip`` and other
+    variants) go to the slow tier on the CPU in reduced precision; tests marked ``gpu`` skip, saying why, where
+    CUDA is missing (deselected by default). Sets the order of a few tests (below)."""
     conformance = [item for item in items if "test_adapter_conformance" in item.nodeid]
     slow_dtypes = set()
     if conformance:
@@ -96,7 +96,7 @@ def pytest_collection_modifyitems(config, items):
         slow_dtypes = {name for name in TINY_NAMES if tiny(name).slow_dtype_cases}
     for item in conformance:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        case = str(params.get("adapter", params.get("name", ""))).removesuffix("+ip")
+        case = str(params.get("case", params.get("name", ""))).partition("+")[0]  # a variant's: its adapter's
         target = getattr(params.get("target"), "device", None), getattr(params.get("target"), "dtype", None)
         if case in slow_dtypes and target[0] == "cpu" and target[1] != "float32":
             item.add_marker(pytest.mark.slow)

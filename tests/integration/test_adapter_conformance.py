@@ -21,6 +21,10 @@ and trainable, random weights loaded from a file, one style image per batch) run
 for them mode "full" is the IP-Adapter alone on a frozen base. diffusers has no IP-Adapter for Qwen-Image
 and its FluxFillPipeline takes none, so (a) covers ``flux+ip`` only.
 
+The variants that a tiny spec declares (``TinySpec.variants``: other inputs, or another checkpoint the adapter
+loads) run through the same suite as cases of their own, with no registry name: ``wan_i2v+last`` (a tiny Wan 2.1
+FLF2V) and ``wan22_i2v+last`` take a first and a last frame, as ``WanImageToVideoPipeline(image=, last_image=)``.
+
 Each adapter's tiny model and test facts (guidance, image inputs, how its pipeline is called) come from its
 family's module in tests/tiny_models by registry name (``testing.tiny(name)``, a ``TinySpec``): a registered
 adapter with a tiny model is picked up here with nothing to add.
@@ -74,7 +78,9 @@ from trainer.samplers import standard_normal
 NAMES = sorted(MODELS)
 IP_CASES = {f"{name}+ip": name for name in NAMES if name in TINY_NAMES and tiny(name).ip_adapter}
 """IP-Adapter configurations: case -> adapter name."""
-CASES = NAMES + sorted(IP_CASES)
+VARIANT_CASES = [case for name in NAMES if name in TINY_NAMES for case in testing.variant_cases(name)]
+"""The variants the tiny specs declare (``TinySpec.variants``): ``wan_i2v+last``, a first and a last frame."""
+CASES = NAMES + sorted(IP_CASES) + VARIANT_CASES
 PARITY_CASES = [c for c in CASES if c not in IP_CASES or tiny(IP_CASES[c]).ip_pipeline]
 PROMPTS = ["a photo of a cat", "the digit five"]
 NUM_STEPS = 3
@@ -159,16 +165,17 @@ def shared_adapters() -> dict[str, object]:
 
 
 @pytest.fixture
-def adapter(request, model_root, shared_adapters, target):
-    """A LoRA-free adapter on ``target``, shared by the read-only tests (indirect parameter: the case)."""
-    key = (request.param, target)
+def adapter(case, model_root, shared_adapters, target):
+    """The LoRA-free adapter of ``case`` on ``target``, shared by the read-only tests."""
+    key = (case, target)
     if key not in shared_adapters:
-        shared_adapters[key] = make_adapter(request.param, model_root, target)
+        shared_adapters[key] = make_adapter(case, model_root, target)
     return shared_adapters[key]
 
 
-def image_inputs(adapter, seed: int = 0) -> ImageInputs | None:
-    return testing.image_inputs(adapter, len(PROMPTS), seed)
+def image_inputs(adapter, case: str, seed: int = 0, batch_size: int = len(PROMPTS)) -> ImageInputs | None:
+    """Random image inputs of ``case`` (an IP-Adapter case's are its adapter's, a style image added)."""
+    return testing.image_inputs(adapter, batch_size, seed, case=IP_CASES.get(case, case))
 
 
 def settings(adapter, noise_level: float) -> SamplerSettings:
@@ -177,9 +184,9 @@ def settings(adapter, noise_level: float) -> SamplerSettings:
 
 
 # --- (a) parity with diffusers ------------------------------------------------------------------------
-@pytest.mark.parametrize("adapter", PARITY_CASES, indirect=True)
-def test_rollout_at_noise_zero_equals_pipeline(adapter, target):
-    inputs = image_inputs(adapter)
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_rollout_at_noise_zero_equals_pipeline(adapter, case, target):
+    inputs = image_inputs(adapter, case)
     ro = rollout(
         adapter,
         adapter.denoiser,
@@ -217,7 +224,7 @@ def test_ddim_rollout_at_noise_zero_equals_pipeline_with_any_timestep_spacing(sp
     target = Target("cpu", "float32", 1e-4, 1e-5)
     adapter = build_adapter(dataclasses.replace(config, path=path), "cpu")
     adapter.pipeline.set_progress_bar_config(disable=True)
-    inputs = image_inputs(adapter)
+    inputs = image_inputs(adapter, "sd15_inpaint")
     ro = rollout(
         adapter,
         adapter.denoiser,
@@ -248,8 +255,8 @@ def test_sd3_rollout_at_noise_zero_equals_pipeline_with_dynamic_shifting(model_r
 
 
 # --- (b) on-policy ratio ------------------------------------------------------------------------------
-@pytest.mark.parametrize("adapter", CASES, indirect=True)
-def test_on_policy_ratio_is_exactly_one(adapter, target):
+@pytest.mark.parametrize("case", CASES)
+def test_on_policy_ratio_is_exactly_one(adapter, case, target):
     ro = rollout(
         adapter,
         adapter.denoiser,
@@ -257,7 +264,7 @@ def test_on_policy_ratio_is_exactly_one(adapter, target):
         torch.arange(len(PROMPTS)),
         settings(adapter, 1.0),
         target.generator(1),
-        image_inputs(adapter),
+        image_inputs(adapter, case),
     )
     step = adapter.step_function(ro.kind, ro.sigmas)
     batch = len(PROMPTS)
@@ -271,7 +278,7 @@ def test_on_policy_ratio_is_exactly_one(adapter, target):
             assert torch.equal(torch.exp(log_prob - ro.log_probs[:, i]), torch.ones(batch, device=log_prob.device))
 
 
-@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+@pytest.mark.parametrize("case", NAMES)
 @per_device
 def test_compiled_blocks_are_the_repeated_blocks(adapter, target):
     """model.compile=blocks finds each adapter's repeated blocks with no declaration: every block FSDP shards
@@ -337,7 +344,7 @@ def test_on_policy_ratio_with_compiled_blocks(case, backend, model_root, target)
         torch.zeros(2, dtype=torch.long),
         settings(adapter, 1.0),
         target.generator(1),
-        image_inputs(adapter),
+        image_inputs(adapter, case),
     )
     step = adapter.step_function(ro.kind, ro.sigmas)
     adapter.denoiser.train()
@@ -406,7 +413,7 @@ def _train_step(adapter, losses) -> None:
 def test_grpo_sft_and_dpo_steps_change_only_trainable_parameters(name, mode, model_root, target):
     lora = LoraSettings(rank=4, alpha=4) if mode == "lora" else None
     adapter = make_adapter(name, model_root, target, lora=lora)
-    inputs = image_inputs(adapter)
+    inputs = image_inputs(adapter, name)
     prompts = [PROMPTS[0]] * 2
     ro = rollout(
         adapter,
@@ -494,7 +501,7 @@ def test_lora_and_ip_weights_train_in_float32(name, model_root, target):
         torch.zeros(2, dtype=torch.long),
         settings(adapter, 1.0),
         target.generator(2),
-        image_inputs(adapter),
+        image_inputs(adapter, name),
     )
     algorithm = GRPO(GRPOConfig(group_size=2, sampler=settings(adapter, 1.0)))
     rewards = torch.tensor([0.0, 1.0])
@@ -529,7 +536,7 @@ def test_gradient_checkpointing_computes_the_forward_the_rollout_computes(name, 
         for name_, p in adapter.denoiser.named_parameters():
             if "lora_B" in name_:  # B = 0 would leave LoRA out of both forwards
                 p.normal_(0, 0.02)
-    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
+    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter, name))
     x = adapter.prepare_latents(len(PROMPTS), torch.Generator().manual_seed(3))
     sigma = adapter.sigmas(NUM_STEPS)[:2]  # rows at two noise levels: a denoiser that routes by them runs all
     adapter.denoiser.train()  # as the trainer's updates run it
@@ -577,7 +584,7 @@ def test_lora_and_ip_layers_compute_in_the_model_dtype(name, model_root, target)
         for name_, p in adapter.denoiser.named_parameters():
             if "lora_B" in name_:
                 p.copy_(0.2 * standard_normal(p.shape, target.generator(8), p.device))
-    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
+    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter, name))
     x = adapter.prepare_latents(len(PROMPTS), target.generator(1)).requires_grad_()  # a backward with LoRA off
     sigma = torch.full((len(PROMPTS),), 0.6, device=x.device)
     counts, outs = {}, {}
@@ -607,7 +614,7 @@ def test_attention_auto_probes_the_cuda_kernels_and_sets_a_passing_one(name, mod
     adapter = build_adapter(tiny_config(name, model_root, dtype="bfloat16"), "cuda")
     try:
         choice = attention_for_run(
-            adapter, "auto", adapter.encode_prompts(PROMPTS[:1], image_inputs(adapter)), settings(adapter, 1.0)
+            adapter, "auto", adapter.encode_prompts(PROMPTS[:1], image_inputs(adapter, name)), settings(adapter, 1.0)
         )
         print(f"\n{name}: {choice.summary()}")
         assert [v.kernel for v in choice.verdicts] == list(CUDA_CANDIDATES)
@@ -639,7 +646,7 @@ def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target
     trained.trainable.save(str(tmp_path / "ckpt"))
     fresh = make_adapter(name, model_root, target, lora=lora)
 
-    cond = trained.encode_prompts(PROMPTS, image_inputs(trained))
+    cond = trained.encode_prompts(PROMPTS, image_inputs(trained, name))
     x = trained.prepare_latents(len(PROMPTS), target.generator(6))
     sigma = trained.sigmas(NUM_STEPS)[1].expand(len(PROMPTS))
     scale = guidance(trained)
@@ -652,10 +659,10 @@ def test_save_load_trainable_round_trip(name, mode, model_root, tmp_path, target
 
 # --- (e) conditioning validation ----------------------------------------------------------------------
 @per_device
-@pytest.mark.parametrize("adapter", CASES, indirect=True)
-def test_image_inputs_are_validated(adapter):
+@pytest.mark.parametrize("case", CASES)
+def test_image_inputs_are_validated(adapter, case):
     side = getattr(adapter, "resolution", 16)
-    good = image_inputs(adapter)
+    good = image_inputs(adapter, case)
     if getattr(adapter, "ip_adapter", None) is not None:
         with pytest.raises(ValueError, match=r"ImageInputs\.style .*model\.ip_adapter"):
             adapter.encode_prompts(PROMPTS, dataclasses.replace(good, style=None))
@@ -664,8 +671,8 @@ def test_image_inputs_are_validated(adapter):
         with pytest.raises(ValueError, match=r"ImageInputs\.reference"):
             adapter.encode_prompts(PROMPTS, dataclasses.replace(good, reference=good.style))
         return
-    if good is None and "image" in tiny(adapter.config.name).optional_inputs:  # an optional first frame, checked
-        frame = testing.image_inputs(adapter, len(PROMPTS), optional=True).image
+    if good is None and "image" in tiny(case).optional_inputs:  # an optional first frame, checked
+        frame = testing.image_inputs(adapter, len(PROMPTS), optional=True, case=case).image
         with pytest.raises(ValueError, match=r"ImageInputs\.image is .* pixels"):
             adapter.encode_prompts(PROMPTS, ImageInputs(image=frame[..., :-8, :]))
         with pytest.raises(ValueError, match=r"ImageInputs\.mask"):
@@ -685,11 +692,17 @@ def test_image_inputs_are_validated(adapter):
         with pytest.raises(ValueError, match="ImageInputs.reference"):
             adapter.encode_prompts(PROMPTS, ImageInputs(reference=good.reference[:1]))
         return
-    if good.mask is None:  # an image alone (a video's first frame)
+    if good.last_image is not None:  # a video's last frame: at the first frame's size, one per prompt, after it
+        for last in (good.last_image[..., :-2, :-2], good.last_image[:1]):
+            with pytest.raises(ValueError, match=r"ImageInputs\.last_image"):
+                adapter.encode_prompts(PROMPTS, dataclasses.replace(good, last_image=last))
+        with pytest.raises(ValueError, match=r"ImageInputs\.last_image needs ImageInputs\.image"):
+            adapter.encode_prompts(PROMPTS, ImageInputs(last_image=good.last_image))
+    if good.mask is None:  # an image alone (a video's first frame), with its last frame where it has one
         with pytest.raises(ValueError, match="ImageInputs.image"):
-            adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image[..., :-2, :-2]))
+            adapter.encode_prompts(PROMPTS, dataclasses.replace(good, image=good.image[..., :-2, :-2]))
         with pytest.raises(ValueError, match="ImageInputs.image"):
-            adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image[:1]))
+            adapter.encode_prompts(PROMPTS, dataclasses.replace(good, image=good.image[:1]))
         return
     with pytest.raises(ValueError, match="ImageInputs.mask"):
         adapter.encode_prompts(PROMPTS, ImageInputs(image=good.image))
@@ -788,7 +801,7 @@ def test_a_text_to_image_unet_is_refused_by_the_inpainting_adapter(model_root, t
 
 
 @per_device
-@pytest.mark.parametrize("adapter", CASES, indirect=True)
+@pytest.mark.parametrize("case", CASES)
 def test_every_adapter_has_every_member_of_the_protocol(adapter):
     """The loop reads adapters through ``ModelAdapter`` alone (no getattr probes): every member it lists is there."""
     members = [m for m in dir(ModelAdapter) if not m.startswith("_")] + list(ModelAdapter.__annotations__)
@@ -797,17 +810,17 @@ def test_every_adapter_has_every_member_of_the_protocol(adapter):
 
 
 @per_device
-@pytest.mark.parametrize("adapter", CASES, indirect=True)
+@pytest.mark.parametrize("case", CASES)
 def test_step_kind_is_checked(adapter):
     other = "sde" if adapter.sampler_kind == "ddim" else "ddim"
     with pytest.raises(ValueError, match="sampler.kind"):
         adapter.step_function(other, adapter.sigmas(NUM_STEPS))
 
 
-@pytest.mark.parametrize("adapter", CASES, indirect=True)
-def test_predictions_are_float32_whatever_the_weights(adapter, target):
+@pytest.mark.parametrize("case", CASES)
+def test_predictions_are_float32_whatever_the_weights(adapter, case, target):
     assert adapter.denoiser.dtype == getattr(torch, target.dtype)
-    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter))
+    cond = adapter.encode_prompts(PROMPTS, image_inputs(adapter, case))
     x = adapter.prepare_latents(len(PROMPTS), target.generator(0))
     with torch.no_grad():
         out = adapter.predict(adapter.denoiser, x, adapter.sigmas(NUM_STEPS)[:1].expand(2), cond, guidance(adapter))
@@ -815,8 +828,8 @@ def test_predictions_are_float32_whatever_the_weights(adapter, target):
 
 
 # --- (f) rollouts in chunks; no reads of device values on the hot path --------------------------------
-@pytest.mark.parametrize("adapter", CASES, indirect=True)
-def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
+@pytest.mark.parametrize("case", CASES)
+def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, case, target):
     """The trainer samples a batch in chunks (``train.rollout_chunks``) and trains on their concatenation.
     Qwen-Image pads each chunk's text to that chunk's longest prompt, so the chunks' conditioning must pad
     to a common length, and the log-probs re-evaluated on the whole must stay the chunks' own (``logp_gap``)
@@ -830,7 +843,7 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
             torch.zeros(1, dtype=torch.long),
             sampler,
             target.generator(10 + i),
-            testing.image_inputs(adapter, 1, seed=i),
+            image_inputs(adapter, case, seed=i, batch_size=1),
         )
         for i, prompt in enumerate(PROMPTS)
     ]
@@ -855,13 +868,13 @@ def test_rollout_chunks_concatenate_and_stay_on_policy(adapter, target):
 
 
 @per_device
-@pytest.mark.parametrize("adapter", CASES, indirect=True)
-def test_rollout_steps_and_train_units_read_no_device_values(adapter, target):
+@pytest.mark.parametrize("case", CASES)
+def test_rollout_steps_and_train_units_read_no_device_values(adapter, case, target):
     """A read of a device value (``bool``, ``float`` or ``.item()`` of a tensor) makes the host wait for the
     device to catch up, every time it runs: none in a rollout once its prompts are encoded, none in a GRPO
     unit's forward and backward (KL on). On the CPU the count takes in host tensors as well, a stricter check."""
     sampler = settings(adapter, 1.0)
-    inputs = image_inputs(adapter)
+    inputs = image_inputs(adapter, case)
     ro = rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), sampler, target.generator(3), inputs)
     with KernelCounter() as sampling, forwards_of(adapter.denoiser) as sampling_forwards:
         rollout(adapter, adapter.denoiser, PROMPTS, torch.arange(2), sampler, target.generator(3), inputs)
@@ -908,7 +921,7 @@ def recorded_vae_inputs(adapter, monkeypatch) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("adapter", NAMES, indirect=True)
+@pytest.mark.parametrize("case", NAMES)
 def test_encode_images_is_deterministic_and_normalises_in_float32(adapter, target, monkeypatch):
     """Supervised targets are the VAE posterior's mean (a draw from the global RNG would make them random and
     a resumed run drift), of pixels mapped to [-1, 1] in float32 and cast once, as the pipelines do (in
@@ -935,9 +948,9 @@ def test_encode_images_is_deterministic_and_normalises_in_float32(adapter, targe
         assert torch.equal(x.reshape(expected.shape), expected)
 
 
-@pytest.mark.parametrize("adapter", ["flux_kontext"], indirect=True)
-def test_kontext_reference_is_normalised_in_float32(adapter, target, monkeypatch):
-    inputs = image_inputs(adapter)
+@pytest.mark.parametrize("case", ["flux_kontext"])
+def test_kontext_reference_is_normalised_in_float32(adapter, case, target, monkeypatch):
+    inputs = image_inputs(adapter, case)
     seen = recorded_vae_inputs(adapter, monkeypatch)
     adapter.encode_prompts(PROMPTS, inputs)
     expected = (inputs.reference.to(target.device) * 2 - 1).to(adapter.dtype)

@@ -11,7 +11,6 @@ import torch
 import yaml
 from PIL import Image
 from tiny_models import tiny_config
-from tiny_models.wan import flf2v_config
 
 from trainer.config import load_config, saved_dict
 from trainer.export import export_denoiser
@@ -177,7 +176,9 @@ def test_an_image_to_video_model_takes_a_first_and_a_last_frame(tmp_path, capsys
     """``--image`` and ``--last-image`` (Wan 2.1 FLF2V): the video's first and last frames, shown before its
     samples (each held over the video's frames); another last frame gives another video; a last frame alone is
     one line."""
-    weights, side = _run(tmp_path, "wan_i2v", "inpaint_jsonl", flf2v_config(tmp_path / "model", dtype="float32"))
+    weights, side = _run(
+        tmp_path, "wan_i2v", "inpaint_jsonl", tiny_config("wan_i2v+last", tmp_path / "model", dtype="float32")
+    )
     for name, colour in (("first", (250, 20, 20)), ("last", (20, 20, 250)), ("other", (20, 250, 20))):
         Image.new("RGB", (side, side), colour).save(tmp_path / f"{name}.png")
     common = ["--weights", weights, "--prompts", "a ball", "--samples", "1", "--steps", "2"]

@@ -57,30 +57,47 @@ TINY_NAMES = tuple(name for name in MODELS if name in _specs())
 
 
 @functools.cache
-def tiny(name: str) -> TinySpec:
-    """The TinySpec of adapter ``name``."""
+def tiny(case: str) -> TinySpec:
+    """The TinySpec of adapter ``case``, or of its variant ``<name>+<suffix>`` (``TinySpec.variants``)."""
+    name, _, suffix = case.partition("+")
     if name not in _specs():
         raise ValueError(f"model.name={name} has no tiny model: add it to its family's module in tests/tiny_models")
-    return _specs()[name]()
+    spec = _specs()[name]()
+    if not suffix:
+        return spec
+    if suffix not in spec.variants:
+        raise ValueError(f"{name}'s TinySpec declares no variant {suffix!r} (its variants: {sorted(spec.variants)})")
+    return replace(spec, variants={}, **spec.variants[suffix])
 
 
-def build_tiny(name: str, path: str | Path, seed: int = 0) -> Path:
-    """Write the tiny random model of adapter ``name`` to ``path`` in diffusers layout."""
-    spec, path = tiny(name), Path(path)
+def variant_cases(name: str) -> list[str]:
+    """The cases ``<name>+<suffix>`` of adapter ``name``'s declared variants."""
+    return [f"{name}+{suffix}" for suffix in sorted(tiny(name).variants)]
+
+
+def _folder(case: str) -> str:
+    """The tiny folder of ``case``: its own for a variant with its own components, else its adapter's."""
+    name, _, suffix = case.partition("+")
+    return case if "components" in tiny(name).variants.get(suffix, {}) else name
+
+
+def build_tiny(case: str, path: str | Path, seed: int = 0) -> Path:
+    """Write the tiny random model of adapter (or variant) ``case`` to ``path`` in diffusers layout."""
+    spec, path = tiny(case), Path(path)
     if spec.build is not None:
         spec.build(path, seed)
         return path
     torch.manual_seed(seed)
-    MODELS[name].pipeline_class(**spec.components(path)).save_pretrained(path)
+    MODELS[case.partition("+")[0]].pipeline_class(**spec.components(path)).save_pretrained(path)
     return path
 
 
-def tiny_config(name: str, root: str | Path, **overrides: Any):
-    """Build (once) the tiny model of adapter ``name`` under ``root`` and return its adapter config, with
-    ``overrides`` applied (e.g. ``lora=LoraSettings(rank=4)``, ``resolution=32``)."""
-    path = Path(root) / name
+def tiny_config(case: str, root: str | Path, **overrides: Any):
+    """Build (once) the tiny model of adapter ``case`` (or of a variant, ``wan_i2v+last``) under ``root`` and return
+    its adapter's config, with ``overrides`` applied (e.g. ``lora=LoraSettings(rank=4)``, ``resolution=32``)."""
+    name, path = case.partition("+")[0], Path(root) / _folder(case)
     if not (path / "model_index.json").is_file():
-        build_tiny(name, path)
+        build_tiny(_folder(case), path)
     return replace(MODELS[name].config_class(name=name, path=str(path), **tiny(name).config), **overrides)
 
 
@@ -164,10 +181,10 @@ def ip_pipeline_kwargs(adapter, inputs) -> dict[str, Any]:
     return {"ip_adapter_image_embeds": [embeds], "negative_ip_adapter_image_embeds": [torch.zeros_like(embeds)]}
 
 
-def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False):
-    """Random ImageInputs of the kinds ``adapter`` needs (``TinySpec.inputs``: images, binary masks,
-    references; ``optional``: also those it only takes; with an IP-Adapter a style image, the same for every item
-    as the pipelines take one), else None."""
+def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False, case: str | None = None):
+    """Random ImageInputs of the kinds ``adapter`` (or its variant ``case``) needs (``TinySpec.inputs``: images,
+    binary masks, references; ``optional``: also those it only takes; with an IP-Adapter a style image, the same
+    for every item as the pipelines take one), else None."""
     from trainer.models.base import ImageInputs
 
     g = torch.Generator().manual_seed(seed)
@@ -179,7 +196,7 @@ def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False
         "reference": lambda: torch.rand(batch_size, *references, 3, *size, generator=g),
         "last_image": lambda: torch.rand(batch_size, 3, *size, generator=g),
     }
-    spec = tiny(adapter.config.name)
+    spec = tiny(case or adapter.config.name)
     references = (spec.references,) if spec.references > 1 else ()
     kinds = spec.inputs + (spec.optional_inputs if optional else ())
     inputs = ImageInputs(**{kind: draws[kind]() for kind in kinds})

@@ -78,9 +78,20 @@ class TinySpec:
     """A video model's (frames, pixels) compression in its tiny folder, the VAE's times the transformer's patch:
     frames are ``frames`` k + 1, sides multiples of ``pixels``; the shared size checks derive their cases from it
     (tests/video_checks.py)."""
+    variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Further cases the shared suites run this adapter in, with no registry name of their own: suffix -> the
+    fields of this spec that differ (``VARIANT_FIELDS``: the model and its inputs; ``wan_i2v``'s ``"last"`` is case
+    ``wan_i2v+last``, a first and a last frame on an FLF2V checkpoint). One that keeps ``components`` loads this
+    adapter's tiny folder."""
     slow_dtype_cases: bool = False
     """Its CPU bfloat16 / float16 conformance cases run in the slow tier: for a variant whose reduced-precision
     numerics are its parent adapter's (tested in the default tier) and whose tiny model is slow on the CPU."""
 
     def __post_init__(self):
         assert (self.components is None) != (self.build is None), "a TinySpec has components or a build, not both"
+        assert all(set(v) <= VARIANT_FIELDS for v in self.variants.values()), f"a variant changes {VARIANT_FIELDS}"
+
+
+VARIANT_FIELDS = frozenset({"components", "inputs", "optional_inputs", "references"})
+"""What a variant may change: how its pipeline is called, its guidance and tolerances stay its adapter's, so the
+suites read those from the adapter's registry name."""

@@ -201,23 +201,6 @@ def _wan21_flf2v(path: Path) -> dict:
     return dict(_wan21(path), transformer=transformer, **_image_components(path))
 
 
-def flf2v_config(root: Path, **overrides):
-    """The ``wan_i2v`` config of a tiny Wan 2.1 FLF2V, built once under ``root`` (a checkpoint that ``wan_i2v``
-    loads, as it loads the 14B FLF2V's folder; no registry name of its own)."""
-    from dataclasses import replace
-
-    import torch
-    from diffusers import WanImageToVideoPipeline
-
-    from trainer.models import MODELS
-
-    path = Path(root) / "wan_flf2v"
-    if not (path / "model_index.json").is_file():
-        torch.manual_seed(0)
-        WanImageToVideoPipeline(**_wan21_flf2v(path)).save_pretrained(path)
-    return replace(MODELS["wan_i2v"].config_class(name="wan_i2v", path=str(path), **CONFIG), **overrides)
-
-
 def _wan22_i2v(path: Path) -> dict:
     """Wan 2.2 I2V A14B: two experts, no image encoder."""
     experts = dict(transformer=wan_transformer(I2V_CHANNELS), transformer_2=wan_transformer(I2V_CHANNELS))
@@ -256,8 +239,13 @@ def _clip_of_8bit_pictures(adapter) -> dict:
     return {"diffusers.pipelines.wan.pipeline_wan_i2v.WanImageToVideoPipeline.encode_image": encode_image}
 
 
+FIRST_AND_LAST = ("image", "last_image")
+"""The inputs of the ``+last`` variants: a first and a last frame (``WanImageToVideoPipeline(image=, last_image=)``)."""
+
+
 def wan_i2v() -> TinySpec:
-    """The tiny Wan 2.1 I2V. Learning (24 epochs, ``I2V_LEARNING``): +0.013, +0.013."""
+    """The tiny Wan 2.1 I2V; ``wan_i2v+last``: a tiny Wan 2.1 FLF2V, which ``wan_i2v`` loads as it loads the 14B
+    FLF2V's folder. Learning (24 epochs, ``I2V_LEARNING``): +0.013, +0.013."""
     return TinySpec(
         components=_wan21_i2v,
         pipeline_call=_i2v_pipeline_call,
@@ -266,6 +254,7 @@ def wan_i2v() -> TinySpec:
         data="inpaint_jsonl",
         pipeline_one_prompt=True,
         pipeline_patches=_clip_of_8bit_pictures,
+        variants={"last": dict(components=_wan21_flf2v, inputs=FIRST_AND_LAST)},
         slow_dtype_cases=True,
         learning=I2V_LEARNING,
         learning_epochs=24,
@@ -273,14 +262,15 @@ def wan_i2v() -> TinySpec:
 
 
 def wan22_i2v() -> TinySpec:
-    """The tiny Wan 2.2 I2V A14B (a last frame optional: no CLIP tokens to pair). Learning (24 epochs,
-    ``I2V_LEARNING``): +0.034, +0.034."""
+    """The tiny Wan 2.2 I2V A14B (a last frame optional: no CLIP tokens to pair; ``wan22_i2v+last`` gives one).
+    Learning (24 epochs, ``I2V_LEARNING``): +0.034, +0.034."""
     return TinySpec(
         components=_wan22_i2v,
         pipeline_call=_i2v_pipeline_call,
         config=dict(CONFIG, guidance_scale_2=2.0),
         inputs=("image",),
         optional_inputs=("last_image",),
+        variants={"last": dict(inputs=FIRST_AND_LAST, optional_inputs=())},
         data="inpaint_jsonl",
         pipeline_one_prompt=True,
         device_reads_per_forward=1,
