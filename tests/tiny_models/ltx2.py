@@ -228,6 +228,7 @@ def ltx2() -> TinySpec:
             "image",
         ),  # a first frame: LTX2ImageToVideoPipeline's parity is tests/integration/test_ltx2.py's
         learning=("train.learning_rate=0.02",),  # the learning test's shared rate, measured to learn there
+        learning_epochs=24,  # at 12 other draws of the tiny model rose by +0.009 on some seeds; at 24 by +0.021 or more
         slow_dtype_cases=True,  # bf16 / fp16 conformance in the slow tier, as the other large families
         video_compression=(2, 4),  # the tiny VAE's 2 frames and 4x4 pixels, patches 1 (LTX-2's VAE: 8, 32x32)
     )
