@@ -186,21 +186,22 @@ class Trainer:
             self._stop_if_asked()
 
     def _start_rl(self) -> None:
-        """The evaluation before RL, judged; then fresh optimizer moments and the reference of the policy as it is."""
+        """The evaluation before RL, judged; then RL's start (``begin_rl``)."""
         if self.ema is not None:  # before the evaluation, which reads the EMA weights
             self.ema.reset()
         with self._kept_on_reward_failure():
             before = self.evaluate(0, "samples_before")
         self.display.write(f"[eval] before RL: {eval_line(before)}")
-        # RL gradients are ~20x smaller than the warm-up's: Adam moments carried over from the warm-up
-        # would shrink RL updates for ~1/(1 - beta2) steps, so the RL phase starts with fresh moments.
+        self.begin_rl()
+        self.judge(0, before, self.progress)
+
+    def begin_rl(self) -> None:
+        """RL's start (``fit`` evaluates first; single-epoch tests call it alone): fresh Adam moments (RL's gradients
+        are ~20x smaller than the warm-up's) and the reference of the policy as it is (which: ALGORITHMS.md)."""
         self.backend.reset_optimizer()
-        # Full fine-tuning: a frozen copy of the policy as RL starts. LoRA: the base with the adapter disabled
-        # (ALGORITHMS.md), i.e. the model before a LoRA warm-up; DPO refreshes its own from the policy.
         if self.algorithm.needs_reference:
             self._new_reference()
         self.progress.rl_started = True
-        self.judge(0, before, self.progress)
 
     def _reinforce(self) -> None:
         """The RL epochs left: rollout, reward, updates; an evaluation, a checkpoint or a stop where each is due."""
