@@ -92,7 +92,7 @@ test: $(STAMP) system-deps  ## the default tier (~8 min on 2 AVX-512 cores; test
 test-slow: $(STAMP) system-deps  ## the slow tier alone (~18 min on 2 AVX-512 cores)
 	@$(call PYTEST_TIER,-m "slow and not gpu")
 
-test-all: $(STAMP) system-deps  ## both tiers in one run (~24 min on 2 AVX-512 cores; what CI runs)
+test-all: $(STAMP) system-deps  ## both tiers in one run (~25 min on 2 AVX-512 cores; what CI runs)
 	@$(call PYTEST_TIER,-m "not gpu")
 
 GPU_PYTHON ?= 3.12
