@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import tiny_config, write_text_store
 from video_checks import video_size_test
 
-from trainer.models import MODELS, build_adapter
+from trainer.models import build_adapter
 from trainer.models.base import ImageInputs
 
 PROMPTS = ["a photo of a cat", 'a sign that says "five"']
@@ -98,14 +98,8 @@ def test_the_text_is_the_pipelines_two_encoders(adapter):
 def test_precomputed_embeddings_are_the_text_paths_alone(root, adapter, tmp_path):
     """``trainer.precompute``'s encoder (text encoders only: the pipeline itself needs a VAE) gives the adapter's
     embeddings, and an adapter reading them loads no text encoder."""
-    from trainer.models.text import TextEmbeddingStore, text_fingerprint
-
     config = tiny_config("hunyuan_video15", root, dtype="float32")
-    encode = MODELS["hunyuan_video15"].prompt_encoder(config, "cpu")
-    store = TextEmbeddingStore.create(str(tmp_path / "store"), text_fingerprint(config))
-    for prompt in [*PROMPTS, ""]:
-        store.add(prompt, encode(prompt))
-    store.save()
+    write_text_store(config, tmp_path / "store", [*PROMPTS, ""])
     stored = build_adapter(dataclasses.replace(config, text_embeddings=str(tmp_path / "store")), "cpu")
     assert stored.pipeline.text_encoder is None and stored.pipeline.text_encoder_2 is None
     for got, want in zip(stored.prompts(PROMPTS), adapter.prompts(PROMPTS), strict=True):
@@ -223,15 +217,10 @@ def test_an_image_to_video_run_reads_precomputed_text_latents_and_siglip_tokens(
     conditioning is bit for bit the one encoded live, and neither the VAE nor the SigLIP tower runs; a frame not in
     the store is encoded by both."""
     from trainer.models.latents import LatentStore, vae_fingerprint
-    from trainer.models.text import TextEmbeddingStore, text_fingerprint
     from trainer.precompute import write_latents
 
     config = tiny_config("hunyuan_video15_i2v", root, dtype="float32")
-    encode = MODELS["hunyuan_video15_i2v"].prompt_encoder(config, "cpu")
-    text = TextEmbeddingStore.create(str(tmp_path / "text"), text_fingerprint(config))
-    for prompt in [*PROMPTS, ""]:
-        text.add(prompt, encode(prompt))
-    text.save()
+    write_text_store(config, tmp_path / "text", [*PROMPTS, ""])
     inputs = ImageInputs(image=torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)))
     writing = build_adapter(config, "cpu")
     write_latents(writing, LatentStore.create(str(tmp_path / "latents"), vae_fingerprint(config)), [(PROMPTS, inputs)])

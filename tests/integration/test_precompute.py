@@ -19,7 +19,7 @@ import pytest
 import tiny_models as testing
 import torch
 import yaml
-from tiny_models import TINY_NAMES, tiny_config
+from tiny_models import TINY_NAMES, tiny_config, write_text_store
 
 from trainer import precompute
 from trainer.algorithms import build_algorithm
@@ -42,15 +42,6 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("precompute")
 
 
-def write_store(config, directory, prompts) -> None:
-    """What ``trainer.precompute`` does for ``prompts``: the adapter class's text path alone, one prompt at a time."""
-    encode = MODELS[config.name].prompt_encoder(config, "cpu")
-    store = TextEmbeddingStore.create(str(directory), text_fingerprint(config))
-    for prompt in prompts:
-        store.add(prompt, encode(prompt))
-    store.save()
-
-
 def assert_same_conditioning(encoding, reading, prompts) -> None:
     inputs = testing.image_inputs(encoding, len(prompts))
     a, b = encoding.encode_prompts(prompts, inputs), reading.encode_prompts(prompts, inputs)
@@ -68,7 +59,7 @@ def assert_same_conditioning(encoding, reading, prompts) -> None:
 @pytest.mark.parametrize("name", [name for name in TINY_NAMES if testing.tiny(name).text_store])
 def test_precomputed_embeddings_replace_the_text_encoders(name, root, tmp_path):
     config = tiny_config(name, root, dtype="float32")
-    write_store(config, tmp_path, [*PROMPTS, "", config.negative_prompt])
+    write_text_store(config, tmp_path, [*PROMPTS, "", config.negative_prompt])
     reading = build_adapter(dataclasses.replace(config, text_embeddings=str(tmp_path)), "cpu")
     pipeline = reading.pipeline  # None where the pipeline cannot be built without them (Qwen-Image 2.1)
     assert pipeline is None or all(getattr(pipeline, sub) is None for sub in type(reading).text_components)
@@ -79,7 +70,7 @@ def test_precomputed_embeddings_replace_the_text_encoders(name, root, tmp_path):
 
 def test_a_store_of_other_text_encoders_or_settings_is_refused(root, tmp_path):
     flux = tiny_config("flux", root, dtype="float32")
-    write_store(flux, tmp_path, PROMPTS)
+    write_text_store(flux, tmp_path, PROMPTS)
     for other in (
         dataclasses.replace(flux, max_sequence_length=8),
         dataclasses.replace(flux, dtype="bfloat16"),
@@ -89,7 +80,7 @@ def test_a_store_of_other_text_encoders_or_settings_is_refused(root, tmp_path):
         with pytest.raises(ValueError, match=r"computed for other text encoders.*trainer\.precompute"):
             build_adapter(dataclasses.replace(other, text_embeddings=str(tmp_path)), "cpu")
     with pytest.raises(ValueError, match="holds embeddings of other text encoders"):
-        write_store(tiny_config("sd3", root, dtype="float32"), tmp_path, PROMPTS)
+        write_text_store(tiny_config("sd3", root, dtype="float32"), tmp_path, PROMPTS)
     with pytest.raises(ValueError, match="no such folder; write the store there with"):  # was "holds no index"
         build_adapter(dataclasses.replace(flux, text_embeddings=str(tmp_path / "empty")), "cpu")
     (tmp_path / "empty").mkdir()
@@ -183,7 +174,7 @@ def test_a_store_missing_a_prompt_of_the_run_is_refused_as_the_trainer_is_built(
     empty prompt of the warm-up's CFG dropout and the negative prompt of CFG, each only where the run uses it."""
     model = tiny_config("tiny", root, text_embeddings=str(tmp_path))
     digits = DigitsTask(16).prompts
-    write_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[:7])
+    write_text_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[:7])
 
     def trainer(adapter, *overrides):
         config = load_config(
@@ -215,7 +206,7 @@ def test_a_store_missing_a_prompt_of_the_run_is_refused_as_the_trainer_is_built(
         r".*data\.name=digits",
     ):
         trainer(build_adapter(model, "cpu"))
-    write_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[7:])
+    write_text_store(dataclasses.replace(model, text_embeddings=""), tmp_path, digits[7:])
     adapter = build_adapter(model, "cpu")
     for uses_the_empty_prompt in (
         ["eval.guidance_scale=4.5"],

@@ -203,3 +203,15 @@ def image_inputs(adapter, batch_size: int, seed: int = 0, optional: bool = False
     if getattr(adapter, "ip_adapter", None) is not None:
         inputs.style = torch.rand(1, 3, side, side, generator=g).expand(batch_size, -1, -1, -1)
     return inputs if any(v is not None for v in vars(inputs).values()) else None
+
+
+def write_text_store(config, directory: str | Path, prompts: list[str]) -> None:
+    """What ``trainer.precompute`` does for ``prompts``: adapter ``config``'s text path alone (``prompt_encoder``), one
+    prompt at a time, into a text-embedding store at ``directory``."""
+    from trainer.models.text import TextEmbeddingStore, text_fingerprint
+
+    encode = MODELS[config.name].prompt_encoder(config, "cpu")
+    store = TextEmbeddingStore.create(str(directory), text_fingerprint(config))
+    for prompt in prompts:
+        store.add(prompt, encode(prompt))
+    store.save()
