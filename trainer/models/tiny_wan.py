@@ -105,7 +105,7 @@ class TinyWanConfig(DiffusersModelConfig):
     frames: PositiveInt = 5
     """Frames per clip (no VAE: any count)."""
     height: PositiveInt = 16
-    """Frame height in pixels: a multiple of the 2x2 patches."""
+    """Frame height in pixels: a multiple of the 4x4 patches."""
     width: PositiveInt = 16
     """Frame width in pixels."""
     fps: PositiveInt = 4
