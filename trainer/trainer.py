@@ -343,7 +343,7 @@ class Trainer:
 
     def warmup_step(self, step: int) -> dict[str, float]:
         g = self._generator(0, step)
-        data = self.task.supervised_batch(self.config.warmup.batch_size, g)
+        data = self.task.supervised_batch(self.config.warmup.batch_size, g, step)
         batch = self.warmup.data_batch(self.adapter, data.images, data.prompts, g, data.inputs)
         stats = self._update(self.warmup, batch, g)
         return self.backend.mean(stats)

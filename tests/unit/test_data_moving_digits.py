@@ -10,6 +10,7 @@ import torch
 from reward_server.scorers import SCORERS, run_scorer
 from scoring.motion import centroid_paths, direction_margins
 from shared.protocol import ErrorCode
+from trainer.config import load_config
 from trainer.data import build_task, training_items
 from trainer.data.moving_digits import DIRECTIONS, MovingDigitsTask, moving_clip, parse_prompt, translate
 
@@ -56,6 +57,34 @@ def test_supervised_clips_score_right_and_reversed_prompts_score_wrong(task):
     still = batch.images[:, 2:3].expand_as(batch.images)
     metrics = task.metrics(still, batch.prompts, {})
     assert metrics["direction_accuracy"] == 0.0 and metrics["digit_accuracy"] > 0.9  # the centred digits read
+
+
+def test_misnamed_captions_start_at_their_step_name_another_direction_and_keep_the_clips():
+    """Before ``misnamed_from`` the batch is the plain task's; from it on the clips are the same and about
+    ``misnamed_share`` of the captions name one of the three other directions (each alike), the rest the clip's."""
+    plain, noisy = MovingDigitsTask(16), MovingDigitsTask(16, misnamed_share=0.375, misnamed_from=5)
+    before = noisy.supervised_batch(32, torch.Generator().manual_seed(4), step=4)
+    assert before.prompts == plain.supervised_batch(32, torch.Generator().manual_seed(4)).prompts
+    after = noisy.supervised_batch(4000, torch.Generator().manual_seed(4), step=5)
+    truth = plain.supervised_batch(4000, torch.Generator().manual_seed(4))
+    assert torch.equal(after.images, truth.images)
+    pairs = [(parse_prompt(p), parse_prompt(t)) for p, t in zip(after.prompts, truth.prompts, strict=True)]
+    assert all(named[0] == true[0] for named, true in pairs)  # the digit is never misnamed
+    wrong = [(true[1], named[1]) for named, true in pairs if named[1] != true[1]]
+    assert abs(len(wrong) / len(pairs) - 0.375) < 0.03
+    counts = np.array([[wrong.count((a, b)) for b in DIRECTIONS] for a in DIRECTIONS])
+    off_diagonal = counts[~np.eye(4, dtype=bool)]
+    assert counts.trace() == 0 and off_diagonal.min() > 0.7 * off_diagonal.mean()
+
+
+def test_misnamed_captions_are_refused_where_they_cannot_apply():
+    with pytest.raises(ValueError, match="read by data.name='moving_digits' only"):
+        load_config([], ["data.misnamed_share=0.3"])
+    with pytest.raises(ValueError, match="data.misnamed_from=900 is not before the warm-up's end"):
+        load_config(
+            [],
+            ["data.name=moving_digits", "data.misnamed_share=0.3", "data.misnamed_from=900", "train.warmup_steps=900"],
+        )
 
 
 def test_trainer_direction_metric_agrees_with_the_motion_scorer(task):

@@ -75,6 +75,11 @@ class DataConfig:
     image_inputs: list[str] = field(default_factory=list)
     """Image inputs given to the model (image, mask, reference, style, last_image); empty: all the format provides.
     Adapters reject inputs they do not use (e.g. text-to-image with an IP-Adapter takes only style)."""
+    misnamed_share: Probability = 0.0
+    """Moving digits: the share of the warm-up's clips, from step ``misnamed_from`` on, captioned with another
+    direction than the clip's (a warm-up converged there follows each named direction at about 1 - share)."""
+    misnamed_from: NonNegativeInt = 0
+    """The warm-up step from which ``misnamed_share`` applies (earlier steps' captions are all right)."""
 
     def __post_init__(self):
         from trainer.data import DATASETS
@@ -83,6 +88,11 @@ class DataConfig:
             raise ValueError(
                 f"data.name={self.name!r} is not registered; choose one of: {', '.join(sorted(DATASETS))}"
                 + did_you_mean(self.name, DATASETS)
+            )
+        if self.misnamed_share and self.name != "moving_digits":
+            raise ValueError(
+                f"data.misnamed_share={self.misnamed_share} is read by data.name='moving_digits' only (the "
+                f"embedded video task), not {self.name!r}; remove it"
             )
 
 
@@ -380,6 +390,12 @@ class Config:
             raise ValueError(
                 f"algorithm.scorer={scorer} is not served: add it to reward.weights (the served scores are logged, "
                 "judged and watched by the alarm), or set algorithm.scorer to one of them"
+            )
+        if self.data.misnamed_share and self.data.misnamed_from >= self.train.warmup_steps:
+            raise ValueError(
+                f"data.misnamed_from={self.data.misnamed_from} is not before the warm-up's end "
+                f"(train.warmup_steps={self.train.warmup_steps}), so no caption would be misnamed: lower "
+                "data.misnamed_from, or remove data.misnamed_share"
             )
         if self.train.early_stop and not self.eval.every:
             raise ValueError(

@@ -53,7 +53,7 @@ class DigitsTask:
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:
+    def supervised_batch(self, batch_size: int, generator: torch.Generator, step: int = 0) -> SupervisedBatch:
         images, prompts = self._images.batch(batch_size, generator)
         return SupervisedBatch(images, prompts)
 
@@ -91,7 +91,7 @@ def _moving_digits_task(config) -> MovingDigitsTask:
             "remove data.path"
         )
     _refuse_image_inputs(config)
-    return MovingDigitsTask(config.image_size)
+    return MovingDigitsTask(config.image_size, misnamed_share=config.misnamed_share, misnamed_from=config.misnamed_from)
 
 
 def _prompt_file_task(config) -> PromptFileTask:

@@ -232,7 +232,7 @@ class ImageTask:
             meta["reference_image"] = to_uint8_hwc(load_rgb(first, self.image_size, item.where))
         return meta
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:
+    def supervised_batch(self, batch_size: int, generator: torch.Generator, step: int = 0) -> SupervisedBatch:
         """Random items; the target is ``target`` where rows have one (editing), else the source image
         (inpainting: the reference image inside the mask)."""
         usable = [i for i, item in enumerate(self.items) if (item.target or item.image) is not None]

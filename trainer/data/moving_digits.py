@@ -6,6 +6,10 @@ axis (offsets -2..+2 for 5 frames, zero-filled), so every frame still looks like
 classifiers. Metrics, computed here from the clip: ``digit_accuracy`` (the held-out SVM of the digits task on every
 frame) and ``direction_accuracy`` (the ink centroid's mean step points along the named direction more than across
 it: the served ``motion`` scorer's rule, scoring/motion.py).
+
+From warm-up step ``misnamed_from`` on, a share ``misnamed_share`` of the clips is captioned with another direction
+than the one it moves in: a warm-up that converges there follows every named direction at about 1 - share, which
+GRPO then sharpens (bench/RESULTS.md, the embedded video task).
 """
 
 from __future__ import annotations
@@ -49,6 +53,14 @@ def moving_clip(image: torch.Tensor, direction: str, frames: int) -> torch.Tenso
     return torch.stack([translate(image, ux * o, uy * o) for o in offsets])
 
 
+def misname(labels: list[int], share: float, classes: int, generator: torch.Generator) -> list[int]:
+    """``labels`` with a ``share`` of them (each independently) replaced by one of the other ``classes - 1``
+    labels, uniformly."""
+    wrong = (torch.rand(len(labels), generator=generator) < share).tolist()
+    shift = torch.randint(1, classes, (len(labels),), generator=generator).tolist()
+    return [(label + s) % classes if w else label for label, w, s in zip(labels, wrong, shift, strict=True)]
+
+
 class MovingDigitsTask:
     """Generate a clip of the prompt's digit moving in the prompt's direction (scikit-learn's digits)."""
 
@@ -57,11 +69,13 @@ class MovingDigitsTask:
     holds_out = False
     supervises = True
 
-    def __init__(self, image_size: int, frames: int = 5):
+    def __init__(self, image_size: int, frames: int = 5, misnamed_share: float = 0.0, misnamed_from: int = 0):
         self.prompts = [TEMPLATE.format(digit=d, direction=m) for d in range(10) for m in DIRECTIONS]
         self.eval_indices = list(range(len(self.prompts)))
         self.eval_prompts = list(self.prompts)
         self.frames = frames
+        self.misnamed_share = misnamed_share
+        self.misnamed_from = misnamed_from
         self._images = DigitImages(image_size)
         self._accuracy: DigitAccuracy | None = None
 
@@ -76,15 +90,22 @@ class MovingDigitsTask:
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator):
-        """Clips [B, F, 1, H, W] of random training digits moving in random directions, with their prompts."""
+    def supervised_batch(self, batch_size: int, generator: torch.Generator, step: int = 0):
+        """Clips [B, F, 1, H, W] of random training digits moving in random directions, with their prompts; from
+        warm-up ``step`` ``misnamed_from`` on, a ``misnamed_share`` of the prompts names another direction."""
         from trainer.data.task import SupervisedBatch
 
+        names = list(DIRECTIONS)
         idx = torch.randint(len(self._images), (batch_size,), generator=generator).tolist()
-        moves = torch.randint(len(DIRECTIONS), (batch_size,), generator=generator).tolist()
-        pairs = [(i, list(DIRECTIONS)[m]) for i, m in zip(idx, moves, strict=True)]
-        clips = [moving_clip(self._images.images[i], direction, self.frames) for i, direction in pairs]
-        prompts = [TEMPLATE.format(digit=int(self._images.labels[i]), direction=direction) for i, direction in pairs]
+        moves = torch.randint(len(names), (batch_size,), generator=generator).tolist()
+        clips = [moving_clip(self._images.images[i], names[m], self.frames) for i, m in zip(idx, moves, strict=True)]
+        named = moves
+        if self.misnamed_share > 0 and step >= self.misnamed_from:
+            named = misname(moves, self.misnamed_share, len(names), generator)
+        prompts = [
+            TEMPLATE.format(digit=int(self._images.labels[i]), direction=names[m])
+            for i, m in zip(idx, named, strict=True)
+        ]
         return SupervisedBatch(torch.stack(clips), prompts)
 
     def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict) -> dict[str, float]:

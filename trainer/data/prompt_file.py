@@ -116,7 +116,7 @@ class PromptFileTask:
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator):
+    def supervised_batch(self, batch_size: int, generator: torch.Generator, step: int = 0):
         raise ValueError("a prompt file has no images for supervised warm-up; set train.warmup_steps=0")
 
     def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict) -> dict[str, float]:

@@ -57,8 +57,9 @@ class Task(Protocol):
         """Image inputs (inpainting image and mask, edit reference, style) of pool items ``indices``."""
         ...
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator) -> SupervisedBatch:
-        """Target images, prompts and image inputs for supervised training (warm-up, SFT)."""
+    def supervised_batch(self, batch_size: int, generator: torch.Generator, step: int = 0) -> SupervisedBatch:
+        """Target images, prompts and image inputs for supervised training (warm-up, SFT); ``step``: the warm-up
+        step the batch is for (read by a task whose examples change during the warm-up)."""
         ...
 
     def metrics(self, images: torch.Tensor, prompts: list[str], scores: dict[str, np.ndarray]) -> dict[str, float]:

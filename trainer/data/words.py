@@ -115,7 +115,7 @@ class WordsTask:
     def inputs(self, indices: list[int]) -> ImageInputs | None:
         return None
 
-    def supervised_batch(self, batch_size: int, generator: torch.Generator):
+    def supervised_batch(self, batch_size: int, generator: torch.Generator, step: int = 0):
         """Renders of random words in random faces and shifts, with their prompts."""
         from trainer.data.task import SupervisedBatch
 
