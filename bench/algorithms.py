@@ -1,19 +1,19 @@
 """Time to target: every registered algorithm on an embedded task, over several seeds, from one shared warm-up.
 
-One warm-up run (SFT, ``--warmup-steps``, the task config ``--config``, the first seed; ``--warmup-per-seed``:
-one per seed) writes a checkpoint; then for each seed (``train.seed``: the RL prompts, noise and windows) each
-algorithm of ``trainer.algorithms.ALGORITHMS`` runs ``--epochs`` RL epochs from it (``train.init_from``) with
-its preset ``<--algorithm-configs>/<name>.yaml`` layered over the task config, evaluating every ``--eval-every``
-epochs. Per algorithm the table gives, as median [min-max] over seeds, the RL wall seconds, trainer-process CPU
-seconds, images and rollout forwards (denoiser rows) until the evaluation metric ``--metric`` first reaches
-``--target`` ("n.r.": not reached; a median over seeds counts those as infinite), and the final and best metric.
-Images (and forwards) to target do not depend on the machine's load; wall seconds do (the load average is
-printed); evaluations are not counted in either time.
+One warm-up run (SFT, ``--warmup-steps``, by default the config's; the task config ``--config``; the first seed;
+``--warmup-per-seed``: one per seed) writes a checkpoint; then for each seed (``train.seed``: the RL prompts, noise
+and windows) each algorithm of ``trainer.algorithms.ALGORITHMS`` runs ``--epochs`` RL epochs from it
+(``train.init_from``) with its preset ``<--algorithm-configs>/<name>.yaml`` layered over the task config, evaluating
+every ``--eval-every`` epochs. Per algorithm the table gives, as median [min-max] over seeds, the RL wall seconds,
+trainer-process CPU seconds, images and rollout forwards (denoiser rows) until the evaluation metric ``--metric``
+first reaches ``--target`` ("n.r.": not reached; a median over seeds counts those as infinite), and the final and
+best metric. Images (and forwards) to target do not depend on the machine's load; wall seconds do (the load average
+is printed); evaluations are not counted in either time.
 One plot (``<out>/time_to_target.png``): the metric against images and against RL wall seconds, median of seeds.
 
     python bench/algorithms.py [--seeds 0,1,2] [--epochs 16] [--eval-every 1] [--only grpo,dpo]
     python bench/algorithms.py --config configs/embedded_text.yaml --metric ocr_accuracy --target 0.6
-    python bench/algorithms.py --config configs/embedded_video.yaml --metric direction_accuracy --target 0.5
+    python bench/algorithms.py --config configs/embedded_video.yaml --metric direction_accuracy --target 0.9 --epochs 40
     python bench/algorithms.py --table-only        # the table of the runs already in --out
 """
 
@@ -142,18 +142,23 @@ def parse_markdown(text: str) -> list[dict]:
     return [dict(zip(cells[0], row, strict=True)) for row in cells[2:]]
 
 
+def warmup_steps(args) -> str:
+    """The warm-up's length for messages: ``--warmup-steps``, else the config's."""
+    return str(args.warmup_steps) if args.warmup_steps else "the config's"
+
+
 def warm_up(seed: int, args, out: Path, common: list[str], timings: dict) -> Path:
     """The warm-up checkpoint of ``seed``, run unless it is there."""
     name = f"warmup-seed{seed}"
     if not (out / name / "checkpoints").is_dir():
-        print(f"seed {seed}: warm-up of {args.warmup_steps} SFT steps", flush=True)
+        print(f"seed {seed}: warm-up of {warmup_steps(args)} SFT steps", flush=True)
         timings[name] = run_job(
             [
                 f"--config={args.config}",
                 *common,
                 f"train.seed={seed}",
                 f"logging.run_name={name}",
-                f"train.warmup_steps={args.warmup_steps}",
+                *([f"train.warmup_steps={args.warmup_steps}"] if args.warmup_steps else []),
                 "train.epochs=0",
             ],
             out / f"{name}.log",
@@ -173,7 +178,7 @@ def main() -> None:
     )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=int, default=16)
-    parser.add_argument("--warmup-steps", type=int, default=600)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="0: the config's train.warmup_steps")
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--warmup-per-seed", action="store_true", help="a warm-up per seed instead of one shared")
     parser.add_argument(
@@ -237,7 +242,7 @@ def main() -> None:
     loads = [t[k] for t in timings.values() for k in ("load_start", "load_end")]
     note = (
         f"{args.metric} >= {args.target}; seeds {args.seeds}; {args.epochs} RL epochs, evaluated every "
-        f"{args.eval_every}; warm-up {args.warmup_steps} steps, "
+        f"{args.eval_every}; warm-up {warmup_steps(args)} steps, "
         f"{'one per seed' if args.warmup_per_seed else 'one shared by all seeds'}"
         + (f"; 1-min load average at job starts/ends {min(loads):.1f}-{max(loads):.1f}" if loads else "")
     )

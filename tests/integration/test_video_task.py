@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOY = [
     "train.warmup_steps=3",
+    "data.misnamed_from=1",  # the config's misnamed captions, from the second warm-up step
     "train.epochs=2",
     "algorithm.group_size=2",
     "data.prompts_per_epoch=2",

@@ -85,6 +85,8 @@ def test_misnamed_captions_are_refused_where_they_cannot_apply():
             [],
             ["data.name=moving_digits", "data.misnamed_share=0.3", "data.misnamed_from=900", "train.warmup_steps=900"],
         )
+    rl_only = ["data.name=moving_digits", "data.misnamed_share=0.3", "data.misnamed_from=900", "train.warmup_steps=0"]
+    assert load_config([], rl_only).data.misnamed_share == 0.3  # RL from a warm-up's checkpoint: no caption to name
 
 
 def test_trainer_direction_metric_agrees_with_the_motion_scorer(task):

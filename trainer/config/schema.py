@@ -77,7 +77,8 @@ class DataConfig:
     Adapters reject inputs they do not use (e.g. text-to-image with an IP-Adapter takes only style)."""
     misnamed_share: Probability = 0.0
     """Moving digits: the share of the warm-up's clips, from step ``misnamed_from`` on, captioned with another
-    direction than the clip's (a warm-up converged there follows each named direction at about 1 - share)."""
+    direction than the clip's: a warm-up fitted to them follows every named direction in part, all four alike (at most
+    1 - share of the time), which gives RL every direction to sharpen."""
     misnamed_from: NonNegativeInt = 0
     """The warm-up step from which ``misnamed_share`` applies (earlier steps' captions are all right)."""
 
@@ -391,7 +392,7 @@ class Config:
                 f"algorithm.scorer={scorer} is not served: add it to reward.weights (the served scores are logged, "
                 "judged and watched by the alarm), or set algorithm.scorer to one of them"
             )
-        if self.data.misnamed_share and self.data.misnamed_from >= self.train.warmup_steps:
+        if self.data.misnamed_share and 0 < self.train.warmup_steps <= self.data.misnamed_from:
             raise ValueError(
                 f"data.misnamed_from={self.data.misnamed_from} is not before the warm-up's end "
                 f"(train.warmup_steps={self.train.warmup_steps}), so no caption would be misnamed: lower "

@@ -8,8 +8,8 @@ frame) and ``direction_accuracy`` (the ink centroid's mean step points along the
 it: the served ``motion`` scorer's rule, scoring/motion.py).
 
 From warm-up step ``misnamed_from`` on, a share ``misnamed_share`` of the clips is captioned with another direction
-than the one it moves in: a warm-up that converges there follows every named direction at about 1 - share, which
-GRPO then sharpens (bench/RESULTS.md, the embedded video task).
+than the one it moves in: a warm-up fitted to them follows every named direction in part and alike, which GRPO
+then sharpens (bench/RESULTS.md, the embedded video task).
 """
 
 from __future__ import annotations
