@@ -245,11 +245,13 @@ def _rl_epoch(config, tmp_path) -> None:
 
 
 def _one_epoch(config) -> list[str]:
-    """``ONE_EPOCH``, one warm-up step where ``config`` warms up, an SDE window that fits 4 steps where it sets
-    one, and a tree of 4 leaves (a group of 4) where it sets one."""
+    """``ONE_EPOCH``, one warm-up step where ``config`` warms up (its captions misnamed from it, where they are), an
+    SDE window that fits 4 steps where it sets one, and a tree of 4 leaves (a group of 4) where it sets one."""
     extra = list(ONE_EPOCH)
     if config.train.warmup_steps > 0:
         extra.append("train.warmup_steps=1")
+        if config.data.misnamed_share:  # the video task's misnamed captions, from the one step
+            extra.append("data.misnamed_from=0")
     if config.algorithm.sampler.sde_window > 0:
         extra += ["algorithm.sampler.sde_window=2", "algorithm.sampler.window_range=[0,2]"]
     if config.algorithm.sampler.tree:
